@@ -1,0 +1,384 @@
+"""`flash_attention`: validation, canonicalisation and backend dispatch."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa import masking
+from pallas_fa import vjp
+
+Array = Any
+
+# name -> module defining `BACKEND`. Modules are imported on first use so a
+# backend whose compiler stack is missing never breaks the others.
+_REGISTRY = {
+    "xla": "pallas_fa.reference",
+    "chunked": "pallas_fa.chunked",
+}
+
+# Automatic choice, fastest first, per platform (DESIGN §2).
+_AUTO_ORDER = {
+    "gpu": ("mosaic_gpu", "triton", "chunked"),
+    "tpu": ("mosaic_tpu", "chunked"),
+    "cpu": ("chunked",),
+}
+
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def implementations() -> tuple[str, ...]:
+  """Names accepted by `implementation=` in this installation."""
+  return tuple(_REGISTRY)
+
+
+def get_backend(name: str) -> vjp.Backend:
+  """The registered backend called `name` (ValueError if unknown)."""
+  if name not in _REGISTRY:
+    raise ValueError(
+        f"Unknown implementation={name!r}; expected one of "
+        f"{sorted(_REGISTRY)} or None."
+    )
+  return importlib.import_module(_REGISTRY[name]).BACKEND
+
+
+def platform() -> str:
+  """The default JAX platform, with CUDA/ROCm reported as "gpu"."""
+  p = jax.default_backend()
+  return "gpu" if p in ("cuda", "rocm", "gpu") else p
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_int_array(name, x, shape):
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {x.dtype=}.")
+  if tuple(x.shape) != tuple(shape):
+    raise ValueError(
+        f"{name} must have shape {tuple(shape)}, got {x.shape=}."
+    )
+  return x.astype(jnp.int32)
+
+
+def _check_lengths(name, x, batch, full):
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.ndim == 0:
+    x = x.reshape(1)
+  x = _check_int_array(name, x, (batch,))
+  if _is_concrete(x) and bool(jnp.any(x < 0)):
+    raise ValueError(f"{name} must be non-negative, got {name}={x}.")
+  return x
+
+
+def _check_window(local_window_size):
+  if local_window_size is None:
+    return None
+  w = local_window_size
+  if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
+    w = (int(w), int(w))
+  if not isinstance(w, (tuple, list)) or len(w) != 2:
+    raise ValueError(
+        "local_window_size must be an int or a (left, right) pair, got "
+        f"{local_window_size=}."
+    )
+  sides = []
+  for side in w:
+    if side is None:
+      sides.append(None)
+    elif isinstance(side, (int, np.integer)) and not isinstance(side, bool):
+      if side < 0:
+        raise ValueError(
+            f"local_window_size sides must be >= 0, got {local_window_size=}."
+        )
+      sides.append(int(side))
+    else:
+      raise ValueError(
+          "local_window_size sides must be ints or None, got "
+          f"{local_window_size=}."
+      )
+  return None if sides == [None, None] else tuple(sides)
+
+
+def _check_static_float(name, x, positive=False):
+  if x is None:
+    return None
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(f"{name} must be a static Python float, got a tracer.")
+  try:
+    value = float(x)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a float, got {type(x).__name__}.") from None
+  if not math.isfinite(value) or (positive and value <= 0):
+    raise ValueError(f"{name} must be finite{' and > 0' if positive else ''},"
+                     f" got {name}={value}.")
+  return value
+
+
+def _check_dense(name, x, shape4, unbatched):
+  """bias/mask: left-pad to 4-D and check broadcastability to [B,N,T,S]."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.ndim > (3 if unbatched else 4):
+    raise ValueError(
+        f"{name} must be broadcastable to {shape4 if not unbatched else shape4[1:]}"
+        f", got {x.shape=}."
+    )
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  for got, want in zip(x.shape, shape4):
+    if got not in (1, want):
+      raise ValueError(
+          f"{name} must be broadcastable to [B, N, T, S]={shape4}, got "
+          f"{x.shape=}."
+      )
+  return x
+
+
+def _canonicalise(
+    query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+    key_value_seq_lengths, local_window_size, segment_ids, query_positions,
+    key_positions, logits_soft_cap,
+):
+  """Validates every argument; returns batched arrays and a MaskInfo."""
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  if query.ndim not in (3, 4):
+    raise ValueError(
+        f"query must be [B, T, N, H] or [T, N, H], got {query.shape=}."
+    )
+  for name, x in (("key", key), ("value", value)):
+    if x.ndim != query.ndim:
+      raise ValueError(
+          f"{name} must have the same rank as query, got {x.shape=} and "
+          f"{query.shape=}."
+      )
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not any(x.dtype == d for d in _FLOAT_DTYPES):
+      raise TypeError(
+          f"{name} must be float32, bfloat16 or float16, got {x.dtype=}."
+      )
+  if not query.dtype == key.dtype == value.dtype:
+    raise TypeError(
+        "query, key and value must share a dtype, got "
+        f"{query.dtype=}, {key.dtype=}, {value.dtype=}."
+    )
+  b, t, n, h = query.shape
+  if key.shape != value.shape:
+    raise ValueError(f"key and value shapes differ: {key.shape=}, "
+                     f"{value.shape=}.")
+  bk, s, num_kv, hk = key.shape
+  if bk != b or hk != h:
+    raise ValueError(
+        "key/value must be [B, S, K, H] with B and H equal to the query's, "
+        f"got {query.shape=}, {key.shape=}."
+    )
+  if 0 in (b, t, n, h, s, num_kv):
+    raise ValueError(f"empty dimension in {query.shape=} or {key.shape=}.")
+  if n % num_kv:
+    raise ValueError(
+        "query heads N must be a multiple of key/value heads K, got "
+        f"N={n}, K={num_kv} ({query.shape=}, {key.shape=})."
+    )
+  if h > 256:
+    raise ValueError(f"head dim must be <= 256, got {query.shape=}.")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
+
+  scale = _check_static_float("scale", scale)
+  scale = 1.0 / math.sqrt(h) if scale is None else scale
+  soft_cap = _check_static_float("logits_soft_cap", logits_soft_cap, True)
+  window = _check_window(local_window_size)
+
+  shape4 = (b, n, t, s)
+  bias = _check_dense("bias", bias, shape4, unbatched)
+  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
+  mask = _check_dense("mask", mask, shape4, unbatched)
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a bool array (True = attend), got "
+                    f"{mask.dtype=}.")
+
+  def batched(x):
+    x = jnp.asarray(x)
+    return x[None] if unbatched and x.ndim == 1 else x
+
+  q_len = _check_lengths("query_seq_lengths", query_seq_lengths, b, t)
+  kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
+
+  if query_positions is None:
+    q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  else:
+    q_pos = _check_int_array(
+        "query_positions", batched(query_positions), (b, t))
+  if key_positions is None:
+    kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  else:
+    kv_pos = _check_int_array(
+        "key_positions", batched(key_positions), (b, s))
+
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    if not isinstance(segment_ids, masking.SegmentIds):
+      raise TypeError(
+          "segment_ids must be pallas_fa.SegmentIds(q=..., kv=...), got "
+          f"{type(segment_ids).__name__}."
+      )
+    q_seg = _check_int_array(
+        "segment_ids.q", batched(segment_ids.q), (b, t))
+    kv_seg = _check_int_array(
+        "segment_ids.kv", batched(segment_ids.kv), (b, s))
+  q_seg = masking.padding_segments(q_seg, q_len, t, masking.Q_PAD_SEGMENT)
+  kv_seg = masking.padding_segments(kv_seg, kv_len, s, masking.KV_PAD_SEGMENT)
+  if (q_seg is None) != (kv_seg is None):
+    # One side is padded, the other not: give the other real ids (all 0).
+    if q_seg is None:
+      q_seg = jnp.zeros((b, t), jnp.int32)
+    else:
+      kv_seg = jnp.zeros((b, s), jnp.int32)
+
+  info = masking.MaskInfo(
+      q_positions=q_pos,
+      kv_positions=kv_pos,
+      q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg,
+      mask=mask,
+      is_causal=bool(is_causal),
+      window=window,
+  )
+  params = vjp.Params(scale=scale, soft_cap=soft_cap)
+  return query, key, value, bias, info, params, unbatched
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _run(backend, params, q, k, v, bias, info):
+  return vjp.attention(backend, params, q, k, v, bias, info)
+
+
+def _accepts_block_sizes(backend, block_sizes) -> bool:
+  if block_sizes is None:
+    return True
+  kind = backend.block_sizes_type
+  return kind is not None and isinstance(block_sizes, kind)
+
+
+def _choose(implementation, q, k, v, bias, info, params):
+  """The backend to run: the named one, or the first that supports the call."""
+  if implementation is not None:
+    if not isinstance(implementation, str):
+      raise TypeError(f"implementation must be a str or None, got "
+                      f"{implementation=}.")
+    backend = get_backend(implementation)
+    if not _accepts_block_sizes(backend, params.block_sizes):
+      raise TypeError(
+          f"block_sizes for implementation={implementation!r} must be "
+          f"{getattr(backend.block_sizes_type, '__name__', 'None')}, got "
+          f"{type(params.block_sizes).__name__}."
+      )
+    backend.check(q, k, v, bias, info, params)
+    return backend
+  reasons = []
+  for name in _AUTO_ORDER.get(platform(), ("chunked",)):
+    if name not in _REGISTRY:
+      continue
+    backend = get_backend(name)
+    if not _accepts_block_sizes(backend, params.block_sizes):
+      reasons.append(f"{name}: block_sizes is not its config type")
+      continue
+    try:
+      backend.check(q, k, v, bias, info, params)
+    except NotImplementedError as e:
+      reasons.append(f"{name}: {e}")
+      continue
+    return backend
+  raise NotImplementedError(
+      "No implementation supports this call: " + "; ".join(reasons)
+  )
+
+
+def flash_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | Sequence[int | None] | None = None,
+    segment_ids: masking.SegmentIds | None = None,
+    query_positions: Array | None = None,
+    key_positions: Array | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | None = None,
+    block_sizes: Any = None,
+    return_residual: bool = False,
+):
+  """Exact scaled dot-product attention, memory-linear in sequence length.
+
+  A drop-in superset of `jax.nn.dot_product_attention`: every argument the two
+  share means the same. Logits are
+  `soft_cap(scale * q.k) + bias`, masked by the intersection of every mask
+  argument; a query row with no visible key returns zeros (logsumexp -inf)
+  with zero gradients.
+
+  Args:
+    query: [B, T, N, H] (or unbatched [T, N, H]); float32/bfloat16/float16.
+    key: [B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
+    value: same shape and dtype as key.
+    bias: float, broadcastable to [B, N, T, S]; differentiable.
+    mask: bool, broadcastable to [B, N, T, S]; True = may attend.
+    scale: logit scale, default 1/sqrt(H).
+    is_causal: keep keys with key position <= query position (top-left
+      aligned; see `pallas_fa.masking` for a picture).
+    query_seq_lengths: int [B]; queries at index >= length are padding.
+    key_value_seq_lengths: int [B]; keys at index >= length are padding.
+    local_window_size: int w (= (w, w)) or (left, right): keep
+      q_pos - left <= k_pos <= q_pos + right; a None side is unbounded.
+    segment_ids: `SegmentIds(q=[B, T], kv=[B, S])`; attend within equal ids.
+    query_positions: int [B, T], default arange(T).
+    key_positions: int [B, S], default arange(S).
+    logits_soft_cap: c > 0: logits -> c * tanh(logits / c), before bias/mask.
+    implementation: None (fastest that supports the call on this platform),
+      or one of `pallas_fa.implementations()`.
+    block_sizes: the chosen backend's frozen tiling config, or None.
+    return_residual: also return the logsumexp [B, T, N] (float32, natural
+      log).
+
+  Returns:
+    out shaped and typed like query, or (out, lse) with return_residual.
+
+  Raises:
+    ValueError / TypeError: invalid arguments (the message names them).
+    NotImplementedError: the named implementation cannot honour this call.
+  """
+  q, k, v, bias, info, params, unbatched = _canonicalise(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      query_positions=query_positions, key_positions=key_positions,
+      logits_soft_cap=logits_soft_cap,
+  )
+  params = vjp.Params(
+      scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes
+  )
+  backend = _choose(implementation, q, k, v, bias, info, params)
+  out, lse = _run(backend, params, q, k, v, bias, info)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out

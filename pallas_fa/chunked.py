@@ -1,0 +1,327 @@
+"""`chunked`: blockwise flash attention in plain jax.numpy.
+
+The portable fallback and the default on CPU. The forward runs the online
+softmax over key/value tiles (FlashAttention-2, Algorithm 1) and returns
+(out, logsumexp); the backward recomputes the probabilities tile by tile from
+the logsumexp, so neither pass ever holds more than one [bq, bk] tile of
+logits per head: memory is O(T + S).
+
+Both passes visit only the tiles `masking.classify_blocks` marks non-empty,
+with loop bounds taken from that classification (causal, window, padding and
+sorted segments all shrink the loops), and skip the masking arithmetic on
+FULL tiles. GQA is computed in the grouped layout [B, K, G, T, H], so K/V are
+never repeated and dK/dV come out summed over the group by the matmul itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa import masking
+from pallas_fa import online_softmax
+from pallas_fa import vjp
+
+Array = Any
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkedBlockSizes:
+  """Tile sizes of the `chunked` backend (clipped to the sequence lengths).
+
+  Attributes:
+    block_q: query rows per tile in the forward pass.
+    block_kv: key rows per tile in the forward pass.
+    block_q_bwd: query rows per tile in the backward pass.
+    block_kv_bwd: key rows per tile in the backward pass.
+  """
+
+  block_q: int = 512
+  block_kv: int = 512
+  block_q_bwd: int = 512
+  block_kv_bwd: int = 512
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"ChunkedBlockSizes.{f.name} must be a positive int, got "
+            f"{value!r}."
+        )
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _tiles(block: int, length: int) -> tuple[int, int]:
+  """(tile size, padded length) for a sequence of `length`."""
+  if length <= block:
+    return length, length
+  # Balance the tiles so the padded tail is as small as possible.
+  n = math.ceil(length / block)
+  tile = _round_up(math.ceil(length / n), 8)
+  return tile, _round_up(length, tile)
+
+
+class _Layout:
+  """Inputs padded to whole tiles, in the grouped head-major layout."""
+
+  def __init__(self, q, k, v, bias, info, block_q, block_kv):
+    b, t, n, h = q.shape
+    s, num_kv = k.shape[1], k.shape[2]
+    self.b, self.t, self.s, self.n, self.h = b, t, s, n, h
+    self.num_kv, self.g = num_kv, n // num_kv
+    self.bq, self.tp = _tiles(block_q, t)
+    self.bk, self.sp = _tiles(block_kv, s)
+    self.nq, self.nk = self.tp // self.bq, self.sp // self.bk
+    self.info = masking.pad_sequence(info, self.tp, self.sp)
+    kinds = masking.classify_blocks(self.info, self.bq, self.bk)
+    # Tiles span the whole batch here, so a tile is empty (full) only if it
+    # is empty (full) for every batch row.
+    self.kinds = jnp.where(
+        jnp.all(kinds == masking.EMPTY, axis=0),
+        masking.EMPTY,
+        jnp.where(
+            jnp.all(kinds == masking.FULL, axis=0),
+            masking.FULL,
+            masking.PARTIAL,
+        ),
+    )  # [nq, nk]
+    self.q = self.queries(q)
+    self.k = self.keys(k)
+    self.v = self.keys(v)
+    self.bias = None
+    if bias is not None:
+      bias = _pad_dims(bias, {2: self.tp, 3: self.sp})
+      self.bias = masking.group_heads(bias, num_kv)  # [B|1,K|1,G|1,T|1,S|1]
+    # Masking arithmetic is needed at all only if something can be masked.
+    self.masked = (
+        self.info.restricts_positions
+        or self.info.has_segments
+        or self.info.mask is not None
+    )
+
+  def queries(self, x):
+    """[B, T, N, H] -> [B, K, G, Tp, H], padded rows zeroed."""
+    x = _pad_dims(x, {1: self.tp})
+    x = masking.zero_padding(
+        x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
+    x = x.reshape(self.b, self.tp, self.num_kv, self.g, self.h)
+    return x.transpose(0, 2, 3, 1, 4)
+
+  def keys(self, x):
+    """[B, S, K, H] -> [B, K, Sp, H], padded rows zeroed."""
+    x = _pad_dims(x, {1: self.sp})
+    x = masking.zero_padding(
+        x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
+    return x.transpose(0, 2, 1, 3)
+
+  def rows(self, x, fill):
+    """[B, T, N] -> [B, K, G, Tp] (per-row statistics)."""
+    x = _pad_dims(x, {1: self.tp}, fill)
+    return x.reshape(self.b, self.tp, self.num_kv, self.g).transpose(0, 2, 3, 1)
+
+  def unrows(self, x):
+    """[B, K, G, Tp] -> [B, T, N]."""
+    return x.transpose(0, 3, 1, 2).reshape(self.b, self.tp, self.n)[:, : self.t]
+
+  def unqueries(self, x):
+    """[B, K, G, Tp, H] -> [B, T, N, H]."""
+    x = x.transpose(0, 3, 1, 2, 4).reshape(self.b, self.tp, self.n, self.h)
+    return x[:, : self.t]
+
+  def unkeys(self, x):
+    """[B, K, Sp, H] -> [B, S, K, H]."""
+    return x.transpose(0, 2, 1, 3)[:, : self.s]
+
+  def logits(self, qi, kj, i, j, params):
+    """Capped+biased logits of tile (i, j) and its visibility (or None).
+
+    Returns (s_capped, s) where s = s_capped + bias, before masking.
+    """
+    s = jnp.einsum("bkgqh,bksh->bkgqs", qi, kj, preferred_element_type=_F32)
+    s_capped = online_softmax.soft_cap(s * params.scale, params.soft_cap)
+    s = s_capped
+    if self.bias is not None:
+      bias = masking.slice_in_dim(self.bias, i * self.bq, self.bq, 3)
+      bias = masking.slice_in_dim(bias, j * self.bk, self.bk, 4)
+      s = s + bias.astype(_F32)
+    return s_capped, s
+
+  def visibility(self, i, j):
+    return masking.tile_visibility(
+        self.info, self.num_kv, i * self.bq, self.bq, j * self.bk, self.bk
+    )
+
+  def tile_loop(self, kinds_row, lo, hi, step, carry):
+    """Runs step(j, carry, visible_or_None) over the non-empty tiles."""
+    if not self.masked:
+      return jax.lax.fori_loop(lo, hi, lambda j, c: step(j, c, False), carry)
+
+    def body(j, c):
+      return jax.lax.switch(
+          kinds_row[j],
+          [
+              lambda c: c,  # EMPTY: unsorted segments leave holes in range.
+              lambda c: step(j, c, True),  # PARTIAL
+              lambda c: step(j, c, False),  # FULL: no masking arithmetic.
+          ],
+          c,
+      )
+
+    return jax.lax.fori_loop(lo, hi, body, carry)
+
+
+def _pad_dims(x, sizes: dict[int, int], fill=0):
+  widths = [(0, 0)] * x.ndim
+  for axis, size in sizes.items():
+    if x.shape[axis] not in (1, size):
+      widths[axis] = (0, size - x.shape[axis])
+  if all(w == (0, 0) for w in widths):
+    return x
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def _block_sizes(params: vjp.Params) -> ChunkedBlockSizes:
+  return params.block_sizes or ChunkedBlockSizes()
+
+
+def _forward(q, k, v, bias, info, params):
+  bs = _block_sizes(params)
+  lay = _Layout(q, k, v, bias, info, bs.block_q, bs.block_kv)
+  lo, hi = masking.block_range(lay.kinds)
+
+  def q_tile(i):
+    qi = jax.lax.dynamic_slice_in_dim(lay.q, i * lay.bq, lay.bq, 3)
+    rows = (lay.b, lay.num_kv, lay.g, lay.bq)
+    carry = online_softmax.init(rows, rows + (lay.h,))
+
+    def step(j, carry, masked):
+      m_i, l_i, acc = carry
+      kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
+      vj = jax.lax.dynamic_slice_in_dim(lay.v, j * lay.bk, lay.bk, 2)
+      _, s = lay.logits(qi, kj, i, j, params)  # [B, K, G, bq, bk]
+      if masked:
+        s = online_softmax.apply_mask(s, lay.visibility(i, j))
+      m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
+      pv = jnp.einsum(
+          "bkgqs,bksh->bkgqh", p.astype(vj.dtype), vj,
+          preferred_element_type=_F32,
+      )
+      return m_i, l_i, acc * alpha[..., None] + pv
+
+    m_i, l_i, acc = lay.tile_loop(lay.kinds[i], lo[i], hi[i], step, carry)
+    out, lse = online_softmax.finalize(m_i, l_i, acc)
+    return out.astype(q.dtype), lse
+
+  out, lse = jax.lax.map(q_tile, jnp.arange(lay.nq))
+  # [nq, B, K, G, bq, (H)] -> [B, K, G, Tp, (H)]
+  out = jnp.moveaxis(out, 0, 3).reshape(
+      lay.b, lay.num_kv, lay.g, lay.tp, lay.h)
+  lse = jnp.moveaxis(lse, 0, 3).reshape(lay.b, lay.num_kv, lay.g, lay.tp)
+  return lay.unqueries(out), lay.unrows(lse)
+
+
+def _backward(q, k, v, bias, info, params, lse, dout, delta):
+  bs = _block_sizes(params)
+  lay = _Layout(q, k, v, bias, info, bs.block_q_bwd, bs.block_kv_bwd)
+  do = lay.queries(dout.astype(q.dtype))
+  lse = lay.rows(lse, online_softmax.MASK_VALUE)
+  delta = lay.rows(delta, 0.0)
+  kinds_t = lay.kinds.T  # [nk, nq]: per key tile, which query tiles to visit.
+  lo, hi = masking.block_range(kinds_t)
+  dbias = None
+  if lay.bias is not None:
+    dbias = jnp.zeros(lay.bias.shape, _F32)
+  bias_sum_axes = tuple(
+      a for a in range(5)
+      if lay.bias is not None and lay.bias.shape[a] == 1
+  )
+
+  def kv_tile(carry, j):
+    dq, dbias = carry
+    kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
+    vj = jax.lax.dynamic_slice_in_dim(lay.v, j * lay.bk, lay.bk, 2)
+    dk_j = jnp.zeros(kj.shape, _F32)
+    dv_j = jnp.zeros(vj.shape, _F32)
+
+    def step(i, carry, masked):
+      dk_j, dv_j, dq, dbias = carry
+      q0 = i * lay.bq
+      qi = jax.lax.dynamic_slice_in_dim(lay.q, q0, lay.bq, 3)
+      doi = jax.lax.dynamic_slice_in_dim(do, q0, lay.bq, 3)
+      lse_i = jax.lax.dynamic_slice_in_dim(lse, q0, lay.bq, 3)
+      delta_i = jax.lax.dynamic_slice_in_dim(delta, q0, lay.bq, 3)
+      s_capped, s = lay.logits(qi, kj, i, j, params)
+      if masked:
+        s = online_softmax.apply_mask(s, lay.visibility(i, j))
+      p = online_softmax.probs_from_lse(s, lse_i)  # [B, K, G, bq, bk]
+      dv_j = dv_j + jnp.einsum(
+          "bkgqs,bkgqh->bksh", p.astype(doi.dtype), doi,
+          preferred_element_type=_F32,
+      )
+      dp = jnp.einsum(
+          "bkgqh,bksh->bkgqs", doi, vj, preferred_element_type=_F32)
+      ds = online_softmax.logits_grad(p, dp, delta_i)
+      if dbias is not None:
+        d = ds.sum(axis=bias_sum_axes, keepdims=True)
+        starts = [0, 0, 0, 0, 0]
+        if dbias.shape[3] > 1:
+          starts[3] = q0
+        if dbias.shape[4] > 1:
+          starts[4] = j * lay.bk
+        cur = jax.lax.dynamic_slice(dbias, starts, d.shape)
+        dbias = jax.lax.dynamic_update_slice(dbias, cur + d, starts)
+      ds = online_softmax.soft_cap_grad(ds, s_capped, params.soft_cap)
+      ds = ds * params.scale
+      dq_i = jnp.einsum(
+          "bkgqs,bksh->bkgqh", ds.astype(kj.dtype), kj,
+          preferred_element_type=_F32,
+      )
+      cur = jax.lax.dynamic_slice_in_dim(dq, q0, lay.bq, 3)
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, cur + dq_i, q0, 3)
+      dk_j = dk_j + jnp.einsum(
+          "bkgqs,bkgqh->bksh", ds.astype(qi.dtype), qi,
+          preferred_element_type=_F32,
+      )
+      return dk_j, dv_j, dq, dbias
+
+    dk_j, dv_j, dq, dbias = lay.tile_loop(
+        kinds_t[j], lo[j], hi[j], step, (dk_j, dv_j, dq, dbias))
+    return (dq, dbias), (dk_j, dv_j)
+
+  dq0 = jnp.zeros(lay.q.shape, _F32)
+  (dq, dbias), (dk, dv) = jax.lax.scan(
+      kv_tile, (dq0, dbias), jnp.arange(lay.nk))
+  # [nk, B, K, bk, H] -> [B, K, Sp, H]
+  dk = jnp.moveaxis(dk, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.h)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.h)
+  dq = lay.unqueries(dq).astype(q.dtype)
+  dk = lay.unkeys(dk).astype(k.dtype)
+  dv = lay.unkeys(dv).astype(v.dtype)
+  # Padded keys were zeroed on the way in; their gradients are zero too.
+  if dbias is not None:
+    db, dkh, dg, dt, dsl = dbias.shape
+    dbias = dbias.reshape(db, dkh * dg, dt, dsl)
+    dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
+  return dq, dk, dv, dbias
+
+
+def _check(q, k, v, bias, info, params):
+  del q, k, v, bias, info, params  # Every feature is supported.
+
+
+BACKEND = vjp.Backend(
+    name="chunked",
+    forward=_forward,
+    backward=_backward,
+    check=_check,
+    block_sizes_type=ChunkedBlockSizes,
+)

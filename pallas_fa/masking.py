@@ -1,0 +1,357 @@
+"""One canonical description of which keys each query may attend to.
+
+Every way the public op can restrict attention -- causal, a local window,
+padding lengths, segment ids (packed sequences), positions and a dense boolean
+mask -- is turned into one `MaskInfo` by `api.flash_attention`. Every
+implementation reads the same description through the same predicates, so the
+semantics cannot drift between backends:
+
+* `visible(...)`: the element predicate, query i may attend to key j;
+* `classify_blocks(...)`: per (query block, key block) tile, whether the tile is
+  EMPTY (skip it), FULL (no element masked, skip the masking arithmetic) or
+  PARTIAL; computed on device from per-block min/max of positions and segment
+  ids, so it works for traced, data-dependent layouts.
+
+Causal and window are measured on positions (top-left aligned by default):
+
+    is_causal, T = S = 4             local_window_size = (1, 0)
+          k: 0 1 2 3                       k: 0 1 2 3
+    q: 0     x . . .                 q: 0     x . . .
+       1     x x . .                    1     x x . .
+       2     x x x .                    2     . x x .
+       3     x x x x                    3     . . x x
+
+Bottom-right alignment (decoding, chunked prefill with T < S) is
+`query_positions = arange(T) + S - T`.
+
+Padding lengths are folded into segment ids: a padded query gets
+`Q_PAD_SEGMENT`, a padded key `KV_PAD_SEGMENT`; the two never match each other
+or any real segment, so padding is "just another segment" and padded tiles are
+skipped like any other empty tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Segment ids reserved for padding. Real segment ids must be greater than both.
+Q_PAD_SEGMENT = int(np.iinfo(np.int32).min)
+KV_PAD_SEGMENT = Q_PAD_SEGMENT + 1
+
+# Tile kinds produced by `classify_blocks`.
+EMPTY = 0
+PARTIAL = 1
+FULL = 2
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentIds:
+  """Segment ids of packed sequences: attend only where `q == kv`.
+
+  Attributes:
+    q: int array [B, T] (or [T] for unbatched calls).
+    kv: int array [B, S] (or [S] for unbatched calls).
+  """
+
+  q: Array
+  kv: Array
+
+
+jax.tree_util.register_dataclass(
+    SegmentIds, data_fields=["q", "kv"], meta_fields=[]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskInfo:
+  """The canonical mask description every implementation consumes.
+
+  Attributes:
+    q_positions: int32 [B, T].
+    kv_positions: int32 [B, S].
+    q_segment_ids: int32 [B, T] or None (padding folded in, see module doc).
+    kv_segment_ids: int32 [B, S] or None.
+    mask: bool [B|1, N|1, T|1, S|1] or None; True = may attend.
+    is_causal: keep keys with kv_position <= q_position.
+    window: (left, right) or None; keep
+      q_position - left <= kv_position <= q_position + right. A side that is
+      None is unbounded.
+  """
+
+  q_positions: Array
+  kv_positions: Array
+  q_segment_ids: Array | None = None
+  kv_segment_ids: Array | None = None
+  mask: Array | None = None
+  is_causal: bool = False
+  window: tuple[int | None, int | None] | None = None
+
+  @property
+  def has_segments(self) -> bool:
+    return self.q_segment_ids is not None
+
+  @property
+  def restricts_positions(self) -> bool:
+    """Whether causal or window masking applies at all."""
+    return self.is_causal or self.window is not None
+
+  def replace(self, **changes) -> MaskInfo:
+    return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    MaskInfo,
+    data_fields=[
+        "q_positions",
+        "kv_positions",
+        "q_segment_ids",
+        "kv_segment_ids",
+        "mask",
+    ],
+    meta_fields=["is_causal", "window"],
+)
+
+
+def padding_segments(
+    segment_ids: Array | None, lengths: Array | None, length: int, pad_id: int
+) -> Array | None:
+  """Folds padding lengths into segment ids.
+
+  Args:
+    segment_ids: int [B, L] or None.
+    lengths: int [B] or None; index >= lengths[b] is padding.
+    length: L, the static sequence length.
+    pad_id: the segment id given to padded positions.
+
+  Returns:
+    int32 [B, L] segment ids, or None when neither input was given.
+  """
+  if lengths is None:
+    return None if segment_ids is None else segment_ids.astype(jnp.int32)
+  batch = lengths.shape[0]
+  if segment_ids is None:
+    segment_ids = jnp.zeros((batch, length), jnp.int32)
+  idx = jnp.arange(length, dtype=jnp.int32)[None, :]
+  return jnp.where(
+      idx < lengths.astype(jnp.int32)[:, None],
+      segment_ids.astype(jnp.int32),
+      pad_id,
+  )
+
+
+def pad_sequence(info: MaskInfo, q_len: int, kv_len: int) -> MaskInfo:
+  """Pads T to `q_len` and S to `kv_len`, marking the new tail as padding.
+
+  Backends that tile in fixed blocks call this so a ragged last block is
+  masked exactly like user padding.
+  """
+  t, s = info.q_positions.shape[-1], info.kv_positions.shape[-1]
+  if q_len == t and kv_len == s:
+    return info
+  batch = info.q_positions.shape[0]
+
+  def pad(x, axis, new, value):
+    if x is None or x.shape[axis] == 1:
+      return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, new - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+  q_seg, kv_seg = info.q_segment_ids, info.kv_segment_ids
+  if q_seg is None:
+    q_seg = jnp.zeros((batch, t), jnp.int32)
+    kv_seg = jnp.zeros((batch, s), jnp.int32)
+  return info.replace(
+      q_positions=pad(info.q_positions, 1, q_len, 0),
+      kv_positions=pad(info.kv_positions, 1, kv_len, 0),
+      q_segment_ids=pad(q_seg, 1, q_len, Q_PAD_SEGMENT),
+      kv_segment_ids=pad(kv_seg, 1, kv_len, KV_PAD_SEGMENT),
+      mask=pad(pad(info.mask, 2, q_len, False), 3, kv_len, False),
+  )
+
+
+def visible(
+    *,
+    is_causal: bool,
+    window: tuple[int | None, int | None] | None,
+    q_pos: Array,
+    kv_pos: Array,
+    q_seg: Array | None = None,
+    kv_seg: Array | None = None,
+    dense: Array | None = None,
+) -> Array | None:
+  """The element predicate: may this query attend to this key?
+
+  All arguments are already broadcast-compatible (typically q_* with a
+  trailing [..., bq, 1] and kv_* with [..., 1, bk]). Returns None when nothing
+  is masked, so callers can skip the masking arithmetic entirely.
+  """
+  terms = []
+  if is_causal:
+    terms.append(kv_pos <= q_pos)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      terms.append(kv_pos >= q_pos - left)
+    if right is not None:
+      terms.append(kv_pos <= q_pos + right)
+  if q_seg is not None:
+    terms.append(q_seg == kv_seg)
+  if dense is not None:
+    terms.append(dense)
+  if not terms:
+    return None
+  out = terms[0]
+  for t in terms[1:]:
+    out = jnp.logical_and(out, t)
+  return out
+
+
+def group_heads(x: Array, num_kv_heads: int) -> Array:
+  """[B|1, N|1, T|1, S|1] -> [B|1, K|1, G|1, T|1, S|1] (GQA grouping)."""
+  b, n, t, s = x.shape
+  if n == 1:
+    return x[:, :, None]
+  return x.reshape(b, num_kv_heads, n // num_kv_heads, t, s)
+
+
+def slice_in_dim(x: Array, start, size: int, axis: int) -> Array:
+  """dynamic_slice along `axis`, leaving a broadcast (size-1) axis alone."""
+  if x.shape[axis] == 1 or (x.shape[axis] == size and isinstance(start, int)):
+    return x
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def tile_visibility(
+    info: MaskInfo,
+    num_kv_heads: int,
+    q_start=0,
+    block_q: int | None = None,
+    kv_start=0,
+    block_kv: int | None = None,
+) -> Array | None:
+  """`visible` for one tile in the grouped [B, K, G, bq, bk] layout.
+
+  Starts may be traced; block sizes default to the whole sequence. Returns
+  None when nothing is masked.
+  """
+  block_q = block_q or info.q_positions.shape[1]
+  block_kv = block_kv or info.kv_positions.shape[1]
+
+  def rows(x, start, size):  # [B, L] -> [B, 1, 1, size, 1]
+    return slice_in_dim(x, start, size, 1)[:, None, None, :, None]
+
+  def cols(x, start, size):  # [B, L] -> [B, 1, 1, 1, size]
+    return slice_in_dim(x, start, size, 1)[:, None, None, None, :]
+
+  q_seg = kv_seg = dense = None
+  if info.has_segments:
+    q_seg = rows(info.q_segment_ids, q_start, block_q)
+    kv_seg = cols(info.kv_segment_ids, kv_start, block_kv)
+  if info.mask is not None:
+    dense = slice_in_dim(info.mask, q_start, block_q, 2)
+    dense = slice_in_dim(dense, kv_start, block_kv, 3)
+    dense = group_heads(dense, num_kv_heads)
+  return visible(
+      is_causal=info.is_causal,
+      window=info.window,
+      q_pos=rows(info.q_positions, q_start, block_q),
+      kv_pos=cols(info.kv_positions, kv_start, block_kv),
+      q_seg=q_seg,
+      kv_seg=kv_seg,
+      dense=dense,
+  )
+
+
+def is_padding(segment_ids: Array | None, pad_id: int) -> Array | None:
+  return None if segment_ids is None else segment_ids == pad_id
+
+
+def zero_padding(x: Array, segment_ids: Array | None, pad_id: int) -> Array:
+  """Zeroes padded rows of x [B, L, heads, H] so NaN/inf there cannot leak.
+
+  A masked logit becomes -inf and its probability 0, but 0 * NaN is NaN in
+  p @ v and in ds @ k; padding must therefore be cleaned, not only masked.
+  """
+  pad = is_padding(segment_ids, pad_id)
+  if pad is None:
+    return x
+  return jnp.where(pad[:, :, None, None], jnp.zeros((), x.dtype), x)
+
+
+def _block_min_max(x: Array, block: int) -> tuple[Array, Array]:
+  """Per-block min and max of x [B, L] with L % block == 0 -> [B, L/block]."""
+  b, length = x.shape
+  x = x.reshape(b, length // block, block)
+  return x.min(axis=-1), x.max(axis=-1)
+
+
+def classify_blocks(info: MaskInfo, block_q: int, block_kv: int) -> Array:
+  """Kinds (EMPTY / PARTIAL / FULL) of every tile, int32 [B, T/bq, S/bk].
+
+  T and S must already be multiples of the blocks (see `pad_sequence`). The
+  answer is conservative: a tile marked EMPTY has no visible element and one
+  marked FULL has no masked element; anything else is PARTIAL. A dense mask is
+  reduced over heads (a tile is empty/full only if it is for every head).
+  """
+  qp_lo, qp_hi = _block_min_max(info.q_positions, block_q)
+  kp_lo, kp_hi = _block_min_max(info.kv_positions, block_kv)
+  qp_lo, qp_hi = qp_lo[:, :, None], qp_hi[:, :, None]
+  kp_lo, kp_hi = kp_lo[:, None, :], kp_hi[:, None, :]
+  shape = jnp.broadcast_shapes(qp_lo.shape, kp_lo.shape)
+  empty = jnp.zeros(shape, bool)
+  full = jnp.ones(shape, bool)
+  if info.is_causal:
+    empty |= kp_lo > qp_hi
+    full &= kp_hi <= qp_lo
+  if info.window is not None:
+    left, right = info.window
+    if left is not None:
+      empty |= kp_hi < qp_lo - left
+      full &= kp_lo >= qp_hi - left
+    if right is not None:
+      empty |= kp_lo > qp_hi + right
+      full &= kp_hi <= qp_lo + right
+  if info.has_segments:
+    qs_lo, qs_hi = _block_min_max(info.q_segment_ids, block_q)
+    ks_lo, ks_hi = _block_min_max(info.kv_segment_ids, block_kv)
+    qs_lo, qs_hi = qs_lo[:, :, None], qs_hi[:, :, None]
+    ks_lo, ks_hi = ks_lo[:, None, :], ks_hi[:, None, :]
+    empty |= (qs_hi < ks_lo) | (ks_hi < qs_lo)
+    full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+  if info.mask is not None:
+    m = info.mask.any(axis=1)  # [B|1, T|1, S|1]
+    mb, mt, ms = m.shape
+    nq, nk = shape[1], shape[2]
+    m = jnp.broadcast_to(
+        m, (mb, nq * block_q if mt > 1 else 1, nk * block_kv if ms > 1 else 1)
+    )
+    tq = block_q if mt > 1 else 1
+    tk = block_kv if ms > 1 else 1
+    m_blocks = m.reshape(mb, m.shape[1] // tq, tq, m.shape[2] // tk, tk)
+    empty |= ~m_blocks.any(axis=(2, 4))
+    all_heads = info.mask.all(axis=1)
+    all_heads = jnp.broadcast_to(all_heads, m.shape).reshape(m_blocks.shape)
+    full &= all_heads.all(axis=(2, 4))
+  kinds = jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL))
+  return kinds.astype(jnp.int32)
+
+
+def block_range(kinds: Array) -> tuple[Array, Array]:
+  """[lo, hi) of the non-empty tiles along the last axis of `kinds`.
+
+  Loops run only over this range; rows with no visible tile get lo == hi.
+  """
+  n = kinds.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  nonempty = kinds != EMPTY
+  lo = jnp.min(jnp.where(nonempty, idx, n), axis=-1)
+  hi = jnp.max(jnp.where(nonempty, idx + 1, 0), axis=-1)
+  return lo, jnp.maximum(lo, hi)

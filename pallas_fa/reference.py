@@ -1,0 +1,95 @@
+"""`xla`: the materialised reference attention -- the spec of every backend.
+
+It builds the whole [B, N, T, S] logit tensor, so its memory is quadratic; it
+exists to be obviously right, and is differentiated by plain autodiff. It
+computes in float32 by default; the test suite also runs it in float64 (to
+check it) and in the input dtype (the "same-dtype reference" of the
+FlashAttention error rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa import masking
+from pallas_fa import online_softmax
+from pallas_fa import vjp
+
+Array = Any
+
+
+def attention(
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array | None,
+    info: masking.MaskInfo,
+    *,
+    scale: float,
+    soft_cap: float | None,
+    compute_dtype=jnp.float32,
+) -> tuple[Array, Array]:
+  """Materialised attention: returns (out [B,T,N,H], lse [B,T,N] float32).
+
+  Args:
+    q, k, v: [B, T, N, H], [B, S, K, H], [B, S, K, H].
+    bias: additive bias broadcastable to [B, N, T, S] (4-D), or None.
+    info: the canonical mask description.
+    scale: logit scale.
+    soft_cap: soft-cap value or None.
+    compute_dtype: dtype of every intermediate (float32, float64, or the input
+      dtype for the same-dtype reference).
+  """
+  b, t, n, h = q.shape
+  num_kv = k.shape[2]
+  g = n // num_kv
+  q = masking.zero_padding(q, info.q_segment_ids, masking.Q_PAD_SEGMENT)
+  k = masking.zero_padding(k, info.kv_segment_ids, masking.KV_PAD_SEGMENT)
+  v = masking.zero_padding(v, info.kv_segment_ids, masking.KV_PAD_SEGMENT)
+  qg = q.astype(compute_dtype).reshape(b, t, num_kv, g, h)
+  s = jnp.einsum(
+      "btkgh,bskh->bkgts",
+      qg,
+      k.astype(compute_dtype),
+      precision=jax.lax.Precision.HIGHEST,
+  )
+  s = online_softmax.soft_cap(s * jnp.asarray(scale, compute_dtype), soft_cap)
+  if bias is not None:
+    s = s + masking.group_heads(bias, num_kv).astype(compute_dtype)
+  s = online_softmax.apply_mask(s, masking.tile_visibility(info, num_kv))
+  # The max is a constant shift of the softmax: no gradient needs to flow
+  # through it, and stopping it keeps fully-masked rows free of NaN.
+  m = jax.lax.stop_gradient(s.max(axis=-1))
+  m_safe = jnp.where(m == online_softmax.MASK_VALUE, 0.0, m).astype(s.dtype)
+  e = jnp.exp(s - m_safe[..., None])
+  l = e.sum(axis=-1)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  p = e / l_safe[..., None]
+  out = jnp.einsum(
+      "bkgts,bskh->btkgh",
+      p,
+      v.astype(compute_dtype),
+      precision=jax.lax.Precision.HIGHEST,
+  )
+  lse = jnp.where(seen, m_safe + jnp.log(l_safe), online_softmax.MASK_VALUE)
+  out = out.reshape(b, t, n, h).astype(q.dtype)
+  lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)
+  return out, lse.astype(jnp.promote_types(compute_dtype, jnp.float32))
+
+
+def _forward(q, k, v, bias, info, params):
+  return attention(
+      q, k, v, bias, info, scale=params.scale, soft_cap=params.soft_cap
+  )
+
+
+def _check(q, k, v, bias, info, params):
+  del q, k, v, bias, info, params  # The reference supports every call.
+
+
+# Differentiated by plain autodiff (no custom backward).
+BACKEND = vjp.Backend(name="xla", forward=_forward, check=_check)

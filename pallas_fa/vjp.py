@@ -1,0 +1,101 @@
+"""The backend interface and the custom_vjp shared by every implementation.
+
+A backend supplies a forward `(q, k, v, bias, info, params) -> (out, lse)` and,
+unless it relies on plain autodiff, a backward that receives the logsumexp
+residual and `delta = rowsum(out * dout) - dlse`, computed here once for all
+backends (FlashAttention-2 §3.2). Residuals are (out, lse) only -- never the
+T x S probabilities -- so memory stays linear in sequence length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+
+from pallas_fa import masking
+from pallas_fa import online_softmax
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Params:
+  """Static (hashable) settings of one attention call.
+
+  Attributes:
+    scale: logit scale.
+    soft_cap: logit soft-cap value, or None.
+    block_sizes: the backend's frozen tiling config, or None for its default.
+  """
+
+  scale: float
+  soft_cap: float | None = None
+  block_sizes: Any = None
+
+
+Forward = Callable[..., tuple[Array, Array]]
+Backward = Callable[..., tuple[Array, Array, Array, Array | None]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Backend:
+  """One implementation of the public op.
+
+  Attributes:
+    name: the `implementation=` string.
+    forward: (q, k, v, bias, info, params) -> (out [B,T,N,H], lse [B,T,N]).
+    backward: (q, k, v, bias, info, params, lse, dout, delta) ->
+      (dq, dk, dv, dbias or None); None means "differentiate forward".
+    check: (q, k, v, bias, info, params) -> None; raises NotImplementedError
+      naming the reason when this backend cannot honour the call.
+    block_sizes_type: the frozen tiling config class `block_sizes=` must be
+      an instance of, or None if the backend takes none.
+  """
+
+  name: str
+  forward: Forward
+  check: Callable[..., None]
+  backward: Backward | None = None
+  block_sizes_type: type | None = None
+
+
+def attention(
+    backend: Backend,
+    params: Params,
+    q: Array,
+    k: Array,
+    v: Array,
+    bias: Array | None,
+    info: masking.MaskInfo,
+) -> tuple[Array, Array]:
+  """Runs `backend` with its backward wired in as a custom_vjp."""
+  if backend.backward is None:
+    return backend.forward(q, k, v, bias, info, params)
+  return _attention(backend, params, q, k, v, bias, info)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(backend, params, q, k, v, bias, info):
+  return backend.forward(q, k, v, bias, info, params)
+
+
+def _attention_fwd(backend, params, q, k, v, bias, info):
+  out, lse = backend.forward(q, k, v, bias, info, params)
+  return (out, lse), (q, k, v, bias, info, out, lse)
+
+
+def _attention_bwd(backend, params, residuals, cotangents):
+  q, k, v, bias, info, out, lse = residuals
+  dout, dlse = cotangents
+  delta = online_softmax.delta(out, dout, dlse)
+  dq, dk, dv, dbias = backend.backward(
+      q, k, v, bias, info, params, lse, dout, delta
+  )
+  info_ct = jax.tree.map(lambda _: None, info)
+  return dq, dk, dv, dbias, info_ct
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
