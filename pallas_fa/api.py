@@ -21,6 +21,9 @@ Array = Any
 _REGISTRY = {
     "xla": "pallas_fa.reference",
     "chunked": "pallas_fa.chunked",
+    "triton": "pallas_fa.triton",
+    "mosaic_gpu": "pallas_fa.mosaic_gpu",
+    "mosaic_tpu": "pallas_fa.mosaic_tpu",
 }
 
 # Automatic choice, fastest first, per platform (DESIGN §2).
@@ -34,28 +37,42 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def implementations() -> tuple[str, ...]:
-  """Names accepted by `implementation=` in this installation."""
-  return tuple(_REGISTRY)
+  """Names accepted by `implementation=` whose backend imports here."""
+  names = []
+  for name in _REGISTRY:
+    try:
+      get_backend(name)
+    except NotImplementedError:
+      continue
+    names.append(name)
+  return tuple(names)
 
 
+@functools.cache
 def get_backend(name: str) -> vjp.Backend:
-  """The registered backend called `name` (ValueError if unknown)."""
+  """The registered backend called `name`.
+
+  Raises:
+    ValueError: unknown name.
+    NotImplementedError: the backend's compiler stack cannot be imported here.
+  """
   if name not in _REGISTRY:
     raise ValueError(
         f"Unknown implementation={name!r}; expected one of "
         f"{sorted(_REGISTRY)} or None."
     )
-  return importlib.import_module(_REGISTRY[name]).BACKEND
+  try:
+    module = importlib.import_module(_REGISTRY[name])
+  except ImportError as e:
+    raise NotImplementedError(
+        f"implementation={name!r} is unavailable: {e}") from e
+  return module.BACKEND
 
 
 def platform() -> str:
   """The default JAX platform, with CUDA/ROCm reported as "gpu"."""
   p = jax.default_backend()
   return "gpu" if p in ("cuda", "rocm", "gpu") else p
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
 
 
 def _check_int_array(name, x, shape):
@@ -75,10 +92,19 @@ def _check_lengths(name, x, batch, full):
   x = jnp.asarray(x)
   if x.ndim == 0:
     x = x.reshape(1)
-  x = _check_int_array(name, x, (batch,))
-  if _is_concrete(x) and bool(jnp.any(x < 0)):
-    raise ValueError(f"{name} must be non-negative, got {name}={x}.")
-  return x
+  return _check_int_array(name, x, (batch,))
+
+
+def _check_non_negative(name, x):
+  """Rejects negative lengths when they are known (not traced) values.
+
+  Traced negative lengths cannot be detected; they mean "all padding".
+  """
+  if x is None or isinstance(x, jax.core.Tracer):
+    return
+  values = np.asarray(x)
+  if np.issubdtype(values.dtype, np.integer) and np.any(values < 0):
+    raise ValueError(f"{name} must be non-negative, got {name}={values}.")
 
 
 def _check_window(local_window_size):
@@ -194,9 +220,6 @@ def _canonicalise(
     )
   if h > 256:
     raise ValueError(f"head dim must be <= 256, got {query.shape=}.")
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
-
   scale = _check_static_float("scale", scale)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   soft_cap = _check_static_float("logits_soft_cap", logits_soft_cap, True)
@@ -262,11 +285,6 @@ def _canonicalise(
   return query, key, value, bias, info, params, unbatched
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(backend, params, q, k, v, bias, info):
-  return vjp.attention(backend, params, q, k, v, bias, info)
-
-
 def _accepts_block_sizes(backend, block_sizes) -> bool:
   if block_sizes is None:
     return True
@@ -291,9 +309,11 @@ def _choose(implementation, q, k, v, bias, info, params):
     return backend
   reasons = []
   for name in _AUTO_ORDER.get(platform(), ("chunked",)):
-    if name not in _REGISTRY:
+    try:
+      backend = get_backend(name)
+    except NotImplementedError as e:
+      reasons.append(str(e))
       continue
-    backend = get_backend(name)
     if not _accepts_block_sizes(backend, params.block_sizes):
       reasons.append(f"{name}: block_sizes is not its config type")
       continue
@@ -366,6 +386,38 @@ def flash_attention(
     ValueError / TypeError: invalid arguments (the message names them).
     NotImplementedError: the named implementation cannot honour this call.
   """
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
+  _check_non_negative("query_seq_lengths", query_seq_lengths)
+  _check_non_negative("key_value_seq_lengths", key_value_seq_lengths)
+  static = dict(
+      scale=_check_static_float("scale", scale),
+      is_causal=bool(is_causal),
+      local_window_size=_check_window(local_window_size),
+      logits_soft_cap=_check_static_float(
+          "logits_soft_cap", logits_soft_cap, True),
+      implementation=implementation,
+      block_sizes=block_sizes,
+  )
+  out, lse = _flash_attention(
+      query, key, value, bias, mask, query_seq_lengths,
+      key_value_seq_lengths, segment_ids, query_positions, key_positions,
+      **static)
+  return (out, lse) if return_residual else out
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "is_causal", "local_window_size",
+                     "logits_soft_cap", "implementation", "block_sizes"),
+)
+def _flash_attention(
+    query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+    segment_ids, query_positions, key_positions, *, scale, is_causal,
+    local_window_size, logits_soft_cap, implementation, block_sizes,
+):
+  # Everything from here on is traced once per shape/static configuration:
+  # canonicalisation adds no eager dispatches and no compilations per call.
   q, k, v, bias, info, params, unbatched = _canonicalise(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
@@ -378,7 +430,7 @@ def flash_attention(
       scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes
   )
   backend = _choose(implementation, q, k, v, bias, info, params)
-  out, lse = _run(backend, params, q, k, v, bias, info)
+  out, lse = vjp.attention(backend, params, q, k, v, bias, info)
   if unbatched:
     out, lse = out[0], lse[0]
-  return (out, lse) if return_residual else out
+  return out, lse

@@ -1,0 +1,1 @@
+"""A small decoder-only transformer built on `pallas_fa.flash_attention`."""

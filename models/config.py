@@ -1,0 +1,156 @@
+"""`TransformerConfig`: the frozen description of a decoder-only transformer."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+  """Hyper-parameters of `models.transformer.Transformer`.
+
+  Attributes:
+    vocab_size: number of token ids.
+    num_layers: transformer blocks.
+    embed_dim: model width D.
+    num_heads: query heads N.
+    num_kv_heads: key/value heads K (GQA when K < N).
+    head_dim: features per head; default embed_dim // num_heads.
+    mlp_dim: hidden width of the SwiGLU MLP.
+    max_len: the longest sequence the model is meant for (the default cache
+      length when generating).
+    rope_base: RoPE maximum wavelength.
+    norm_eps: RMSNorm epsilon.
+    attention_impl: `flash_attention`'s implementation; None = automatic.
+      "flax" is the baseline: Flax's default attention, materialising T x S.
+    attention_block_sizes: the implementation's tiling config, or None.
+    dtype: activation dtype name.
+    param_dtype: parameter dtype name.
+    remat: rematerialise each block in the backward pass.
+  """
+
+  vocab_size: int
+  num_layers: int = 2
+  embed_dim: int = 128
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int | None = None
+  mlp_dim: int = 384
+  max_len: int = 256
+  rope_base: float = 10_000.0
+  norm_eps: float = 1e-6
+  attention_impl: str | None = None
+  attention_block_sizes: Any = None
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: bool = False
+
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "embed_dim", "num_heads",
+                 "num_kv_heads", "mlp_dim", "max_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"TransformerConfig.{name} must be a positive int, got {value!r}."
+        )
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          "TransformerConfig.num_heads must be a multiple of num_kv_heads, "
+          f"got num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}."
+      )
+    if self.head_dim is None and self.embed_dim % self.num_heads:
+      raise ValueError(
+          "TransformerConfig.embed_dim must be divisible by num_heads when "
+          f"head_dim is None, got embed_dim={self.embed_dim}, "
+          f"num_heads={self.num_heads}."
+      )
+    if self.resolved_head_dim % 2:
+      raise ValueError(
+          "TransformerConfig.head_dim must be even (RoPE rotates halves), got "
+          f"{self.resolved_head_dim}."
+      )
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(
+            f"TransformerConfig.{name} must be one of {_DTYPES}, got "
+            f"{getattr(self, name)!r}."
+        )
+    if self.attention_impl is not None and not isinstance(
+        self.attention_impl, str):
+      raise ValueError(
+          "TransformerConfig.attention_impl must be a str or None, got "
+          f"{self.attention_impl!r}."
+      )
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim or self.embed_dim // self.num_heads
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  @classmethod
+  def tiny(cls, **overrides) -> TransformerConfig:
+    """2 layers, width 128, 4 query / 2 key-value heads (~0.4M + embeddings).
+
+    Trains on CPU in minutes.
+    """
+    kw = dict(num_layers=2, embed_dim=128, num_heads=4, num_kv_heads=2,
+              mlp_dim=384, max_len=256)
+    kw.update(overrides)
+    kw.setdefault("vocab_size", 256)
+    return cls(**kw)
+
+  @classmethod
+  def small(cls, **overrides) -> TransformerConfig:
+    """6 layers, width 384, 6 query / 2 key-value heads (~10M + embeddings)."""
+    kw = dict(num_layers=6, embed_dim=384, num_heads=6, num_kv_heads=2,
+              mlp_dim=1024, max_len=1024)
+    kw.update(overrides)
+    kw.setdefault("vocab_size", 256)
+    return cls(**kw)
+
+  def replace(self, **changes) -> TransformerConfig:
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable dict (block sizes stored with their class)."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    bs = self.attention_block_sizes
+    if bs is not None:
+      d["attention_block_sizes"] = {
+          "class": f"{type(bs).__module__}.{type(bs).__qualname__}",
+          "fields": {
+              f.name: getattr(bs, f.name) for f in dataclasses.fields(bs)
+          },
+      }
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
+    """Inverse of `to_dict`.
+
+    Raises:
+      ValueError: unknown keys.
+    """
+    d = dict(d)
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"unknown TransformerConfig keys: {sorted(unknown)}.")
+    bs = d.get("attention_block_sizes")
+    if bs is not None:
+      module, _, name = bs["class"].rpartition(".")
+      d["attention_block_sizes"] = getattr(
+          importlib.import_module(module), name)(**bs["fields"])
+    return cls(**d)

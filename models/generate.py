@@ -1,0 +1,119 @@
+"""Sampling from a `Transformer` with its key/value cache.
+
+The prompt is prefilled in one call, then one token is decoded per step inside
+a single jitted `fori_loop`; greedy (temperature 0) or temperature / top-k
+sampling.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Array = Any
+
+
+def sample_logits(
+    logits: Array, rng: Array, temperature: float = 0.0,
+    top_k: int | None = None,
+) -> Array:
+  """Picks one token per row of `logits`.
+
+  Args:
+    logits: float [B, V].
+    rng: PRNG key (unused when greedy).
+    temperature: 0 = argmax; otherwise logits are divided by it.
+    top_k: keep only the k most likely tokens before sampling.
+
+  Returns:
+    int32 [B].
+  """
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits.astype(jnp.float32) / temperature
+  if top_k is not None and top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k"),
+)
+def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature,
+              top_k):
+  model = nnx.merge(graphdef, state)
+  logits = model(prompt, decode=True)[:, -1]
+  rng, sub = jax.random.split(rng)
+  token = sample_logits(logits, sub, temperature, top_k)
+  out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
+  out = out.at[:, 0].set(token)
+  state = nnx.state(model)
+
+  def step(i, carry):
+    state, out, token, rng = carry
+    model = nnx.merge(graphdef, state)
+    logits = model(token[:, None], decode=True)[:, -1]
+    rng, sub = jax.random.split(rng)
+    token = sample_logits(logits, sub, temperature, top_k)
+    return nnx.state(model), out.at[:, i].set(token), token, rng
+
+  _, out, _, _ = jax.lax.fori_loop(
+      1, max_new_tokens, step, (state, out, token, rng))
+  return out
+
+
+def generate(
+    model: nnx.Module,
+    prompt: Array,
+    max_new_tokens: int,
+    *,
+    rng: Array | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    cache_length: int | None = None,
+) -> Array:
+  """Continues `prompt` by `max_new_tokens` tokens.
+
+  `model` itself is not modified: decoding runs on a copy with its own cache.
+
+  Args:
+    model: a `models.transformer.Transformer` (anything with `init_cache` and
+      a `decode=True` call).
+    prompt: int [B, P], P >= 1 (equal-length prompts).
+    max_new_tokens: tokens to generate (>= 1).
+    rng: PRNG key for sampling; default key 0.
+    temperature: 0 = greedy.
+    top_k: sample among the k most likely tokens.
+    cache_length: cache size; default P + max_new_tokens.
+
+  Returns:
+    int32 [B, max_new_tokens], the generated tokens.
+
+  Raises:
+    ValueError: bad shapes or lengths.
+  """
+  prompt = jnp.asarray(prompt, jnp.int32)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be [B, P] with P >= 1, got {prompt.shape=}.")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens=}.")
+  total = prompt.shape[1] + max_new_tokens
+  cache_length = cache_length or total
+  if cache_length < total:
+    raise ValueError(
+        f"{cache_length=} is shorter than prompt + new tokens ({total}).")
+  graphdef, state = nnx.split(model)
+  decoder = nnx.merge(graphdef, state)  # A copy: the cache stays off `model`.
+  decoder.init_cache(prompt.shape[0], cache_length)
+  graphdef, state = nnx.split(decoder)
+  rng = jax.random.key(0) if rng is None else rng
+  return _generate(
+      graphdef, state, prompt, rng, max_new_tokens=max_new_tokens,
+      temperature=float(temperature), top_k=top_k,
+  )

@@ -1,0 +1,545 @@
+"""Pallas/Mosaic TPU kernels of `mosaic_tpu`: forward, dK/dV and dQ.
+
+Shapes are chosen for the TPU's (8 sublane x 128 lane) vector registers and its
+128-wide matrix unit:
+
+* q/k/v/out live in HBM as [B, L, heads * Hp] with the head dim padded to a
+  multiple of 128, so a (block, Hp) tile of one head is a lane-aligned slice of
+  a free reshape of the public BTNH layout (no transposes around the kernels);
+* the running statistics m_i and l_i are kept lane-replicated ([bq, 128]) in
+  VMEM, so broadcasting them against a [bq, bk] tile needs no relayout; the
+  logsumexp and delta residuals travel compactly as rows [B, N, 1, Tp];
+* query-side positions and segment ids are lane-replicated ([B, Tp, 128]) and
+  key-side ones sublane-replicated ([B, 8, Sp]), the layouts in which they
+  broadcast against a [bq, bk] tile for free.
+
+Block skipping: the wrapper classifies every (query tile, key tile) pair as
+EMPTY, PARTIAL or FULL (`masking.classify_blocks`, on device) and passes one
+int32 per grid step through scalar prefetch (SMEM): the kind in the low bits
+and, above them, the block that step fetches. A non-empty step fetches its own
+block; an empty one points at the block the sweep needs next (or the one it
+already holds), so the pipeline issues no DMA for it, and its body does
+nothing. FULL steps skip the masking arithmetic.
+
+The KV (reduction) grid axes are "arbitrary", all others "parallel"
+(FlashAttention-2 §3.1 for the forward, §3.2 for the backward split into a
+dK/dV kernel -- key tile stationary, queries streamed, GQA group summed in
+VMEM -- and a dQ kernel -- query tile stationary, keys streamed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_fa import masking
+from pallas_fa import online_softmax
+
+NUM_LANES = 128
+NUM_SUBLANES = 8
+
+# A grid step's metadata word: (block index << KIND_BITS) | kind.
+KIND_BITS = 2
+KIND_MASK = (1 << KIND_BITS) - 1
+
+_F32 = jnp.float32
+_NT = ((1,), (1,))  # a @ b.T
+_NN = ((1,), (0,))  # a @ b
+_TN = ((0,), (0,))  # a.T @ b
+
+# Squeezed block dims: `pl.squeezed` where the installed Pallas has it.
+_SQUEEZED = getattr(pl, "squeezed", None)
+_COMPILER_PARAMS = getattr(pltpu, "CompilerParams", None) or getattr(
+    pltpu, "TPUCompilerParams", None
+)
+
+
+def interpret_params() -> Any:
+  """`interpret=` for pallas_call: False on TPU, TPU interpret mode elsewhere."""
+  if jax.default_backend() == "tpu":
+    return False
+  params = getattr(pltpu, "InterpretParams", None)
+  return params() if params is not None else True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Static:
+  """Everything static about one kernel launch.
+
+  Attributes:
+    scale: logit scale.
+    soft_cap: logit soft cap or None.
+    is_causal: causal masking on positions.
+    window: (left, right) window on positions, or None.
+    batch: B.
+    num_heads: N (query heads).
+    num_kv_heads: K (key/value heads).
+    head_dim: Hp, the head dim padded to a multiple of 128.
+    q_len: Tp, the padded query length (a multiple of block_q).
+    kv_len: Sp, the padded key length (a multiple of block_kv).
+    block_q: query rows per tile.
+    block_kv: key rows per tile.
+    positions: whether position arrays are passed (causal or window).
+    segments: whether segment-id arrays are passed.
+    bias_shape: shape of the padded bias [B|1, N|1, Tp|1, Sp|1], or None.
+    mask_shape: shape of the padded int8 mask, or None.
+    precision: matmul precision (HIGHEST for float32 operands).
+    interpret: the `interpret=` argument of pallas_call.
+  """
+
+  scale: float
+  soft_cap: float | None
+  is_causal: bool
+  window: tuple[int | None, int | None] | None
+  batch: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  q_len: int
+  kv_len: int
+  block_q: int
+  block_kv: int
+  positions: bool
+  segments: bool
+  bias_shape: tuple[int, int, int, int] | None
+  mask_shape: tuple[int, int, int, int] | None
+  precision: Any
+  interpret: Any
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def num_q_blocks(self) -> int:
+    return self.q_len // self.block_q
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return self.kv_len // self.block_kv
+
+  @property
+  def masked(self) -> bool:
+    """Whether any element can be masked (else every tile is FULL)."""
+    return self.positions or self.segments or self.mask_shape is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Coords:
+  """Block coordinates of one grid step, for the index maps."""
+
+  b: Any  # batch row
+  head: Any  # query head
+  kv_head: Any  # key/value head
+  q_block: Any  # query tile to fetch
+  kv_block: Any  # key tile to fetch
+
+
+def _kind(word):
+  return word & KIND_MASK
+
+
+def _block(word):
+  return word >> KIND_BITS
+
+
+# --- index maps ---------------------------------------------------------------
+
+
+def _in_spec(st: Static, name: str, coords) -> pl.BlockSpec:
+  """BlockSpec of input `name`; `coords(*grid, meta_ref)` -> _Coords."""
+  hp, bq, bk = st.head_dim, st.block_q, st.block_kv
+  sq = _SQUEEZED
+
+  def spec(block, fn):
+    return pl.BlockSpec(block, lambda *args: fn(coords(*args)))
+
+  if name in ("q", "do"):
+    return spec((sq, bq, hp), lambda c: (c.b, c.q_block, c.head))
+  if name in ("k", "v"):
+    return spec((sq, bk, hp), lambda c: (c.b, c.kv_block, c.kv_head))
+  if name in ("lse", "delta"):
+    return spec((sq, sq, 1, bq), lambda c: (c.b, c.head, 0, c.q_block))
+  if name in ("q_pos", "q_seg"):
+    return spec((sq, bq, NUM_LANES), lambda c: (c.b, c.q_block, 0))
+  if name in ("kv_pos", "kv_seg"):
+    return spec((sq, NUM_SUBLANES, bk), lambda c: (c.b, 0, c.kv_block))
+  if name in ("bias", "mask"):
+    shape = st.bias_shape if name == "bias" else st.mask_shape
+    b1, n1, t1, s1 = (d == 1 for d in shape)
+    block = (sq, sq, 1 if t1 else bq, 1 if s1 else bk)
+    return spec(
+        block,
+        lambda c: (
+            0 if b1 else c.b,
+            0 if n1 else c.head,
+            0 if t1 else c.q_block,
+            0 if s1 else c.kv_block,
+        ),
+    )
+  raise ValueError(f"unknown kernel input {name=}")
+
+
+def _row_major_coords(st: Static):
+  """Grid (B, N, nq, nk): query tile stationary, key tiles streamed."""
+  nq, nk, g = st.num_q_blocks, st.num_kv_blocks, st.group
+
+  def coords(b, n, i, j, meta_ref):
+    word = meta_ref[(b * nq + i) * nk + j]
+    # lax.div: a truncating divide, which Mosaic lowers without sign fix-ups.
+    kv_head = jax.lax.div(n, jnp.int32(g))
+    return _Coords(b=b, head=n, kv_head=kv_head, q_block=i,
+                   kv_block=_block(word))
+
+  return coords
+
+
+def _col_major_coords(st: Static):
+  """Grid (B, K, nk, G, nq): key tile stationary, queries of the group streamed."""
+  nq, nk, g = st.num_q_blocks, st.num_kv_blocks, st.group
+
+  def coords(b, h, j, gi, i, meta_ref):
+    word = meta_ref[(b * nk + j) * nq + i]
+    return _Coords(b=b, head=h * g + gi, kv_head=h, q_block=_block(word),
+                   kv_block=j)
+
+  return coords
+
+
+# --- shared kernel pieces -----------------------------------------------------
+
+
+def _dot(a, b, dims, precision):
+  return jax.lax.dot_general(
+      a, b, (dims, ((), ())), preferred_element_type=_F32, precision=precision
+  )
+
+
+def _lanes(x, width):
+  """Lane-replicated [rows, 128] -> [rows, width] (width % 128 == 0)."""
+  return jnp.tile(x, (1, width // NUM_LANES))
+
+
+def _column(ref):
+  """A lane-replicated [rows, 128] statistic as a [rows] column."""
+  return ref[...][:, 0]
+
+
+def _store_column(ref, x):
+  """Stores a [rows] column lane-replicated into a [rows, 128] ref."""
+  ref[...] = jnp.broadcast_to(x[:, None], ref.shape)
+
+
+def _logits(st: Static, r, q, k):
+  """(capped logits, capped logits + bias) of one [bq, bk] tile, unmasked."""
+  s = _dot(q, k, _NT, st.precision)  # [bq, bk]
+  s_capped = online_softmax.soft_cap(s * st.scale, st.soft_cap)
+  s = s_capped
+  if "bias" in r:
+    s = s + r["bias"][...].astype(_F32)  # [bq|1, bk|1] broadcasts
+  return s_capped, s
+
+
+def _visibility(st: Static, r):
+  """`masking.visible` for the current [bq, bk] tile."""
+  q_pos = kv_pos = q_seg = kv_seg = dense = None
+  if st.positions:
+    q_pos = _lanes(r["q_pos"][...], st.block_kv)  # [bq, bk]
+    kv_pos = r["kv_pos"][:1, :]  # [1, bk]
+  if st.segments:
+    q_seg = _lanes(r["q_seg"][...], st.block_kv)  # [bq, bk]
+    kv_seg = r["kv_seg"][:1, :]  # [1, bk]
+  if st.mask_shape is not None:
+    dense = r["mask"][...].astype(jnp.int32) != 0  # [bq|1, bk|1]
+  return masking.visible(
+      is_causal=st.is_causal,
+      window=st.window,
+      q_pos=q_pos,
+      kv_pos=kv_pos,
+      q_seg=q_seg,
+      kv_seg=kv_seg,
+      dense=dense,
+  )
+
+
+def _masked_logits(st: Static, r, q, k, masked: bool):
+  s_capped, s = _logits(st, r, q, k)
+  if masked:
+    s = online_softmax.apply_mask(s, _visibility(st, r))
+  return s_capped, s
+
+
+def _dispatch(st: Static, kind, step):
+  """Runs step(masked) on PARTIAL/FULL steps; EMPTY steps do nothing."""
+  if not st.masked:
+    step(False)  # Every tile is FULL.
+    return
+  pl.when(kind == masking.PARTIAL)(lambda: step(True))
+  pl.when(kind == masking.FULL)(lambda: step(False))
+
+
+def _unpack(names, refs):
+  return dict(zip(names, refs, strict=True))
+
+
+def _compiler_params(semantics):
+  if _COMPILER_PARAMS is None:
+    return None
+  return _COMPILER_PARAMS(dimension_semantics=semantics)
+
+
+def _cost(flops, transcendentals, operands, out_shapes):
+  cost = getattr(pl, "CostEstimate", None)
+  if cost is None:
+    return None
+  nbytes = sum(x.size * x.dtype.itemsize for x in operands)
+  nbytes += sum(
+      math.prod(o.shape) * jnp.dtype(o.dtype).itemsize for o in out_shapes)
+  return cost(flops=int(flops), transcendentals=int(transcendentals),
+              bytes_accessed=int(nbytes))
+
+
+def _call(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
+          scratch, semantics, meta, cost):
+  in_specs = [_in_spec(st, name, coords) for name in names]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=scratch,
+  )
+  kwargs = {}
+  if cost is not None:
+    kwargs["cost_estimate"] = cost
+  return pl.pallas_call(
+      kernel,
+      grid_spec=grid_spec,
+      out_shape=out_shapes,
+      compiler_params=_compiler_params(semantics),
+      interpret=st.interpret,
+      **kwargs,
+  )(meta, *operands)
+
+
+# --- forward ------------------------------------------------------------------
+
+
+def _forward_kernel(meta_ref, *refs, st: Static, names):
+  r = _unpack(names, refs)
+  b, _, i, j = (pl.program_id(a) for a in range(4))
+  nq, nk = st.num_q_blocks, st.num_kv_blocks
+  kind = _kind(meta_ref[(b * nq + i) * nk + j])
+  m_ref, l_ref, acc_ref = r["m_i"], r["l_i"], r["acc"]
+
+  @pl.when(j == 0)
+  def _init():
+    m_i, l_i, acc = online_softmax.init(m_ref.shape, acc_ref.shape)
+    m_ref[...] = m_i  # [bq, 128], lane-replicated
+    l_ref[...] = l_i
+    acc_ref[...] = acc  # [bq, Hp]
+
+  def step(masked):
+    _, s = _masked_logits(st, r, r["q"][...], r["k"][...], masked)
+    m_i, l_i, p, alpha = online_softmax.update(
+        _column(m_ref), _column(l_ref), s)  # p: [bq, bk]
+    v = r["v"][...]
+    pv = _dot(p.astype(v.dtype), v, _NN, st.precision)  # [bq, Hp]
+    acc_ref[...] = acc_ref[...] * alpha[:, None] + pv
+    _store_column(m_ref, m_i)
+    _store_column(l_ref, l_i)
+
+  _dispatch(st, kind, step)
+
+  @pl.when(j == nk - 1)
+  def _finalize():
+    out, lse = online_softmax.finalize(
+        _column(m_ref), _column(l_ref), acc_ref[...])
+    r["out"][...] = out.astype(r["out"].dtype)
+    r["lse"][...] = lse[None, :]  # [1, bq]
+
+
+def forward(st: Static, meta, names, operands, out_dtype):
+  """Runs the forward kernel.
+
+  Args:
+    st: static launch description.
+    meta: int32 [B * nq * nk] metadata words, row-major over (b, i, j).
+    names: names of `operands` (see `_in_spec`).
+    operands: kernel inputs in HBM layout.
+    out_dtype: dtype of the output.
+
+  Returns:
+    (out [B, Tp, N * Hp], lse [B, N, 1, Tp] float32).
+  """
+  b, n, hp = st.batch, st.num_heads, st.head_dim
+  bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
+  sq = _SQUEEZED
+  out_shapes = (
+      jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),
+      jax.ShapeDtypeStruct((b, n, 1, st.q_len), _F32),
+  )
+  out_specs = (
+      pl.BlockSpec((sq, bq, hp), lambda b, n, i, j, m: (b, i, n)),
+      pl.BlockSpec((sq, sq, 1, bq), lambda b, n, i, j, m: (b, n, 0, i)),
+  )
+  scratch = [
+      pltpu.VMEM((bq, NUM_LANES), _F32),  # m_i
+      pltpu.VMEM((bq, NUM_LANES), _F32),  # l_i
+      pltpu.VMEM((bq, hp), _F32),  # acc
+  ]
+  all_names = tuple(names) + ("out", "lse", "m_i", "l_i", "acc")
+  tiles = b * n * nq * nk
+  cost = _cost(
+      4 * tiles * bq * st.block_kv * hp, tiles * bq * st.block_kv,
+      operands, out_shapes)
+  return _call(
+      functools.partial(_forward_kernel, st=st, names=all_names),
+      st, (b, n, nq, nk), _row_major_coords(st), names, operands, out_specs,
+      out_shapes, scratch, ("parallel", "parallel", "parallel", "arbitrary"),
+      meta, cost,
+  )
+
+
+# --- backward: dQ -------------------------------------------------------------
+
+
+def _dq_kernel(meta_ref, *refs, st: Static, names):
+  r = _unpack(names, refs)
+  b, _, i, j = (pl.program_id(a) for a in range(4))
+  nq, nk = st.num_q_blocks, st.num_kv_blocks
+  kind = _kind(meta_ref[(b * nq + i) * nk + j])
+  dq_ref = r["dq_acc"]
+
+  @pl.when(j == 0)
+  def _init():
+    dq_ref[...] = jnp.zeros(dq_ref.shape, _F32)
+
+  def step(masked):
+    k = r["k"][...]
+    s_capped, s = _masked_logits(st, r, r["q"][...], k, masked)
+    p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
+    dp = _dot(r["do"][...], r["v"][...], _NT, st.precision)  # [bq, bk]
+    ds = online_softmax.logits_grad(p, dp, r["delta"][0])
+    ds = online_softmax.soft_cap_grad(ds, s_capped, st.soft_cap) * st.scale
+    dq_ref[...] += _dot(ds.astype(k.dtype), k, _NN, st.precision)  # [bq, Hp]
+
+  _dispatch(st, kind, step)
+
+  @pl.when(j == nk - 1)
+  def _finalize():
+    r["dq"][...] = dq_ref[...].astype(r["dq"].dtype)
+
+
+def backward_dq(st: Static, meta, names, operands, out_dtype):
+  """Runs the dQ kernel; metadata as for `forward`. Returns [B, Tp, N * Hp]."""
+  b, n, hp = st.batch, st.num_heads, st.head_dim
+  bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
+  out_shapes = (jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),)
+  out_specs = (
+      pl.BlockSpec((_SQUEEZED, bq, hp), lambda b, n, i, j, m: (b, i, n)),
+  )
+  scratch = [pltpu.VMEM((bq, hp), _F32)]
+  all_names = tuple(names) + ("dq", "dq_acc")
+  tiles = b * n * nq * nk
+  cost = _cost(
+      6 * tiles * bq * st.block_kv * hp, tiles * bq * st.block_kv,
+      operands, out_shapes)
+  (dq,) = _call(
+      functools.partial(_dq_kernel, st=st, names=all_names),
+      st, (b, n, nq, nk), _row_major_coords(st), names, operands, out_specs,
+      out_shapes, scratch, ("parallel", "parallel", "parallel", "arbitrary"),
+      meta, cost,
+  )
+  return dq
+
+
+# --- backward: dK, dV (and dbias) ---------------------------------------------
+
+
+def _dkv_kernel(meta_ref, *refs, st: Static, names):
+  r = _unpack(names, refs)
+  b, _, j, g, i = (pl.program_id(a) for a in range(5))
+  nq, nk = st.num_q_blocks, st.num_kv_blocks
+  kind = _kind(meta_ref[(b * nk + j) * nq + i])
+  dk_ref, dv_ref = r["dk_acc"], r["dv_acc"]
+
+  @pl.when((g == 0) & (i == 0))
+  def _init():
+    dk_ref[...] = jnp.zeros(dk_ref.shape, _F32)
+    dv_ref[...] = jnp.zeros(dv_ref.shape, _F32)
+
+  def step(masked):
+    q, do = r["q"][...], r["do"][...]
+    s_capped, s = _masked_logits(st, r, q, r["k"][...], masked)
+    p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
+    dv_ref[...] += _dot(p.astype(do.dtype), do, _TN, st.precision)  # [bk, Hp]
+    dp = _dot(do, r["v"][...], _NT, st.precision)  # [bq, bk]
+    ds = online_softmax.logits_grad(p, dp, r["delta"][0])
+    if "dbias" in r:
+      r["dbias"][...] = ds
+    ds = online_softmax.soft_cap_grad(ds, s_capped, st.soft_cap) * st.scale
+    dk_ref[...] += _dot(ds.astype(q.dtype), q, _TN, st.precision)  # [bk, Hp]
+
+  _dispatch(st, kind, step)
+
+  if "dbias" in r:
+    # Every dbias tile is written back, visited or not.
+    @pl.when(kind == masking.EMPTY)
+    def _zero_dbias():
+      r["dbias"][...] = jnp.zeros(r["dbias"].shape, _F32)
+
+  @pl.when((g == st.group - 1) & (i == nq - 1))
+  def _finalize():
+    r["dk"][...] = dk_ref[...].astype(r["dk"].dtype)
+    r["dv"][...] = dv_ref[...].astype(r["dv"].dtype)
+
+
+def backward_dkv(st: Static, meta_t, names, operands, out_dtype, with_dbias):
+  """Runs the dK/dV kernel.
+
+  Args:
+    st: static launch description.
+    meta_t: int32 [B * nk * nq] metadata words, row-major over (b, j, i).
+    names: names of `operands`.
+    operands: kernel inputs in HBM layout.
+    out_dtype: dtype of dk and dv.
+    with_dbias: also return dbias [B, N, Tp, Sp] float32 (un-reduced).
+
+  Returns:
+    (dk, dv) each [B, Sp, K * Hp], plus dbias when requested.
+  """
+  b, n, kh, hp = st.batch, st.num_heads, st.num_kv_heads, st.head_dim
+  bq, bk, nq, nk = st.block_q, st.block_kv, st.num_q_blocks, st.num_kv_blocks
+  g = st.group
+  sq = _SQUEEZED
+  kv_shape = jax.ShapeDtypeStruct((b, st.kv_len, kh * hp), out_dtype)
+  kv_spec = pl.BlockSpec((sq, bk, hp), lambda b, h, j, gi, i, m: (b, j, h))
+  out_shapes = [kv_shape, kv_shape]
+  out_specs = [kv_spec, kv_spec]
+  out_names = ("dk", "dv")
+  if with_dbias:
+    out_shapes.append(
+        jax.ShapeDtypeStruct((b, n, st.q_len, st.kv_len), _F32))
+    out_specs.append(pl.BlockSpec(
+        (sq, sq, bq, bk), lambda b, h, j, gi, i, m: (b, h * g + gi, i, j)))
+    out_names += ("dbias",)
+  scratch = [pltpu.VMEM((bk, hp), _F32), pltpu.VMEM((bk, hp), _F32)]
+  all_names = tuple(names) + out_names + ("dk_acc", "dv_acc")
+  tiles = b * n * nq * nk
+  cost = _cost(
+      8 * tiles * bq * bk * hp, tiles * bq * bk, operands, out_shapes)
+  return _call(
+      functools.partial(_dkv_kernel, st=st, names=all_names),
+      st, (b, kh, nk, g, nq), _col_major_coords(st), names, operands,
+      tuple(out_specs), tuple(out_shapes), scratch,
+      ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+      meta_t, cost,
+  )

@@ -1,0 +1,481 @@
+"""Flax modules built on `pallas_fa.flash_attention`.
+
+Two ways in:
+
+* `MultiHeadAttention`: an NNX module with q/k/v/out projections, GQA, an
+  optional rotary-embedding hook, segment ids and positions as inputs (packed
+  sequences and padding never need a dense T x S mask) and autoregressive
+  decoding with a key/value cache;
+* `make_attention_fn(...)`: an `attention_fn` for Flax's own
+  `flax.nnx.MultiHeadAttention` and `flax.linen.MultiHeadDotProductAttention`,
+  accepting every keyword they pass, so existing models switch to flash
+  attention with one argument.
+
+Decoding with the cache writes the new keys/values at the cache index and
+attends with query positions `index + arange(T)` over key positions
+`arange(max_length)` and `key_value_seq_lengths = index + T`: causal masking
+on positions is then exactly the bottom-right alignment of a full forward, so
+decoding reproduces the full forward's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_fa import api
+from pallas_fa import masking
+
+Array = Any
+# rope(x [B, T, N, H], positions int [B, T]) -> x rotated.
+RopeFn = Callable[[Array, Array], Array]
+
+
+def rope(
+    x: Array, positions: Array, *, max_wavelength: float = 10_000.0
+) -> Array:
+  """Rotary position embedding (RoFormer), rotating halves of each head.
+
+  Args:
+    x: [B, T, N, H] queries or keys; H must be even.
+    positions: int [B, T] absolute positions.
+    max_wavelength: the longest wavelength (the "base").
+
+  Returns:
+    x with each head rotated by its position, in x's dtype.
+
+  Raises:
+    ValueError: H is odd or positions do not match x.
+  """
+  b, t, _, h = x.shape
+  if h % 2:
+    raise ValueError(f"rope needs an even head dim, got {x.shape=}.")
+  if tuple(positions.shape) != (b, t):
+    raise ValueError(
+        f"positions must be [B, T]=({b}, {t}), got {positions.shape=}."
+    )
+  half = h // 2
+  freq = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions.astype(jnp.float32)[..., None] * freq  # [B, T, H/2]
+  sin = jnp.sin(angle)[:, :, None, :]  # [B, T, 1, H/2]
+  cos = jnp.cos(angle)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """A `rope` hook with a fixed wavelength (hashable, compares by value).
+
+  Attributes:
+    max_wavelength: the longest wavelength (the "base").
+  """
+
+  max_wavelength: float = 10_000.0
+
+  def __call__(self, x: Array, positions: Array) -> Array:
+    return rope(x, positions, max_wavelength=self.max_wavelength)
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head (grouped-query) attention computed by `flash_attention`.
+
+  Example:
+    >>> layer = MultiHeadAttention(4, 64, num_kv_heads=2, is_causal=True,
+    ...                            rope=Rope(), rngs=nnx.Rngs(0))
+    >>> y = layer(x, segment_ids=seg)            # training / scoring
+    >>> layer.init_cache(batch_size, max_length)
+    >>> y = layer(prompt, decode=True)           # prefill, then
+    >>> y = layer(next_token, decode=True)       # one token at a time
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      *,
+      num_kv_heads: int | None = None,
+      head_dim: int | None = None,
+      in_kv_features: int | None = None,
+      out_features: int | None = None,
+      use_bias: bool = False,
+      is_causal: bool = False,
+      rope: RopeFn | None = None,
+      local_window_size: int | Sequence[int | None] | None = None,
+      logits_soft_cap: float | None = None,
+      scale: float | None = None,
+      implementation: str | None = None,
+      block_sizes: Any = None,
+      attention_fn: Callable[..., Array] | None = None,
+      dtype: Any = None,
+      param_dtype: Any = jnp.float32,
+      kernel_init: Callable[..., Array] | None = None,
+      out_kernel_init: Callable[..., Array] | None = None,
+      rngs: nnx.Rngs,
+  ):
+    """Creates the projections.
+
+    Args:
+      num_heads: query heads N.
+      in_features: features of the query input.
+      num_kv_heads: key/value heads K (N % K == 0); default N.
+      head_dim: features per head H; default in_features // num_heads.
+      in_kv_features: features of the key/value input (cross-attention);
+        default in_features.
+      out_features: output features; default in_features.
+      use_bias: whether the projections have biases.
+      is_causal: causal masking on positions.
+      rope: optional `rope(x, positions)` applied to queries and keys, e.g.
+        `pallas_fa.modules.Rope()`.
+      local_window_size: sliding window, as in `flash_attention`.
+      logits_soft_cap: logit soft cap, as in `flash_attention`.
+      scale: logit scale; default 1/sqrt(head_dim).
+      implementation: `flash_attention`'s implementation (None = automatic).
+      block_sizes: that implementation's tiling config, or None.
+      attention_fn: replaces `flash_attention` (same keyword interface), for
+        baselines; None uses `flash_attention`.
+      dtype: computation dtype; default inferred from inputs and params.
+      param_dtype: parameter dtype.
+      kernel_init: initializer of the q/k/v kernels (default LeCun normal).
+      out_kernel_init: initializer of the output kernel (default as above).
+      rngs: parameter initialisation keys.
+
+    Raises:
+      ValueError: inconsistent head counts or sizes.
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+      raise ValueError(
+          "num_heads must be a positive multiple of num_kv_heads, got "
+          f"{num_heads=}, {num_kv_heads=}."
+      )
+    if head_dim is None:
+      if in_features % num_heads:
+        raise ValueError(
+            "in_features must be divisible by num_heads when head_dim is "
+            f"not given, got {in_features=}, {num_heads=}."
+        )
+      head_dim = in_features // num_heads
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = head_dim
+    self.in_features = in_features
+    self.out_features = in_features if out_features is None else out_features
+    self.is_causal = is_causal
+    self.rope = rope
+    self.local_window_size = local_window_size
+    self.logits_soft_cap = logits_soft_cap
+    self.scale = scale
+    self.implementation = implementation
+    self.block_sizes = block_sizes
+    self.attention_fn = attention_fn or api.flash_attention
+    self.dtype = dtype
+    kernel_init = kernel_init or nnx.initializers.lecun_normal()
+    linear = lambda i, o, **kw: nnx.LinearGeneral(
+        i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        rngs=rngs, **kw,
+    )
+    in_kv = in_features if in_kv_features is None else in_kv_features
+    self.query = linear(
+        in_features, (num_heads, head_dim), kernel_init=kernel_init)
+    self.key = linear(in_kv, (num_kv_heads, head_dim), kernel_init=kernel_init)
+    self.value = linear(
+        in_kv, (num_kv_heads, head_dim), kernel_init=kernel_init)
+    self.out = linear(
+        (num_heads, head_dim), self.out_features, axis=(-2, -1),
+        kernel_init=out_kernel_init or kernel_init,
+    )
+    self.cached_key = nnx.data(None)
+    self.cached_value = nnx.data(None)
+    self.cache_index = nnx.data(None)
+
+  def init_cache(
+      self, batch_size: int, max_length: int, dtype: Any = None
+  ) -> None:
+    """Allocates an empty key/value cache for `decode=True` calls.
+
+    Args:
+      batch_size: B of the decoding calls.
+      max_length: the most positions (prompt + generated) the cache holds.
+      dtype: cache dtype; default the computation dtype (else float32).
+    """
+    dtype = dtype or self.dtype or jnp.float32
+    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+  def __call__(
+      self,
+      inputs_q: Array,
+      inputs_kv: Array | None = None,
+      *,
+      positions: Array | None = None,
+      kv_positions: Array | None = None,
+      segment_ids: Array | None = None,
+      kv_segment_ids: Array | None = None,
+      decode: bool = False,
+  ) -> Array:
+    """Attends from `inputs_q` to `inputs_kv` (default: self-attention).
+
+    Args:
+      inputs_q: [B, T, in_features].
+      inputs_kv: [B, S, in_kv_features], or None for self-attention.
+      positions: int [B, T] query positions (causal, window and RoPE are
+        measured on them); default arange(T).
+      kv_positions: int [B, S]; default `positions` for self-attention, else
+        arange(S).
+      segment_ids: int [B, T]; tokens attend only within equal ids (packed
+        sequences; give padding its own id).
+      kv_segment_ids: int [B, S]; default `segment_ids` for self-attention.
+      decode: append this call's keys/values to the cache (see
+        `init_cache`) and attend over everything cached so far.
+
+    Returns:
+      [B, T, out_features].
+
+    Raises:
+      ValueError: bad arguments, or decoding without a cache.
+    """
+    if decode:
+      if inputs_kv is not None or any(
+          a is not None
+          for a in (positions, kv_positions, segment_ids, kv_segment_ids)
+      ):
+        raise ValueError(
+            "decode=True is self-attention at the cache's positions: "
+            "inputs_kv, positions and segment ids must be None."
+        )
+      return self._decode(inputs_q)
+    self_attention = inputs_kv is None
+    inputs_kv = inputs_q if self_attention else inputs_kv
+    q = self.query(inputs_q)  # [B, T, N, H]
+    k = self.key(inputs_kv)  # [B, S, K, H]
+    v = self.value(inputs_kv)
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    if self_attention:
+      kv_positions = positions if kv_positions is None else kv_positions
+      kv_segment_ids = (
+          segment_ids if kv_segment_ids is None else kv_segment_ids)
+    if (segment_ids is None) != (kv_segment_ids is None):
+      raise ValueError(
+          "give both segment_ids and kv_segment_ids or neither, got "
+          f"{segment_ids is None=}, {kv_segment_ids is None=}."
+      )
+    if self.rope is not None:
+      q = self.rope(q, _default_positions(positions, b, t))
+      k = self.rope(k, _default_positions(kv_positions, b, s))
+    segments = None
+    if segment_ids is not None:
+      segments = masking.SegmentIds(q=segment_ids, kv=kv_segment_ids)
+    out = self._attend(
+        q, k, v, segment_ids=segments, query_positions=positions,
+        key_positions=kv_positions,
+    )
+    return self.out(out)
+
+  def _decode(self, inputs: Array) -> Array:
+    if self.cached_key is None:
+      raise ValueError("decode=True needs a cache: call init_cache first.")
+    q = self.query(inputs)
+    k = self.key(inputs)
+    v = self.value(inputs)
+    b, t = q.shape[:2]
+    cache_b, max_length = self.cached_key.shape[:2]
+    if b != cache_b:
+      raise ValueError(
+          f"decode batch {b} differs from the cache's {cache_b} "
+          f"({inputs.shape=}, cache shape {self.cached_key.shape})."
+      )
+    index = self.cache_index[...]
+    if not isinstance(index, jax.core.Tracer) and int(index) + t > max_length:
+      raise ValueError(
+          f"cache overflow: {int(index)} cached + {t} new > {max_length=}."
+      )
+    positions = jnp.broadcast_to(
+        index + jnp.arange(t, dtype=jnp.int32), (b, t))
+    if self.rope is not None:
+      q = self.rope(q, positions)
+      k = self.rope(k, positions)
+    dtype = self.cached_key.dtype
+    zero = jnp.zeros((), jnp.int32)
+    keys = jax.lax.dynamic_update_slice(
+        self.cached_key[...], k.astype(dtype), (zero, index, zero, zero))
+    values = jax.lax.dynamic_update_slice(
+        self.cached_value[...], v.astype(dtype), (zero, index, zero, zero))
+    self.cached_key[...] = keys
+    self.cached_value[...] = values
+    self.cache_index[...] = index + t
+    # Keys beyond index + t are unwritten cache slots: padding. Queries sit
+    # at their true positions, so causal masking on positions is the
+    # bottom-right alignment of the full forward.
+    lengths = jnp.full((b,), index + t, jnp.int32)
+    out = self._attend(
+        q, keys.astype(q.dtype), values.astype(q.dtype),
+        query_positions=positions, key_value_seq_lengths=lengths,
+    )
+    return self.out(out)
+
+  def _attend(self, q, k, v, **kwargs):
+    return self.attention_fn(
+        q, k, v, is_causal=self.is_causal,
+        local_window_size=self.local_window_size,
+        logits_soft_cap=self.logits_soft_cap, scale=self.scale,
+        implementation=self.implementation, block_sizes=self.block_sizes,
+        **kwargs,
+    )
+
+
+def _default_positions(positions, b, t):
+  if positions is not None:
+    return positions
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def _flatten_batch(x, batch_shape, ndim_tail):
+  """[*batch, *tail] (batch dims broadcastable) -> [prod(batch) or 1, *tail]."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  rank = len(batch_shape) + ndim_tail
+  if x.ndim > rank:
+    raise ValueError(
+        f"mask/bias has more dims than [batch..., N, T, S]: {x.shape=}, "
+        f"batch dims {batch_shape}."
+    )
+  x = x.reshape((1,) * (rank - x.ndim) + x.shape)
+  lead = x.shape[: len(batch_shape)]
+  if all(d == 1 for d in lead):
+    return x.reshape((1,) + x.shape[len(batch_shape):])
+  x = jnp.broadcast_to(x, tuple(batch_shape) + x.shape[len(batch_shape):])
+  return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
+
+
+def _matmul_precision(precision):
+  """A `jax.default_matmul_precision` name for Flax's `precision` argument."""
+  if precision is None:
+    return None
+  if isinstance(precision, (tuple, list)):
+    if len(set(precision)) != 1:
+      raise NotImplementedError(
+          f"mixed operand precisions are not supported, got {precision=}."
+      )
+    precision = precision[0]
+  if isinstance(precision, jax.lax.Precision):
+    return precision.name.lower()
+  if isinstance(precision, str):
+    return precision
+  raise TypeError(f"unsupported {precision=}.")
+
+
+def make_attention_fn(
+    *,
+    implementation: str | None = None,
+    block_sizes: Any = None,
+    logits_soft_cap: float | None = None,
+    local_window_size: int | Sequence[int | None] | None = None,
+) -> Callable[..., Array]:
+  """An `attention_fn` for Flax's attention modules, computed by flash attention.
+
+  Usage:
+    nnx.MultiHeadAttention(..., attention_fn=make_attention_fn())
+    linen.MultiHeadDotProductAttention(..., attention_fn=make_attention_fn())
+
+  The returned function has the signature of Flax's `dot_product_attention`
+  (query/key/value `[batch..., length, heads, head_dim]`, dense `mask`/`bias`
+  broadcastable to `[batch..., heads, T, S]`, `is_causal`, decode-mode masks)
+  and accepts every keyword the two modules pass. `precision` sets the matmul
+  precision; `force_fp32_for_softmax` is always honoured (the softmax
+  statistics are float32). One documented difference: a query row that sees
+  no key returns zeros, where Flax returns the mean of the values.
+
+  Args:
+    implementation: `flash_attention`'s implementation (None = automatic).
+    block_sizes: that implementation's tiling config, or None.
+    logits_soft_cap: optional logit soft cap.
+    local_window_size: optional sliding window, as in `flash_attention`.
+
+  Returns:
+    attention_fn(query, key, value, bias=None, mask=None, **flax_kwargs).
+  """
+
+  def attention_fn(
+      query: Array,
+      key: Array,
+      value: Array,
+      bias: Array | None = None,
+      mask: Array | None = None,
+      broadcast_dropout: bool = True,
+      dropout_rng: Array | None = None,
+      dropout_rate: float = 0.0,
+      deterministic: bool = False,
+      dtype: Any = None,
+      precision: Any = None,
+      module: Any = None,
+      promote_dtype: Any = None,
+      is_causal: bool = False,
+      force_fp32_for_softmax: bool = False,
+      qk_attn_weights_einsum: Any = None,
+      attn_weights_value_einsum: Any = None,
+  ) -> Array:
+    del broadcast_dropout, dropout_rng, force_fp32_for_softmax
+    if dropout_rate > 0.0 and not deterministic:
+      raise NotImplementedError(
+          "flash attention does not implement attention dropout: got "
+          f"{dropout_rate=} with {deterministic=}. Use dropout_rate=0.0, or "
+          "deterministic=True outside training."
+      )
+    if module is not None:
+      raise NotImplementedError(
+          "sow_weights=True needs the T x S attention weights, which flash "
+          "attention never materialises."
+      )
+    if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+      raise NotImplementedError(
+          "custom attention einsums (e.g. quantised) cannot run inside flash "
+          "attention."
+      )
+    if promote_dtype is not None:
+      query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    else:
+      dtype = dtype or jnp.result_type(query, key, value)
+      query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    if key.shape != value.shape:
+      raise ValueError(
+          f"key and value shapes differ: {key.shape=}, {value.shape=}."
+      )
+    batch_shape = query.shape[:-3]
+    if key.shape[:-3] != batch_shape:
+      raise ValueError(
+          f"batch dims differ: {query.shape=}, {key.shape=}."
+      )
+    if mask is not None:
+      mask = jnp.asarray(mask).astype(jnp.bool_)
+    if batch_shape:
+      flat = lambda x: x.reshape((-1,) + x.shape[-3:])
+      q, k, v = flat(query), flat(key), flat(value)
+      mask = _flatten_batch(mask, batch_shape, 3)
+      bias = _flatten_batch(bias, batch_shape, 3)
+    else:
+      q, k, v = query, key, value
+    call = lambda: api.flash_attention(
+        q, k, v, bias, mask, is_causal=bool(is_causal),
+        logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
+        implementation=implementation, block_sizes=block_sizes,
+    )
+    name = _matmul_precision(precision)
+    if name is None:
+      out = call()
+    else:
+      with jax.default_matmul_precision(name):
+        out = call()
+    return out.reshape(query.shape[:-1] + (value.shape[-1],))
+
+  return attention_fn

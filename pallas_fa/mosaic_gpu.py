@@ -1,0 +1,557 @@
+"""`mosaic_gpu`: FlashAttention-3-style Hopper kernels in Pallas Mosaic GPU.
+
+The kernels live in `_mosaic_gpu_kernel` (warp-specialised, TMA-fed, wgmma,
+ping-pong softmax); this module is everything around them:
+
+* `BlockSizes`, the frozen tiling config, and `default_block_sizes`, the
+  heuristic that fits it into the 227 KiB of shared memory of an H100/H200;
+* `check`: bfloat16/float16 only, head dim <= 256, no bias or dense mask, and
+  an sm90 GPU -- or, without a GPU, the Mosaic GPU interpreter. Anything else
+  raises NotImplementedError so the automatic choice moves on to "triton";
+* the layout work: padding T and S to whole tiles (the tail marked as padding
+  through `masking.pad_sequence`, padded rows zeroed so NaN cannot leak) and
+  the head dim to a multiple of 64; and the per-tile schedule, derived from
+  `masking.classify_blocks`, that tells the kernels which key (query) tiles
+  to stream and which of them need no masking arithmetic.
+
+The public layout BTNH is kept in memory; TMA reads [tile, H] slabs of one
+head directly. GQA is never materialised: query head n reads K/V head
+n // (N / K), and dK/dV are summed over each group inside the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa import _mosaic_gpu_kernel as kernel
+from pallas_fa import masking
+from pallas_fa import tuning
+from pallas_fa import vjp
+
+Array = Any
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 256
+
+# Shared memory per CTA on sm90 (H100 / H200), minus a margin for barriers.
+SHARED_MEMORY_BYTES = 227 * 1024 - 1024
+
+# Streaming multiprocessors of an H100 SXM, when the device does not say.
+_DEFAULT_SM_COUNT = 132
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BlockSizes:
+  """Tiling of the `mosaic_gpu` kernels.
+
+  Every block is a multiple of 64 (the wgmma M granularity of a warpgroup)
+  and at most 256.
+
+  Attributes:
+    block_q: forward: query rows per consumer warpgroup.
+    block_kv: forward: keys per streamed K/V tile.
+    stages: forward: depth of the K/V shared-memory ring.
+    consumers: forward: consumer warpgroups per CTA (1 or 2).
+    pingpong: forward: alternate the two consumers on the tensor cores
+      (FlashAttention-3 §3.2); needs consumers == 2.
+    block_q_dq: dQ kernel: query rows per consumer warpgroup.
+    block_kv_dq: dQ kernel: keys per streamed tile.
+    consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
+    block_q_dkv: dK/dV kernel: queries per streamed tile.
+    block_kv_dkv: dK/dV kernel: key rows per consumer warpgroup.
+    consumers_dkv: dK/dV kernel: consumer warpgroups per CTA (1 or 2).
+    stages_bwd: depth of the backward rings.
+    split_dkv: compute dV and dK in two passes, keeping one float32
+      accumulator in registers instead of two (head dim 256).
+    num_ctas: persistent grid size; None = one CTA per SM (GPU) or 1
+      (interpreter).
+    interpret: run in the Mosaic GPU interpreter; None = exactly when the
+      default backend is not a GPU.
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+  consumers: int = 2
+  pingpong: bool = True
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  consumers_dq: int = 2
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  consumers_dkv: int = 2
+  stages_bwd: int = 2
+  split_dkv: bool = False
+  num_ctas: int | None = None
+  interpret: bool | None = None
+
+  def __post_init__(self):
+    def is_int(x):
+      return isinstance(x, int) and not isinstance(x, bool)
+
+    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq",
+                 "block_q_dkv", "block_kv_dkv"):
+      value = getattr(self, name)
+      if not is_int(value) or value < 64 or value > 256 or value % 64:
+        raise ValueError(
+            f"BlockSizes.{name} must be a multiple of 64 in [64, 256], got "
+            f"{value!r}.")
+    for name in ("stages", "stages_bwd"):
+      value = getattr(self, name)
+      if not is_int(value) or not 1 <= value <= 8:
+        raise ValueError(
+            f"BlockSizes.{name} must be an int in [1, 8], got {value!r}.")
+    for name in ("consumers", "consumers_dq", "consumers_dkv"):
+      value = getattr(self, name)
+      if value not in (1, 2) or not is_int(value):
+        raise ValueError(f"BlockSizes.{name} must be 1 or 2, got {value!r}.")
+    for name in ("pingpong", "split_dkv"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(
+            f"BlockSizes.{name} must be a bool, got {getattr(self, name)!r}.")
+    if self.pingpong and self.consumers != 2:
+      raise ValueError(
+          "BlockSizes.pingpong needs consumers == 2, got "
+          f"consumers={self.consumers!r}.")
+    if self.num_ctas is not None and (
+        not is_int(self.num_ctas) or self.num_ctas < 1):
+      raise ValueError(
+          f"BlockSizes.num_ctas must be None or a positive int, got "
+          f"{self.num_ctas!r}.")
+    if self.interpret is not None and not isinstance(self.interpret, bool):
+      raise ValueError(
+          f"BlockSizes.interpret must be None or a bool, got "
+          f"{self.interpret!r}.")
+
+
+def padded_head_dim(head_dim: int) -> int:
+  """The head dim the kernels run at: a multiple of 64 (128-byte rows)."""
+  return _round_up(max(head_dim, 1), 64)
+
+
+def shared_memory_bytes(bs: BlockSizes, head_dim: int, itemsize: int = 2):
+  """Shared memory (bytes) of the forward, dQ and dK/dV kernels.
+
+  Args:
+    bs: the tiling.
+    head_dim: the unpadded head dim.
+    itemsize: bytes per element of q/k/v.
+
+  Returns:
+    dict with keys "forward", "dq", "dkv".
+  """
+  hp = padded_head_dim(head_dim)
+  tile = lambda rows: rows * hp * itemsize  # noqa: E731
+  vec = lambda rows: rows * 4  # noqa: E731
+  fwd = (
+      bs.consumers * (tile(bs.block_q) + 3 * vec(bs.block_q))
+      + bs.stages * (2 * tile(bs.block_kv) + 2 * vec(bs.block_kv)))
+  dq = (
+      bs.consumers_dq * (2 * tile(bs.block_q_dq) + 4 * vec(bs.block_q_dq))
+      + bs.stages_bwd * (2 * tile(bs.block_kv_dq) + 2 * vec(bs.block_kv_dq)))
+  dkv = (
+      bs.consumers_dkv * (2 * tile(bs.block_kv_dkv)
+                          + 2 * vec(bs.block_kv_dkv))
+      + bs.stages_bwd * (2 * tile(bs.block_q_dkv) + 4 * vec(bs.block_q_dkv)))
+  return {"forward": fwd, "dq": dq, "dkv": dkv}
+
+
+def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+  """The heuristic tiling for a head dim (before autotuning).
+
+  Forward: two 64-row consumers (ping-pong), 128-key tiles up to head dim
+  128 and 64-key tiles beyond, and as many ring stages (<= 4) as shared
+  memory allows. Backward: 64 x 64 tiles; past head dim 128 one consumer per
+  CTA and split dK/dV passes, so that the float32 accumulators stay within
+  the 232 registers a consumer thread may hold.
+
+  Args:
+    head_dim: the (unpadded) head dim.
+    dtype: bfloat16 or float16.
+
+  Returns:
+    A `BlockSizes`.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  hp = padded_head_dim(head_dim)
+  wide = hp > 128
+  base = BlockSizes(
+      block_q=64,
+      block_kv=64 if wide else 128,
+      stages=2,
+      block_kv_dq=64 if wide else 128,
+      consumers_dq=1 if wide else 2,
+      consumers_dkv=1 if wide else 2,
+      split_dkv=wide,
+  )
+  for stages in (4, 3):
+    candidate = dataclasses.replace(base, stages=stages)
+    if shared_memory_bytes(candidate, head_dim, itemsize)["forward"] <= (
+        SHARED_MEMORY_BYTES):
+      base = candidate
+      break
+  if shared_memory_bytes(base, head_dim, itemsize)["dq"] > SHARED_MEMORY_BYTES:
+    base = dataclasses.replace(base, block_kv_dq=64)
+  return base
+
+
+# --------------------------------------------------------------------------
+# Where the kernels can run.
+# --------------------------------------------------------------------------
+
+
+def _is_sm90(device) -> bool:
+  capability = str(getattr(device, "compute_capability", ""))
+  return capability.split(".")[0] == "9"
+
+
+def _interpret(bs: BlockSizes | None) -> bool:
+  """Whether to interpret; raises NotImplementedError if neither way works."""
+  wanted = None if bs is None else bs.interpret
+  platform = jax.default_backend()
+  on_gpu = platform in ("gpu", "cuda")
+  if wanted is None:
+    wanted = not on_gpu
+  if wanted:
+    if kernel.interpret_params() is None:
+      raise NotImplementedError(
+          "mosaic_gpu: this jax has no Mosaic GPU interpreter "
+          f"({jax.__version__=}).")
+    return True
+  device = jax.devices()[0]
+  if not on_gpu or not _is_sm90(device):
+    raise NotImplementedError(
+        "mosaic_gpu needs an sm90 (Hopper) GPU, got "
+        f"{platform=} {getattr(device, 'device_kind', '')!r} "
+        f"compute_capability={getattr(device, 'compute_capability', None)}.")
+  return False
+
+
+def _num_ctas(bs: BlockSizes, interpret: bool, units: int) -> int:
+  if bs.num_ctas is not None:
+    return max(1, min(bs.num_ctas, units))
+  if interpret:
+    return 1
+  sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_SM_COUNT
+  return max(1, min(int(sms), units))
+
+
+def _check(q, k, v, bias, info, params):
+  """Raises NotImplementedError for calls these kernels cannot honour."""
+  mask = info.mask  # Every other part of the mask description is supported.
+  if q.dtype not in SUPPORTED_DTYPES:
+    raise NotImplementedError(
+        f"mosaic_gpu runs bfloat16/float16 (wgmma) only, got {q.dtype=}.")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise NotImplementedError(
+        f"mosaic_gpu needs q, k, v of one dtype, got {q.dtype=} "
+        f"{k.dtype=} {v.dtype=}.")
+  if q.shape[-1] > MAX_HEAD_DIM:
+    raise NotImplementedError(
+        f"mosaic_gpu supports head dims up to {MAX_HEAD_DIM}, got "
+        f"{q.shape[-1]=}.")
+  if bias is not None:
+    raise NotImplementedError("mosaic_gpu does not take a bias.")
+  if mask is not None:
+    raise NotImplementedError("mosaic_gpu does not take a dense mask.")
+  _interpret(params.block_sizes)
+
+
+# --------------------------------------------------------------------------
+# Layout: padding, metadata, per-tile schedule.
+# --------------------------------------------------------------------------
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _pad_to(x: Array, axis: int, size: int) -> Array:
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+  """Inputs padded to whole tiles and a head dim multiple of 64."""
+
+  info: masking.MaskInfo
+  q: Array
+  k: Array
+  v: Array
+  q_pos: Array
+  q_seg: Array
+  kv_pos: Array
+  kv_seg: Array
+
+  @property
+  def meta(self):
+    return self.q_pos, self.q_seg, self.kv_pos, self.kv_seg
+
+
+def _pad_inputs(q, k, v, info, q_len, kv_len) -> _Padded:
+  b = q.shape[0]
+  hp = padded_head_dim(q.shape[-1])
+  info = masking.pad_sequence(info, q_len, kv_len)
+
+  def rows(x, length, seg, pad_id):
+    x = _pad_to(_pad_to(x, 1, length), 3, hp)
+    return masking.zero_padding(x, seg, pad_id)
+
+  def ids(x, length):
+    if x is None:
+      return jnp.zeros((b, length), jnp.int32)
+    return jnp.broadcast_to(x.astype(jnp.int32), (b, length))
+
+  return _Padded(
+      info=info,
+      q=rows(q, q_len, info.q_segment_ids, masking.Q_PAD_SEGMENT),
+      k=rows(k, kv_len, info.kv_segment_ids, masking.KV_PAD_SEGMENT),
+      v=rows(v, kv_len, info.kv_segment_ids, masking.KV_PAD_SEGMENT),
+      q_pos=ids(info.q_positions, q_len),
+      q_seg=ids(info.q_segment_ids, q_len),
+      kv_pos=ids(info.kv_positions, kv_len),
+      kv_seg=ids(info.kv_segment_ids, kv_len),
+  )
+
+
+def schedule(kinds: Array, consumers: int) -> Array:
+  """The per-unit tile schedule the kernels read.
+
+  Args:
+    kinds: int32 [B, rows, cols] tile kinds (`masking.classify_blocks`,
+      transposed for the dK/dV kernel); `rows` is a multiple of `consumers`.
+    consumers: row tiles per unit of work.
+
+  Returns:
+    int32 [B, rows / consumers, 2 + 2 * consumers]: per unit, [ulo, uhi),
+    the union of the consumers' non-empty column ranges (what the producer
+    streams), then per consumer [flo, fhi), a run of FULL tiles inside it
+    that needs no masking (empty when the FULL tiles are not contiguous).
+  """
+  b, rows, cols = kinds.shape
+  units = rows // consumers
+  lo, hi = masking.block_range(kinds)  # [B, rows]
+  nonempty = lo < hi
+  lo_u = jnp.where(nonempty, lo, cols).reshape(b, units, consumers).min(-1)
+  hi_u = jnp.where(nonempty, hi, 0).reshape(b, units, consumers).max(-1)
+  any_u = lo_u < hi_u
+  ulo = jnp.where(any_u, lo_u, 0)
+  uhi = jnp.where(any_u, hi_u, 0)
+  idx = jnp.arange(cols, dtype=jnp.int32)
+  full = kinds == masking.FULL
+  f_lo = jnp.min(jnp.where(full, idx, cols), axis=-1)
+  f_hi = jnp.max(jnp.where(full, idx + 1, 0), axis=-1)
+  contiguous = (f_hi > f_lo) & (f_hi - f_lo == full.sum(axis=-1))
+  start = jnp.repeat(ulo, consumers, axis=1)
+  f_lo = jnp.where(contiguous, f_lo, start).reshape(b, units, consumers)
+  f_hi = jnp.where(contiguous, f_hi, start).reshape(b, units, consumers)
+  runs = jnp.stack([f_lo, f_hi], axis=-1).reshape(b, units, 2 * consumers)
+  out = jnp.concatenate([ulo[..., None], uhi[..., None], runs], axis=-1)
+  return out.astype(jnp.int32)
+
+
+def candidate_block_sizes(head_dim: int, dtype=jnp.bfloat16):
+  """Tilings worth timing for a head dim (the autotuning search space).
+
+  Every candidate fits the shared memory of an sm90 GPU; the forward and
+  backward fields vary independently around `default_block_sizes`.
+
+  Args:
+    head_dim: the (unpadded) head dim.
+    dtype: bfloat16 or float16.
+
+  Returns:
+    A list of `BlockSizes`, the heuristic default first.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  base = default_block_sizes(head_dim, dtype)
+  out = [base]
+  forward = [
+      dict(block_q=bq, block_kv=bk, stages=st, pingpong=pp)
+      for bq in (64, 128) for bk in (64, 128, 192)
+      for st in (2, 3, 4) for pp in (True, False)
+  ]
+  backward = [
+      dict(block_kv_dq=bk, consumers_dq=c, consumers_dkv=c2, split_dkv=sp)
+      for bk in (64, 128) for c in (1, 2) for c2 in (1, 2)
+      for sp in (False, True)
+  ]
+  for change in forward + backward:
+    candidate = dataclasses.replace(base, **change)
+    smem = shared_memory_bytes(candidate, head_dim, itemsize)
+    if max(smem.values()) <= SHARED_MEMORY_BYTES and candidate not in out:
+      out.append(candidate)
+  return out
+
+
+def _tuned(head_dim, dtype, q_len, kv_len, is_causal) -> BlockSizes | None:
+  """A persisted autotuning result for this call (GPU only), or None."""
+  try:
+    key = tuning.tuning_key(
+        head_dim=head_dim, dtype=dtype, q_len=q_len, kv_len=kv_len,
+        is_causal=is_causal)
+    record = tuning.lookup(
+        tuning.load_tuned(tuning.device_kind()).get("mosaic_gpu", []), key)
+    return None if record is None else BlockSizes(**record)
+  except (AttributeError, TypeError, ValueError):
+    return None
+
+
+def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
+  """The explicit tiling, else a tuned one (GPU), else the heuristic."""
+  if params.block_sizes is not None:
+    return params.block_sizes
+  head_dim, dtype = q.shape[-1], q.dtype
+  if jax.default_backend() in ("gpu", "cuda"):
+    tuned = _tuned(head_dim, dtype, q.shape[1], k.shape[1], info.is_causal)
+    if tuned is not None:
+      return tuned
+  return default_block_sizes(head_dim, dtype)
+
+
+def _spec(x: _Padded, params, bs, interpret, *, block_q, block_kv, stages,
+          consumers, pingpong, units_per_head, heads, num_heads):
+  q_len, kv_len = x.q.shape[1], x.k.shape[1]
+  units = x.q.shape[0] * heads * units_per_head
+  return kernel.Spec(
+      batch=x.q.shape[0],
+      q_len=q_len,
+      kv_len=kv_len,
+      num_heads=num_heads,
+      num_kv_heads=x.k.shape[2],
+      head_dim=x.q.shape[-1],
+      dtype=x.q.dtype,
+      block_q=block_q,
+      block_kv=block_kv,
+      stages=stages,
+      consumers=consumers,
+      num_ctas=_num_ctas(bs, interpret, units),
+      pingpong=pingpong,
+      is_causal=x.info.is_causal,
+      window=x.info.window,
+      has_segments=x.info.has_segments,
+      scale=params.scale,
+      soft_cap=params.soft_cap,
+      interpret=interpret,
+  )
+
+
+# --------------------------------------------------------------------------
+# Forward and backward.
+# --------------------------------------------------------------------------
+
+
+def _forward(q, k, v, bias, info, params):
+  del bias  # Refused by _check.
+  bs = _block_sizes(params, q, k, info)
+  return forward_impl(q, k, v, info, params, interpret=_interpret(bs))
+
+
+def forward_impl(q, k, v, info, params, *, interpret: bool):
+  """The forward pass with the execution mode given (no platform check).
+
+  `interpret=False` builds the compiled Hopper kernels whatever the default
+  backend is, so that they can be lowered for CUDA ahead of time.
+
+  Returns:
+    (out [B, T, N, H], lse float32 [B, T, N]).
+  """
+  b, t, n, h = q.shape
+  s = k.shape[1]
+  bs = _block_sizes(params, q, k, info)
+  rows = bs.consumers * bs.block_q
+  x = _pad_inputs(q, k, v, info, _round_up(t, rows), _round_up(s, bs.block_kv))
+  sched = schedule(
+      masking.classify_blocks(x.info, bs.block_q, bs.block_kv), bs.consumers)
+  spec = _spec(
+      x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
+      stages=bs.stages, consumers=bs.consumers, pingpong=bs.pingpong,
+      units_per_head=x.q.shape[1] // rows, heads=n, num_heads=n)
+  out, lse = kernel.forward(spec, x.q, x.k, x.v, *x.meta, sched)
+  return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)
+
+
+def _backward(q, k, v, bias, info, params, lse, dout, delta):
+  del bias  # Refused by _check.
+  bs = _block_sizes(params, q, k, info)
+  return backward_impl(
+      q, k, v, info, params, lse, dout, delta, interpret=_interpret(bs))
+
+
+def backward_impl(q, k, v, info, params, lse, dout, delta, *,
+                  interpret: bool):
+  """The backward pass with the execution mode given (see `forward_impl`).
+
+  Returns:
+    (dq, dk, dv, None): no bias gradient, a bias is refused by the check.
+  """
+  b, t, n, h = q.shape
+  s, num_kv = k.shape[1], k.shape[2]
+  bs = _block_sizes(params, q, k, info)
+  q_rows = bs.consumers_dq * bs.block_q_dq
+  kv_rows = bs.consumers_dkv * bs.block_kv_dkv
+  q_len = _round_up(t, math.lcm(q_rows, bs.block_q_dkv))
+  kv_len = _round_up(s, math.lcm(kv_rows, bs.block_kv_dq))
+  x = _pad_inputs(q, k, v, info, q_len, kv_len)
+  hp = x.q.shape[-1]
+  do = _pad_to(_pad_to(dout.astype(q.dtype), 1, q_len), 3, hp)
+  do = masking.zero_padding(
+      do, x.info.q_segment_ids, masking.Q_PAD_SEGMENT)
+
+  def per_head(r, fill):  # [B, T, N] -> [B, N, Tp] float32
+    r = jnp.swapaxes(r.astype(jnp.float32), 1, 2)
+    if q_len == t:
+      return r
+    return jnp.pad(r, ((0, 0), (0, 0), (0, q_len - t)), constant_values=fill)
+
+  lse2 = per_head(kernel.lse_for_kernel(lse), jnp.inf)
+  delta = per_head(delta, 0.0)
+  operands = (x.q, x.k, x.v, do, lse2, delta, *x.meta)
+
+  sched = schedule(
+      masking.classify_blocks(x.info, bs.block_q_dq, bs.block_kv_dq),
+      bs.consumers_dq)
+  spec = _spec(
+      x, params, bs, interpret, block_q=bs.block_q_dq,
+      block_kv=bs.block_kv_dq, stages=bs.stages_bwd,
+      consumers=bs.consumers_dq, pingpong=False,
+      units_per_head=q_len // q_rows, heads=n, num_heads=n)
+  dq = kernel.backward_dq(spec, *operands, sched)
+
+  kinds = masking.classify_blocks(x.info, bs.block_q_dkv, bs.block_kv_dkv)
+  sched = schedule(jnp.swapaxes(kinds, 1, 2), bs.consumers_dkv)
+  spec = _spec(
+      x, params, bs, interpret, block_q=bs.block_q_dkv,
+      block_kv=bs.block_kv_dkv, stages=bs.stages_bwd,
+      consumers=bs.consumers_dkv, pingpong=False,
+      units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n)
+  if bs.split_dkv:
+    (dv,) = kernel.backward_dkv(spec, *operands, sched, outputs=("dv",))
+    (dk,) = kernel.backward_dkv(spec, *operands, sched, outputs=("dk",))
+  else:
+    dk, dv = kernel.backward_dkv(spec, *operands, sched)
+  del b
+  return (
+      dq[:, :t, :, :h],
+      dk[:, :s, :, :h].astype(k.dtype),
+      dv[:, :s, :, :h].astype(v.dtype),
+      None,
+  )
+
+
+BACKEND = vjp.Backend(
+    name="mosaic_gpu",
+    forward=_forward,
+    backward=_backward,
+    check=_check,
+    block_sizes_type=BlockSizes,
+)

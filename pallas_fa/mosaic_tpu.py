@@ -1,0 +1,353 @@
+"""`mosaic_tpu`: flash attention for TPU, written in Pallas and lowered by Mosaic.
+
+Three kernels (`pallas_fa._mosaic_tpu_kernel`): the forward (FlashAttention-2,
+Algorithm 1), and a backward split into a dK/dV kernel and a dQ kernel that
+both recompute the probabilities from the logsumexp residual. On a TPU they
+are compiled by Mosaic; anywhere else they run in Pallas's TPU interpret mode,
+which simulates the TPU's memories and DMAs on the host (slow: for tests).
+
+This module prepares the kernels' inputs on device:
+
+* pads T and S to whole tiles and the head dim to a multiple of 128 (lanes),
+  marking the tails as padding (`masking.pad_sequence`) and zeroing padded
+  rows so that NaN/inf stored there cannot leak (`masking.zero_padding`);
+* keeps the public BTNH layout (as a free [B, L, heads * Hp] reshape), so GQA
+  needs no repeated K/V: a query head reads key/value head `n // G`;
+* classifies every (query tile, key tile) pair as EMPTY / PARTIAL / FULL from
+  the canonical mask description (`masking.classify_blocks`) and turns that
+  into one int32 per grid step -- the tile kind and the block the step fetches
+  -- passed to the kernels by scalar prefetch. An empty step fetches the block
+  needed next (or the one already resident), so it costs no DMA and no
+  compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa import _mosaic_tpu_kernel as kernel
+from pallas_fa import masking
+from pallas_fa import online_softmax
+from pallas_fa import vjp
+
+Array = Any
+_F32 = jnp.float32
+_LANES = kernel.NUM_LANES
+_SUBLANES = kernel.NUM_SUBLANES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BlockSizes:
+  """Tile sizes of the `mosaic_tpu` kernels.
+
+  Every size is a multiple of 128: key tiles are the lane dimension of the
+  [block_q, block_kv] logit tile, query tiles the lane dimension of the
+  logsumexp rows, and both feed the 128-wide matrix unit. A sequence shorter
+  than its tile runs as one tile of its own length rounded up to 128.
+
+  Attributes:
+    block_q: query rows per tile in the forward kernel.
+    block_kv: key rows per tile in the forward kernel.
+    block_q_bwd: query rows per tile in the dK/dV and dQ kernels.
+    block_kv_bwd: key rows per tile in the dK/dV and dQ kernels.
+  """
+
+  block_q: int = 512
+  block_kv: int = 512
+  block_q_bwd: int = 512
+  block_kv_bwd: int = 512
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"BlockSizes.{f.name} must be a positive int, got {value!r}."
+        )
+      if value % _LANES:
+        raise ValueError(
+            f"BlockSizes.{f.name} must be a multiple of {_LANES} (the TPU "
+            f"lane width), got {f.name}={value}."
+        )
+
+
+def default_block_sizes(*, q_len: int, kv_len: int, head_dim: int,
+                        dtype) -> BlockSizes:
+  """The heuristic tiling for a call (clipped to the lengths by the kernels).
+
+  512 x 512 tiles keep the forward's double-buffered q/k/v tiles plus the
+  float32 logit temporaries well inside the default scoped VMEM (16 MiB) for
+  any head dim <= 256. The backward holds four [bq, bk] float32 temporaries
+  (s, p, dp, ds) plus q/dO and k/v tiles and two float32 accumulators, so it
+  halves its tiles once a padded head row exceeds 256 bytes.
+
+  Args:
+    q_len: T.
+    kv_len: S.
+    head_dim: H (unpadded).
+    dtype: the input dtype.
+
+  Returns:
+    A `BlockSizes`.
+  """
+  del q_len, kv_len  # Tiles are clipped to the sequences by the kernels.
+  itemsize = jnp.dtype(_compute_dtype(dtype)).itemsize
+  row_bytes = _round_up(head_dim, _LANES) * itemsize
+  bwd = 512 if row_bytes <= 256 else 256
+  return BlockSizes(block_q=512, block_kv=512, block_q_bwd=bwd,
+                    block_kv_bwd=bwd)
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _compute_dtype(dtype):
+  # The TPU's matrix unit takes bfloat16 and float32, not float16.
+  return _F32 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
+
+
+def tile(block: int, length: int) -> tuple[int, int]:
+  """(tile, padded length) of a sequence of `length` with tiles of `block`."""
+  if length <= block:
+    padded = _round_up(length, _LANES)
+    return padded, padded
+  return block, _round_up(length, block)
+
+
+def fetch_schedule(kinds: Array) -> Array:
+  """Per-step metadata words of a sweep over `kinds` [B, R, C].
+
+  The grid visits, per batch row (and head), rows r in order and within a row
+  the C inner steps in order. Step (r, c) fetches block c if its tile is
+  non-empty; an empty step fetches the next non-empty block of its row (the
+  one needed next), or, in a row's empty tail, the last block the sweep
+  fetched, so the pipeline sees an unchanged block index and issues no DMA.
+
+  Args:
+    kinds: int32 [B, R, C] tile kinds (`masking.classify_blocks` layout).
+
+  Returns:
+    int32 [B * R * C]: (block to fetch << KIND_BITS) | kind, row-major.
+  """
+  b, rows, cols = kinds.shape
+  nonempty = kinds != masking.EMPTY
+  col = jnp.broadcast_to(jnp.arange(cols, dtype=jnp.int32), kinds.shape)
+  flat = col + cols * jnp.arange(rows, dtype=jnp.int32)[:, None]
+  # Next non-empty column at or after c in the same row.
+  nxt = jax.lax.cummin(jnp.where(nonempty, col, cols), axis=2, reverse=True)
+  # Last non-empty step at or before (r, c) in sweep order, and the first.
+  flat_ne = jnp.where(nonempty, flat, -1).reshape(b, rows * cols)
+  prv = jax.lax.cummax(flat_ne, axis=1).reshape(kinds.shape)
+  first = jnp.min(jnp.where(nonempty, flat, rows * cols), axis=(1, 2))
+  first = jnp.where(first < rows * cols, first % cols, 0)[:, None, None]
+  fallback = jnp.where(prv >= 0, prv % cols, first)
+  fetch = jnp.where(nxt < cols, nxt, fallback)
+  words = (fetch << kernel.KIND_BITS) | kinds
+  return words.reshape(-1).astype(jnp.int32)
+
+
+class _Layout:
+  """One pass's inputs, padded to whole tiles, in the kernels' HBM layout."""
+
+  def __init__(self, q, k, v, bias, info, params, block_q, block_kv):
+    b, t, n, h = q.shape
+    s, num_kv = k.shape[1], k.shape[2]
+    self.b, self.t, self.s, self.n, self.h = b, t, s, n, h
+    self.num_kv = num_kv
+    self.bq, self.tp = tile(block_q, t)
+    self.bk, self.sp = tile(block_kv, s)
+    self.hp = _round_up(h, _LANES)
+    self.dtype = _compute_dtype(q.dtype)
+    self.info = info  # Unpadded: `zero_padding` reads the user's padding.
+    padded = _pad_sequence(info, self.tp, self.sp)
+    self.kinds = masking.classify_blocks(padded, self.bq, self.bk)
+    self.names = ["q", "k", "v"]
+    self.operands = [self.queries(q), self.keys(k), self.keys(v)]
+    if padded.restricts_positions:
+      self._add("q_pos", _lane_rows(padded.q_positions))
+      self._add("kv_pos", _sublane_rows(padded.kv_positions))
+    if padded.has_segments:
+      self._add("q_seg", _lane_rows(padded.q_segment_ids))
+      self._add("kv_seg", _sublane_rows(padded.kv_segment_ids))
+    self.bias_shape = None
+    if bias is not None:
+      bias = _pad_dims(bias, {2: self.tp, 3: self.sp}, broadcast=True)
+      if bias.dtype == jnp.float16:
+        bias = bias.astype(_F32)
+      self.bias_shape = bias.shape
+      self._add("bias", bias)
+    mask_shape = None
+    if padded.mask is not None:
+      mask = padded.mask.astype(jnp.int8)  # Mosaic has no bool memrefs.
+      mask_shape = mask.shape
+      self._add("mask", mask)
+    self.static = kernel.Static(
+        scale=params.scale,
+        soft_cap=params.soft_cap,
+        is_causal=info.is_causal,
+        window=info.window,
+        batch=b,
+        num_heads=n,
+        num_kv_heads=num_kv,
+        head_dim=self.hp,
+        q_len=self.tp,
+        kv_len=self.sp,
+        block_q=self.bq,
+        block_kv=self.bk,
+        positions=padded.restricts_positions,
+        segments=padded.has_segments,
+        bias_shape=self.bias_shape,
+        mask_shape=mask_shape,
+        precision=(jax.lax.Precision.HIGHEST if self.dtype == _F32
+                   else jax.lax.Precision.DEFAULT),
+        interpret=kernel.interpret_params(),
+    )
+
+  def _add(self, name, x):
+    self.names.append(name)
+    self.operands.append(x)
+
+  def queries(self, x):
+    """[B, T, N, H] -> [B, Tp, N * Hp], padded rows zeroed."""
+    x = masking.zero_padding(
+        x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
+    x = _pad_dims(x.astype(self.dtype), {1: self.tp, 3: self.hp})
+    return x.reshape(self.b, self.tp, self.n * self.hp)
+
+  def keys(self, x):
+    """[B, S, K, H] -> [B, Sp, K * Hp], padded rows zeroed."""
+    x = masking.zero_padding(
+        x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
+    x = _pad_dims(x.astype(self.dtype), {1: self.sp, 3: self.hp})
+    return x.reshape(self.b, self.sp, self.num_kv * self.hp)
+
+  def rows(self, x, fill):
+    """Per-row statistic [B, T, N] -> [B, N, 1, Tp] float32."""
+    x = _pad_dims(x.astype(_F32), {1: self.tp}, fill)
+    return x.transpose(0, 2, 1)[:, :, None, :]
+
+  def unqueries(self, x, dtype):
+    """[B, Tp, N * Hp] -> [B, T, N, H]."""
+    x = x.reshape(self.b, self.tp, self.n, self.hp)
+    return x[:, : self.t, :, : self.h].astype(dtype)
+
+  def unkeys(self, x, dtype):
+    """[B, Sp, K * Hp] -> [B, S, K, H]."""
+    x = x.reshape(self.b, self.sp, self.num_kv, self.hp)
+    return x[:, : self.s, :, : self.h].astype(dtype)
+
+  def unrows(self, x):
+    """[B, N, 1, Tp] -> [B, T, N]."""
+    return x[:, :, 0, : self.t].transpose(0, 2, 1)
+
+
+def _pad_sequence(info, q_len, kv_len):
+  """`masking.pad_sequence`, also padding length-1 sequences.
+
+  `pad_sequence` treats every size-1 axis as a broadcast axis (right for the
+  dense mask), which leaves the positions and segment ids of a length-1
+  sequence (T = 1 decoding, S = 1) unpadded; pad those here.
+  """
+  padded = masking.pad_sequence(info, q_len, kv_len)
+  fixes = {}
+  for name, length, fill in (
+      ("q_positions", q_len, 0),
+      ("kv_positions", kv_len, 0),
+      ("q_segment_ids", q_len, masking.Q_PAD_SEGMENT),
+      ("kv_segment_ids", kv_len, masking.KV_PAD_SEGMENT),
+  ):
+    x = getattr(padded, name)
+    if x is not None and x.shape[1] != length:
+      fixes[name] = jnp.pad(
+          x, ((0, 0), (0, length - x.shape[1])), constant_values=fill)
+  return padded.replace(**fixes) if fixes else padded
+
+
+def _pad_dims(x, sizes: dict[int, int], fill=0, broadcast=False):
+  """Pads axis a of x to sizes[a]; with `broadcast`, size-1 axes stay 1."""
+  widths = [(0, 0)] * x.ndim
+  for axis, size in sizes.items():
+    if x.shape[axis] != size and not (broadcast and x.shape[axis] == 1):
+      widths[axis] = (0, size - x.shape[axis])
+  if all(w == (0, 0) for w in widths):
+    return x
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def _lane_rows(x):
+  """[B, L] -> [B, L, 128]: one value per sublane row, replicated on lanes."""
+  return jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], x.shape + (_LANES,))
+
+
+def _sublane_rows(x):
+  """[B, L] -> [B, 8, L]: one value per lane, replicated on sublanes."""
+  b, length = x.shape
+  return jnp.broadcast_to(x.astype(jnp.int32)[:, None, :],
+                          (b, _SUBLANES, length))
+
+
+def _block_sizes(params: vjp.Params, q, k) -> BlockSizes:
+  if params.block_sizes is not None:
+    return params.block_sizes
+  return default_block_sizes(q_len=q.shape[1], kv_len=k.shape[1],
+                             head_dim=q.shape[3], dtype=q.dtype)
+
+
+def _forward(q, k, v, bias, info, params):
+  bs = _block_sizes(params, q, k)
+  lay = _Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
+  out, lse = kernel.forward(
+      lay.static, fetch_schedule(lay.kinds), tuple(lay.names), lay.operands,
+      lay.dtype)
+  return lay.unqueries(out, q.dtype), lay.unrows(lse)
+
+
+def _backward(q, k, v, bias, info, params, lse, dout, delta):
+  bs = _block_sizes(params, q, k)
+  lay = _Layout(q, k, v, bias, info, params, bs.block_q_bwd, bs.block_kv_bwd)
+  names = tuple(lay.names) + ("do", "lse", "delta")
+  operands = lay.operands + [
+      lay.queries(dout),
+      lay.rows(lse, online_softmax.MASK_VALUE),
+      lay.rows(delta, 0.0),
+  ]
+  dq = kernel.backward_dq(
+      lay.static, fetch_schedule(lay.kinds), names, operands, lay.dtype)
+  # The dK/dV sweep runs over query tiles per key tile: transposed kinds.
+  outs = kernel.backward_dkv(
+      lay.static, fetch_schedule(lay.kinds.transpose(0, 2, 1)), names,
+      operands, lay.dtype, with_dbias=bias is not None)
+  dq = lay.unqueries(dq, q.dtype)
+  dk = lay.unkeys(outs[0], k.dtype)
+  dv = lay.unkeys(outs[1], v.dtype)
+  dbias = None
+  if bias is not None:
+    dbias = outs[2]  # [B, N, Tp, Sp]: sum over the bias's broadcast dims.
+    axes = tuple(a for a in range(4) if bias.shape[a] == 1)
+    dbias = dbias.sum(axis=axes, keepdims=True)
+    dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
+  return dq, dk, dv, dbias
+
+
+def _check(q, k, v, bias, info, params):
+  """Every feature of the public op is supported; nothing to decline.
+
+  Bias (with its gradient), dense masks, GQA/MQA, positions, segment ids,
+  windows and soft capping all run in the kernels; float16 inputs compute in
+  float32 (the TPU's matrix unit has no float16 mode).
+  """
+  del q, k, v, bias, info, params
+
+
+BACKEND = vjp.Backend(
+    name="mosaic_tpu",
+    forward=_forward,
+    backward=_backward,
+    check=_check,
+    block_sizes_type=BlockSizes,
+)

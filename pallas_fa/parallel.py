@@ -1,0 +1,852 @@
+"""Multi-device flash attention: batch/head sharding and ring attention.
+
+XLA cannot partition a Pallas kernel by itself ("Mosaic kernels cannot be
+automatically partitioned"), so every implementation is run here per device
+inside `shard_map`:
+
+* batch and head sharding are embarrassingly parallel: each device runs the
+  chosen implementation on its own batch rows and heads. With grouped-query
+  attention the key/value heads are split with their query groups; when there
+  are fewer key/value heads than head shards (MQA), K/V are replicated over the
+  head axis and each device slices the one key/value head its queries use.
+* ring (context-parallel) attention over a sequence axis: each device keeps its
+  query shard; its key/value shard -- with the key positions and segment ids,
+  into which padding is folded -- travels around the ring with `ppermute`,
+  issued before each step's compute so the transfer overlaps it. The partial
+  results of the steps are merged exactly through their logsumexp
+  (`online_softmax.merge`). The backward pass is a second trip around the
+  ring: it recomputes every step from the final logsumexp (nothing per step is
+  stored) and carries the dK/dV accumulators with K/V, so after the last
+  rotation they are back on the device that owns those keys.
+
+Steps in which no query may see any key (causal, window or segments, decided
+from the per-shard min/max of positions and segment ids) are skipped. Causal
+ring attention on contiguous shards would leave device r idle on the r steps
+whose keys lie in its future; the zig-zag layout (`zigzag`) gives device r the
+sequence chunks r and 2P-1-r of 2P, so every device has the same number of
+visible keys at every step. Masking is always computed from the true token
+positions, which travel with the tokens, so any token order is exact.
+
+Ring layout over P devices (K/V shard held by device r at step s):
+
+    step:      0    1    2    3
+    device 0:  kv0  kv3  kv2  kv1
+    device 1:  kv1  kv0  kv3  kv2
+    device 2:  kv2  kv1  kv0  kv3
+    device 3:  kv3  kv2  kv1  kv0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa import api
+from pallas_fa import masking
+from pallas_fa import online_softmax
+from pallas_fa import vjp
+
+Array = Any
+AxisNames = str | Sequence[str] | None
+_F32 = jnp.float32
+_P = jax.sharding.PartitionSpec
+
+# Mesh axis names used by `make_mesh` (any names work elsewhere).
+DATA_AXIS = "data"
+HEAD_AXIS = "heads"
+SEQUENCE_AXIS = "sequence"
+
+
+# --------------------------------------------------------------------------
+# shard_map and mesh helpers.
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """`jax.shard_map` (or the older `jax.experimental.shard_map`).
+
+  Replication checking is off: the ring skips steps with `lax.cond`, whose
+  branches differ in how they vary over the mesh; the transpose still sums
+  the cotangents of inputs replicated over an axis.
+  """
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+  from jax.experimental import shard_map as legacy
+
+  return legacy.shard_map(
+      f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False
+  )
+
+
+def make_mesh(
+    *,
+    data: int = 1,
+    heads: int = 1,
+    sequence: int = 1,
+    devices: Sequence[Any] | None = None,
+) -> jax.sharding.Mesh:
+  """A (data, heads, sequence) mesh with automatic (GSPMD) axes.
+
+  The sequence axis is innermost so ring neighbours are, where possible,
+  devices of the same host (NVLink rather than the network).
+
+  Args:
+    data: devices along the batch (data-parallel) axis.
+    heads: devices along the head (tensor-parallel) axis.
+    sequence: devices along the sequence (context-parallel, ring) axis.
+    devices: devices to use, default `jax.devices()` (all processes).
+
+  Returns:
+    A `jax.sharding.Mesh` with axes (DATA_AXIS, HEAD_AXIS, SEQUENCE_AXIS).
+
+  Raises:
+    ValueError: data * heads * sequence differs from the number of devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = (data, heads, sequence)
+  if min(shape) < 1 or int(np.prod(shape)) != len(devices):
+    raise ValueError(
+        f"make_mesh needs data * heads * sequence == number of devices, got "
+        f"{data=}, {heads=}, {sequence=} for {len(devices)} devices."
+    )
+  names = (DATA_AXIS, HEAD_AXIS, SEQUENCE_AXIS)
+  axis_type = getattr(jax.sharding, "AxisType", None)
+  kwargs = {}
+  if axis_type is not None:
+    kwargs["axis_types"] = (axis_type.Auto,) * 3
+  try:
+    return jax.make_mesh(shape, names, devices=devices, **kwargs)
+  except TypeError:  # Older jax: no devices= argument.
+    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), names)
+
+
+def _axis_size(axis_name) -> int:
+  if hasattr(jax.lax, "axis_size"):
+    return jax.lax.axis_size(axis_name)
+  return jax.lax.psum(1, axis_name)
+
+
+def _names(axes: AxisNames) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  if isinstance(axes, str):
+    return (axes,)
+  return tuple(axes)
+
+
+def _entry(names: tuple[str, ...]):
+  """A PartitionSpec entry for `names` (None when empty)."""
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else names
+
+
+# --------------------------------------------------------------------------
+# Zig-zag (load-balanced causal) layout.
+
+
+def zigzag_indices(length: int, num_shards: int) -> np.ndarray:
+  """Token order of the zig-zag layout: `x_zz = x[zigzag_indices(...)]`.
+
+  The sequence is cut into 2 * num_shards equal chunks and shard r holds
+  chunks r and 2 * num_shards - 1 - r, so under a causal mask every shard
+  sees the same number of keys (FlashAttention-style load balancing for
+  context parallelism).
+
+  Raises:
+    ValueError: length is not a multiple of 2 * num_shards.
+  """
+  chunks = 2 * num_shards
+  if num_shards < 1 or length % chunks:
+    raise ValueError(
+        f"the zig-zag layout needs length % (2 * num_shards) == 0, got "
+        f"{length=}, {num_shards=}."
+    )
+  c = length // chunks
+  order = []
+  for r in range(num_shards):
+    order += [r, chunks - 1 - r]
+  return np.concatenate([np.arange(j * c, (j + 1) * c) for j in order])
+
+
+def zigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
+  """Permutes `axis` of x into the zig-zag layout (see `zigzag_indices`).
+
+  A model permutes its tokens (and targets, and `arange` positions) once
+  with this and runs every layer in that order; attention stays exact because
+  it masks by the positions, which are permuted with the tokens.
+  """
+  idx = zigzag_indices(x.shape[axis], num_shards)
+  return jnp.take(x, jnp.asarray(idx), axis=axis)
+
+
+def unzigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
+  """Inverse of `zigzag`: back to the natural token order."""
+  idx = np.argsort(zigzag_indices(x.shape[axis], num_shards))
+  return jnp.take(x, jnp.asarray(idx), axis=axis)
+
+
+# --------------------------------------------------------------------------
+# Ring attention (per-device code, runs inside shard_map).
+
+
+def _rotate(tree, axis_name, size):
+  """Sends every leaf to the next device of the ring (r -> r + 1)."""
+  perm = [(i, (i + 1) % size) for i in range(size)]
+  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
+
+
+def _kv_columns(x, src, s_local):
+  """Columns of the dense bias/mask [..., S] that belong to kv shard src."""
+  if x is None or x.shape[3] == 1:
+    return x
+  return jax.lax.dynamic_slice_in_dim(x, src * s_local, s_local, 3)
+
+
+def _step_inputs(bias, info, kv_pos, kv_seg, src, s_local):
+  """Bias and MaskInfo of one ring step (the keys of shard `src`)."""
+  step_info = info.replace(
+      kv_positions=kv_pos,
+      kv_segment_ids=kv_seg,
+      mask=_kv_columns(info.mask, src, s_local),
+  )
+  return _kv_columns(bias, src, s_local), step_info
+
+
+def _step_is_empty(info: masking.MaskInfo):
+  """Whether no query of this shard may see any key of this step, or None.
+
+  Decided from the min/max of positions and segment ids over the whole shard
+  (`classify_blocks` with one block per shard), so it is conservative.
+  """
+  if not (info.restricts_positions or info.has_segments
+          or info.mask is not None):
+    return None
+  t = info.q_positions.shape[1]
+  s = info.kv_positions.shape[1]
+  kinds = masking.classify_blocks(info, t, s)  # [B, 1, 1]
+  return jnp.all(kinds == masking.EMPTY)
+
+
+def _cond(empty, skip, run):
+  return run() if empty is None else jax.lax.cond(empty, skip, run)
+
+
+def _step_forward(backend, params, q, k, v, bias, info):
+  """(out float32, lse) of q against one K/V shard; skipped when empty."""
+  b, t, n, h = q.shape
+
+  def run():
+    out, lse = backend.forward(q, k, v, bias, info, params)
+    return out.astype(_F32), lse.astype(_F32)
+
+  def skip():
+    return (jnp.zeros((b, t, n, h), _F32),
+            jnp.full((b, t, n), online_softmax.MASK_VALUE, _F32))
+
+  return _cond(_step_is_empty(info), skip, run)
+
+
+def _step_backward(backend, params, q, k, v, bias, info, lse, dout, delta):
+  """(dq, dk, dv, dbias) of one step, in float32, from the final lse/delta."""
+
+  def run():
+    if backend.backward is not None:
+      # p = exp(s - lse) with the *final* lse are this step's share of the
+      # global probabilities, and delta is global too: the backend's own
+      # backward gives exact gradients (ring FlashAttention-2 backward).
+      grads = backend.backward(q, k, v, bias, info, params, lse, dout, delta)
+    else:
+      # Plain-autodiff backend: pull the step's share of the merged
+      # cotangents back through its forward. With w = exp(lse_s - lse),
+      # out = sum_s w out_s gives dout_s = w dout and
+      # dlse_s = w (rowsum(dout * out_s) - delta).
+      def f(q, k, v, bias):
+        return backend.forward(q, k, v, bias, info, params)
+
+      (out_s, lse_s), pullback = jax.vjp(f, q, k, v, bias)
+      w = jnp.where(
+          lse_s == online_softmax.MASK_VALUE, 0.0, jnp.exp(lse_s - lse)
+      )
+      dout32 = dout.astype(_F32)
+      dout_s = (w[..., None] * dout32).astype(out_s.dtype)
+      dlse_s = w * (jnp.sum(dout32 * out_s.astype(_F32), axis=-1) - delta)
+      grads = pullback((dout_s, dlse_s.astype(lse_s.dtype)))
+    return jax.tree.map(lambda g: g.astype(_F32), grads)
+
+  def skip():
+    zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)
+    return zeros(q), zeros(k), zeros(v), zeros(bias)
+
+  return _cond(_step_is_empty(info), skip, run)
+
+
+def _add_columns(acc, d, src, s_local):
+  """acc[..., columns of shard src] += d (dense-bias gradient)."""
+  if acc is None:
+    return None
+  if acc.shape[3] == 1:
+    return acc + d
+  start = src * s_local
+  cur = jax.lax.dynamic_slice_in_dim(acc, start, s_local, 3)
+  return jax.lax.dynamic_update_slice_in_dim(acc, cur + d, start, 3)
+
+
+def _ring_forward(backend, params, axis_name, q, k, v, bias, info):
+  size = _axis_size(axis_name)
+  me = jax.lax.axis_index(axis_name)
+  b, t, n, h = q.shape
+  s_local = k.shape[1]
+
+  def body(carry, step):
+    out, lse, kv = carry
+    # Issued before the compute it does not depend on, so the transfer of
+    # the next shard overlaps this step (the last one is hidden the same
+    # way and brings the shard home).
+    kv_next = _rotate(kv, axis_name, size)
+    k_s, v_s, kv_pos, kv_seg = kv
+    src = (me - step) % size
+    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, s_local)
+    out_s, lse_s = _step_forward(backend, params, q, k_s, v_s, bias_s, info_s)
+    out, lse = online_softmax.merge(out, lse, out_s, lse_s)
+    return (out, lse, kv_next), None
+
+  carry = (
+      jnp.zeros((b, t, n, h), _F32),
+      jnp.full((b, t, n), online_softmax.MASK_VALUE, _F32),
+      (k, v, info.kv_positions, info.kv_segment_ids),
+  )
+  (out, lse, _), _ = jax.lax.scan(body, carry, jnp.arange(size))
+  return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(backend, params, axis_name, q, k, v, bias, info):
+  return _ring_forward(backend, params, axis_name, q, k, v, bias, info)
+
+
+def _ring_fwd(backend, params, axis_name, q, k, v, bias, info):
+  out, lse = _ring_forward(backend, params, axis_name, q, k, v, bias, info)
+  # Only the inputs and (out, lse): every step is recomputed backwards.
+  return (out, lse), (q, k, v, bias, info, out, lse)
+
+
+def _ring_bwd(backend, params, axis_name, residuals, cotangents):
+  q, k, v, bias, info, out, lse = residuals
+  dout, dlse = cotangents
+  size = _axis_size(axis_name)
+  me = jax.lax.axis_index(axis_name)
+  s_local = k.shape[1]
+  delta = online_softmax.delta(out, dout, dlse)
+
+  def body(carry, step):
+    dq, dbias, kv, dkv = carry
+    kv_next = _rotate(kv, axis_name, size)  # overlaps this step's compute
+    k_s, v_s, kv_pos, kv_seg = kv
+    src = (me - step) % size
+    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, s_local)
+    dq_s, dk_s, dv_s, dbias_s = _step_backward(
+        backend, params, q, k_s, v_s, bias_s, info_s, lse, dout, delta
+    )
+    dk, dv = dkv
+    # dK/dV travel with the K/V shard they belong to; after `size`
+    # rotations they are back on its owner.
+    dkv_next = _rotate((dk + dk_s, dv + dv_s), axis_name, size)
+    dbias = _add_columns(dbias, dbias_s, src, s_local)
+    return (dq + dq_s, dbias, kv_next, dkv_next), None
+
+  carry = (
+      jnp.zeros(q.shape, _F32),
+      None if bias is None else jnp.zeros(bias.shape, _F32),
+      (k, v, info.kv_positions, info.kv_segment_ids),
+      (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)),
+  )
+  (dq, dbias, _, (dk, dv)), _ = jax.lax.scan(body, carry, jnp.arange(size))
+  if dbias is not None:
+    dbias = dbias.astype(bias.dtype)
+  info_ct = jax.tree.map(lambda _: None, info)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias,
+          info_ct)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _ring_local(implementation, params, axis_name, q, k, v, bias, info):
+  """Chooses the implementation for one ring step and runs the ring."""
+  s_local = k.shape[1]
+  bias_0, info_0 = _step_inputs(
+      bias, info, info.kv_positions, info.kv_segment_ids, 0, s_local
+  )
+  backend = api._choose(implementation, q, k, v, bias_0, info_0, params)
+  return _ring(backend, params, axis_name, q, k, v, bias, info)
+
+
+def ring_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    *,
+    axis_name: str,
+    scale: float | None = None,
+    is_causal: bool = False,
+    local_window_size: int | Sequence[int | None] | None = None,
+    segment_ids: masking.SegmentIds | None = None,
+    query_positions: Array | None = None,
+    key_positions: Array | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | None = None,
+    block_sizes: Any = None,
+    return_residual: bool = False,
+):
+  """Ring attention over mesh axis `axis_name`, called inside `shard_map`.
+
+  Every argument is this device's shard along the sequence: query [B, T, N,
+  H] and key/value [B, S, K, H] hold T and S consecutive rows of the (caller-
+  ordered) sequence; positions and segment ids are the shards' own rows. The
+  result equals `pallas_fa.flash_attention` on the concatenated shards, for
+  every mask argument and every implementation. Use `sharded_flash_attention`
+  to start from global arrays.
+
+  Args:
+    query: local query shard [B, T, N, H].
+    key: local key shard [B, S, K, H].
+    value: local value shard, like key.
+    bias: float [B|1, N|1, T|1, S_total|1]: this device's query rows against
+      *all* keys (in ring order, shard p at columns [p*S, (p+1)*S)).
+    mask: bool, shaped like bias; True = may attend.
+    axis_name: the mesh axis (of the enclosing shard_map) forming the ring.
+    scale: see `pallas_fa.flash_attention`.
+    is_causal: see `pallas_fa.flash_attention` (measured on positions).
+    local_window_size: see `pallas_fa.flash_attention`.
+    segment_ids: local `SegmentIds(q=[B, T], kv=[B, S])`. Padding is
+      expressed here (`masking.padding_segments` folds lengths in), since a
+      shard cannot interpret global lengths.
+    query_positions: int [B, T] true positions of the local queries; default
+      `axis_index * T + arange(T)` (contiguous shards).
+    key_positions: int [B, S], default `axis_index * S + arange(S)`.
+    logits_soft_cap: see `pallas_fa.flash_attention`.
+    implementation: see `pallas_fa.flash_attention`.
+    block_sizes: see `pallas_fa.flash_attention`.
+    return_residual: also return the local logsumexp [B, T, N].
+
+  Returns:
+    The local output shard [B, T, N, H], or (out, lse) with return_residual.
+
+  Raises:
+    ValueError / TypeError: invalid arguments (the message names them).
+    NotImplementedError: the named implementation cannot honour this call.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  if query.ndim != 4 or key.ndim != 4:
+    raise ValueError(
+        f"ring_attention takes batched [B, T, N, H] shards, got "
+        f"{query.shape=}, {key.shape=}."
+    )
+  try:
+    size = _axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"ring_attention runs inside shard_map over a mesh with {axis_name=}"
+        f": {e}"
+    ) from e
+  me = jax.lax.axis_index(axis_name)
+  b, t, n, _ = query.shape
+  s = key.shape[1]
+  if query_positions is None:
+    query_positions = jnp.broadcast_to(
+        me * t + jnp.arange(t, dtype=jnp.int32), (b, t))
+  if key_positions is None:
+    key_positions = jnp.broadcast_to(
+        me * s + jnp.arange(s, dtype=jnp.int32), (b, s))
+  q, k, v, _, info, params, _ = api._canonicalise(
+      query, key, value, None, None, scale=scale, is_causal=is_causal,
+      query_seq_lengths=None, key_value_seq_lengths=None,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      query_positions=query_positions, key_positions=key_positions,
+      logits_soft_cap=logits_soft_cap,
+  )
+  shape4 = (b, n, t, s * size)
+  bias = api._check_dense("bias", bias, shape4, False)
+  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
+  mask = api._check_dense("mask", mask, shape4, False)
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a bool array, got {mask.dtype=}.")
+  info = info.replace(mask=mask)
+  params = dataclasses.replace(params, block_sizes=block_sizes)
+  out, lse = _ring_local(implementation, params, axis_name, q, k, v, bias,
+                         info)
+  return (out, lse) if return_residual else out
+
+
+# --------------------------------------------------------------------------
+# Global-array entry point.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Plan:
+  """Static description of one sharded call (a jit static argument)."""
+
+  mesh: jax.sharding.Mesh
+  batch: tuple[str, ...]
+  heads: tuple[str, ...]
+  sequence: str | None
+  ring_size: int
+  # How many query heads share one K/V head (GQA group size), and whether
+  # K/V are replicated over the head axes (fewer K/V heads than shards).
+  group: int
+  kv_replicated: bool
+  zigzag: bool
+  implementation: str | None
+  params: vjp.Params
+
+  def q_spec(self):  # [B, T, N, H]
+    return _P(_entry(self.batch), self.sequence, _entry(self.heads), None)
+
+  def kv_spec(self):  # [B, S, K, H]
+    heads = None if self.kv_replicated else _entry(self.heads)
+    return _P(_entry(self.batch), self.sequence, heads, None)
+
+  def rows_spec(self):  # [B, T] positions / segment ids; [B, T, N] lse
+    return _P(_entry(self.batch), self.sequence)
+
+  def lse_spec(self):
+    return _P(_entry(self.batch), self.sequence, _entry(self.heads))
+
+  def dense_spec(self, x):  # [B|1, N|1, T|1, S|1]; S is never split
+    if x is None:
+      return None
+    return _P(
+        _entry(self.batch) if x.shape[0] > 1 else None,
+        _entry(self.heads) if x.shape[1] > 1 else None,
+        self.sequence if x.shape[2] > 1 else None,
+        None,
+    )
+
+  def info_spec(self, info):
+    seg = None if info.q_segment_ids is None else self.rows_spec()
+    return info.replace(
+        q_positions=self.rows_spec(),
+        kv_positions=self.rows_spec(),
+        q_segment_ids=seg,
+        kv_segment_ids=seg,
+        mask=self.dense_spec(info.mask),
+    )
+
+
+def _mesh_size(mesh, names):
+  return int(np.prod([mesh.shape[a] for a in names], dtype=np.int64))
+
+
+def _make_plan(mesh, batch_axes, head_axes, sequence_axis, zigzag_layout,
+               q_shape, k_shape, implementation, params):
+  batch, heads = _names(batch_axes), _names(head_axes)
+  seq = () if sequence_axis is None else (sequence_axis,)
+  used = batch + heads + seq
+  for a in used:
+    if a not in mesh.shape:
+      raise ValueError(
+          f"mesh axis {a!r} is not in the mesh (axes "
+          f"{tuple(mesh.axis_names)}); got {batch_axes=}, {head_axes=}, "
+          f"{sequence_axis=}."
+      )
+  if len(set(used)) != len(used):
+    raise ValueError(
+        f"a mesh axis is used twice: {batch_axes=}, {head_axes=}, "
+        f"{sequence_axis=}."
+    )
+  b, t, n, _ = q_shape
+  s, num_kv = k_shape[1], k_shape[2]
+  nb = _mesh_size(mesh, batch)
+  if b % nb:
+    raise ValueError(
+        f"batch B={b} must be a multiple of the {nb} devices on "
+        f"{batch_axes=} (query shape {tuple(q_shape)})."
+    )
+  nh = _mesh_size(mesh, heads)
+  kv_replicated = False
+  if n % nh:
+    raise ValueError(
+        f"query heads N={n} must be a multiple of the {nh} devices on "
+        f"{head_axes=}."
+    )
+  if num_kv % nh:
+    if nh % num_kv:
+      raise ValueError(
+          f"key/value heads K={num_kv} must divide or be a multiple of the "
+          f"{nh} devices on {head_axes=} (GQA groups cannot be split)."
+      )
+    kv_replicated = True
+  ring = 1 if sequence_axis is None else mesh.shape[sequence_axis]
+  if zigzag_layout and sequence_axis is None:
+    raise ValueError("load_balance=True needs a sequence_axis.")
+  del t, s  # Sequence lengths are padded to the ring's multiple.
+  return _Plan(
+      mesh=mesh, batch=batch, heads=heads,
+      sequence=sequence_axis if ring > 1 else None, ring_size=ring,
+      group=n // num_kv, kv_replicated=kv_replicated,
+      zigzag=bool(zigzag_layout) and ring > 1,
+      implementation=implementation, params=params,
+  )
+
+
+def _pad_axis(x, axis, size, value=0):
+  if x is None or x.shape[axis] in (1, size):
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _permute_axis(x, axis, num_shards):
+  if x is None or x.shape[axis] == 1:
+    return x
+  return zigzag(x, num_shards, axis)
+
+
+def _select_kv_heads(plan, q, k, v):
+  """K/V replicated over the head axes: keep the one head these queries use."""
+  n_local = q.shape[2]
+  me = jax.lax.axis_index(plan.heads if len(plan.heads) > 1
+                          else plan.heads[0])
+  kv_head = (me * n_local) // plan.group
+  pick = lambda x: jax.lax.dynamic_slice_in_dim(x, kv_head, 1, 2)
+  return pick(k), pick(v)
+
+
+def _is_explicit(mesh) -> bool:
+  axis_type = getattr(jax.sharding, "AxisType", None)
+  types = getattr(mesh, "axis_types", ())
+  return axis_type is not None and any(a == axis_type.Explicit for a in types)
+
+
+def _reshard(plan, tree, specs):
+  """On meshes with explicit axes, lays `tree` out as `specs` demand.
+
+  shard_map requires explicitly sharded inputs to match in_specs, and
+  padding / permuting a sequence split over an explicit axis is refused, so
+  those steps run with the sequence gathered. Automatic (GSPMD) axes need
+  none of this: XLA inserts whatever layout change is needed.
+  """
+  if not _is_explicit(plan.mesh):
+    return tree
+  shardings = jax.tree.map(
+      lambda spec: jax.sharding.NamedSharding(plan.mesh, spec), specs,
+      is_leaf=lambda x: isinstance(x, _P),
+  )
+  return jax.sharding.reshard(tree, shardings)
+
+
+def _sequence_layout(plan, q, k, v, bias, info):
+  """Pads T and S to equal shards and permutes into the zig-zag layout."""
+  t, s = q.shape[1], k.shape[1]
+  # Shards must be equal: pad the tails as padding (folded into segment ids,
+  # so they are masked like user padding and cost no extra logic).
+  multiple = plan.ring_size * (2 if plan.zigzag else 1)
+  tp, sp = -(-t // multiple) * multiple, -(-s // multiple) * multiple
+  if (tp, sp) != (t, s):
+    info = masking.pad_sequence(info, tp, sp)
+    q, k, v = _pad_axis(q, 1, tp), _pad_axis(k, 1, sp), _pad_axis(v, 1, sp)
+    bias = _pad_axis(_pad_axis(bias, 2, tp), 3, sp)
+  if plan.zigzag:
+    r = plan.ring_size
+    q, k, v = (_permute_axis(x, 1, r) for x in (q, k, v))
+    bias = _permute_axis(_permute_axis(bias, 2, r), 3, r)
+    info = info.replace(
+        q_positions=_permute_axis(info.q_positions, 1, r),
+        kv_positions=_permute_axis(info.kv_positions, 1, r),
+        q_segment_ids=_permute_axis(info.q_segment_ids, 1, r),
+        kv_segment_ids=_permute_axis(info.kv_segment_ids, 1, r),
+        mask=_permute_axis(_permute_axis(info.mask, 2, r), 3, r),
+    )
+  return q, k, v, bias, info
+
+
+def _specs(plan, bias, info):
+  return (plan.q_spec(), plan.kv_spec(), plan.kv_spec(),
+          plan.dense_spec(bias), plan.info_spec(info))
+
+
+def _sharded(plan: _Plan, q, k, v, bias, info):
+  t, s = q.shape[1], k.shape[1]
+  ring = plan.sequence is not None
+  relayout = ring and (plan.zigzag or t % plan.ring_size
+                       or s % plan.ring_size)
+  gathered = dataclasses.replace(plan, sequence=None)
+  if relayout:
+    args = _reshard(plan, (q, k, v, bias, info), _specs(gathered, bias, info))
+    q, k, v, bias, info = _sequence_layout(plan, *args)
+
+  def body(q, k, v, bias, info):
+    if plan.kv_replicated:
+      k, v = _select_kv_heads(plan, q, k, v)
+    if not ring:
+      backend = api._choose(
+          plan.implementation, q, k, v, bias, info, plan.params)
+      return vjp.attention(backend, plan.params, q, k, v, bias, info)
+    return _ring_local(plan.implementation, plan.params, plan.sequence,
+                       q, k, v, bias, info)
+
+  in_specs = _specs(plan, bias, info)
+  out_specs = (plan.q_spec(), plan.lse_spec())
+  args = _reshard(plan, (q, k, v, bias, info), in_specs)
+  out, lse = shard_map(
+      body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+  if relayout:
+    out, lse = _reshard(plan, (out, lse),
+                        (gathered.q_spec(), gathered.lse_spec()))
+    if plan.zigzag:
+      out = unzigzag(out, plan.ring_size, 1)
+      lse = unzigzag(lse, plan.ring_size, 1)
+    out, lse = out[:, :t], lse[:, :t]
+  return out, lse
+
+
+def sharded_flash_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    *,
+    mesh: jax.sharding.Mesh,
+    batch_axes: AxisNames = None,
+    head_axes: AxisNames = None,
+    sequence_axis: str | None = None,
+    load_balance: bool = False,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: int | Sequence[int | None] | None = None,
+    segment_ids: masking.SegmentIds | None = None,
+    query_positions: Array | None = None,
+    key_positions: Array | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | None = None,
+    block_sizes: Any = None,
+    return_residual: bool = False,
+):
+  """`pallas_fa.flash_attention` on global arrays sharded over `mesh`.
+
+  Takes the arguments of `pallas_fa.flash_attention` (same meaning, same
+  result) plus where the work is split. Works under `jit`, `grad` and
+  `vmap`-free training loops, with any registered implementation, including
+  Pallas kernels that XLA cannot partition itself: each device runs the
+  implementation on its shard inside `shard_map`.
+
+  * batch_axes / head_axes: B (and N, K) are split over these mesh axes.
+    K/V heads are split along with their query groups; with fewer K/V heads
+    than head shards (MQA) K/V are replicated over the head axes.
+  * sequence_axis: ring attention over this axis (context parallelism): T
+    and S are split into equal shards (tails padded internally), queries stay
+    put and K/V travel around the ring. For causal attention pass
+    `zigzag=True`, or better, keep the whole model in the zig-zag layout
+    (`zigzag`) and pass the true `query_positions`/`key_positions`.
+
+  Args:
+    query: [B, T, N, H] (or unbatched [T, N, H]).
+    key: [B, S, K, H].
+    value: [B, S, K, H].
+    bias: see `pallas_fa.flash_attention`.
+    mask: see `pallas_fa.flash_attention`.
+    mesh: the device mesh.
+    batch_axes: mesh axis name(s) splitting B, or None.
+    head_axes: mesh axis name(s) splitting the heads, or None.
+    sequence_axis: mesh axis name of the ring, or None.
+    load_balance: permute the sequence into the zig-zag layout on the way
+      in and back on the way out, so causal ring steps are balanced (this
+      costs two all-to-alls per call; a model can instead permute its tokens
+      once with `parallel.zigzag`).
+    scale: see `pallas_fa.flash_attention`.
+    is_causal: see `pallas_fa.flash_attention`.
+    query_seq_lengths: see `pallas_fa.flash_attention`.
+    key_value_seq_lengths: see `pallas_fa.flash_attention`.
+    local_window_size: see `pallas_fa.flash_attention`.
+    segment_ids: see `pallas_fa.flash_attention`.
+    query_positions: see `pallas_fa.flash_attention`.
+    key_positions: see `pallas_fa.flash_attention`.
+    logits_soft_cap: see `pallas_fa.flash_attention`.
+    implementation: see `pallas_fa.flash_attention`.
+    block_sizes: see `pallas_fa.flash_attention`.
+    return_residual: also return the logsumexp [B, T, N].
+
+  Returns:
+    out shaped and typed like query (sharded like it), or (out, lse).
+
+  Raises:
+    ValueError / TypeError: invalid arguments or a split that does not
+      divide B, N or the K/V head groups (the message names them).
+    NotImplementedError: the named implementation cannot honour this call.
+  """
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(
+        f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+  if sequence_axis is not None and not isinstance(sequence_axis, str):
+    raise TypeError(
+        f"sequence_axis must be one mesh axis name, got {sequence_axis=}.")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
+  api._check_non_negative("query_seq_lengths", query_seq_lengths)
+  api._check_non_negative("key_value_seq_lengths", key_value_seq_lengths)
+  static = dict(
+      mesh=mesh,
+      batch_axes=_names(batch_axes),
+      head_axes=_names(head_axes),
+      sequence_axis=sequence_axis,
+      load_balance=bool(load_balance),
+      scale=api._check_static_float("scale", scale),
+      is_causal=bool(is_causal),
+      local_window_size=api._check_window(local_window_size),
+      logits_soft_cap=api._check_static_float(
+          "logits_soft_cap", logits_soft_cap, True),
+      implementation=implementation,
+      block_sizes=block_sizes,
+  )
+  out, lse = _sharded_flash_attention(
+      query, key, value, bias, mask, query_seq_lengths,
+      key_value_seq_lengths, segment_ids, query_positions, key_positions,
+      **static)
+  return (out, lse) if return_residual else out
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("mesh", "batch_axes", "head_axes", "sequence_axis",
+                     "load_balance", "scale", "is_causal",
+                     "local_window_size", "logits_soft_cap",
+                     "implementation", "block_sizes"),
+)
+def _sharded_flash_attention(
+    query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+    segment_ids, query_positions, key_positions, *, mesh, batch_axes,
+    head_axes, sequence_axis, load_balance, scale, is_causal,
+    local_window_size, logits_soft_cap, implementation, block_sizes,
+):
+  # Canonicalised once per trace, like `pallas_fa.flash_attention`: the
+  # global mask description (padding folded into segment ids) is built
+  # before sharding, so every shard sees exact global semantics.
+  q, k, v, bias, info, params, unbatched = api._canonicalise(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      query_positions=query_positions, key_positions=key_positions,
+      logits_soft_cap=logits_soft_cap,
+  )
+  params = dataclasses.replace(params, block_sizes=block_sizes)
+  plan = _make_plan(mesh, batch_axes, head_axes, sequence_axis, load_balance,
+                    q.shape, k.shape, implementation, params)
+  out, lse = _sharded(plan, q, k, v, bias, info)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return out, lse

@@ -1,0 +1,788 @@
+"""`triton`: flash attention kernels in Pallas, lowered to Triton.
+
+Three kernels, none using atomics, so every result is deterministic:
+
+* forward: grid (query blocks, query heads, batch); each program keeps one
+  [block_q, H] tile of queries and runs the online softmax over the key/value
+  tiles (FlashAttention-2, Algorithm 1) in base 2, with log2(e) folded into
+  the logit scale; it writes the output and the natural-log logsumexp;
+* dK/dV: grid (key blocks, key/value heads, batch); each program keeps one
+  [block_kv, H] tile of K and V and streams the query tiles of *every* query
+  head of its GQA group, so dK and dV come out summed over the group without
+  ever being materialised per query head (FlashAttention-2 §3.2);
+* dQ: grid (query blocks, query heads, batch); each program keeps one query
+  tile and streams the key/value tiles; it also produces dbias when a bias is
+  given. delta = rowsum(out * dout) - dlse arrives precomputed from `vjp`.
+
+Every loop runs over the tiles `masking.classify_blocks` marks non-empty, its
+bounds computed outside the kernel from per-block min/max of positions and
+segment ids (so causal, windows, padding and sorted segments shrink the
+loops), and is split into a masked head, an unmasked middle of FULL tiles and
+a masked tail, so the masking arithmetic runs only on PARTIAL tiles.
+
+Any T and S are padded to whole tiles (the tail marked as padding through
+`masking.pad_sequence`) and any head dim is zero-padded to a power of two of
+at least 16 (zeros change no dot product). On CPU the kernels run in Pallas
+interpret mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_fa import masking
+from pallas_fa import online_softmax
+from pallas_fa import tuning
+from pallas_fa import vjp
+
+try:  # The Triton-specific Pallas API (`jax.experimental.pallas.gpu` once).
+  from jax.experimental.pallas import triton as _plgpu
+except ImportError:  # pragma: no cover - depends on the installed jax.
+  from jax.experimental.pallas import gpu as _plgpu
+
+Array = Any
+_F32 = jnp.float32
+_LOG2_E = online_softmax.LOG2_E
+# Triton's tl.dot needs every matmul dimension to be at least 16.
+MIN_BLOCK = 16
+MAX_BLOCK = 512
+_WARPS = (1, 2, 4, 8, 16)
+_SQUEEZED = getattr(pl, "squeezed", None)
+# Named TritonCompilerParams before jax 0.6.
+_CompilerParams = (
+    _plgpu.CompilerParams if hasattr(_plgpu, "CompilerParams")
+    else _plgpu.TritonCompilerParams
+)
+
+
+def _is_power_of_2(x: int) -> bool:
+  return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BlockSizes:
+  """Tiling of the `triton` kernels.
+
+  Tiles are clipped to the (power-of-two rounded) sequence lengths, so large
+  tiles are safe on short sequences.
+
+  Attributes:
+    block_q: forward query rows per program.
+    block_k: forward key rows per loop step.
+    block_q_dkv: dK/dV kernel, query rows per loop step.
+    block_kv_dkv: dK/dV kernel, key rows per program.
+    block_q_dq: dQ kernel, query rows per program.
+    block_kv_dq: dQ kernel, key rows per loop step.
+    num_warps: warps per program of the forward kernel.
+    num_stages: software-pipelining stages of the forward kernel.
+    num_warps_bwd: warps of the backward kernels (None: num_warps).
+    num_stages_bwd: stages of the backward kernels (None: num_stages).
+  """
+
+  block_q: int = 128
+  block_k: int = 64
+  block_q_dkv: int = 32
+  block_kv_dkv: int = 128
+  block_q_dq: int = 128
+  block_kv_dq: int = 32
+  num_warps: int = 4
+  num_stages: int = 2
+  num_warps_bwd: int | None = None
+  num_stages_bwd: int | None = None
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if value is None and f.name.endswith("_bwd"):
+        continue
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(
+            f"BlockSizes.{f.name} must be an int, got {value!r}.")
+      if f.name.startswith("block_") and not (
+          _is_power_of_2(value) and MIN_BLOCK <= value <= MAX_BLOCK
+      ):
+        raise ValueError(
+            f"BlockSizes.{f.name} must be a power of two in "
+            f"[{MIN_BLOCK}, {MAX_BLOCK}], got {value!r}."
+        )
+      if f.name.startswith("num_warps") and value not in _WARPS:
+        raise ValueError(
+            f"BlockSizes.{f.name} must be one of {_WARPS}, got {value!r}.")
+      if f.name.startswith("num_stages") and not 1 <= value <= 8:
+        raise ValueError(
+            f"BlockSizes.{f.name} must be in [1, 8], got {value!r}.")
+
+  @property
+  def backward_warps(self) -> int:
+    return self.num_warps_bwd or self.num_warps
+
+  @property
+  def backward_stages(self) -> int:
+    return self.num_stages_bwd or self.num_stages
+
+
+def default_block_sizes(
+    *, head_dim: int, dtype, q_len: int, kv_len: int, is_causal: bool = False,
+    kind: str | None = None,
+) -> BlockSizes:
+  """The tuned or heuristic tiling for a call (see `pallas_fa.tuning`).
+
+  Args:
+    head_dim: H.
+    dtype: input dtype.
+    q_len: T.
+    kv_len: S.
+    is_causal: whether the call is causal.
+    kind: device kind, default that of the default device.
+
+  Returns:
+    A validated BlockSizes.
+  """
+  return BlockSizes(**tuning.triton_block_sizes(
+      head_dim=head_dim, dtype=dtype, q_len=q_len, kv_len=kv_len,
+      is_causal=is_causal, kind=kind))
+
+
+def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
+  if params.block_sizes is not None:
+    return params.block_sizes
+  return default_block_sizes(
+      head_dim=q.shape[-1], dtype=q.dtype, q_len=q.shape[1],
+      kv_len=k.shape[1], is_causal=info.is_causal)
+
+
+def tile_size(block: int, length: int) -> int:
+  """The tile actually used: `block`, shrunk for short sequences."""
+  return min(block, max(MIN_BLOCK, tuning.next_power_of_2(length)))
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _interpret() -> bool:
+  return jax.default_backend() == "cpu"
+
+
+# ----------------------------------------------------------------------------
+# Static description of a call, shared by the three kernels.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Features:
+  """What the kernels must compute (hashable: it parameterises the kernels).
+
+  `mask` / `bias` are None or, per axis (B, N, T, S), whether the dense array
+  is full along that axis (False: broadcast, size 1).
+  """
+
+  scale: float
+  soft_cap: float | None
+  is_causal: bool
+  window: tuple[int | None, int | None] | None
+  segments: bool
+  mask: tuple[bool, bool, bool, bool] | None
+  bias: tuple[bool, bool, bool, bool] | None
+  groups: int
+
+  @property
+  def positions(self) -> bool:
+    return self.is_causal or self.window is not None
+
+  @property
+  def masked(self) -> bool:
+    return self.positions or self.segments or self.mask is not None
+
+
+def _full_axes(x) -> tuple[bool, bool, bool, bool] | None:
+  return None if x is None else tuple(d > 1 for d in x.shape)
+
+
+def _dot(a, b):
+  """a @ b, float32 accumulation."""
+  return jax.lax.dot_general(
+      a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot_nt(a, b):
+  """a @ b.T, float32 accumulation."""
+  return jax.lax.dot_general(
+      a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot_tn(a, b):
+  """a.T @ b, float32 accumulation."""
+  return jax.lax.dot_general(
+      a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _logits(feat: _Features, qk, bias):
+  """Base-2 logits of a tile, and the capped natural logits (or None).
+
+  The natural logits are soft_cap(scale * qk) + bias; kernels use exp2, so
+  they are multiplied by log2(e) -- folded into the scale when there is
+  neither cap nor bias, which leaves a single multiply per element.
+  """
+  if feat.soft_cap is None and bias is None:
+    return None, qk * (feat.scale * _LOG2_E)
+  s_capped = online_softmax.soft_cap(qk * feat.scale, feat.soft_cap)
+  s = s_capped if bias is None else s_capped + bias.astype(_F32)
+  return s_capped, s * _LOG2_E
+
+
+def _visible(feat: _Features, q_pos, kv_pos, q_seg, kv_seg, dense):
+  """`masking.visible` for a [rows, cols] tile from per-row/column data."""
+  def rows(x):
+    return None if x is None else x[:, None]
+
+  def cols(x):
+    return None if x is None else x[None, :]
+
+  return masking.visible(
+      is_causal=feat.is_causal, window=feat.window,
+      q_pos=rows(q_pos), kv_pos=cols(kv_pos),
+      q_seg=rows(q_seg), kv_seg=cols(kv_seg),
+      dense=None if dense is None else dense != 0,
+  )
+
+
+def _visit(refs, tile, carry, masked: bool, num_tiles: int):
+  """Runs tile(j, carry, masked) over the non-empty tiles of this program.
+
+  `refs["bounds"]` holds (lo, full_lo, full_hi, hi): tiles in
+  [full_lo, full_hi) are FULL and skip the masking arithmetic; the others in
+  [lo, hi) are masked; everything outside [lo, hi) is EMPTY and not visited.
+  """
+  if not masked:
+    return jax.lax.fori_loop(
+        0, num_tiles, functools.partial(tile, masked=False), carry)
+  bounds = refs["bounds"]
+  lo, full_lo, full_hi, hi = (bounds[i] for i in range(4))
+  carry = jax.lax.fori_loop(
+      lo, full_lo, functools.partial(tile, masked=True), carry)
+  carry = jax.lax.fori_loop(
+      full_lo, full_hi, functools.partial(tile, masked=False), carry)
+  return jax.lax.fori_loop(
+      full_hi, hi, functools.partial(tile, masked=True), carry)
+
+
+def tile_bounds(kinds: Array) -> Array:
+  """Loop bounds from tile kinds [..., n] -> int32 [..., 4].
+
+  (lo, full_lo, full_hi, hi): [lo, hi) spans the non-empty tiles and
+  [full_lo, full_hi) is the run of FULL tiles inside it when those are
+  contiguous (otherwise it is empty and every tile is masked).
+  """
+  lo, hi = masking.block_range(kinds)
+  n = kinds.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  full = kinds == masking.FULL
+  full_lo = jnp.min(jnp.where(full, idx, n), axis=-1)
+  full_hi = jnp.max(jnp.where(full, idx + 1, 0), axis=-1)
+  count = jnp.sum(full, axis=-1, dtype=jnp.int32)
+  contiguous = (count > 0) & (count == full_hi - full_lo)
+  full_lo = jnp.where(contiguous, full_lo, hi)
+  full_hi = jnp.where(contiguous, full_hi, hi)
+  return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------
+# Inputs padded to whole tiles.
+
+
+class _Padded:
+  """q/k/v, bias, mask and MaskInfo padded to [Tp, Sp] and head dim Hp."""
+
+  def __init__(self, q, k, v, bias, info, params, tp, sp):
+    b, t, n, h = q.shape
+    s, num_kv = k.shape[1], k.shape[2]
+    self.b, self.t, self.s, self.n, self.h = b, t, s, n, h
+    self.num_kv, self.g = num_kv, n // num_kv
+    self.tp, self.sp = tp, sp
+    self.hp = tuning.padded_head_dim(h)
+    self.info = _pad_info(info, tp, sp)
+    self.q = self.queries(q)
+    self.k = self.keys(k)
+    self.v = self.keys(v)
+    self.bias = None
+    if bias is not None:
+      self.bias = _pad_dims(bias, {2: tp, 3: sp}, broadcast=True)
+    self.mask = None
+    if self.info.mask is not None:
+      # Triton loads bytes, not i1: keep the mask as int8 in memory.
+      self.mask = self.info.mask.astype(jnp.int8)
+    self.feat = _Features(
+        scale=float(params.scale),
+        soft_cap=params.soft_cap,
+        is_causal=self.info.is_causal,
+        window=self.info.window,
+        segments=self.info.has_segments,
+        mask=_full_axes(self.mask),
+        bias=_full_axes(self.bias),
+        groups=self.g,
+    )
+
+  def queries(self, x):
+    """[B, T, N, H] -> [B, Tp, N, Hp], padded rows zeroed."""
+    x = _pad_dims(x, {1: self.tp, 3: self.hp})
+    return masking.zero_padding(
+        x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
+
+  def keys(self, x):
+    """[B, S, K, H] -> [B, Sp, K, Hp], padded rows zeroed."""
+    x = _pad_dims(x, {1: self.sp, 3: self.hp})
+    return masking.zero_padding(
+        x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
+
+  def rows(self, x, fill):
+    """[B, T, N] -> [B, N, Tp] (per-row statistics, head-major)."""
+    return _pad_dims(x.transpose(0, 2, 1), {2: self.tp}, fill)
+
+  def kinds(self, block_q, block_kv):
+    return masking.classify_blocks(self.info, block_q, block_kv)
+
+
+def _pad_info(info: masking.MaskInfo, tp: int, sp: int) -> masking.MaskInfo:
+  """`masking.pad_sequence`, also when T or S is 1.
+
+  pad_sequence leaves length-1 axes alone (they may be broadcast axes of the
+  dense mask), which would leave positions / segment ids of a length-1
+  sequence unpadded; extend those to length 2 first.
+  """
+  t, s = info.q_positions.shape[1], info.kv_positions.shape[1]
+  if (t == 1 < tp) or (s == 1 < sp):
+    b = info.q_positions.shape[0]
+    q_seg, kv_seg = info.q_segment_ids, info.kv_segment_ids
+    if q_seg is None:
+      q_seg = jnp.zeros((b, t), jnp.int32)
+      kv_seg = jnp.zeros((b, s), jnp.int32)
+
+    def grow(x, length, fill):
+      return x if length > 1 else jnp.pad(x, ((0, 0), (0, 1)),
+                                          constant_values=fill)
+
+    # A dense mask's length-1 axis stays a broadcast axis: padded rows and
+    # columns are masked by the padding segment ids.
+    info = info.replace(
+        q_positions=grow(info.q_positions, t, 0),
+        kv_positions=grow(info.kv_positions, s, 0),
+        q_segment_ids=grow(q_seg, t, masking.Q_PAD_SEGMENT),
+        kv_segment_ids=grow(kv_seg, s, masking.KV_PAD_SEGMENT),
+    )
+  return masking.pad_sequence(info, tp, sp)
+
+
+def _pad_dims(x, sizes: dict[int, int], fill=0, broadcast=False):
+  """Pads axes up to `sizes`; with `broadcast`, size-1 axes stay as is."""
+  widths = [(0, 0)] * x.ndim
+  for axis, size in sizes.items():
+    if x.shape[axis] != size and not (broadcast and x.shape[axis] == 1):
+      widths[axis] = (0, size - x.shape[axis])
+  if all(w == (0, 0) for w in widths):
+    return x
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def _grouped(x, num_kv):
+  """[B|1, N|1, T|1, S|1] -> [B|1, K|1, G|1, T|1, S|1]."""
+  return masking.group_heads(x, num_kv)
+
+
+def _pallas_call(kernel, inputs, outputs, grid, warps, stages, name):
+  """pallas_call over named (array, BlockSpec) inputs and outputs.
+
+  The kernel receives one dict of refs, so optional inputs (positions,
+  segment ids, mask, bias) are simply absent rather than positional Nones.
+  """
+  in_names = [key for key, val in inputs.items() if val is not None]
+  out_names = list(outputs)
+
+  def body(*refs):
+    kernel(dict(zip(in_names + out_names, refs, strict=True)))
+
+  return pl.pallas_call(
+      body,
+      grid=grid,
+      in_specs=[inputs[key][1] for key in in_names],
+      out_specs=[outputs[key][1] for key in out_names],
+      out_shape=[outputs[key][0] for key in out_names],
+      compiler_params=_CompilerParams(num_warps=warps, num_stages=stages),
+      interpret=_interpret(),
+      name=name,
+  )(*[inputs[key][0] for key in in_names])
+
+
+def _spec(block_shape, index_map):
+  block_shape = tuple(_SQUEEZED if d is None else d for d in block_shape)
+  return pl.BlockSpec(block_shape, index_map)
+
+
+def _dense_block(x, full, rows: int, cols: int):
+  """Block shape of a [B|1, N|1, T|1, S|1] array for a (row, col) tile."""
+  return (None, None, rows if full[2] else 1, cols if full[3] else 1)
+
+
+def _dense_index(full, b, n, i, j):
+  return (b if full[0] else 0, n if full[1] else 0,
+          i if full[2] else 0, j if full[3] else 0)
+
+
+def _dense_tile(ref, full, lead, rows, cols):
+  """Loads a dense tile; broadcast axes load as size 1."""
+  return ref[(*lead, rows if full[2] else slice(None),
+              cols if full[3] else slice(None))]
+
+
+# ----------------------------------------------------------------------------
+# Forward.
+
+
+def _forward_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
+  q = refs["q"][...]  # [block_q, Hp]
+  block_q, hp = q.shape
+  q_pos = refs["q_pos"][...] if feat.positions else None  # [block_q]
+  q_seg = refs["q_seg"][...] if feat.segments else None
+
+  def tile(j, carry, masked):
+    m_i, l_i, acc = carry
+    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    k = refs["k"][cols, :]  # [block_k, Hp]
+    v = refs["v"][cols, :]
+    bias = None
+    if feat.bias is not None:
+      bias = _dense_tile(refs["bias"], feat.bias, (), slice(None), cols)
+    _, s = _logits(feat, _dot_nt(q, k), bias)  # [block_q, block_k]
+    if masked:
+      dense = None
+      if feat.mask is not None:
+        dense = _dense_tile(refs["mask"], feat.mask, (), slice(None), cols)
+      s = online_softmax.apply_mask(s, _visible(
+          feat, q_pos,
+          refs["kv_pos"][cols] if feat.positions else None,
+          q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
+    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, exp=jnp.exp2)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return m_i, l_i, acc
+
+  carry = online_softmax.init((block_q,), (block_q, hp))
+  m_i, l_i, acc = _visit(refs, tile, carry, feat.masked, num_tiles)
+  out, lse = online_softmax.finalize_base2(m_i, l_i, acc)
+  refs["out"][...] = out.astype(refs["out"].dtype)
+  refs["lse"][...] = lse
+
+
+def _forward(q, k, v, bias, info, params):
+  bs = _block_sizes(params, q, k, info)
+  b, t, n, h = q.shape
+  s = k.shape[1]
+  bq, bk = tile_size(bs.block_q, t), tile_size(bs.block_k, s)
+  x = _Padded(q, k, v, bias, info, params, _round_up(t, bq),
+              _round_up(s, bk))
+  feat, hp, g = x.feat, x.hp, x.g
+  nq, nk = x.tp // bq, x.sp // bk
+  # Heavier (later, for causal) query blocks first: less tail imbalance.
+  if info.is_causal:
+    def row(i):
+      return nq - 1 - i
+  else:
+    def row(i):
+      return i
+
+  inputs = {
+      "q": (x.q, _spec((None, bq, None, hp),
+                       lambda i, h, b: (b, row(i), h, 0))),
+      "k": (x.k, _spec((None, x.sp, None, hp),
+                       lambda i, h, b: (b, 0, h // g, 0))),
+      "v": (x.v, _spec((None, x.sp, None, hp),
+                       lambda i, h, b: (b, 0, h // g, 0))),
+      "bounds": None,
+      "q_pos": None, "kv_pos": None, "q_seg": None, "kv_seg": None,
+      "mask": None, "bias": None,
+  }
+  if feat.masked:
+    inputs["bounds"] = (
+        tile_bounds(x.kinds(bq, bk)),
+        _spec((None, None, 4), lambda i, h, b: (b, row(i), 0)))
+  _add_row_col_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
+  _add_dense_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
+  outputs = {
+      "out": (jax.ShapeDtypeStruct((b, x.tp, n, hp), q.dtype),
+              _spec((None, bq, None, hp), lambda i, h, b: (b, row(i), h, 0))),
+      "lse": (jax.ShapeDtypeStruct((b, n, x.tp), _F32),
+              _spec((None, None, bq), lambda i, h, b: (b, h, row(i)))),
+  }
+  kernel = functools.partial(
+      _forward_kernel, feat=feat, block_k=bk, num_tiles=nk)
+  out, lse = _pallas_call(kernel, inputs, outputs, (nq, n, b),
+                          bs.num_warps, bs.num_stages, "flash_fwd")
+  return out[:, :t, :, :h], lse[:, :, :t].transpose(0, 2, 1)
+
+
+def _add_row_col_inputs(inputs, x, feat, rows, cols, row, col):
+  """Positions / segment ids, blocked per program for grids (r, head, b)."""
+  pairs = []
+  if feat.positions:
+    pairs.append(("pos", x.info.q_positions, x.info.kv_positions))
+  if feat.segments:
+    pairs.append(("seg", x.info.q_segment_ids, x.info.kv_segment_ids))
+  for name, q_arr, kv_arr in pairs:
+    inputs["q_" + name] = (
+        q_arr, _spec((None, rows), lambda r, h, b: (b, row(r))))
+    inputs["kv_" + name] = (
+        kv_arr, _spec((None, cols), lambda r, h, b: (b, col(r))))
+
+
+def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
+  """Mask / bias for the query-head grids (forward, dQ)."""
+  for name, arr, full in (("mask", x.mask, feat.mask),
+                          ("bias", x.bias, feat.bias)):
+    if arr is None:
+      continue
+    inputs[name] = (arr, _spec(
+        _dense_block(arr, full, rows, cols),
+        lambda r, h, b, full=full: _dense_index(full, b, h, row(r), col(r))))
+
+
+# ----------------------------------------------------------------------------
+# Backward.
+
+
+def _dkv_kernel(refs, *, feat: _Features, block_q: int, num_tiles: int):
+  k = refs["k"][...]  # [block_kv, Hp]
+  v = refs["v"][...]
+  block_kv, hp = k.shape
+  kv_pos = refs["kv_pos"][...] if feat.positions else None  # [block_kv]
+  kv_seg = refs["kv_seg"][...] if feat.segments else None
+
+  def head(g, carry):
+    def tile(i, carry, masked):
+      dk, dv = carry
+      rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+      q = refs["q"][rows, g, :]  # [block_q, Hp]
+      do = refs["do"][rows, g, :]
+      lse = refs["lse"][g, rows]  # [block_q], base 2
+      delta = refs["delta"][g, rows]
+      bias = None
+      if feat.bias is not None:
+        bias = _dense_tile(refs["bias"], feat.bias,
+                           (g if feat.bias[1] else 0,), rows, slice(None))
+      s_capped, s = _logits(feat, _dot_nt(q, k), bias)  # [block_q, block_kv]
+      if masked:
+        dense = None
+        if feat.mask is not None:
+          dense = _dense_tile(refs["mask"], feat.mask,
+                              (g if feat.mask[1] else 0,), rows, slice(None))
+        s = online_softmax.apply_mask(s, _visible(
+            feat, refs["q_pos"][rows] if feat.positions else None, kv_pos,
+            refs["q_seg"][rows] if feat.segments else None, kv_seg, dense))
+      p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2)
+      dv = dv + _dot_tn(p.astype(do.dtype), do)  # [block_kv, Hp]
+      dp = _dot_nt(do, v)  # [block_q, block_kv]
+      ds = online_softmax.logits_grad(p, dp, delta)
+      ds = online_softmax.soft_cap_grad(ds, s_capped, feat.soft_cap)
+      dk = dk + _dot_tn(ds.astype(q.dtype), q)  # unscaled, see below
+      return dk, dv
+
+    return _visit(refs, tile, carry, feat.masked, num_tiles)
+
+  carry = (jnp.zeros((block_kv, hp), _F32), jnp.zeros((block_kv, hp), _F32))
+  if feat.groups == 1:
+    dk, dv = head(0, carry)
+  else:
+    # The whole GQA group, so dK/dV leave the kernel already reduced.
+    dk, dv = jax.lax.fori_loop(0, feat.groups, head, carry)
+  # d logits / d qk = scale: applied once to the sum, not per tile.
+  refs["dk"][...] = (dk * feat.scale).astype(refs["dk"].dtype)
+  refs["dv"][...] = dv.astype(refs["dv"].dtype)
+
+
+def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
+  q = refs["q"][...]  # [block_q, Hp]
+  do = refs["do"][...]
+  lse = refs["lse"][...]  # [block_q], base 2
+  delta = refs["delta"][...]
+  block_q, hp = q.shape
+  q_pos = refs["q_pos"][...] if feat.positions else None
+  q_seg = refs["q_seg"][...] if feat.segments else None
+  db = feat.bias
+  # dbias: tiles stored in place when bias has full key axis, else a running
+  # row sum; query axis summed in the tile when bias broadcasts over it.
+  db_rows = block_q if db is not None and db[2] else 1
+
+  def tile(j, carry, masked):
+    dq, db_acc = carry
+    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    k = refs["k"][cols, :]  # [block_k, Hp]
+    v = refs["v"][cols, :]
+    bias = None
+    if db is not None:
+      bias = _dense_tile(refs["bias"], db, (), slice(None), cols)
+    s_capped, s = _logits(feat, _dot_nt(q, k), bias)  # [block_q, block_k]
+    if masked:
+      dense = None
+      if feat.mask is not None:
+        dense = _dense_tile(refs["mask"], feat.mask, (), slice(None), cols)
+      s = online_softmax.apply_mask(s, _visible(
+          feat, q_pos, refs["kv_pos"][cols] if feat.positions else None,
+          q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
+    p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2)
+    dp = _dot_nt(do, v)  # [block_q, block_k]
+    ds = online_softmax.logits_grad(p, dp, delta)
+    if db is not None:
+      d = ds if db[2] else ds.sum(axis=0, keepdims=True)
+      if db[3]:
+        refs["dbias"][:, cols] = d.astype(refs["dbias"].dtype)
+      else:
+        db_acc = db_acc + d.sum(axis=1, keepdims=True)
+    ds = online_softmax.soft_cap_grad(ds, s_capped, feat.soft_cap)
+    dq = dq + _dot(ds.astype(k.dtype), k)  # unscaled, see below
+    return dq, db_acc
+
+  if db is not None and db[3] and feat.masked:
+    # Tiles outside the visited range have zero gradient; write it.
+    def zero(j, c):
+      cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+      refs["dbias"][:, cols] = jnp.zeros((db_rows, block_k), _F32)
+      return c
+
+    bounds = refs["bounds"]
+    jax.lax.fori_loop(0, bounds[0], zero, 0)
+    jax.lax.fori_loop(bounds[3], num_tiles, zero, 0)
+  carry = (jnp.zeros((block_q, hp), _F32), jnp.zeros((db_rows, 1), _F32))
+  dq, db_acc = _visit(refs, tile, carry, feat.masked, num_tiles)
+  if db is not None and not db[3]:
+    refs["dbias"][...] = db_acc
+  refs["dq"][...] = (dq * feat.scale).astype(refs["dq"].dtype)
+
+
+def _backward(q, k, v, bias, info, params, lse, dout, delta):
+  bs = _block_sizes(params, q, k, info)
+  b, t, n, h = q.shape
+  s, num_kv = k.shape[1], k.shape[2]
+  bq_kv, bk_kv = tile_size(bs.block_q_dkv, t), tile_size(bs.block_kv_dkv, s)
+  bq_q, bk_q = tile_size(bs.block_q_dq, t), tile_size(bs.block_kv_dq, s)
+  # Blocks are powers of two: the larger is a multiple of the smaller.
+  x = _Padded(q, k, v, bias, info, params,
+              _round_up(t, max(bq_kv, bq_q)), _round_up(s, max(bk_kv, bk_q)))
+  feat, hp, g = x.feat, x.hp, x.g
+  do = x.queries(dout.astype(q.dtype))
+  # lse in base 2 for exp2; padded rows -inf (probability 0).
+  lse2 = x.rows(lse * _LOG2_E, online_softmax.MASK_VALUE)  # [B, N, Tp]
+  delta = x.rows(delta.astype(_F32), 0.0)
+  warps, stages = bs.backward_warps, bs.backward_stages
+
+  # dK/dV: grid (key blocks, kv heads, batch), loop over group x query tiles.
+  nq, nk = x.tp // bq_kv, x.sp // bk_kv
+  inputs = {
+      "k": (x.k, _spec((None, bk_kv, None, hp),
+                       lambda j, h, b: (b, j, h, 0))),
+      "v": (x.v, _spec((None, bk_kv, None, hp),
+                       lambda j, h, b: (b, j, h, 0))),
+      "q": (x.q, _spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
+      "do": (do, _spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
+      "lse": (lse2, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
+      "delta": (delta, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
+      "bounds": None,
+  }
+  if feat.masked:
+    kinds = jnp.swapaxes(x.kinds(bq_kv, bk_kv), 1, 2)  # [B, nk, nq]
+    inputs["bounds"] = (
+        tile_bounds(kinds), _spec((None, None, 4), lambda j, h, b: (b, j, 0)))
+  _add_row_col_inputs(inputs, x, feat, x.tp, bk_kv, lambda j: 0,
+                      lambda j: j)
+  for name, arr, full in (("mask", x.mask, feat.mask),
+                          ("bias", x.bias, feat.bias)):
+    if arr is None:
+      continue
+    arr = _grouped(arr, num_kv)  # [B|1, K|1, G|1, Tp|1, Sp|1]
+    block = (None, None, g if full[1] else 1,
+             x.tp if full[2] else 1, bk_kv if full[3] else 1)
+    inputs[name] = (arr, _spec(
+        block,
+        lambda j, h, b, full=full: (b if full[0] else 0, h if full[1] else 0,
+                                    0, 0, j if full[3] else 0)))
+  outputs = {
+      "dk": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), k.dtype),
+             _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
+      "dv": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), v.dtype),
+             _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
+  }
+  kernel = functools.partial(
+      _dkv_kernel, feat=feat, block_q=bq_kv, num_tiles=nq)
+  dk, dv = _pallas_call(kernel, inputs, outputs, (nk, num_kv, b), warps,
+                        stages, "flash_bwd_dkv")
+
+  # dQ (and dbias): grid (query blocks, query heads, batch).
+  nq, nk = x.tp // bq_q, x.sp // bk_q
+  inputs = {
+      "q": (x.q, _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
+      "do": (do, _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
+      "lse": (lse2, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
+      "delta": (delta, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
+      "k": (x.k, _spec((None, x.sp, None, hp),
+                       lambda i, h, b: (b, 0, h // g, 0))),
+      "v": (x.v, _spec((None, x.sp, None, hp),
+                       lambda i, h, b: (b, 0, h // g, 0))),
+      "bounds": None,
+  }
+  if feat.masked:
+    inputs["bounds"] = (
+        tile_bounds(x.kinds(bq_q, bk_q)),
+        _spec((None, None, 4), lambda i, h, b: (b, i, 0)))
+  _add_row_col_inputs(inputs, x, feat, bq_q, x.sp, lambda i: i,
+                      lambda i: 0)
+  _add_dense_inputs(inputs, x, feat, bq_q, x.sp, lambda i: i, lambda i: 0)
+  outputs = {
+      "dq": (jax.ShapeDtypeStruct((b, x.tp, n, hp), q.dtype),
+             _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
+  }
+  db = feat.bias
+  if db is not None:
+    # [B, N, Tp | query blocks, Sp | 1]: reduced outside over what the
+    # kernel cannot (batch, heads, query blocks) -- no atomics.
+    db_shape = (b, n, x.tp if db[2] else nq, x.sp if db[3] else 1)
+    db_block = (None, None, bq_q if db[2] else 1, x.sp if db[3] else 1)
+    outputs["dbias"] = (jax.ShapeDtypeStruct(db_shape, _F32),
+                        _spec(db_block, lambda i, h, b: (b, h, i, 0)))
+  kernel = functools.partial(
+      _dq_kernel, feat=feat, block_k=bk_q, num_tiles=nk)
+  results = _pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
+                         "flash_bwd_dq")
+  dq = results[0][:, :t, :, :h]
+  dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :h]
+  dbias = None
+  if db is not None:
+    dbias = results[1]
+    dbias = dbias[:, :, :t] if db[2] else dbias.sum(axis=2, keepdims=True)
+    dbias = dbias[:, :, :, :s] if db[3] else dbias
+    if not db[0]:
+      dbias = dbias.sum(axis=0, keepdims=True)
+    if not db[1]:
+      dbias = dbias.sum(axis=1, keepdims=True)
+    dbias = dbias.astype(bias.dtype)
+  return dq, dk, dv, dbias
+
+
+def _check(q, k, v, bias, info, params):
+  """Declines calls the Triton lowering cannot run here."""
+  del q, k, v, bias, info, params
+  platform = jax.default_backend()
+  if platform not in ("cpu", "gpu", "cuda", "rocm"):
+    raise NotImplementedError(
+        f"the triton implementation needs a GPU (or CPU interpret mode), "
+        f"not {platform=}.")
+
+
+BACKEND = vjp.Backend(
+    name="triton",
+    forward=_forward,
+    backward=_backward,
+    check=_check,
+    block_sizes_type=BlockSizes,
+)

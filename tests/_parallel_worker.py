@@ -1,0 +1,341 @@
+"""Multi-device checks of `pallas_fa.parallel`, run in a fresh process.
+
+The device count of the CPU platform is fixed when jax is first imported, so
+`tests/test_parallel.py` runs this file as a subprocess:
+
+  python tests/_parallel_worker.py sharded|ring|hlo [implementation ...]
+      8 simulated CPU devices; prints one line per check, exits non-zero on
+      the first mismatch.
+  python tests/_parallel_worker.py process PROCESS_ID PORT
+      one of two processes (4 CPU devices each) joined on localhost:PORT by
+      `jax.distributed.initialize`; ring attention over all 8 devices.
+"""
+
+import os
+import sys
+
+_MODE = sys.argv[1] if len(sys.argv) > 1 else ""
+_DEVICES = 4 if _MODE == "process" else 8
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={_DEVICES}"
+)
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import collections  # noqa: E402
+import functools  # noqa: E402
+import re  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import conftest  # noqa: E402
+
+import pallas_fa  # noqa: E402
+from pallas_fa import parallel  # noqa: E402
+
+_TOL = 2e-5
+_START = time.time()
+
+
+def _inputs(seed, b, t, s, n, k, h, dtype=jnp.float32):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+  kk = jax.random.normal(keys[1], (b, s, k, h), dtype)
+  v = jax.random.normal(keys[2], (b, s, k, h), dtype)
+  return q, kk, v
+
+
+def _segments(seed, b, length, num=3):
+  rng = np.random.RandomState(seed)
+  return jnp.asarray(np.sort(rng.randint(0, num, (b, length)), axis=1))
+
+
+def _value_and_grads(fn, q, k, v, bias, static, traced):
+  """(out, lse, dq, dk, dv[, dbias]) of a loss touching out and lse."""
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+
+  def loss(q, k, v, bias, traced):
+    out, lse = fn(q, k, v, bias, return_residual=True, **static, **traced)
+    finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    value = jnp.sum(out * jnp.cos(out)) + 0.3 * jnp.sum(finite)
+    return value, (out, lse)
+
+  grad = jax.value_and_grad(loss, argnums=argnums, has_aux=True)
+  (_, (out, lse)), grads = jax.jit(grad)(q, k, v, bias, traced)
+  return (out, lse) + tuple(grads)
+
+
+_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+def _compare(label, got, want):
+  for name, g, w in zip(_NAMES[: len(got)], got, want, strict=True):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    np.testing.assert_allclose(
+        g, w, rtol=_TOL, atol=_TOL, err_msg=f"{label}: {name}")
+  finite = [np.abs(np.nan_to_num(np.asarray(g, np.float32), neginf=0)).max()
+            for g in got]
+  print(f"ok {label} (max |x| {max(finite):.2f}) t={time.time() - _START:.0f}s",
+        flush=True)
+
+
+def _implementations():
+  names = sys.argv[2:] or ["chunked", "xla"]
+  return [(n, conftest.block_sizes_for(n)) for n in names]
+
+
+def _split(kwargs):
+  """Static (hashable) keyword arguments vs array ones passed to jit."""
+  arrays = ("segment_ids", "query_positions", "key_positions", "mask",
+            "query_seq_lengths", "key_value_seq_lengths")
+  static = {a: x for a, x in kwargs.items() if a not in arrays}
+  traced = {a: x for a, x in kwargs.items() if a in arrays}
+  return static, traced
+
+
+def _check_against_single(label, case, layouts, impl, block_sizes):
+  q, k, v, bias, kwargs = case
+  static, traced = _split(dict(kwargs, implementation=impl,
+                               block_sizes=block_sizes))
+  want = _value_and_grads(pallas_fa.flash_attention, q, k, v, bias, static,
+                          traced)
+  for name, mesh, axes in layouts:
+    got = _value_and_grads(parallel.sharded_flash_attention, q, k, v, bias,
+                           dict(static, mesh=mesh, **axes), traced)
+    _compare(f"{impl} {label} {name}", got, want)
+
+
+def sharded():
+  """Batch/head sharding equals the single-device call."""
+  b, t, n, kv, h = 4, 40, 8, 2, 16
+  q, k, v = _inputs(0, b, t, t, n, kv, h)
+  seg = _segments(1, b, t)
+  case = (q, k, v, None, dict(
+      is_causal=True, local_window_size=(6, 2), logits_soft_cap=5.0,
+      segment_ids=pallas_fa.SegmentIds(seg, seg),
+      key_value_seq_lengths=jnp.array([40, 17, 1, 33])))
+  layouts = [
+      # K=2 heads split with their query groups over 2 devices.
+      ("data4xheads2", parallel.make_mesh(data=4, heads=2),
+       dict(batch_axes="data", head_axes="heads")),
+      # K=2 < 4 head shards (MQA-like): K/V replicated, sliced per device.
+      ("data2xheads4", parallel.make_mesh(data=2, heads=4),
+       dict(batch_axes="data", head_axes="heads")),
+  ]
+  for impl, block_sizes in _implementations():
+    _check_against_single("causal+window+segments+lengths+softcap", case,
+                          layouts, impl, block_sizes)
+
+
+def ring():
+  """Ring attention equals the single-device call."""
+  b, t, n, kv, h = 2, 64, 4, 2, 16
+  q, k, v = _inputs(2, b, t, t, n, kv, h)
+  seg = _segments(3, b, t)
+  causal = (q, k, v, None, dict(
+      is_causal=True, segment_ids=pallas_fa.SegmentIds(seg, seg)))
+  # Cross attention with lengths that do not divide the ring (padded),
+  # a dense bias and mask, a window and padding.
+  qx, kx, vx = _inputs(5, b, 36, 52, n, kv, h)
+  keys = jax.random.split(jax.random.PRNGKey(4), 2)
+  bias = jax.random.normal(keys[0], (1, n, 36, 52))
+  mask = jax.random.bernoulli(keys[1], 0.8, (b, 1, 36, 52))
+  window = (qx, kx, vx, bias, dict(
+      mask=mask, logits_soft_cap=4.0, local_window_size=(9, 3),
+      query_seq_lengths=jnp.array([36, 21]),
+      key_value_seq_lengths=jnp.array([30, 52])))
+  for impl, block_sizes in _implementations():
+    _check_against_single("causal+segments", causal, [
+        # Contiguous shards: steps entirely in a shard's future are skipped.
+        ("data2xring4", parallel.make_mesh(data=2, sequence=4),
+         dict(batch_axes="data", sequence_axis="sequence")),
+        ("ring8-zigzag", parallel.make_mesh(sequence=8),
+         dict(sequence_axis="sequence", load_balance=True)),
+    ], impl, block_sizes)
+    _check_against_single("cross+window+bias+mask+lengths", window, [
+        # GQA: K=2 split over 2 head shards, times a ring of 4.
+        ("heads2xring4", parallel.make_mesh(heads=2, sequence=4),
+         dict(head_axes="heads", sequence_axis="sequence")),
+    ], impl, block_sizes)
+
+
+_COLLECTIVE = re.compile(
+    r"= (\([^)]*\)|\S+) (all-gather|all-to-all|collective-permute|all-reduce|"
+    r"reduce-scatter)(?:-start)?\(")
+
+
+def _collectives(compiled_text):
+  """Counts of each collective and the largest element count one returns."""
+  counts, largest = collections.Counter(), 0
+  for shapes, op in _COLLECTIVE.findall(compiled_text):
+    counts[op] += 1
+    for dims in re.findall(r"\[([\d,]*)\]", shapes):
+      size = int(np.prod([int(d) for d in dims.split(",") if d]))
+      largest = max(largest, size)
+  return counts, largest
+
+
+def hlo():
+  """Ring attention moves K/V only by collective-permute; no all-gather."""
+  b, t, n, kv, h = 2, 256, 4, 2, 16
+  mesh = parallel.make_mesh(data=2, sequence=4)
+  spec = jax.sharding.PartitionSpec("data", "sequence")
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  q, k, v = (jax.device_put(x, sharding)
+             for x in _inputs(6, b, t, t, n, kv, h))
+  # The model-level usage: tokens already in the zig-zag layout, true
+  # positions passed along.
+  pos = parallel.zigzag(jnp.broadcast_to(jnp.arange(t), (b, t)), 4)
+  pos = jax.device_put(pos, sharding)
+  seg = jax.device_put(_segments(7, b, t), sharding)
+  for impl, block_sizes in _implementations():
+
+    def loss(q, k, v, pos, seg, impl=impl, block_sizes=block_sizes):
+      out = parallel.sharded_flash_attention(
+          q, k, v, mesh=mesh, batch_axes="data", sequence_axis="sequence",
+          is_causal=True, query_positions=pos, key_positions=pos,
+          segment_ids=pallas_fa.SegmentIds(seg, seg),
+          implementation=impl, block_sizes=block_sizes)
+      return jnp.sum(out * out)
+
+    for label, f in (("forward", loss),
+                     ("gradient", jax.grad(loss, argnums=(0, 1, 2)))):
+      text = jax.jit(f).lower(q, k, v, pos, seg).compile().as_text()
+      ops, largest = _collectives(text)
+      assert ops["all-gather"] == 0 and ops["all-to-all"] == 0, (label, ops)
+      # No collective returns anything as large as the whole K: a ring step
+      # moves one device's shard.
+      assert largest < k.size, (label, largest, k.size)
+      # K, V, key positions and segment ids travel (+ dK, dV backwards).
+      want = 4 if label == "forward" else 10
+      assert ops["collective-permute"] == want, (label, ops)
+      print(f"ok {impl} hlo {label}: {dict(ops)}, largest {largest}",
+            flush=True)
+
+  # `ring_attention` inside the caller's own shard_map, contiguous shards.
+  impl, block_sizes = _implementations()[0]
+  q, k, v = _inputs(8, b, 64, 64, n, kv, h)
+  kwargs = dict(is_causal=True, local_window_size=(20, 0),
+                implementation=impl, block_sizes=block_sizes)
+  ring = functools.partial(parallel.ring_attention, axis_name="sequence",
+                           return_residual=True, **kwargs)
+  qspec = jax.sharding.PartitionSpec("data", "sequence")
+  lspec = jax.sharding.PartitionSpec("data", "sequence")
+  f = jax.jit(parallel.shard_map(ring, mesh=mesh, in_specs=(qspec,) * 3,
+                                 out_specs=(qspec, lspec)))
+  got = f(q, k, v)
+  want = jax.jit(functools.partial(pallas_fa.flash_attention,
+                                   return_residual=True, **kwargs))(q, k, v)
+  _compare(f"{impl} ring_attention in shard_map", got, want)
+
+  # A mesh with explicit axes (jax.make_mesh's default): inputs are laid
+  # out as shard_map requires, padding and the zig-zag permutation run with
+  # the sequence gathered.
+  axis_type = getattr(jax.sharding, "AxisType", None)
+  if axis_type is not None:
+    explicit = jax.make_mesh((2, 4), ("data", "sequence"),
+                             axis_types=(axis_type.Explicit,) * 2)
+    case = (q[:, :60], k[:, :44], v[:, :44], None,
+            dict(is_causal=True, local_window_size=(30, 0)))
+    _check_against_single("explicit-mesh", case, [
+        ("data2xring4-zigzag", explicit,
+         dict(batch_axes="data", sequence_axis="sequence",
+              load_balance=True)),
+    ], impl, block_sizes)
+
+  # Splits that cannot work are refused with a message naming the argument.
+  q, k, v = _inputs(8, 3, 16, 16, 6, 3, 8)
+  for axes, needle in (
+      (dict(batch_axes="data"), "batch B=3"),
+      (dict(head_axes="heads"), "query heads N=6"),
+      (dict(sequence_axis="nope"), "'nope' is not in the mesh"),
+      (dict(batch_axes="sequence", sequence_axis="sequence"), "used twice"),
+  ):
+    mesh = parallel.make_mesh(data=2, heads=4)
+    if "sequence" in axes.values():
+      mesh = parallel.make_mesh(sequence=8)
+    try:
+      parallel.sharded_flash_attention(q, k, v, mesh=mesh, **axes)
+    except ValueError as e:
+      assert needle in str(e), (needle, str(e))
+    else:
+      raise AssertionError(f"no ValueError for {axes}")
+  print("ok validation", flush=True)
+
+
+def process(process_id, port):
+  """One of two processes running ring attention over 8 devices."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      coordinator_address=f"localhost:{port}", num_processes=2,
+      process_id=process_id, initialization_timeout=60)
+  assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
+  assert len(jax.local_devices()) == 4
+  b, t, n, kv, h = 2, 64, 4, 2, 16
+  # Every process draws the same global inputs (same seed).
+  q, k, v = (np.asarray(x) for x in _inputs(9, b, t, t, n, kv, h))
+  seg = np.asarray(_segments(10, b, t))
+  pos = np.asarray(parallel.zigzag(np.broadcast_to(np.arange(t), (b, t)), 8))
+  q, k, v, seg_zz = (np.asarray(parallel.zigzag(x, 8)) for x in (q, k, v, seg))
+  # Ring over all 8 devices: half its hops cross the process boundary.
+  mesh = parallel.make_mesh(sequence=8)
+  spec = jax.sharding.PartitionSpec(None, "sequence")
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+
+  def global_array(x):
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+  impl = "chunked"
+  block_sizes = conftest.block_sizes_for(impl)
+
+  def loss(q, k, v, pos, seg):
+    out = parallel.sharded_flash_attention(
+        q, k, v, mesh=mesh, sequence_axis="sequence", is_causal=True,
+        query_positions=pos, key_positions=pos,
+        segment_ids=pallas_fa.SegmentIds(seg, seg),
+        implementation=impl, block_sizes=block_sizes)
+    return jnp.sum(out * jnp.cos(out)), out
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  args = [global_array(x) for x in (q, k, v, pos, seg_zz)]
+  (_, out), grads = grad(*args)
+  gather = jax.experimental.multihost_utils.process_allgather
+  got = [gather(x, tiled=True) for x in (out,) + tuple(grads)]
+  got = [np.asarray(parallel.unzigzag(x, 8)) for x in got]
+
+  # The single-device call on this process's first device, natural order.
+  q, k, v = (np.asarray(parallel.unzigzag(x, 8)) for x in (q, k, v))
+  local = jax.local_devices()[0]
+  with jax.default_device(local):
+    def single(q, k, v, seg):
+      out = pallas_fa.flash_attention(
+          q, k, v, is_causal=True, segment_ids=pallas_fa.SegmentIds(seg, seg),
+          implementation=impl, block_sizes=block_sizes)
+      return jnp.sum(out * jnp.cos(out)), out
+
+    (_, out), grads = jax.jit(
+        jax.value_and_grad(single, argnums=(0, 1, 2), has_aux=True))(
+            q, k, v, seg)
+  want = [out, *grads]
+  for name, g, w in zip(("out", "dq", "dk", "dv"), got, want,
+                        strict=True):
+    np.testing.assert_allclose(g, np.asarray(w), rtol=_TOL, atol=_TOL,
+                               err_msg=name)
+  print(f"ok process {process_id}: ring over {len(jax.devices())} devices "
+        f"in {jax.process_count()} processes", flush=True)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  jax.config.update("jax_default_matmul_precision", "highest")
+  if _MODE == "process":
+    import jax.experimental.multihost_utils  # noqa: E402, F401
+
+    process(int(sys.argv[2]), int(sys.argv[3]))
+  else:
+    {"sharded": sharded, "ring": ring, "hlo": hlo}[_MODE]()

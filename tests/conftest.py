@@ -1,0 +1,56 @@
+"""Shared test configuration: which implementations run, with which tiles."""
+
+import importlib
+
+import jax
+import pytest
+
+import pallas_fa
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# Small tiles per backend so that short test sequences still cross many tile
+# boundaries (ragged tails, skipped tiles, GQA groups). Entry: (module, config
+# class name, keyword arguments).
+TEST_BLOCK_SIZES = {
+    "xla": None,
+    "chunked": (
+        "pallas_fa.chunked",
+        "ChunkedBlockSizes",
+        dict(block_q=16, block_kv=32, block_q_bwd=32, block_kv_bwd=16),
+    ),
+    "triton": (
+        "pallas_fa.triton",
+        "BlockSizes",
+        dict(block_q=16, block_k=32, block_q_dkv=32, block_kv_dkv=16,
+             block_q_dq=16, block_kv_dq=32, num_warps=4, num_stages=1),
+    ),
+    "mosaic_gpu": (
+        "pallas_fa.mosaic_gpu",
+        "BlockSizes",
+        dict(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64,
+             block_q_dkv=64, block_kv_dkv=64),
+    ),
+    "mosaic_tpu": (
+        "pallas_fa.mosaic_tpu",
+        "BlockSizes",
+        dict(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128),
+    ),
+}
+
+
+def block_sizes_for(name):
+  """The small-tile config used for `name` in the tests (None = default)."""
+  entry = TEST_BLOCK_SIZES.get(name)
+  if entry is None:
+    return None
+  module, cls, kwargs = entry
+  return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+IMPLEMENTATIONS = pallas_fa.implementations()
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request):
+  return request.param

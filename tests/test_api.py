@@ -1,0 +1,170 @@
+"""Argument validation and implementation dispatch of flash_attention."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from pallas_fa import api
+from pallas_fa import chunked
+from pallas_fa import vjp
+
+B, T, S, N, K, H = 2, 8, 12, 4, 2, 16
+
+
+def _qkv(dtype=jnp.float32):
+  gen = np.random.default_rng(0)
+  q = jnp.asarray(gen.standard_normal((B, T, N, H)), dtype)
+  k = jnp.asarray(gen.standard_normal((B, S, K, H)), dtype)
+  v = jnp.asarray(gen.standard_normal((B, S, K, H)), dtype)
+  return q, k, v
+
+
+def _call(**overrides):
+  q, k, v = _qkv()
+  args = dict(query=q, key=k, value=v)
+  args.update(overrides)
+  return pallas_fa.flash_attention(**args)
+
+
+BAD = [
+    # (overrides, exception, text that must appear in the message)
+    (dict(query=jnp.zeros((T, N))), ValueError, "query"),
+    (dict(key=jnp.zeros((S, K, H))), ValueError, "key"),
+    (dict(value=jnp.zeros((B, S, K, H + 1))), ValueError, "value"),
+    (dict(key=jnp.zeros((B, S, K, H + 1)), value=jnp.zeros((B, S, K, H + 1))),
+     ValueError, "key"),
+    (dict(key=jnp.zeros((B, S, 3, H)), value=jnp.zeros((B, S, 3, H))),
+     ValueError, "multiple of key/value heads"),
+    (dict(key=jnp.zeros((B + 1, S, K, H)), value=jnp.zeros((B + 1, S, K, H))),
+     ValueError, "key"),
+    (dict(query=jnp.zeros((B, T, N, H), jnp.int32)), TypeError, "query"),
+    (dict(query=jnp.zeros((B, T, N, H), jnp.bfloat16)), TypeError,
+     "share a dtype"),
+    (dict(query=jnp.zeros((B, T, N, 300)), key=jnp.zeros((B, S, K, 300)),
+          value=jnp.zeros((B, S, K, 300))), ValueError, "head dim"),
+    (dict(bias=jnp.zeros((B, N, T, S + 1))), ValueError, "bias"),
+    (dict(bias=jnp.zeros((1, B, N, T, S))), ValueError, "bias"),
+    (dict(bias=jnp.zeros((B, N, T, S), jnp.int32)), TypeError, "bias"),
+    (dict(mask=jnp.ones((B, N, T, S))), TypeError, "mask"),
+    (dict(mask=jnp.ones((B, 3, T, S), bool)), ValueError, "mask"),
+    (dict(scale="big"), TypeError, "scale"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(is_causal=1), TypeError, "is_causal"),
+    (dict(query_seq_lengths=jnp.array([3, 4, 5])), ValueError,
+     "query_seq_lengths"),
+    (dict(query_seq_lengths=jnp.array([3.0, 4.0])), TypeError,
+     "query_seq_lengths"),
+    (dict(query_seq_lengths=jnp.array([-1, 4])), ValueError,
+     "query_seq_lengths"),
+    (dict(key_value_seq_lengths=jnp.array([2, -3])), ValueError,
+     "key_value_seq_lengths"),
+    (dict(local_window_size=-1), ValueError, "local_window_size"),
+    (dict(local_window_size=(1, 2, 3)), ValueError, "local_window_size"),
+    (dict(local_window_size=(1.5, 2)), ValueError, "local_window_size"),
+    (dict(segment_ids=(jnp.zeros((B, T), int), jnp.zeros((B, S), int))),
+     TypeError, "segment_ids"),
+    (dict(segment_ids=pallas_fa.SegmentIds(q=jnp.zeros((B, T + 1), int),
+                                           kv=jnp.zeros((B, S), int))),
+     ValueError, "segment_ids.q"),
+    (dict(segment_ids=pallas_fa.SegmentIds(q=jnp.zeros((B, T), int),
+                                           kv=jnp.zeros((B, S)))),
+     TypeError, "segment_ids.kv"),
+    (dict(query_positions=jnp.zeros((B, S), int)), ValueError,
+     "query_positions"),
+    (dict(key_positions=jnp.zeros((B, S))), TypeError, "key_positions"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap"),
+    (dict(implementation="flash9000"), ValueError, "implementation"),
+    (dict(implementation=3), TypeError, "implementation"),
+    (dict(implementation="chunked", block_sizes=(64, 64)), TypeError,
+     "block_sizes"),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, error, text", BAD,
+    ids=[f"{i}-{'-'.join(o)}" for i, (o, _, _) in enumerate(BAD)])
+def test_bad_input(overrides, error, text):
+  with pytest.raises(error, match=text):
+    _call(**overrides)
+
+
+def test_bad_block_sizes():
+  with pytest.raises(ValueError, match="block_q"):
+    chunked.ChunkedBlockSizes(block_q=0)
+  with pytest.raises(ValueError, match="block_kv_bwd"):
+    chunked.ChunkedBlockSizes(block_kv_bwd=True)
+
+
+def _declining_backend(name):
+  def check(*args):
+    raise NotImplementedError(f"{name} cannot do this call")
+  return vjp.Backend(name=name, forward=None, check=check)
+
+
+def _fresh_traces():
+  # Dispatch happens at trace time; drop cached traces so it runs again.
+  api._flash_attention.clear_cache()
+
+
+def test_explicit_implementation_never_falls_back(monkeypatch):
+  _fresh_traces()
+  declining = _declining_backend("declining")
+  original = api.get_backend
+  monkeypatch.setattr(
+      api, "get_backend",
+      lambda name: declining if name == "chunked" else original(name))
+  with pytest.raises(NotImplementedError, match="cannot do this call"):
+    _call(implementation="chunked")
+
+
+def test_automatic_choice_skips_declining_backends(monkeypatch):
+  calls = []
+  original = api.get_backend
+
+  def get_backend(name):
+    calls.append(name)
+    if name == "first":
+      return _declining_backend("first")
+    return original(name)
+
+  monkeypatch.setattr(api, "get_backend", get_backend)
+  monkeypatch.setitem(api._AUTO_ORDER, "cpu", ("first", "chunked"))
+  _fresh_traces()
+  q, k, v = _qkv()
+  out = pallas_fa.flash_attention(q, k, v, is_causal=True)
+  ref = pallas_fa.flash_attention(q, k, v, is_causal=True,
+                                  implementation="xla")
+  np.testing.assert_allclose(out, ref, atol=1e-5)
+  assert calls[:2] == ["first", "chunked"]
+
+
+def test_automatic_choice_on_cpu_is_chunked():
+  q, k, v = _qkv()
+  lowered = jax.jit(pallas_fa.flash_attention).lower(q, k, v).as_text()
+  assert "while" in lowered  # the blockwise loop, not a dense softmax
+
+
+def test_block_sizes_are_hashable_and_frozen():
+  bs = chunked.ChunkedBlockSizes(block_q=64)
+  assert hash(bs) == hash(chunked.ChunkedBlockSizes(block_q=64))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    bs.block_q = 3
+
+
+def test_traced_lengths_are_accepted():
+  q, k, v = _qkv()
+
+  @jax.jit
+  def f(lengths):
+    return pallas_fa.flash_attention(q, k, v, key_value_seq_lengths=lengths)
+
+  out = f(jnp.array([5, 12]))
+  ref = pallas_fa.flash_attention(
+      q, k, v, key_value_seq_lengths=jnp.array([5, 12]),
+      implementation="xla")
+  np.testing.assert_allclose(out, ref, atol=1e-5)

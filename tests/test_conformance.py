@@ -1,0 +1,249 @@
+"""The one conformance suite, run against every registered implementation.
+
+A backend joins by being registered in `pallas_fa.api` (and listing small
+test tiles in conftest.TEST_BLOCK_SIZES). Every check compares against the
+float32 materialised reference on fresh random inputs, with the
+FlashAttention 2x rule for bfloat16/float16.
+"""
+
+import functools
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from attention_testing import Case
+from attention_testing import DTYPES
+from attention_testing import assert_close
+from attention_testing import check_against_reference
+from attention_testing import flash
+from attention_testing import make_inputs
+from attention_testing import reference_fn
+from attention_testing import rng
+from attention_testing import run
+from conftest import IMPLEMENTATIONS
+from conftest import block_sizes_for
+
+# Shapes: T = 1, S = 1, T != S, odd lengths, head dims 1..256, GQA 1/2/4/8.
+SHAPE_CASES = [
+    Case(b=2, t=64, s=64, n=2, k=2, h=32),
+    Case(b=1, t=1, s=37, n=2, k=1, h=16),
+    Case(b=2, t=9, s=1, n=2, k=2, h=8),
+    Case(b=1, t=113, s=203, n=4, k=2, h=72),
+    Case(b=1, t=17, s=23, n=2, k=2, h=1),
+    Case(b=1, t=40, s=40, n=8, k=1, h=64, causal=True),
+    Case(b=1, t=33, s=50, n=8, k=2, h=128),
+    Case(b=1, t=24, s=20, n=2, k=2, h=256),
+    Case(b=1, t=50, s=50, n=4, k=4, h=8, causal=True),
+]
+
+# Features on an odd-length GQA problem (T != S, ragged tiles everywhere).
+_BASE = dict(b=2, t=45, s=71, n=4, k=2, h=16)
+FEATURE_CASES = [
+    Case(**_BASE, causal=True),
+    Case(**_BASE, window=(7, 3)),
+    Case(**_BASE, causal=True, window=(9, 0)),
+    Case(**_BASE, lengths=True),
+    Case(**_BASE, segments=True),
+    Case(**_BASE, causal=True, positions=True),
+    Case(**_BASE, soft_cap=2.5),
+    Case(**_BASE, bias="full"),
+    Case(**_BASE, bias="heads", causal=True),
+    Case(**_BASE, mask="full"),
+    Case(**_BASE, mask="broadcast", lengths=True),
+    Case(**_BASE, causal=True, lengths=True, segments=True, soft_cap=5.0,
+         window=(20, None)),
+]
+
+# Low-precision runs: a representative subset, to stay within budget.
+LOW_PRECISION_CASES = [
+    SHAPE_CASES[0], SHAPE_CASES[3], SHAPE_CASES[6], FEATURE_CASES[0],
+    FEATURE_CASES[3], FEATURE_CASES[6], FEATURE_CASES[7], FEATURE_CASES[-1],
+]
+
+
+def _fn(implementation):
+  return flash(implementation, block_sizes_for(implementation))
+
+
+def _supported_or_raise(implementation, case, dtype):
+  """Runs a cheap call; an implementation may decline with NotImplementedError.
+
+  Declining is only acceptable for bias/mask (DESIGN: "where feasible");
+  any other NotImplementedError is a failure.
+  """
+  q, k, v, kw = make_inputs(case, dtype, rng("probe"))
+  try:
+    _fn(implementation)(q, k, v, **kw)
+  except NotImplementedError as e:
+    if case.bias or case.mask:
+      pytest.skip(f"{implementation} declines bias/mask: {e}")
+    raise
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES + FEATURE_CASES, ids=str)
+def test_float32(implementation, case):
+  _supported_or_raise(implementation, case, jnp.float32)
+  check_against_reference(
+      _fn(implementation), case, jnp.float32,
+      rng(implementation, str(case), "f32"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=str)
+def test_low_precision(implementation, case, dtype):
+  _supported_or_raise(implementation, case, DTYPES[dtype])
+  check_against_reference(
+      _fn(implementation), case, DTYPES[dtype],
+      rng(implementation, str(case), dtype))
+
+
+@st.composite
+def _cases(draw):
+  k = draw(st.sampled_from([1, 2]))
+  return Case(
+      b=draw(st.integers(1, 2)),
+      t=draw(st.integers(1, 70)),
+      s=draw(st.integers(1, 70)),
+      n=k * draw(st.sampled_from([1, 2, 4])),
+      k=k,
+      h=draw(st.sampled_from([4, 16, 40])),
+      causal=draw(st.booleans()),
+      window=draw(st.one_of(
+          st.none(),
+          st.tuples(st.one_of(st.none(), st.integers(0, 20)),
+                    st.one_of(st.none(), st.integers(0, 20))))),
+      lengths=draw(st.booleans()),
+      segments=draw(st.booleans()),
+      soft_cap=draw(st.one_of(st.none(), st.floats(1.0, 30.0))),
+  )
+
+
+# Interpreted Pallas backends recompile per shape: fewer examples for them.
+_FAST = ("xla", "chunked")
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_property(implementation):
+  examples = 12 if implementation in _FAST else 3
+
+  @hypothesis.settings(max_examples=examples, deadline=None,
+                       derandomize=True, database=None)
+  @hypothesis.given(_cases())
+  def prop(case):
+    check_against_reference(
+        _fn(implementation), case, jnp.float32,
+        rng(implementation, str(case), "property"))
+
+  prop()
+
+
+def test_padding_never_leaks(implementation):
+  """NaN/inf in padded q/k/v must not reach any output or gradient."""
+  case = Case(b=2, t=40, s=56, n=4, k=2, h=16, causal=True)
+  gen = rng(implementation, "leak")
+  q, k, v, kw = make_inputs(case, jnp.float32, gen)
+  q_len = jnp.array([33, 40], jnp.int32)
+  kv_len = jnp.array([20, 49], jnp.int32)
+  kw.update(query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+  q_pad = (jnp.arange(case.t)[None, :] >= q_len[:, None])[..., None, None]
+  kv_pad = (jnp.arange(case.s)[None, :] >= kv_len[:, None])[..., None, None]
+  q_bad = jnp.where(q_pad, jnp.nan, q)
+  k_bad = jnp.where(kv_pad, jnp.inf, k)
+  v_bad = jnp.where(kv_pad, jnp.nan, v)
+  dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
+  dlse = jnp.zeros(q.shape[:-1])
+  fn = _fn(implementation)
+  clean = run(fn, q, k, v, kw, dout, dlse)
+  dirty = run(fn, q_bad, k_bad, v_bad, kw, dout, dlse)
+  for name, a, b in zip(["out", "lse", "dq", "dk", "dv"],
+                        [clean[0], clean[1], *clean[2]],
+                        [dirty[0], dirty[1], *dirty[2]]):
+    assert not np.any(np.isnan(np.asarray(b))), f"{name} has NaN"
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+  # Padded query rows are zero, with lse -inf.
+  assert np.all(np.asarray(dirty[0])[np.asarray(q_pad[..., 0, 0])] == 0)
+
+
+def test_fully_masked_rows(implementation):
+  """Rows with no visible key: zeros, lse -inf, finite zero gradients."""
+  case = Case(b=1, t=24, s=30, n=2, k=1, h=16)
+  gen = rng(implementation, "fully-masked")
+  q, k, v, _ = make_inputs(case, jnp.float32, gen)
+  # Queries 0..9 are in segment 5, which has no keys.
+  seg_q = jnp.where(jnp.arange(case.t) < 10, 5, 1)[None]
+  seg_kv = jnp.ones((1, case.s), jnp.int32)
+  kw = {"segment_ids": pallas_fa.SegmentIds(q=seg_q, kv=seg_kv)}
+  dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
+  dlse = jnp.asarray(gen.standard_normal(q.shape[:-1], np.float32))
+  out, lse, (dq, dk, dv) = run(_fn(implementation), q, k, v, kw, dout, dlse)
+  assert np.all(np.asarray(out[:, :10]) == 0)
+  assert np.all(np.isneginf(np.asarray(lse[:, :10])))
+  assert np.all(np.isfinite(np.asarray(lse[:, 10:])))
+  assert np.all(np.asarray(dq[:, :10]) == 0)
+  for g in (dq, dk, dv):
+    assert np.all(np.isfinite(np.asarray(g)))
+  ref = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
+  for name, x, r in zip(["out", "lse", "dq", "dk", "dv"],
+                        [out, lse, dq, dk, dv], [ref[0], ref[1], *ref[2]]):
+    assert_close(name, x, r)
+
+
+def test_composes_with_jit_vmap_grad_remat(implementation):
+  case = Case(b=2, t=33, s=41, n=4, k=2, h=16, causal=True)
+  gen = rng(implementation, "compose")
+  q, k, v, _ = make_inputs(case, jnp.float32, gen)
+  extra = 3
+  qs = jnp.stack([q * (i + 1) for i in range(extra)])
+  fn = functools.partial(
+      pallas_fa.flash_attention, is_causal=True,
+      implementation=implementation,
+      block_sizes=block_sizes_for(implementation))
+
+  def loss(q, k, v):
+    return jnp.sum(jnp.sin(fn(q, k, v)))
+
+  vmapped = jax.jit(jax.vmap(jax.grad(jax.checkpoint(loss)),
+                             in_axes=(0, None, None)))(qs, k, v)
+  looped = [jax.grad(loss)(qs[i], k, v) for i in range(extra)]
+  ref = [jax.grad(lambda q, k, v: jnp.sum(jnp.sin(
+      pallas_fa.flash_attention(q, k, v, is_causal=True,
+                                implementation="xla"))))(qs[i], k, v)
+         for i in range(extra)]
+  for i in range(extra):
+    np.testing.assert_allclose(vmapped[i], looped[i], atol=1e-5, rtol=1e-5)
+    assert_close("dq", vmapped[i], ref[i])
+
+
+def test_deterministic(implementation):
+  case = Case(b=1, t=50, s=64, n=4, k=1, h=32, causal=True, segments=True)
+  gen = rng(implementation, "determinism")
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
+  dlse = jnp.zeros(q.shape[:-1])
+  a = run(_fn(implementation), q, k, v, kw, dout, dlse)
+  b = run(_fn(implementation), q, k, v, kw, dout, dlse)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_unbatched_and_residual(implementation):
+  case = Case(b=1, t=21, s=30, n=4, k=2, h=8, causal=True)
+  gen = rng(implementation, "unbatched")
+  q, k, v, _ = make_inputs(case, jnp.float32, gen)
+  fn = functools.partial(
+      pallas_fa.flash_attention, implementation=implementation,
+      block_sizes=block_sizes_for(implementation), is_causal=True)
+  out, lse = fn(q[0], k[0], v[0], return_residual=True)
+  assert out.shape == q.shape[1:] and lse.shape == q.shape[1:-1]
+  out_b, lse_b = fn(q, k, v, return_residual=True)
+  np.testing.assert_allclose(out, out_b[0], atol=1e-6)
+  np.testing.assert_allclose(lse, lse_b[0], atol=1e-6)
+  # A custom scale means what it means in jax.nn.
+  scaled = fn(q, k, v, scale=0.3)
+  expect = jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
+  assert_close("out", scaled, expect)

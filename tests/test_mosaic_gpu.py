@@ -1,0 +1,434 @@
+"""Tests of the `mosaic_gpu` backend that run without a GPU.
+
+* The Hopper kernels are lowered ahead of time for CUDA (Pallas -> Mosaic GPU
+  IR, wgmma / TMA / layout checks and the shared-memory budget included) for
+  head dims 64..256, both dtypes and every mask feature.
+* The same kernel bodies run in the Mosaic GPU interpreter on CPU (warp
+  specialisation, barriers, TMA ring, ping-pong, tile schedule and math) and
+  are compared with the float32 reference under the FlashAttention rule.
+* Config validation, the heuristic, the tile schedule, `check` decisions and
+  the explicit-layout softmax math are checked directly.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from attention_testing import Case
+from attention_testing import check_against_reference
+from attention_testing import flash
+from attention_testing import make_inputs
+from attention_testing import rng
+from attention_testing import run
+from pallas_fa import _mosaic_gpu_kernel as kernel
+from pallas_fa import masking
+from pallas_fa import mosaic_gpu
+from pallas_fa import online_softmax
+from pallas_fa import vjp
+
+_SMALL = dict(
+    block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
+    block_kv_dkv=64)
+
+def _on_hopper() -> bool:
+  if jax.default_backend() not in ("gpu", "cuda"):
+    return False
+  return mosaic_gpu._is_sm90(jax.devices()[0])
+
+
+needs_hopper = pytest.mark.skipif(
+    not _on_hopper(), reason="the compiled kernels need an sm90 GPU")
+
+needs_interpreter = pytest.mark.skipif(
+    kernel.interpret_params() is None or jax.default_backend() != "cpu",
+    reason="the Mosaic GPU interpreter runs on CPU only")
+
+
+# --------------------------------------------------------------------------
+# Config and heuristic.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_q", 32), ("block_kv", 96), ("block_kv_dkv", 320),
+    ("stages", 0), ("stages_bwd", 9), ("consumers_dq", 3),
+    ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
+])
+def test_block_sizes_rejects_bad_fields(field, value):
+  with pytest.raises(ValueError, match=field):
+    mosaic_gpu.BlockSizes(**{field: value})
+
+
+def test_block_sizes_pingpong_needs_two_consumers():
+  with pytest.raises(ValueError, match="pingpong"):
+    mosaic_gpu.BlockSizes(consumers=1)
+  mosaic_gpu.BlockSizes(consumers=1, pingpong=False)
+
+
+def test_block_sizes_frozen_and_hashable():
+  bs = mosaic_gpu.BlockSizes(**_SMALL)
+  assert hash(bs) == hash(mosaic_gpu.BlockSizes(**_SMALL))
+  with pytest.raises(AttributeError):
+    bs.block_q = 128
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [1, 32, 64, 72, 128, 160, 256])
+def test_heuristic_fits_shared_memory(head_dim, dtype):
+  bs = mosaic_gpu.default_block_sizes(head_dim, dtype)
+  smem = mosaic_gpu.shared_memory_bytes(bs, head_dim)
+  assert max(smem.values()) <= mosaic_gpu.SHARED_MEMORY_BYTES, smem
+  assert bs.stages >= 2
+  # Past head dim 128 two float32 [64, H] accumulators would not fit the
+  # registers of a consumer thread: split passes, one consumer.
+  wide = mosaic_gpu.padded_head_dim(head_dim) > 128
+  assert bs.split_dkv == wide
+  for candidate in mosaic_gpu.candidate_block_sizes(head_dim, dtype):
+    smem = mosaic_gpu.shared_memory_bytes(candidate, head_dim)
+    assert max(smem.values()) <= mosaic_gpu.SHARED_MEMORY_BYTES
+
+
+# --------------------------------------------------------------------------
+# check(): what is refused, so that the automatic choice falls back.
+# --------------------------------------------------------------------------
+
+
+def _canonical(dtype=jnp.bfloat16, h=32, mask=None, bias=None, **kw):
+  gen = rng("check", str(dtype), h)
+  q, k, v, _ = make_inputs(Case(b=1, t=8, s=8, n=2, k=1, h=h), dtype, gen)
+  q, k, v, bias, info, params, _ = pallas_fa.api._canonicalise(
+      q, k, v, bias, mask, scale=None, is_causal=False,
+      query_seq_lengths=None, key_value_seq_lengths=None,
+      local_window_size=None, segment_ids=None, query_positions=None,
+      key_positions=None, logits_soft_cap=None)
+  return q, k, v, bias, info, vjp.Params(scale=params.scale, **kw)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(dtype=jnp.float32), "bfloat16/float16"),
+    (dict(bias=jnp.ones((1, 2, 8, 8))), "bias"),
+    (dict(mask=jnp.ones((1, 1, 8, 8), bool)), "dense mask"),
+    (dict(block_sizes=mosaic_gpu.BlockSizes(interpret=False)), "sm90"),
+])
+def test_check_refuses(change, reason):
+  if "sm90" in reason and jax.default_backend() != "cpu":
+    pytest.skip("only meaningful without a GPU")
+  args = _canonical(**change)
+  with pytest.raises(NotImplementedError, match=reason):
+    mosaic_gpu.BACKEND.check(*args)
+
+
+def test_check_mixed_dtypes_and_wide_heads():
+  q, k, v, bias, info, params = _canonical()
+  with pytest.raises(NotImplementedError, match="one dtype"):
+    mosaic_gpu.BACKEND.check(q, k.astype(jnp.float16), v, bias, info, params)
+  wide = [jnp.pad(x, ((0, 0),) * 3 + ((0, 288),)) for x in (q, k, v)]
+  with pytest.raises(NotImplementedError, match="head dims"):
+    mosaic_gpu.BACKEND.check(*wide, bias, info, params)
+
+
+@needs_interpreter
+def test_check_accepts_interpreter_on_cpu(monkeypatch):
+  mosaic_gpu.BACKEND.check(*_canonical())
+  mosaic_gpu.BACKEND.check(*_canonical(dtype=jnp.float16, h=256))
+  # Without an interpreter there is nothing to run on.
+  monkeypatch.setattr(kernel, "interpret_params", lambda: None)
+  with pytest.raises(NotImplementedError, match="interpreter"):
+    mosaic_gpu.BACKEND.check(*_canonical())
+
+
+def test_sm90_detection():
+  is_sm90 = mosaic_gpu._is_sm90
+  assert is_sm90(types.SimpleNamespace(compute_capability="9.0"))
+  assert not is_sm90(types.SimpleNamespace(compute_capability="8.0"))
+  assert not is_sm90(types.SimpleNamespace(compute_capability="10.0"))
+  assert not is_sm90(types.SimpleNamespace())
+
+
+def test_automatic_choice_never_interprets_on_cpu():
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU order")
+  assert "mosaic_gpu" not in pallas_fa.api._AUTO_ORDER["cpu"]
+  assert pallas_fa.api._AUTO_ORDER["gpu"][0] == "mosaic_gpu"
+
+
+# --------------------------------------------------------------------------
+# The tile schedule.
+# --------------------------------------------------------------------------
+
+
+def _random_info(gen, b, t, s, causal, window, segments):
+  info = masking.MaskInfo(
+      q_positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+      kv_positions=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+      is_causal=causal, window=window)
+  # Long enough that some tiles are free of padding (FULL).
+  q_len = jnp.asarray(gen.integers(t // 2, t + 1, b), jnp.int32)
+  kv_len = jnp.asarray(gen.integers(s // 2, s + 1, b), jnp.int32)
+  q_seg = kv_seg = None
+  if segments:
+    q_seg = jnp.asarray(np.sort(gen.integers(0, 3, (b, t))), jnp.int32)
+    kv_seg = jnp.asarray(np.sort(gen.integers(0, 3, (b, s))), jnp.int32)
+  return info.replace(
+      q_segment_ids=masking.padding_segments(
+          q_seg, q_len, t, masking.Q_PAD_SEGMENT),
+      kv_segment_ids=masking.padding_segments(
+          kv_seg, kv_len, s, masking.KV_PAD_SEGMENT))
+
+
+@pytest.mark.parametrize("causal, window, segments, transpose", [
+    (True, None, False, False),
+    (False, (150, 80), True, False),
+    (True, (None, 0), True, True),
+    (False, None, True, True),
+])
+def test_schedule_covers_visible_and_full_runs_are_unmasked(
+    causal, window, segments, transpose):
+  gen = rng("schedule", causal, window, segments, transpose)
+  b, t, s, bq, bk, consumers = 2, 256, 320, 32, 64, 2
+  if transpose:
+    t, s, bq, bk = s, t, bk, bq
+  info = _random_info(gen, b, t - 20, s - 30, causal, window, segments)
+
+  @jax.jit
+  def prepare(info):
+    info = masking.pad_sequence(info, t, s)
+    kinds = masking.classify_blocks(info, bq, bk)
+    vis = masking.tile_visibility(info, 1)[:, 0, 0]  # [B, T, S]
+    if transpose:
+      kinds = jnp.swapaxes(kinds, 1, 2)
+      vis = jnp.swapaxes(vis, 1, 2)
+    return mosaic_gpu.schedule(kinds, consumers), vis
+
+  row_block, col_block = (bk, bq) if transpose else (bq, bk)
+  sched, vis = map(np.asarray, prepare(info))
+  rows_per_unit = consumers * row_block
+  assert sched.shape == (b, vis.shape[1] // rows_per_unit, 2 + 2 * consumers)
+  saw_full_run = False
+  for bi in range(b):
+    for u in range(sched.shape[1]):
+      ulo, uhi = sched[bi, u, :2]
+      unit_vis = vis[bi, u * rows_per_unit:(u + 1) * rows_per_unit]
+      cols = np.nonzero(unit_vis.any(axis=0))[0] // col_block
+      assert np.all((cols >= ulo) & (cols < uhi)), (bi, u, ulo, uhi)
+      for c in range(consumers):
+        flo, fhi = sched[bi, u, 2 + 2 * c: 4 + 2 * c]
+        assert ulo <= flo <= fhi <= uhi
+        rows = unit_vis[c * row_block:(c + 1) * row_block]
+        run = rows[:, flo * col_block:fhi * col_block]
+        assert run.all(), (bi, u, c, flo, fhi)
+        saw_full_run |= fhi > flo
+  # Random segments under a causal mask may leave no FULL tile at all.
+  assert saw_full_run or (causal and segments)
+
+
+# --------------------------------------------------------------------------
+# The explicit-layout math is the shared math.
+# --------------------------------------------------------------------------
+
+
+def test_kernel_math_matches_online_softmax():
+  gen = rng("math")
+  rows, cols = 16, 24
+
+  def normal(*shape):
+    return jnp.asarray(gen.standard_normal(shape, np.float32))
+
+  s = normal(rows, cols) * 3
+  s = s.at[:3].set(online_softmax.MASK_VALUE)  # rows with no visible key
+  s = s.at[5, ::2].set(online_softmax.MASK_VALUE)
+  m_i = normal(rows).at[:2].set(online_softmax.MASK_VALUE)
+  l_i = jnp.abs(normal(rows)).at[:2].set(0.0)
+  acc, dp, delta = normal(rows, 8), normal(rows, cols), normal(rows)
+  lse = normal(rows).at[:3].set(online_softmax.MASK_VALUE)
+
+  @jax.jit
+  def both(s, m_i, l_i, acc, dp, delta, lse):
+    ours, theirs = {}, {}
+    ours["update"] = kernel.softmax_update(m_i, l_i, s)
+    theirs["update"] = online_softmax.update(m_i, l_i, s, exp=jnp.exp2)
+    m_new, l_new, p, _ = ours["update"]
+    ours["finalize"] = kernel.softmax_finalize(m_new, l_new, acc)
+    theirs["finalize"] = online_softmax.finalize_base2(m_new, l_new, acc)
+    expect = online_softmax.probs_from_lse(
+        s, lse * online_softmax.LOG2_E, exp=jnp.exp2)
+    lse2 = kernel.lse_for_kernel(lse)
+    ours["probs"] = (kernel.probs(s, lse2, 0), kernel.probs(s.T, lse2, 1).T)
+    theirs["probs"] = (expect, expect)
+    expect = online_softmax.logits_grad(p, dp, delta)
+    ours["dlogits"] = (kernel.dlogits(p, dp, delta, 0),
+                       kernel.dlogits(p.T, dp.T, delta, 1).T)
+    theirs["dlogits"] = (expect, expect)
+    return ours, theirs
+
+  ours, theirs = both(s, m_i, l_i, acc, dp, delta, lse)
+  for name in ours:
+    for a, b in zip(ours[name], theirs[name], strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=name)
+
+
+# --------------------------------------------------------------------------
+# The compiled Hopper kernels lower (ahead of time, for CUDA).
+# --------------------------------------------------------------------------
+
+
+def _lower_for_hopper(case: Case, dtype, block_sizes=None):
+  """Lowers forward + backward (interpret=False) for CUDA; returns the text."""
+  gen = rng("lower", str(case))
+  q, k, v, kw = make_inputs(case, dtype, gen)
+
+  def fn(q, k, v, dout):
+    q_c, k_c, v_c, _, info, params, _ = pallas_fa.api._canonicalise(
+        q, k, v, None, None, scale=None, is_causal=case.causal,
+        query_seq_lengths=kw.get("query_seq_lengths"),
+        key_value_seq_lengths=kw.get("key_value_seq_lengths"),
+        local_window_size=case.window, segment_ids=kw.get("segment_ids"),
+        query_positions=None, key_positions=None,
+        logits_soft_cap=case.soft_cap)
+    params = vjp.Params(
+        scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes)
+    out, lse = mosaic_gpu.forward_impl(
+        q_c, k_c, v_c, info, params, interpret=False)
+    delta = online_softmax.delta(out, dout, None)
+    grads = mosaic_gpu.backward_impl(
+        q_c, k_c, v_c, info, params, lse, dout, delta, interpret=False)
+    return out, lse, grads[:3]
+
+  lowered = jax.jit(fn).trace(q, k, v, q).lower(lowering_platforms=("cuda",))
+  return lowered.as_text()
+
+
+@pytest.mark.parametrize("case, dtype, block_sizes, kernels", [
+    (Case(b=1, t=256, s=384, n=4, k=2, h=128, causal=True), jnp.bfloat16,
+     None, 3),
+    (Case(b=2, t=130, s=300, n=2, k=1, h=256, window=(64, 8), segments=True,
+          lengths=True, soft_cap=20.0), jnp.float16, None, 4),
+    (Case(b=1, t=200, s=200, n=2, k=2, h=72), jnp.bfloat16,
+     mosaic_gpu.BlockSizes(block_q=128, block_kv=64, stages=3,
+                           pingpong=False, block_kv_dq=128, consumers_dkv=1,
+                           num_ctas=3), 3),
+], ids=["h128-causal-gqa", "h256-window-segments-cap-f16", "h72-custom"])
+def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
+  text = _lower_for_hopper(case, dtype, block_sizes)
+  assert text.count("custom_call @mosaic_gpu") == kernels
+
+
+def test_lowering_enforces_shared_memory_budget():
+  too_big = mosaic_gpu.BlockSizes(block_kv=256, stages=4)
+  with pytest.raises(ValueError, match="shared memory"):
+    _lower_for_hopper(Case(b=1, t=128, s=256, n=1, k=1, h=256),
+                      jnp.bfloat16, too_big)
+
+
+# --------------------------------------------------------------------------
+# The kernels, executed by the Mosaic GPU interpreter.
+# --------------------------------------------------------------------------
+
+
+@needs_interpreter
+def test_interpreted_forward_and_backward():
+  # Ragged T and S with padding lengths, causal, GQA, soft cap, head dim 32
+  # (padded to 64): masked, unmasked and skipped tiles in every kernel.
+  case = Case(b=1, t=100, s=150, n=2, k=1, h=32, causal=True, lengths=True,
+              soft_cap=3.0)
+  bs = mosaic_gpu.BlockSizes(**_SMALL)
+  check_against_reference(
+      flash("mosaic_gpu", bs), case, jnp.bfloat16,
+      rng("mosaic_gpu", "fwd-bwd"))
+
+
+@needs_interpreter
+def test_interpreted_forward_window_segments():
+  case = Case(b=1, t=120, s=200, n=4, k=2, h=64, window=(48, 16),
+              segments=True)
+  gen = rng("mosaic_gpu", "window-segments")
+  q, k, v, kw = make_inputs(case, jnp.float16, gen)
+  fn = flash("mosaic_gpu", mosaic_gpu.BlockSizes(**_SMALL))
+  out, lse = fn(q, k, v, **kw)
+  ref_out, ref_lse = flash("xla")(
+      *(x.astype(jnp.float32) for x in (q, k, v)), **kw)
+  same_out, _ = flash("xla")(q, k, v, **kw)
+  err = float(jnp.abs(out.astype(jnp.float32) - ref_out).max())
+  same = float(jnp.abs(same_out.astype(jnp.float32) - ref_out).max())
+  assert err <= 2 * same + 1e-3, (err, same)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  finite = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_allclose(
+      np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-3)
+
+
+@pytest.mark.slow
+@needs_interpreter
+def test_interpreted_split_dkv_single_consumer_round_robin():
+  case = Case(b=2, t=70, s=90, n=4, k=2, h=16, window=(30, None),
+              segments=True, lengths=True)
+  bs = mosaic_gpu.BlockSizes(
+      **_SMALL, consumers=1, pingpong=False, consumers_dq=1,
+      consumers_dkv=1, split_dkv=True, num_ctas=2, stages=1)
+  check_against_reference(
+      flash("mosaic_gpu", bs), case, jnp.bfloat16,
+      rng("mosaic_gpu", "split"))
+
+
+@pytest.mark.slow
+@needs_interpreter
+def test_interpreted_deterministic():
+  case = Case(b=1, t=64, s=100, n=2, k=2, h=64, causal=True, segments=True)
+  gen = rng("mosaic_gpu", "determinism")
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
+  dlse = jnp.zeros(q.shape[:-1])
+  fn = flash("mosaic_gpu", mosaic_gpu.BlockSizes(**_SMALL))
+  a = run(fn, q, k, v, kw, dout, dlse)
+  b = run(fn, q, k, v, kw, dout, dlse)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# --------------------------------------------------------------------------
+# Compiled, on a Hopper GPU.
+# --------------------------------------------------------------------------
+
+_GPU_CASES = [
+    (Case(b=2, t=512, s=512, n=4, k=4, h=64), jnp.bfloat16),
+    (Case(b=2, t=512, s=512, n=4, k=2, h=128, causal=True), jnp.bfloat16),
+    (Case(b=1, t=384, s=640, n=4, k=1, h=256, causal=True), jnp.float16),
+    (Case(b=1, t=300, s=700, n=8, k=2, h=256), jnp.bfloat16),
+    (Case(b=2, t=333, s=517, n=4, k=2, h=96, window=(100, 20),
+          segments=True, lengths=True, soft_cap=20.0), jnp.bfloat16),
+    (Case(b=2, t=129, s=1000, n=2, k=1, h=128, causal=True, positions=True),
+     jnp.float16),
+    (Case(b=1, t=1, s=77, n=2, k=1, h=40), jnp.bfloat16),
+    (Case(b=1, t=90, s=1, n=2, k=2, h=8, lengths=True), jnp.bfloat16),
+]
+
+
+@needs_hopper
+@pytest.mark.parametrize("case, dtype", _GPU_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("tiles", ["default", "small"])
+def test_compiled_matches_reference(case, dtype, tiles):
+  bs = None if tiles == "default" else mosaic_gpu.BlockSizes(
+      **_SMALL, stages=3, num_ctas=5)
+  check_against_reference(
+      flash("mosaic_gpu", bs), case, dtype,
+      rng("mosaic_gpu", "compiled", str(case), tiles))
+
+
+@needs_hopper
+def test_compiled_deterministic_and_chosen_automatically():
+  case = Case(b=2, t=700, s=700, n=8, k=2, h=128, causal=True, segments=True)
+  gen = rng("mosaic_gpu", "compiled-determinism")
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
+  dlse = jnp.zeros(q.shape[:-1])
+  fn = flash("mosaic_gpu")
+  a = run(fn, q, k, v, kw, dout, dlse)
+  b = run(fn, q, k, v, kw, dout, dlse)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  auto = pallas_fa.api._choose(None, *_canonical()[:5], vjp.Params(scale=1.0))
+  assert auto.name == "mosaic_gpu"

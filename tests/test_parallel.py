@@ -1,0 +1,144 @@
+"""Tests of `pallas_fa.parallel`: sharded and ring attention.
+
+The multi-device checks need `--xla_force_host_platform_device_count` set
+before jax is imported, so they run `tests/_parallel_worker.py` in a fresh
+process (8 simulated CPU devices; two processes of 4 for the multi-process
+test) and fail with its output when it fails.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from pallas_fa import parallel
+
+_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                       "_parallel_worker.py")
+_TIMEOUT_S = 300
+
+
+def _env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  # Unoptimised CPU code generation: these programs are tiny and compiling
+  # them dominates the run time.
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  return env
+
+
+def _run_worker(*args):
+  proc = subprocess.run(
+      [sys.executable, _WORKER, *args], env=_env(), capture_output=True,
+      text=True, timeout=_TIMEOUT_S, check=False,
+  )
+  assert proc.returncode == 0, (
+      f"worker {args} failed (rc={proc.returncode}):\n{proc.stdout}\n"
+      f"{proc.stderr[-6000:]}"
+  )
+  assert "ok " in proc.stdout, proc.stdout
+  return proc.stdout
+
+
+_MULTI_DEVICE_IMPLEMENTATIONS = ("chunked", "xla")
+
+
+@pytest.mark.parametrize("implementation", _MULTI_DEVICE_IMPLEMENTATIONS)
+def test_batch_and_head_sharding_matches_single_device(implementation):
+  _run_worker("sharded", implementation)
+
+
+@pytest.mark.parametrize("implementation", _MULTI_DEVICE_IMPLEMENTATIONS)
+def test_ring_attention_matches_single_device(implementation):
+  _run_worker("ring", implementation)
+
+
+def test_ring_program_has_no_all_gather_and_errors_name_arguments():
+  out = _run_worker("hlo", "chunked")
+  assert "ok validation" in out and "ring_attention" in out
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_ring_attention_across_two_processes():
+  port = str(_free_port())
+  procs = [
+      subprocess.Popen(
+          [sys.executable, _WORKER, "process", str(i), port], env=_env(),
+          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      )
+      for i in range(2)
+  ]
+  outputs = []
+  try:
+    for p in procs:
+      stdout, stderr = p.communicate(timeout=_TIMEOUT_S)
+      outputs.append((p.returncode, stdout, stderr[-4000:]))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  for i, (rc, stdout, stderr) in enumerate(outputs):
+    assert rc == 0, f"process {i} failed (rc={rc}):\n{stdout}\n{stderr}"
+    assert f"ok process {i}" in stdout, stdout
+
+
+# Single-process checks (the default single CPU device).
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 8])
+def test_zigzag_is_a_balanced_permutation(num_shards):
+  length = 2 * num_shards * 5
+  idx = parallel.zigzag_indices(length, num_shards)
+  np.testing.assert_array_equal(np.sort(idx), np.arange(length))
+  x = np.random.RandomState(0).randint(0, 1000, (2, length, 3))
+  np.testing.assert_array_equal(parallel.zigzag(x, num_shards), x[:, idx])
+  np.testing.assert_array_equal(
+      parallel.unzigzag(parallel.zigzag(x, num_shards), num_shards), x)
+  # Causal work per shard (visible query/key pairs) is equal on every shard,
+  # and so is the work of every shard pair against its mirror.
+  shards = idx.reshape(num_shards, -1)
+  work = [(shards[r][:, None] >= idx[None, :]).sum()
+          for r in range(num_shards)]
+  assert len(set(work)) == 1, work
+
+
+def test_zigzag_rejects_lengths_that_do_not_split():
+  with pytest.raises(ValueError, match="length % \\(2 \\* num_shards\\)"):
+    parallel.zigzag_indices(10, 3)
+
+
+def test_make_mesh_rejects_wrong_device_count():
+  with pytest.raises(ValueError, match="data \\* heads \\* sequence"):
+    parallel.make_mesh(data=2, sequence=len(jax.devices()) + 1)
+
+
+def test_one_device_mesh_matches_flash_attention():
+  mesh = parallel.make_mesh()
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (2, 24, 4, 8))
+  k = jax.random.normal(keys[1], (2, 24, 2, 8))
+  v = jax.random.normal(keys[2], (2, 24, 2, 8))
+  kwargs = dict(is_causal=True, implementation="xla")
+  want = pallas_fa.flash_attention(q, k, v, **kwargs)
+  got = parallel.sharded_flash_attention(
+      q, k, v, mesh=mesh, batch_axes="data", head_axes="heads",
+      sequence_axis="sequence", **kwargs)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  # Unbatched input keeps its rank.
+  got = parallel.sharded_flash_attention(
+      q[0], k[0], v[0], mesh=mesh, head_axes="heads", **kwargs)
+  assert got.shape == q.shape[1:]
+  np.testing.assert_allclose(got, want[0], rtol=1e-6, atol=1e-6)
+  assert jnp.all(jnp.isfinite(got))

@@ -1,0 +1,303 @@
+"""Tests of the `triton` backend beyond the shared conformance suite.
+
+BlockSizes validation, the tuning heuristics and persisted-result lookup,
+the block-skipping loop bounds (visited tiles against the ideal count, and
+proof by poisoning that skipped tiles are never read), and features the
+conformance suite does not reach (broadcast bias gradients, default tiles).
+The kernels run in Pallas interpret mode on CPU.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_testing import assert_close
+from attention_testing import reference_fn
+from attention_testing import rng
+from attention_testing import run
+
+import pallas_fa
+from pallas_fa import chunked
+from pallas_fa import masking
+from pallas_fa import triton
+from pallas_fa import tuning
+
+SMALL = triton.BlockSizes(
+    block_q=16, block_k=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16,
+    block_kv_dq=16, num_warps=4, num_stages=1)
+
+
+def _flash(**kw):
+  def fn(q, k, v, **call_kw):
+    return pallas_fa.flash_attention(
+        q, k, v, implementation="triton", return_residual=True,
+        **{"block_sizes": SMALL, **kw, **call_kw})
+  return fn
+
+
+def _normal(gen, *shape):
+  return jnp.asarray(gen.standard_normal(shape, np.float32))
+
+
+# --- BlockSizes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_q", 24), ("block_k", 8), ("block_q_dkv", 1024),
+    ("block_kv_dq", 0), ("block_kv_dkv", 32.0), ("block_q_dq", True),
+    ("num_warps", 3), ("num_stages", 0), ("num_warps_bwd", 32),
+    ("num_stages_bwd", 9),
+])
+def test_block_sizes_validation(field, value):
+  with pytest.raises(ValueError, match=field):
+    triton.BlockSizes(**{field: value})
+
+
+def test_block_sizes_frozen_hashable_kw_only():
+  a = triton.BlockSizes(block_q=64)
+  assert a == triton.BlockSizes(block_q=64) and hash(a) == hash(
+      triton.BlockSizes(block_q=64))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    a.block_q = 32
+  assert not hasattr(a, "__dict__")  # slotted
+  with pytest.raises(TypeError):
+    triton.BlockSizes(64)
+  assert a.backward_warps == a.num_warps
+  assert triton.BlockSizes(num_stages_bwd=1).backward_stages == 1
+
+
+def test_wrong_block_sizes_type_is_rejected():
+  gen = rng("wrong-type")
+  q = _normal(gen, 1, 8, 1, 16)
+  with pytest.raises(TypeError, match="block_sizes"):
+    pallas_fa.flash_attention(
+        q, q, q, implementation="triton",
+        block_sizes=chunked.ChunkedBlockSizes())
+
+
+# --- Heuristics and tuned results --------------------------------------------
+
+_KINDS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+          "NVIDIA GeForce RTX 4090", "cpu"]
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_heuristic_is_valid_and_fits(kind, head_dim, dtype):
+  bs = triton.default_block_sizes(
+      head_dim=head_dim, dtype=dtype, q_len=4096, kv_len=4096, kind=kind)
+  assert isinstance(bs, triton.BlockSizes)
+  if kind == "cpu":
+    return
+  hp = tuning.padded_head_dim(head_dim)
+  item = jnp.dtype(dtype).itemsize
+  budget = tuning.shared_memory_bytes(kind)
+  stages = bs.num_stages
+  assert tuning._forward_shared_memory(
+      bs.block_q, bs.block_k, hp, item, stages) <= budget or stages == 1
+  # Bigger head dims never get bigger forward tiles.
+  if head_dim == 256:
+    small = triton.default_block_sizes(
+        head_dim=64, dtype=dtype, q_len=4096, kv_len=4096, kind=kind)
+    assert bs.block_q * bs.block_k <= small.block_q * small.block_k
+
+
+def test_tile_size_clips_short_sequences():
+  assert triton.tile_size(128, 1) == 16
+  assert triton.tile_size(128, 33) == 64
+  assert triton.tile_size(32, 1000) == 32
+
+
+def test_device_file_name():
+  assert (tuning.device_file_name("NVIDIA H100 80GB HBM3")
+          == "nvidia_h100_80gb_hbm3")
+  assert tuning.load_tuned("no such device kind") == {}
+
+
+def test_tuned_records_win_over_heuristic(monkeypatch):
+  tuned = dict(block_q=64, block_k=32, block_q_dkv=16, block_kv_dkv=64,
+               block_q_dq=64, block_kv_dq=16, num_warps=8, num_stages=4)
+  key = tuning.tuning_key(head_dim=128, dtype=jnp.bfloat16, q_len=4096,
+                          kv_len=4096, is_causal=True)
+  other = dict(tuned, block_q=128)
+  records = {"triton": [
+      {"key": key, "block_sizes": tuned},
+      {"key": dict(key, q_len=512, kv_len=512), "block_sizes": other},
+      {"key": dict(key, dtype="float16"), "block_sizes": other},
+  ]}
+  # Round-trips through JSON exactly as scripts/tune.py writes it.
+  records = json.loads(json.dumps(records))
+  monkeypatch.setattr(tuning, "load_tuned", lambda kind: records)
+  got = triton.default_block_sizes(
+      head_dim=128, dtype=jnp.bfloat16, q_len=3000, kv_len=5000,
+      is_causal=True, kind="NVIDIA H100 80GB HBM3")
+  assert got == triton.BlockSizes(**tuned)
+  # No record for this head dim: the heuristic.
+  got = triton.default_block_sizes(
+      head_dim=64, dtype=jnp.bfloat16, q_len=4096, kv_len=4096,
+      kind="NVIDIA H100 80GB HBM3")
+  assert got == triton.BlockSizes(**tuning._triton_heuristic(
+      64, 2, "NVIDIA H100 80GB HBM3"))
+
+
+# --- Block skipping -----------------------------------------------------------
+
+
+def _ideal_tiles(info, bq, bk):
+  """(non-empty, full) tile counts from the element predicate itself."""
+  vis = masking.tile_visibility(info, 1)[:, 0, 0]  # [B, T, S]
+  b, t, s = vis.shape
+  tiles = np.asarray(vis).reshape(b, t // bq, bq, s // bk, bk)
+  return int(tiles.any(axis=(2, 4)).sum()), int(tiles.all(axis=(2, 4)).sum())
+
+
+@pytest.mark.parametrize("causal, window", [
+    (True, None), (False, (40, 0)), (False, (17, 33)), (True, (70, None)),
+])
+def test_loop_bounds_visit_only_needed_tiles(causal, window):
+  t = s = 256
+  bq, bk = 32, 16
+  pos = jnp.arange(t, dtype=jnp.int32)[None]
+  info = masking.MaskInfo(q_positions=pos, kv_positions=pos,
+                          is_causal=causal, window=window)
+  bounds = np.asarray(triton.tile_bounds(
+      masking.classify_blocks(info, bq, bk)))  # [B, nq, 4]
+  lo, full_lo, full_hi, hi = np.moveaxis(bounds, -1, 0)
+  ideal_visited, ideal_full = _ideal_tiles(info, bq, bk)
+  assert int((hi - lo).sum()) == ideal_visited
+  assert int((full_hi - full_lo).sum()) == ideal_full
+  assert np.all((lo <= full_lo) & (full_lo <= full_hi) & (full_hi <= hi))
+  # Exactly the partial tiles run the masking arithmetic.
+  masked = int(((full_lo - lo) + (hi - full_hi)).sum())
+  assert masked == ideal_visited - ideal_full
+  if causal and window is None:
+    nq, nk = t // bq, s // bk
+    # Causal visits about half the tiles; only the diagonal ones are masked.
+    assert ideal_visited < nq * nk * 0.6
+    assert masked == nq * (bq // bk)
+
+
+def test_non_contiguous_full_tiles_are_all_masked():
+  kinds = jnp.array([[[0, 2, 1, 2, 0], [1, 2, 2, 1, 0], [0, 0, 0, 0, 0]]])
+  bounds = np.asarray(triton.tile_bounds(kinds))[0]
+  np.testing.assert_array_equal(bounds[0], [1, 4, 4, 4])  # FULL not a run
+  np.testing.assert_array_equal(bounds[1], [0, 1, 3, 4])
+  np.testing.assert_array_equal(bounds[2][[0, 3]], [5, 5])  # nothing visible
+
+
+def _poisoned_run(kw, poison_q, poison_kv, gen, shape, bs=SMALL):
+  """(clean, dirty) results with NaN in q / k / v where the masks say."""
+  b, t, s, n, k, h = shape
+  q, kk, v = (_normal(gen, b, t, n, h), _normal(gen, b, s, k, h),
+              _normal(gen, b, s, k, h))
+  dout = _normal(gen, b, t, n, h)
+  dlse = _normal(gen, b, t, n)
+  fn = _flash(block_sizes=bs)
+  clean = run(fn, q, kk, v, kw, dout, dlse)
+  pq = poison_q[:, :, None, None]
+  pkv = poison_kv[:, :, None, None]
+  dirty = run(fn, jnp.where(pq, jnp.nan, q), jnp.where(pkv, jnp.nan, kk),
+              jnp.where(pkv, jnp.nan, v), kw, dout, dlse)
+  return clean, dirty
+
+
+def test_skipped_tiles_are_never_read():
+  """Sorted segments: a program must never touch the other segment's tiles.
+
+  NaN in segment 1's q/k/v would reach segment 0's results (0 * NaN) if any
+  kernel visited a tile mixing the two, even fully masked.
+  """
+  gen = rng("skip-poison")
+  t = s = 64
+  seg = jnp.where(jnp.arange(t) < 32, 0, 1)[None].astype(jnp.int32)
+  kw = dict(segment_ids=pallas_fa.SegmentIds(q=seg, kv=seg))
+  clean, dirty = _poisoned_run(kw, seg == 1, seg == 1, gen,
+                               (1, t, s, 2, 1, 16))
+  out_c, lse_c, (dq_c, dk_c, dv_c) = clean
+  out_d, lse_d, (dq_d, dk_d, dv_d) = dirty
+  for a, b in ((out_c, out_d), (lse_c, lse_d), (dq_c, dq_d), (dk_c, dk_d),
+               (dv_c, dv_d)):
+    np.testing.assert_array_equal(np.asarray(a[:, :32]), np.asarray(b[:, :32]))
+
+
+def test_causal_skips_future_tiles():
+  """Causal: keys past a query block's last position are never read."""
+  gen = rng("causal-poison")
+  t = s = 64
+  future = (jnp.arange(s) >= 32)[None]
+  clean, dirty = _poisoned_run(
+      dict(is_causal=True), jnp.zeros((1, t), bool), future, gen,
+      (1, t, s, 2, 2, 16))
+  for a, b in zip([clean[0], clean[1], clean[2][0]],
+                  [dirty[0], dirty[1], dirty[2][0]], strict=True):
+    np.testing.assert_array_equal(np.asarray(a[:, :32]), np.asarray(b[:, :32]))
+
+
+def test_window_skips_distant_tiles():
+  """Window (16, 0): for queries >= 48 the keys < 32 are never read."""
+  gen = rng("window-poison")
+  t = s = 64
+  past = (jnp.arange(s) < 32)[None]
+  clean, dirty = _poisoned_run(
+      dict(local_window_size=(16, 0)), jnp.zeros((1, t), bool), past, gen,
+      (1, t, s, 2, 1, 16))
+  for a, b in zip([clean[0], clean[1], clean[2][0]],
+                  [dirty[0], dirty[1], dirty[2][0]], strict=True):
+    np.testing.assert_array_equal(np.asarray(a[:, 48:]), np.asarray(b[:, 48:]))
+
+
+# --- Features against the reference ------------------------------------------
+
+
+def _check(kw, shape, name, bias=None, dtype=jnp.float32, fn=None):
+  gen = rng("triton", name)
+  b, t, s, n, k, h = shape
+  q = _normal(gen, b, t, n, h).astype(dtype)
+  kk = _normal(gen, b, s, k, h).astype(dtype)
+  v = _normal(gen, b, s, k, h).astype(dtype)
+  if bias is not None:
+    kw = dict(kw, bias=_normal(gen, *bias))
+  dout = _normal(gen, b, t, n, h)
+  dlse = _normal(gen, b, t, n)
+  got = run(fn or _flash(), q, kk, v, kw, dout, dlse)
+  want = run(reference_fn(jnp.float32), q, kk, v, kw, dout, dlse)
+  got = [got[0], got[1], *got[2]]
+  want = [want[0], want[1], *want[2]]
+  names = ["out", "lse", "dq", "dk", "dv", "dbias"][: len(got)]
+  for nm, x, r in zip(names, got, want, strict=True):
+    assert x.shape == r.shape, (nm, x.shape, r.shape)
+    assert_close(nm, x, r)
+
+
+@pytest.mark.parametrize("bias_shape", [
+    (1, 1, 20, 37),  # shared by batch and heads
+    (2, 1, 1, 37),  # per-key (padding-style) bias
+    (1, 4, 20, 1),  # per-query bias
+])
+def test_broadcast_bias_gradients(bias_shape):
+  _check(dict(is_causal=True, logits_soft_cap=4.0), (2, 20, 37, 4, 2, 24),
+         f"bias{bias_shape}", bias=bias_shape)
+
+
+def test_gqa_window_positions_mask():
+  gen = rng("triton", "mask-kv")
+  mask = jnp.asarray(gen.random((1, 1, 1, 50)) < 0.7)
+  _check(dict(local_window_size=(9, 4), mask=mask,
+              query_positions=jnp.arange(30, dtype=jnp.int32)[None] + 20),
+         (1, 30, 50, 8, 2, 16), "gqa-window-positions-mask")
+
+
+def test_default_block_sizes_on_cpu():
+  """block_sizes=None: the heuristic tiles, clipped to short sequences."""
+  _check(dict(is_causal=True), (1, 70, 70, 2, 1, 40), "defaults",
+         fn=_flash(block_sizes=None))
+
+
+def test_declines_tpu(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.raises(NotImplementedError, match="triton"):
+    triton.BACKEND.check(None, None, None, None, None, None)
