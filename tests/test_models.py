@@ -1,0 +1,209 @@
+"""Tests of the transformer, its decoding, generation and built-in data."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import config
+from models import data
+from models import generate
+from models import transformer
+from pallas_fa import chunked
+
+_TILES = chunked.ChunkedBlockSizes(
+    block_q=8, block_kv=8, block_q_bwd=8, block_kv_bwd=8)
+_RNG = np.random.default_rng()
+_VOCAB = 37
+
+
+def _cfg(**kw):
+  return config.TransformerConfig.tiny(
+      vocab_size=_VOCAB, num_layers=2, embed_dim=32, num_heads=4,
+      num_kv_heads=2, mlp_dim=48, max_len=64, **kw)
+
+
+def _model(cfg, seed):
+  return transformer.Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def _tokens(b, t):
+  return jnp.asarray(_RNG.integers(0, _VOCAB, (b, t)), jnp.int32)
+
+
+def _seed():
+  return int(_RNG.integers(1 << 20))
+
+
+@jax.jit
+def _ce(logits, targets):
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+
+# Module-level so every test with the same model structure shares one
+# compilation.
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, params, tokens):
+  return nnx.merge(graphdef, params)(tokens)
+
+
+def test_config_validation_and_round_trip():
+  cfg = _cfg(attention_impl="chunked", attention_block_sizes=_TILES)
+  assert cfg.resolved_head_dim == 8
+  again = config.TransformerConfig.from_dict(
+      json.loads(json.dumps(cfg.to_dict())))
+  assert again == cfg and hash(again) == hash(cfg)
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    _cfg().replace(num_kv_heads=3)
+  with pytest.raises(ValueError, match="embed_dim"):
+    config.TransformerConfig(vocab_size=5, embed_dim=30, num_heads=4)
+  with pytest.raises(ValueError, match="dtype"):
+    _cfg(dtype="int8")
+  with pytest.raises(ValueError, match="vocab_size"):
+    config.TransformerConfig(vocab_size=0)
+  assert config.TransformerConfig.small().num_layers == 6
+
+
+def test_shapes_and_parameter_count():
+  cfg = _cfg()
+  model = nnx.eval_shape(lambda: _model(cfg, 0))
+  graphdef, params = nnx.split(model)
+  logits = jax.eval_shape(
+      lambda p, x: nnx.merge(graphdef, p)(x), params,
+      jax.ShapeDtypeStruct((3, 11), jnp.int32))
+  assert logits.shape == (3, 11, _VOCAB) and logits.dtype == jnp.float32
+  d, h, n, k, m = 32, 8, 4, 2, 48
+  per_block = d * n * h + 2 * d * k * h + n * h * d + 3 * d * m + 2 * d
+  assert transformer.count_params(model) == (
+      _VOCAB * d + 2 * per_block + d)
+
+
+def test_chunked_and_xla_give_same_loss_and_gradients():
+  """Also against Flax's default attention, the benchmark baseline."""
+  tokens = _tokens(2, 25)
+  seed = _seed()
+  results = {}
+  for impl, tiles in (("xla", None), ("chunked", _TILES), ("flax", None)):
+    graphdef, params = nnx.split(
+        _model(_cfg(attention_impl=impl, attention_block_sizes=tiles), seed))
+
+    @jax.jit
+    def loss_and_grad(params, tokens, graphdef=graphdef):
+      loss = lambda p: _ce(
+          nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])
+      return jax.value_and_grad(loss)(params)
+
+    results[impl] = loss_and_grad(params, tokens)
+  for impl in ("chunked", "flax"):
+    np.testing.assert_allclose(
+        results[impl][0], results["xla"][0], rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+        results[impl][1], results["xla"][1])
+  assert float(results["xla"][0]) > 1.0  # A real loss, not a degenerate one.
+
+
+def test_decode_and_generate_match_full_forward():
+  b, t, prefill = 2, 21, 5
+  cfg = _cfg(attention_impl="chunked", attention_block_sizes=_TILES)
+  model = _model(cfg, _seed())
+  tokens = _tokens(b, t)
+  graphdef, params = nnx.split(model)
+  full = _forward(graphdef, params, tokens)
+
+  # Prefill, then one token at a time through the cache.
+  decoder = nnx.merge(graphdef, params)
+  decoder.init_cache(b, t)
+  step = nnx.jit(lambda m, x: m(x, decode=True))
+  logits = [step(decoder, tokens[:, :prefill])]
+  logits += [step(decoder, tokens[:, i:i + 1]) for i in range(prefill, t)]
+  np.testing.assert_allclose(
+      jnp.concatenate(logits, axis=1), full, rtol=1e-5, atol=1e-5)
+
+  # Greedy generation == argmax of the full forward over its own output.
+  new = generate.generate(model, tokens[:, :prefill], t - prefill)
+  seq = jnp.concatenate([tokens[:, :prefill], new], axis=1)
+  want = jnp.argmax(_forward(graphdef, params, seq), axis=-1)
+  np.testing.assert_array_equal(new, want[:, prefill - 1:-1])
+  assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # model untouched.
+
+  # Top-k sampling stays in the top k; the same key gives the same tokens.
+  logits = jnp.asarray(_RNG.standard_normal((4, _VOCAB)), jnp.float32)
+  keys = jax.random.split(jax.random.key(_seed()), 64)
+  draws = jnp.stack([generate.sample_logits(logits, key, 1.0, 3)
+                     for key in keys])
+  top3 = jnp.argsort(logits, axis=-1)[:, -3:]
+  assert bool(jnp.all(jnp.any(draws[..., None] == top3[None], axis=-1)))
+  assert len(np.unique(np.asarray(draws))) > 3
+  np.testing.assert_array_equal(
+      generate.sample_logits(logits, keys[0], 0.7, None),
+      generate.sample_logits(logits, keys[0], 0.7, None))
+  with pytest.raises(ValueError, match="cache_length"):
+    generate.generate(model, tokens[:, :3], 5, cache_length=6)
+
+
+# --------------------------------------------------------------------------
+# Built-in data.
+
+
+@pytest.mark.parametrize("task", data.TASKS)
+def test_synthetic_tasks(task):
+  ds = data.SyntheticTask(task=task, length=5, num_symbols=7,
+                          seed=int(_RNG.integers(1000)))
+  batch = ds.batch(3, 16)
+  assert all(v.shape == (16, ds.seq_len) for v in batch.values())
+  np.testing.assert_array_equal(batch["inputs"][:, 1:],
+                                batch["targets"][:, :-1])
+  # The loss covers exactly the answer tokens.
+  assert (batch["weights"].sum(axis=1) == ds.answer_len).all()
+  prompts, answers = ds.examples(np.random.default_rng(1), 50)
+  assert prompts.shape == (50, ds.prompt_len)
+  assert answers.shape == (50, ds.answer_len)
+  assert (prompts[:, 0] == data.BOS).all()
+  body = prompts[:, 1:1 + (2 * ds.length if task == "recall" else ds.length)]
+  if task == "copy":
+    np.testing.assert_array_equal(answers, body)
+  elif task == "sort":
+    np.testing.assert_array_equal(answers, np.sort(body, axis=1))
+  else:
+    keys, values = body[:, 0::2], body[:, 1::2]
+    query = prompts[:, -1:]
+    assert all(len(set(row)) == ds.length for row in keys)
+    np.testing.assert_array_equal(
+        answers[:, 0], values[keys == query])
+  # Batches are a pure function of (seed, split, step).
+  np.testing.assert_array_equal(ds.batch(3, 16)["inputs"], batch["inputs"])
+  assert not np.array_equal(ds.batch(4, 16)["inputs"], batch["inputs"])
+  assert not np.array_equal(
+      ds.batch(3, 16, "eval")["inputs"], batch["inputs"])
+  assert data.from_spec(ds.spec()) == ds
+  with pytest.raises(ValueError, match="task"):
+    data.SyntheticTask(task="nope")
+
+
+def test_text_data(tmp_path):
+  path = tmp_path / "t.txt"
+  text = "".join(chr(65 + i % 26) for i in range(3000)) + " héllo"
+  path.write_text(text, encoding="utf-8")
+  ds = data.TextData(source=str(path), seq_len=16)
+  batch = ds.batch(0, 4)
+  assert batch["inputs"].shape == (4, 16) and batch["weights"].all()
+  np.testing.assert_array_equal(batch["inputs"][:, 1:],
+                                batch["targets"][:, :-1])
+  assert ds.decode(ds.encode("héllo")) == "héllo"
+  assert ds.vocab_size == 256
+  assert data.from_spec(ds.spec()).spec() == ds.spec()
+  with pytest.raises(ValueError, match="seq_len"):
+    data.TextData(source=str(path), seq_len=5000).batch(0, 1)
+
+
+def test_python_stdlib_corpus():
+  files = data.python_stdlib_files()
+  assert len(files) > 50 and any(f.endswith("os.py") for f in files)
+  text = data.python_stdlib_text(max_bytes=100_000)
+  assert len(text) == 100_000 and b"def " in text
