@@ -1,4 +1,4 @@
-"""pallas_fa: exact, memory-linear flash attention for JAX, written in Pallas."""
+"""pallas_fa: exact, memory-linear flash attention for JAX, in Pallas."""
 
 from pallas_fa.api import flash_attention
 from pallas_fa.api import implementations

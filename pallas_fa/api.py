@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from typing import Any, Sequence
+from typing import Any
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -144,7 +145,8 @@ def _check_static_float(name, x, positive=False):
   try:
     value = float(x)
   except (TypeError, ValueError):
-    raise TypeError(f"{name} must be a float, got {type(x).__name__}.") from None
+    raise TypeError(
+        f"{name} must be a float, got {type(x).__name__}.") from None
   if not math.isfinite(value) or (positive and value <= 0):
     raise ValueError(f"{name} must be finite{' and > 0' if positive else ''},"
                      f" got {name}={value}.")
@@ -157,10 +159,9 @@ def _check_dense(name, x, shape4, unbatched):
     return None
   x = jnp.asarray(x)
   if x.ndim > (3 if unbatched else 4):
+    want = shape4[1:] if unbatched else shape4
     raise ValueError(
-        f"{name} must be broadcastable to {shape4 if not unbatched else shape4[1:]}"
-        f", got {x.shape=}."
-    )
+        f"{name} must be broadcastable to {want}, got {x.shape=}.")
   x = x.reshape((1,) * (4 - x.ndim) + x.shape)
   for got, want in zip(x.shape, shape4):
     if got not in (1, want):

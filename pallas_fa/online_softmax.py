@@ -16,7 +16,8 @@ Kernels may work in base 2 (exp2 with log2(e) folded into the scale); they pass
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax.numpy as jnp
 

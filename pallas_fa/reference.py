@@ -65,9 +65,9 @@ def attention(
   m = jax.lax.stop_gradient(s.max(axis=-1))
   m_safe = jnp.where(m == online_softmax.MASK_VALUE, 0.0, m).astype(s.dtype)
   e = jnp.exp(s - m_safe[..., None])
-  l = e.sum(axis=-1)
-  seen = l > 0
-  l_safe = jnp.where(seen, l, 1.0)
+  denom = e.sum(axis=-1)
+  seen = denom > 0
+  l_safe = jnp.where(seen, denom, 1.0)
   p = e / l_safe[..., None]
   out = jnp.einsum(
       "bkgts,bskh->btkgh",

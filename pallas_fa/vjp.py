@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from pallas_fa import masking
 from pallas_fa import online_softmax
@@ -53,6 +55,7 @@ class Backend:
       naming the reason when this backend cannot honour the call.
     block_sizes_type: the frozen tiling config class `block_sizes=` must be
       an instance of, or None if the backend takes none.
+    dtypes: input dtypes it computes in (others raise NotImplementedError).
   """
 
   name: str
@@ -60,6 +63,7 @@ class Backend:
   check: Callable[..., None]
   backward: Backward | None = None
   block_sizes_type: type | None = None
+  dtypes: tuple[Any, ...] = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def attention(

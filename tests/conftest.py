@@ -1,11 +1,13 @@
 """Shared test configuration: which implementations run, with which tiles."""
 
 import importlib
+import os
 
 import jax
 import pytest
 
 import pallas_fa
+from pallas_fa import api
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -48,7 +50,23 @@ def block_sizes_for(name):
   return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-IMPLEMENTATIONS = pallas_fa.implementations()
+# The Mosaic GPU interpreter takes about a minute per forward+backward case on
+# a CPU: tests/test_mosaic_gpu.py covers it there, and the whole suite runs it
+# compiled on a Hopper GPU. PALLAS_FA_TEST_IMPLEMENTATIONS=a,b overrides.
+_TOO_SLOW_TO_INTERPRET = ("mosaic_gpu",)
+
+
+def _implementations_under_test():
+  chosen = os.environ.get("PALLAS_FA_TEST_IMPLEMENTATIONS")
+  if chosen:
+    return tuple(name.strip() for name in chosen.split(",") if name.strip())
+  names = pallas_fa.implementations()
+  if api.platform() == "cpu":
+    names = tuple(n for n in names if n not in _TOO_SLOW_TO_INTERPRET)
+  return names
+
+
+IMPLEMENTATIONS = _implementations_under_test()
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)

@@ -14,10 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import pallas_fa
-from attention_testing import Case
 from attention_testing import DTYPES
+from attention_testing import Case
 from attention_testing import assert_close
 from attention_testing import check_against_reference
 from attention_testing import flash
@@ -27,6 +25,9 @@ from attention_testing import rng
 from attention_testing import run
 from conftest import IMPLEMENTATIONS
 from conftest import block_sizes_for
+
+import pallas_fa
+from pallas_fa import api
 
 # Shapes: T = 1, S = 1, T != S, odd lengths, head dims 1..256, GQA 1/2/4/8.
 SHAPE_CASES = [
@@ -73,8 +74,9 @@ def _fn(implementation):
 def _supported_or_raise(implementation, case, dtype):
   """Runs a cheap call; an implementation may decline with NotImplementedError.
 
-  Declining is only acceptable for bias/mask (DESIGN: "where feasible");
-  any other NotImplementedError is a failure.
+  Declining is only acceptable for bias/mask (DESIGN: "where feasible") and
+  for dtypes outside the backend's declared `dtypes`; any other
+  NotImplementedError is a failure.
   """
   q, k, v, kw = make_inputs(case, dtype, rng("probe"))
   try:
@@ -82,7 +84,14 @@ def _supported_or_raise(implementation, case, dtype):
   except NotImplementedError as e:
     if case.bias or case.mask:
       pytest.skip(f"{implementation} declines bias/mask: {e}")
+    if dtype not in api.get_backend(implementation).dtypes:
+      pytest.skip(f"{implementation} declines {jnp.dtype(dtype).name}: {e}")
     raise
+
+
+def _require_float32(implementation):
+  if jnp.float32 not in api.get_backend(implementation).dtypes:
+    pytest.skip(f"{implementation} computes in 16-bit only")
 
 
 @pytest.mark.parametrize("case", SHAPE_CASES + FEATURE_CASES, ids=str)
@@ -129,7 +138,8 @@ _FAST = ("xla", "chunked")
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_property(implementation):
-  examples = 12 if implementation in _FAST else 3
+  _require_float32(implementation)
+  examples = 8 if implementation in _FAST else 3
 
   @hypothesis.settings(max_examples=examples, deadline=None,
                        derandomize=True, database=None)
@@ -144,6 +154,7 @@ def test_property(implementation):
 
 def test_padding_never_leaks(implementation):
   """NaN/inf in padded q/k/v must not reach any output or gradient."""
+  _require_float32(implementation)
   case = Case(b=2, t=40, s=56, n=4, k=2, h=16, causal=True)
   gen = rng(implementation, "leak")
   q, k, v, kw = make_inputs(case, jnp.float32, gen)
@@ -171,6 +182,7 @@ def test_padding_never_leaks(implementation):
 
 def test_fully_masked_rows(implementation):
   """Rows with no visible key: zeros, lse -inf, finite zero gradients."""
+  _require_float32(implementation)
   case = Case(b=1, t=24, s=30, n=2, k=1, h=16)
   gen = rng(implementation, "fully-masked")
   q, k, v, _ = make_inputs(case, jnp.float32, gen)
@@ -194,6 +206,7 @@ def test_fully_masked_rows(implementation):
 
 
 def test_composes_with_jit_vmap_grad_remat(implementation):
+  _require_float32(implementation)
   case = Case(b=2, t=33, s=41, n=4, k=2, h=16, causal=True)
   gen = rng(implementation, "compose")
   q, k, v, _ = make_inputs(case, jnp.float32, gen)
@@ -232,6 +245,7 @@ def test_deterministic(implementation):
 
 
 def test_unbatched_and_residual(implementation):
+  _require_float32(implementation)
   case = Case(b=1, t=21, s=30, n=4, k=2, h=8, causal=True)
   gen = rng(implementation, "unbatched")
   q, k, v, _ = make_inputs(case, jnp.float32, gen)

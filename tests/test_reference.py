@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from attention_testing import Case
 from attention_testing import assert_close
 from attention_testing import make_inputs
