@@ -42,7 +42,8 @@ import dataclasses
 import functools
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -424,7 +425,7 @@ def _produce(*, units, cta, reps, sched_ref, groups, stages):
         step = base + j - ulo
         slot = lax.rem(step, stages)
         for loaded, consumed, copies in groups:
-          # A slot is refilled only once both consumers released it.
+          # A slot is refilled only once every consumer released it.
           @pl.when(step >= stages)
           def _(consumed=consumed):
             plgpu.barrier_wait(consumed.at[slot])
@@ -464,6 +465,41 @@ def _phases(sched_ref, b, row, wg, step_fn, carry, masked: bool):
       flo, fhi, functools.partial(step_fn, masked=False), carry)
   return lax.fori_loop(
       fhi, uhi, functools.partial(step_fn, masked=True), carry)
+
+
+def _kv_stream(spec: Spec, k_refs, k_rings, v_ref, v_ring):
+  """Copy lists of the Q-stationary kernels: K (+ metadata), then V.
+
+  Args:
+    spec: launch parameters.
+    k_refs: (k, key positions, key segment ids) GMEM refs.
+    k_rings: the matching SMEM rings.
+    v_ref: the V GMEM ref.
+    v_ring: the V SMEM ring.
+
+  Returns:
+    (k_copies, v_copies) for `_produce`; query head n reads K/V head
+    n // group (GQA without repeating K/V).
+  """
+  bk = spec.block_kv
+  (k_ref, kpos_ref, kseg_ref), (k_smem, kpos_smem, kseg_smem) = k_refs, k_rings
+
+  def k_copies(b, n, r, j, slot):
+    del r
+    cols = pl.ds(j * bk, bk)
+    out = [(k_ref.at[b, cols, n // spec.group], k_smem.at[slot])]
+    if spec.need_positions:
+      out.append((kpos_ref.at[b, cols], kpos_smem.at[slot]))
+    if spec.has_segments:
+      out.append((kseg_ref.at[b, cols], kseg_smem.at[slot]))
+    return out
+
+  def v_copies(b, n, r, j, slot):
+    del r
+    cols = pl.ds(j * bk, bk)
+    return [(v_ref.at[b, cols, n // spec.group], v_ring.at[slot])]
+
+  return k_copies, v_copies
 
 
 def _mesh(spec: Spec):
@@ -604,21 +640,9 @@ def forward(spec: Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
     def _producer():
       ops.set_max_registers(_PRODUCER_REGISTERS, "decrease")
 
-      def k_copies(b, n, r, j, slot):
-        del r
-        cols = pl.ds(j * bk, bk)
-        out = [(k_ref.at[b, cols, n // spec.group], k_smem.at[slot])]
-        if spec.need_positions:
-          out.append((kpos_ref.at[b, cols], kpos_smem.at[slot]))
-        if spec.has_segments:
-          out.append((kseg_ref.at[b, cols], kseg_smem.at[slot]))
-        return out
-
-      def v_copies(b, n, r, j, slot):
-        del r
-        cols = pl.ds(j * bk, bk)
-        return [(v_ref.at[b, cols, n // spec.group], v_smem.at[slot])]
-
+      k_copies, v_copies = _kv_stream(
+          spec, (k_ref, kpos_ref, kseg_ref), (k_smem, kpos_smem, kseg_smem),
+          v_ref, v_smem)
       _produce(
           units=units, cta=cta, reps=1, sched_ref=sched_ref, stages=stages,
           groups=[(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)])
@@ -764,21 +788,9 @@ def backward_dq(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
     def _producer():
       ops.set_max_registers(_PRODUCER_REGISTERS, "decrease")
 
-      def k_copies(b, n, r, j, slot):
-        del r
-        cols = pl.ds(j * bk, bk)
-        out = [(k_ref.at[b, cols, n // spec.group], k_smem.at[slot])]
-        if spec.need_positions:
-          out.append((kpos_ref.at[b, cols], kpos_smem.at[slot]))
-        if spec.has_segments:
-          out.append((kseg_ref.at[b, cols], kseg_smem.at[slot]))
-        return out
-
-      def v_copies(b, n, r, j, slot):
-        del r
-        cols = pl.ds(j * bk, bk)
-        return [(v_ref.at[b, cols, n // spec.group], v_smem.at[slot])]
-
+      k_copies, v_copies = _kv_stream(
+          spec, (k_ref, kpos_ref, kseg_ref), (k_smem, kpos_smem, kseg_smem),
+          v_ref, v_smem)
       _produce(
           units=units, cta=cta, reps=1, sched_ref=sched_ref, stages=stages,
           groups=[(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)])

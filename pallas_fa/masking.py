@@ -293,6 +293,22 @@ def _block_min_max(x: Array, block: int) -> tuple[Array, Array]:
   return x.min(axis=-1), x.max(axis=-1)
 
 
+def _segment_ranges(seg: Array, block: int, pad_id: int):
+  """Per-block (min, max, has_padding) of real segment ids [B, L/block].
+
+  Padding is left out of the range: a padded row sees nothing, so a tile is
+  empty when its *real* ids cannot meet, and a block of only padding gets
+  an empty range (min > max) that meets nothing.
+  """
+  b, length = seg.shape
+  x = seg.reshape(b, length // block, block)
+  pad = x == pad_id
+  big = np.iinfo(np.int32)
+  lo = jnp.where(pad, big.max, x).min(axis=-1)
+  hi = jnp.where(pad, big.min, x).max(axis=-1)
+  return lo, hi, pad.any(axis=-1)
+
+
 def classify_blocks(info: MaskInfo, block_q: int, block_kv: int) -> Array:
   """Kinds (EMPTY / PARTIAL / FULL) of every tile, int32 [B, T/bq, S/bk].
 
@@ -320,12 +336,17 @@ def classify_blocks(info: MaskInfo, block_q: int, block_kv: int) -> Array:
       empty |= kp_lo > qp_hi + right
       full &= kp_hi <= qp_lo + right
   if info.has_segments:
-    qs_lo, qs_hi = _block_min_max(info.q_segment_ids, block_q)
-    ks_lo, ks_hi = _block_min_max(info.kv_segment_ids, block_kv)
-    qs_lo, qs_hi = qs_lo[:, :, None], qs_hi[:, :, None]
-    ks_lo, ks_hi = ks_lo[:, None, :], ks_hi[:, None, :]
+    qs_lo, qs_hi, q_pad = _segment_ranges(
+        info.q_segment_ids, block_q, Q_PAD_SEGMENT)
+    ks_lo, ks_hi, k_pad = _segment_ranges(
+        info.kv_segment_ids, block_kv, KV_PAD_SEGMENT)
+    qs_lo, qs_hi, q_pad = qs_lo[:, :, None], qs_hi[:, :, None], q_pad[..., None]
+    ks_lo, ks_hi, k_pad = ks_lo[:, None, :], ks_hi[:, None, :], k_pad[:, None]
     empty |= (qs_hi < ks_lo) | (ks_hi < qs_lo)
-    full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+    full &= (
+        ~q_pad & ~k_pad
+        & (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
+    )
   if info.mask is not None:
     m = info.mask.any(axis=1)  # [B|1, T|1, S|1]
     mb, mt, ms = m.shape

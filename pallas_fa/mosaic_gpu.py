@@ -22,6 +22,7 @@ n // (N / K), and dK/dV are summed over each group inside the kernel.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import Any
 
@@ -241,6 +242,32 @@ def _num_ctas(bs: BlockSizes, interpret: bool, units: int) -> int:
   return max(1, min(int(sms), units))
 
 
+def _cuda_runtime_version() -> int | None:
+  """The CUDA runtime version (e.g. 12090), or None when unknown."""
+  try:
+    versions = importlib.import_module("jax._src.lib").cuda_versions
+    return int(versions.cuda_runtime_get_version())
+  except Exception:  # noqa: BLE001 - any failure means "unknown".
+    return None
+
+
+# CUDA runtimes whose ptxas miscompiles masked Mosaic GPU attention kernels
+# (the range JAX's own attention_mgpu refuses causal masking for).
+_MISCOMPILING_CUDA = (12080, 12091)
+
+
+def _needs_masking(q, k, info, bs: BlockSizes) -> bool:
+  """Whether any kernel of the call runs its masked (jnp.where) path."""
+  if info.restricts_positions or info.has_segments:
+    return True
+  t, s = q.shape[1], k.shape[1]
+  q_tiles = (bs.consumers * bs.block_q, bs.consumers_dq * bs.block_q_dq,
+             bs.block_q_dkv)
+  kv_tiles = (bs.block_kv, bs.block_kv_dq,
+              bs.consumers_dkv * bs.block_kv_dkv)
+  return any(t % x for x in q_tiles) or any(s % x for x in kv_tiles)
+
+
 def _check(q, k, v, bias, info, params):
   """Raises NotImplementedError for calls these kernels cannot honour."""
   mask = info.mask  # Every other part of the mask description is supported.
@@ -259,7 +286,15 @@ def _check(q, k, v, bias, info, params):
     raise NotImplementedError("mosaic_gpu does not take a bias.")
   if mask is not None:
     raise NotImplementedError("mosaic_gpu does not take a dense mask.")
-  _interpret(params.block_sizes)
+  if not _interpret(params.block_sizes):
+    version = _cuda_runtime_version()
+    lo, hi = _MISCOMPILING_CUDA
+    bs = _block_sizes(params, q, k, info)
+    if version is not None and lo <= version < hi and _needs_masking(
+        q, k, info, bs):
+      raise NotImplementedError(
+          f"mosaic_gpu: masked kernels are miscompiled by ptxas of CUDA "
+          f"{version} (12.8.0 <= version < 12.9.1).")
 
 
 # --------------------------------------------------------------------------
@@ -515,6 +550,11 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
 
   lse2 = per_head(kernel.lse_for_kernel(lse), jnp.inf)
   delta = per_head(delta, 0.0)
+  q_pad = masking.is_padding(x.info.q_segment_ids, masking.Q_PAD_SEGMENT)
+  if q_pad is not None:
+    # P is 0 on padded rows, but 0 * NaN is NaN: a NaN cotangent there must
+    # not reach dS through delta = rowsum(out * dout).
+    delta = jnp.where(q_pad[:, None, :], 0.0, delta)
   operands = (x.q, x.k, x.v, do, lse2, delta, *x.meta)
 
   sched = schedule(
@@ -554,4 +594,5 @@ BACKEND = vjp.Backend(
     backward=_backward,
     check=_check,
     block_sizes_type=BlockSizes,
+    dtypes=SUPPORTED_DTYPES,
 )

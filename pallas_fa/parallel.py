@@ -27,6 +27,10 @@ sequence chunks r and 2P-1-r of 2P, so every device has the same number of
 visible keys at every step. Masking is always computed from the true token
 positions, which travel with the tokens, so any token order is exact.
 
+A dense bias or mask travels differently: each device keeps its query rows
+against all keys ([..., T/P, S]) and slices the columns of the visiting
+shard, so it costs O(T S / P) per device, as dense masks do.
+
 Ring layout over P devices (K/V shard held by device r at step s):
 
     step:      0    1    2    3
@@ -190,6 +194,80 @@ def unzigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
   """Inverse of `zigzag`: back to the natural token order."""
   idx = np.argsort(zigzag_indices(x.shape[axis], num_shards))
   return jnp.take(x, jnp.asarray(idx), axis=axis)
+
+
+def shard_batch(
+    batch: Any,
+    mesh: jax.sharding.Mesh,
+    *,
+    batch_axes: AxisNames = DATA_AXIS,
+    sequence_axis: str | None = SEQUENCE_AXIS,
+    load_balance: bool = True,
+) -> Any:
+  """Places a host batch on `mesh`: rows over batch_axes, tokens over the ring.
+
+  Every leaf is a [B, T, ...] host array (tokens, targets, weights, positions,
+  segment ids). When the sequence is split (the mesh has `sequence_axis` of
+  size > 1) and `load_balance` is set, the token axis is permuted into the
+  zig-zag layout first, so causal ring attention is balanced; the batch must
+  then carry the true `positions` ([B, T], e.g. `arange(T)`), which the
+  model passes to attention and RoPE. Token-wise losses are unchanged by the
+  permutation.
+
+  Works on one or many processes: every process passes the same global batch
+  (as a deterministic data pipeline gives) and keeps only its devices' part.
+
+  Args:
+    batch: pytree of [B, T, ...] arrays.
+    mesh: the device mesh.
+    batch_axes: mesh axis name(s) splitting B ("data" by default; None for
+      none).
+    sequence_axis: mesh axis splitting T, or None (also ignored when absent
+      from the mesh).
+    load_balance: permute T into the zig-zag layout when T is split.
+
+  Returns:
+    The batch as global `jax.Array`s sharded [batch_axes, sequence_axis].
+
+  Raises:
+    ValueError: T is not a multiple of 2 * ring size (zig-zag) or B of the
+      batch-axis size.
+  """
+  batch_names = tuple(a for a in _names(batch_axes) if a in mesh.shape)
+  if sequence_axis is not None and sequence_axis not in mesh.shape:
+    sequence_axis = None
+  ring = 1 if sequence_axis is None else mesh.shape[sequence_axis]
+  spec = _P(_entry(batch_names), sequence_axis if ring > 1 else None)
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  rows = _mesh_size(mesh, batch_names)
+
+  def put(x):
+    x = np.asarray(x)
+    if x.ndim < 2 or x.shape[0] % rows:
+      raise ValueError(
+          f"shard_batch needs [B, T, ...] leaves with B a multiple of {rows} "
+          f"(the devices on {batch_axes=}), got {x.shape=}."
+      )
+    if ring > 1 and load_balance:
+      x = np.take(x, zigzag_indices(x.shape[1], ring), axis=1)
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+  return jax.tree.map(put, batch)
+
+
+def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """Places a pytree (parameters, optimiser state) on every device of mesh.
+
+  Works on one or many processes; every process passes the same values
+  (the same initialisation seed, or a restored checkpoint).
+  """
+  sharding = jax.sharding.NamedSharding(mesh, _P())
+
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+  return jax.tree.map(put, tree)
 
 
 # --------------------------------------------------------------------------
@@ -494,7 +572,7 @@ def ring_attention(
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class _Plan:
-  """Static description of one sharded call (a jit static argument)."""
+  """Static description of one sharded call, built at trace time."""
 
   mesh: jax.sharding.Mesh
   batch: tuple[str, ...]

@@ -28,6 +28,14 @@ import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
+
+if _MODE == "process":
+  # Before anything (conftest included) initialises the XLA backend.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      coordinator_address=f"localhost:{sys.argv[3]}", num_processes=2,
+      process_id=int(sys.argv[2]), initialization_timeout=60)
+
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -162,6 +170,31 @@ def ring():
         ("heads2xring4", parallel.make_mesh(heads=2, sequence=4),
          dict(head_axes="heads", sequence_axis="sequence")),
     ], impl, block_sizes)
+    if impl == "chunked":
+      _check_low_precision(causal, impl, block_sizes)
+
+
+def _check_low_precision(case, impl, block_sizes):
+  """bfloat16 ring: the FlashAttention rule against the float32 call."""
+  q, k, v, _, kwargs = case
+  static, traced = _split(dict(kwargs, implementation=impl,
+                               block_sizes=block_sizes))
+  ring = dict(static, mesh=parallel.make_mesh(sequence=8),
+              sequence_axis="sequence", load_balance=True)
+  low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  want = _value_and_grads(pallas_fa.flash_attention, q, k, v, None, static,
+                          traced)
+  same = _value_and_grads(pallas_fa.flash_attention, *low, None, static,
+                          traced)
+  got = _value_and_grads(parallel.sharded_flash_attention, *low, None, ring,
+                         traced)
+  for name, g, s, w in zip(_NAMES, got, same, want, strict=False):
+    w = np.nan_to_num(np.asarray(w, np.float32), neginf=0)
+    err = lambda x, w=w: np.abs(
+        np.nan_to_num(np.asarray(x, np.float32), neginf=0) - w).max()
+    assert err(g) <= 2 * err(s) + 1e-5, (name, err(g), err(s))
+  print(f"ok {impl} bfloat16 ring8-zigzag within 2x of the bfloat16 "
+        f"single-device error", flush=True)
 
 
 _COLLECTIVE = re.compile(
@@ -217,8 +250,10 @@ def hlo():
       print(f"ok {impl} hlo {label}: {dict(ops)}, largest {largest}",
             flush=True)
 
-  # `ring_attention` inside the caller's own shard_map, contiguous shards.
-  impl, block_sizes = _implementations()[0]
+  # `ring_attention` inside the caller's own shard_map, contiguous shards;
+  # then a mesh with explicit axes. Both are plumbing: "xla" compiles
+  # fastest.
+  impl, block_sizes = "xla", None
   q, k, v = _inputs(8, b, 64, 64, n, kv, h)
   kwargs = dict(is_causal=True, local_window_size=(20, 0),
                 implementation=impl, block_sizes=block_sizes)
@@ -267,33 +302,46 @@ def hlo():
       raise AssertionError(f"no ValueError for {axes}")
   print("ok validation", flush=True)
 
+  # shard_batch: rows over "data", tokens over the ring in zig-zag order.
+  mesh = parallel.make_mesh(data=2, sequence=4)
+  tokens = np.arange(4 * 16).reshape(4, 16)
+  placed = parallel.shard_batch({"tokens": tokens}, mesh)["tokens"]
+  assert placed.sharding.spec == jax.sharding.PartitionSpec(
+      "data", "sequence"), placed.sharding
+  np.testing.assert_array_equal(placed, parallel.zigzag(tokens, 4))
+  for shard in placed.addressable_shards:
+    assert shard.data.shape == (2, 4), shard.data.shape
+  params = parallel.replicate({"w": np.ones((3, 2), np.float32)}, mesh)
+  assert params["w"].sharding.is_fully_replicated
+  assert len(params["w"].sharding.device_set) == 8
+  print("ok shard_batch, replicate", flush=True)
 
-def process(process_id, port):
+
+def process(process_id):
   """One of two processes running ring attention over 8 devices."""
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-      coordinator_address=f"localhost:{port}", num_processes=2,
-      process_id=process_id, initialization_timeout=60)
+  assert jax.process_index() == process_id
   assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
   assert len(jax.local_devices()) == 4
   b, t, n, kv, h = 2, 64, 4, 2, 16
   # Every process draws the same global inputs (same seed).
   q, k, v = (np.asarray(x) for x in _inputs(9, b, t, t, n, kv, h))
   seg = np.asarray(_segments(10, b, t))
-  pos = np.asarray(parallel.zigzag(np.broadcast_to(np.arange(t), (b, t)), 8))
-  q, k, v, seg_zz = (np.asarray(parallel.zigzag(x, 8)) for x in (q, k, v, seg))
+  pos = np.broadcast_to(np.arange(t), (b, t))
   # Ring over all 8 devices: half its hops cross the process boundary.
   mesh = parallel.make_mesh(sequence=8)
-  spec = jax.sharding.PartitionSpec(None, "sequence")
-  sharding = jax.sharding.NamedSharding(mesh, spec)
-
-  def global_array(x):
-    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+  # Each process keeps its devices' part, in the zig-zag layout.
+  batch = parallel.shard_batch(dict(q=q, k=k, v=v, pos=pos, seg=seg), mesh)
+  assert batch["q"].sharding.spec == jax.sharding.PartitionSpec(
+      "data", "sequence"), batch["q"].sharding
+  assert not batch["q"].is_fully_addressable
+  scale = parallel.replicate(np.float32(0.5), mesh)
+  assert scale.sharding.is_fully_replicated and not scale.is_fully_addressable
 
   impl = "chunked"
   block_sizes = conftest.block_sizes_for(impl)
 
-  def loss(q, k, v, pos, seg):
+  def loss(q, k, v, pos, seg, scale):
+    q = q * (2 * scale)  # A replicated parameter (2 * 0.5 = 1).
     out = parallel.sharded_flash_attention(
         q, k, v, mesh=mesh, sequence_axis="sequence", is_causal=True,
         query_positions=pos, key_positions=pos,
@@ -302,14 +350,13 @@ def process(process_id, port):
     return jnp.sum(out * jnp.cos(out)), out
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-  args = [global_array(x) for x in (q, k, v, pos, seg_zz)]
+  args = [batch[name] for name in ("q", "k", "v", "pos", "seg")] + [scale]
   (_, out), grads = grad(*args)
   gather = jax.experimental.multihost_utils.process_allgather
   got = [gather(x, tiled=True) for x in (out,) + tuple(grads)]
   got = [np.asarray(parallel.unzigzag(x, 8)) for x in got]
 
   # The single-device call on this process's first device, natural order.
-  q, k, v = (np.asarray(parallel.unzigzag(x, 8)) for x in (q, k, v))
   local = jax.local_devices()[0]
   with jax.default_device(local):
     def single(q, k, v, seg):
@@ -336,6 +383,6 @@ if __name__ == "__main__":
   if _MODE == "process":
     import jax.experimental.multihost_utils  # noqa: E402, F401
 
-    process(int(sys.argv[2]), int(sys.argv[3]))
+    process(int(sys.argv[2]))
   else:
     {"sharded": sharded, "ring": ring, "hlo": hlo}[_MODE]()

@@ -40,6 +40,11 @@ def test_classification_is_conservative_and_tight(
     kv_seg = gen.integers(0, 3, (b, s))
     if sorted_segments:
       q_seg, kv_seg = np.sort(q_seg), np.sort(kv_seg)
+    # Padding (as the api folds it in): random tails of reserved ids.
+    q_len = gen.integers(0, t + 1, (b, 1))
+    kv_len = gen.integers(0, s + 1, (b, 1))
+    q_seg = np.where(np.arange(t) < q_len, q_seg, masking.Q_PAD_SEGMENT)
+    kv_seg = np.where(np.arange(s) < kv_len, kv_seg, masking.KV_PAD_SEGMENT)
     q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg,
                                                                 jnp.int32)
   if dense:

@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import pallas_fa
 from attention_testing import Case
 from attention_testing import check_against_reference
 from attention_testing import flash
 from attention_testing import make_inputs
 from attention_testing import rng
 from attention_testing import run
+
+import pallas_fa
 from pallas_fa import _mosaic_gpu_kernel as kernel
 from pallas_fa import masking
 from pallas_fa import mosaic_gpu
@@ -33,6 +33,7 @@ from pallas_fa import vjp
 _SMALL = dict(
     block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
     block_kv_dkv=64)
+
 
 def _on_hopper() -> bool:
   if jax.default_backend() not in ("gpu", "cuda"):
@@ -139,6 +140,32 @@ def test_check_accepts_interpreter_on_cpu(monkeypatch):
   monkeypatch.setattr(kernel, "interpret_params", lambda: None)
   with pytest.raises(NotImplementedError, match="interpreter"):
     mosaic_gpu.BACKEND.check(*_canonical())
+
+
+def test_check_refuses_masked_kernels_on_miscompiling_cuda(monkeypatch):
+  monkeypatch.setattr(mosaic_gpu, "_interpret", lambda bs: False)
+  monkeypatch.setattr(mosaic_gpu, "_cuda_runtime_version", lambda: 12085)
+  gen = rng("cuda-version")
+  bs = mosaic_gpu.BlockSizes(**_SMALL)
+  for case, refused in [
+      (Case(b=1, t=128, s=128, n=2, k=2, h=64), False),
+      (Case(b=1, t=128, s=128, n=2, k=2, h=64, causal=True), True),
+      (Case(b=1, t=100, s=128, n=2, k=2, h=64), True),  # ragged tail
+  ]:
+    q, k, v, _ = make_inputs(case, jnp.bfloat16, gen)
+    q, k, v, bias, info, params, _ = pallas_fa.api._canonicalise(
+        q, k, v, None, None, scale=None, is_causal=case.causal,
+        query_seq_lengths=None, key_value_seq_lengths=None,
+        local_window_size=None, segment_ids=None, query_positions=None,
+        key_positions=None, logits_soft_cap=None)
+    params = vjp.Params(scale=params.scale, block_sizes=bs)
+    if refused:
+      with pytest.raises(NotImplementedError, match="ptxas"):
+        mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
+    else:
+      mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
+  monkeypatch.setattr(mosaic_gpu, "_cuda_runtime_version", lambda: 12091)
+  mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
 
 
 def test_sm90_detection():
@@ -387,6 +414,30 @@ def test_interpreted_deterministic():
   b = run(fn, q, k, v, kw, dout, dlse)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+@needs_interpreter
+def test_interpreted_padding_never_leaks():
+  case = Case(b=2, t=40, s=56, n=4, k=2, h=16, causal=True)
+  gen = rng("mosaic_gpu", "leak")
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  q_len = jnp.array([33, 40], jnp.int32)
+  kv_len = jnp.array([20, 49], jnp.int32)
+  kw.update(query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
+  q_pad = (jnp.arange(case.t)[None, :] >= q_len[:, None])[..., None, None]
+  kv_pad = (jnp.arange(case.s)[None, :] >= kv_len[:, None])[..., None, None]
+  dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
+  dout = jnp.where(q_pad, jnp.nan, dout)
+  dlse = jnp.zeros(q.shape[:-1])
+  fn = flash("mosaic_gpu", mosaic_gpu.BlockSizes(**_SMALL))
+  clean = run(fn, q, k, v, kw, jnp.where(q_pad, 0.0, dout), dlse)
+  dirty = run(fn, jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.inf, k),
+              jnp.where(kv_pad, jnp.nan, v), kw, dout, dlse)
+  for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty),
+                  strict=True):
+    assert not np.any(np.isnan(np.asarray(b, np.float32)))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # --------------------------------------------------------------------------

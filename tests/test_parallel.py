@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import pallas_fa
+from pallas_fa import masking
 from pallas_fa import parallel
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -26,9 +27,8 @@ _TIMEOUT_S = 300
 
 def _env():
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
   # Unoptimised CPU code generation: these programs are tiny and compiling
-  # them dominates the run time.
+  # them dominates the run time. (The worker adds the device count.)
   env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
   return env
 
@@ -125,7 +125,7 @@ def test_make_mesh_rejects_wrong_device_count():
 
 
 def test_one_device_mesh_matches_flash_attention():
-  mesh = parallel.make_mesh()
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   q = jax.random.normal(keys[0], (2, 24, 4, 8))
   k = jax.random.normal(keys[1], (2, 24, 2, 8))
@@ -142,3 +142,23 @@ def test_one_device_mesh_matches_flash_attention():
   assert got.shape == q.shape[1:]
   np.testing.assert_allclose(got, want[0], rtol=1e-6, atol=1e-6)
   assert jnp.all(jnp.isfinite(got))
+
+
+def test_ring_steps_with_no_visible_key_are_skipped():
+  pos = jnp.arange(16)[None]
+  info = masking.MaskInfo(q_positions=pos, kv_positions=pos + 16,
+                          is_causal=True)
+  # Keys entirely in the queries' future: the step is skipped.
+  assert bool(parallel._step_is_empty(info))
+  assert not bool(parallel._step_is_empty(info.replace(kv_positions=pos)))
+  # A window that does not reach the shard.
+  window = info.replace(is_causal=False, window=(3, 3),
+                        kv_positions=pos + 20)
+  assert bool(parallel._step_is_empty(window))
+  # Disjoint segments.
+  seg = info.replace(is_causal=False, kv_positions=pos,
+                     q_segment_ids=jnp.zeros((1, 16), jnp.int32),
+                     kv_segment_ids=jnp.ones((1, 16), jnp.int32))
+  assert bool(parallel._step_is_empty(seg))
+  # Nothing restricts attention: no predicate at all (never skipped).
+  assert parallel._step_is_empty(info.replace(is_causal=False)) is None
