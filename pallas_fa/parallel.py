@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
