@@ -90,14 +90,17 @@ class TransformerConfig:
 
   @property
   def resolved_head_dim(self) -> int:
+    """head_dim, or embed_dim // num_heads when unset."""
     return self.head_dim or self.embed_dim // self.num_heads
 
   @property
   def jnp_dtype(self):
+    """The activation dtype as a numpy dtype."""
     return jnp.dtype(self.dtype)
 
   @property
   def jnp_param_dtype(self):
+    """The parameter dtype as a numpy dtype."""
     return jnp.dtype(self.param_dtype)
 
   @classmethod
@@ -122,6 +125,7 @@ class TransformerConfig:
     return cls(**kw)
 
   def replace(self, **changes) -> TransformerConfig:
+    """A copy with `changes` applied (validated again)."""
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:

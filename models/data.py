@@ -56,8 +56,8 @@ class SyntheticTask:
   """
 
   task: str = "sort"
-  length: int = 12
-  num_symbols: int = 16
+  length: int = 8
+  num_symbols: int = 10
   seed: int = 0
 
   def __post_init__(self):
@@ -78,6 +78,7 @@ class SyntheticTask:
 
   @property
   def vocab_size(self) -> int:
+    """Special tokens plus the alphabet."""
     return _NUM_SPECIAL + self.num_symbols
 
   @property
@@ -89,6 +90,7 @@ class SyntheticTask:
 
   @property
   def answer_len(self) -> int:
+    """Answer tokens (scored by exact match)."""
     return 1 if self.task == "recall" else self.length
 
   @property
@@ -141,12 +143,13 @@ class SyntheticTask:
     return "".join(out)
 
   def spec(self) -> dict[str, Any]:
+    """JSON-serialisable description; `from_spec` rebuilds the task."""
     return {"kind": self.kind, "task": self.task, "length": self.length,
             "num_symbols": self.num_symbols, "seed": self.seed}
 
 
 def python_stdlib_files() -> list[str]:
-  """The running interpreter's top-level standard-library `.py` files, sorted."""
+  """The running interpreter's top-level stdlib `.py` files, sorted."""
   root = sysconfig.get_paths().get("stdlib")
   if not root or not os.path.isdir(root):
     root = os.path.dirname(inspect.getfile(inspect))
@@ -223,13 +226,16 @@ class TextData:
     return _lm_batch(seqs, np.ones(seqs.shape, np.float32))
 
   def encode(self, text: str) -> np.ndarray:
+    """UTF-8 bytes of `text` as int32 token ids."""
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
 
   def decode(self, tokens) -> str:
+    """Token ids back to text (invalid UTF-8 replaced)."""
     return bytes(np.asarray(tokens, np.uint8).tolist()).decode(
         "utf-8", errors="replace")
 
   def spec(self) -> dict[str, Any]:
+    """JSON-serialisable description; `from_spec` rebuilds the dataset."""
     return {"kind": self.kind, "source": self.source,
             "seq_len": self.seq_len, "seed": self.seed,
             "eval_fraction": self.eval_fraction}

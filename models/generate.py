@@ -43,29 +43,36 @@ def sample_logits(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k"),
+    static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k",
+                     "return_logits"),
 )
 def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature,
-              top_k):
+              top_k, return_logits):
   model = nnx.merge(graphdef, state)
-  logits = model(prompt, decode=True)[:, -1]
+  logits = model(prompt, decode=True)[:, -1]  # [B, V]
   rng, sub = jax.random.split(rng)
   token = sample_logits(logits, sub, temperature, top_k)
-  out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32)
-  out = out.at[:, 0].set(token)
-  state = nnx.state(model)
+  b, vocab = logits.shape
+  out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(token)
+  all_logits = None
+  if return_logits:
+    all_logits = jnp.zeros((b, max_new_tokens, vocab), logits.dtype)
+    all_logits = all_logits.at[:, 0].set(logits)
 
   def step(i, carry):
-    state, out, token, rng = carry
+    state, out, all_logits, token, rng = carry
     model = nnx.merge(graphdef, state)
     logits = model(token[:, None], decode=True)[:, -1]
     rng, sub = jax.random.split(rng)
     token = sample_logits(logits, sub, temperature, top_k)
-    return nnx.state(model), out.at[:, i].set(token), token, rng
+    if all_logits is not None:
+      all_logits = all_logits.at[:, i].set(logits)
+    return nnx.state(model), out.at[:, i].set(token), all_logits, token, rng
 
-  _, out, _, _ = jax.lax.fori_loop(
-      1, max_new_tokens, step, (state, out, token, rng))
-  return out
+  _, out, all_logits, _, _ = jax.lax.fori_loop(
+      1, max_new_tokens, step,
+      (nnx.state(model), out, all_logits, token, rng))
+  return (out, all_logits) if return_logits else out
 
 
 def generate(
@@ -77,7 +84,8 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     cache_length: int | None = None,
-) -> Array:
+    return_logits: bool = False,
+) -> Array | tuple[Array, Array]:
   """Continues `prompt` by `max_new_tokens` tokens.
 
   `model` itself is not modified: decoding runs on a copy with its own cache.
@@ -91,9 +99,12 @@ def generate(
     temperature: 0 = greedy.
     top_k: sample among the k most likely tokens.
     cache_length: cache size; default P + max_new_tokens.
+    return_logits: also return the logits each token was drawn from.
 
   Returns:
-    int32 [B, max_new_tokens], the generated tokens.
+    int32 [B, max_new_tokens], the generated tokens; with return_logits also
+    float [B, max_new_tokens, vocab], equal to the full forward's logits over
+    the prompt and the generated tokens.
 
   Raises:
     ValueError: bad shapes or lengths.
@@ -116,4 +127,5 @@ def generate(
   return _generate(
       graphdef, state, prompt, rng, max_new_tokens=max_new_tokens,
       temperature=float(temperature), top_k=top_k,
+      return_logits=return_logits,
   )

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any
+from typing import Callable
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -382,7 +384,7 @@ def make_attention_fn(
     logits_soft_cap: float | None = None,
     local_window_size: int | Sequence[int | None] | None = None,
 ) -> Callable[..., Array]:
-  """An `attention_fn` for Flax's attention modules, computed by flash attention.
+  """An `attention_fn` for Flax's attention modules, using flash attention.
 
   Usage:
     nnx.MultiHeadAttention(..., attention_fn=make_attention_fn())
@@ -437,7 +439,8 @@ def make_attention_fn(
           "sow_weights=True needs the T x S attention weights, which flash "
           "attention never materialises."
       )
-    if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+    if (qk_attn_weights_einsum is not None
+        or attn_weights_value_einsum is not None):
       raise NotImplementedError(
           "custom attention einsums (e.g. quantised) cannot run inside flash "
           "attention."

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
+import numpy as np
 from absl import app
 from absl import flags
 from absl import logging
-import jax
-import numpy as np
 from flax import nnx
 
 # train.py (next to this file) owns --workdir, --task, --seed, --num_samples.
@@ -57,13 +57,14 @@ def load_model(workdir: str):
 
 def sample(workdir: str, *, prompt: str | None = None, num_samples: int = 8,
            max_new_tokens: int = 200, temperature: float = 0.8,
-           top_k: int | None = 20, seed: int = 0, out=sys.stdout):
+           top_k: int | None = 20, seed: int = 0, out=None):
   """Prints generations from the run in `workdir`; returns them.
 
   Returns:
     Synthetic tasks: (exact-match accuracy, predictions [n, answer_len]).
     Text: the list of generated strings.
   """
+  out = out or sys.stdout
   model, dataset, step = load_model(workdir)
   print(f"Loaded {workdir} at step {step}.", file=out)
   if isinstance(dataset, data_lib.SyntheticTask):
@@ -90,6 +91,7 @@ def sample(workdir: str, *, prompt: str | None = None, num_samples: int = 8,
 
 
 def main(argv):
+  """Entry point: samples from --workdir."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:

@@ -34,14 +34,14 @@ import sys
 import time
 from typing import Any
 
-from absl import app
-from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from absl import app
+from absl import flags
+from absl import logging
 from flax import nnx
 
 from models import config as config_lib
@@ -55,9 +55,9 @@ _TASK = flags.DEFINE_enum(
 _TEXT = flags.DEFINE_string(
     "text", None, "Train on this text file (implies --task=text).")
 _LENGTH = flags.DEFINE_integer(
-    "length", 12, "Synthetic tasks: prompt symbols (pairs for recall).")
+    "length", 8, "Synthetic tasks: prompt symbols (pairs for recall).")
 _NUM_SYMBOLS = flags.DEFINE_integer(
-    "num_symbols", 16, "Synthetic tasks: alphabet size.")
+    "num_symbols", 10, "Synthetic tasks: alphabet size.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Text: tokens per example.")
 _MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "small"], "Preset.")
 _ATTENTION_IMPL = flags.DEFINE_string(
@@ -68,12 +68,12 @@ _DTYPE = flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16"], "Activation dtype.")
 _REMAT = flags.DEFINE_bool("remat", False, "Rematerialise blocks.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Sequences per step.")
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 1500, "Training steps.")
+_NUM_STEPS = flags.DEFINE_integer("num_steps", 600, "Training steps.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW lr.")
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 100, "Linear warmup.")
 _WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW decay.")
 _GRAD_CLIP = flags.DEFINE_float("grad_clip", 1.0, "Global-norm clip.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 250, "Steps between evals.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between evals.")
 _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 8, "Batches per eval.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every", 100, "Steps between checkpoints.")
@@ -97,20 +97,20 @@ class Options:
 
   task: str = "sort"
   text: str | None = None
-  length: int = 12
-  num_symbols: int = 16
+  length: int = 8
+  num_symbols: int = 10
   seq_len: int = 256
   model: str = "tiny"
   attention_impl: str | None = None
   dtype: str = "float32"
   remat: bool = False
   batch_size: int = 64
-  num_steps: int = 1500
+  num_steps: int = 600
   learning_rate: float = 3e-3
   warmup_steps: int = 100
   weight_decay: float = 0.01
   grad_clip: float = 1.0
-  eval_every: int = 250
+  eval_every: int = 100
   eval_batches: int = 8
   checkpoint_every: int = 100
   log_every: int = 10
@@ -125,6 +125,7 @@ class Options:
 
 
 def options_from_flags() -> Options:
+  """The parsed command-line flags as `Options`."""
   impl = _ATTENTION_IMPL.value
   task = "text" if _TEXT.value else _TASK.value
   return Options(
@@ -147,6 +148,7 @@ def options_from_flags() -> Options:
 
 
 def make_dataset(opts: Options):
+  """The dataset `opts` asks for."""
   if opts.task in data_lib.TASKS:
     return data_lib.SyntheticTask(
         task=opts.task, length=opts.length, num_symbols=opts.num_symbols,
@@ -164,6 +166,7 @@ def make_dataset(opts: Options):
 
 
 def make_config(opts: Options, dataset) -> config_lib.TransformerConfig:
+  """The model preset of `opts`, sized for `dataset`."""
   preset = getattr(config_lib.TransformerConfig, opts.model)
   kw = dict(
       vocab_size=dataset.vocab_size, attention_impl=opts.attention_impl,
@@ -190,11 +193,13 @@ class OptimizerSpec:
 
   @classmethod
   def from_options(cls, opts: Options) -> OptimizerSpec:
+    """The optimiser settings of `opts`."""
     return cls(learning_rate=opts.learning_rate,
                warmup_steps=opts.warmup_steps, num_steps=opts.num_steps,
                weight_decay=opts.weight_decay, grad_clip=opts.grad_clip)
 
   def make(self) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW on the warmup-cosine schedule."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=self.learning_rate,
         warmup_steps=min(self.warmup_steps, max(self.num_steps - 1, 1)),
@@ -285,6 +290,7 @@ def evaluate(graphdef, params, dataset, opts: Options) -> dict[str, float]:
 
 
 def default_workdir(opts: Options) -> str:
+  """runs/<task> (runs/text-<file stem> for --text)."""
   name = opts.task
   if opts.task == "text":
     name = "text-" + os.path.splitext(os.path.basename(opts.text or ""))[0]
@@ -292,6 +298,7 @@ def default_workdir(opts: Options) -> str:
 
 
 def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
+  """Orbax manager of <workdir>/checkpoints, keeping the last two."""
   return ocp.CheckpointManager(
       os.path.abspath(os.path.join(workdir, "checkpoints")),
       options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
@@ -299,6 +306,7 @@ def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
 
 
 def save_checkpoint(mngr, step: int, state) -> None:
+  """Saves params and optimiser state at `step` (asynchronously)."""
   mngr.save(
       step,
       args=ocp.args.Composite(
@@ -318,6 +326,7 @@ def restore_params(mngr, step: int, params):
 
 
 def restore_state(mngr, step: int, state):
+  """Restores params and optimiser state shaped like `state`."""
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   restored = mngr.restore(
       step,
@@ -375,6 +384,7 @@ class MetricsLog:
         f.write(json.dumps(r) + "\n")
 
   def write(self, record: dict[str, Any]) -> None:
+    """Appends one record."""
     self.records.append(record)
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
@@ -427,7 +437,9 @@ class Progress:
     self.bar = None
     self.quiet = quiet
     self.total = total
-    if not quiet and sys.stderr.isatty():
+    # A bar needs a real terminal with room for it.
+    if (not quiet and sys.stderr.isatty()
+        and shutil.get_terminal_size((0, 0)).columns >= 60):
       try:
         import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -437,10 +449,12 @@ class Progress:
         pass
 
   def update(self, step: int, n: int, info: dict[str, float]) -> None:
+    """Advances by `n` steps and shows loss and tokens/s."""
     if self.bar is not None:
-      self.bar.update(n)
       self.bar.set_postfix(
-          loss=f"{info['loss']:.4f}", tok_s=f"{info['tokens_per_s']:,.0f}")
+          loss=f"{info['loss']:.4f}", tok_s=f"{info['tokens_per_s']:,.0f}",
+          refresh=False)
+      self.bar.update(n)
     elif not self.quiet:
       print(
           f"step {step:6d}/{self.total} | loss {info['loss']:.4f} | "
@@ -448,6 +462,7 @@ class Progress:
           flush=True)
 
   def write(self, msg: str) -> None:
+    """Prints a message without breaking the bar."""
     if self.quiet:
       return
     if self.bar is not None:
@@ -456,6 +471,7 @@ class Progress:
       print(msg, file=sys.stderr, flush=True)
 
   def close(self) -> None:
+    """Closes the bar (idempotent)."""
     if self.bar is not None:
       self.bar.close()
 
@@ -464,12 +480,13 @@ class Progress:
 # Samples.
 
 
-def show_samples(model, dataset, opts: Options, out=sys.stdout):
+def show_samples(model, dataset, opts: Options, out=None):
   """Generates with the KV cache and prints; returns the generation accuracy.
 
   For synthetic tasks the accuracy of greedy generation over 512 fresh
   prompts is returned (None for text).
   """
+  out = out or sys.stdout
   if isinstance(dataset, data_lib.SyntheticTask):
     rng = np.random.default_rng([opts.seed, 7])
     prompts, answers = dataset.examples(rng, 512)
@@ -479,9 +496,9 @@ def show_samples(model, dataset, opts: Options, out=sys.stdout):
     print(f"Greedy KV-cache generation on {len(ok)} fresh prompts: "
           f"{ok.mean():.2%} exact match.", file=out)
     for i in range(min(opts.num_samples, len(ok))):
-      print(f"  {dataset.decode(prompts[i])} -> {dataset.decode(pred[i])}"
-            f"  {'ok' if ok[i] else 'WRONG, want ' + dataset.decode(answers[i])}",
-            file=out)
+      verdict = "ok" if ok[i] else "WRONG, want " + dataset.decode(answers[i])
+      print(f"  {dataset.decode(prompts[i])} -> {dataset.decode(pred[i])}  "
+            f"{verdict}", file=out)
     return float(ok.mean())
   for i, text in enumerate(["def ", "import ", "class ", "    for "]):
     if i >= opts.num_samples:
@@ -525,6 +542,69 @@ def benchmark(opts: Options) -> dict[str, float]:
   return result
 
 
+def _train_loop(opts, graphdef, optim, state, dataset, mngr, log, start):
+  """Runs steps start..num_steps; returns (step, state, last tokens/s).
+
+  Checkpoints every `checkpoint_every` steps and at the end; SIGINT/SIGTERM
+  save a checkpoint at the current step and re-raise KeyboardInterrupt.
+  """
+  tokens_per_step = opts.batch_size * dataset.seq_len
+
+  def on_signal(signum, frame):
+    del frame
+    raise KeyboardInterrupt(f"signal {signum}")
+
+  old_term = signal.signal(signal.SIGTERM, on_signal)
+  progress = Progress(start, opts.num_steps, opts.quiet)
+  step = last_saved = last_logged = start
+  losses, t_log, steps_timed, tokens_per_s = [], None, 0, float("nan")
+  try:
+    while step < opts.num_steps:
+      batch = dataset.batch(step, opts.batch_size)
+      state, metrics = train_step(graphdef, optim, state, batch)
+      step += 1
+      losses.append(metrics["loss"])
+      if t_log is None:
+        # The first step includes compilation: start the clock after it.
+        jax.block_until_ready(metrics)
+        t_log, steps_timed = time.perf_counter(), 0
+      else:
+        steps_timed += 1
+      if step % opts.log_every == 0 or step == opts.num_steps:
+        loss = float(np.mean(jax.device_get(losses)))
+        now = time.perf_counter()
+        if steps_timed:
+          tokens_per_s = steps_timed * tokens_per_step / (now - t_log)
+        t_log, losses, steps_timed = now, [], 0
+        log.write({"step": step, "loss": loss, "tokens_per_s": tokens_per_s})
+        progress.update(step, step - last_logged,
+                        {"loss": loss, "tokens_per_s": tokens_per_s})
+        last_logged = step
+      if step % opts.checkpoint_every == 0:
+        save_checkpoint(mngr, step, state)
+        last_saved = step
+      if step % opts.eval_every == 0 and step < opts.num_steps:
+        ev = evaluate(graphdef, state["params"], dataset, opts)
+        log.write({"step": step, **ev})
+        progress.write(f"eval @ {step}: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in ev.items()))
+        t_log, steps_timed = time.perf_counter(), 0
+  except KeyboardInterrupt:
+    progress.close()
+    if step != last_saved:
+      save_checkpoint(mngr, step, state)
+    if not opts.quiet:
+      print(f"Interrupted: checkpoint saved at step {step}; run the same "
+            "command again to resume.", file=sys.stderr, flush=True)
+    raise
+  finally:
+    progress.close()
+    signal.signal(signal.SIGTERM, old_term)
+  if step != last_saved:
+    save_checkpoint(mngr, step, state)
+  return step, state, tokens_per_s
+
+
 def train(opts: Options) -> dict[str, Any]:
   """Trains (resuming if possible), evaluates, plots and samples.
 
@@ -556,61 +636,13 @@ def train(opts: Options) -> dict[str, Any]:
     state = restore_state(mngr, start, state)
     say(f"Resumed from the checkpoint at step {start}.")
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), start)
-  tokens_per_step = opts.batch_size * dataset.seq_len
-
-  def on_signal(signum, frame):
-    del frame
-    raise KeyboardInterrupt(f"signal {signum}")
-
-  old_term = signal.signal(signal.SIGTERM, on_signal)
-  progress = Progress(start, opts.num_steps, opts.quiet)
-  step, last_saved = start, start
-  losses, t_log, steps_timed, tokens_per_s = [], None, 0, float("nan")
-  interrupted = False
   try:
-    while step < opts.num_steps:
-      batch = dataset.batch(step, opts.batch_size)
-      state, metrics = train_step(graphdef, optim, state, batch)
-      step += 1
-      losses.append(metrics["loss"])
-      if t_log is None:
-        # The first step includes compilation: start the clock after it.
-        jax.block_until_ready(metrics)
-        t_log, losses, steps_timed = time.perf_counter(), [], 0
-        continue
-      steps_timed += 1
-      if step % opts.log_every == 0 or step == opts.num_steps:
-        loss = float(np.mean(jax.device_get(losses)))
-        now = time.perf_counter()
-        tokens_per_s = steps_timed * tokens_per_step / (now - t_log)
-        t_log, losses, steps_timed = now, [], 0
-        log.write({"step": step, "loss": loss, "tokens_per_s": tokens_per_s})
-        progress.update(step, opts.log_every,
-                        {"loss": loss, "tokens_per_s": tokens_per_s})
-      if step % opts.checkpoint_every == 0:
-        save_checkpoint(mngr, step, state)
-        last_saved = step
-      if step % opts.eval_every == 0 and step < opts.num_steps:
-        ev = evaluate(graphdef, state["params"], dataset, opts)
-        log.write({"step": step, **ev})
-        progress.write(f"eval @ {step}: " + ", ".join(
-            f"{k} {v:.4f}" for k, v in ev.items()))
-        t_log = time.perf_counter()
-  except KeyboardInterrupt:
-    interrupted = True
+    step, state, tokens_per_s = _train_loop(
+        opts, graphdef, optim, state, dataset, mngr, log, start)
   finally:
-    progress.close()
-    signal.signal(signal.SIGTERM, old_term)
-  if step != last_saved:
-    save_checkpoint(mngr, step, state)
-  mngr.wait_until_finished()
-  if interrupted:
-    say(f"Interrupted: checkpoint saved at step {step}; run the same "
-        "command again to resume.")
+    # Also on errors: let an in-flight asynchronous save finish.
+    mngr.wait_until_finished()
     mngr.close()
-    raise KeyboardInterrupt
-  mngr.close()
-
   result = {"step": step, "tokens_per_s": tokens_per_s}
   ev = evaluate(graphdef, state["params"], dataset, opts)
   if not log.records or log.records[-1].get("eval_loss") != ev["eval_loss"]:
@@ -632,6 +664,7 @@ def train(opts: Options) -> dict[str, Any]:
 
 
 def main(argv):
+  """Entry point: trains with the command-line flags."""
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:

@@ -37,6 +37,44 @@ def _assert_trees_close(a, b, **tol):
       lambda x, y: np.testing.assert_allclose(x, y, **(tol or _TOL)), a, b)
 
 
+def _np_attention(q, k, v, bias=None, mask=None):
+  """float64 numpy attention, [..., T, N, H] x [..., S, K, H]; GQA repeats."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  g = q.shape[-2] // k.shape[-2]
+  k, v = np.repeat(k, g, axis=-2), np.repeat(v, g, axis=-2)
+  s = np.einsum("...tnh,...snh->...nts", q, k) / np.sqrt(q.shape[-1])
+  if bias is not None:
+    s = s + np.asarray(bias)
+  if mask is not None:
+    s = np.where(mask, s, -np.inf)
+  p = np.exp(s - s.max(axis=-1, keepdims=True))
+  p /= p.sum(axis=-1, keepdims=True)
+  return np.einsum("...nts,...snh->...tnh", p, v)
+
+
+def _np_rope(x, positions):
+  x = np.asarray(x, np.float64)
+  half = x.shape[-1] // 2
+  freq = 10_000.0 ** (-np.arange(half) / half)
+  angle = np.asarray(positions)[..., None, None] * freq  # [B, T, 1, H/2]
+  x1, x2 = x[..., :half], x[..., half:]
+  return np.concatenate([x1 * np.cos(angle) - x2 * np.sin(angle),
+                         x2 * np.cos(angle) + x1 * np.sin(angle)], axis=-1)
+
+
+def _np_mha(layer, x):
+  """The causal RoPE self-attention layer in float64 numpy (no biases)."""
+  x = np.asarray(x, np.float64)
+  b, t, _ = x.shape
+  proj = lambda p: np.einsum("btd,dnh->btnh", x, np.asarray(p.kernel[...]))
+  pos = np.broadcast_to(np.arange(t), (b, t))
+  causal = np.tril(np.ones((t, t), bool))
+  o = _np_attention(_np_rope(proj(layer.query), pos),
+                    _np_rope(proj(layer.key), pos), proj(layer.value),
+                    mask=causal)
+  return np.einsum("btnh,nhd->btd", o, np.asarray(layer.out.kernel[...]))
+
+
 def _padding(b, t):
   """Valid lengths in [1, t] (at least one row padded) and the valid mask."""
   lengths = _RNG.integers(1, t + 1, b)
@@ -140,12 +178,10 @@ def test_attention_dropout_in_training_raises():
       attention_fn=_attention_fn("xla"), rngs=nnx.Rngs(0))
   with pytest.raises(NotImplementedError, match="dropout"):
     module(x, deterministic=False)
-  # Outside training the dropout rate is irrelevant and the call works.
-  ref = nnx.MultiHeadAttention(
-      num_heads=2, in_features=d, dropout_rate=0.1, decode=False,
-      rngs=nnx.Rngs(0))
-  run = nnx.jit(lambda m, x: m(x, deterministic=True))
-  np.testing.assert_allclose(run(module, x), run(ref, x), **_TOL)
+  # Outside training the dropout rate is irrelevant and the call works
+  # (traced only: the numerics are covered by the parity tests).
+  y = nnx.eval_shape(lambda m, x: m(x, deterministic=True), module, x)
+  assert y.shape == x.shape
 
 
 def test_sow_weights_raises():
@@ -166,12 +202,8 @@ def test_attention_fn_extra_batch_dims_and_bias():
   mask = _RNG.random((2, 1, 4, 9, 13)) < 0.7
   mask[..., 0] = True
   got = jax.jit(_attention_fn("xla"))(q, k, v, bias, mask.astype(np.float32))
-  flat = lambda x, shape: jnp.broadcast_to(x, shape).reshape((6,) + shape[2:])
-  want = jax.jit(jax.nn.dot_product_attention)(
-      flat(q, q.shape), flat(k, k.shape), flat(v, v.shape),
-      flat(bias, (2, 3, 1, 9, 13)), flat(mask, (2, 3, 4, 9, 13)))
-  np.testing.assert_allclose(got, want.reshape(q.shape), **_TOL)
-  assert got.shape == q.shape
+  want = _np_attention(q, k, v, bias=bias, mask=mask)
+  np.testing.assert_allclose(got, want, **_TOL)
 
 
 # --------------------------------------------------------------------------
@@ -217,8 +249,8 @@ def _mha(seed=0, **kw):
 def test_mha_shapes_and_cross_attention():
   layer = _mha(out_features=24, head_dim=6, is_causal=False,
                in_kv_features=10, rope=None)
-  y = nnx.jit(lambda m, x, z: m(x, z))(
-      layer, _normal((3, 5, 32)), _normal((3, 9, 10)))
+  y = nnx.eval_shape(lambda m, x, z: m(x, z), layer,
+                     _normal((3, 5, 32)), _normal((3, 9, 10)))
   assert y.shape == (3, 5, 24)
   assert layer.query.kernel.shape == (32, 4, 6)
   assert layer.key.kernel.shape == (10, 2, 6)
@@ -227,23 +259,12 @@ def test_mha_shapes_and_cross_attention():
     _mha(num_kv_heads=3)
 
 
-def test_mha_matches_dense_reference():
-  """q/k/v projections + RoPE + causal attention, computed by hand."""
-  b, t = 2, 19
-  x = _normal((b, t, 32))
+def test_mha_matches_numpy_reference():
+  """q/k/v projections + RoPE + causal GQA attention, computed by hand."""
+  x = _normal((2, 19, 32))
   layer = _mha(seed=_seed())
-
-  @nnx.jit
-  def both(layer, x):
-    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-    proj = lambda p: jnp.einsum("btd,dnh->btnh", x, p.kernel[...])
-    q = modules.rope(proj(layer.query), pos)
-    k = modules.rope(proj(layer.key), pos)
-    o = jax.nn.dot_product_attention(q, k, proj(layer.value), is_causal=True)
-    return layer(x), jnp.einsum("btnh,nhd->btd", o, layer.out.kernel[...])
-
-  got, want = both(layer, x)
-  np.testing.assert_allclose(got, want, **_TOL)
+  np.testing.assert_allclose(
+      nnx.jit(lambda m, x: m(x))(layer, x), _np_mha(layer, x), **_TOL)
 
 
 def test_mha_packed_segments_equal_separate_sequences():
@@ -270,13 +291,14 @@ def test_mha_decode_equals_full_forward():
   b, t, prefill = 2, 21, 6
   x = _normal((b, t, 32))
   layer = _mha(seed=_seed(), implementation="chunked", block_sizes=_TILES)
-  full = nnx.jit(lambda m, x: m(x))(layer, x)
   layer.init_cache(b, t + 3)
   # Compiled once for the prefill shape and once for the 1-token steps.
   step = nnx.jit(lambda m, x: m(x, decode=True))
   steps = [step(layer, x[:, :prefill])]
   steps += [step(layer, x[:, i:i + 1]) for i in range(prefill, t)]
-  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, **_TOL)
+  # The full forward of this layer is checked against the same reference.
+  np.testing.assert_allclose(
+      jnp.concatenate(steps, axis=1), _np_mha(layer, x), **_TOL)
   assert int(layer.cache_index[...]) == t
   with pytest.raises(ValueError, match="overflow"):
     layer(x[:, :4], decode=True)
