@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+from typing import Callable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -87,7 +88,16 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: config_lib.TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: config_lib.TransformerConfig, *, rngs: nnx.Rngs,
+               attention_fn: Callable[..., Array] | None = None):
+    """Creates the block.
+
+    Args:
+      cfg: the model config.
+      rngs: parameter initialisation keys.
+      attention_fn: replaces the attention function of cfg.attention_impl
+        (same keyword interface as `flash_attention`), e.g. a sharded one.
+    """
     dtype, param_dtype = cfg.jnp_dtype, cfg.jnp_param_dtype
     norm = functools.partial(
         nnx.RMSNorm, cfg.embed_dim, epsilon=cfg.norm_eps, dtype=dtype,
@@ -101,7 +111,8 @@ class Block(nnx.Module):
         rope=modules.Rope(cfg.rope_base),
         implementation=None if impl == "flax" else impl,
         block_sizes=cfg.attention_block_sizes,
-        attention_fn=flax_attention if impl == "flax" else None,
+        attention_fn=attention_fn or (
+            flax_attention if impl == "flax" else None),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )
     self.mlp_norm = norm()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,17 @@ class Transformer(nnx.Module):
     >>> logits = model(tokens)                   # [B, T, vocab]
   """
 
-  def __init__(self, cfg: config_lib.TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: config_lib.TransformerConfig, *, rngs: nnx.Rngs,
+               attention_fn: Callable[..., Array] | None = None):
+    """Creates the parameters.
+
+    Args:
+      cfg: the model config.
+      rngs: parameter initialisation keys.
+      attention_fn: replaces every block's attention function (same keyword
+        interface as `flash_attention`), e.g. a sharded one; the parameters
+        do not depend on it.
+    """
     self.cfg = cfg
     self.embed = nnx.Embed(
         cfg.vocab_size, cfg.embed_dim, dtype=cfg.jnp_dtype,
@@ -44,7 +55,8 @@ class Transformer(nnx.Module):
         rngs=rngs,
     )
     self.blocks = nnx.List(
-        [layers.Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        [layers.Block(cfg, rngs=rngs, attention_fn=attention_fn)
+         for _ in range(cfg.num_layers)])
     self.final_norm = nnx.RMSNorm(
         cfg.embed_dim, epsilon=cfg.norm_eps, dtype=cfg.jnp_dtype,
         param_dtype=cfg.jnp_param_dtype, rngs=rngs,

@@ -15,6 +15,15 @@ Other datasets and settings:
     python scripts/train.py --task=pystdlib --seq_len=4096 --batch_size=1 \
         --benchmark_steps=5                        # training tokens/s only
 
+Multi-device: --data_parallel=D splits the batch over D devices and
+--sequence_parallel=S splits every sequence over S devices (ring attention,
+in the load-balanced zig-zag token order), on the first D * S devices. On CPU,
+simulate devices with XLA_FLAGS:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python scripts/train.py --task=pystdlib --seq_len=256 \
+        --data_parallel=2 --sequence_parallel=4
+
 Everything lands in --workdir (default runs/<task>): orbax checkpoints, a
 metrics log, the loss curve (loss.png) and the run's config. Interrupting
 (Ctrl-C, SIGTERM, or even SIGKILL) and running the same command again resumes
@@ -48,6 +57,7 @@ from models import config as config_lib
 from models import data as data_lib
 from models import generate as generate_lib
 from models import transformer
+from pallas_fa import parallel
 
 _TASK = flags.DEFINE_enum(
     "task", "sort", list(data_lib.TASKS) + ["pystdlib", "text"],
@@ -85,6 +95,11 @@ _FRESH = flags.DEFINE_bool(
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation and data seed.")
 _NUM_SAMPLES = flags.DEFINE_integer(
     "num_samples", 8, "Samples printed after training.")
+_DATA_PARALLEL = flags.DEFINE_integer(
+    "data_parallel", 1, "Devices splitting the batch (data parallelism).")
+_SEQUENCE_PARALLEL = flags.DEFINE_integer(
+    "sequence_parallel", 1,
+    "Devices splitting each sequence (ring attention, zig-zag layout).")
 _BENCHMARK_STEPS = flags.DEFINE_integer(
     "benchmark_steps", 0,
     "If > 0: time this many training steps after a warm-up, print tokens/s "
@@ -119,6 +134,8 @@ class Options:
   seed: int = 0
   num_samples: int = 8
   benchmark_steps: int = 0
+  data_parallel: int = 1
+  sequence_parallel: int = 1
   # Overrides of the preset's model fields (for tests and experiments).
   model_overrides: tuple[tuple[str, Any], ...] = ()
   quiet: bool = False
@@ -140,6 +157,8 @@ def options_from_flags() -> Options:
       checkpoint_every=_CHECKPOINT_EVERY.value, log_every=_LOG_EVERY.value,
       workdir=_WORKDIR.value, fresh=_FRESH.value, seed=_SEED.value,
       num_samples=_NUM_SAMPLES.value, benchmark_steps=_BENCHMARK_STEPS.value,
+      data_parallel=_DATA_PARALLEL.value,
+      sequence_parallel=_SEQUENCE_PARALLEL.value,
   )
 
 
@@ -216,11 +235,112 @@ class OptimizerSpec:
 
 
 def init_state(opts: Options, cfg: config_lib.TransformerConfig,
-               optim: OptimizerSpec):
-  """(graphdef, {"params", "opt_state"}) freshly initialised."""
-  model = transformer.Transformer(cfg, rngs=nnx.Rngs(opts.seed))
+               optim: OptimizerSpec, mesh: jax.sharding.Mesh | None = None):
+  """(graphdef, {"params", "opt_state"}) freshly initialised.
+
+  With a mesh the model's attention runs sharded over it (`ShardedAttention`)
+  and the state is replicated on it; the parameters are the same either way.
+  """
+  attention_fn = None if mesh is None else ShardedAttention(mesh)
+  model = transformer.Transformer(
+      cfg, rngs=nnx.Rngs(opts.seed), attention_fn=attention_fn)
   graphdef, params = nnx.split(model)
   return graphdef, {"params": params, "opt_state": optim.make().init(params)}
+
+
+def plain_graphdef(cfg: config_lib.TransformerConfig):
+  """The graphdef of the single-device model (for sampling)."""
+  abstract = nnx.eval_shape(
+      lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
+  return nnx.split(abstract)[0]
+
+
+# --------------------------------------------------------------------------
+# Multi-device placement: a (data, sequence) mesh.
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedAttention:
+  """The model's attention as `parallel.sharded_flash_attention` on a mesh.
+
+  Batch rows are split over the data axis and each sequence over the
+  sequence axis (ring attention). The tokens are already in the zig-zag
+  order (`place_batch`) and the model passes their true positions, so causal
+  masking and RoPE stay exact. A hashable value: it is part of the graphdef,
+  a jit static.
+
+  Attributes:
+    mesh: a `parallel.make_mesh` mesh.
+  """
+
+  mesh: jax.sharding.Mesh
+
+  def __call__(self, query, key, value, **kwargs):
+    return parallel.sharded_flash_attention(
+        query, key, value, mesh=self.mesh, batch_axes=parallel.DATA_AXIS,
+        sequence_axis=parallel.SEQUENCE_AXIS, **kwargs)
+
+
+def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:
+  """The (data, sequence) mesh of `opts`, or None for one device.
+
+  Raises:
+    app.UsageError: a split that the devices, batch or sequence cannot take.
+  """
+  data, seq = opts.data_parallel, opts.sequence_parallel
+  if data < 1 or seq < 1:
+    raise app.UsageError(
+        f"--data_parallel and --sequence_parallel must be >= 1, got "
+        f"{data} and {seq}.")
+  if data * seq == 1:
+    return None
+  if data * seq > jax.device_count():
+    raise app.UsageError(
+        f"--data_parallel={data} x --sequence_parallel={seq} needs "
+        f"{data * seq} devices, but only {jax.device_count()} exist (on CPU "
+        f"set XLA_FLAGS=--xla_force_host_platform_device_count={data * seq}).")
+  if opts.batch_size % data:
+    raise app.UsageError(
+        f"--batch_size={opts.batch_size} must be a multiple of "
+        f"--data_parallel={data}.")
+  if (seq > 1 and not isinstance(dataset, data_lib.SyntheticTask)
+      and dataset.seq_len % (2 * seq)):
+    # Synthetic tasks have a fixed (odd) length: `place_batch` pads them.
+    raise app.UsageError(
+        f"--seq_len={dataset.seq_len} must be a multiple of 2 x "
+        f"--sequence_parallel={2 * seq} (the zig-zag layout cuts each "
+        "sequence into 2 chunks per device).")
+  if opts.attention_impl == "flax":
+    raise app.UsageError(
+        "--attention_impl=flax cannot be sharded; choose a flash_attention "
+        "implementation.")
+  return parallel.make_mesh(
+      data=data, sequence=seq, devices=jax.devices()[:data * seq])
+
+
+def place_batch(batch, mesh: jax.sharding.Mesh | None):
+  """A host batch as the train/eval steps on `mesh` take it.
+
+  One device: unchanged. On a mesh: the true token `positions` are added,
+  a sequence split over the ring is padded to a multiple of 2 x ring size
+  with zero-weight tokens (after every real token, so causally invisible to
+  them), and `parallel.shard_batch` permutes the tokens into the zig-zag
+  order and shards rows over the data axis and tokens over the sequence axis.
+  Weighted losses and exact-match counts do not depend on the token order.
+  """
+  if mesh is None:
+    return batch
+  ring = mesh.shape[parallel.SEQUENCE_AXIS]
+  b, t = batch["inputs"].shape
+  multiple = 2 * ring if ring > 1 else 1
+  tp = -(-t // multiple) * multiple
+  batch = {k: np.pad(np.asarray(x), [(0, 0), (0, tp - t)])
+           for k, x in batch.items()}
+  batch["positions"] = np.broadcast_to(
+      np.arange(tp, dtype=np.int32), (b, tp))
+  return parallel.shard_batch(
+      batch, mesh, batch_axes=parallel.DATA_AXIS,
+      sequence_axis=parallel.SEQUENCE_AXIS)
 
 
 # --------------------------------------------------------------------------
@@ -246,7 +366,9 @@ def loss_and_metrics(logits, batch):
 
 def _loss_fn(graphdef, params, batch):
   model = nnx.merge(graphdef, params)
-  return loss_and_metrics(model(batch["inputs"]), batch)
+  # Sharded batches carry their true token positions (zig-zag order).
+  logits = model(batch["inputs"], positions=batch.get("positions"))
+  return loss_and_metrics(logits, batch)
 
 
 # The model structure and optimiser are static, so repeated runs with the
@@ -269,11 +391,13 @@ def eval_step(graphdef, params, batch):
   return _loss_fn(graphdef, params, batch)[1]
 
 
-def evaluate(graphdef, params, dataset, opts: Options) -> dict[str, float]:
+def evaluate(graphdef, params, dataset, opts: Options,
+             mesh: jax.sharding.Mesh | None = None) -> dict[str, float]:
   """Loss (and exact match or bits/byte) on the fixed eval batches."""
   sums = None
   for i in range(opts.eval_batches):
-    m = eval_step(graphdef, params, dataset.batch(i, opts.batch_size, "eval"))
+    batch = place_batch(dataset.batch(i, opts.batch_size, "eval"), mesh)
+    m = eval_step(graphdef, params, batch)
     sums = m if sums is None else jax.tree.map(jnp.add, sums, m)
   sums = jax.device_get(sums)
   loss = float(sums["nll_sum"] / max(sums["weight_sum"], 1.0))
@@ -519,16 +643,19 @@ def benchmark(opts: Options) -> dict[str, float]:
   dataset = make_dataset(opts)
   cfg = make_config(opts, dataset)
   optim = OptimizerSpec.from_options(opts)
-  graphdef, state = init_state(opts, cfg, optim)
-  batch = dataset.batch(0, opts.batch_size)
+  mesh = make_mesh(opts, dataset)
+  graphdef, state = init_state(opts, cfg, optim, mesh)
+  if mesh is not None:
+    state = parallel.replicate(state, mesh)
+  batch = place_batch(dataset.batch(0, opts.batch_size), mesh)
   t0 = time.perf_counter()
   state, m = train_step(graphdef, optim, state, batch)
   jax.block_until_ready(m)
   compile_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   for i in range(opts.benchmark_steps):
-    state, m = train_step(
-        graphdef, optim, state, dataset.batch(i + 1, opts.batch_size))
+    batch = place_batch(dataset.batch(i + 1, opts.batch_size), mesh)
+    state, m = train_step(graphdef, optim, state, batch)
   jax.block_until_ready(m)
   dt = time.perf_counter() - t0
   tokens = opts.benchmark_steps * opts.batch_size * dataset.seq_len
@@ -537,12 +664,15 @@ def benchmark(opts: Options) -> dict[str, float]:
       "first_step_s": compile_s, "seq_len": dataset.seq_len,
       "batch_size": opts.batch_size,
       "attention_impl": opts.attention_impl or "auto",
+      "data_parallel": opts.data_parallel,
+      "sequence_parallel": opts.sequence_parallel,
   }
   print(json.dumps(result))
   return result
 
 
-def _train_loop(opts, graphdef, optim, state, dataset, mngr, log, start):
+def _train_loop(opts, graphdef, optim, state, dataset, mngr, log, start,
+                mesh):
   """Runs steps start..num_steps; returns (step, state, last tokens/s).
 
   Checkpoints every `checkpoint_every` steps and at the end; SIGINT/SIGTERM
@@ -560,7 +690,7 @@ def _train_loop(opts, graphdef, optim, state, dataset, mngr, log, start):
   losses, t_log, steps_timed, tokens_per_s = [], None, 0, float("nan")
   try:
     while step < opts.num_steps:
-      batch = dataset.batch(step, opts.batch_size)
+      batch = place_batch(dataset.batch(step, opts.batch_size), mesh)
       state, metrics = train_step(graphdef, optim, state, batch)
       step += 1
       losses.append(metrics["loss"])
@@ -584,7 +714,7 @@ def _train_loop(opts, graphdef, optim, state, dataset, mngr, log, start):
         save_checkpoint(mngr, step, state)
         last_saved = step
       if step % opts.eval_every == 0 and step < opts.num_steps:
-        ev = evaluate(graphdef, state["params"], dataset, opts)
+        ev = evaluate(graphdef, state["params"], dataset, opts, mesh)
         log.write({"step": step, **ev})
         progress.write(f"eval @ {step}: " + ", ".join(
             f"{k} {v:.4f}" for k, v in ev.items()))
@@ -622,29 +752,34 @@ def train(opts: Options) -> dict[str, Any]:
   dataset = make_dataset(opts)
   cfg = make_config(opts, dataset)
   optim = OptimizerSpec.from_options(opts)
-  graphdef, state = init_state(opts, cfg, optim)
+  mesh = make_mesh(opts, dataset)
+  graphdef, state = init_state(opts, cfg, optim, mesh)
   mngr = checkpoint_manager(workdir)
   start = mngr.latest_step() or 0
   write_run_config(workdir, cfg, dataset, opts, resuming=start > 0)
   say = (lambda *a: None) if opts.quiet else (
       lambda *a: print(*a, file=sys.stderr, flush=True))
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  devices = (jax.devices() if mesh is None else
+             f"mesh {dict(mesh.shape)} of {mesh.devices.size} devices")
   say(f"Model {opts.model}: {n_params:,} parameters, attention "
       f"{cfg.attention_impl or 'auto'}; data {dataset.spec()}; "
-      f"devices {jax.devices()}; workdir {workdir}")
+      f"devices {devices}; workdir {workdir}")
   if start > 0:
     state = restore_state(mngr, start, state)
     say(f"Resumed from the checkpoint at step {start}.")
+  if mesh is not None:
+    state = parallel.replicate(state, mesh)
   log = MetricsLog(os.path.join(workdir, "metrics.jsonl"), start)
   try:
     step, state, tokens_per_s = _train_loop(
-        opts, graphdef, optim, state, dataset, mngr, log, start)
+        opts, graphdef, optim, state, dataset, mngr, log, start, mesh)
   finally:
     # Also on errors: let an in-flight asynchronous save finish.
     mngr.wait_until_finished()
     mngr.close()
   result = {"step": step, "tokens_per_s": tokens_per_s}
-  ev = evaluate(graphdef, state["params"], dataset, opts)
+  ev = evaluate(graphdef, state["params"], dataset, opts, mesh)
   if not log.records or log.records[-1].get("eval_loss") != ev["eval_loss"]:
     log.write({"step": step, **ev})
   result.update(ev)
@@ -654,7 +789,12 @@ def train(opts: Options) -> dict[str, Any]:
   say(f"Done: {step} steps; final eval " + ", ".join(
       f"{k} {v:.4f}" for k, v in ev.items()) +
       f"; {train_wall:.1f} s; loss curve {plot_path}")
-  model = nnx.merge(graphdef, state["params"])
+  if mesh is None:
+    model = nnx.merge(graphdef, state["params"])
+  else:
+    # Sampling runs the unsharded model on one device, same parameters.
+    model = nnx.merge(plain_graphdef(cfg),
+                      jax.device_put(state["params"], jax.devices()[0]))
   if opts.num_samples > 0:
     out = open(os.devnull, "w") if opts.quiet else sys.stdout
     result["generate_accuracy"] = show_samples(model, dataset, opts, out)
