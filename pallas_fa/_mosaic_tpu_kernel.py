@@ -21,10 +21,11 @@ block; an empty one points at the block the sweep needs next (or the one it
 already holds), so the pipeline issues no DMA for it, and its body does
 nothing. FULL steps skip the masking arithmetic.
 
-The KV (reduction) grid axes are "arbitrary", all others "parallel"
-(FlashAttention-2 §3.1 for the forward, §3.2 for the backward split into a
-dK/dV kernel -- key tile stationary, queries streamed, GQA group summed in
-VMEM -- and a dQ kernel -- query tile stationary, keys streamed).
+Compiled, the reduction grid axes are "arbitrary" and all others "parallel"
+(see `parallel_grid` for interpreted runs). FlashAttention-2 §3.1 for the
+forward; §3.2 for the backward, split into a dK/dV kernel -- key tile
+stationary, the queries of its GQA group streamed, dK/dV summed over the group
+in VMEM -- and a dQ kernel -- query tile stationary, keys streamed.
 """
 
 from __future__ import annotations
@@ -62,11 +63,41 @@ _COMPILER_PARAMS = getattr(pltpu, "CompilerParams", None) or getattr(
 
 
 def interpret_params() -> Any:
-  """`interpret=` for pallas_call: False on TPU, TPU interpret mode elsewhere."""
+  """pallas_call's `interpret=`: False on TPU, TPU interpret mode elsewhere."""
   if jax.default_backend() == "tpu":
     return False
   params = getattr(pltpu, "InterpretParams", None)
   return params() if params is not None else True
+
+
+def metadata_capacity() -> int | None:
+  """How many per-step metadata words this TPU's SMEM holds, or None.
+
+  Half the scalar memory is left to Mosaic (scalar spills, DMA descriptors).
+  None when the device is not a TPU Pallas knows.
+  """
+  get_info = getattr(pltpu, "get_tpu_info", None)
+  if get_info is None:
+    return None
+  try:
+    smem = get_info().smem_capacity_bytes
+  except (ValueError, AttributeError):
+    return None
+  return smem // 2 // 4
+
+
+def parallel_grid(interpret) -> bool:
+  """Whether the non-reduction grid axes are declared "parallel".
+
+  Always when compiled: Mosaic splits parallel axes across TensorCores
+  (megacore). The TPU interpreter visits parallel axes in a random order,
+  drawn by random permutations traced into every call, which makes each
+  small interpreted call compile about 1.5x slower; interpreted runs
+  therefore declare every axis "arbitrary" (sequential) unless asked
+  otherwise. The kernels' results do not depend on the order of the parallel
+  axes, which the tests check by interpreting the TPU's own semantics.
+  """
+  return interpret is False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +123,8 @@ class Static:
     mask_shape: shape of the padded int8 mask, or None.
     precision: matmul precision (HIGHEST for float32 operands).
     interpret: the `interpret=` argument of pallas_call.
+    parallel: declare the non-reduction grid axes "parallel" (see
+      `parallel_grid`); otherwise every axis is "arbitrary".
   """
 
   scale: float
@@ -112,6 +145,7 @@ class Static:
   mask_shape: tuple[int, int, int, int] | None
   precision: Any
   interpret: Any
+  parallel: bool
 
   @property
   def group(self) -> int:
@@ -131,15 +165,24 @@ class Static:
     return self.positions or self.segments or self.mask_shape is not None
 
 
-@dataclasses.dataclass(frozen=True)
 class _Coords:
-  """Block coordinates of one grid step, for the index maps."""
+  """Block coordinates of one grid step, for the index maps.
 
-  b: Any  # batch row
-  head: Any  # query head
-  kv_head: Any  # key/value head
-  q_block: Any  # query tile to fetch
-  kv_block: Any  # key tile to fetch
+  The block a step fetches along the swept axis comes from the metadata word
+  in SMEM; it is read only by the index maps that need it.
+  """
+
+  def __init__(self, *, b, head, kv_head, q_block, kv_block):
+    self.b, self.head, self.kv_head = b, head, kv_head
+    self._q_block, self._kv_block = q_block, kv_block
+
+  @property
+  def q_block(self):
+    return self._q_block()
+
+  @property
+  def kv_block(self):
+    return self._kv_block()
 
 
 def _kind(word):
@@ -192,23 +235,24 @@ def _row_major_coords(st: Static):
   nq, nk, g = st.num_q_blocks, st.num_kv_blocks, st.group
 
   def coords(b, n, i, j, meta_ref):
-    word = meta_ref[(b * nq + i) * nk + j]
     # lax.div: a truncating divide, which Mosaic lowers without sign fix-ups.
     kv_head = jax.lax.div(n, jnp.int32(g))
-    return _Coords(b=b, head=n, kv_head=kv_head, q_block=i,
-                   kv_block=_block(word))
+    return _Coords(
+        b=b, head=n, kv_head=kv_head, q_block=lambda: i,
+        kv_block=lambda: _block(meta_ref[(b * nq + i) * nk + j]))
 
   return coords
 
 
 def _col_major_coords(st: Static):
-  """Grid (B, K, nk, G, nq): key tile stationary, queries of the group streamed."""
+  """Grid (B, K, nk, G, nq): key tile stationary, its group's queries stream."""
   nq, nk, g = st.num_q_blocks, st.num_kv_blocks, st.group
 
   def coords(b, h, j, gi, i, meta_ref):
-    word = meta_ref[(b * nk + j) * nq + i]
-    return _Coords(b=b, head=h * g + gi, kv_head=h, q_block=_block(word),
-                   kv_block=j)
+    return _Coords(
+        b=b, head=h * g + gi, kv_head=h,
+        q_block=lambda: _block(meta_ref[(b * nk + j) * nq + i]),
+        kv_block=lambda: j)
 
   return coords
 
@@ -289,9 +333,16 @@ def _unpack(names, refs):
   return dict(zip(names, refs, strict=True))
 
 
-def _compiler_params(semantics):
+def _compiler_params(st: Static, num_parallel: int, num_axes: int):
+  """Leading `num_parallel` axes "parallel", the reduction axes "arbitrary"."""
   if _COMPILER_PARAMS is None:
     return None
+  if not st.parallel:
+    # None means "arbitrary" everywhere. Unlike an explicit tuple it also
+    # covers grid axes that vmap prepends, which the interpreter needs.
+    return _COMPILER_PARAMS()
+  semantics = ("parallel",) * num_parallel + ("arbitrary",) * (
+      num_axes - num_parallel)
   return _COMPILER_PARAMS(dimension_semantics=semantics)
 
 
@@ -307,7 +358,7 @@ def _cost(flops, transcendentals, operands, out_shapes):
 
 
 def _call(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
-          scratch, semantics, meta, cost):
+          scratch, num_parallel, meta, cost):
   in_specs = [_in_spec(st, name, coords) for name in names]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
@@ -323,7 +374,7 @@ def _call(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
       kernel,
       grid_spec=grid_spec,
       out_shape=out_shapes,
-      compiler_params=_compiler_params(semantics),
+      compiler_params=_compiler_params(st, num_parallel, len(grid)),
       interpret=st.interpret,
       **kwargs,
   )(meta, *operands)
@@ -363,7 +414,10 @@ def _forward_kernel(meta_ref, *refs, st: Static, names):
     out, lse = online_softmax.finalize(
         _column(m_ref), _column(l_ref), acc_ref[...])
     r["out"][...] = out.astype(r["out"].dtype)
-    r["lse"][...] = lse[None, :]  # [1, bq]
+    # Column -> row through an explicit (XLU) transpose of a lane-replicated
+    # [bq, 128] tile: the residual then travels compactly as [1, bq].
+    lse = jnp.broadcast_to(lse[:, None], (st.block_q, NUM_LANES))
+    r["lse"][...] = lse.T[:1, :]  # [1, bq]
 
 
 def forward(st: Static, meta, names, operands, out_dtype):
@@ -403,7 +457,7 @@ def forward(st: Static, meta, names, operands, out_dtype):
   return _call(
       functools.partial(_forward_kernel, st=st, names=all_names),
       st, (b, n, nq, nk), _row_major_coords(st), names, operands, out_specs,
-      out_shapes, scratch, ("parallel", "parallel", "parallel", "arbitrary"),
+      out_shapes, scratch, 3,
       meta, cost,
   )
 
@@ -455,7 +509,7 @@ def backward_dq(st: Static, meta, names, operands, out_dtype):
   (dq,) = _call(
       functools.partial(_dq_kernel, st=st, names=all_names),
       st, (b, n, nq, nk), _row_major_coords(st), names, operands, out_specs,
-      out_shapes, scratch, ("parallel", "parallel", "parallel", "arbitrary"),
+      out_shapes, scratch, 3,
       meta, cost,
   )
   return dq
@@ -540,6 +594,6 @@ def backward_dkv(st: Static, meta_t, names, operands, out_dtype, with_dbias):
       functools.partial(_dkv_kernel, st=st, names=all_names),
       st, (b, kh, nk, g, nq), _col_major_coords(st), names, operands,
       tuple(out_specs), tuple(out_shapes), scratch,
-      ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+      3,
       meta_t, cost,
   )

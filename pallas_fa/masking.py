@@ -157,8 +157,9 @@ def pad_sequence(info: MaskInfo, q_len: int, kv_len: int) -> MaskInfo:
     return info
   batch = info.q_positions.shape[0]
 
-  def pad(x, axis, new, value):
-    if x is None or x.shape[axis] == 1:
+  def pad(x, axis, new, value, broadcast=False):
+    # A dense mask may broadcast (size 1) along T or S; nothing else does.
+    if x is None or (broadcast and x.shape[axis] == 1):
       return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, new - x.shape[axis])
@@ -173,7 +174,7 @@ def pad_sequence(info: MaskInfo, q_len: int, kv_len: int) -> MaskInfo:
       kv_positions=pad(info.kv_positions, 1, kv_len, 0),
       q_segment_ids=pad(q_seg, 1, q_len, Q_PAD_SEGMENT),
       kv_segment_ids=pad(kv_seg, 1, kv_len, KV_PAD_SEGMENT),
-      mask=pad(pad(info.mask, 2, q_len, False), 3, kv_len, False),
+      mask=pad(pad(info.mask, 2, q_len, False, True), 3, kv_len, False, True),
   )
 
 

@@ -1,4 +1,4 @@
-"""`mosaic_tpu`: flash attention for TPU, written in Pallas and lowered by Mosaic.
+"""`mosaic_tpu`: flash attention for TPU, in Pallas, compiled by Mosaic.
 
 Three kernels (`pallas_fa._mosaic_tpu_kernel`): the forward (FlashAttention-2,
 Algorithm 1), and a backward split into a dK/dV kernel and a dQ kernel that
@@ -186,6 +186,7 @@ class _Layout:
       mask = padded.mask.astype(jnp.int8)  # Mosaic has no bool memrefs.
       mask_shape = mask.shape
       self._add("mask", mask)
+    interpret = kernel.interpret_params()
     self.static = kernel.Static(
         scale=params.scale,
         soft_cap=params.soft_cap,
@@ -205,7 +206,8 @@ class _Layout:
         mask_shape=mask_shape,
         precision=(jax.lax.Precision.HIGHEST if self.dtype == _F32
                    else jax.lax.Precision.DEFAULT),
-        interpret=kernel.interpret_params(),
+        interpret=interpret,
+        parallel=kernel.parallel_grid(interpret),
     )
 
   def _add(self, name, x):
@@ -335,13 +337,34 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
 
 def _check(q, k, v, bias, info, params):
-  """Every feature of the public op is supported; nothing to decline.
+  """Declines only calls whose per-step metadata would not fit in SMEM.
 
-  Bias (with its gradient), dense masks, GQA/MQA, positions, segment ids,
-  windows and soft capping all run in the kernels; float16 inputs compute in
-  float32 (the TPU's matrix unit has no float16 mode).
+  Every feature of the public op runs in the kernels: bias (with its
+  gradient), dense masks, GQA/MQA, positions, segment ids, windows and soft
+  capping; float16 computes in float32 (the TPU's matrix unit has no float16
+  mode). The grid's metadata -- one int32 per (batch row, query tile, key
+  tile) -- lives in scalar memory; past its capacity the call is declined
+  (larger `block_sizes` shrink it).
   """
-  del q, k, v, bias, info, params
+  del v, bias, info
+  if kernel.interpret_params() is not False:
+    return  # The interpreter's scalar memory is unbounded.
+  capacity = kernel.metadata_capacity()
+  if capacity is None:
+    return
+  bs = _block_sizes(params, q, k)
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  for block_q, block_kv in ((bs.block_q, bs.block_kv),
+                            (bs.block_q_bwd, bs.block_kv_bwd)):
+    (bq, tp), (bk, sp) = tile(block_q, t), tile(block_kv, s)
+    words = b * (tp // bq) * (sp // bk)
+    if words > capacity:
+      raise NotImplementedError(
+          f"mosaic_tpu: {words} per-step metadata words (B * T/block_q * "
+          f"S/block_kv with {block_q=}, {block_kv=}) exceed the "
+          f"{capacity} that fit in this TPU's scalar memory; use larger "
+          "block_sizes."
+      )
 
 
 BACKEND = vjp.Backend(

@@ -220,7 +220,12 @@ def test_composes_with_jit_vmap_grad_remat(implementation):
   def loss(q, k, v):
     return jnp.sum(jnp.sin(fn(q, k, v)))
 
-  vmapped = jax.jit(jax.vmap(jax.grad(jax.checkpoint(loss)),
+  remat = jax.checkpoint
+  if implementation == "mosaic_tpu" and api.platform() != "tpu":
+    # The TPU interpreter simulates memory with ordered io_callbacks, which
+    # jax.checkpoint cannot partially evaluate; compiled kernels have none.
+    remat = lambda f: f  # noqa: E731
+  vmapped = jax.jit(jax.vmap(jax.grad(remat(loss)),
                              in_axes=(0, None, None)))(qs, k, v)
   looped = [jax.grad(loss)(qs[i], k, v) for i in range(extra)]
   ref = [jax.grad(lambda q, k, v: jnp.sum(jnp.sin(
