@@ -54,7 +54,7 @@ MIN_BLOCK = 16
 MAX_BLOCK = 512
 _WARPS = (1, 2, 4, 8, 16)
 _SQUEEZED = getattr(pl, "squeezed", None)
-# Named TritonCompilerParams before jax 0.6.
+# Older jax releases call it TritonCompilerParams.
 _CompilerParams = (
     _plgpu.CompilerParams if hasattr(_plgpu, "CompilerParams")
     else _plgpu.TritonCompilerParams
@@ -264,12 +264,17 @@ def _visit(refs, tile, carry, masked: bool, num_tiles: int):
         0, num_tiles, functools.partial(tile, masked=False), carry)
   bounds = refs["bounds"]
   lo, full_lo, full_hi, hi = (bounds[i] for i in range(4))
-  carry = jax.lax.fori_loop(
-      lo, full_lo, functools.partial(tile, masked=True), carry)
+  head = full_lo - lo
+
+  def masked_tile(step, carry):
+    # The partial tiles before and after the FULL run, in one loop: one copy
+    # of the masked body (the online softmax does not depend on tile order).
+    j = jnp.where(step < head, lo + step, full_hi + (step - head))
+    return tile(j, carry, masked=True)
+
   carry = jax.lax.fori_loop(
       full_lo, full_hi, functools.partial(tile, masked=False), carry)
-  return jax.lax.fori_loop(
-      full_hi, hi, functools.partial(tile, masked=True), carry)
+  return jax.lax.fori_loop(0, head + hi - full_hi, masked_tile, carry)
 
 
 def tile_bounds(kinds: Array) -> Array:
@@ -611,9 +616,11 @@ def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
   q_pos = refs["q_pos"][...] if feat.positions else None
   q_seg = refs["q_seg"][...] if feat.segments else None
   db = feat.bias
-  # dbias: tiles stored in place when bias has full key axis, else a running
-  # row sum; query axis summed in the tile when bias broadcasts over it.
+  # dbias: tiles stored in place when bias has a full key axis, else a
+  # running row sum; the query axis is summed in the tile when bias
+  # broadcasts over it.
   db_rows = block_q if db is not None and db[2] else 1
+  db_carry = db is not None and not db[3]
 
   def tile(j, carry, masked):
     dq, db_acc = carry
@@ -654,9 +661,10 @@ def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
     bounds = refs["bounds"]
     jax.lax.fori_loop(0, bounds[0], zero, 0)
     jax.lax.fori_loop(bounds[3], num_tiles, zero, 0)
-  carry = (jnp.zeros((block_q, hp), _F32), jnp.zeros((db_rows, 1), _F32))
+  carry = (jnp.zeros((block_q, hp), _F32),
+           jnp.zeros((db_rows, 1), _F32) if db_carry else None)
   dq, db_acc = _visit(refs, tile, carry, feat.masked, num_tiles)
-  if db is not None and not db[3]:
+  if db_carry:
     refs["dbias"][...] = db_acc
   refs["dq"][...] = (dq * feat.scale).astype(refs["dq"].dtype)
 

@@ -215,16 +215,29 @@ def _triton_heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
     dkv, dq = (32, 64), (64, 32)
   if wide:
     dkv, dq = (dkv[0], dkv[1] // 2), (dq[0] // 2, dq[1])
+
+  def bwd_bytes(dkv, dq, stages):
+    return max(_backward_shared_memory(dkv[1], dkv[0], hp, itemsize, stages),
+               _backward_shared_memory(dq[0], dq[1], hp, itemsize, stages))
+
+  # Deepest software pipeline that fits; shrink the resident tiles (never
+  # below 32 rows) when not even one stage does.
+  while (_forward_shared_memory(*fwd, hp, itemsize, 1) > budget
+         and fwd[0] > 32):
+    fwd = (fwd[0] // 2, fwd[1])
+  while bwd_bytes(dkv, dq, 1) > budget and max(dkv[1], dq[0]) > 32:
+    dkv, dq = (dkv[0], max(32, dkv[1] // 2)), (max(32, dq[0] // 2), dq[1])
   stages = 3
   while stages > 1 and (
-      _forward_shared_memory(*fwd, hp, itemsize, stages) > budget
-      or _backward_shared_memory(dkv[1], dkv[0], hp, itemsize, stages) > budget
-      or _backward_shared_memory(dq[0], dq[1], hp, itemsize, stages) > budget
-  ):
+      _forward_shared_memory(*fwd, hp, itemsize, stages) > budget):
     stages -= 1
+  stages_bwd = 3
+  while stages_bwd > 1 and bwd_bytes(dkv, dq, stages_bwd) > budget:
+    stages_bwd -= 1
   return dict(
       block_q=fwd[0], block_k=fwd[1],
       block_q_dkv=dkv[0], block_kv_dkv=dkv[1],
       block_q_dq=dq[0], block_kv_dq=dq[1],
       num_warps=warps, num_stages=stages,
+      num_warps_bwd=warps, num_stages_bwd=stages_bwd,
   )

@@ -71,16 +71,15 @@ def _fn(implementation):
   return flash(implementation, block_sizes_for(implementation))
 
 
-def _supported_or_raise(implementation, case, dtype):
-  """Runs a cheap call; an implementation may decline with NotImplementedError.
+def _check_or_decline(implementation, case, dtype, gen):
+  """check_against_reference; an implementation may decline some calls.
 
-  Declining is only acceptable for bias/mask (DESIGN: "where feasible") and
-  for dtypes outside the backend's declared `dtypes`; any other
-  NotImplementedError is a failure.
+  Declining (NotImplementedError) is only acceptable for bias/mask (DESIGN:
+  "where feasible") and for dtypes outside the backend's declared `dtypes`;
+  any other NotImplementedError is a failure.
   """
-  q, k, v, kw = make_inputs(case, dtype, rng("probe"))
   try:
-    _fn(implementation)(q, k, v, **kw)
+    check_against_reference(_fn(implementation), case, dtype, gen)
   except NotImplementedError as e:
     if case.bias or case.mask:
       pytest.skip(f"{implementation} declines bias/mask: {e}")
@@ -96,19 +95,24 @@ def _require_float32(implementation):
 
 @pytest.mark.parametrize("case", SHAPE_CASES + FEATURE_CASES, ids=str)
 def test_float32(implementation, case):
-  _supported_or_raise(implementation, case, jnp.float32)
-  check_against_reference(
-      _fn(implementation), case, jnp.float32,
-      rng(implementation, str(case), "f32"))
+  _check_or_decline(implementation, case, jnp.float32,
+                    rng(implementation, str(case), "f32"))
+
+
+# Interpreted Pallas backends recompile per shape: fewer examples for them.
+_FAST = ("xla", "chunked")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=str)
 def test_low_precision(implementation, case, dtype):
-  _supported_or_raise(implementation, case, DTYPES[dtype])
-  check_against_reference(
-      _fn(implementation), case, DTYPES[dtype],
-      rng(implementation, str(case), dtype))
+  if (dtype == "float16" and implementation not in _FAST
+      and api.platform() == "cpu" and case not in LOW_PRECISION_CASES[:3]):
+    # Interpreted on CPU, float16 repeats the bfloat16 code path; three
+    # shapes keep it covered within the CI time budget (all run compiled).
+    pytest.skip("float16 subset only for interpreted backends on CPU")
+  _check_or_decline(implementation, case, DTYPES[dtype],
+                    rng(implementation, str(case), dtype))
 
 
 @st.composite
@@ -132,14 +136,10 @@ def _cases(draw):
   )
 
 
-# Interpreted Pallas backends recompile per shape: fewer examples for them.
-_FAST = ("xla", "chunked")
-
-
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_property(implementation):
   _require_float32(implementation)
-  examples = 8 if implementation in _FAST else 3
+  examples = 6 if implementation in _FAST else 3
 
   @hypothesis.settings(max_examples=examples, deadline=None,
                        derandomize=True, database=None)

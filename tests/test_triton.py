@@ -96,9 +96,17 @@ def test_heuristic_is_valid_and_fits(kind, head_dim, dtype):
   hp = tuning.padded_head_dim(head_dim)
   item = jnp.dtype(dtype).itemsize
   budget = tuning.shared_memory_bytes(kind)
-  stages = bs.num_stages
-  assert tuning._forward_shared_memory(
-      bs.block_q, bs.block_k, hp, item, stages) <= budget or stages == 1
+  fwd = tuning._forward_shared_memory(
+      bs.block_q, bs.block_k, hp, item, bs.num_stages)
+  bwd = max(
+      tuning._backward_shared_memory(
+          bs.block_kv_dkv, bs.block_q_dkv, hp, item, bs.backward_stages),
+      tuning._backward_shared_memory(
+          bs.block_q_dq, bs.block_kv_dq, hp, item, bs.backward_stages))
+  # Fits the device, or is already at the smallest tiles and one stage.
+  assert fwd <= budget or (bs.num_stages == 1 and bs.block_q == 32)
+  assert bwd <= budget or (
+      bs.backward_stages == 1 and bs.block_kv_dkv == bs.block_q_dq == 32)
   # Bigger head dims never get bigger forward tiles.
   if head_dim == 256:
     small = triton.default_block_sizes(
@@ -224,30 +232,24 @@ def test_skipped_tiles_are_never_read():
     np.testing.assert_array_equal(np.asarray(a[:, :32]), np.asarray(b[:, :32]))
 
 
-def test_causal_skips_future_tiles():
-  """Causal: keys past a query block's last position are never read."""
-  gen = rng("causal-poison")
-  t = s = 64
-  future = (jnp.arange(s) >= 32)[None]
-  clean, dirty = _poisoned_run(
-      dict(is_causal=True), jnp.zeros((1, t), bool), future, gen,
-      (1, t, s, 2, 2, 16))
-  for a, b in zip([clean[0], clean[1], clean[2][0]],
-                  [dirty[0], dirty[1], dirty[2][0]], strict=True):
-    np.testing.assert_array_equal(np.asarray(a[:, :32]), np.asarray(b[:, :32]))
+def test_causal_and_window_skip_tiles():
+  """Causal + window (16, 0): query rows 32..47 read only keys 16..47.
 
-
-def test_window_skips_distant_tiles():
-  """Window (16, 0): for queries >= 48 the keys < 32 are never read."""
-  gen = rng("window-poison")
+  Keys outside that range hold NaN; the forward and dQ programs of that
+  query block must skip the tile before (window) and after (causal).
+  """
+  gen = rng("causal-window-poison")
   t = s = 64
-  past = (jnp.arange(s) < 32)[None]
+  keys = jnp.arange(s)[None]
   clean, dirty = _poisoned_run(
-      dict(local_window_size=(16, 0)), jnp.zeros((1, t), bool), past, gen,
+      dict(is_causal=True, local_window_size=(16, 0)),
+      jnp.zeros((1, t), bool), (keys < 16) | (keys >= 48), gen,
       (1, t, s, 2, 1, 16))
   for a, b in zip([clean[0], clean[1], clean[2][0]],
                   [dirty[0], dirty[1], dirty[2][0]], strict=True):
-    np.testing.assert_array_equal(np.asarray(a[:, 48:]), np.asarray(b[:, 48:]))
+    np.testing.assert_array_equal(
+        np.asarray(a[:, 32:48]), np.asarray(b[:, 32:48]))
+    assert np.all(np.isfinite(np.asarray(b[:, 32:48])))
 
 
 # --- Features against the reference ------------------------------------------
@@ -274,7 +276,6 @@ def _check(kw, shape, name, bias=None, dtype=jnp.float32, fn=None):
 
 
 @pytest.mark.parametrize("bias_shape", [
-    (1, 1, 20, 37),  # shared by batch and heads
     (2, 1, 1, 37),  # per-key (padding-style) bias
     (1, 4, 20, 1),  # per-query bias
 ])
@@ -283,12 +284,15 @@ def test_broadcast_bias_gradients(bias_shape):
          f"bias{bias_shape}", bias=bias_shape)
 
 
-def test_gqa_window_positions_mask():
+def test_gqa_window_positions_mask_shared_bias():
+  """Mask broadcast over queries; bias shared by batch and heads."""
   gen = rng("triton", "mask-kv")
-  mask = jnp.asarray(gen.random((1, 1, 1, 50)) < 0.7)
+  mask = jnp.asarray(gen.random((2, 1, 1, 50)) < 0.7)
   _check(dict(local_window_size=(9, 4), mask=mask,
-              query_positions=jnp.arange(30, dtype=jnp.int32)[None] + 20),
-         (1, 30, 50, 8, 2, 16), "gqa-window-positions-mask")
+              query_positions=jnp.broadcast_to(
+                  jnp.arange(30, dtype=jnp.int32) + 20, (2, 30))),
+         (2, 30, 50, 8, 2, 16), "gqa-window-positions-mask",
+         bias=(1, 1, 30, 50))
 
 
 def test_default_block_sizes_on_cpu():
@@ -301,3 +305,47 @@ def test_declines_tpu(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   with pytest.raises(NotImplementedError, match="triton"):
     triton.BACKEND.check(None, None, None, None, None, None)
+
+
+# --- Lowering to Triton ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, h, features", [
+    (jnp.bfloat16, 128, dict(is_causal=True)),
+    (jnp.float16, 72, dict(is_causal=True, local_window_size=(40, 8),
+                           logits_soft_cap=20.0, segments=True,
+                           bias=(1, 1, 1, 77), mask=(1, 4, 100, 77))),
+    (jnp.float32, 256, dict(bias=(1, 4, 100, 1))),
+])
+def test_kernels_lower_to_triton_for_cuda(monkeypatch, dtype, h, features):
+  """Forward and both backward kernels lower to Triton IR without a GPU.
+
+  Cross-platform lowering runs the Pallas -> Triton lowering itself (shape
+  and primitive support); only the Triton compiler (IR -> PTX) needs a GPU.
+  """
+  monkeypatch.setattr(triton, "_interpret", lambda: False)
+  b, t, s, n, k = 1, 100, 77, 4, 2
+  spec = jax.ShapeDtypeStruct
+  kw = dict(features)
+  arrays = {}
+  if kw.pop("segments", False):
+    arrays["segment_ids"] = pallas_fa.SegmentIds(
+        q=spec((b, t), jnp.int32), kv=spec((b, s), jnp.int32))
+  if "bias" in kw:
+    arrays["bias"] = spec(kw.pop("bias"), jnp.float32)
+  if "mask" in kw:
+    arrays["mask"] = spec(kw.pop("mask"), jnp.bool_)
+
+  def loss(q, kk, v, arrays):
+    out = pallas_fa.flash_attention(
+        q, kk, v, implementation="triton", **arrays, **kw)
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True)
+  lowered = jax.jit(grad).trace(
+      spec((b, t, n, h), dtype), spec((b, s, k, h), dtype),
+      spec((b, s, k, h), dtype), arrays,
+  ).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  for name in ("flash_fwd", "flash_bwd_dkv", "flash_bwd_dq"):
+    assert name in text, name

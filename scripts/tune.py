@@ -1,0 +1,399 @@
+r"""Sweeps the `triton` block sizes on a GPU and persists the best ones.
+
+For every (head dim, sequence length, causal) cell of the grid, the forward
+tiles (block_q, block_k, num_warps, num_stages) are swept first, timing the
+forward pass; then, with the best forward fixed, the dK/dV tiles and the dQ
+tiles (with the backward warps/stages) are swept in turn, timing forward +
+backward. The winner is checked against the float32 materialised reference
+(`pallas_fa.reference.attention`) with the FlashAttention error rule; a config
+that fails is dropped for the next best. Results are merged into the package
+data file `pallas_fa/tuned/<device kind>.json`, which `pallas_fa.tuning`
+loads for calls made without `block_sizes=`.
+
+Commands (from the repository root, on the GPU to tune for):
+
+  # The FlashAttention grid: bfloat16, B*T = 16k tokens, N*H = 2048,
+  # H in {64, 128, 256}, T in 512..16k, causal and not (about an hour):
+  python scripts/tune.py
+
+  # One head dim, a few lengths, more timing repeats:
+  python scripts/tune.py --head_dims=128 --seq_lens=4096,16384 --repeats=20
+
+  # Print the candidate grid of every cell and time nothing (runs anywhere):
+  python scripts/tune.py --dry_run --device_kind="NVIDIA H100 80GB HBM3"
+
+  # A smoke test of the whole loop on CPU (interpret mode, tiny shapes,
+  # written to a scratch file rather than the package data):
+  python scripts/tune.py --head_dims=32 --seq_lens=64 --tokens=64 \
+      --model_dim=64 --causal=true --max_candidates=2 --repeats=1 \
+      --output=/tmp/tuned_cpu.json
+
+Then commit `pallas_fa/tuned/<device kind>.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import pathlib
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app
+from absl import flags
+from absl import logging
+
+import pallas_fa
+from pallas_fa import api
+from pallas_fa import reference
+from pallas_fa import triton
+from pallas_fa import tuning
+
+_HEAD_DIMS = flags.DEFINE_list(
+    "head_dims", ["64", "128", "256"], "Head dims H to tune.")
+_SEQ_LENS = flags.DEFINE_list(
+    "seq_lens", ["512", "1024", "2048", "4096", "8192", "16384"],
+    "Sequence lengths T = S to tune.")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Input dtype.")
+_TOKENS = flags.DEFINE_integer(
+    "tokens", 16384, "B * T: the batch is tokens // T (at least 1).")
+_MODEL_DIM = flags.DEFINE_integer(
+    "model_dim", 2048, "N * H: the query heads are model_dim // H.")
+_KV_HEADS = flags.DEFINE_integer(
+    "kv_heads", None, "K/V heads (GQA); default: as many as query heads.")
+_CAUSAL = flags.DEFINE_enum(
+    "causal", "both", ["both", "true", "false"], "Which masks to tune.")
+_REPEATS = flags.DEFINE_integer("repeats", 10, "Timed runs (median).")
+_WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed runs first.")
+_MAX_CANDIDATES = flags.DEFINE_integer(
+    "max_candidates", None, "Cap on the candidates of each sweep.")
+_CHECK_LEN = flags.DEFINE_integer(
+    "check_len", 2048, "Longest T used for the correctness check.")
+_OUTPUT = flags.DEFINE_string(
+    "output", None,
+    "JSON file to merge results into; default "
+    "pallas_fa/tuned/<device kind>.json.")
+_DEVICE_KIND = flags.DEFINE_string(
+    "device_kind", None,
+    "Device kind for the heuristics and the file name; default: that of the "
+    "default device (override only with --dry_run, to preview a GPU's grid).")
+_DRY_RUN = flags.DEFINE_boolean(
+    "dry_run", False, "Print the candidates of every cell; time nothing.")
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16,
+           "float32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One tuning problem."""
+
+  b: int
+  t: int
+  n: int
+  k: int
+  h: int
+  causal: bool
+  dtype: str
+
+  def flops(self, backward: bool) -> float:
+    f = 4.0 * self.b * self.n * self.t * self.t * self.h
+    f = f / 2 if self.causal else f
+    return f * 3.5 if backward else f
+
+
+def _cells() -> list[Cell]:
+  causal = {"both": (False, True), "true": (True,), "false": (False,)}
+  cells = []
+  for h in map(int, _HEAD_DIMS.value):
+    n = max(1, _MODEL_DIM.value // h)
+    k = _KV_HEADS.value or n
+    for t in map(int, _SEQ_LENS.value):
+      for c in causal[_CAUSAL.value]:
+        cells.append(Cell(b=max(1, _TOKENS.value // t), t=t, n=n, k=k, h=h,
+                          causal=c, dtype=_DTYPE.value))
+  return cells
+
+
+def _fits(bs: triton.BlockSizes, cell: Cell, kind: str) -> bool:
+  """Shared-memory estimate of `pallas_fa.tuning` (always True on CPU)."""
+  if "cpu" in kind.lower():
+    return True
+  hp = tuning.padded_head_dim(cell.h)
+  item = jnp.dtype(_DTYPES[cell.dtype]).itemsize
+  budget = tuning.shared_memory_bytes(kind)
+  fwd = tuning._forward_shared_memory(  # noqa: SLF001
+      bs.block_q, bs.block_k, hp, item, bs.num_stages)
+  dkv = tuning._backward_shared_memory(  # noqa: SLF001
+      bs.block_kv_dkv, bs.block_q_dkv, hp, item, bs.backward_stages)
+  dq = tuning._backward_shared_memory(  # noqa: SLF001
+      bs.block_q_dq, bs.block_kv_dq, hp, item, bs.backward_stages)
+  return max(fwd, dkv, dq) <= budget
+
+
+def _capped(candidates: list[triton.BlockSizes]) -> list[triton.BlockSizes]:
+  seen, out = set(), []
+  for c in candidates:
+    if c not in seen:
+      seen.add(c)
+      out.append(c)
+  if _MAX_CANDIDATES.value:
+    out = out[: _MAX_CANDIDATES.value]
+  return out
+
+
+def forward_candidates(base, cell, kind):
+  """Forward tiles around `base` (which comes first)."""
+  out = [base]
+  for bq, bk, warps, stages in itertools.product(
+      (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+    c = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=warps,
+                            num_stages=stages)
+    if _fits(c, cell, kind):
+      out.append(c)
+  return _capped(out)
+
+
+def dkv_candidates(base, cell, kind):
+  out = [base]
+  for (bq, bkv), warps, stages in itertools.product(
+      ((16, 64), (32, 64), (32, 128), (64, 64), (64, 128), (16, 128)),
+      (4, 8), (1, 2, 3)):
+    c = dataclasses.replace(base, block_q_dkv=bq, block_kv_dkv=bkv,
+                            num_warps_bwd=warps, num_stages_bwd=stages)
+    if _fits(c, cell, kind):
+      out.append(c)
+  return _capped(out)
+
+
+def dq_candidates(base, cell, kind):
+  out = [base]
+  for bq, bkv in ((64, 16), (64, 32), (128, 32), (128, 64), (64, 64),
+                  (128, 16)):
+    c = dataclasses.replace(base, block_q_dq=bq, block_kv_dq=bkv)
+    if _fits(c, cell, kind):
+      out.append(c)
+  return _capped(out)
+
+
+def _inputs(cell: Cell, t: int | None = None, b: int | None = None,
+            seed: int = 0):
+  t = cell.t if t is None else t
+  b = cell.b if b is None else b
+  gen = np.random.default_rng(seed)
+  dtype = _DTYPES[cell.dtype]
+
+  def normal(*shape):
+    return jnp.asarray(gen.standard_normal(shape, np.float32), dtype)
+
+  q = normal(b, t, cell.n, cell.h)
+  k = normal(b, t, cell.k, cell.h)
+  v = normal(b, t, cell.k, cell.h)
+  dout = normal(b, t, cell.n, cell.h)
+  return q, k, v, dout
+
+
+def _attention(bs, causal):
+  def fn(q, k, v):
+    return pallas_fa.flash_attention(
+        q, k, v, is_causal=causal, implementation="triton", block_sizes=bs)
+  return fn
+
+
+def _compiled(bs, cell, backward, args):
+  fn = _attention(bs, cell.causal)
+  if backward:
+    def fwd_bwd(q, k, v, dout):
+      out, pullback = jax.vjp(fn, q, k, v)
+      return out, pullback(dout)
+    return jax.jit(fwd_bwd).lower(*args).compile()
+  return jax.jit(fn).lower(*args[:3]).compile()
+
+
+def _time(compiled, args) -> float:
+  """Median milliseconds per call."""
+  for _ in range(_WARMUP.value):
+    jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(_REPEATS.value):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) * 1e3
+
+
+def sweep(candidates, cell, backward, args) -> list[tuple[float, Any]]:
+  """(ms, config) of every candidate that compiles and runs, fastest first."""
+  results = []
+  for bs in candidates:
+    try:
+      compiled = _compiled(bs, cell, backward, args)
+      ms = _time(compiled, args if backward else args[:3])
+    except Exception as e:  # noqa: BLE001 - a config may not compile/fit.
+      logging.info("  skipped %s: %s", bs, str(e).splitlines()[0][:200])
+      continue
+    tflops = cell.flops(backward) / ms * 1e-9
+    logging.info("  %8.3f ms %7.1f TFLOP/s  %s", ms, tflops, bs)
+    results.append((ms, bs))
+  results.sort(key=lambda r: r[0])
+  return results
+
+
+def _max_err(x, ref) -> float:
+  x = np.asarray(jnp.asarray(x, jnp.float32))
+  ref = np.asarray(jnp.asarray(ref, jnp.float32))
+  return float(np.nan_to_num(np.abs(x - ref), nan=np.inf).max(initial=0.0))
+
+
+def check(bs: triton.BlockSizes, cell: Cell) -> bool:
+  """The FlashAttention rule against the float32 reference (fwd + grads).
+
+  |x - ref32| <= 2 |x_same_dtype_ref - ref32| + a few ulps, on one batch row
+  and a ragged length (so the masked tail tiles are exercised too).
+  """
+  t = min(cell.t, _CHECK_LEN.value) - 3
+  q, k, v, dout = _inputs(cell, t=t, b=1, seed=1)
+
+  def results(fn):
+    out, pullback = jax.vjp(fn, q, k, v)
+    return [out, *pullback(dout.astype(out.dtype))]
+
+  def reference_fn(dtype):
+    def fn(q, k, v):
+      qc, kc, vc, bc, info, params, _ = api._canonicalise(  # noqa: SLF001
+          q, k, v, None, None, scale=None, is_causal=cell.causal,
+          query_seq_lengths=None, key_value_seq_lengths=None,
+          local_window_size=None, segment_ids=None, query_positions=None,
+          key_positions=None, logits_soft_cap=None)
+      out, _ = reference.attention(
+          qc, kc, vc, bc, info, scale=params.scale, soft_cap=None,
+          compute_dtype=dtype)
+      return out
+    return fn
+
+  got = results(_attention(bs, cell.causal))
+  ref32 = results(reference_fn(jnp.float32))
+  same = results(reference_fn(_DTYPES[cell.dtype]))
+  eps = float(jnp.finfo(_DTYPES[cell.dtype]).eps)
+  ok = True
+  for name, x, r, rs in zip(("out", "dq", "dk", "dv"), got, ref32, same,
+                            strict=True):
+    scale = max(1.0, float(np.abs(np.asarray(r, np.float32)).max()))
+    tol = 2 * _max_err(rs, r) + 4 * eps * scale
+    err = _max_err(x, r)
+    if not err <= tol:
+      logging.warning("  %s fails %s: error %.3g > %.3g", bs, name, err, tol)
+      ok = False
+  return ok
+
+
+def tune_cell(cell: Cell, kind: str) -> dict | None:
+  """Sweeps one cell; returns its JSON record (None if nothing passed)."""
+  # Start from the heuristic, not from earlier tuning results.
+  base = triton.BlockSizes(**tuning._triton_heuristic(  # noqa: SLF001
+      tuning.padded_head_dim(cell.h), jnp.dtype(_DTYPES[cell.dtype]).itemsize,
+      kind))
+  if _DRY_RUN.value:
+    for name, cands in (("forward", forward_candidates(base, cell, kind)),
+                        ("dK/dV", dkv_candidates(base, cell, kind)),
+                        ("dQ", dq_candidates(base, cell, kind))):
+      print(f"{cell}: {len(cands)} {name} candidates")
+      for c in cands:
+        print(f"  {c}")
+    return None
+  args = _inputs(cell)
+  logging.info("%s: forward sweep", cell)
+  fwd = sweep(forward_candidates(base, cell, kind), cell, False, args)
+  if not fwd:
+    return None
+  best = fwd[0][1]
+  logging.info("%s: dK/dV sweep", cell)
+  bwd = sweep(dkv_candidates(best, cell, kind), cell, True, args)
+  if bwd:
+    best = bwd[0][1]
+  logging.info("%s: dQ sweep", cell)
+  bwd = sweep(dq_candidates(best, cell, kind), cell, True, args) or bwd
+  # The fastest full config that passes the correctness check.
+  ranked = [bs for _, bs in bwd] or [best]
+  for bs in ranked:
+    if check(bs, cell):
+      break
+  else:
+    logging.error("%s: no candidate passed the correctness check", cell)
+    return None
+  fwd_ms = _time(_compiled(bs, cell, False, args[:3]), args[:3])
+  bwd_ms = _time(_compiled(bs, cell, True, args), args)
+  record = {
+      "key": tuning.tuning_key(head_dim=cell.h, dtype=cell.dtype,
+                               q_len=cell.t, kv_len=cell.t,
+                               is_causal=cell.causal),
+      "block_sizes": dataclasses.asdict(bs),
+      "shape": dataclasses.asdict(cell),
+      "ms": {"fwd": fwd_ms, "fwd_bwd": bwd_ms},
+      "tflops": {"fwd": cell.flops(False) / fwd_ms * 1e-9,
+                 "fwd_bwd": cell.flops(True) / bwd_ms * 1e-9},
+  }
+  logging.info("%s: best %s", cell, record)
+  return record
+
+
+def output_path(kind: str) -> pathlib.Path:
+  if _OUTPUT.value:
+    return pathlib.Path(_OUTPUT.value)
+  package = pathlib.Path(tuning.__file__).parent
+  return (package / tuning.TUNED_DIR /
+          (tuning.device_file_name(kind) + ".json"))
+
+
+def merge(path: pathlib.Path, records: list[dict], kind: str) -> dict:
+  """Adds records to the file's, replacing those with the same key."""
+  data = {}
+  if path.exists():
+    data = json.loads(path.read_text())
+  old = data.get("triton", [])
+  keys = {json.dumps(r["key"], sort_keys=True) for r in records}
+  kept = [r for r in old if json.dumps(r.get("key"), sort_keys=True)
+          not in keys]
+  data.update(
+      device_kind=kind,
+      jax_version=jax.__version__,
+      updated=datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+  )
+  data["triton"] = sorted(
+      kept + records, key=lambda r: json.dumps(r["key"], sort_keys=True))
+  return data
+
+
+def main(argv):
+  del argv
+  kind = _DEVICE_KIND.value or tuning.device_kind()
+  if api.platform() != "gpu" and not _DRY_RUN.value:
+    logging.warning("Tuning on %r: kernels run in interpret mode; timings "
+                    "are meaningless.", kind)
+  records = []
+  for cell in _cells():
+    record = tune_cell(cell, kind)
+    if record is not None:
+      records.append(record)
+  if _DRY_RUN.value or not records:
+    return
+  path = output_path(kind)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(merge(path, records, kind), indent=1) + "\n")
+  print(f"wrote {len(records)} records to {path}")
+  for r in records:
+    print(f"  {r['key']}: {r['block_sizes']} "
+          f"fwd {r['tflops']['fwd']:.1f} / fwd+bwd "
+          f"{r['tflops']['fwd_bwd']:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+  app.run(main)
