@@ -773,6 +773,16 @@ def _memory_now() -> tuple[int | None, str]:
     pass
   if stats and "peak_bytes_in_use" in stats:
     return int(stats["peak_bytes_in_use"]), "device_peak"
+  # Linux: VmHWM is the high-water mark of this process's own address space.
+  # ru_maxrss is not usable in a child: fork+exec carries the parent's peak
+  # into it, so every isolated cell would report at least the parent's RSS.
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024, "rss_peak"
+  except OSError:
+    pass
   kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB.
   return int(kib * scale), "rss_peak"
