@@ -109,7 +109,7 @@ class _Layout:
     self.v = self.keys(v)
     self.bias = None
     if bias is not None:
-      bias = _pad_dims(bias, {2: self.tp, 3: self.sp})
+      bias = masking.pad_axes(bias, {2: self.tp, 3: self.sp}, broadcast=True)
       self.bias = masking.group_heads(bias, num_kv)  # [B|1,K|1,G|1,T|1,S|1]
     # Masking arithmetic is needed at all only if something can be masked.
     self.masked = (
@@ -120,7 +120,7 @@ class _Layout:
 
   def queries(self, x):
     """[B, T, N, H] -> [B, K, G, Tp, H], padded rows zeroed."""
-    x = _pad_dims(x, {1: self.tp})
+    x = masking.pad_axes(x, {1: self.tp})
     x = masking.zero_padding(
         x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
     x = x.reshape(self.b, self.tp, self.num_kv, self.g, self.h)
@@ -128,14 +128,14 @@ class _Layout:
 
   def keys(self, x):
     """[B, S, K, H] -> [B, K, Sp, H], padded rows zeroed."""
-    x = _pad_dims(x, {1: self.sp})
+    x = masking.pad_axes(x, {1: self.sp})
     x = masking.zero_padding(
         x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
     return x.transpose(0, 2, 1, 3)
 
   def rows(self, x, fill):
     """[B, T, N] -> [B, K, G, Tp] (per-row statistics)."""
-    x = _pad_dims(x, {1: self.tp}, fill)
+    x = masking.pad_axes(x, {1: self.tp}, fill)
     return x.reshape(self.b, self.tp, self.num_kv, self.g).transpose(0, 2, 3, 1)
 
   def unrows(self, x):
@@ -204,16 +204,6 @@ def _fold(x):
 def _unfold(x, g):
   """Inverse of `_fold`."""
   return x.reshape(x.shape[0], x.shape[1], g, -1, x.shape[-1])
-
-
-def _pad_dims(x, sizes: dict[int, int], fill=0):
-  widths = [(0, 0)] * x.ndim
-  for axis, size in sizes.items():
-    if x.shape[axis] not in (1, size):
-      widths[axis] = (0, size - x.shape[axis])
-  if all(w == (0, 0) for w in widths):
-    return x
-  return jnp.pad(x, widths, constant_values=fill)
 
 
 def _block_sizes(params: vjp.Params) -> ChunkedBlockSizes:

@@ -146,6 +146,24 @@ def padding_segments(
   )
 
 
+def pad_axes(x: Array | None, sizes: dict[int, int], fill=0,
+             broadcast: bool = False) -> Array | None:
+  """Pads axis `a` of x at the end up to `sizes[a]` with `fill`.
+
+  With `broadcast`, an axis of size 1 is a broadcast axis (of a dense bias or
+  mask) and stays 1. None passes through.
+  """
+  if x is None:
+    return None
+  widths = [(0, 0)] * x.ndim
+  for axis, size in sizes.items():
+    if x.shape[axis] != size and not (broadcast and x.shape[axis] == 1):
+      widths[axis] = (0, size - x.shape[axis])
+  if all(w == (0, 0) for w in widths):
+    return x
+  return jnp.pad(x, widths, constant_values=fill)
+
+
 def pad_sequence(info: MaskInfo, q_len: int, kv_len: int) -> MaskInfo:
   """Pads T to `q_len` and S to `kv_len`, marking the new tail as padding.
 
@@ -156,25 +174,17 @@ def pad_sequence(info: MaskInfo, q_len: int, kv_len: int) -> MaskInfo:
   if q_len == t and kv_len == s:
     return info
   batch = info.q_positions.shape[0]
-
-  def pad(x, axis, new, value, broadcast=False):
-    # A dense mask may broadcast (size 1) along T or S; nothing else does.
-    if x is None or (broadcast and x.shape[axis] == 1):
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, new - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
   q_seg, kv_seg = info.q_segment_ids, info.kv_segment_ids
   if q_seg is None:
     q_seg = jnp.zeros((batch, t), jnp.int32)
     kv_seg = jnp.zeros((batch, s), jnp.int32)
   return info.replace(
-      q_positions=pad(info.q_positions, 1, q_len, 0),
-      kv_positions=pad(info.kv_positions, 1, kv_len, 0),
-      q_segment_ids=pad(q_seg, 1, q_len, Q_PAD_SEGMENT),
-      kv_segment_ids=pad(kv_seg, 1, kv_len, KV_PAD_SEGMENT),
-      mask=pad(pad(info.mask, 2, q_len, False, True), 3, kv_len, False, True),
+      q_positions=pad_axes(info.q_positions, {1: q_len}),
+      kv_positions=pad_axes(info.kv_positions, {1: kv_len}),
+      q_segment_ids=pad_axes(q_seg, {1: q_len}, Q_PAD_SEGMENT),
+      kv_segment_ids=pad_axes(kv_seg, {1: kv_len}, KV_PAD_SEGMENT),
+      # A dense mask may broadcast (size 1) along T or S; nothing else does.
+      mask=pad_axes(info.mask, {2: q_len, 3: kv_len}, False, broadcast=True),
   )
 
 

@@ -306,14 +306,6 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _pad_to(x: Array, axis: int, size: int) -> Array:
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Padded:
   """Inputs padded to whole tiles and a head dim multiple of 64."""
@@ -338,7 +330,7 @@ def _pad_inputs(q, k, v, info, q_len, kv_len) -> _Padded:
   info = masking.pad_sequence(info, q_len, kv_len)
 
   def rows(x, length, seg, pad_id):
-    x = _pad_to(_pad_to(x, 1, length), 3, hp)
+    x = masking.pad_axes(x, {1: length, 3: hp})
     return masking.zero_padding(x, seg, pad_id)
 
   def ids(x, length):
@@ -538,7 +530,7 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   kv_len = _round_up(s, math.lcm(kv_rows, bs.block_kv_dq))
   x = _pad_inputs(q, k, v, info, q_len, kv_len)
   hp = x.q.shape[-1]
-  do = _pad_to(_pad_to(dout.astype(q.dtype), 1, q_len), 3, hp)
+  do = masking.pad_axes(dout.astype(q.dtype), {1: q_len, 3: hp})
   do = masking.zero_padding(
       do, x.info.q_segment_ids, masking.Q_PAD_SEGMENT)
 

@@ -164,7 +164,7 @@ class _Layout:
     self.hp = _round_up(h, _LANES)
     self.dtype = _compute_dtype(q.dtype)
     self.info = info  # Unpadded: `zero_padding` reads the user's padding.
-    padded = _pad_sequence(info, self.tp, self.sp)
+    padded = masking.pad_sequence(info, self.tp, self.sp)
     self.kinds = masking.classify_blocks(padded, self.bq, self.bk)
     self.names = ["q", "k", "v"]
     self.operands = [self.queries(q), self.keys(k), self.keys(v)]
@@ -176,7 +176,7 @@ class _Layout:
       self._add("kv_seg", _sublane_rows(padded.kv_segment_ids))
     self.bias_shape = None
     if bias is not None:
-      bias = _pad_dims(bias, {2: self.tp, 3: self.sp}, broadcast=True)
+      bias = masking.pad_axes(bias, {2: self.tp, 3: self.sp}, broadcast=True)
       if bias.dtype == jnp.float16:
         bias = bias.astype(_F32)
       self.bias_shape = bias.shape
@@ -218,19 +218,19 @@ class _Layout:
     """[B, T, N, H] -> [B, Tp, N * Hp], padded rows zeroed."""
     x = masking.zero_padding(
         x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
-    x = _pad_dims(x.astype(self.dtype), {1: self.tp, 3: self.hp})
+    x = masking.pad_axes(x.astype(self.dtype), {1: self.tp, 3: self.hp})
     return x.reshape(self.b, self.tp, self.n * self.hp)
 
   def keys(self, x):
     """[B, S, K, H] -> [B, Sp, K * Hp], padded rows zeroed."""
     x = masking.zero_padding(
         x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
-    x = _pad_dims(x.astype(self.dtype), {1: self.sp, 3: self.hp})
+    x = masking.pad_axes(x.astype(self.dtype), {1: self.sp, 3: self.hp})
     return x.reshape(self.b, self.sp, self.num_kv * self.hp)
 
   def rows(self, x, fill):
     """Per-row statistic [B, T, N] -> [B, N, 1, Tp] float32."""
-    x = _pad_dims(x.astype(_F32), {1: self.tp}, fill)
+    x = masking.pad_axes(x.astype(_F32), {1: self.tp}, fill)
     return x.transpose(0, 2, 1)[:, :, None, :]
 
   def unqueries(self, x, dtype):
@@ -246,39 +246,6 @@ class _Layout:
   def unrows(self, x):
     """[B, N, 1, Tp] -> [B, T, N]."""
     return x[:, :, 0, : self.t].transpose(0, 2, 1)
-
-
-def _pad_sequence(info, q_len, kv_len):
-  """`masking.pad_sequence`, also padding length-1 sequences.
-
-  `pad_sequence` treats every size-1 axis as a broadcast axis (right for the
-  dense mask), which leaves the positions and segment ids of a length-1
-  sequence (T = 1 decoding, S = 1) unpadded; pad those here.
-  """
-  padded = masking.pad_sequence(info, q_len, kv_len)
-  fixes = {}
-  for name, length, fill in (
-      ("q_positions", q_len, 0),
-      ("kv_positions", kv_len, 0),
-      ("q_segment_ids", q_len, masking.Q_PAD_SEGMENT),
-      ("kv_segment_ids", kv_len, masking.KV_PAD_SEGMENT),
-  ):
-    x = getattr(padded, name)
-    if x is not None and x.shape[1] != length:
-      fixes[name] = jnp.pad(
-          x, ((0, 0), (0, length - x.shape[1])), constant_values=fill)
-  return padded.replace(**fixes) if fixes else padded
-
-
-def _pad_dims(x, sizes: dict[int, int], fill=0, broadcast=False):
-  """Pads axis a of x to sizes[a]; with `broadcast`, size-1 axes stay 1."""
-  widths = [(0, 0)] * x.ndim
-  for axis, size in sizes.items():
-    if x.shape[axis] != size and not (broadcast and x.shape[axis] == 1):
-      widths[axis] = (0, size - x.shape[axis])
-  if all(w == (0, 0) for w in widths):
-    return x
-  return jnp.pad(x, widths, constant_values=fill)
 
 
 def _lane_rows(x):

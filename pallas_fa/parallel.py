@@ -678,14 +678,6 @@ def _make_plan(mesh, batch_axes, head_axes, sequence_axis, zigzag_layout,
   )
 
 
-def _pad_axis(x, axis, size, value=0):
-  if x is None or x.shape[axis] in (1, size):
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
-
-
 def _permute_axis(x, axis, num_shards):
   if x is None or x.shape[axis] == 1:
     return x
@@ -734,8 +726,9 @@ def _sequence_layout(plan, q, k, v, bias, info):
   tp, sp = -(-t // multiple) * multiple, -(-s // multiple) * multiple
   if (tp, sp) != (t, s):
     info = masking.pad_sequence(info, tp, sp)
-    q, k, v = _pad_axis(q, 1, tp), _pad_axis(k, 1, sp), _pad_axis(v, 1, sp)
-    bias = _pad_axis(_pad_axis(bias, 2, tp), 3, sp)
+    q = masking.pad_axes(q, {1: tp})
+    k, v = masking.pad_axes(k, {1: sp}), masking.pad_axes(v, {1: sp})
+    bias = masking.pad_axes(bias, {2: tp, 3: sp}, broadcast=True)
   if plan.zigzag:
     r = plan.ring_size
     q, k, v = (_permute_axis(x, 1, r) for x in (q, k, v))

@@ -311,13 +311,13 @@ class _Padded:
     self.num_kv, self.g = num_kv, n // num_kv
     self.tp, self.sp = tp, sp
     self.hp = tuning.padded_head_dim(h)
-    self.info = _pad_info(info, tp, sp)
+    self.info = masking.pad_sequence(info, tp, sp)
     self.q = self.queries(q)
     self.k = self.keys(k)
     self.v = self.keys(v)
     self.bias = None
     if bias is not None:
-      self.bias = _pad_dims(bias, {2: tp, 3: sp}, broadcast=True)
+      self.bias = masking.pad_axes(bias, {2: tp, 3: sp}, broadcast=True)
     self.mask = None
     if self.info.mask is not None:
       # Triton loads bytes, not i1: keep the mask as int8 in memory.
@@ -335,63 +335,22 @@ class _Padded:
 
   def queries(self, x):
     """[B, T, N, H] -> [B, Tp, N, Hp], padded rows zeroed."""
-    x = _pad_dims(x, {1: self.tp, 3: self.hp})
+    x = masking.pad_axes(x, {1: self.tp, 3: self.hp})
     return masking.zero_padding(
         x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
 
   def keys(self, x):
     """[B, S, K, H] -> [B, Sp, K, Hp], padded rows zeroed."""
-    x = _pad_dims(x, {1: self.sp, 3: self.hp})
+    x = masking.pad_axes(x, {1: self.sp, 3: self.hp})
     return masking.zero_padding(
         x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
 
   def rows(self, x, fill):
     """[B, T, N] -> [B, N, Tp] (per-row statistics, head-major)."""
-    return _pad_dims(x.transpose(0, 2, 1), {2: self.tp}, fill)
+    return masking.pad_axes(x.transpose(0, 2, 1), {2: self.tp}, fill)
 
   def kinds(self, block_q, block_kv):
     return masking.classify_blocks(self.info, block_q, block_kv)
-
-
-def _pad_info(info: masking.MaskInfo, tp: int, sp: int) -> masking.MaskInfo:
-  """`masking.pad_sequence`, also when T or S is 1.
-
-  pad_sequence leaves length-1 axes alone (they may be broadcast axes of the
-  dense mask), which would leave positions / segment ids of a length-1
-  sequence unpadded; extend those to length 2 first.
-  """
-  t, s = info.q_positions.shape[1], info.kv_positions.shape[1]
-  if (t == 1 < tp) or (s == 1 < sp):
-    b = info.q_positions.shape[0]
-    q_seg, kv_seg = info.q_segment_ids, info.kv_segment_ids
-    if q_seg is None:
-      q_seg = jnp.zeros((b, t), jnp.int32)
-      kv_seg = jnp.zeros((b, s), jnp.int32)
-
-    def grow(x, length, fill):
-      return x if length > 1 else jnp.pad(x, ((0, 0), (0, 1)),
-                                          constant_values=fill)
-
-    # A dense mask's length-1 axis stays a broadcast axis: padded rows and
-    # columns are masked by the padding segment ids.
-    info = info.replace(
-        q_positions=grow(info.q_positions, t, 0),
-        kv_positions=grow(info.kv_positions, s, 0),
-        q_segment_ids=grow(q_seg, t, masking.Q_PAD_SEGMENT),
-        kv_segment_ids=grow(kv_seg, s, masking.KV_PAD_SEGMENT),
-    )
-  return masking.pad_sequence(info, tp, sp)
-
-
-def _pad_dims(x, sizes: dict[int, int], fill=0, broadcast=False):
-  """Pads axes up to `sizes`; with `broadcast`, size-1 axes stay as is."""
-  widths = [(0, 0)] * x.ndim
-  for axis, size in sizes.items():
-    if x.shape[axis] != size and not (broadcast and x.shape[axis] == 1):
-      widths[axis] = (0, size - x.shape[axis])
-  if all(w == (0, 0) for w in widths):
-    return x
-  return jnp.pad(x, widths, constant_values=fill)
 
 
 def _grouped(x, num_kv):

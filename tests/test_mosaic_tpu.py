@@ -249,7 +249,7 @@ def test_fetch_schedule_never_fetches_an_unneeded_block():
 
 def _ideal_tiles(info, num_kv, tp, sp):
   """[B, nq, nk]: tiles with at least one visible element (brute force)."""
-  padded = mosaic_tpu._pad_sequence(info, tp, sp)
+  padded = masking.pad_sequence(info, tp, sp)
   vis = masking.tile_visibility(padded, num_kv)  # [B, K|1, G|1, Tp, Sp]
   vis = np.asarray(vis).any(axis=(1, 2))
   b = vis.shape[0]
