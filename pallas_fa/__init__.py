@@ -2,6 +2,7 @@
 
 import importlib
 
+from pallas_fa import gpu_target
 from pallas_fa.api import flash_attention
 from pallas_fa.api import implementations
 from pallas_fa.masking import SegmentIds
@@ -10,6 +11,7 @@ __all__ = [
     "flash_attention",
     "implementations",
     "SegmentIds",
+    "gpu_target",
     "MultiHeadAttention",
     "make_attention_fn",
     "sharded_flash_attention",

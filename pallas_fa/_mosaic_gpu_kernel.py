@@ -58,10 +58,17 @@ Array = Any
 _F32 = jnp.float32
 _I32 = jnp.int32
 
-# Consumer / producer register budgets (setmaxnreg); 2 x 232 + 40 fits the
-# 64K-register file of an SM with three 128-thread warpgroups.
-_CONSUMER_REGISTERS = 232
-_PRODUCER_REGISTERS = 40
+# Producer register budget (setmaxnreg, the hardware minimum); it only
+# issues TMA copies.
+_PRODUCER_REGISTERS = 24
+
+
+def _consumer_registers(consumers: int) -> int:
+  """setmaxnreg budget of a consumer thread. Three warpgroups launch with
+  168 registers a thread (64K / 384), 504 in all: the 24-register producer
+  leaves 2 x 240 for two consumers (FlashAttention-3's split); one consumer
+  gets the hardware maximum, 256."""
+  return 240 if consumers == 2 else 256
 
 
 # --------------------------------------------------------------------------
@@ -85,10 +92,25 @@ def interpret_params():
   return None if cls is None else cls()
 
 
-def _kernel_call(body, *, out_types, scratch, interpret, **mesh):
-  """`plgpu.kernel` with whichever keyword names this jax version accepts."""
+def _load_whole(ref, *, layout):
+  """`plgpu.load` of a whole ref: jax 0.10 wants the index `()`, jax 0.12
+  takes none."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def _kernel_call(body, *, name, out_types, scratch, interpret,
+                 lowering_semantics=None, **mesh):
+  """`plgpu.kernel` with whichever keyword names this jax version accepts.
+
+  `name` becomes the kernel's symbol (its ptxas entry is
+  `<name>_mosaic_gpu_kernel`), so profiles and compile reports tell the
+  kernels apart. `lowering_semantics` ("lane", "warpgroup" or None for
+  jax's default) applies to compiled kernels only.
+  """
   params = inspect.signature(plgpu.kernel).parameters
-  kwargs = dict(mesh)
+  kwargs = dict(mesh, kernel_name=name)
   if "out_type" in params:
     kwargs["out_type"] = out_types
   else:
@@ -100,7 +122,11 @@ def _kernel_call(body, *, out_types, scratch, interpret, **mesh):
   if interpret is not None:
     kwargs["interpret"] = interpret
   else:
-    kwargs["compiler_params"] = plgpu.CompilerParams(approx_math=True)
+    compiler = dict(approx_math=True)
+    if lowering_semantics is not None:
+      compiler["lowering_semantics"] = getattr(
+          plgpu.LoweringSemantics, lowering_semantics.capitalize())
+    kwargs["compiler_params"] = plgpu.CompilerParams(**compiler)
   return plgpu.kernel(body, **kwargs)
 
 
@@ -133,6 +159,7 @@ class Spec:
     scale: logit scale.
     soft_cap: logit soft cap or None.
     interpret: run in the Mosaic GPU interpreter (CPU).
+    lowering_semantics: "lane", "warpgroup" or None (jax's default).
   """
 
   batch: int
@@ -154,6 +181,7 @@ class Spec:
   scale: float = 1.0
   soft_cap: float | None = None
   interpret: bool = False
+  lowering_semantics: str | None = None
 
   @property
   def group(self) -> int:
@@ -299,7 +327,7 @@ class _Ops:
     """Loads a [size] SMEM vector laid out along `axis` of a wgmma tile."""
     if self.interpret:
       return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+    return _load_whole(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
 
   def set_max_registers(self, n, action):
     if not self.interpret:
@@ -348,6 +376,28 @@ class _Ops:
         between()
 
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+  def mm_pair(self, first: dict[str, Any], second: dict[str, Any]):
+    """Two independent `mm`s (keyword dicts) issued back to back before
+    either is awaited, so that their wgmma latencies overlap."""
+    if self.interpret:
+      return self.mm(**first), self.mm(**second)
+    operands = []
+    for m in (first, second):
+      b = m["b"]
+      transpose_b = m.get("transpose_b", False)
+      shape = (m["a"].shape[0], b.shape[0] if transpose_b else b.shape[1])
+      acc = m.get("acc")
+      operands.append((
+          m["a"], plgpu.transpose_ref(b, (1, 0)) if transpose_b else b,
+          self.full(shape, 0.0) if acc is None else acc))
+
+    def issue(acc_refs):
+      for acc_ref, (a, b, _) in zip(acc_refs, operands, strict=True):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(issue)(
+        tuple(plgpu.ACC.init(acc) for _, _, acc in operands))
 
 
 def _smem(spec: Spec, shape, dtype, swizzled: bool):
@@ -555,7 +605,7 @@ def forward(spec: Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
 
     @pl.when(wg < nc)
     def _consumer():
-      ops.set_max_registers(_CONSUMER_REGISTERS, "increase")
+      ops.set_max_registers(_consumer_registers(nc), "increase")
       qo = qo_smem.at[wg]
 
       def unit(t, base):
@@ -670,9 +720,10 @@ def forward(spec: Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
       jax.ShapeDtypeStruct((spec.batch, spec.num_heads, spec.q_len), _F32),
   )
   call = _kernel_call(
-      body, out_types=out_types, scratch=[smem, barriers],
+      body, name="pfa_mgpu_forward", out_types=out_types,
+      scratch=[smem, barriers],
       interpret=interpret_params() if spec.interpret else None,
-      **_mesh(spec))
+      lowering_semantics=spec.lowering_semantics, **_mesh(spec))
   return call(q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched)
 
 
@@ -720,7 +771,7 @@ def backward_dq(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
 
     @pl.when(wg < nc)
     def _consumer():
-      ops.set_max_registers(_CONSUMER_REGISTERS, "increase")
+      ops.set_max_registers(_consumer_registers(nc), "increase")
       q_own, do_own = q_smem.at[wg], do_smem.at[wg]
 
       def unit(t, base):
@@ -752,7 +803,11 @@ def backward_dq(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
         def step(j, dq, *, masked):
           slot = lax.rem(base + j - ulo, stages)
           plgpu.barrier_wait(k_bar.at[slot])
-          qk = ops.mm(q_own, k_smem.at[slot], transpose_b=True)  # [bq, bk]
+          plgpu.barrier_wait(v_bar.at[slot])
+          qk, dp = ops.mm_pair(  # [bq, bk] each
+              dict(a=q_own, b=k_smem.at[slot], transpose_b=True),
+              dict(a=do_own, b=v_smem.at[slot], transpose_b=True))
+          plgpu.barrier_arrive(v_free.at[slot])
           s, capped = _logits(spec, qk)
           if masked:
             k_p = k_s = None
@@ -763,9 +818,6 @@ def backward_dq(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
             s = online_softmax.apply_mask(
                 s, _visible(spec, s.shape, 0, q_p, q_s, k_p, k_s))
           p = probs(s, lse2, 0)
-          plgpu.barrier_wait(v_bar.at[slot])
-          dp = ops.mm(do_own, v_smem.at[slot], transpose_b=True)
-          plgpu.barrier_arrive(v_free.at[slot])
           ds = _logits_grad_to_qk(spec, dlogits(p, dp, delta, 0), capped)
           dq = ops.mm(
               ds.astype(spec.dtype), k_smem.at[slot], a_in_smem=False,
@@ -815,10 +867,11 @@ def backward_dq(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
       _barrier(stages, nc),  # V slot released.
   )
   call = _kernel_call(
-      body, out_types=jax.ShapeDtypeStruct(q.shape, spec.dtype),
+      body, name="pfa_mgpu_dq",
+      out_types=jax.ShapeDtypeStruct(q.shape, spec.dtype),
       scratch=[smem, barriers],
       interpret=interpret_params() if spec.interpret else None,
-      **_mesh(spec))
+      lowering_semantics=spec.lowering_semantics, **_mesh(spec))
   return call(q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos, kv_seg, sched)
 
 
@@ -876,7 +929,7 @@ def backward_dkv(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
 
     @pl.when(wg < nc)
     def _consumer():
-      ops.set_max_registers(_CONSUMER_REGISTERS, "increase")
+      ops.set_max_registers(_consumer_registers(nc), "increase")
       k_own, v_own = k_smem.at[wg], v_smem.at[wg]
 
       def unit(t, base):
@@ -922,12 +975,16 @@ def backward_dkv(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
                   s_t, _visible(spec, s_t.shape, 1, q_p, q_s, k_p, k_s))
             p_t = probs(s_t, lse2, 1)
             plgpu.barrier_wait(do_bar.at[slot])
-            if want_dv:
-              dv = ops.mm(
-                  p_t.astype(spec.dtype), do_smem.at[slot], a_in_smem=False,
-                  acc=dv)
+            dv_update = dict(a=p_t.astype(spec.dtype), b=do_smem.at[slot],
+                             a_in_smem=False, acc=dv)
+            dp_t_fresh = dict(a=v_own, b=do_smem.at[slot], transpose_b=True)
+            if want_dv and want_dk:
+              dv, dp_t = ops.mm_pair(dv_update, dp_t_fresh)
+            elif want_dv:
+              dv = ops.mm(**dv_update)
+            else:
+              dp_t = ops.mm(**dp_t_fresh)
             if want_dk:
-              dp_t = ops.mm(v_own, do_smem.at[slot], transpose_b=True)
               delta = ops.load_vector(delta_smem.at[slot], 1)
             plgpu.barrier_arrive(do_free.at[slot])
             if want_dk:
@@ -1011,7 +1068,8 @@ def backward_dkv(spec: Spec, q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos,
   )
   out_types = tuple(jax.ShapeDtypeStruct(k.shape, spec.dtype) for _ in outputs)
   call = _kernel_call(
-      body, out_types=out_types, scratch=[smem, barriers],
+      body, name="pfa_mgpu_" + "_".join(outputs),
+      out_types=out_types, scratch=[smem, barriers],
       interpret=interpret_params() if spec.interpret else None,
-      **_mesh(spec))
+      lowering_semantics=spec.lowering_semantics, **_mesh(spec))
   return call(q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos, kv_seg, sched)

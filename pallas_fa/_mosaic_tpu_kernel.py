@@ -121,7 +121,7 @@ class Static:
     segments: whether segment-id arrays are passed.
     bias_shape: shape of the padded bias [B|1, N|1, Tp|1, Sp|1], or None.
     mask_shape: shape of the padded int8 mask, or None.
-    precision: matmul precision (HIGHEST for float32 operands).
+    precision: matmul precision of every dot.
     interpret: the `interpret=` argument of pallas_call.
     parallel: declare the non-reduction grid axes "parallel" (see
       `parallel_grid`); otherwise every axis is "arbitrary".

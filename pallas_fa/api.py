@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import vjp
 
@@ -34,7 +35,7 @@ _AUTO_ORDER = {
     "cpu": ("chunked",),
 }
 
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
 def implementations() -> tuple[str, ...]:
@@ -71,7 +72,10 @@ def get_backend(name: str) -> vjp.Backend:
 
 
 def platform() -> str:
-  """The default JAX platform, with CUDA/ROCm reported as "gpu"."""
+  """The platform kernels are built for, with CUDA/ROCm reported as "gpu"
+  (an ahead-of-time `gpu_target.compile_for` target counts as a GPU)."""
+  if gpu_target.ahead_of_time() is not None:
+    return "gpu"
   p = jax.default_backend()
   return "gpu" if p in ("cuda", "rocm", "gpu") else p
 
@@ -87,13 +91,19 @@ def _check_int_array(name, x, shape):
   return x.astype(jnp.int32)
 
 
-def _check_lengths(name, x, batch, full):
+def _check_lengths(name, x, batch_shape):
+  """int [*B] (a scalar when there is one batch row) -> int32 [prod(B)]."""
   if x is None:
     return None
   x = jnp.asarray(x)
-  if x.ndim == 0:
-    x = x.reshape(1)
-  return _check_int_array(name, x, (batch,))
+  if x.ndim == 0 and math.prod(batch_shape) == 1:
+    x = x.reshape(batch_shape)
+  return _check_int_array(name, x, batch_shape).reshape(-1)
+
+
+def _check_per_token(name, x, batch_shape, length):
+  """int [*B, length] -> int32 [prod(B), length]."""
+  return _check_int_array(name, x, batch_shape + (length,)).reshape(-1, length)
 
 
 def _check_non_negative(name, x):
@@ -153,23 +163,63 @@ def _check_static_float(name, x, positive=False):
   return value
 
 
-def _check_dense(name, x, shape4, unbatched):
-  """bias/mask: left-pad to 4-D and check broadcastability to [B,N,T,S]."""
+def _check_precision(precision) -> jax.lax.Precision:
+  """`precision=` as a `jax.lax.Precision`, with JAX's names for its levels.
+
+  None follows `jax.default_matmul_precision`, read now (outside any jit of
+  ours); when that is unset too, DEFAULT, as for `jnp.dot`.
+  """
+  if precision is None:
+    config = jax.config.jax_default_matmul_precision
+    try:
+      return _check_precision(config or "default")
+    except ValueError:
+      raise ValueError(
+          "precision=None follows jax_default_matmul_precision, which is a "
+          f"dot algorithm ({config!r}) that flash_attention does not "
+          "support; pass precision= explicitly."
+      ) from None
+  if isinstance(precision, jax.lax.Precision):
+    return precision
+  if not isinstance(precision, str):
+    raise TypeError(
+        "precision must be None, a jax.lax.Precision or its name, got "
+        f"{precision=}."
+    )
+  try:
+    # JAX's table: "bfloat16" and "fastest" are DEFAULT, "tensorfloat32" and
+    # "bfloat16_3x" HIGH, "float32" HIGHEST.
+    return jax.lax.Precision(precision.lower())
+  except ValueError:
+    raise ValueError(
+        "precision must be 'default', 'high', 'highest', 'bfloat16', "
+        "'tensorfloat32', 'float32', 'fastest', 'bfloat16_3x' or a "
+        f"jax.lax.Precision, got {precision=}."
+    ) from None
+
+
+def _check_dense(name, x, batch_shape, nts):
+  """bias/mask broadcastable to [*B, N, T, S] -> 4-D [1 or prod(B), ...]."""
   if x is None:
     return None
   x = jnp.asarray(x)
-  if x.ndim > (3 if unbatched else 4):
-    want = shape4[1:] if unbatched else shape4
+  full = batch_shape + nts
+  if x.ndim > len(full):
     raise ValueError(
-        f"{name} must be broadcastable to {want}, got {x.shape=}.")
-  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-  for got, want in zip(x.shape, shape4):
+        f"{name} must be broadcastable to [*B, N, T, S]={full}, got "
+        f"{x.shape=}.")
+  x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
+  for got, want in zip(x.shape, full):
     if got not in (1, want):
       raise ValueError(
-          f"{name} must be broadcastable to [B, N, T, S]={shape4}, got "
+          f"{name} must be broadcastable to [*B, N, T, S]={full}, got "
           f"{x.shape=}."
       )
-  return x
+  rows = x.shape[:len(batch_shape)]
+  if math.prod(rows) == 1:  # Shared by the whole batch: keep it so.
+    return x.reshape((1,) + x.shape[len(batch_shape):])
+  x = jnp.broadcast_to(x, batch_shape + x.shape[len(batch_shape):])
+  return x.reshape((-1,) + x.shape[len(batch_shape):])
 
 
 def _canonicalise(
@@ -177,11 +227,17 @@ def _canonicalise(
     key_value_seq_lengths, local_window_size, segment_ids, query_positions,
     key_positions, logits_soft_cap,
 ):
-  """Validates every argument; returns batched arrays and a MaskInfo."""
+  """Validates every argument.
+
+  Returns:
+    query, key, value, bias, info, params with the batch dims folded into
+    one, and the batch shape to unfold the results with.
+  """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  if query.ndim not in (3, 4):
+  if query.ndim < 3:
     raise ValueError(
-        f"query must be [B, T, N, H] or [T, N, H], got {query.shape=}."
+        f"query must be [*B, T, N, H] (any number of batch dims, including "
+        f"none), got {query.shape=}."
     )
   for name, x in (("key", key), ("value", value)):
     if x.ndim != query.ndim:
@@ -189,13 +245,20 @@ def _canonicalise(
           f"{name} must have the same rank as query, got {x.shape=} and "
           f"{query.shape=}."
       )
-  unbatched = query.ndim == 3
-  if unbatched:
-    query, key, value = query[None], key[None], value[None]
+  batch_shape = query.shape[:-3]
+  for name, x in (("key", key), ("value", value)):
+    if x.shape[:-3] != batch_shape:
+      raise ValueError(
+          f"{name} must be [*B, S, K, H] with the query's batch dims, got "
+          f"{x.shape=} and {query.shape=}."
+      )
+  query, key, value = (
+      x.reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not any(x.dtype == d for d in _FLOAT_DTYPES):
       raise TypeError(
-          f"{name} must be float32, bfloat16 or float16, got {x.dtype=}."
+          f"{name} must be float32, bfloat16, float16 or float64, got "
+          f"{x.dtype=}."
       )
   if not query.dtype == key.dtype == value.dtype:
     raise TypeError(
@@ -226,32 +289,27 @@ def _canonicalise(
   soft_cap = _check_static_float("logits_soft_cap", logits_soft_cap, True)
   window = _check_window(local_window_size)
 
-  shape4 = (b, n, t, s)
-  bias = _check_dense("bias", bias, shape4, unbatched)
+  bias = _check_dense("bias", bias, batch_shape, (n, t, s))
   if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
     raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
-  mask = _check_dense("mask", mask, shape4, unbatched)
+  mask = _check_dense("mask", mask, batch_shape, (n, t, s))
   if mask is not None and mask.dtype != jnp.bool_:
     raise TypeError(f"mask must be a bool array (True = attend), got "
                     f"{mask.dtype=}.")
 
-  def batched(x):
-    x = jnp.asarray(x)
-    return x[None] if unbatched and x.ndim == 1 else x
-
-  q_len = _check_lengths("query_seq_lengths", query_seq_lengths, b, t)
-  kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, b, s)
+  q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch_shape)
+  kv_len = _check_lengths(
+      "key_value_seq_lengths", key_value_seq_lengths, batch_shape)
 
   if query_positions is None:
     q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   else:
-    q_pos = _check_int_array(
-        "query_positions", batched(query_positions), (b, t))
+    q_pos = _check_per_token(
+        "query_positions", query_positions, batch_shape, t)
   if key_positions is None:
     kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   else:
-    kv_pos = _check_int_array(
-        "key_positions", batched(key_positions), (b, s))
+    kv_pos = _check_per_token("key_positions", key_positions, batch_shape, s)
 
   q_seg = kv_seg = None
   if segment_ids is not None:
@@ -260,10 +318,9 @@ def _canonicalise(
           "segment_ids must be pallas_fa.SegmentIds(q=..., kv=...), got "
           f"{type(segment_ids).__name__}."
       )
-    q_seg = _check_int_array(
-        "segment_ids.q", batched(segment_ids.q), (b, t))
-    kv_seg = _check_int_array(
-        "segment_ids.kv", batched(segment_ids.kv), (b, s))
+    q_seg = _check_per_token("segment_ids.q", segment_ids.q, batch_shape, t)
+    kv_seg = _check_per_token(
+        "segment_ids.kv", segment_ids.kv, batch_shape, s)
   q_seg = masking.padding_segments(q_seg, q_len, t, masking.Q_PAD_SEGMENT)
   kv_seg = masking.padding_segments(kv_seg, kv_len, s, masking.KV_PAD_SEGMENT)
   if (q_seg is None) != (kv_seg is None):
@@ -283,7 +340,7 @@ def _canonicalise(
       window=window,
   )
   params = vjp.Params(scale=scale, soft_cap=soft_cap)
-  return query, key, value, bias, info, params, unbatched
+  return query, key, value, bias, info, params, batch_shape
 
 
 def _accepts_block_sizes(backend, block_sizes) -> bool:
@@ -306,7 +363,7 @@ def _choose(implementation, q, k, v, bias, info, params):
           f"{getattr(backend.block_sizes_type, '__name__', 'None')}, got "
           f"{type(params.block_sizes).__name__}."
       )
-    backend.check(q, k, v, bias, info, params)
+    backend.check_call(q, k, v, bias, info, params)
     return backend
   reasons = []
   for name in _AUTO_ORDER.get(platform(), ("chunked",)):
@@ -319,7 +376,7 @@ def _choose(implementation, q, k, v, bias, info, params):
       reasons.append(f"{name}: block_sizes is not its config type")
       continue
     try:
-      backend.check(q, k, v, bias, info, params)
+      backend.check_call(q, k, v, bias, info, params)
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
@@ -347,6 +404,7 @@ def flash_attention(
     logits_soft_cap: float | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
+    precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
 ):
   """Exact scaled dot-product attention, memory-linear in sequence length.
@@ -358,26 +416,35 @@ def flash_attention(
   with zero gradients.
 
   Args:
-    query: [B, T, N, H] (or unbatched [T, N, H]); float32/bfloat16/float16.
-    key: [B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
+    query: [*B, T, N, H]: any number of leading batch dims B (none
+      included); float32/bfloat16/float16, or float64 (with x64 enabled;
+      `xla` and `chunked` only, computing in float64).
+    key: [*B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
     value: same shape and dtype as key.
-    bias: float, broadcastable to [B, N, T, S]; differentiable.
-    mask: bool, broadcastable to [B, N, T, S]; True = may attend.
+    bias: float, broadcastable to [*B, N, T, S]; differentiable.
+    mask: bool, broadcastable to [*B, N, T, S]; True = may attend.
     scale: logit scale, default 1/sqrt(H).
     is_causal: keep keys with key position <= query position (top-left
       aligned; see `pallas_fa.masking` for a picture).
-    query_seq_lengths: int [B]; queries at index >= length are padding.
-    key_value_seq_lengths: int [B]; keys at index >= length are padding.
+    query_seq_lengths: int [*B]; queries at index >= length are padding.
+    key_value_seq_lengths: int [*B]; keys at index >= length are padding.
     local_window_size: int w (= (w, w)) or (left, right): keep
       q_pos - left <= k_pos <= q_pos + right; a None side is unbounded.
-    segment_ids: `SegmentIds(q=[B, T], kv=[B, S])`; attend within equal ids.
-    query_positions: int [B, T], default arange(T).
-    key_positions: int [B, S], default arange(S).
+    segment_ids: `SegmentIds(q=[*B, T], kv=[*B, S])`; attend within equal ids.
+    query_positions: int [*B, T], default arange(T).
+    key_positions: int [*B, S], default arange(S).
     logits_soft_cap: c > 0: logits -> c * tanh(logits / c), before bias/mask.
     implementation: None (fastest that supports the call on this platform),
       or one of `pallas_fa.implementations()`.
     block_sizes: the chosen backend's frozen tiling config, or None.
-    return_residual: also return the logsumexp [B, T, N] (float32, natural
+    precision: the matmul precision of every product of query/key/value-
+      derived data, as in `jnp.dot`: a `jax.lax.Precision` or one of JAX's
+      names for it ("default"/"bfloat16"/"fastest", "high"/"tensorfloat32"/
+      "bfloat16_3x", "highest"/"float32"). It matters for float32 inputs on
+      accelerators (DEFAULT float32 is one bfloat16 pass on TPU and
+      TensorFloat-32 on recent GPUs). None follows
+      `jax.default_matmul_precision` at the time of the call.
+    return_residual: also return the logsumexp [*B, T, N] (float32, natural
       log).
 
   Returns:
@@ -399,6 +466,10 @@ def flash_attention(
           "logits_soft_cap", logits_soft_cap, True),
       implementation=implementation,
       block_sizes=block_sizes,
+      precision=_check_precision(precision),
+      # Keys the trace cache: kernels built for an ahead-of-time GPU target
+      # differ from those built for this machine.
+      target=gpu_target.ahead_of_time(),
   )
   out, lse = _flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
@@ -410,16 +481,19 @@ def flash_attention(
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "is_causal", "local_window_size",
-                     "logits_soft_cap", "implementation", "block_sizes"),
+                     "logits_soft_cap", "implementation", "block_sizes",
+                     "precision", "target"),
 )
 def _flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
     segment_ids, query_positions, key_positions, *, scale, is_causal,
     local_window_size, logits_soft_cap, implementation, block_sizes,
+    precision, target,
 ):
+  del target  # Read by the backends through `gpu_target.current()`.
   # Everything from here on is traced once per shape/static configuration:
   # canonicalisation adds no eager dispatches and no compilations per call.
-  q, k, v, bias, info, params, unbatched = _canonicalise(
+  q, k, v, bias, info, params, batch_shape = _canonicalise(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
@@ -428,10 +502,10 @@ def _flash_attention(
       logits_soft_cap=logits_soft_cap,
   )
   params = vjp.Params(
-      scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes
+      scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes,
+      precision=precision,
   )
   backend = _choose(implementation, q, k, v, bias, info, params)
   out, lse = vjp.attention(backend, params, q, k, v, bias, info)
-  if unbatched:
-    out, lse = out[0], lse[0]
-  return out, lse
+  out = out.reshape(batch_shape + out.shape[1:])
+  return out, lse.reshape(batch_shape + lse.shape[1:])

@@ -27,7 +27,6 @@ from pallas_fa import online_softmax
 from pallas_fa import vjp
 
 Array = Any
-_F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,9 +99,11 @@ class _Layout:
             masking.PARTIAL,
         ),
     )  # [nq, nk]
-    # In float32 the logit scale is folded into q once, saving a multiply
-    # per logit; in low precision that would round scale * q to bf16/f16.
-    self.scale_folded = q.dtype == _F32
+    # Softmax statistics and accumulators: float32 (float64 inputs: float64).
+    self.acc = online_softmax.stats_dtype(q.dtype)
+    # In full precision the logit scale is folded into q once, saving a
+    # multiply per logit; in low precision that would round scale * q.
+    self.scale_folded = q.dtype == self.acc
     self.logit_scale = 1.0 if self.scale_folded else params.scale
     self.q = self.queries(q * params.scale if self.scale_folded else q)
     self.k = self.keys(k)
@@ -157,7 +158,8 @@ class _Layout:
     Returns (s_capped, s) where s = s_capped + bias, before masking.
     """
     s = _unfold(jnp.einsum(
-        "bkqh,bksh->bkqs", _fold(qi), kj, preferred_element_type=_F32), self.g)
+        "bkqh,bksh->bkqs", _fold(qi), kj, preferred_element_type=self.acc,
+        precision=params.precision), self.g)
     if self.logit_scale != 1.0:
       s = s * self.logit_scale
     s_capped = online_softmax.soft_cap(s, params.soft_cap)
@@ -165,7 +167,7 @@ class _Layout:
     if self.bias is not None:
       bias = masking.slice_in_dim(self.bias, i * self.bq, self.bq, 3)
       bias = masking.slice_in_dim(bias, j * self.bk, self.bk, 4)
-      s = s + bias.astype(_F32)
+      s = s + bias.astype(self.acc)
     return s_capped, s
 
   def visibility(self, i, j):
@@ -218,7 +220,7 @@ def _forward(q, k, v, bias, info, params):
   def q_tile(i):
     qi = jax.lax.dynamic_slice_in_dim(lay.q, i * lay.bq, lay.bq, 3)
     rows = (lay.b, lay.num_kv, lay.g, lay.bq)
-    carry = online_softmax.init(rows, rows + (lay.h,))
+    carry = online_softmax.init(rows, rows + (lay.h,), lay.acc)
 
     def step(j, carry, masked):
       m_i, l_i, acc = carry
@@ -230,7 +232,7 @@ def _forward(q, k, v, bias, info, params):
       m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
       pv = _unfold(jnp.einsum(
           "bkqs,bksh->bkqh", _fold(p.astype(vj.dtype)), vj,
-          preferred_element_type=_F32,
+          preferred_element_type=lay.acc, precision=params.precision,
       ), lay.g)
       return m_i, l_i, acc * alpha[..., None] + pv
 
@@ -257,7 +259,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   lo, hi = masking.block_range(kinds_t)
   dbias = None
   if lay.bias is not None:
-    dbias = jnp.zeros(lay.bias.shape, _F32)
+    dbias = jnp.zeros(lay.bias.shape, lay.acc)
   bias_sum_axes = tuple(
       a for a in range(5)
       if lay.bias is not None and lay.bias.shape[a] == 1
@@ -267,8 +269,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     dq, dbias = carry
     kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
     vj = jax.lax.dynamic_slice_in_dim(lay.v, j * lay.bk, lay.bk, 2)
-    dk_j = jnp.zeros(kj.shape, _F32)
-    dv_j = jnp.zeros(vj.shape, _F32)
+    dk_j = jnp.zeros(kj.shape, lay.acc)
+    dv_j = jnp.zeros(vj.shape, lay.acc)
 
     def step(i, carry, masked):
       dk_j, dv_j, dq, dbias = carry
@@ -283,11 +285,11 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       p = online_softmax.probs_from_lse(s, lse_i)  # [B, K, G, bq, bk]
       dv_j = dv_j + jnp.einsum(
           "bkqs,bkqh->bksh", _fold(p.astype(doi.dtype)), _fold(doi),
-          preferred_element_type=_F32,
+          preferred_element_type=lay.acc, precision=params.precision,
       )
       dp = _unfold(jnp.einsum(
-          "bkqh,bksh->bkqs", _fold(doi), vj, preferred_element_type=_F32),
-          lay.g)
+          "bkqh,bksh->bkqs", _fold(doi), vj, preferred_element_type=lay.acc,
+          precision=params.precision), lay.g)
       ds = online_softmax.logits_grad(p, dp, delta_i)
       if dbias is not None:
         d = ds.sum(axis=bias_sum_axes, keepdims=True)
@@ -303,13 +305,13 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       # than to the [bq, bk] tile: d(scale q.k)/dq = scale * k.
       dq_i = params.scale * _unfold(jnp.einsum(
           "bkqs,bksh->bkqh", _fold(ds.astype(kj.dtype)), kj,
-          preferred_element_type=_F32,
+          preferred_element_type=lay.acc, precision=params.precision,
       ), lay.g)
       cur = jax.lax.dynamic_slice_in_dim(dq, q0, lay.bq, 3)
       dq = jax.lax.dynamic_update_slice_in_dim(dq, cur + dq_i, q0, 3)
       dk_j = dk_j + jnp.einsum(
           "bkqs,bkqh->bksh", _fold(ds.astype(qi.dtype)), _fold(qi),
-          preferred_element_type=_F32,
+          preferred_element_type=lay.acc, precision=params.precision,
       )
       return dk_j, dv_j, dq, dbias
 
@@ -319,7 +321,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       dk_j = dk_j * params.scale
     return (dq, dbias), (dk_j, dv_j)
 
-  dq0 = jnp.zeros(lay.q.shape, _F32)
+  dq0 = jnp.zeros(lay.q.shape, lay.acc)
   (dq, dbias), (dk, dv) = jax.lax.scan(
       kv_tile, (dq0, dbias), jnp.arange(lay.nk))
   # [nk, B, K, bk, H] -> [B, K, Sp, H]
@@ -346,4 +348,5 @@ BACKEND = vjp.Backend(
     backward=_backward,
     check=_check,
     block_sizes_type=ChunkedBlockSizes,
+    dtypes=vjp.WITH_FLOAT64,
 )

@@ -56,8 +56,8 @@ class SegmentIds:
   """Segment ids of packed sequences: attend only where `q == kv`.
 
   Attributes:
-    q: int array [B, T] (or [T] for unbatched calls).
-    kv: int array [B, S] (or [S] for unbatched calls).
+    q: int array [*B, T] (the query's batch dims).
+    kv: int array [*B, S].
   """
 
   q: Array

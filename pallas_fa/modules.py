@@ -63,7 +63,7 @@ def rope(
     )
   half = h // 2
   freq = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions.astype(jnp.float32)[..., None] * freq  # [B, T, H/2]
+  angle = positions.astype(jnp.float32)[..., None] * freq[None, None]
   sin = jnp.sin(angle)[:, :, None, :]  # [B, T, 1, H/2]
   cos = jnp.cos(angle)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -114,6 +114,7 @@ class MultiHeadAttention(nnx.Module):
       scale: float | None = None,
       implementation: str | None = None,
       block_sizes: Any = None,
+      precision: str | jax.lax.Precision | None = None,
       attention_fn: Callable[..., Array] | None = None,
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
@@ -140,6 +141,9 @@ class MultiHeadAttention(nnx.Module):
       scale: logit scale; default 1/sqrt(head_dim).
       implementation: `flash_attention`'s implementation (None = automatic).
       block_sizes: that implementation's tiling config, or None.
+      precision: matmul precision of the projections and the attention, as
+        in `flash_attention`; None follows `jax.default_matmul_precision`
+        and is not passed on to a custom `attention_fn`.
       attention_fn: replaces `flash_attention` (same keyword interface), for
         baselines; None uses `flash_attention`.
       dtype: computation dtype; default inferred from inputs and params.
@@ -149,7 +153,7 @@ class MultiHeadAttention(nnx.Module):
       rngs: parameter initialisation keys.
 
     Raises:
-      ValueError: inconsistent head counts or sizes.
+      ValueError: inconsistent head counts or sizes, or a bad precision.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -176,12 +180,15 @@ class MultiHeadAttention(nnx.Module):
     self.scale = scale
     self.implementation = implementation
     self.block_sizes = block_sizes
+    if precision is not None:
+      precision = api._check_precision(precision)
+    self.precision = precision
     self.attention_fn = attention_fn or api.flash_attention
     self.dtype = dtype
     kernel_init = kernel_init or nnx.initializers.lecun_normal()
     linear = lambda i, o, **kw: nnx.LinearGeneral(
         i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-        rngs=rngs, **kw,
+        precision=precision, rngs=rngs, **kw,
     )
     in_kv = in_features if in_kv_features is None else in_kv_features
     self.query = linear(
@@ -326,6 +333,8 @@ class MultiHeadAttention(nnx.Module):
     return self.out(out)
 
   def _attend(self, q, k, v, **kwargs):
+    if self.precision is not None:
+      kwargs["precision"] = self.precision
     return self.attention_fn(
         q, k, v, is_causal=self.is_causal,
         local_window_size=self.local_window_size,
@@ -360,21 +369,20 @@ def _flatten_batch(x, batch_shape, ndim_tail):
   return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
 
 
-def _matmul_precision(precision):
-  """A `jax.default_matmul_precision` name for Flax's `precision` argument."""
-  if precision is None:
-    return None
-  if isinstance(precision, (tuple, list)):
-    if len(set(precision)) != 1:
+def _flax_precision(precision):
+  """Flax's `precision` argument as `flash_attention`'s `precision`.
+
+  Flax also takes a pair, one per matmul operand; flash attention runs every
+  product at one precision, so a pair must name one level twice.
+  """
+  if isinstance(precision, (tuple, list)) and len(precision) == 2:
+    first, second = (api._check_precision(p) for p in precision)
+    if first != second:
       raise NotImplementedError(
-          f"mixed operand precisions are not supported, got {precision=}."
+          f"per-operand matmul precisions are not supported, got {precision=}."
       )
-    precision = precision[0]
-  if isinstance(precision, jax.lax.Precision):
-    return precision.name.lower()
-  if isinstance(precision, str):
-    return precision
-  raise TypeError(f"unsupported {precision=}.")
+    return first
+  return precision
 
 
 def make_attention_fn(
@@ -393,10 +401,11 @@ def make_attention_fn(
   The returned function has the signature of Flax's `dot_product_attention`
   (query/key/value `[batch..., length, heads, head_dim]`, dense `mask`/`bias`
   broadcastable to `[batch..., heads, T, S]`, `is_causal`, decode-mode masks)
-  and accepts every keyword the two modules pass. `precision` sets the matmul
-  precision; `force_fp32_for_softmax` is always honoured (the softmax
-  statistics are float32). One documented difference: a query row that sees
-  no key returns zeros, where Flax returns the mean of the values.
+  and accepts every keyword the two modules pass. `precision` is passed to
+  `flash_attention` (a per-operand pair must repeat one level);
+  `force_fp32_for_softmax` is always honoured (the softmax statistics are
+  float32). One documented difference: a query row that sees no key returns
+  zeros, where Flax returns the mean of the values.
 
   Args:
     implementation: `flash_attention`'s implementation (None = automatic).
@@ -424,6 +433,7 @@ def make_attention_fn(
       promote_dtype: Any = None,
       is_causal: bool = False,
       force_fp32_for_softmax: bool = False,
+      einsum_dot_general: Any = None,
       qk_attn_weights_einsum: Any = None,
       attn_weights_value_einsum: Any = None,
   ) -> Array:
@@ -439,11 +449,15 @@ def make_attention_fn(
           "sow_weights=True needs the T x S attention weights, which flash "
           "attention never materialises."
       )
-    if (qk_attn_weights_einsum is not None
-        or attn_weights_value_einsum is not None):
+    custom = {name: fn for name, fn in (
+        ("einsum_dot_general", einsum_dot_general),
+        ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+        ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ) if fn is not None}
+    if custom:
       raise NotImplementedError(
-          "custom attention einsums (e.g. quantised) cannot run inside flash "
-          "attention."
+          f"custom attention einsums (e.g. quantised) cannot run inside flash "
+          f"attention: got {', '.join(custom)}."
       )
     if promote_dtype is not None:
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
@@ -468,17 +482,12 @@ def make_attention_fn(
       bias = _flatten_batch(bias, batch_shape, 3)
     else:
       q, k, v = query, key, value
-    call = lambda: api.flash_attention(
+    out = api.flash_attention(
         q, k, v, bias, mask, is_causal=bool(is_causal),
         logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
         implementation=implementation, block_sizes=block_sizes,
+        precision=_flax_precision(precision),
     )
-    name = _matmul_precision(precision)
-    if name is None:
-      out = call()
-    else:
-      with jax.default_matmul_precision(name):
-        out = call()
     return out.reshape(query.shape[:-1] + (value.shape[-1],))
 
   return attention_fn

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa import _mosaic_gpu_kernel as kernel
+from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import tuning
 from pallas_fa import vjp
@@ -39,11 +40,17 @@ Array = Any
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
 
-# Shared memory per CTA on sm90 (H100 / H200), minus a margin for barriers.
-SHARED_MEMORY_BYTES = 227 * 1024 - 1024
+# Shared memory per CTA on sm90 (H100 / H200), minus a margin: the estimate
+# below counts the buffers only, and the compiled kernels measure 2-5 KiB
+# more (barriers, 1 KiB alignment of swizzled tiles; compile_check.py).
+SHARED_MEMORY_BYTES = 227 * 1024 - 8 * 1024
 
 # Streaming multiprocessors of an H100 SXM, when the device does not say.
 _DEFAULT_SM_COUNT = 132
+
+
+# Values of `BlockSizes.lowering_semantics` (None: jax's default).
+LOWERING_SEMANTICS = (None, "lane", "warpgroup")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +80,9 @@ class BlockSizes:
       (interpreter).
     interpret: run in the Mosaic GPU interpreter; None = exactly when the
       default backend is not a GPU.
+    lowering_semantics: how Mosaic GPU lowers the kernels: "lane" (per
+      thread), "warpgroup" (layouts inferred per warpgroup) or None, the
+      installed jax's default (lane up to 0.10, warpgroup from 0.11).
   """
 
   block_q: int = 64
@@ -90,6 +100,7 @@ class BlockSizes:
   split_dkv: bool = False
   num_ctas: int | None = None
   interpret: bool | None = None
+  lowering_semantics: str | None = None
 
   def __post_init__(self):
     def is_int(x):
@@ -124,6 +135,10 @@ class BlockSizes:
       raise ValueError(
           f"BlockSizes.num_ctas must be None or a positive int, got "
           f"{self.num_ctas!r}.")
+    if self.lowering_semantics not in LOWERING_SEMANTICS:
+      raise ValueError(
+          "BlockSizes.lowering_semantics must be one of "
+          f"{LOWERING_SEMANTICS}, got {self.lowering_semantics!r}.")
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise ValueError(
           f"BlockSizes.interpret must be None or a bool, got "
@@ -167,9 +182,11 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
 
   Forward: two 64-row consumers (ping-pong), 128-key tiles up to head dim
   128 and 64-key tiles beyond, and as many ring stages (<= 4) as shared
-  memory allows. Backward: 64 x 64 tiles; past head dim 128 one consumer per
-  CTA and split dK/dV passes, so that the float32 accumulators stay within
-  the 232 registers a consumer thread may hold.
+  memory allows. Backward: 64-row tiles, 128-key dQ tiles only at head dim
+  64 (wider ones spill); past head dim 128 one consumer per CTA (256
+  registers a thread instead of 240) and split dK/dV passes, so that the
+  float32 accumulators fit the registers (the few bytes that still spill
+  are listed in scripts/known_spills.json).
 
   Args:
     head_dim: the (unpadded) head dim.
@@ -185,7 +202,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
       block_q=64,
       block_kv=64 if wide else 128,
       stages=2,
-      block_kv_dq=64 if wide else 128,
+      block_kv_dq=64 if hp > 64 else 128,
       consumers_dq=1 if wide else 2,
       consumers_dkv=1 if wide else 2,
       split_dkv=wide,
@@ -206,39 +223,32 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
 # --------------------------------------------------------------------------
 
 
-def _is_sm90(device) -> bool:
-  capability = str(getattr(device, "compute_capability", ""))
-  return capability.split(".")[0] == "9"
-
-
 def _interpret(bs: BlockSizes | None) -> bool:
   """Whether to interpret; raises NotImplementedError if neither way works."""
   wanted = None if bs is None else bs.interpret
-  platform = jax.default_backend()
-  on_gpu = platform in ("gpu", "cuda")
+  target = gpu_target.current()
   if wanted is None:
-    wanted = not on_gpu
+    wanted = target is None
   if wanted:
     if kernel.interpret_params() is None:
       raise NotImplementedError(
           "mosaic_gpu: this jax has no Mosaic GPU interpreter "
           f"({jax.__version__=}).")
     return True
-  device = jax.devices()[0]
-  if not on_gpu or not _is_sm90(device):
+  if target is None or target.major != 9:
     raise NotImplementedError(
-        "mosaic_gpu needs an sm90 (Hopper) GPU, got "
-        f"{platform=} {getattr(device, 'device_kind', '')!r} "
-        f"compute_capability={getattr(device, 'compute_capability', None)}.")
+        f"mosaic_gpu needs an sm90 (Hopper) GPU, got {target=} on platform "
+        f"{jax.default_backend()!r}.")
   return False
 
 
 def _num_ctas(bs: BlockSizes, interpret: bool, units: int) -> int:
   if bs.num_ctas is not None:
     return max(1, min(bs.num_ctas, units))
-  if interpret:
+  target = gpu_target.current()
+  if interpret or target is None:
     return 1
-  sms = getattr(jax.devices()[0], "core_count", None) or _DEFAULT_SM_COUNT
+  sms = target.core_count or _DEFAULT_SM_COUNT
   return max(1, min(int(sms), units))
 
 
@@ -433,16 +443,24 @@ def _tuned(head_dim, dtype, q_len, kv_len, is_causal) -> BlockSizes | None:
     return None
 
 
-def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
-  """The explicit tiling, else a tuned one (GPU), else the heuristic."""
-  if params.block_sizes is not None:
-    return params.block_sizes
-  head_dim, dtype = q.shape[-1], q.dtype
-  if jax.default_backend() in ("gpu", "cuda"):
-    tuned = _tuned(head_dim, dtype, q.shape[1], k.shape[1], info.is_causal)
+def block_sizes_for(*, head_dim: int, dtype, q_len: int, kv_len: int,
+                    is_causal: bool) -> BlockSizes:
+  """The tiling a call gets without `block_sizes=`: a tuned record for the
+  GPU kernels are built for (`gpu_target`), else the heuristic."""
+  if gpu_target.current() is not None:
+    tuned = _tuned(head_dim, dtype, q_len, kv_len, is_causal)
     if tuned is not None:
       return tuned
   return default_block_sizes(head_dim, dtype)
+
+
+def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
+  """The explicit tiling, else `block_sizes_for` the call."""
+  if params.block_sizes is not None:
+    return params.block_sizes
+  return block_sizes_for(
+      head_dim=q.shape[-1], dtype=q.dtype, q_len=q.shape[1],
+      kv_len=k.shape[1], is_causal=info.is_causal)
 
 
 def _spec(x: _Padded, params, bs, interpret, *, block_q, block_kv, stages,
@@ -469,6 +487,7 @@ def _spec(x: _Padded, params, bs, interpret, *, block_q, block_kv, stages,
       scale=params.scale,
       soft_cap=params.soft_cap,
       interpret=interpret,
+      lowering_semantics=bs.lowering_semantics if bs is not None else None,
   )
 
 

@@ -111,6 +111,24 @@ def _compute_dtype(dtype):
   return _F32 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
 
 
+def _precision(params: vjp.Params, dtype) -> jax.lax.Precision:
+  """The kernels' matmul precision for inputs of `dtype`.
+
+  float32 inputs run at the requested precision, but HIGH (three bfloat16
+  passes) runs at HIGHEST on jax older than 0.11.2, whose Mosaic lowers only
+  DEFAULT and HIGHEST. bfloat16 products are exact in one pass, and float16
+  inputs, computed in float32, keep their products exact at HIGHEST.
+  """
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    return jax.lax.Precision.DEFAULT
+  if jnp.dtype(dtype) == jnp.float16:
+    return jax.lax.Precision.HIGHEST
+  if (params.precision == jax.lax.Precision.HIGH
+      and jax.__version_info__ < (0, 11, 2)):
+    return jax.lax.Precision.HIGHEST
+  return params.precision
+
+
 def tile(block: int, length: int) -> tuple[int, int]:
   """(tile, padded length) of a sequence of `length` with tiles of `block`."""
   if length <= block:
@@ -136,8 +154,8 @@ def fetch_schedule(kinds: Array) -> Array:
   """
   b, rows, cols = kinds.shape
   nonempty = kinds != masking.EMPTY
-  col = jnp.broadcast_to(jnp.arange(cols, dtype=jnp.int32), kinds.shape)
-  flat = col + cols * jnp.arange(rows, dtype=jnp.int32)[:, None]
+  col = jax.lax.broadcasted_iota(jnp.int32, kinds.shape, 2)
+  flat = col + cols * jax.lax.broadcasted_iota(jnp.int32, kinds.shape, 1)
   # Next non-empty column at or after c in the same row.
   nxt = jax.lax.cummin(jnp.where(nonempty, col, cols), axis=2, reverse=True)
   # Last non-empty step at or before (r, c) in sweep order, and the first.
@@ -204,8 +222,7 @@ class _Layout:
         segments=padded.has_segments,
         bias_shape=self.bias_shape,
         mask_shape=mask_shape,
-        precision=(jax.lax.Precision.HIGHEST if self.dtype == _F32
-                   else jax.lax.Precision.DEFAULT),
+        precision=_precision(params, q.dtype),
         interpret=interpret,
         parallel=kernel.parallel_grid(interpret),
     )

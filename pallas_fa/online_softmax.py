@@ -5,12 +5,13 @@ Conventions, identical in every backend:
 * masked logits are -inf (`MASK_VALUE`); a row whose keys are all masked has
   running max m = -inf, and every formula below guards that case so it gives
   probability 0, output 0 and logsumexp -inf -- never NaN;
-* the logsumexp residual is in natural log, float32;
+* the logsumexp residual is in natural log, float32 (float64 for float64
+  inputs: `stats_dtype`);
 * logits are `soft_cap(scale * q.k) + bias`, then masked; the soft cap comes
   first so that an additive bias (ALiBi, relative positions) is not squashed.
 
 Kernels may work in base 2 (exp2 with log2(e) folded into the scale); they pass
-`exp=jnp.exp2` and convert the result with `lse_from_base2`.
+`exp=jnp.exp2` and finish with `finalize_base2`.
 """
 
 from __future__ import annotations
@@ -56,11 +57,18 @@ def _finite_or_zero(m: Array) -> Array:
   return jnp.where(m == MASK_VALUE, 0.0, m)
 
 
-def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...]):
+def stats_dtype(dtype) -> jnp.dtype:
+  """The dtype of the softmax statistics, accumulators and logsumexp of
+  inputs of `dtype`: float32, or float64 for float64 inputs."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],
+         dtype=jnp.float32):
   """Initial (m_i, l_i, acc): max -inf, denominator 0, accumulator 0."""
-  m_i = jnp.full(rows_shape, MASK_VALUE, jnp.float32)
-  l_i = jnp.zeros(rows_shape, jnp.float32)
-  acc = jnp.zeros(acc_shape, jnp.float32)
+  m_i = jnp.full(rows_shape, MASK_VALUE, dtype)
+  l_i = jnp.zeros(rows_shape, dtype)
+  acc = jnp.zeros(acc_shape, dtype)
   return m_i, l_i, acc
 
 
@@ -103,31 +111,43 @@ def finalize_base2(m_i: Array, l_i: Array, acc: Array):
   return out, lse
 
 
-def probs_from_lse(s: Array, lse: Array, exp=jnp.exp) -> Array:
+def per_query(x: Array, queries_last: bool = False) -> Array:
+  """A per-query vector [..., q] against a [..., q, k] tile, or against a
+  transposed [..., k, q] tile with `queries_last` (kernels that compute
+  S^T = K Q^T so that the key axis is the matmuls' M dimension)."""
+  return x[..., None, :] if queries_last else x[..., None]
+
+
+def probs_from_lse(s: Array, lse: Array, exp=jnp.exp, *,
+                   queries_last: bool = False) -> Array:
   """Normalised probabilities exp(s - lse) for the backward recomputation.
 
-  lse [..., rows] must be in the base of `exp`. Rows with lse = -inf (no
-  visible key) get probability 0 everywhere.
+  lse [..., q] must be in the base of `exp`. Queries with lse = -inf (no
+  visible key) get probability 0 everywhere. `queries_last`: s is [..., k, q]
+  (see `per_query`).
   """
   lse_safe = jnp.where(lse == MASK_VALUE, jnp.inf, lse)
-  return exp(s - lse_safe[..., None])
+  return exp(s - per_query(lse_safe, queries_last))
 
 
-def logits_grad(p: Array, dp: Array, delta: Array) -> Array:
-  """dS = P * (dP - delta), delta [..., rows] = rowsum(out * dout) - dlse.
+def logits_grad(p: Array, dp: Array, delta: Array, *,
+                queries_last: bool = False) -> Array:
+  """dS = P * (dP - delta), delta [..., q] = rowsum(out * dout) - dlse.
 
   Folding the logsumexp cotangent into delta makes the residual lse itself
   differentiable (d lse / d s = p), which exact merging of partial results
-  (ring attention) relies on.
+  (ring attention) relies on. `queries_last`: p, dp are [..., k, q].
   """
-  return p * (dp - delta[..., None])
+  return p * (dp - per_query(delta, queries_last))
 
 
 def delta(out: Array, dout: Array, dlse: Array | None) -> Array:
-  """rowsum(out * dout) - dlse in float32, [B, T, N] (FlashAttention-2 §3.2)."""
-  d = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+  """rowsum(out * dout) - dlse, [B, T, N] (FlashAttention-2 §3.2), in the
+  `stats_dtype` of out."""
+  dtype = stats_dtype(out.dtype)
+  d = jnp.sum(out.astype(dtype) * dout.astype(dtype), axis=-1)
   if dlse is not None:
-    d = d - dlse.astype(jnp.float32)
+    d = d - dlse.astype(dtype)
   return d
 
 

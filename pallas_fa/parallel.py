@@ -484,6 +484,7 @@ def ring_attention(
     logits_soft_cap: float | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
+    precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
 ):
   """Ring attention over mesh axis `axis_name`, called inside `shard_map`.
@@ -515,6 +516,8 @@ def ring_attention(
     logits_soft_cap: see `pallas_fa.flash_attention`.
     implementation: see `pallas_fa.flash_attention`.
     block_sizes: see `pallas_fa.flash_attention`.
+    precision: see `pallas_fa.flash_attention` (None follows
+      `jax.default_matmul_precision` where this is traced).
     return_residual: also return the local logsumexp [B, T, N].
 
   Returns:
@@ -553,15 +556,17 @@ def ring_attention(
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap,
   )
-  shape4 = (b, n, t, s * size)
-  bias = api._check_dense("bias", bias, shape4, False)
+  nts = (n, t, s * size)
+  bias = api._check_dense("bias", bias, (b,), nts)
   if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
     raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
-  mask = api._check_dense("mask", mask, shape4, False)
+  mask = api._check_dense("mask", mask, (b,), nts)
   if mask is not None and mask.dtype != jnp.bool_:
     raise TypeError(f"mask must be a bool array, got {mask.dtype=}.")
   info = info.replace(mask=mask)
-  params = dataclasses.replace(params, block_sizes=block_sizes)
+  params = dataclasses.replace(
+      params, block_sizes=block_sizes,
+      precision=api._check_precision(precision))
   out, lse = _ring_local(implementation, params, axis_name, q, k, v, bias,
                          info)
   return (out, lse) if return_residual else out
@@ -806,6 +811,7 @@ def sharded_flash_attention(
     logits_soft_cap: float | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
+    precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
 ):
   """`pallas_fa.flash_attention` on global arrays sharded over `mesh`.
@@ -826,9 +832,10 @@ def sharded_flash_attention(
     (`zigzag`) and pass the true `query_positions`/`key_positions`.
 
   Args:
-    query: [B, T, N, H] (or unbatched [T, N, H]).
-    key: [B, S, K, H].
-    value: [B, S, K, H].
+    query: [*B, T, N, H] (any number of batch dims, including none; they
+      are folded into one, which `batch_axes` split).
+    key: [*B, S, K, H].
+    value: [*B, S, K, H].
     bias: see `pallas_fa.flash_attention`.
     mask: see `pallas_fa.flash_attention`.
     mesh: the device mesh.
@@ -850,6 +857,7 @@ def sharded_flash_attention(
     logits_soft_cap: see `pallas_fa.flash_attention`.
     implementation: see `pallas_fa.flash_attention`.
     block_sizes: see `pallas_fa.flash_attention`.
+    precision: see `pallas_fa.flash_attention`.
     return_residual: also return the logsumexp [B, T, N].
 
   Returns:
@@ -883,6 +891,7 @@ def sharded_flash_attention(
           "logits_soft_cap", logits_soft_cap, True),
       implementation=implementation,
       block_sizes=block_sizes,
+      precision=api._check_precision(precision),
   )
   out, lse = _sharded_flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
@@ -896,18 +905,19 @@ def sharded_flash_attention(
     static_argnames=("mesh", "batch_axes", "head_axes", "sequence_axis",
                      "load_balance", "scale", "is_causal",
                      "local_window_size", "logits_soft_cap",
-                     "implementation", "block_sizes"),
+                     "implementation", "block_sizes", "precision"),
 )
 def _sharded_flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
     segment_ids, query_positions, key_positions, *, mesh, batch_axes,
     head_axes, sequence_axis, load_balance, scale, is_causal,
     local_window_size, logits_soft_cap, implementation, block_sizes,
+    precision,
 ):
   # Canonicalised once per trace, like `pallas_fa.flash_attention`: the
   # global mask description (padding folded into segment ids) is built
   # before sharding, so every shard sees exact global semantics.
-  q, k, v, bias, info, params, unbatched = api._canonicalise(
+  q, k, v, bias, info, params, batch_shape = api._canonicalise(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
@@ -915,10 +925,10 @@ def _sharded_flash_attention(
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap,
   )
-  params = dataclasses.replace(params, block_sizes=block_sizes)
+  params = dataclasses.replace(
+      params, block_sizes=block_sizes, precision=precision)
   plan = _make_plan(mesh, batch_axes, head_axes, sequence_axis, load_balance,
                     q.shape, k.shape, implementation, params)
   out, lse = _sharded(plan, q, k, v, bias, info)
-  if unbatched:
-    out, lse = out[0], lse[0]
-  return out, lse
+  out = out.reshape(batch_shape + out.shape[1:])
+  return out, lse.reshape(batch_shape + lse.shape[1:])

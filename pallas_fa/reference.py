@@ -31,6 +31,7 @@ def attention(
     scale: float,
     soft_cap: float | None,
     compute_dtype=jnp.float32,
+    precision=jax.lax.Precision.HIGHEST,
 ) -> tuple[Array, Array]:
   """Materialised attention: returns (out [B,T,N,H], lse [B,T,N] float32).
 
@@ -42,6 +43,7 @@ def attention(
     soft_cap: soft-cap value or None.
     compute_dtype: dtype of every intermediate (float32, float64, or the input
       dtype for the same-dtype reference).
+    precision: matmul precision of q.k and p.v (HIGHEST: the oracle).
   """
   b, t, n, h = q.shape
   num_kv = k.shape[2]
@@ -54,7 +56,7 @@ def attention(
       "btkgh,bskh->bkgts",
       qg,
       k.astype(compute_dtype),
-      precision=jax.lax.Precision.HIGHEST,
+      precision=precision,
   )
   s = online_softmax.soft_cap(s * jnp.asarray(scale, compute_dtype), soft_cap)
   if bias is not None:
@@ -73,7 +75,7 @@ def attention(
       "bkgts,bskh->btkgh",
       p,
       v.astype(compute_dtype),
-      precision=jax.lax.Precision.HIGHEST,
+      precision=precision,
   )
   lse = jnp.where(seen, m_safe + jnp.log(l_safe), online_softmax.MASK_VALUE)
   out = out.reshape(b, t, n, h).astype(q.dtype)
@@ -83,7 +85,9 @@ def attention(
 
 def _forward(q, k, v, bias, info, params):
   return attention(
-      q, k, v, bias, info, scale=params.scale, soft_cap=params.soft_cap
+      q, k, v, bias, info, scale=params.scale, soft_cap=params.soft_cap,
+      compute_dtype=online_softmax.stats_dtype(q.dtype),
+      precision=params.precision,
   )
 
 
@@ -92,4 +96,5 @@ def _check(q, k, v, bias, info, params):
 
 
 # Differentiated by plain autodiff (no custom backward).
-BACKEND = vjp.Backend(name="xla", forward=_forward, check=_check)
+BACKEND = vjp.Backend(
+    name="xla", forward=_forward, check=_check, dtypes=vjp.WITH_FLOAT64)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import tuning
@@ -167,7 +168,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _interpret() -> bool:
-  return jax.default_backend() == "cpu"
+  """Interpret on CPU, unless building for a GPU (`gpu_target`)."""
+  return gpu_target.current() is None
 
 
 # ----------------------------------------------------------------------------
@@ -190,6 +192,7 @@ class _Features:
   mask: tuple[bool, bool, bool, bool] | None
   bias: tuple[bool, bool, bool, bool] | None
   groups: int
+  precision: Any = None
 
   @property
   def positions(self) -> bool:
@@ -204,22 +207,19 @@ def _full_axes(x) -> tuple[bool, bool, bool, bool] | None:
   return None if x is None else tuple(d > 1 for d in x.shape)
 
 
-def _dot(a, b):
-  """a @ b, float32 accumulation."""
+def _dot(a, b, feat: _Features):
+  """a @ b, float32 accumulation at the call's matmul precision (float32
+  inputs: DEFAULT/HIGH run TF32 on tensor cores, HIGHEST full float32)."""
   return jax.lax.dot_general(
-      a, b, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+      a, b, (((1,), (0,)), ((), ())), precision=feat.precision,
+      preferred_element_type=_F32)
 
 
-def _dot_nt(a, b):
-  """a @ b.T, float32 accumulation."""
+def _dot_nt(a, b, feat: _Features):
+  """a @ b.T, as `_dot`."""
   return jax.lax.dot_general(
-      a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot_tn(a, b):
-  """a.T @ b, float32 accumulation."""
-  return jax.lax.dot_general(
-      a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+      a, b, (((1,), (1,)), ((), ())), precision=feat.precision,
+      preferred_element_type=_F32)
 
 
 def _logits(feat: _Features, qk, bias):
@@ -236,18 +236,27 @@ def _logits(feat: _Features, qk, bias):
   return s_capped, s * _LOG2_E
 
 
-def _visible(feat: _Features, q_pos, kv_pos, q_seg, kv_seg, dense):
-  """`masking.visible` for a [rows, cols] tile from per-row/column data."""
+def _visible(feat: _Features, row_pos, col_pos, row_seg, col_seg, dense, *,
+             queries_last: bool = False):
+  """`masking.visible` for a [rows, cols] tile from per-row/column data.
+
+  Rows are queries and columns keys, or the converse with `queries_last`
+  (the transposed dK/dV tile).
+  """
   def rows(x):
     return None if x is None else x[:, None]
 
   def cols(x):
     return None if x is None else x[None, :]
 
+  q_pos, kv_pos = rows(row_pos), cols(col_pos)
+  q_seg, kv_seg = rows(row_seg), cols(col_seg)
+  if queries_last:
+    q_pos, kv_pos = cols(col_pos), rows(row_pos)
+    q_seg, kv_seg = cols(col_seg), rows(row_seg)
   return masking.visible(
       is_causal=feat.is_causal, window=feat.window,
-      q_pos=rows(q_pos), kv_pos=cols(kv_pos),
-      q_seg=rows(q_seg), kv_seg=cols(kv_seg),
+      q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg,
       dense=None if dense is None else dense != 0,
   )
 
@@ -331,6 +340,7 @@ class _Padded:
         mask=_full_axes(self.mask),
         bias=_full_axes(self.bias),
         groups=self.g,
+        precision=params.precision,
     )
 
   def queries(self, x):
@@ -421,7 +431,7 @@ def _forward_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
     bias = None
     if feat.bias is not None:
       bias = _dense_tile(refs["bias"], feat.bias, (), slice(None), cols)
-    _, s = _logits(feat, _dot_nt(q, k), bias)  # [block_q, block_k]
+    _, s = _logits(feat, _dot_nt(q, k, feat), bias)  # [block_q, block_k]
     if masked:
       dense = None
       if feat.mask is not None:
@@ -431,7 +441,7 @@ def _forward_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
           refs["kv_pos"][cols] if feat.positions else None,
           q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, exp=jnp.exp2)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, feat)
     return m_i, l_i, acc
 
   carry = online_softmax.init((block_q,), (block_q, hp))
@@ -518,6 +528,9 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
 
 
 def _dkv_kernel(refs, *, feat: _Features, block_q: int, num_tiles: int):
+  # Transposed orientation (S^T = K Q^T, FlashAttention-2 §3.1.2): every
+  # matmul has M = block_kv, and P^T / dS^T are the left operands of the
+  # dV / dK updates as computed, so no tile is ever transposed in registers.
   k = refs["k"][...]  # [block_kv, Hp]
   v = refs["v"][...]
   block_kv, hp = k.shape
@@ -535,22 +548,26 @@ def _dkv_kernel(refs, *, feat: _Features, block_q: int, num_tiles: int):
       bias = None
       if feat.bias is not None:
         bias = _dense_tile(refs["bias"], feat.bias,
-                           (g if feat.bias[1] else 0,), rows, slice(None))
-      s_capped, s = _logits(feat, _dot_nt(q, k), bias)  # [block_q, block_kv]
+                           (g if feat.bias[1] else 0,), rows, slice(None)).T
+      # [block_kv, block_q]
+      s_capped, s = _logits(feat, _dot_nt(k, q, feat), bias)
       if masked:
         dense = None
         if feat.mask is not None:
           dense = _dense_tile(refs["mask"], feat.mask,
-                              (g if feat.mask[1] else 0,), rows, slice(None))
+                              (g if feat.mask[1] else 0,), rows,
+                              slice(None)).T
         s = online_softmax.apply_mask(s, _visible(
-            feat, refs["q_pos"][rows] if feat.positions else None, kv_pos,
-            refs["q_seg"][rows] if feat.segments else None, kv_seg, dense))
-      p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2)
-      dv = dv + _dot_tn(p.astype(do.dtype), do)  # [block_kv, Hp]
-      dp = _dot_nt(do, v)  # [block_q, block_kv]
-      ds = online_softmax.logits_grad(p, dp, delta)
+            feat, kv_pos, refs["q_pos"][rows] if feat.positions else None,
+            kv_seg, refs["q_seg"][rows] if feat.segments else None, dense,
+            queries_last=True))
+      p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2,
+                                        queries_last=True)
+      dv = dv + _dot(p.astype(do.dtype), do, feat)  # [block_kv, Hp]
+      dp = _dot_nt(v, do, feat)  # [block_kv, block_q]
+      ds = online_softmax.logits_grad(p, dp, delta, queries_last=True)
       ds = online_softmax.soft_cap_grad(ds, s_capped, feat.soft_cap)
-      dk = dk + _dot_tn(ds.astype(q.dtype), q)  # unscaled, see below
+      dk = dk + _dot(ds.astype(q.dtype), q, feat)  # unscaled, see below
       return dk, dv
 
     return _visit(refs, tile, carry, feat.masked, num_tiles)
@@ -589,7 +606,7 @@ def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
     bias = None
     if db is not None:
       bias = _dense_tile(refs["bias"], db, (), slice(None), cols)
-    s_capped, s = _logits(feat, _dot_nt(q, k), bias)  # [block_q, block_k]
+    s_capped, s = _logits(feat, _dot_nt(q, k, feat), bias)  # [bq, bk]
     if masked:
       dense = None
       if feat.mask is not None:
@@ -598,7 +615,7 @@ def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
           feat, q_pos, refs["kv_pos"][cols] if feat.positions else None,
           q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
     p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2)
-    dp = _dot_nt(do, v)  # [block_q, block_k]
+    dp = _dot_nt(do, v, feat)  # [block_q, block_k]
     ds = online_softmax.logits_grad(p, dp, delta)
     if db is not None:
       d = ds if db[2] else ds.sum(axis=0, keepdims=True)
@@ -607,7 +624,7 @@ def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
       else:
         db_acc = db_acc + d.sum(axis=1, keepdims=True)
     ds = online_softmax.soft_cap_grad(ds, s_capped, feat.soft_cap)
-    dq = dq + _dot(ds.astype(k.dtype), k)  # unscaled, see below
+    dq = dq + _dot(ds.astype(k.dtype), k, feat)  # unscaled, see below
     return dq, db_acc
 
   if db is not None and db[3] and feat.masked:

@@ -30,8 +30,9 @@ import math
 import re
 from typing import Any
 
-import jax
 import jax.numpy as jnp
+
+from pallas_fa import gpu_target
 
 # Shared memory per block (bytes) the Triton compiler can use, by device-kind
 # substring; the first match wins. Unknown GPUs get the conservative default.
@@ -64,8 +65,9 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def device_kind() -> str:
-  """`device_kind` of the default device ("cpu" when there is no GPU)."""
-  return jax.devices()[0].device_kind
+  """`device_kind` of the GPU kernels are built for (`gpu_target`), else of
+  the default device ("cpu" when there is no GPU)."""
+  return gpu_target.device_kind()
 
 
 def device_file_name(kind: str) -> str:
@@ -184,10 +186,10 @@ def triton_block_sizes(
   tuned = lookup(load_tuned(kind).get("triton", []), key)
   if tuned:
     return dict(tuned)
-  return _triton_heuristic(key["head_dim"], jnp.dtype(dtype).itemsize, kind)
+  return triton_heuristic(key["head_dim"], jnp.dtype(dtype).itemsize, kind)
 
 
-def _triton_heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
+def triton_heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
   """FlashAttention-2 style tiles, shrunk until they fit shared memory."""
   if kind == "cpu" or "cpu" in kind.lower():
     # Interpret mode: the cost is per grid step and per loop iteration, so
@@ -196,25 +198,43 @@ def _triton_heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
                 block_q_dq=128, block_kv_dq=128, num_warps=4, num_stages=1)
   budget = shared_memory_bytes(kind)
   wide = itemsize >= 4  # float32 tiles take twice the memory.
+  # Hopper's wgmma reads both operands from shared memory; older GPUs
+  # (mma.sync) hold them in registers, which leaves less for accumulators.
+  hopper = any(name in kind for name in ("H100", "H200", "H800", "GH200"))
+  # Register budgets below were read off ptxas (`scripts/compile_check.py`):
+  # each choice is the largest tiling that compiles without spilling.
   if hp <= 64:
     fwd = (128, 64 if wide else 128)
-    warps = 4
+    warps = 4 if hopper and not wide else 8
   elif hp <= 128:
     fwd = (128, 32 if wide else 64)
-    warps = 8 if not wide else 4
+    warps = 8
   else:
-    fwd = (64, 32)
+    fwd = (32 if wide else 64, 32)
     warps = 8
   # dK/dV keeps a K/V tile resident and streams Q; dQ the converse. The
-  # streamed side is the narrow one (FlashAttention-2 §3.2).
+  # streamed side is the narrow one (FlashAttention-2 §3.2). dK/dV works on
+  # S^T = K Q^T, so its key tile is the M dimension of every matmul (at
+  # least 64, one Hopper wgmma, where registers allow): the two float32
+  # accumulators [block_kv, Hp] plus the [block_kv, block_q] logits must fit
+  # 8 warps' registers. At head dim 256 that caps the key tile at 32.
   if hp <= 64:
-    dkv, dq = (64, 128), (128, 64)
+    dkv, dq = (64 if hopper and not wide else 32, 128), (128, 64)
   elif hp <= 128:
-    dkv, dq = (32, 128), (128, 32)
+    dkv, dq = (32, 128 if hopper and not wide else 64), (128, 32)
   else:
-    dkv, dq = (32, 64), (64, 32)
+    dkv, dq = (16, 32), (64, 32)
   if wide:
-    dkv, dq = (dkv[0], dkv[1] // 2), (dq[0] // 2, dq[1])
+    # float32 operands: twice the registers per element again.
+    if hp <= 64:
+      dkv, dq = (16, dkv[1]), (32, 64)
+    elif hp <= 128:
+      dkv, dq = (16, 32), (32, 32)
+    else:
+      dkv, dq = (16, 16), (16, 32)
+  warps_bwd = 8
+  # Deeper backward pipelines than this spill at head dim 256.
+  max_stages_bwd = 3 if hp <= 128 else 2
 
   def bwd_bytes(dkv, dq, stages):
     return max(_backward_shared_memory(dkv[1], dkv[0], hp, itemsize, stages),
@@ -231,7 +251,7 @@ def _triton_heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
   while stages > 1 and (
       _forward_shared_memory(*fwd, hp, itemsize, stages) > budget):
     stages -= 1
-  stages_bwd = 3
+  stages_bwd = max_stages_bwd
   while stages_bwd > 1 and bwd_bytes(dkv, dq, stages_bwd) > budget:
     stages_bwd -= 1
   return dict(
@@ -239,5 +259,5 @@ def _triton_heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
       block_q_dkv=dkv[0], block_kv_dkv=dkv[1],
       block_q_dq=dq[0], block_kv_dq=dq[1],
       num_warps=warps, num_stages=stages,
-      num_warps_bwd=warps, num_stages_bwd=stages_bwd,
+      num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd,
   )

@@ -31,11 +31,14 @@ class Params:
     scale: logit scale.
     soft_cap: logit soft-cap value, or None.
     block_sizes: the backend's frozen tiling config, or None for its default.
+    precision: the matmul precision of every product of query/key/value-
+      derived data (float32 inputs; see `flash_attention`).
   """
 
   scale: float
   soft_cap: float | None = None
   block_sizes: Any = None
+  precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
 
 
 Forward = Callable[..., tuple[Array, Array]]
@@ -64,6 +67,20 @@ class Backend:
   backward: Backward | None = None
   block_sizes_type: type | None = None
   dtypes: tuple[Any, ...] = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+  def check_call(self, q, k, v, bias, info, params) -> None:
+    """Raises NotImplementedError naming why this backend cannot run the
+    call: the input dtype, or its own `check`."""
+    if not any(q.dtype == d for d in self.dtypes):
+      names = ", ".join(jnp.dtype(d).name for d in self.dtypes)
+      raise NotImplementedError(
+          f"implementation {self.name!r} computes in {names}, not "
+          f"{q.dtype}.")
+    self.check(q, k, v, bias, info, params)
+
+
+# The XLA and jax.numpy backends also compute in float64 (with x64 enabled).
+WITH_FLOAT64 = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
 def attention(

@@ -42,6 +42,7 @@ import statistics
 import time
 from typing import Any
 
+import compile_check  # scripts/ is on sys.path when run as a script.
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,6 +52,7 @@ from absl import logging
 
 import pallas_fa
 from pallas_fa import api
+from pallas_fa import gpu_target
 from pallas_fa import reference
 from pallas_fa import triton
 from pallas_fa import tuning
@@ -84,6 +86,10 @@ _DEVICE_KIND = flags.DEFINE_string(
     "device_kind", None,
     "Device kind for the heuristics and the file name; default: that of the "
     "default device (override only with --dry_run, to preview a GPU's grid).")
+_PRUNE = flags.DEFINE_boolean(
+    "prune", True,
+    "On a GPU, drop candidates that spill registers or overflow shared memory "
+    "(scripts/compile_check.py) before timing them.")
 _DRY_RUN = flags.DEFINE_boolean(
     "dry_run", False, "Print the candidates of every cell; time nothing.")
 
@@ -138,12 +144,33 @@ def _fits(bs: triton.BlockSizes, cell: Cell, kind: str) -> bool:
   return max(fwd, dkv, dq) <= budget
 
 
-def _capped(candidates: list[triton.BlockSizes]) -> list[triton.BlockSizes]:
+def _compiles_cleanly(bs: triton.BlockSizes, cell: Cell) -> bool:
+  """Whether forward + backward compile for this GPU without a spill or a
+  shared-memory overflow (`compile_check.py`; True where there is no GPU to
+  compile for): spilling candidates are dropped before any timing."""
+  target = gpu_target.current()
+  if target is None or not _PRUNE.value:
+    return True
+  case = compile_check.Case("triton", cell.h, cell.dtype,
+                            "causal" if cell.causal else "plain")
+  result = compile_check.compile_case(case, target="local", seq=cell.t,
+                                      block_sizes=bs)
+  bad = result["error"] or any(
+      compile_check.problems(row, target.shared_memory_per_block, True)
+      for row in result["kernels"])
+  if bad:
+    logging.info("dropped (compile check): %s", bs)
+  return not bad
+
+
+def _capped(candidates: list[triton.BlockSizes], cell: Cell
+            ) -> list[triton.BlockSizes]:
   seen, out = set(), []
   for c in candidates:
     if c not in seen:
       seen.add(c)
-      out.append(c)
+      if _compiles_cleanly(c, cell):
+        out.append(c)
   if _MAX_CANDIDATES.value:
     out = out[: _MAX_CANDIDATES.value]
   return out
@@ -158,7 +185,7 @@ def forward_candidates(base, cell, kind):
                             num_stages=stages)
     if _fits(c, cell, kind):
       out.append(c)
-  return _capped(out)
+  return _capped(out, cell)
 
 
 def dkv_candidates(base, cell, kind):
@@ -170,7 +197,7 @@ def dkv_candidates(base, cell, kind):
                             num_warps_bwd=warps, num_stages_bwd=stages)
     if _fits(c, cell, kind):
       out.append(c)
-  return _capped(out)
+  return _capped(out, cell)
 
 
 def dq_candidates(base, cell, kind):
@@ -180,7 +207,7 @@ def dq_candidates(base, cell, kind):
     c = dataclasses.replace(base, block_q_dq=bq, block_kv_dq=bkv)
     if _fits(c, cell, kind):
       out.append(c)
-  return _capped(out)
+  return _capped(out, cell)
 
 
 def _inputs(cell: Cell, t: int | None = None, b: int | None = None,
@@ -297,7 +324,7 @@ def check(bs: triton.BlockSizes, cell: Cell) -> bool:
 def tune_cell(cell: Cell, kind: str) -> dict | None:
   """Sweeps one cell; returns its JSON record (None if nothing passed)."""
   # Start from the heuristic, not from earlier tuning results.
-  base = triton.BlockSizes(**tuning._triton_heuristic(  # noqa: SLF001
+  base = triton.BlockSizes(**tuning.triton_heuristic(
       tuning.padded_head_dim(cell.h), jnp.dtype(_DTYPES[cell.dtype]).itemsize,
       kind))
   if _DRY_RUN.value:

@@ -165,6 +165,39 @@ def reference_fn(compute_dtype):
   return fn
 
 
+def dot_precisions(jaxpr) -> list:
+  """The `precision` of every dot_general in `jaxpr`, sub-jaxprs included.
+
+  Descends into every jaxpr an equation carries (pallas_call kernels, scan
+  and while bodies, cond branches, custom_vjp/jvp calls, pjit, shard_map),
+  so a matmul hidden anywhere in a trace is found. A precision is what the
+  primitive stores: None (unset) or a pair such as (HIGHEST, HIGHEST).
+
+  Args:
+    jaxpr: a `jax.make_jaxpr` result (ClosedJaxpr) or a Jaxpr.
+
+  Returns:
+    One entry per dot_general, in trace order.
+  """
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # ClosedJaxpr -> Jaxpr
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      found.append(eqn.params["precision"])
+    for param in eqn.params.values():
+      for sub in _sub_jaxprs(param):
+        found.extend(dot_precisions(sub))
+  return found
+
+
+def _sub_jaxprs(param):
+  if isinstance(param, (tuple, list)):  # e.g. cond's branches
+    for item in param:
+      yield from _sub_jaxprs(item)
+  elif hasattr(getattr(param, "jaxpr", param), "eqns"):
+    yield param
+
+
 def _max_err(x, ref):
   x = np.asarray(jnp.asarray(x, jnp.float32))
   ref = np.asarray(jnp.asarray(ref, jnp.float32))

@@ -15,6 +15,9 @@ import pallas_fa
 from pallas_fa import api
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# JAX's own test harness forbids implicit rank promotion; so do we, so that
+# the library works for users who run that way.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Small tiles per backend so that short test sequences still cross many tile
 # boundaries (ragged tails, skipped tiles, GQA groups). Entry: (module, config

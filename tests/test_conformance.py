@@ -266,3 +266,102 @@ def test_unbatched_and_residual(implementation):
   scaled = fn(q, k, v, scale=0.3)
   expect = jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
   assert_close("out", scaled, expect)
+
+
+def test_any_number_of_batch_dims(implementation):
+  """[B1, B2, T, N, H] with per-row lengths, positions, segments and a bias
+  broadcast over B2 equals the call on the folded [B1 * B2, ...] batch."""
+  _require_float32(implementation)
+  b1, b2, t, s, n, kh, h = 2, 3, 13, 19, 4, 2, 8
+  gen = rng(implementation, "batch-dims")
+  normal = lambda *shape: jnp.asarray(gen.standard_normal(shape), jnp.float32)
+  q, k, v = normal(b1, b2, t, n, h), normal(b1, b2, s, kh, h), normal(
+      b1, b2, s, kh, h)
+  bias = normal(b1, 1, n, t, s)
+  kv_len = jnp.asarray(gen.integers(1, s + 1, (b1, b2)), jnp.int32)
+  seg = pallas_fa.SegmentIds(
+      q=jnp.asarray(gen.integers(0, 2, (b1, b2, t)), jnp.int32),
+      kv=jnp.asarray(gen.integers(0, 2, (b1, b2, s)), jnp.int32))
+  fn = functools.partial(
+      pallas_fa.flash_attention, implementation=implementation,
+      block_sizes=block_sizes_for(implementation), is_causal=True,
+      return_residual=True)
+
+  def loss(q, k, v, bias, fold):
+    if fold:
+      flat = lambda x: x.reshape((-1,) + x.shape[2:])
+      out, lse = fn(flat(q), flat(k), flat(v), flat(
+          jnp.broadcast_to(bias, (b1, b2, n, t, s))),
+          key_value_seq_lengths=kv_len.reshape(-1),
+          segment_ids=jax.tree.map(flat, seg))
+      out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
+    else:
+      out, lse = fn(q, k, v, bias, key_value_seq_lengths=kv_len,
+                    segment_ids=seg)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return (out * q).sum() + lse.sum(), (out, lse)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True),
+                 static_argnums=4)
+  (g_ours, (out, lse)), (g_ref, (out_ref, lse_ref)) = (
+      grad(q, k, v, bias, False), grad(q, k, v, bias, True))
+  assert out.shape == q.shape and lse.shape == q.shape[:-1]
+  np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
+  for name, a, b in zip("qkvb", g_ours, g_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_batch_dims_must_match():
+  q = jnp.ones((2, 3, 4, 2, 8))
+  k = jnp.ones((3, 2, 5, 2, 8))
+  with pytest.raises(ValueError, match="batch dims"):
+    pallas_fa.flash_attention(q, k, k)
+  with pytest.raises(ValueError, match="query_seq_lengths"):
+    pallas_fa.flash_attention(q, q, q, query_seq_lengths=jnp.ones(6, int))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked", None])
+def test_float64(implementation):
+  """With x64 enabled, float64 runs in float64 (the two float64
+  implementations agree to ~1e-12); the Pallas backends decline it by
+  name."""
+  case = Case(b=2, t=19, s=23, n=4, k=2, h=8, causal=True, window=(7, 3),
+              segments=True, lengths=True, soft_cap=5.0)
+  gen = rng("float64", str(implementation))
+  with jax.enable_x64(True):
+    q, k, v, kw = make_inputs(case, jnp.float64, gen)
+    assert q.dtype == jnp.float64
+    fn = functools.partial(
+        pallas_fa.flash_attention, implementation=implementation,
+        block_sizes=block_sizes_for(implementation) if implementation
+        else None, return_residual=True, **kw)
+    # The oracle is the other float64 implementation: materialised vs
+    # blockwise, two independent computations.
+    other = "chunked" if implementation == "xla" else "xla"
+    ref = functools.partial(
+        pallas_fa.flash_attention, implementation=other,
+        block_sizes=block_sizes_for(other), return_residual=True, **kw)
+
+    def loss(fn, q, k, v):
+      out, lse = fn(q, k, v)
+      return (out * q).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+    (out, lse), grads = fn(q, k, v), jax.grad(
+        functools.partial(loss, fn), argnums=(0, 1, 2))(q, k, v)
+    assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
+    assert all(g.dtype == jnp.float64 for g in grads)
+    (out_r, lse_r), grads_r = ref(q, k, v), jax.grad(
+        functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, out_r, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(lse, lse_r, rtol=1e-10, atol=1e-12)
+    for g, g_r in zip(grads, grads_r):
+      np.testing.assert_allclose(g, g_r, rtol=1e-9, atol=1e-11)
+    # float32 could not get this close: the computation really is float64.
+    out32 = pallas_fa.flash_attention(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        implementation="xla", **kw)
+    assert np.abs(np.asarray(out32, np.float64) - out_r).max() > 1e-10
+    for name in ("triton", "mosaic_tpu"):
+      with pytest.raises(NotImplementedError, match="float64"):
+        pallas_fa.flash_attention(q, k, v, implementation=name, **kw)

@@ -1,6 +1,7 @@
 """Tests of the Flax modules: `MultiHeadAttention`, `make_attention_fn`."""
 
 import functools
+import inspect
 
 import flax.linen as nn
 import jax
@@ -149,7 +150,7 @@ def test_nnx_attention_fn_matches_flax(masking, num_kv_heads, implementation):
   v_ours, y_ours, g_ours = _nnx_loss_and_grads(ours, x, rows, **call_kw)
   np.testing.assert_allclose(
       y_ours * rows[..., None], y_ref * rows[..., None], **_TOL)
-  np.testing.assert_allclose(v_ours, v_ref, rtol=1e-5)
+  np.testing.assert_allclose(v_ours, v_ref, **_TOL)
   _assert_trees_close(g_ours, g_ref)
 
 
@@ -191,6 +192,30 @@ def test_sow_weights_raises():
       attention_fn=modules.make_attention_fn(), rngs=nnx.Rngs(0))
   with pytest.raises(NotImplementedError, match="sow_weights"):
     module(_normal((1, 4, d)), sow_weights=True)
+
+
+@pytest.mark.parametrize("flax_fn", [
+    nnx.dot_product_attention, nn.dot_product_attention], ids=["nnx", "linen"])
+def test_attention_fn_accepts_every_flax_keyword(flax_fn):
+  ours = inspect.signature(modules.make_attention_fn()).parameters
+  theirs = inspect.signature(flax_fn).parameters
+  assert set(theirs) <= set(ours), set(theirs) - set(ours)
+  for name, param in theirs.items():
+    if param.default is not inspect.Parameter.empty and name != "promote_dtype":
+      assert ours[name].default == param.default, name
+
+
+@pytest.mark.parametrize("name", [
+    "einsum_dot_general", "qk_attn_weights_einsum",
+    "attn_weights_value_einsum"])
+def test_attention_fn_refuses_custom_einsums(name):
+  x = _normal((1, 4, 2, 8))
+  fn = modules.make_attention_fn()
+  with pytest.raises(NotImplementedError, match=name):
+    fn(x, x, x, **{name: jnp.einsum})
+  # The default value is accepted.
+  out = fn(x, x, x, **{name: None})
+  np.testing.assert_allclose(out, _np_attention(x, x, x), **_TOL)
 
 
 def test_attention_fn_extra_batch_dims_and_bias():

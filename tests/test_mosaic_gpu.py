@@ -10,7 +10,6 @@
   the explicit-layout softmax math are checked directly.
 """
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from attention_testing import run
 
 import pallas_fa
 from pallas_fa import _mosaic_gpu_kernel as kernel
+from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import mosaic_gpu
 from pallas_fa import online_softmax
@@ -36,9 +36,8 @@ _SMALL = dict(
 
 
 def _on_hopper() -> bool:
-  if jax.default_backend() not in ("gpu", "cuda"):
-    return False
-  return mosaic_gpu._is_sm90(jax.devices()[0])
+  target = gpu_target.current()
+  return target is not None and target.major == 9
 
 
 needs_hopper = pytest.mark.skipif(
@@ -58,6 +57,7 @@ needs_interpreter = pytest.mark.skipif(
     ("block_q", 32), ("block_kv", 96), ("block_kv_dkv", 320),
     ("stages", 0), ("stages_bwd", 9), ("consumers_dq", 3),
     ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
+    ("lowering_semantics", "Lane"),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
@@ -168,12 +168,14 @@ def test_check_refuses_masked_kernels_on_miscompiling_cuda(monkeypatch):
   mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
 
 
-def test_sm90_detection():
-  is_sm90 = mosaic_gpu._is_sm90
-  assert is_sm90(types.SimpleNamespace(compute_capability="9.0"))
-  assert not is_sm90(types.SimpleNamespace(compute_capability="8.0"))
-  assert not is_sm90(types.SimpleNamespace(compute_capability="10.0"))
-  assert not is_sm90(types.SimpleNamespace())
+def test_builds_for_hopper_targets_only():
+  """An ahead-of-time sm90 target builds compiled kernels; sm80 declines."""
+  with gpu_target.compile_for(gpu_target.H100):
+    assert not mosaic_gpu._interpret(None)
+    assert pallas_fa.api.platform() == "gpu"
+  with gpu_target.compile_for(gpu_target.A100):
+    with pytest.raises(NotImplementedError, match="sm90"):
+      mosaic_gpu._interpret(mosaic_gpu.BlockSizes(interpret=False))
 
 
 def test_automatic_choice_never_interprets_on_cpu():
@@ -304,28 +306,18 @@ def test_kernel_math_matches_online_softmax():
 
 
 def _lower_for_hopper(case: Case, dtype, block_sizes=None):
-  """Lowers forward + backward (interpret=False) for CUDA; returns the text."""
+  """Lowers forward + backward for an H100 (no GPU needed); returns the text."""
   gen = rng("lower", str(case))
   q, k, v, kw = make_inputs(case, dtype, gen)
 
-  def fn(q, k, v, dout):
-    q_c, k_c, v_c, _, info, params, _ = pallas_fa.api._canonicalise(
-        q, k, v, None, None, scale=None, is_causal=case.causal,
-        query_seq_lengths=kw.get("query_seq_lengths"),
-        key_value_seq_lengths=kw.get("key_value_seq_lengths"),
-        local_window_size=case.window, segment_ids=kw.get("segment_ids"),
-        query_positions=None, key_positions=None,
-        logits_soft_cap=case.soft_cap)
-    params = vjp.Params(
-        scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes)
-    out, lse = mosaic_gpu.forward_impl(
-        q_c, k_c, v_c, info, params, interpret=False)
-    delta = online_softmax.delta(out, dout, None)
-    grads = mosaic_gpu.backward_impl(
-        q_c, k_c, v_c, info, params, lse, dout, delta, interpret=False)
-    return out, lse, grads[:3]
+  def loss(q, k, v):
+    out = pallas_fa.flash_attention(
+        q, k, v, implementation="mosaic_gpu", block_sizes=block_sizes, **kw)
+    return out.astype(jnp.float32).sum()
 
-  lowered = jax.jit(fn).trace(q, k, v, q).lower(lowering_platforms=("cuda",))
+  with gpu_target.compile_for(gpu_target.H100):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+        q, k, v).lower(lowering_platforms=("cuda",))
   return lowered.as_text()
 
 
@@ -342,6 +334,16 @@ def _lower_for_hopper(case: Case, dtype, block_sizes=None):
 def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
   text = _lower_for_hopper(case, dtype, block_sizes)
   assert text.count("custom_call @mosaic_gpu") == kernels
+
+
+@pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
+def test_both_lowering_semantics_lower(semantics):
+  """jax 0.10 lowers per lane by default, 0.11 per warpgroup: both work."""
+  bs = mosaic_gpu.BlockSizes(lowering_semantics=semantics)
+  text = _lower_for_hopper(
+      Case(b=1, t=128, s=192, n=2, k=1, h=64, causal=True, segments=True),
+      jnp.bfloat16, bs)
+  assert text.count("custom_call @mosaic_gpu") == 3
 
 
 def test_lowering_enforces_shared_memory_budget():

@@ -21,6 +21,7 @@ from attention_testing import run
 
 import pallas_fa
 from pallas_fa import chunked
+from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import triton
 from pallas_fa import tuning
@@ -148,7 +149,7 @@ def test_tuned_records_win_over_heuristic(monkeypatch):
   got = triton.default_block_sizes(
       head_dim=64, dtype=jnp.bfloat16, q_len=4096, kv_len=4096,
       kind="NVIDIA H100 80GB HBM3")
-  assert got == triton.BlockSizes(**tuning._triton_heuristic(
+  assert got == triton.BlockSizes(**tuning.triton_heuristic(
       64, 2, "NVIDIA H100 80GB HBM3"))
 
 
@@ -317,13 +318,12 @@ def test_declines_tpu(monkeypatch):
                            bias=(1, 1, 1, 77), mask=(1, 4, 100, 77))),
     (jnp.float32, 256, dict(bias=(1, 4, 100, 1))),
 ])
-def test_kernels_lower_to_triton_for_cuda(monkeypatch, dtype, h, features):
+def test_kernels_lower_to_triton_for_cuda(dtype, h, features):
   """Forward and both backward kernels lower to Triton IR without a GPU.
 
   Cross-platform lowering runs the Pallas -> Triton lowering itself (shape
   and primitive support); only the Triton compiler (IR -> PTX) needs a GPU.
   """
-  monkeypatch.setattr(triton, "_interpret", lambda: False)
   b, t, s, n, k = 1, 100, 77, 4, 2
   spec = jax.ShapeDtypeStruct
   kw = dict(features)
@@ -342,10 +342,11 @@ def test_kernels_lower_to_triton_for_cuda(monkeypatch, dtype, h, features):
     return out.astype(jnp.float32).sum()
 
   grad = jax.grad(loss, argnums=(0, 1, 2, 3), allow_int=True)
-  lowered = jax.jit(grad).trace(
-      spec((b, t, n, h), dtype), spec((b, s, k, h), dtype),
-      spec((b, s, k, h), dtype), arrays,
-  ).lower(lowering_platforms=("cuda",))
+  with gpu_target.compile_for(gpu_target.H100):
+    lowered = jax.jit(grad).trace(
+        spec((b, t, n, h), dtype), spec((b, s, k, h), dtype),
+        spec((b, s, k, h), dtype), arrays,
+    ).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   for name in ("flash_fwd", "flash_bwd_dkv", "flash_bwd_dq"):
     assert name in text, name

@@ -1,0 +1,592 @@
+r"""Compiles every GPU kernel to machine code, with or without a GPU.
+
+XLA's GPU compiler runs on a machine with no GPU: given a compile-only CUDA
+device (`jax.experimental.topologies`, described by a GpuTargetConfigProto),
+`jax.jit(f).trace(...).lower().compile()` runs the whole XLA:GPU pipeline,
+including Triton and Mosaic GPU down to ptxas. Inside
+`pallas_fa.gpu_target.compile_for(target)` our backends build the compiled
+kernels (not the CPU interpreter) with the tiles that GPU would get. This
+script compiles forward + backward over a matrix of cases and prints one row
+per kernel: ok or the problem, registers, spill bytes, shared memory, grid.
+
+Needs jax's CUDA plugin at exactly the installed jaxlib version and ptxas,
+in a virtual environment of its own (never the test one: with the plugin,
+JAX would try to start a CUDA backend). From the repository root:
+
+  python3 -m venv /tmp/cc && /tmp/cc/bin/pip install -e . \
+      "jax-cuda12-plugin==$(/tmp/cc/bin/python -c \
+          'import jaxlib; print(jaxlib.__version__)')" \
+      "jax-cuda12-pjrt==<same>" nvidia-cuda-nvcc-cu12
+  JAX_PLATFORMS=cpu /tmp/cc/bin/python scripts/compile_check.py \
+      --fail-on-spill --json=compile_check.json
+
+  # Quick: H100 only, head dims 64/128/256, plain and causal, bfloat16:
+  JAX_PLATFORMS=cpu python scripts/compile_check.py --quick
+  # On a GPU machine, the real device (registers must agree):
+  python scripts/compile_check.py --target=local --quick
+
+Exit status: 0 every kernel compiled (and, with --fail-on-spill, none
+spills), 1 a problem, 2 this machine cannot compile for CUDA at all.
+`compile_case()` is the library entry point (`scripts/tune.py` prunes its
+candidates with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+# Both compilers print the `ptxas -v` report of every kernel they build:
+# Mosaic GPU on stdout when MOSAIC_GPU_DUMP_PTXAS is set, XLA (which compiles
+# the Triton kernels) in its verbose log of the ptxas subprocess. Set before
+# jax starts logging.
+os.environ.setdefault("MOSAIC_GPU_DUMP_PTXAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0")
+os.environ.setdefault("TF_CPP_VMODULE", "subprocess_compilation=3")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_fa  # noqa: E402
+from pallas_fa import gpu_target  # noqa: E402
+
+# GpuTargetConfigProto text of each target, trimmed from XLA's public specs
+# (xla/backends/gpu/target_config/specs/{h100_sxm,a100_sxm_80}.txtpb).
+_CONFIG = """
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {smem_core}
+  threads_per_core_limit: 2048
+  core_count: {cores}
+  fpus_per_core: {fpus}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {bandwidth}
+  l2_cache_size: {l2}
+  clock_rate_ghz: {clock}
+  device_memory_size: 84942979072
+  shared_memory_per_block_optin: {smem_block}
+  cuda_compute_capability {{
+    major: {major}
+    minor: 0
+    {features}
+  }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{
+  major: 9
+  minor: 10
+  patch: 0
+}}
+device_description_str: "{kind}"
+"""
+
+TARGETS = {
+    "h100": (gpu_target.H100, "sm_90a", _CONFIG.format(
+        smem_core=233472, cores=132, fpus=128, bandwidth=3352320000000,
+        l2=52428800, clock=1.98, smem_block=232448, major=9,
+        features="feature_extension: ACCELERATED_FEATURES",
+        kind=gpu_target.H100.device_kind)),
+    "a100": (gpu_target.A100, "sm_80", _CONFIG.format(
+        smem_core=167936, cores=108, fpus=64, bandwidth=2039000000000,
+        l2=41943040, clock=1.41, smem_block=166912, major=8, features="",
+        kind=gpu_target.A100.device_kind)),
+}
+
+# Which backends each target compiles: Mosaic GPU is Hopper-only.
+BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
+DTYPES = {"triton": ("bfloat16", "float16", "float32"),
+          "mosaic_gpu": ("bfloat16", "float16")}
+VARIANTS = ("plain", "causal", "masked")
+HEAD_DIMS = (64, 72, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One forward + backward compile.
+
+  Attributes:
+    backend: "triton" or "mosaic_gpu".
+    head_dim: H.
+    dtype: input dtype name.
+    variant: "plain"; "causal"; "masked" = causal + sliding window + segment
+      ids + GQA 4:1 (every masking path of the kernels at once).
+    tiles: "default" (what a call without block_sizes gets: tuned records
+      for the target, else the heuristic) or "heuristic" (records ignored).
+  """
+
+  backend: str
+  head_dim: int
+  dtype: str
+  variant: str = "plain"
+  tiles: str = "default"
+
+  def __str__(self):
+    return (f"{self.backend:10s} h={self.head_dim:<3d} {self.dtype:8s} "
+            f"{self.variant:6s} {self.tiles}")
+
+
+# ----------------------------------------------------------------------------
+# ptxas and XLA dump parsing.
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_PTXAS_PROPS = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_THUNK = re.compile(
+    r"kCustomKernel .*?\] (\S+) grid: \[([^\]]*)\] threads: \[([^\]]*)\]"
+    r"\s+shared_memory: (\d+) bytes")
+
+
+def parse_ptxas(text: str) -> dict[str, dict[str, Any]]:
+  """`ptxas -v` output -> {entry: {registers, spill_stores, ...}}."""
+  out, current = {}, None
+  for line in text.splitlines():
+    if m := _PTXAS_FUNC.search(line):
+      current = out.setdefault(m.group(1), {"arch": m.group(2)})
+    elif current is not None and (m := _PTXAS_PROPS.search(line)):
+      current.update(stack_bytes=int(m.group(1)),
+                     spill_stores=int(m.group(2)),
+                     spill_loads=int(m.group(3)))
+    elif current is not None and (m := _PTXAS_USED.search(line)):
+      current["registers"] = int(m.group(1))
+  return out
+
+
+def ptxas_path() -> str | None:
+  """ptxas of the nvidia-cuda-nvcc wheel, else the one on PATH."""
+  for name in ("nvidia.cuda_nvcc", "nvidia.cu13"):
+    try:
+      spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+      continue
+    for root in (spec.submodule_search_locations or []) if spec else []:
+      path = os.path.join(root, "bin", "ptxas")
+      if os.path.exists(path):
+        return path
+  return shutil.which("ptxas")
+
+
+@contextlib.contextmanager
+def _captured_output(path: str):
+  """Redirects file descriptors 1 and 2 (C++ writes there too) to `path`."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = [os.dup(1), os.dup(2)]
+  with open(path, "w") as f:
+    os.dup2(f.fileno(), 1)
+    os.dup2(f.fileno(), 2)
+  try:
+    yield
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, old in zip((1, 2), saved):
+      os.dup2(old, fd)
+      os.close(old)
+
+
+def _triton_launches(dump: str) -> dict[str, dict[str, Any]]:
+  """{kernel: grid, threads, smem_bytes} from XLA's thunk-sequence dump."""
+  launches = {}
+  for path in glob.glob(os.path.join(dump, "*thunk_sequence*.txt")):
+    with open(path) as f:
+      for m in _THUNK.finditer(f.read()):
+        launches[m.group(1)] = dict(
+            grid=m.group(2).replace(" ", ""),
+            threads=m.group(3).replace(" ", ""), smem_bytes=int(m.group(4)))
+  return launches
+
+
+def _mosaic_launches(lowered) -> dict[str, dict[str, Any]]:
+  """{kernel: grid, threads, smem_bytes} from the Mosaic GPU modules inside
+  the lowered program (each `gpu.launch` names its dynamic shared memory).
+
+  Reads the serialized kernel modules with jax's own MLIR bindings; returns
+  {} if this jax stores them differently (the rows then lack these fields).
+  """
+  try:
+    from jax._src.interpreters import mlir as jax_mlir  # noqa: PLC0415
+    from jax._src.lib import mosaic_gpu_dialect  # noqa: PLC0415
+    from jax._src.lib.mlir import ir  # noqa: PLC0415
+  except ImportError:
+    return {}
+  launches = {}
+  ctx = jax_mlir.make_ir_context()
+  mosaic_gpu_dialect.register_dialect(ctx)
+  ctx.allow_unregistered_dialects = True
+
+  def constant(value):
+    return int(ir.IntegerAttr(value.owner.attributes["value"]).value)
+
+  def calls(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          yield inner
+          yield from calls(inner)
+
+  for op in calls(lowered.compiler_ir("stablehlo").operation):
+    if op.name != "stablehlo.custom_call":
+      continue
+    if "mosaic_gpu" not in str(op.attributes["call_target_name"]):
+      continue
+    try:
+      config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+      module = ir.Module.parse(
+          ir.StringAttr(config["module"]).value_bytes, context=ctx)
+    except (KeyError, ValueError, ir.MLIRError):
+      continue
+    found = {}
+    for inner in calls(module.operation):
+      name = inner.name
+      if name.endswith("func.func") and "sym_name" in inner.attributes:
+        sym = ir.StringAttr(inner.attributes["sym_name"]).value
+        if sym.startswith("pfa_"):
+          found["kernel"] = sym.removesuffix("_mosaic_gpu")
+      if name.endswith("gpu.launch"):
+        dims = [constant(v) for v in list(inner.operands)[1:8]]
+        found.update(grid=",".join(map(str, dims[:3])),
+                     threads=",".join(map(str, dims[3:6])),
+                     smem_bytes=dims[6])
+    if "kernel" in found:
+      launches[found.pop("kernel")] = found
+  return launches
+
+
+# ----------------------------------------------------------------------------
+# Compiling one case.
+
+
+def _cuda_device(target: str):
+  if target == "local":
+    return jax.devices()[0]
+  from jax.experimental import topologies  # noqa: PLC0415
+  topology = topologies.get_topology_desc(
+      platform="cuda", topology="1x1x1", target_config=TARGETS[target][2])
+  return topology.devices[0]
+
+
+def _target(target: str) -> tuple[gpu_target.GpuTarget, str]:
+  if target == "local":
+    local = gpu_target.current()
+    if local is None:
+      raise RuntimeError("--target=local needs a GPU")
+    major, minor = local.compute_capability.split(".")
+    suffix = "a" if major == "9" else ""
+    return local, f"sm_{major}{minor}{suffix}"
+  return TARGETS[target][0], TARGETS[target][1]
+
+
+def _heuristic_tiles(case: Case, t: int, target: gpu_target.GpuTarget):
+  """The backend's heuristic config, bypassing tuned records."""
+  dtype = jnp.dtype(case.dtype)
+  if case.backend == "triton":
+    from pallas_fa import triton  # noqa: PLC0415
+    from pallas_fa import tuning  # noqa: PLC0415
+    key = tuning.tuning_key(head_dim=case.head_dim, dtype=dtype, q_len=t,
+                            kv_len=t, is_causal=case.variant != "plain")
+    return triton.BlockSizes(**tuning.triton_heuristic(
+        key["head_dim"], dtype.itemsize, target.device_kind))
+  from pallas_fa import mosaic_gpu  # noqa: PLC0415
+  return mosaic_gpu.default_block_sizes(case.head_dim, dtype)
+
+
+def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
+                 block_sizes: Any = None, keep: str | None = None
+                 ) -> dict[str, Any]:
+  """Compiles forward + backward of one case; never raises.
+
+  Args:
+    case: what to compile.
+    target: "h100", "a100" or "local" (this machine's GPU).
+    seq: T = S (B = 1, 8 query heads).
+    block_sizes: an explicit config of the case's backend (None: the
+      `case.tiles` policy).
+    keep: keep the XLA dump under this directory.
+
+  Returns:
+    {"case", "target", "block_sizes", "compile_s", "error", "kernels": [row]}
+    with one row per kernel: kernel, grid, threads, smem_bytes, registers,
+    spill_stores, spill_loads, stack_bytes, error.
+  """
+  result: dict[str, Any] = {
+      **dataclasses.asdict(case), "target": target, "seq": seq,
+      "error": None, "kernels": []}
+  workdir = tempfile.mkdtemp(prefix="compile_check_")
+  start = time.time()
+  try:
+    gpu, arch = _target(target)
+    result["arch"] = arch
+    device = _cuda_device(target)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    dtype = jnp.dtype(case.dtype)
+    heads, kv_heads = 8, 2 if case.variant == "masked" else 8
+
+    def spec(shape, dt=dtype):
+      return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+
+    if block_sizes is None and case.tiles == "heuristic":
+      block_sizes = _heuristic_tiles(case, seq, gpu)
+    kwargs: dict[str, Any] = {}
+    args = [spec((1, seq, heads, case.head_dim)),
+            spec((1, seq, kv_heads, case.head_dim)),
+            spec((1, seq, kv_heads, case.head_dim))]
+    if case.variant == "masked":
+      args.append(pallas_fa.SegmentIds(q=spec((1, seq), jnp.int32),
+                                       kv=spec((1, seq), jnp.int32)))
+      kwargs["local_window_size"] = (seq // 4, 0)
+
+    def loss(q, k, v, segment_ids=None):
+      out = pallas_fa.flash_attention(
+          q, k, v, is_causal=case.variant != "plain",
+          segment_ids=segment_ids, implementation=case.backend,
+          block_sizes=block_sizes, **kwargs)
+      return out.astype(jnp.float32).sum()
+
+    with gpu_target.compile_for(gpu):
+      lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+          *args).lower()
+      result["block_sizes"] = repr(_chosen_tiles(case, block_sizes, seq))
+      dump = keep or os.path.join(workdir, "xla")
+      log = os.path.join(workdir, "compile.log")
+      with _captured_output(log):
+        lowered.compile(compiler_options={"xla_dump_to": dump})
+    result["compile_s"] = round(time.time() - start, 1)
+    with open(log, errors="replace") as f:
+      reports = parse_ptxas(f.read())
+    if case.backend == "triton":
+      prefix, launches = "flash_", _triton_launches(dump)
+    else:
+      prefix, launches = "pfa_", _mosaic_launches(lowered)
+    # Mosaic GPU names an entry `<kernel>_mosaic_gpu_kernel`.
+    reports = {name.removesuffix("_mosaic_gpu_kernel"): info
+               for name, info in reports.items() if name.startswith(prefix)}
+    names = sorted(set(reports) | {n for n in launches
+                                   if n.startswith(prefix)})
+    if not names:
+      raise RuntimeError(f"no {prefix}* kernel was compiled")
+    result["kernels"] = [
+        {"kernel": name, **launches.get(name, {}), **reports.get(name, {})}
+        for name in names]
+  except Exception as e:  # noqa: BLE001 - a report, not a crash.
+    result["error"] = f"{type(e).__name__}: {e}"[:4000]
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  return result
+
+
+def _chosen_tiles(case: Case, block_sizes, seq: int):
+  """The config the backend runs with (for the report)."""
+  if block_sizes is not None:
+    return block_sizes
+  dtype = jnp.dtype(case.dtype)
+  if case.backend == "triton":
+    from pallas_fa import triton  # noqa: PLC0415
+    return triton.default_block_sizes(
+        head_dim=case.head_dim, dtype=dtype, q_len=seq, kv_len=seq,
+        is_causal=case.variant != "plain")
+  from pallas_fa import mosaic_gpu  # noqa: PLC0415
+  return mosaic_gpu.block_sizes_for(
+      head_dim=case.head_dim, dtype=dtype, q_len=seq, kv_len=seq,
+      is_causal=case.variant != "plain")
+
+
+def spill_key(result: dict[str, Any], kernel: str) -> str:
+  """The name of one kernel of one case in a known-spills file."""
+  return "/".join((result["target"], result["backend"],
+                   f"h{result['head_dim']}", result["dtype"],
+                   result["variant"], result["tiles"], kernel))
+
+
+def problems(row: dict[str, Any], smem_limit: int, fail_on_spill: bool,
+             known_spill: int | None = None) -> list[str]:
+  """What is wrong with one kernel row (empty: nothing).
+
+  A spill is a problem with `fail_on_spill`, unless `known_spill` bytes are
+  recorded for the kernel and it spills no more than that.
+  """
+  found = []
+  if row.get("error"):
+    found.append("error")
+  if "registers" not in row:
+    found.append("no ptxas report")
+  if row.get("smem_bytes", 0) > smem_limit:
+    found.append(f"smem > {smem_limit} B")
+  spilled = max(row.get("spill_stores") or 0, row.get("spill_loads") or 0)
+  if fail_on_spill and spilled:
+    if known_spill is None:
+      found.append("spills")
+    elif spilled > known_spill:
+      found.append(f"spills more than the known {known_spill} B")
+  return found
+
+
+def matrix(args) -> list[tuple[str, Case]]:
+  """(target, case) pairs selected by the command line."""
+  if args.quick:
+    head_dims, variants, dtypes = (64, 128, 256), ("plain", "causal"), (
+        "bfloat16",)
+    targets = [args.target]
+  else:
+    head_dims = tuple(int(h) for h in args.head_dims.split(","))
+    variants = tuple(args.variants.split(","))
+    dtypes = tuple(args.dtypes.split(","))
+    targets = args.target.split(",")
+  out = []
+  for target in targets:
+    backends = BACKENDS.get(target, ("triton", "mosaic_gpu"))
+    for backend in args.backends.split(","):
+      if backend not in backends:
+        continue
+      for h in head_dims:
+        for variant in variants:
+          for dtype in dtypes:
+            if dtype not in DTYPES[backend]:
+              continue
+            for tiles in args.tiles.split(","):
+              out.append((target, Case(backend, h, dtype, variant, tiles)))
+  return out
+
+
+def _versions() -> dict[str, str]:
+  out = {}
+  for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt",
+               "jax-cuda13-plugin", "jax-cuda13-pjrt",
+               "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvcc"):
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+      out[name] = importlib.metadata.version(name)
+  ptxas = ptxas_path()
+  if ptxas:
+    proc = subprocess.run([ptxas, "--version"], capture_output=True,
+                          text=True, check=False)
+    out["ptxas"] = (proc.stdout.strip().splitlines() or ["?"])[-1]
+  return out
+
+
+def _can_compile_for_cuda(target: str) -> str | None:
+  """None, or why this machine cannot compile for CUDA."""
+  if target == "local":
+    return None if gpu_target.current() else "--target=local needs a GPU"
+  try:
+    _cuda_device("h100")
+  except Exception as e:  # noqa: BLE001
+    return (f"no CUDA compiler in this jax ({type(e).__name__}: {e}); install"
+            " jax-cuda12-plugin and jax-cuda12-pjrt at jaxlib's version")
+  return None
+
+
+def _merge_known_spills(path: str, results: list[dict[str, Any]]) -> None:
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except FileNotFoundError:
+    data = {"about": "Kernels of default configs that still spill, with the "
+                     "bytes measured (max of jax versions); compile_check.py "
+                     "--known-spills fails on any other spill or growth.",
+            "spills": {}}
+  spills = data["spills"]
+  for res in results:
+    for row in res["kernels"]:
+      spilled = max(row.get("spill_stores") or 0, row.get("spill_loads") or 0)
+      if spilled:
+        key = spill_key(res, row["kernel"])
+        spills[key] = max(spills.get(key, 0), spilled)
+  data["spills"] = dict(sorted(spills.items()))
+  with open(path, "w") as f:
+    json.dump(data, f, indent=1)
+    f.write("\n")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--target", default="h100,a100",
+                      help="h100, a100 and/or local (comma list)")
+  parser.add_argument("--backends", default="triton,mosaic_gpu")
+  parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--dtypes", default="bfloat16,float16,float32")
+  parser.add_argument("--tiles", default="default",
+                      help="default and/or heuristic (comma list)")
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--quick", action="store_true",
+                      help="one target, H 64/128/256, plain+causal, bf16")
+  parser.add_argument("--fail-on-spill", action="store_true")
+  parser.add_argument(
+      "--known-spills", metavar="JSON",
+      help="kernels known to spill, {key: bytes}: with --fail-on-spill only "
+      "a spill not listed, or larger than listed, fails")
+  parser.add_argument(
+      "--write-known-spills", metavar="JSON",
+      help="merge this run's spills into that file (max bytes per key)")
+  parser.add_argument("--json", help="write every result here")
+  args = parser.parse_args(argv)
+  if args.quick:
+    args.target = args.target.split(",")[0]
+
+  reason = _can_compile_for_cuda(args.target.split(",")[0])
+  if reason:
+    print(f"compile_check: cannot run here: {reason}")
+    return 2
+  versions = _versions()
+  print(f"compile_check: deviceless={args.target != 'local'} {versions}")
+  known = {}
+  if args.known_spills:
+    with open(args.known_spills) as f:
+      known = json.load(f)["spills"]
+  results, bad = [], 0
+  for target, case in matrix(args):
+    res = compile_case(case, target=target, seq=args.seq)
+    results.append(res)
+    gpu, _ = _target(target)
+    print(f"\n== {target} {case} ({res.get('compile_s', '?')} s) "
+          f"{res.get('block_sizes', '')}")
+    if res["error"]:
+      bad += 1
+      print(f"   COMPILE FAILED: {res['error']}")
+    for row in res["kernels"]:
+      found = problems(row, gpu.shared_memory_per_block, args.fail_on_spill,
+                       known.get(spill_key(res, row["kernel"])))
+      row["problems"] = found
+      bad += bool(found)
+      status = "ok" if not found else "FAIL(" + ", ".join(found) + ")"
+      print(f"   {row['kernel']:20s} {status:8s} "
+            f"regs={row.get('registers', '?'):>3} "
+            f"spill st/ld={row.get('spill_stores', '?')}/"
+            f"{row.get('spill_loads', '?')} B "
+            f"smem={row.get('smem_bytes', '?')} B "
+            f"grid=[{row.get('grid', '?')}] "
+            f"threads=[{row.get('threads', '?')}]")
+      if row.get("error"):
+        print("     " + row["error"][:1500].replace("\n", "\n     "))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"versions": versions, "argv": sys.argv,
+                 "results": results}, f, indent=1)
+  if args.write_known_spills:
+    _merge_known_spills(args.write_known_spills, results)
+  print(f"\n{len(results)} cases, {bad} problem(s)")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
