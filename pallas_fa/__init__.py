@@ -2,6 +2,7 @@
 
 import importlib
 
+from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa.api import flash_attention
 from pallas_fa.api import implementations
@@ -11,6 +12,7 @@ __all__ = [
     "flash_attention",
     "implementations",
     "SegmentIds",
+    "dropout",
     "gpu_target",
     "MultiHeadAttention",
     "make_attention_fn",

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import vjp
@@ -163,6 +164,23 @@ def _check_static_float(name, x, positive=False):
   return value
 
 
+def _check_dropout(rate, rng):
+  """(rate, rng as an array or None): the static rate in [0, 1); an rng
+  (PRNG key or integer seed) is required when rate > 0."""
+  rate = _check_static_float("dropout_rate", rate) or 0.0
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {rate}.")
+  if rate == 0.0:
+    return 0.0, None
+  if rng is None:
+    raise ValueError(
+        f"dropout_rate={rate} needs dropout_rng (a PRNG key or an integer "
+        "seed).")
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    rng = np.uint32(int(rng) & 0xFFFFFFFF)
+  return rate, rng
+
+
 def _check_precision(precision) -> jax.lax.Precision:
   """`precision=` as a `jax.lax.Precision`, with JAX's names for its levels.
 
@@ -225,7 +243,7 @@ def _check_dense(name, x, batch_shape, nts):
 def _canonicalise(
     query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
     key_value_seq_lengths, local_window_size, segment_ids, query_positions,
-    key_positions, logits_soft_cap,
+    key_positions, logits_soft_cap, dropout_rate=0.0, dropout_rng=None,
 ):
   """Validates every argument.
 
@@ -266,24 +284,27 @@ def _canonicalise(
         f"{query.dtype=}, {key.dtype=}, {value.dtype=}."
     )
   b, t, n, h = query.shape
-  if key.shape != value.shape:
-    raise ValueError(f"key and value shapes differ: {key.shape=}, "
-                     f"{value.shape=}.")
+  if key.shape[:-1] != value.shape[:-1]:
+    raise ValueError(
+        "value must be [*B, S, K, Hv] with key's B, S and K, got "
+        f"{key.shape=}, {value.shape=}.")
   bk, s, num_kv, hk = key.shape
+  hv = value.shape[-1]
   if bk != b or hk != h:
     raise ValueError(
         "key/value must be [B, S, K, H] with B and H equal to the query's, "
         f"got {query.shape=}, {key.shape=}."
     )
-  if 0 in (b, t, n, h, s, num_kv):
+  if 0 in (b, t, n, h, s, num_kv, hv):
     raise ValueError(f"empty dimension in {query.shape=} or {key.shape=}.")
   if n % num_kv:
     raise ValueError(
         "query heads N must be a multiple of key/value heads K, got "
         f"N={n}, K={num_kv} ({query.shape=}, {key.shape=})."
     )
-  if h > 256:
-    raise ValueError(f"head dim must be <= 256, got {query.shape=}.")
+  if max(h, hv) > 256:
+    raise ValueError(
+        f"head dims must be <= 256, got {query.shape=}, {value.shape=}.")
   scale = _check_static_float("scale", scale)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   soft_cap = _check_static_float("logits_soft_cap", logits_soft_cap, True)
@@ -338,6 +359,9 @@ def _canonicalise(
       mask=mask,
       is_causal=bool(is_causal),
       window=window,
+      dropout_seed=(None if dropout_rng is None
+                    else dropout.seed_from(dropout_rng)),
+      dropout_rate=dropout_rate,
   )
   params = vjp.Params(scale=scale, soft_cap=soft_cap)
   return query, key, value, bias, info, params, batch_shape
@@ -402,6 +426,8 @@ def flash_attention(
     query_positions: Array | None = None,
     key_positions: Array | None = None,
     logits_soft_cap: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Any = None,
     implementation: str | None = None,
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
@@ -420,7 +446,8 @@ def flash_attention(
       included); float32/bfloat16/float16, or float64 (with x64 enabled;
       `xla` and `chunked` only, computing in float64).
     key: [*B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
-    value: same shape and dtype as key.
+    value: [*B, S, K, Hv], key's dtype; a value head dim Hv != H (as in
+      MLA) runs on `xla` and `chunked` (the Pallas kernels decline it).
     bias: float, broadcastable to [*B, N, T, S]; differentiable.
     mask: bool, broadcastable to [*B, N, T, S]; True = may attend.
     scale: logit scale, default 1/sqrt(H).
@@ -434,6 +461,14 @@ def flash_attention(
     query_positions: int [*B, T], default arange(T).
     key_positions: int [*B, S], default arange(S).
     logits_soft_cap: c > 0: logits -> c * tanh(logits / c), before bias/mask.
+    dropout_rate: attention dropout in [0, 1): each normalised probability
+      is zeroed with this probability and the rest scaled by
+      1 / (1 - rate), as in Flax. The mask is a hash of (dropout_rng, batch
+      row, query head, query index, key index), identical on every backend
+      and tiling and regenerated (never stored) by the backward pass
+      (`pallas_fa.dropout`). `xla`, `chunked` and `triton` implement it.
+    dropout_rng: a JAX PRNG key or an integer seed; needed when
+      dropout_rate > 0.
     implementation: None (fastest that supports the call on this platform),
       or one of `pallas_fa.implementations()`.
     block_sizes: the chosen backend's frozen tiling config, or None.
@@ -448,7 +483,8 @@ def flash_attention(
       log).
 
   Returns:
-    out shaped and typed like query, or (out, lse) with return_residual.
+    out [*B, T, N, Hv] typed like query, or (out, lse) with
+    return_residual.
 
   Raises:
     ValueError / TypeError: invalid arguments (the message names them).
@@ -458,8 +494,10 @@ def flash_attention(
     raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
   _check_non_negative("query_seq_lengths", query_seq_lengths)
   _check_non_negative("key_value_seq_lengths", key_value_seq_lengths)
+  rate, rng = _check_dropout(dropout_rate, dropout_rng)
   static = dict(
       scale=_check_static_float("scale", scale),
+      dropout_rate=rate,
       is_causal=bool(is_causal),
       local_window_size=_check_window(local_window_size),
       logits_soft_cap=_check_static_float(
@@ -474,21 +512,21 @@ def flash_attention(
   out, lse = _flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
-      **static)
+      rng, **static)
   return (out, lse) if return_residual else out
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "is_causal", "local_window_size",
-                     "logits_soft_cap", "implementation", "block_sizes",
-                     "precision", "target"),
+                     "logits_soft_cap", "dropout_rate", "implementation",
+                     "block_sizes", "precision", "target"),
 )
 def _flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-    segment_ids, query_positions, key_positions, *, scale, is_causal,
-    local_window_size, logits_soft_cap, implementation, block_sizes,
-    precision, target,
+    segment_ids, query_positions, key_positions, dropout_rng, *, scale,
+    is_causal, local_window_size, logits_soft_cap, dropout_rate,
+    implementation, block_sizes, precision, target,
 ):
   del target  # Read by the backends through `gpu_target.current()`.
   # Everything from here on is traced once per shape/static configuration:
@@ -499,7 +537,8 @@ def _flash_attention(
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
-      logits_soft_cap=logits_soft_cap,
+      logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
   )
   params = vjp.Params(
       scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes,

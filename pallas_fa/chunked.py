@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import dropout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import vjp
@@ -82,6 +83,7 @@ class _Layout:
     b, t, n, h = q.shape
     s, num_kv = k.shape[1], k.shape[2]
     self.b, self.t, self.s, self.n, self.h = b, t, s, n, h
+    self.hv = v.shape[-1]  # The value head dim may differ from H.
     self.num_kv, self.g = num_kv, n // num_kv
     self.bq, self.tp = _tiles(block_q, t)
     self.bk, self.sp = _tiles(block_kv, s)
@@ -120,11 +122,11 @@ class _Layout:
     )
 
   def queries(self, x):
-    """[B, T, N, H] -> [B, K, G, Tp, H], padded rows zeroed."""
+    """[B, T, N, H] -> [B, K, G, Tp, H], padded rows zeroed (any H)."""
     x = masking.pad_axes(x, {1: self.tp})
     x = masking.zero_padding(
         x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
-    x = x.reshape(self.b, self.tp, self.num_kv, self.g, self.h)
+    x = x.reshape(self.b, self.tp, self.num_kv, self.g, x.shape[-1])
     return x.transpose(0, 2, 3, 1, 4)
 
   def keys(self, x):
@@ -144,8 +146,9 @@ class _Layout:
     return x.transpose(0, 3, 1, 2).reshape(self.b, self.tp, self.n)[:, : self.t]
 
   def unqueries(self, x):
-    """[B, K, G, Tp, H] -> [B, T, N, H]."""
-    x = x.transpose(0, 3, 1, 2, 4).reshape(self.b, self.tp, self.n, self.h)
+    """[B, K, G, Tp, H] -> [B, T, N, H] (any H)."""
+    x = x.transpose(0, 3, 1, 2, 4).reshape(
+        self.b, self.tp, self.n, x.shape[-1])
     return x[:, : self.t]
 
   def unkeys(self, x):
@@ -169,6 +172,20 @@ class _Layout:
       bias = masking.slice_in_dim(bias, j * self.bk, self.bk, 4)
       s = s + bias.astype(self.acc)
     return s_capped, s
+
+  def dropout_factor(self, i, j):
+    """[B, K, G, bq, bk] factor of attention dropout for tile (i, j): 0 or
+    1 / (1 - rate); None without dropout. Masks depend on global indices
+    only (`pallas_fa.dropout`), never on the tiling."""
+    if not self.info.has_dropout:
+      return None
+    shape = (self.b, self.num_kv, self.g, self.bq, self.bk)
+    iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    keep = dropout.keep_mask(
+        self.info.dropout_seed, self.info.dropout_rate, iota(0),
+        iota(1) * self.g + iota(2), i * self.bq + iota(3),
+        j * self.bk + iota(4))
+    return dropout.factor(keep, self.info.dropout_rate, self.acc)
 
   def visibility(self, i, j):
     return masking.tile_visibility(
@@ -220,7 +237,7 @@ def _forward(q, k, v, bias, info, params):
   def q_tile(i):
     qi = jax.lax.dynamic_slice_in_dim(lay.q, i * lay.bq, lay.bq, 3)
     rows = (lay.b, lay.num_kv, lay.g, lay.bq)
-    carry = online_softmax.init(rows, rows + (lay.h,), lay.acc)
+    carry = online_softmax.init(rows, rows + (lay.hv,), lay.acc)
 
     def step(j, carry, masked):
       m_i, l_i, acc = carry
@@ -230,6 +247,11 @@ def _forward(q, k, v, bias, info, params):
       if masked:
         s = online_softmax.apply_mask(s, lay.visibility(i, j))
       m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
+      # Dropout acts on the normalised probabilities: the denominator l_i
+      # sums the undropped ones.
+      z = lay.dropout_factor(i, j)
+      if z is not None:
+        p = p * z
       pv = _unfold(jnp.einsum(
           "bkqs,bksh->bkqh", _fold(p.astype(vj.dtype)), vj,
           preferred_element_type=lay.acc, precision=params.precision,
@@ -243,7 +265,7 @@ def _forward(q, k, v, bias, info, params):
   out, lse = jax.lax.map(q_tile, jnp.arange(lay.nq))
   # [nq, B, K, G, bq, (H)] -> [B, K, G, Tp, (H)]
   out = jnp.moveaxis(out, 0, 3).reshape(
-      lay.b, lay.num_kv, lay.g, lay.tp, lay.h)
+      lay.b, lay.num_kv, lay.g, lay.tp, lay.hv)
   lse = jnp.moveaxis(lse, 0, 3).reshape(lay.b, lay.num_kv, lay.g, lay.tp)
   return lay.unqueries(out), lay.unrows(lse)
 
@@ -283,13 +305,20 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       if masked:
         s = online_softmax.apply_mask(s, lay.visibility(i, j))
       p = online_softmax.probs_from_lse(s, lse_i)  # [B, K, G, bq, bk]
+      # With dropout (FlashAttention-2 §B): dV takes the dropped
+      # probabilities, dP the same mask, and dS = P * (dP - delta) with delta
+      # from the dropped output.
+      z = lay.dropout_factor(i, j)
+      p_used = p if z is None else p * z
       dv_j = dv_j + jnp.einsum(
-          "bkqs,bkqh->bksh", _fold(p.astype(doi.dtype)), _fold(doi),
+          "bkqs,bkqh->bksh", _fold(p_used.astype(doi.dtype)), _fold(doi),
           preferred_element_type=lay.acc, precision=params.precision,
       )
       dp = _unfold(jnp.einsum(
           "bkqh,bksh->bkqs", _fold(doi), vj, preferred_element_type=lay.acc,
           precision=params.precision), lay.g)
+      if z is not None:
+        dp = dp * z
       ds = online_softmax.logits_grad(p, dp, delta_i)
       if dbias is not None:
         d = ds.sum(axis=bias_sum_axes, keepdims=True)
@@ -326,7 +355,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       kv_tile, (dq0, dbias), jnp.arange(lay.nk))
   # [nk, B, K, bk, H] -> [B, K, Sp, H]
   dk = jnp.moveaxis(dk, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.h)
-  dv = jnp.moveaxis(dv, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.h)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.hv)
   dq = lay.unqueries(dq).astype(q.dtype)
   dk = lay.unkeys(dk).astype(k.dtype)
   dv = lay.unkeys(dv).astype(v.dtype)
@@ -349,4 +378,6 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=ChunkedBlockSizes,
     dtypes=vjp.WITH_FLOAT64,
+    value_head_dim=True,
+    dropout=True,
 )

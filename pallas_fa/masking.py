@@ -83,6 +83,8 @@ class MaskInfo:
     window: (left, right) or None; keep
       q_position - left <= kv_position <= q_position + right. A side that is
       None is unbounded.
+    dropout_seed: uint32 scalar, or None without dropout.
+    dropout_rate: attention dropout rate (`pallas_fa.dropout`); 0 = none.
   """
 
   q_positions: Array
@@ -92,6 +94,12 @@ class MaskInfo:
   mask: Array | None = None
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
+  dropout_seed: Array | None = None
+  dropout_rate: float = 0.0
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_rate > 0.0
 
   @property
   def has_segments(self) -> bool:
@@ -114,8 +122,9 @@ jax.tree_util.register_dataclass(
         "q_segment_ids",
         "kv_segment_ids",
         "mask",
+        "dropout_seed",
     ],
-    meta_fields=["is_causal", "window"],
+    meta_fields=["is_causal", "window", "dropout_rate"],
 )
 
 

@@ -21,7 +21,6 @@ decoding reproduces the full forward's outputs.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 from typing import Callable
 from typing import Sequence
@@ -112,6 +111,8 @@ class MultiHeadAttention(nnx.Module):
       local_window_size: int | Sequence[int | None] | None = None,
       logits_soft_cap: float | None = None,
       scale: float | None = None,
+      dropout_rate: float = 0.0,
+      deterministic: bool = False,
       implementation: str | None = None,
       block_sizes: Any = None,
       precision: str | jax.lax.Precision | None = None,
@@ -139,6 +140,10 @@ class MultiHeadAttention(nnx.Module):
       local_window_size: sliding window, as in `flash_attention`.
       logits_soft_cap: logit soft cap, as in `flash_attention`.
       scale: logit scale; default 1/sqrt(head_dim).
+      dropout_rate: attention dropout (`flash_attention`'s dropout_rate),
+        applied in calls that are not `deterministic`, with keys from the
+        "dropout" stream of `rngs`.
+      deterministic: the default of the call's `deterministic`.
       implementation: `flash_attention`'s implementation (None = automatic).
       block_sizes: that implementation's tiling config, or None.
       precision: matmul precision of the projections and the attention, as
@@ -150,7 +155,7 @@ class MultiHeadAttention(nnx.Module):
       param_dtype: parameter dtype.
       kernel_init: initializer of the q/k/v kernels (default LeCun normal).
       out_kernel_init: initializer of the output kernel (default as above).
-      rngs: parameter initialisation keys.
+      rngs: parameter initialisation keys (and dropout keys).
 
     Raises:
       ValueError: inconsistent head counts or sizes, or a bad precision.
@@ -178,6 +183,10 @@ class MultiHeadAttention(nnx.Module):
     self.local_window_size = local_window_size
     self.logits_soft_cap = logits_soft_cap
     self.scale = scale
+    self.dropout_rate = dropout_rate
+    self.deterministic = deterministic
+    self.dropout_rngs = (
+        rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None))
     self.implementation = implementation
     self.block_sizes = block_sizes
     if precision is not None:
@@ -230,6 +239,8 @@ class MultiHeadAttention(nnx.Module):
       segment_ids: Array | None = None,
       kv_segment_ids: Array | None = None,
       decode: bool = False,
+      deterministic: bool | None = None,
+      rngs: nnx.Rngs | None = None,
   ) -> Array:
     """Attends from `inputs_q` to `inputs_kv` (default: self-attention).
 
@@ -245,6 +256,9 @@ class MultiHeadAttention(nnx.Module):
       kv_segment_ids: int [B, S]; default `segment_ids` for self-attention.
       decode: append this call's keys/values to the cache (see
         `init_cache`) and attend over everything cached so far.
+      deterministic: no attention dropout; default the constructor's.
+      rngs: dropout keys for this call (its "dropout" stream); default the
+        stream forked at construction.
 
     Returns:
       [B, T, out_features].
@@ -284,9 +298,15 @@ class MultiHeadAttention(nnx.Module):
     segments = None
     if segment_ids is not None:
       segments = masking.SegmentIds(q=segment_ids, kv=kv_segment_ids)
+    kwargs = {}
+    if deterministic is None:
+      deterministic = self.deterministic
+    if self.dropout_rate > 0 and not deterministic:
+      stream = rngs.dropout if rngs is not None else self.dropout_rngs
+      kwargs = dict(dropout_rate=self.dropout_rate, dropout_rng=stream())
     out = self._attend(
         q, k, v, segment_ids=segments, query_positions=positions,
-        key_positions=kv_positions,
+        key_positions=kv_positions, **kwargs,
     )
     return self.out(out)
 
@@ -350,25 +370,6 @@ def _default_positions(positions, b, t):
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
-def _flatten_batch(x, batch_shape, ndim_tail):
-  """[*batch, *tail] (batch dims broadcastable) -> [prod(batch) or 1, *tail]."""
-  if x is None:
-    return None
-  x = jnp.asarray(x)
-  rank = len(batch_shape) + ndim_tail
-  if x.ndim > rank:
-    raise ValueError(
-        f"mask/bias has more dims than [batch..., N, T, S]: {x.shape=}, "
-        f"batch dims {batch_shape}."
-    )
-  x = x.reshape((1,) * (rank - x.ndim) + x.shape)
-  lead = x.shape[: len(batch_shape)]
-  if all(d == 1 for d in lead):
-    return x.reshape((1,) + x.shape[len(batch_shape):])
-  x = jnp.broadcast_to(x, tuple(batch_shape) + x.shape[len(batch_shape):])
-  return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
-
-
 def _flax_precision(precision):
   """Flax's `precision` argument as `flash_attention`'s `precision`.
 
@@ -404,8 +405,12 @@ def make_attention_fn(
   and accepts every keyword the two modules pass. `precision` is passed to
   `flash_attention` (a per-operand pair must repeat one level);
   `force_fp32_for_softmax` is always honoured (the softmax statistics are
-  float32). One documented difference: a query row that sees no key returns
-  zeros, where Flax returns the mean of the values.
+  float32). Attention dropout (`dropout_rate` > 0 and not `deterministic`)
+  runs inside flash attention with `dropout_rng` (on `xla`, `chunked` and
+  `triton`), a mask drawn per batch row and head even when Flax would
+  broadcast one (`broadcast_dropout`). One documented difference: a query
+  row that sees no key returns zeros, where Flax returns the mean of the
+  values.
 
   Args:
     implementation: `flash_attention`'s implementation (None = automatic).
@@ -437,13 +442,11 @@ def make_attention_fn(
       qk_attn_weights_einsum: Any = None,
       attn_weights_value_einsum: Any = None,
   ) -> Array:
-    del broadcast_dropout, dropout_rng, force_fp32_for_softmax
-    if dropout_rate > 0.0 and not deterministic:
-      raise NotImplementedError(
-          "flash attention does not implement attention dropout: got "
-          f"{dropout_rate=} with {deterministic=}. Use dropout_rate=0.0, or "
-          "deterministic=True outside training."
-      )
+    # Dropout masks are drawn per batch row and head (`pallas_fa.dropout`);
+    # Flax's broadcast_dropout (one mask shared by them) is not reproduced.
+    del broadcast_dropout, force_fp32_for_softmax
+    if deterministic or not dropout_rate:
+      dropout_rate, dropout_rng = 0.0, None
     if module is not None:
       raise NotImplementedError(
           "sow_weights=True needs the T x S attention weights, which flash "
@@ -464,30 +467,16 @@ def make_attention_fn(
     else:
       dtype = dtype or jnp.result_type(query, key, value)
       query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-    if key.shape != value.shape:
-      raise ValueError(
-          f"key and value shapes differ: {key.shape=}, {value.shape=}."
-      )
-    batch_shape = query.shape[:-3]
-    if key.shape[:-3] != batch_shape:
-      raise ValueError(
-          f"batch dims differ: {query.shape=}, {key.shape=}."
-      )
     if mask is not None:
       mask = jnp.asarray(mask).astype(jnp.bool_)
-    if batch_shape:
-      flat = lambda x: x.reshape((-1,) + x.shape[-3:])
-      q, k, v = flat(query), flat(key), flat(value)
-      mask = _flatten_batch(mask, batch_shape, 3)
-      bias = _flatten_batch(bias, batch_shape, 3)
-    else:
-      q, k, v = query, key, value
-    out = api.flash_attention(
-        q, k, v, bias, mask, is_causal=bool(is_causal),
+    # flash_attention takes Flax's [batch..., length, heads, head_dim] layout
+    # and [batch..., heads, q, kv] masks as they are.
+    return api.flash_attention(
+        query, key, value, bias, mask, is_causal=bool(is_causal),
         logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
+        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         implementation=implementation, block_sizes=block_sizes,
         precision=_flax_precision(precision),
     )
-    return out.reshape(query.shape[:-1] + (value.shape[-1],))
 
   return attention_fn

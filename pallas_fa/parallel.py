@@ -319,7 +319,8 @@ def _cond(empty, skip, run):
 
 def _step_forward(backend, params, q, k, v, bias, info):
   """(out float32, lse) of q against one K/V shard; skipped when empty."""
-  b, t, n, h = q.shape
+  b, t, n, _ = q.shape
+  h = v.shape[-1]
 
   def run():
     out, lse = backend.forward(q, k, v, bias, info, params)
@@ -380,7 +381,13 @@ def _add_columns(acc, d, src, s_local):
 def _ring_forward(backend, params, axis_name, q, k, v, bias, info):
   size = _axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
-  b, t, n, h = q.shape
+  if q.dtype == jnp.float64:
+    # The ring merges partial results in float32.
+    raise NotImplementedError(
+        "ring attention computes in float32; float64 query/key/value are "
+        "not supported over a sequence axis.")
+  b, t, n, _ = q.shape
+  h = v.shape[-1]
   s_local = k.shape[1]
 
   def body(carry, step):

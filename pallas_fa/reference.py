@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import dropout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import vjp
@@ -33,10 +34,10 @@ def attention(
     compute_dtype=jnp.float32,
     precision=jax.lax.Precision.HIGHEST,
 ) -> tuple[Array, Array]:
-  """Materialised attention: returns (out [B,T,N,H], lse [B,T,N] float32).
+  """Materialised attention: returns (out [B,T,N,Hv], lse [B,T,N] float32).
 
   Args:
-    q, k, v: [B, T, N, H], [B, S, K, H], [B, S, K, H].
+    q, k, v: [B, T, N, H], [B, S, K, H], [B, S, K, Hv].
     bias: additive bias broadcastable to [B, N, T, S] (4-D), or None.
     info: the canonical mask description.
     scale: logit scale.
@@ -71,6 +72,12 @@ def attention(
   seen = denom > 0
   l_safe = jnp.where(seen, denom, 1.0)
   p = e / l_safe[..., None]
+  if info.has_dropout:
+    iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, p.shape, axis)
+    keep = dropout.keep_mask(
+        info.dropout_seed, info.dropout_rate, iota(0), iota(1) * g + iota(2),
+        iota(3), iota(4))
+    p = p * dropout.factor(keep, info.dropout_rate, p.dtype)
   out = jnp.einsum(
       "bkgts,bskh->btkgh",
       p,
@@ -78,7 +85,7 @@ def attention(
       precision=precision,
   )
   lse = jnp.where(seen, m_safe + jnp.log(l_safe), online_softmax.MASK_VALUE)
-  out = out.reshape(b, t, n, h).astype(q.dtype)
+  out = out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
   lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)
   return out, lse.astype(jnp.promote_types(compute_dtype, jnp.float32))
 
@@ -97,4 +104,5 @@ def _check(q, k, v, bias, info, params):
 
 # Differentiated by plain autodiff (no custom backward).
 BACKEND = vjp.Backend(
-    name="xla", forward=_forward, check=_check, dtypes=vjp.WITH_FLOAT64)
+    name="xla", forward=_forward, check=_check, dtypes=vjp.WITH_FLOAT64,
+    value_head_dim=True, dropout=True)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import online_softmax
@@ -130,7 +131,7 @@ class BlockSizes:
 
 def default_block_sizes(
     *, head_dim: int, dtype, q_len: int, kv_len: int, is_causal: bool = False,
-    kind: str | None = None,
+    dropout: bool = False, kind: str | None = None,
 ) -> BlockSizes:
   """The tuned or heuristic tiling for a call (see `pallas_fa.tuning`).
 
@@ -140,14 +141,19 @@ def default_block_sizes(
     q_len: T.
     kv_len: S.
     is_causal: whether the call is causal.
+    dropout: whether the call has attention dropout.
     kind: device kind, default that of the default device.
 
   Returns:
     A validated BlockSizes.
   """
-  return BlockSizes(**tuning.triton_block_sizes(
+  bs = BlockSizes(**tuning.triton_block_sizes(
       head_dim=head_dim, dtype=dtype, q_len=q_len, kv_len=kv_len,
       is_causal=is_causal, kind=kind))
+  if dropout and bs.num_warps < 8:
+    # The mask hash adds registers: a 4-warp forward spills (ptxas, H=64).
+    bs = dataclasses.replace(bs, num_warps=8)
+  return bs
 
 
 def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
@@ -155,7 +161,8 @@ def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
     return params.block_sizes
   return default_block_sizes(
       head_dim=q.shape[-1], dtype=q.dtype, q_len=q.shape[1],
-      kv_len=k.shape[1], is_causal=info.is_causal)
+      kv_len=k.shape[1], is_causal=info.is_causal,
+      dropout=info.has_dropout)
 
 
 def tile_size(block: int, length: int) -> int:
@@ -193,6 +200,7 @@ class _Features:
   bias: tuple[bool, bool, bool, bool] | None
   groups: int
   precision: Any = None
+  dropout_rate: float = 0.0
 
   @property
   def positions(self) -> bool:
@@ -234,6 +242,26 @@ def _logits(feat: _Features, qk, bias):
   s_capped = online_softmax.soft_cap(qk * feat.scale, feat.soft_cap)
   s = s_capped if bias is None else s_capped + bias.astype(_F32)
   return s_capped, s * _LOG2_E
+
+
+def _program_ids():
+  """The three grid indices, read at the kernel's top level (the
+  interpreter resolves `program_id` there, not inside loop bodies)."""
+  return pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+
+def _dropout_factor(refs, feat: _Features, batch, head, row0, rows: int,
+                    col0, cols: int, *, queries_last: bool = False):
+  """The [rows, cols] attention-dropout factor of a tile (0 or
+  1 / (1 - rate), `pallas_fa.dropout`): rows are queries and columns keys,
+  or the converse with `queries_last`."""
+  seed = refs["seed"][...][None, :]  # [1, 1] uint32
+  r = row0 + jnp.arange(rows, dtype=jnp.int32)[:, None]
+  c = col0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
+  q_index, kv_index = (c, r) if queries_last else (r, c)
+  keep = dropout.keep_mask(seed, feat.dropout_rate, batch, head, q_index,
+                           kv_index)
+  return dropout.factor(keep, feat.dropout_rate, _F32)
 
 
 def _visible(feat: _Features, row_pos, col_pos, row_seg, col_seg, dense, *,
@@ -341,6 +369,7 @@ class _Padded:
         bias=_full_axes(self.bias),
         groups=self.g,
         precision=params.precision,
+        dropout_rate=self.info.dropout_rate,
     )
 
   def queries(self, x):
@@ -417,9 +446,13 @@ def _dense_tile(ref, full, lead, rows, cols):
 # Forward.
 
 
-def _forward_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
+def _forward_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int,
+                    reverse_rows: bool):
   q = refs["q"][...]  # [block_q, Hp]
   block_q, hp = q.shape
+  row, head, batch = _program_ids()
+  if reverse_rows:
+    row = pl.num_programs(0) - 1 - row
   q_pos = refs["q_pos"][...] if feat.positions else None  # [block_q]
   q_seg = refs["q_seg"][...] if feat.segments else None
 
@@ -441,6 +474,10 @@ def _forward_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
           refs["kv_pos"][cols] if feat.positions else None,
           q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, exp=jnp.exp2)
+    if feat.dropout_rate:
+      # On the normalised probabilities: l_i sums the undropped ones.
+      p = p * _dropout_factor(refs, feat, batch, head, row * block_q,
+                              block_q, j * block_k, block_k)
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, feat)
     return m_i, l_i, acc
 
@@ -491,8 +528,10 @@ def _forward(q, k, v, bias, info, params):
       "lse": (jax.ShapeDtypeStruct((b, n, x.tp), _F32),
               _spec((None, None, bq), lambda i, h, b: (b, h, row(i)))),
   }
+  _add_dropout_seed(inputs, x)
   kernel = functools.partial(
-      _forward_kernel, feat=feat, block_k=bk, num_tiles=nk)
+      _forward_kernel, feat=feat, block_k=bk, num_tiles=nk,
+      reverse_rows=info.is_causal)
   out, lse = _pallas_call(kernel, inputs, outputs, (nq, n, b),
                           bs.num_warps, bs.num_stages, "flash_fwd")
   return out[:, :t, :, :h], lse[:, :, :t].transpose(0, 2, 1)
@@ -510,6 +549,12 @@ def _add_row_col_inputs(inputs, x, feat, rows, cols, row, col):
         q_arr, _spec((None, rows), lambda r, h, b: (b, row(r))))
     inputs["kv_" + name] = (
         kv_arr, _spec((None, cols), lambda r, h, b: (b, col(r))))
+
+
+def _add_dropout_seed(inputs, x):
+  if x.info.has_dropout:
+    seed = jnp.asarray(x.info.dropout_seed, jnp.uint32).reshape(1)
+    inputs["seed"] = (seed, _spec((1,), lambda *_: (0,)))
 
 
 def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
@@ -534,6 +579,7 @@ def _dkv_kernel(refs, *, feat: _Features, block_q: int, num_tiles: int):
   k = refs["k"][...]  # [block_kv, Hp]
   v = refs["v"][...]
   block_kv, hp = k.shape
+  kv_block, kv_head, batch = _program_ids()
   kv_pos = refs["kv_pos"][...] if feat.positions else None  # [block_kv]
   kv_seg = refs["kv_seg"][...] if feat.segments else None
 
@@ -563,8 +609,16 @@ def _dkv_kernel(refs, *, feat: _Features, block_q: int, num_tiles: int):
             queries_last=True))
       p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2,
                                         queries_last=True)
-      dv = dv + _dot(p.astype(do.dtype), do, feat)  # [block_kv, Hp]
       dp = _dot_nt(v, do, feat)  # [block_kv, block_q]
+      p_used = p
+      if feat.dropout_rate:
+        # dV from the dropped P^T, dP^T through the same mask, and
+        # dS^T = P^T * (dP^T - delta) (FlashAttention-2's dropout backward).
+        z = _dropout_factor(
+            refs, feat, batch, kv_head * feat.groups + g, kv_block * block_kv,
+            block_kv, i * block_q, block_q, queries_last=True)
+        p_used, dp = p * z, dp * z
+      dv = dv + _dot(p_used.astype(do.dtype), do, feat)  # [block_kv, Hp]
       ds = online_softmax.logits_grad(p, dp, delta, queries_last=True)
       ds = online_softmax.soft_cap_grad(ds, s_capped, feat.soft_cap)
       dk = dk + _dot(ds.astype(q.dtype), q, feat)  # unscaled, see below
@@ -589,6 +643,7 @@ def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
   lse = refs["lse"][...]  # [block_q], base 2
   delta = refs["delta"][...]
   block_q, hp = q.shape
+  q_block, head, batch = _program_ids()
   q_pos = refs["q_pos"][...] if feat.positions else None
   q_seg = refs["q_seg"][...] if feat.segments else None
   db = feat.bias
@@ -616,6 +671,9 @@ def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
           q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
     p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2)
     dp = _dot_nt(do, v, feat)  # [block_q, block_k]
+    if feat.dropout_rate:
+      dp = dp * _dropout_factor(refs, feat, batch, head, q_block * block_q,
+                                block_q, j * block_k, block_k)
     ds = online_softmax.logits_grad(p, dp, delta)
     if db is not None:
       d = ds if db[2] else ds.sum(axis=0, keepdims=True)
@@ -697,6 +755,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       "dv": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), v.dtype),
              _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
   }
+  _add_dropout_seed(inputs, x)
   kernel = functools.partial(
       _dkv_kernel, feat=feat, block_q=bq_kv, num_tiles=nq)
   dk, dv = _pallas_call(kernel, inputs, outputs, (nk, num_kv, b), warps,
@@ -734,6 +793,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     db_block = (None, None, bq_q if db[2] else 1, x.sp if db[3] else 1)
     outputs["dbias"] = (jax.ShapeDtypeStruct(db_shape, _F32),
                         _spec(db_block, lambda i, h, b: (b, h, i, 0)))
+  _add_dropout_seed(inputs, x)
   kernel = functools.partial(
       _dq_kernel, feat=feat, block_k=bk_q, num_tiles=nk)
   results = _pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
@@ -769,4 +829,5 @@ BACKEND = vjp.Backend(
     backward=_backward,
     check=_check,
     block_sizes_type=BlockSizes,
+    dropout=True,
 )

@@ -59,6 +59,9 @@ class Backend:
     block_sizes_type: the frozen tiling config class `block_sizes=` must be
       an instance of, or None if the backend takes none.
     dtypes: input dtypes it computes in (others raise NotImplementedError).
+    value_head_dim: whether value (and the output) may have a head dim Hv
+      other than the query/key head dim H.
+    dropout: whether it implements attention dropout (`pallas_fa.dropout`).
   """
 
   name: str
@@ -67,6 +70,8 @@ class Backend:
   backward: Backward | None = None
   block_sizes_type: type | None = None
   dtypes: tuple[Any, ...] = (jnp.float32, jnp.bfloat16, jnp.float16)
+  value_head_dim: bool = False
+  dropout: bool = False
 
   def check_call(self, q, k, v, bias, info, params) -> None:
     """Raises NotImplementedError naming why this backend cannot run the
@@ -76,6 +81,14 @@ class Backend:
       raise NotImplementedError(
           f"implementation {self.name!r} computes in {names}, not "
           f"{q.dtype}.")
+    if v.shape[-1] != q.shape[-1] and not self.value_head_dim:
+      raise NotImplementedError(
+          f"implementation {self.name!r} needs the value head dim equal to "
+          f"the query/key head dim, got {q.shape[-1]} and {v.shape[-1]}.")
+    if info.has_dropout and not self.dropout:
+      raise NotImplementedError(
+          f"implementation {self.name!r} does not implement attention "
+          "dropout.")
     self.check(q, k, v, bias, info, params)
 
 

@@ -115,7 +115,9 @@ TARGETS = {
 BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
-VARIANTS = ("plain", "causal", "masked")
+VARIANTS = ("plain", "causal", "masked", "dropout")
+# Variants only some backends implement (the others decline them).
+VARIANT_BACKENDS = {"dropout": ("triton",)}
 HEAD_DIMS = (64, 72, 128, 256)
 
 
@@ -128,7 +130,8 @@ class Case:
     head_dim: H.
     dtype: input dtype name.
     variant: "plain"; "causal"; "masked" = causal + sliding window + segment
-      ids + GQA 4:1 (every masking path of the kernels at once).
+      ids + GQA 4:1 (every masking path of the kernels at once);
+      "dropout" = causal + attention dropout (triton only).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -355,6 +358,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
       args.append(pallas_fa.SegmentIds(q=spec((1, seq), jnp.int32),
                                        kv=spec((1, seq), jnp.int32)))
       kwargs["local_window_size"] = (seq // 4, 0)
+    if case.variant == "dropout":
+      kwargs.update(dropout_rate=0.1, dropout_rng=12345)
 
     def loss(q, k, v, segment_ids=None):
       out = pallas_fa.flash_attention(
@@ -404,7 +409,7 @@ def _chosen_tiles(case: Case, block_sizes, seq: int):
     from pallas_fa import triton  # noqa: PLC0415
     return triton.default_block_sizes(
         head_dim=case.head_dim, dtype=dtype, q_len=seq, kv_len=seq,
-        is_causal=case.variant != "plain")
+        is_causal=case.variant != "plain", dropout=case.variant == "dropout")
   from pallas_fa import mosaic_gpu  # noqa: PLC0415
   return mosaic_gpu.block_sizes_for(
       head_dim=case.head_dim, dtype=dtype, q_len=seq, kv_len=seq,
@@ -461,7 +466,8 @@ def matrix(args) -> list[tuple[str, Case]]:
       for h in head_dims:
         for variant in variants:
           for dtype in dtypes:
-            if dtype not in DTYPES[backend]:
+            if dtype not in DTYPES[backend] or backend not in (
+                VARIANT_BACKENDS.get(variant, (backend,))):
               continue
             for tiles in args.tiles.split(","):
               out.append((target, Case(backend, h, dtype, variant, tiles)))

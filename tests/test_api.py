@@ -34,7 +34,7 @@ BAD = [
     # (overrides, exception, text that must appear in the message)
     (dict(query=jnp.zeros((T, N))), ValueError, "query"),
     (dict(key=jnp.zeros((S, K, H))), ValueError, "key"),
-    (dict(value=jnp.zeros((B, S, K, H + 1))), ValueError, "value"),
+    (dict(value=jnp.zeros((B, S + 1, K, H))), ValueError, "value"),
     (dict(key=jnp.zeros((B, S, K, H + 1)), value=jnp.zeros((B, S, K, H + 1))),
      ValueError, "key"),
     (dict(key=jnp.zeros((B, S, 3, H)), value=jnp.zeros((B, S, 3, H))),

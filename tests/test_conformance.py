@@ -365,3 +365,65 @@ def test_float64(implementation):
     for name in ("triton", "mosaic_tpu"):
       with pytest.raises(NotImplementedError, match="float64"):
         pallas_fa.flash_attention(q, k, v, implementation=name, **kw)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_runs_under_jax_enable_checks(implementation):
+  """JAX's internal invariant checks (as in JAX's own test harness) pass on
+  a call that takes every masking path, forward and backward."""
+  case = Case(b=2, t=11, s=17, n=4, k=2, h=8, causal=True, window=(5, 2),
+              segments=True, lengths=True, soft_cap=5.0, bias="heads")
+  gen = rng("enable-checks", implementation)
+  with jax.enable_checks(True):
+    check_against_reference(
+        _fn(implementation), case, jnp.float32, gen)
+
+
+@pytest.mark.parametrize("hv", [24, 8], ids=["hv>h", "hv<h"])
+def test_value_head_dim(implementation, hv):
+  """Hv != H equals the Hv == H computation with zero-padded operands: V
+  padded to H (Hv < H), or Q and K padded to Hv at the same scale (Hv > H);
+  outputs and gradients are compared."""
+  _require_float32(implementation)
+  b, t, s, n, kh, h = 2, 13, 21, 4, 2, 16
+  gen = rng(implementation, "value-head-dim", hv)
+  normal = lambda *shape: jnp.asarray(gen.standard_normal(shape), jnp.float32)
+  q, k, v = normal(b, t, n, h), normal(b, s, kh, h), normal(b, s, kh, hv)
+  kw = dict(is_causal=True, scale=h ** -0.5, local_window_size=(9, 0),
+            key_value_seq_lengths=jnp.asarray([s, 11]))
+  fn = functools.partial(
+      pallas_fa.flash_attention, implementation=implementation,
+      block_sizes=block_sizes_for(implementation), return_residual=True, **kw)
+  if not api.get_backend(implementation).value_head_dim:
+    with pytest.raises(NotImplementedError, match="value head dim"):
+      fn(q, k, v)
+    return
+  dout = normal(b, t, n, hv)
+  width = max(h, hv)
+  pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, width - x.shape[-1]),))
+
+  def loss(q, k, v, padded):
+    if padded:
+      out, lse = fn(pad(q), pad(k), pad(v))
+      out = out[..., :hv]
+    else:
+      out, lse = fn(q, k, v)
+    return (out * dout).sum() + jnp.where(
+        jnp.isfinite(lse), lse, 0.0).sum(), out
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True),
+                 static_argnums=3)
+  (grads, out), (grads_ref, out_ref) = grad(q, k, v, False), grad(
+      q, k, v, True)
+  assert out.shape == (b, t, n, hv)
+  np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
+  for name, g, g_ref in zip("qkv", grads, grads_ref):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_automatic_choice_runs_value_head_dim():
+  q = jnp.ones((1, 4, 2, 8))
+  v = jnp.arange(5 * 2 * 12, dtype=jnp.float32).reshape(1, 5, 2, 12)
+  out = pallas_fa.flash_attention(q, q[:, :1].repeat(5, axis=1), v)
+  np.testing.assert_allclose(out, jnp.broadcast_to(v.mean(1, keepdims=True),
+                                                   (1, 4, 2, 12)), rtol=1e-6)

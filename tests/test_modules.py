@@ -171,12 +171,14 @@ def test_nnx_decode_mode_matches_flax():
   np.testing.assert_allclose(full, outs[1], **_TOL)
 
 
-def test_attention_dropout_in_training_raises():
+def test_attention_dropout_in_training_needs_a_backend_with_dropout():
+  """Training with dropout runs where the backend implements it (see
+  test_dropout.py) and is refused by name where it does not."""
   d = 16
   x = _normal((2, 5, d))
   module = nnx.MultiHeadAttention(
       num_heads=2, in_features=d, dropout_rate=0.1, decode=False,
-      attention_fn=_attention_fn("xla"), rngs=nnx.Rngs(0))
+      attention_fn=_attention_fn("mosaic_tpu"), rngs=nnx.Rngs(0))
   with pytest.raises(NotImplementedError, match="dropout"):
     module(x, deterministic=False)
   # Outside training the dropout rate is irrelevant and the call works

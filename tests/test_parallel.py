@@ -144,6 +144,22 @@ def test_one_device_mesh_matches_flash_attention():
   assert jnp.all(jnp.isfinite(got))
 
 
+@pytest.mark.parametrize("sequence_axis", [None, "sequence"])
+def test_one_device_mesh_batch_dims_and_value_head_dim(sequence_axis):
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  gen = np.random.default_rng()
+  normal = lambda *shape: jnp.asarray(gen.standard_normal(shape), jnp.float32)
+  q, k, v = normal(2, 3, 24, 4, 8), normal(2, 3, 20, 2, 8), normal(
+      2, 3, 20, 2, 12)
+  kwargs = dict(is_causal=True, implementation="chunked")
+  want = pallas_fa.flash_attention(q, k, v, **kwargs)
+  got = parallel.sharded_flash_attention(
+      q, k, v, mesh=mesh, batch_axes="data", head_axes="heads",
+      sequence_axis=sequence_axis, **kwargs)
+  assert got.shape == (2, 3, 24, 4, 12)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_ring_steps_with_no_visible_key_are_skipped():
   pos = jnp.arange(16)[None]
   info = masking.MaskInfo(q_positions=pos, kv_positions=pos + 16,

@@ -1,0 +1,86 @@
+"""Attention dropout whose mask is a pure function of where it applies.
+
+Dropout zeroes each normalised attention probability with probability `rate`
+and scales the survivors by 1 / (1 - rate), as Flax does. The keep/drop
+decision for probability (b, n, i, j) (batch row, query head, query index,
+key index) is a counter-based hash of (seed, b, n, i, j): no random state,
+nothing T x S stored, the backward pass regenerates exactly the forward's
+mask, and every backend and every tiling draws bit-identical masks (so a
+kernel can be checked exactly against the reference). The hash is 32-bit
+integer arithmetic only (murmur3's finaliser), which every backend, Pallas
+kernels included, computes the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Array = Any
+
+_U32 = jnp.uint32
+# Odd multiplier and offset that spread small coordinates over all 32 bits
+# before mixing (the golden-ratio constant of Fibonacci hashing).
+_SPREAD = 0x9E3779B9
+_OFFSET = 0x7F4A7C15
+
+
+def _fmix32(h: Array) -> Array:
+  """murmur3's 32-bit finaliser: a bijection with full avalanche."""
+  h = h ^ (h >> 16)
+  h = h * _U32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * _U32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _absorb(h: Array, x: Array) -> Array:
+  x = jnp.asarray(x).astype(_U32)
+  return _fmix32(h ^ (x * _U32(_SPREAD) + _U32(_OFFSET)))
+
+
+def threshold(rate: float) -> int:
+  """A probability is dropped when its 32-bit hash is below this."""
+  return min(round(rate * 2.0**32), 2**32 - 1)
+
+
+def keep_mask(seed: Array, rate: float, batch: Array, head: Array,
+              q_index: Array, kv_index: Array) -> Array:
+  """Which probabilities survive: bool, the broadcast shape of the indices.
+
+  Args:
+    seed: uint32 scalar (`seed_from`).
+    rate: the dropout rate, in [0, 1).
+    batch, head, q_index, kv_index: integer index arrays (broadcastable);
+      `batch` is the row of the folded batch, `head` the query head, and
+      `q_index` / `kv_index` index the query and key axes (not positions).
+  """
+  h = _absorb(jnp.asarray(seed, _U32), batch)
+  h = _absorb(h, head)
+  h = _absorb(h, q_index)
+  h = _absorb(h, kv_index)
+  return h >= _U32(threshold(rate))
+
+
+def factor(keep: Array, rate: float, dtype) -> Array:
+  """1 / (1 - rate) where kept, 0 where dropped: multiplies probabilities
+  (forward) and their cotangents (backward)."""
+  return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(dtype)
+
+
+def seed_from(rng: Any) -> Array:
+  """A uint32 seed from a JAX PRNG key (typed or raw uint32[2]) or an
+  integer; raises TypeError for anything else."""
+  if isinstance(rng, int) and not isinstance(rng, bool):
+    return _U32(rng & 0xFFFFFFFF)
+  x = jnp.asarray(rng) if not hasattr(rng, "dtype") else rng
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or (
+      x.shape == (2,) and x.dtype == jnp.uint32):
+    return jax.random.bits(x, (), _U32)
+  if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer):
+    return x.astype(_U32)
+  raise TypeError(
+      "dropout_rng must be a JAX PRNG key or an integer seed, got "
+      f"{getattr(x, 'dtype', type(rng))} {getattr(x, 'shape', '')}.")
