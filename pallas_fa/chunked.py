@@ -179,13 +179,10 @@ class _Layout:
     only (`pallas_fa.dropout`), never on the tiling."""
     if not self.info.has_dropout:
       return None
-    shape = (self.b, self.num_kv, self.g, self.bq, self.bk)
-    iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
-    keep = dropout.keep_mask(
-        self.info.dropout_seed, self.info.dropout_rate, iota(0),
-        iota(1) * self.g + iota(2), i * self.bq + iota(3),
-        j * self.bk + iota(4))
-    return dropout.factor(keep, self.info.dropout_rate, self.acc)
+    return dropout.grouped_factor(
+        self.info.dropout_seed, self.info.dropout_rate,
+        (self.b, self.num_kv, self.g, self.bq, self.bk), self.acc,
+        q_start=i * self.bq, kv_start=j * self.bk)
 
   def visibility(self, i, j):
     return masking.tile_visibility(

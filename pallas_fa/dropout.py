@@ -70,6 +70,17 @@ def factor(keep: Array, rate: float, dtype) -> Array:
   return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(dtype)
 
 
+def grouped_factor(seed: Array, rate: float, shape, dtype, q_start=0,
+                   kv_start=0) -> Array:
+  """`factor` of a [B, K, G, rows, cols] tile in the grouped-head layout
+  (query head = k * G + g) whose first row and column are query q_start and
+  key kv_start."""
+  iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+  keep = keep_mask(seed, rate, iota(0), iota(1) * shape[2] + iota(2),
+                   q_start + iota(3), kv_start + iota(4))
+  return factor(keep, rate, dtype)
+
+
 def seed_from(rng: Any) -> Array:
   """A uint32 seed from a JAX PRNG key (typed or raw uint32[2]) or an
   integer; raises TypeError for anything else."""

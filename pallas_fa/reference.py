@@ -73,11 +73,8 @@ def attention(
   l_safe = jnp.where(seen, denom, 1.0)
   p = e / l_safe[..., None]
   if info.has_dropout:
-    iota = lambda axis: jax.lax.broadcasted_iota(jnp.int32, p.shape, axis)
-    keep = dropout.keep_mask(
-        info.dropout_seed, info.dropout_rate, iota(0), iota(1) * g + iota(2),
-        iota(3), iota(4))
-    p = p * dropout.factor(keep, info.dropout_rate, p.dtype)
+    p = p * dropout.grouped_factor(
+        info.dropout_seed, info.dropout_rate, p.shape, p.dtype)
   out = jnp.einsum(
       "bkgts,bskh->btkgh",
       p,

@@ -1,7 +1,11 @@
 """Shared test configuration: which implementations run, with which tiles."""
 
+import contextlib
 import importlib
+import importlib.util
 import os
+import pathlib
+import sys
 
 # Test shapes are tiny: nearly all test time is XLA compiling (interpreted
 # kernels especially), which optimisation level 0 makes ~40% cheaper.
@@ -80,3 +84,19 @@ IMPLEMENTATIONS = _implementations_under_test()
 @pytest.fixture(params=IMPLEMENTATIONS)
 def implementation(request):
   return request.param
+
+
+@contextlib.contextmanager
+def script_module(name):
+  """scripts/<name>.py imported as a module, registered in sys.modules while
+  in use (dataclasses look their module up)."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / (
+      name + ".py")
+  spec = importlib.util.spec_from_file_location(name + "_script", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  try:
+    spec.loader.exec_module(module)
+    yield module
+  finally:
+    sys.modules.pop(spec.name, None)

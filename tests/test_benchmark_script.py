@@ -2,27 +2,19 @@
 
 import dataclasses
 import functools
-import importlib.util
 import json
-import pathlib
-import sys
 
 import jax
 import pytest
+from conftest import script_module
 
 import pallas_fa
-
-_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts/benchmark.py"
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-  spec = importlib.util.spec_from_file_location("benchmark_script", _SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up.
-  spec.loader.exec_module(module)
-  yield module
-  sys.modules.pop(spec.name, None)
+  with script_module("benchmark") as module:
+    yield module
 
 
 def _settings(benchmark, **overrides):

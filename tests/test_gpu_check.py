@@ -1,7 +1,6 @@
 """Tests of scripts/gpu_check.py: its parsers and a whole --dry-run."""
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import pathlib
@@ -10,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import script_module
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _SCRIPT = _ROOT / "scripts" / "gpu_check.py"
@@ -17,12 +17,8 @@ _SCRIPT = _ROOT / "scripts" / "gpu_check.py"
 
 @pytest.fixture(scope="module")
 def gpu_check():
-  spec = importlib.util.spec_from_file_location("gpu_check_script", _SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up.
-  spec.loader.exec_module(module)
-  yield module
-  sys.modules.pop(spec.name, None)
+  with script_module("gpu_check") as module:
+    yield module
 
 
 _JUNIT = """<?xml version="1.0" encoding="utf-8"?>
