@@ -1,7 +1,19 @@
-"""`flash_attention`: validation, canonicalisation and backend dispatch."""
+"""`flash_attention`: validation, canonicalisation and backend dispatch.
+
+This module is also the front door for the rest of the package (the
+multi-device layer, `pallas_fa.testing`, the scripts): `canonicalize` turns
+public arguments into a `Call` (what every backend receives), and
+`choose_backend` picks the backend that runs it. The path of one call:
+
+  flash_attention -> static_arguments (eager checks, jit cache key)
+    -> canonicalize -> Call(q, k, v, bias, info, params, batch_shape)
+    -> choose_backend -> vjp.attention(backend, ...) -> backend.forward /
+       backend.backward (a Pallas kernel or jax.numpy).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import math
@@ -21,7 +33,7 @@ Array = Any
 
 # name -> module defining `BACKEND`. Modules are imported on first use so a
 # backend whose compiler stack is missing never breaks the others.
-_REGISTRY = {
+REGISTRY = {
     "xla": "pallas_fa.reference",
     "chunked": "pallas_fa.chunked",
     "triton": "pallas_fa.triton",
@@ -30,7 +42,7 @@ _REGISTRY = {
 }
 
 # Automatic choice, fastest first, per platform (DESIGN §2).
-_AUTO_ORDER = {
+AUTO_ORDER = {
     "gpu": ("mosaic_gpu", "triton", "chunked"),
     "tpu": ("mosaic_tpu", "chunked"),
     "cpu": ("chunked",),
@@ -42,7 +54,7 @@ _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 def implementations() -> tuple[str, ...]:
   """Names accepted by `implementation=` whose backend imports here."""
   names = []
-  for name in _REGISTRY:
+  for name in REGISTRY:
     try:
       get_backend(name)
     except NotImplementedError:
@@ -59,13 +71,13 @@ def get_backend(name: str) -> vjp.Backend:
     ValueError: unknown name.
     NotImplementedError: the backend's compiler stack cannot be imported here.
   """
-  if name not in _REGISTRY:
+  if name not in REGISTRY:
     raise ValueError(
         f"Unknown implementation={name!r}; expected one of "
-        f"{sorted(_REGISTRY)} or None."
+        f"{sorted(REGISTRY)} or None."
     )
   try:
-    module = importlib.import_module(_REGISTRY[name])
+    module = importlib.import_module(REGISTRY[name])
   except ImportError as e:
     raise NotImplementedError(
         f"implementation={name!r} is unavailable: {e}") from e
@@ -107,7 +119,7 @@ def _check_per_token(name, x, batch_shape, length):
   return _check_int_array(name, x, batch_shape + (length,)).reshape(-1, length)
 
 
-def _check_non_negative(name, x):
+def check_non_negative(name, x):
   """Rejects negative lengths when they are known (not traced) values.
 
   Traced negative lengths cannot be detected; they mean "all padding".
@@ -119,7 +131,7 @@ def _check_non_negative(name, x):
     raise ValueError(f"{name} must be non-negative, got {name}={values}.")
 
 
-def _check_window(local_window_size):
+def check_window(local_window_size):
   if local_window_size is None:
     return None
   w = local_window_size
@@ -148,7 +160,7 @@ def _check_window(local_window_size):
   return None if sides == [None, None] else tuple(sides)
 
 
-def _check_static_float(name, x, positive=False):
+def check_static_float(name, x, positive=False):
   if x is None:
     return None
   if isinstance(x, jax.core.Tracer):
@@ -164,10 +176,10 @@ def _check_static_float(name, x, positive=False):
   return value
 
 
-def _check_dropout(rate, rng):
+def check_dropout(rate, rng):
   """(rate, rng as an array or None): the static rate in [0, 1); an rng
   (PRNG key or integer seed) is required when rate > 0."""
-  rate = _check_static_float("dropout_rate", rate) or 0.0
+  rate = check_static_float("dropout_rate", rate) or 0.0
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate}.")
   if rate == 0.0:
@@ -181,7 +193,7 @@ def _check_dropout(rate, rng):
   return rate, rng
 
 
-def _check_precision(precision) -> jax.lax.Precision:
+def check_precision(precision) -> jax.lax.Precision:
   """`precision=` as a `jax.lax.Precision`, with JAX's names for its levels.
 
   None follows `jax.default_matmul_precision`, read now (outside any jit of
@@ -190,7 +202,7 @@ def _check_precision(precision) -> jax.lax.Precision:
   if precision is None:
     config = jax.config.jax_default_matmul_precision
     try:
-      return _check_precision(config or "default")
+      return check_precision(config or "default")
     except ValueError:
       raise ValueError(
           "precision=None follows jax_default_matmul_precision, which is a "
@@ -240,17 +252,73 @@ def _check_dense(name, x, batch_shape, nts):
   return x.reshape((-1,) + x.shape[len(batch_shape):])
 
 
-def _canonicalise(
-    query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
-    key_value_seq_lengths, local_window_size, segment_ids, query_positions,
-    key_positions, logits_soft_cap, dropout_rate=0.0, dropout_rng=None,
-):
-  """Validates every argument.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Call:
+  """One canonical attention call: what every backend receives.
 
-  Returns:
-    query, key, value, bias, info, params with the batch dims folded into
-    one, and the batch shape to unfold the results with.
+  Attributes:
+    q: [B, T, N, H], the batch dims of the public call folded into B.
+    k: [B, S, K, H].
+    v: [B, S, K, Hv].
+    bias: float [1 or B, 1 or N, 1 or T, 1 or S'] or None (S' is S, or the
+      `bias_key_length` given to `canonicalize`).
+    info: every mask argument, as one `masking.MaskInfo`.
+    params: the static settings (`vjp.Params`).
+    batch_shape: the public call's batch dims, to unfold results with.
   """
+
+  q: Array
+  k: Array
+  v: Array
+  bias: Array | None
+  info: masking.MaskInfo
+  params: vjp.Params
+  batch_shape: tuple[int, ...]
+
+  @property
+  def arrays(self):
+    """(q, k, v, bias, info, params): the arguments of a backend's forward
+    and check."""
+    return self.q, self.k, self.v, self.bias, self.info, self.params
+
+  def unfold(self, out: Array, lse: Array) -> tuple[Array, Array]:
+    """Results [B, T, ...] back to the public call's [*B, T, ...]."""
+    return (out.reshape(self.batch_shape + out.shape[1:]),
+            lse.reshape(self.batch_shape + lse.shape[1:]))
+
+
+def check_bias_and_mask(bias, mask, batch_shape, nts):
+  """Validates bias (float) and mask (bool), each broadcastable to
+  [*B, *nts]; returns them 4-D with the batch dims folded (1 if shared)."""
+  bias = _check_dense("bias", bias, batch_shape, nts)
+  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
+    raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
+  mask = _check_dense("mask", mask, batch_shape, nts)
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a bool array (True = attend), got "
+                    f"{mask.dtype=}.")
+  return bias, mask
+
+
+def canonicalize(
+    query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+    query_seq_lengths=None, key_value_seq_lengths=None,
+    local_window_size=None, segment_ids=None, query_positions=None,
+    key_positions=None, logits_soft_cap=None, dropout_rate=0.0,
+    dropout_rng=None, block_sizes=None, precision=None,
+    bias_key_length=None,
+) -> Call:
+  """Validates the arguments of `flash_attention` (same names, same
+  meaning) and returns the canonical `Call`.
+
+  Traceable: `flash_attention` calls it inside its jit. `bias_key_length`:
+  bias and mask span this many keys instead of S (ring attention, whose
+  bias covers every shard's keys).
+
+  Raises:
+    ValueError / TypeError: invalid arguments (the message names them).
+  """
+
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
   if query.ndim < 3:
     raise ValueError(
@@ -305,18 +373,14 @@ def _canonicalise(
   if max(h, hv) > 256:
     raise ValueError(
         f"head dims must be <= 256, got {query.shape=}, {value.shape=}.")
-  scale = _check_static_float("scale", scale)
+  scale = check_static_float("scale", scale)
   scale = 1.0 / math.sqrt(h) if scale is None else scale
-  soft_cap = _check_static_float("logits_soft_cap", logits_soft_cap, True)
-  window = _check_window(local_window_size)
+  soft_cap = check_static_float("logits_soft_cap", logits_soft_cap, True)
+  window = check_window(local_window_size)
 
-  bias = _check_dense("bias", bias, batch_shape, (n, t, s))
-  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
-    raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
-  mask = _check_dense("mask", mask, batch_shape, (n, t, s))
-  if mask is not None and mask.dtype != jnp.bool_:
-    raise TypeError(f"mask must be a bool array (True = attend), got "
-                    f"{mask.dtype=}.")
+  bias, mask = check_bias_and_mask(
+      bias, mask, batch_shape, (n, t, bias_key_length or s))
+  dropout_rate, dropout_rng = check_dropout(dropout_rate, dropout_rng)
 
   q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch_shape)
   kv_len = _check_lengths(
@@ -363,8 +427,10 @@ def _canonicalise(
                     else dropout.seed_from(dropout_rng)),
       dropout_rate=dropout_rate,
   )
-  params = vjp.Params(scale=scale, soft_cap=soft_cap)
-  return query, key, value, bias, info, params, batch_shape
+  params = vjp.Params(scale=scale, soft_cap=soft_cap, block_sizes=block_sizes,
+                      precision=check_precision(precision))
+  return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
+              batch_shape=batch_shape)
 
 
 def _accepts_block_sizes(backend, block_sizes) -> bool:
@@ -374,8 +440,15 @@ def _accepts_block_sizes(backend, block_sizes) -> bool:
   return kind is not None and isinstance(block_sizes, kind)
 
 
-def _choose(implementation, q, k, v, bias, info, params):
-  """The backend to run: the named one, or the first that supports the call."""
+def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
+  """The backend to run `call`: the named one (which must support it), or
+  the first of `AUTO_ORDER` for this platform that does.
+
+  Raises:
+    TypeError: `implementation` or `block_sizes` has the wrong type.
+    NotImplementedError: the named backend, or every candidate, declines.
+  """
+  params = call.params
   if implementation is not None:
     if not isinstance(implementation, str):
       raise TypeError(f"implementation must be a str or None, got "
@@ -387,10 +460,10 @@ def _choose(implementation, q, k, v, bias, info, params):
           f"{getattr(backend.block_sizes_type, '__name__', 'None')}, got "
           f"{type(params.block_sizes).__name__}."
       )
-    backend.check_call(q, k, v, bias, info, params)
+    backend.check_call(*call.arrays)
     return backend
   reasons = []
-  for name in _AUTO_ORDER.get(platform(), ("chunked",)):
+  for name in AUTO_ORDER.get(platform(), ("chunked",)):
     try:
       backend = get_backend(name)
     except NotImplementedError as e:
@@ -400,13 +473,33 @@ def _choose(implementation, q, k, v, bias, info, params):
       reasons.append(f"{name}: block_sizes is not its config type")
       continue
     try:
-      backend.check_call(q, k, v, bias, info, params)
+      backend.check_call(*call.arrays)
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
     return backend
   raise NotImplementedError(
       "No implementation supports this call: " + "; ".join(reasons)
+  )
+
+
+def static_arguments(*, scale, is_causal, local_window_size,
+                     logits_soft_cap, precision, query_seq_lengths=None,
+                     key_value_seq_lengths=None) -> dict[str, Any]:
+  """Checks the static arguments of a public call eagerly (before any jit,
+  so that `precision=None` reads `jax.default_matmul_precision` now) and
+  returns them validated and hashable, keyed by argument name."""
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
+  check_non_negative("query_seq_lengths", query_seq_lengths)
+  check_non_negative("key_value_seq_lengths", key_value_seq_lengths)
+  return dict(
+      scale=check_static_float("scale", scale),
+      is_causal=bool(is_causal),
+      local_window_size=check_window(local_window_size),
+      logits_soft_cap=check_static_float(
+          "logits_soft_cap", logits_soft_cap, True),
+      precision=check_precision(precision),
   )
 
 
@@ -490,25 +583,18 @@ def flash_attention(
     ValueError / TypeError: invalid arguments (the message names them).
     NotImplementedError: the named implementation cannot honour this call.
   """
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
-  _check_non_negative("query_seq_lengths", query_seq_lengths)
-  _check_non_negative("key_value_seq_lengths", key_value_seq_lengths)
-  rate, rng = _check_dropout(dropout_rate, dropout_rng)
-  static = dict(
-      scale=_check_static_float("scale", scale),
-      dropout_rate=rate,
-      is_causal=bool(is_causal),
-      local_window_size=_check_window(local_window_size),
-      logits_soft_cap=_check_static_float(
-          "logits_soft_cap", logits_soft_cap, True),
-      implementation=implementation,
+  rate, rng = check_dropout(dropout_rate, dropout_rng)
+  static = static_arguments(
+      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, precision=precision,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths)
+  static.update(
+      dropout_rate=rate, implementation=implementation,
       block_sizes=block_sizes,
-      precision=_check_precision(precision),
       # Keys the trace cache: kernels built for an ahead-of-time GPU target
       # differ from those built for this machine.
-      target=gpu_target.ahead_of_time(),
-  )
+      target=gpu_target.ahead_of_time())
   out, lse = _flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
@@ -531,20 +617,15 @@ def _flash_attention(
   del target  # Read by the backends through `gpu_target.current()`.
   # Everything from here on is traced once per shape/static configuration:
   # canonicalisation adds no eager dispatches and no compilations per call.
-  q, k, v, bias, info, params, batch_shape = _canonicalise(
+  call = canonicalize(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng,
+      dropout_rng=dropout_rng, block_sizes=block_sizes, precision=precision,
   )
-  params = vjp.Params(
-      scale=params.scale, soft_cap=params.soft_cap, block_sizes=block_sizes,
-      precision=precision,
-  )
-  backend = _choose(implementation, q, k, v, bias, info, params)
-  out, lse = vjp.attention(backend, params, q, k, v, bias, info)
-  out = out.reshape(batch_shape + out.shape[1:])
-  return out, lse.reshape(batch_shape + lse.shape[1:])
+  backend = choose_backend(implementation, call)
+  return call.unfold(*vjp.attention(
+      backend, call.params, call.q, call.k, call.v, call.bias, call.info))

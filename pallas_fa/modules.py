@@ -190,7 +190,7 @@ class MultiHeadAttention(nnx.Module):
     self.implementation = implementation
     self.block_sizes = block_sizes
     if precision is not None:
-      precision = api._check_precision(precision)
+      precision = api.check_precision(precision)
     self.precision = precision
     self.attention_fn = attention_fn or api.flash_attention
     self.dtype = dtype
@@ -377,7 +377,7 @@ def _flax_precision(precision):
   product at one precision, so a pair must name one level twice.
   """
   if isinstance(precision, (tuple, list)) and len(precision) == 2:
-    first, second = (api._check_precision(p) for p in precision)
+    first, second = (api.check_precision(p) for p in precision)
     if first != second:
       raise NotImplementedError(
           f"per-operand matmul precisions are not supported, got {precision=}."

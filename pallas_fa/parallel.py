@@ -470,7 +470,9 @@ def _ring_local(implementation, params, axis_name, q, k, v, bias, info):
   bias_0, info_0 = _step_inputs(
       bias, info, info.kv_positions, info.kv_segment_ids, 0, s_local
   )
-  backend = api._choose(implementation, q, k, v, bias_0, info_0, params)
+  backend = api.choose_backend(implementation, api.Call(
+      q=q, k=k, v=v, bias=bias_0, info=info_0, params=params,
+      batch_shape=q.shape[:1]))
   return _ring(backend, params, axis_name, q, k, v, bias, info)
 
 
@@ -556,24 +558,14 @@ def ring_attention(
   if key_positions is None:
     key_positions = jnp.broadcast_to(
         me * s + jnp.arange(s, dtype=jnp.int32), (b, s))
-  q, k, v, _, info, params, _ = api._canonicalise(
-      query, key, value, None, None, scale=scale, is_causal=is_causal,
-      query_seq_lengths=None, key_value_seq_lengths=None,
+  call = api.canonicalize(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
-      logits_soft_cap=logits_soft_cap,
+      logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
+      precision=precision, bias_key_length=s * size,
   )
-  nts = (n, t, s * size)
-  bias = api._check_dense("bias", bias, (b,), nts)
-  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
-    raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
-  mask = api._check_dense("mask", mask, (b,), nts)
-  if mask is not None and mask.dtype != jnp.bool_:
-    raise TypeError(f"mask must be a bool array, got {mask.dtype=}.")
-  info = info.replace(mask=mask)
-  params = dataclasses.replace(
-      params, block_sizes=block_sizes,
-      precision=api._check_precision(precision))
+  q, k, v, bias, info, params = call.arrays
   out, lse = _ring_local(implementation, params, axis_name, q, k, v, bias,
                          info)
   return (out, lse) if return_residual else out
@@ -774,8 +766,9 @@ def _sharded(plan: _Plan, q, k, v, bias, info):
     if plan.kv_replicated:
       k, v = _select_kv_heads(plan, q, k, v)
     if not ring:
-      backend = api._choose(
-          plan.implementation, q, k, v, bias, info, plan.params)
+      backend = api.choose_backend(plan.implementation, api.Call(
+          q=q, k=k, v=v, bias=bias, info=info, params=plan.params,
+          batch_shape=q.shape[:1]))
       return vjp.attention(backend, plan.params, q, k, v, bias, info)
     return _ring_local(plan.implementation, plan.params, plan.sequence,
                        q, k, v, bias, info)
@@ -881,24 +874,19 @@ def sharded_flash_attention(
   if sequence_axis is not None and not isinstance(sequence_axis, str):
     raise TypeError(
         f"sequence_axis must be one mesh axis name, got {sequence_axis=}.")
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
-  api._check_non_negative("query_seq_lengths", query_seq_lengths)
-  api._check_non_negative("key_value_seq_lengths", key_value_seq_lengths)
-  static = dict(
+  static = api.static_arguments(
+      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, precision=precision,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths)
+  static.update(
       mesh=mesh,
       batch_axes=_names(batch_axes),
       head_axes=_names(head_axes),
       sequence_axis=sequence_axis,
       load_balance=bool(load_balance),
-      scale=api._check_static_float("scale", scale),
-      is_causal=bool(is_causal),
-      local_window_size=api._check_window(local_window_size),
-      logits_soft_cap=api._check_static_float(
-          "logits_soft_cap", logits_soft_cap, True),
       implementation=implementation,
       block_sizes=block_sizes,
-      precision=api._check_precision(precision),
   )
   out, lse = _sharded_flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
@@ -924,18 +912,15 @@ def _sharded_flash_attention(
   # Canonicalised once per trace, like `pallas_fa.flash_attention`: the
   # global mask description (padding folded into segment ids) is built
   # before sharding, so every shard sees exact global semantics.
-  q, k, v, bias, info, params, batch_shape = api._canonicalise(
+  call = api.canonicalize(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
-      logits_soft_cap=logits_soft_cap,
+      logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
+      precision=precision,
   )
-  params = dataclasses.replace(
-      params, block_sizes=block_sizes, precision=precision)
   plan = _make_plan(mesh, batch_axes, head_axes, sequence_axis, load_balance,
-                    q.shape, k.shape, implementation, params)
-  out, lse = _sharded(plan, q, k, v, bias, info)
-  out = out.reshape(batch_shape + out.shape[1:])
-  return out, lse.reshape(batch_shape + lse.shape[1:])
+                    call.q.shape, call.k.shape, implementation, call.params)
+  return call.unfold(*_sharded(plan, *call.arrays[:5]))

@@ -296,7 +296,7 @@ def default_impls(platform: str) -> tuple[str, ...]:
   Returns:
     Implementation names, fastest first; the others are printed as skipped.
   """
-  order = getattr(api, "_AUTO_ORDER", {}).get(platform, ("chunked",))
+  order = api.AUTO_ORDER.get(platform, ("chunked",))
   names = []
   for name in order:
     try:
@@ -399,9 +399,9 @@ def make_settings(
   if impls is None:
     impls = default_impls(platform)
   for name in impls:
-    if name not in api._REGISTRY:
+    if name not in api.REGISTRY:
       raise ValueError(f"Unknown implementation {name!r}; expected one of "
-                       f"{sorted(api._REGISTRY)}.")
+                       f"{sorted(api.REGISTRY)}.")
   peers = DEFAULT_PEERS.get(platform, ("xla",)) if peers is None else peers
   peers = [p for p in peers if p != "none"]
   for name in peers:

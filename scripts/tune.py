@@ -294,14 +294,10 @@ def check(bs: triton.BlockSizes, cell: Cell) -> bool:
 
   def reference_fn(dtype):
     def fn(q, k, v):
-      qc, kc, vc, bc, info, params, _ = api._canonicalise(  # noqa: SLF001
-          q, k, v, None, None, scale=None, is_causal=cell.causal,
-          query_seq_lengths=None, key_value_seq_lengths=None,
-          local_window_size=None, segment_ids=None, query_positions=None,
-          key_positions=None, logits_soft_cap=None)
+      call = api.canonicalize(q, k, v, is_causal=cell.causal)
       out, _ = reference.attention(
-          qc, kc, vc, bc, info, scale=params.scale, soft_cap=None,
-          compute_dtype=dtype)
+          call.q, call.k, call.v, call.bias, call.info,
+          scale=call.params.scale, soft_cap=None, compute_dtype=dtype)
       return out
     return fn
 

@@ -140,26 +140,16 @@ def reference_fn(compute_dtype):
   def fn(q, k, v, bias=None, mask=None, **kw):
     static = {name: kw.pop(name) for name in _STATIC if name in kw}
     if "local_window_size" in static:
-      static["local_window_size"] = api._check_window(
+      static["local_window_size"] = api.check_window(
           static["local_window_size"])
 
     @jax.jit
     def reference_call(q, k, v, bias, mask, arrays):
-      qc, kc, vc, bc, info, params, _ = api._canonicalise(
-          q, k, v, bias, mask,
-          scale=static.get("scale"),
-          is_causal=static.get("is_causal", False),
-          local_window_size=static.get("local_window_size"),
-          logits_soft_cap=static.get("logits_soft_cap"),
-          query_seq_lengths=arrays.get("query_seq_lengths"),
-          key_value_seq_lengths=arrays.get("key_value_seq_lengths"),
-          segment_ids=arrays.get("segment_ids"),
-          query_positions=arrays.get("query_positions"),
-          key_positions=arrays.get("key_positions"),
-      )
+      call = api.canonicalize(q, k, v, bias, mask, **static, **arrays)
       return reference.attention(
-          qc, kc, vc, bc, info, scale=params.scale,
-          soft_cap=params.soft_cap, compute_dtype=compute_dtype)
+          call.q, call.k, call.v, call.bias, call.info,
+          scale=call.params.scale, soft_cap=call.params.soft_cap,
+          compute_dtype=compute_dtype)
 
     return reference_call(q, k, v, bias, mask, kw)
   return fn

@@ -133,7 +133,7 @@ def test_automatic_choice_skips_declining_backends(monkeypatch):
     return original(name)
 
   monkeypatch.setattr(api, "get_backend", get_backend)
-  monkeypatch.setitem(api._AUTO_ORDER, "cpu", ("first", "chunked"))
+  monkeypatch.setitem(api.AUTO_ORDER, "cpu", ("first", "chunked"))
   _fresh_traces()
   q, k, v = _qkv()
   out = pallas_fa.flash_attention(q, k, v, is_causal=True)

@@ -101,12 +101,8 @@ def test_heuristic_fits_shared_memory(head_dim, dtype):
 def _canonical(dtype=jnp.bfloat16, h=32, mask=None, bias=None, **kw):
   gen = rng("check", str(dtype), h)
   q, k, v, _ = make_inputs(Case(b=1, t=8, s=8, n=2, k=1, h=h), dtype, gen)
-  q, k, v, bias, info, params, _ = pallas_fa.api._canonicalise(
-      q, k, v, bias, mask, scale=None, is_causal=False,
-      query_seq_lengths=None, key_value_seq_lengths=None,
-      local_window_size=None, segment_ids=None, query_positions=None,
-      key_positions=None, logits_soft_cap=None)
-  return q, k, v, bias, info, vjp.Params(scale=params.scale, **kw)
+  call = pallas_fa.api.canonicalize(q, k, v, bias, mask)
+  return (*call.arrays[:5], vjp.Params(scale=call.params.scale, **kw))
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -153,12 +149,9 @@ def test_check_refuses_masked_kernels_on_miscompiling_cuda(monkeypatch):
       (Case(b=1, t=100, s=128, n=2, k=2, h=64), True),  # ragged tail
   ]:
     q, k, v, _ = make_inputs(case, jnp.bfloat16, gen)
-    q, k, v, bias, info, params, _ = pallas_fa.api._canonicalise(
-        q, k, v, None, None, scale=None, is_causal=case.causal,
-        query_seq_lengths=None, key_value_seq_lengths=None,
-        local_window_size=None, segment_ids=None, query_positions=None,
-        key_positions=None, logits_soft_cap=None)
-    params = vjp.Params(scale=params.scale, block_sizes=bs)
+    call = pallas_fa.api.canonicalize(q, k, v, is_causal=case.causal)
+    q, k, v, bias, info, _ = call.arrays
+    params = vjp.Params(scale=call.params.scale, block_sizes=bs)
     if refused:
       with pytest.raises(NotImplementedError, match="ptxas"):
         mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
@@ -181,8 +174,8 @@ def test_builds_for_hopper_targets_only():
 def test_automatic_choice_never_interprets_on_cpu():
   if jax.default_backend() != "cpu":
     pytest.skip("CPU order")
-  assert "mosaic_gpu" not in pallas_fa.api._AUTO_ORDER["cpu"]
-  assert pallas_fa.api._AUTO_ORDER["gpu"][0] == "mosaic_gpu"
+  assert "mosaic_gpu" not in pallas_fa.api.AUTO_ORDER["cpu"]
+  assert pallas_fa.api.AUTO_ORDER["gpu"][0] == "mosaic_gpu"
 
 
 # --------------------------------------------------------------------------
@@ -483,5 +476,8 @@ def test_compiled_deterministic_and_chosen_automatically():
   b = run(fn, q, k, v, kw, dout, dlse)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  auto = pallas_fa.api._choose(None, *_canonical()[:5], vjp.Params(scale=1.0))
+  q, k, v, bias, info, _ = _canonical()
+  auto = pallas_fa.api.choose_backend(None, pallas_fa.api.Call(
+      q=q, k=k, v=v, bias=bias, info=info, params=vjp.Params(scale=1.0),
+      batch_shape=q.shape[:1]))
   assert auto.name == "mosaic_gpu"

@@ -119,20 +119,7 @@ def test_tile(block, length, want):
 
 def _canonicalise(q, k, v, kw):
   """The backend's view of a public call: (q, k, v, bias, info, params)."""
-  kw = dict(kw)
-  bias, mask = kw.pop("bias", None), kw.pop("mask", None)
-  q, k, v, bias, info, params, _ = api._canonicalise(
-      q, k, v, bias, mask, scale=None,
-      is_causal=kw.pop("is_causal", False),
-      query_seq_lengths=kw.pop("query_seq_lengths", None),
-      key_value_seq_lengths=kw.pop("key_value_seq_lengths", None),
-      local_window_size=kw.pop("local_window_size", None),
-      segment_ids=kw.pop("segment_ids", None),
-      query_positions=kw.pop("query_positions", None),
-      key_positions=kw.pop("key_positions", None),
-      logits_soft_cap=kw.pop("logits_soft_cap", None))
-  assert not kw, kw
-  return q, k, v, bias, info, params
+  return api.canonicalize(q, k, v, **kw).arrays
 
 
 def _canonical(case):

@@ -41,7 +41,7 @@ _TRACED = [n for n in conftest.IMPLEMENTATIONS if n not in _SIXTEEN_BIT_ONLY]
     ],
 )
 def test_canonical_precision(precision, want):
-  assert api._check_precision(precision) is want
+  assert api.check_precision(precision) is want
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def test_canonical_precision(precision, want):
 )
 def test_none_follows_default_matmul_precision(config, want):
   with jax.default_matmul_precision(config):
-    assert api._check_precision(None) is want
+    assert api.check_precision(None) is want
 
 
 @pytest.mark.parametrize(
