@@ -27,7 +27,7 @@ _LAZY = {
     "MultiHeadAttention": "pallas_fa.modules",
     "make_attention_fn": "pallas_fa.modules",
     "sharded_flash_attention": "pallas_fa.parallel",
-    "ring_attention": "pallas_fa.parallel",
+    "ring_attention": "pallas_fa.ring",
 }
 
 

@@ -9,35 +9,17 @@ inside `shard_map`:
   attention the key/value heads are split with their query groups; when there
   are fewer key/value heads than head shards (MQA), K/V are replicated over the
   head axis and each device slices the one key/value head its queries use.
-* ring (context-parallel) attention over a sequence axis: each device keeps its
-  query shard; its key/value shard -- with the key positions and segment ids,
-  into which padding is folded -- travels around the ring with `ppermute`,
-  issued before each step's compute so the transfer overlaps it. The partial
-  results of the steps are merged exactly through their logsumexp
-  (`online_softmax.merge`). The backward pass is a second trip around the
-  ring: it recomputes every step from the final logsumexp (nothing per step is
-  stored) and carries the dK/dV accumulators with K/V, so after the last
-  rotation they are back on the device that owns those keys.
+* ring (context-parallel) attention over a sequence axis (`pallas_fa.ring`):
+  each device keeps its query shard while the key/value shards travel around
+  the ring, and the partial results are merged exactly through their
+  logsumexp. Causal ring attention on contiguous shards would leave device r
+  idle on the r steps whose keys lie in its future; the zig-zag layout
+  (`zigzag`) gives device r the sequence chunks r and 2P-1-r of 2P, so every
+  device has the same number of visible keys at every step.
 
-Steps in which no query may see any key (causal, window or segments, decided
-from the per-shard min/max of positions and segment ids) are skipped. Causal
-ring attention on contiguous shards would leave device r idle on the r steps
-whose keys lie in its future; the zig-zag layout (`zigzag`) gives device r the
-sequence chunks r and 2P-1-r of 2P, so every device has the same number of
-visible keys at every step. Masking is always computed from the true token
-positions, which travel with the tokens, so any token order is exact.
-
-A dense bias or mask travels differently: each device keeps its query rows
-against all keys ([..., T/P, S]) and slices the columns of the visiting
-shard, so it costs O(T S / P) per device, as dense masks do.
-
-Ring layout over P devices (K/V shard held by device r at step s):
-
-    step:      0    1    2    3
-    device 0:  kv0  kv3  kv2  kv1
-    device 1:  kv1  kv0  kv3  kv2
-    device 2:  kv2  kv1  kv0  kv3
-    device 3:  kv3  kv2  kv1  kv0
+`sharded_flash_attention` takes global arrays and plans the split;
+`pallas_fa.ring.ring_attention` is the per-device op for use inside a
+`shard_map` of your own (re-exported here).
 """
 
 from __future__ import annotations
@@ -53,12 +35,12 @@ import numpy as np
 
 from pallas_fa import api
 from pallas_fa import masking
-from pallas_fa import online_softmax
+from pallas_fa import ring as ring_lib
 from pallas_fa import vjp
+from pallas_fa.ring import ring_attention  # noqa: F401  (re-export)
 
 Array = Any
 AxisNames = str | Sequence[str] | None
-_F32 = jnp.float32
 _P = jax.sharding.PartitionSpec
 
 # Mesh axis names used by `make_mesh` (any names work elsewhere).
@@ -129,12 +111,6 @@ def make_mesh(
     return jax.make_mesh(shape, names, devices=devices, **kwargs)
   except TypeError:  # Older jax: no devices= argument.
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape), names)
-
-
-def _axis_size(axis_name) -> int:
-  if hasattr(jax.lax, "axis_size"):
-    return jax.lax.axis_size(axis_name)
-  return jax.lax.psum(1, axis_name)
 
 
 def _names(axes: AxisNames) -> tuple[str, ...]:
@@ -237,8 +213,8 @@ def shard_batch(
   batch_names = tuple(a for a in _names(batch_axes) if a in mesh.shape)
   if sequence_axis is not None and sequence_axis not in mesh.shape:
     sequence_axis = None
-  ring = 1 if sequence_axis is None else mesh.shape[sequence_axis]
-  spec = _P(_entry(batch_names), sequence_axis if ring > 1 else None)
+  ring_size = 1 if sequence_axis is None else mesh.shape[sequence_axis]
+  spec = _P(_entry(batch_names), sequence_axis if ring_size > 1 else None)
   sharding = jax.sharding.NamedSharding(mesh, spec)
   rows = _mesh_size(mesh, batch_names)
 
@@ -249,8 +225,8 @@ def shard_batch(
           f"shard_batch needs [B, T, ...] leaves with B a multiple of {rows} "
           f"(the devices on {batch_axes=}), got {x.shape=}."
       )
-    if ring > 1 and load_balance:
-      x = np.take(x, zigzag_indices(x.shape[1], ring), axis=1)
+    if ring_size > 1 and load_balance:
+      x = np.take(x, zigzag_indices(x.shape[1], ring_size), axis=1)
     return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
   return jax.tree.map(put, batch)
@@ -269,306 +245,6 @@ def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
 
   return jax.tree.map(put, tree)
-
-
-# --------------------------------------------------------------------------
-# Ring attention (per-device code, runs inside shard_map).
-
-
-def _rotate(tree, axis_name, size):
-  """Sends every leaf to the next device of the ring (r -> r + 1)."""
-  perm = [(i, (i + 1) % size) for i in range(size)]
-  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
-
-
-def _kv_columns(x, src, s_local):
-  """Columns of the dense bias/mask [..., S] that belong to kv shard src."""
-  if x is None or x.shape[3] == 1:
-    return x
-  return jax.lax.dynamic_slice_in_dim(x, src * s_local, s_local, 3)
-
-
-def _step_inputs(bias, info, kv_pos, kv_seg, src, s_local):
-  """Bias and MaskInfo of one ring step (the keys of shard `src`)."""
-  step_info = info.replace(
-      kv_positions=kv_pos,
-      kv_segment_ids=kv_seg,
-      mask=_kv_columns(info.mask, src, s_local),
-  )
-  return _kv_columns(bias, src, s_local), step_info
-
-
-def _step_is_empty(info: masking.MaskInfo):
-  """Whether no query of this shard may see any key of this step, or None.
-
-  Decided from the min/max of positions and segment ids over the whole shard
-  (`classify_blocks` with one block per shard), so it is conservative.
-  """
-  if not (info.restricts_positions or info.has_segments
-          or info.mask is not None):
-    return None
-  t = info.q_positions.shape[1]
-  s = info.kv_positions.shape[1]
-  kinds = masking.classify_blocks(info, t, s)  # [B, 1, 1]
-  return jnp.all(kinds == masking.EMPTY)
-
-
-def _cond(empty, skip, run):
-  return run() if empty is None else jax.lax.cond(empty, skip, run)
-
-
-def _step_forward(backend, params, q, k, v, bias, info):
-  """(out float32, lse) of q against one K/V shard; skipped when empty."""
-  b, t, n, _ = q.shape
-  h = v.shape[-1]
-
-  def run():
-    out, lse = backend.forward(q, k, v, bias, info, params)
-    return out.astype(_F32), lse.astype(_F32)
-
-  def skip():
-    return (jnp.zeros((b, t, n, h), _F32),
-            jnp.full((b, t, n), online_softmax.MASK_VALUE, _F32))
-
-  return _cond(_step_is_empty(info), skip, run)
-
-
-def _step_backward(backend, params, q, k, v, bias, info, lse, dout, delta):
-  """(dq, dk, dv, dbias) of one step, in float32, from the final lse/delta."""
-
-  def run():
-    if backend.backward is not None:
-      # p = exp(s - lse) with the *final* lse are this step's share of the
-      # global probabilities, and delta is global too: the backend's own
-      # backward gives exact gradients (ring FlashAttention-2 backward).
-      grads = backend.backward(q, k, v, bias, info, params, lse, dout, delta)
-    else:
-      # Plain-autodiff backend: pull the step's share of the merged
-      # cotangents back through its forward. With w = exp(lse_s - lse),
-      # out = sum_s w out_s gives dout_s = w dout and
-      # dlse_s = w (rowsum(dout * out_s) - delta).
-      def f(q, k, v, bias):
-        return backend.forward(q, k, v, bias, info, params)
-
-      (out_s, lse_s), pullback = jax.vjp(f, q, k, v, bias)
-      w = jnp.where(
-          lse_s == online_softmax.MASK_VALUE, 0.0, jnp.exp(lse_s - lse)
-      )
-      dout32 = dout.astype(_F32)
-      dout_s = (w[..., None] * dout32).astype(out_s.dtype)
-      dlse_s = w * (jnp.sum(dout32 * out_s.astype(_F32), axis=-1) - delta)
-      grads = pullback((dout_s, dlse_s.astype(lse_s.dtype)))
-    return jax.tree.map(lambda g: g.astype(_F32), grads)
-
-  def skip():
-    zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)
-    return zeros(q), zeros(k), zeros(v), zeros(bias)
-
-  return _cond(_step_is_empty(info), skip, run)
-
-
-def _add_columns(acc, d, src, s_local):
-  """acc[..., columns of shard src] += d (dense-bias gradient)."""
-  if acc is None:
-    return None
-  if acc.shape[3] == 1:
-    return acc + d
-  start = src * s_local
-  cur = jax.lax.dynamic_slice_in_dim(acc, start, s_local, 3)
-  return jax.lax.dynamic_update_slice_in_dim(acc, cur + d, start, 3)
-
-
-def _ring_forward(backend, params, axis_name, q, k, v, bias, info):
-  size = _axis_size(axis_name)
-  me = jax.lax.axis_index(axis_name)
-  if q.dtype == jnp.float64:
-    # The ring merges partial results in float32.
-    raise NotImplementedError(
-        "ring attention computes in float32; float64 query/key/value are "
-        "not supported over a sequence axis.")
-  b, t, n, _ = q.shape
-  h = v.shape[-1]
-  s_local = k.shape[1]
-
-  def body(carry, step):
-    out, lse, kv = carry
-    # Issued before the compute it does not depend on, so the transfer of
-    # the next shard overlaps this step (the last one is hidden the same
-    # way and brings the shard home).
-    kv_next = _rotate(kv, axis_name, size)
-    k_s, v_s, kv_pos, kv_seg = kv
-    src = (me - step) % size
-    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, s_local)
-    out_s, lse_s = _step_forward(backend, params, q, k_s, v_s, bias_s, info_s)
-    out, lse = online_softmax.merge(out, lse, out_s, lse_s)
-    return (out, lse, kv_next), None
-
-  carry = (
-      jnp.zeros((b, t, n, h), _F32),
-      jnp.full((b, t, n), online_softmax.MASK_VALUE, _F32),
-      (k, v, info.kv_positions, info.kv_segment_ids),
-  )
-  (out, lse, _), _ = jax.lax.scan(body, carry, jnp.arange(size))
-  return out.astype(q.dtype), lse
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(backend, params, axis_name, q, k, v, bias, info):
-  return _ring_forward(backend, params, axis_name, q, k, v, bias, info)
-
-
-def _ring_fwd(backend, params, axis_name, q, k, v, bias, info):
-  out, lse = _ring_forward(backend, params, axis_name, q, k, v, bias, info)
-  # Only the inputs and (out, lse): every step is recomputed backwards.
-  return (out, lse), (q, k, v, bias, info, out, lse)
-
-
-def _ring_bwd(backend, params, axis_name, residuals, cotangents):
-  q, k, v, bias, info, out, lse = residuals
-  dout, dlse = cotangents
-  size = _axis_size(axis_name)
-  me = jax.lax.axis_index(axis_name)
-  s_local = k.shape[1]
-  delta = online_softmax.delta(out, dout, dlse)
-
-  def body(carry, step):
-    dq, dbias, kv, dkv = carry
-    kv_next = _rotate(kv, axis_name, size)  # overlaps this step's compute
-    k_s, v_s, kv_pos, kv_seg = kv
-    src = (me - step) % size
-    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, s_local)
-    dq_s, dk_s, dv_s, dbias_s = _step_backward(
-        backend, params, q, k_s, v_s, bias_s, info_s, lse, dout, delta
-    )
-    dk, dv = dkv
-    # dK/dV travel with the K/V shard they belong to; after `size`
-    # rotations they are back on its owner.
-    dkv_next = _rotate((dk + dk_s, dv + dv_s), axis_name, size)
-    dbias = _add_columns(dbias, dbias_s, src, s_local)
-    return (dq + dq_s, dbias, kv_next, dkv_next), None
-
-  carry = (
-      jnp.zeros(q.shape, _F32),
-      None if bias is None else jnp.zeros(bias.shape, _F32),
-      (k, v, info.kv_positions, info.kv_segment_ids),
-      (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)),
-  )
-  (dq, dbias, _, (dk, dv)), _ = jax.lax.scan(body, carry, jnp.arange(size))
-  if dbias is not None:
-    dbias = dbias.astype(bias.dtype)
-  info_ct = jax.tree.map(lambda _: None, info)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias,
-          info_ct)
-
-
-_ring.defvjp(_ring_fwd, _ring_bwd)
-
-
-def _ring_local(implementation, params, axis_name, q, k, v, bias, info):
-  """Chooses the implementation for one ring step and runs the ring."""
-  s_local = k.shape[1]
-  bias_0, info_0 = _step_inputs(
-      bias, info, info.kv_positions, info.kv_segment_ids, 0, s_local
-  )
-  backend = api.choose_backend(implementation, api.Call(
-      q=q, k=k, v=v, bias=bias_0, info=info_0, params=params,
-      batch_shape=q.shape[:1]))
-  return _ring(backend, params, axis_name, q, k, v, bias, info)
-
-
-def ring_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    bias: Array | None = None,
-    mask: Array | None = None,
-    *,
-    axis_name: str,
-    scale: float | None = None,
-    is_causal: bool = False,
-    local_window_size: int | Sequence[int | None] | None = None,
-    segment_ids: masking.SegmentIds | None = None,
-    query_positions: Array | None = None,
-    key_positions: Array | None = None,
-    logits_soft_cap: float | None = None,
-    implementation: str | None = None,
-    block_sizes: Any = None,
-    precision: str | jax.lax.Precision | None = None,
-    return_residual: bool = False,
-):
-  """Ring attention over mesh axis `axis_name`, called inside `shard_map`.
-
-  Every argument is this device's shard along the sequence: query [B, T, N,
-  H] and key/value [B, S, K, H] hold T and S consecutive rows of the (caller-
-  ordered) sequence; positions and segment ids are the shards' own rows. The
-  result equals `pallas_fa.flash_attention` on the concatenated shards, for
-  every mask argument and every implementation. Use `sharded_flash_attention`
-  to start from global arrays.
-
-  Args:
-    query: local query shard [B, T, N, H].
-    key: local key shard [B, S, K, H].
-    value: local value shard, like key.
-    bias: float [B|1, N|1, T|1, S_total|1]: this device's query rows against
-      *all* keys (in ring order, shard p at columns [p*S, (p+1)*S)).
-    mask: bool, shaped like bias; True = may attend.
-    axis_name: the mesh axis (of the enclosing shard_map) forming the ring.
-    scale: see `pallas_fa.flash_attention`.
-    is_causal: see `pallas_fa.flash_attention` (measured on positions).
-    local_window_size: see `pallas_fa.flash_attention`.
-    segment_ids: local `SegmentIds(q=[B, T], kv=[B, S])`. Padding is
-      expressed here (`masking.padding_segments` folds lengths in), since a
-      shard cannot interpret global lengths.
-    query_positions: int [B, T] true positions of the local queries; default
-      `axis_index * T + arange(T)` (contiguous shards).
-    key_positions: int [B, S], default `axis_index * S + arange(S)`.
-    logits_soft_cap: see `pallas_fa.flash_attention`.
-    implementation: see `pallas_fa.flash_attention`.
-    block_sizes: see `pallas_fa.flash_attention`.
-    precision: see `pallas_fa.flash_attention` (None follows
-      `jax.default_matmul_precision` where this is traced).
-    return_residual: also return the local logsumexp [B, T, N].
-
-  Returns:
-    The local output shard [B, T, N, H], or (out, lse) with return_residual.
-
-  Raises:
-    ValueError / TypeError: invalid arguments (the message names them).
-    NotImplementedError: the named implementation cannot honour this call.
-  """
-  query, key, value = (jnp.asarray(x) for x in (query, key, value))
-  if query.ndim != 4 or key.ndim != 4:
-    raise ValueError(
-        f"ring_attention takes batched [B, T, N, H] shards, got "
-        f"{query.shape=}, {key.shape=}."
-    )
-  try:
-    size = _axis_size(axis_name)
-  except NameError as e:
-    raise ValueError(
-        f"ring_attention runs inside shard_map over a mesh with {axis_name=}"
-        f": {e}"
-    ) from e
-  me = jax.lax.axis_index(axis_name)
-  b, t, n, _ = query.shape
-  s = key.shape[1]
-  if query_positions is None:
-    query_positions = jnp.broadcast_to(
-        me * t + jnp.arange(t, dtype=jnp.int32), (b, t))
-  if key_positions is None:
-    key_positions = jnp.broadcast_to(
-        me * s + jnp.arange(s, dtype=jnp.int32), (b, s))
-  call = api.canonicalize(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      local_window_size=local_window_size, segment_ids=segment_ids,
-      query_positions=query_positions, key_positions=key_positions,
-      logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
-      precision=precision, bias_key_length=s * size,
-  )
-  q, k, v, bias, info, params = call.arrays
-  out, lse = _ring_local(implementation, params, axis_name, q, k, v, bias,
-                         info)
-  return (out, lse) if return_residual else out
 
 
 # --------------------------------------------------------------------------
@@ -770,7 +446,7 @@ def _sharded(plan: _Plan, q, k, v, bias, info):
           q=q, k=k, v=v, bias=bias, info=info, params=plan.params,
           batch_shape=q.shape[:1]))
       return vjp.attention(backend, plan.params, q, k, v, bias, info)
-    return _ring_local(plan.implementation, plan.params, plan.sequence,
+    return ring_lib.ring_local(plan.implementation, plan.params, plan.sequence,
                        q, k, v, bias, info)
 
   in_specs = _specs(plan, bias, info)

@@ -19,6 +19,7 @@ import pytest
 import pallas_fa
 from pallas_fa import masking
 from pallas_fa import parallel
+from pallas_fa import ring
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_parallel_worker.py")
@@ -165,16 +166,16 @@ def test_ring_steps_with_no_visible_key_are_skipped():
   info = masking.MaskInfo(q_positions=pos, kv_positions=pos + 16,
                           is_causal=True)
   # Keys entirely in the queries' future: the step is skipped.
-  assert bool(parallel._step_is_empty(info))
-  assert not bool(parallel._step_is_empty(info.replace(kv_positions=pos)))
+  assert bool(ring.step_is_empty(info))
+  assert not bool(ring.step_is_empty(info.replace(kv_positions=pos)))
   # A window that does not reach the shard.
   window = info.replace(is_causal=False, window=(3, 3),
                         kv_positions=pos + 20)
-  assert bool(parallel._step_is_empty(window))
+  assert bool(ring.step_is_empty(window))
   # Disjoint segments.
   seg = info.replace(is_causal=False, kv_positions=pos,
                      q_segment_ids=jnp.zeros((1, 16), jnp.int32),
                      kv_segment_ids=jnp.ones((1, 16), jnp.int32))
-  assert bool(parallel._step_is_empty(seg))
+  assert bool(ring.step_is_empty(seg))
   # Nothing restricts attention: no predicate at all (never skipped).
-  assert parallel._step_is_empty(info.replace(is_causal=False)) is None
+  assert ring.step_is_empty(info.replace(is_causal=False)) is None
