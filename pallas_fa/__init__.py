@@ -10,6 +10,7 @@ from pallas_fa.masking import SegmentIds
 
 __all__ = [
     "flash_attention",
+    "decode_attention",
     "implementations",
     "SegmentIds",
     "dropout",
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 # Flax and the multi-device layer are imported on first use, so that
 # `import pallas_fa` stays light for users of the bare op.
 _LAZY = {
+    "decode_attention": "pallas_fa.decode",
     "MultiHeadAttention": "pallas_fa.modules",
     "make_attention_fn": "pallas_fa.modules",
     "sharded_flash_attention": "pallas_fa.parallel",

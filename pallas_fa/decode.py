@@ -1,0 +1,348 @@
+"""`decode_attention`: a few new query tokens against a (paged) KV cache.
+
+Generation is memory-bound: each step reads the whole K/V cache once and does
+little arithmetic per byte, so its speed limit is bytes read over memory
+bandwidth. Two things get close to that limit (FlashDecoding):
+
+* **GQA packing.** All G query heads of a K/V head, and all T_new new tokens,
+  form one [G * T_new, H] tile, so each K/V byte is read once per K/V head,
+  not once per query head.
+* **Split-KV.** The key axis is split into `num_splits` interleaved parts
+  that run side by side (one program each on a GPU; one vectorised axis
+  here), each keeping its own online-softmax statistics; the partial results
+  are merged exactly through their logsumexp. With one long sequence and
+  few heads the splits are what fill the machine.
+
+The cache is either contiguous, `[B, S_max, K, H]`, or **paged**: pages
+`[num_pages, page_size, K, H]` plus a block table `[B, max_pages]` naming the
+page that holds each sequence's keys [i * page_size, (i + 1) * page_size).
+Both are read block by block through a table (a contiguous cache is its own
+identity table), so one code path serves both. Per-sequence `lengths` make
+the batch ragged; rows past a sequence's length are never read into a result
+(they may hold anything, NaN included).
+
+Semantics are `flash_attention`'s on the gathered cache: the new tokens sit at
+positions `lengths - T_new + arange(T_new)` unless `query_positions` says
+otherwise; keys are at their cache index; causal, sliding window and soft cap
+act on those positions. Forward only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fa import api
+from pallas_fa import online_softmax
+
+Array = Any
+
+# Bytes of K (or V) one block of the contiguous cache spans (all K/V heads):
+# large enough to amortise the per-block loop overhead (on a 2-core x86 CPU
+# at S = 32k, 4 MiB blocks ran several times faster than 512 KiB ones).
+_BLOCK_BYTES = 1 << 22
+_IMPLEMENTATIONS = ("chunked",)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
+                       platform: str | None = None) -> int:
+  """How many parts the key axis is split into.
+
+  A GPU wants about two waves of programs over its streaming multiprocessors
+  (batch * K/V heads * splits >= 2 * 132 on an H100); a CPU runs one wide
+  block at a time fastest (its threads already share each block's matmuls).
+  """
+  platform = platform or api.platform()
+  if platform == "cpu":
+    return 1
+  target = 264 if platform == "gpu" else 8
+  splits = max(1, target // max(1, batch * num_kv_heads))
+  return int(min(splits, num_blocks))
+
+
+def _check_cache(name, x, query):
+  x = jnp.asarray(x)
+  if x.ndim != 4:
+    raise ValueError(
+        f"{name} must be [B, S_max, K, H] or pages [P, page_size, K, H], "
+        f"got {x.shape=}.")
+  if x.dtype != query.dtype:
+    raise TypeError(
+        f"{name} must have the query's dtype {query.dtype}, got {x.dtype}.")
+  return x
+
+
+def decode_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    lengths: Array,
+    *,
+    block_table: Array | None = None,
+    query_positions: Array | None = None,
+    scale: float | None = None,
+    is_causal: bool = True,
+    local_window_size: int | Sequence[int | None] | None = None,
+    logits_soft_cap: float | None = None,
+    num_splits: int | None = None,
+    block_kv: int | None = None,
+    implementation: str | None = None,
+    precision: str | jax.lax.Precision | None = None,
+    return_residual: bool = False,
+):
+  """Attention of T_new new tokens over a KV cache (generation).
+
+  Equal to `flash_attention(query, key_cache, value_cache,
+  key_value_seq_lengths=lengths, query_positions=..., ...)` on the gathered
+  cache, computed with GQA packing and split-KV (see the module docstring).
+
+  Args:
+    query: [B, T_new, N, H], T_new small (1 for plain decoding, a few for
+      speculative decoding).
+    key: the cache, [B, S_max, K, H], or pages [P, page_size, K, H] with
+      `block_table`. N % K == 0.
+    value: like key, with its own head dim Hv.
+    lengths: int [B], valid cache entries per sequence, the new tokens
+      included (they have been written to the cache already).
+    block_table: int [B, max_pages] for a paged cache: page
+      `block_table[b, i]` holds keys [i * page_size, (i + 1) * page_size) of
+      sequence b. None for a contiguous cache.
+    query_positions: int [B, T_new], default `lengths - T_new +
+      arange(T_new)`.
+    scale: logit scale, default 1/sqrt(H).
+    is_causal: keep keys with cache index <= query position (default True:
+      a new token sees itself and everything before it).
+    local_window_size: as in `flash_attention`.
+    logits_soft_cap: as in `flash_attention`.
+    num_splits: parts the key axis is split into; default from the shape
+      and platform (`default_num_splits`).
+    block_kv: keys per block of a contiguous cache (a paged cache reads one
+      page per block); default from the head dim.
+    implementation: None or "chunked" (jax.numpy, any platform, any head
+      dim). Other backends have no decode kernel and raise
+      NotImplementedError.
+    precision: as in `flash_attention`.
+    return_residual: also return the logsumexp [B, T_new, N].
+
+  Returns:
+    out [B, T_new, N, Hv] typed like query, or (out, lse).
+
+  Raises:
+    ValueError / TypeError: invalid arguments (the message names them).
+    NotImplementedError: `implementation` has no decode path.
+  """
+  if implementation not in (None,) + _IMPLEMENTATIONS:
+    if implementation in api.REGISTRY:
+      raise NotImplementedError(
+          f"implementation={implementation!r} has no decode path; decode "
+          f"runs on {_IMPLEMENTATIONS}.")
+    raise ValueError(
+        f"Unknown implementation={implementation!r}; decode runs on "
+        f"{_IMPLEMENTATIONS} or None.")
+  query = jnp.asarray(query)
+  if query.ndim != 4:
+    raise ValueError(f"query must be [B, T_new, N, H], got {query.shape=}.")
+  if not any(query.dtype == d for d in (jnp.float32, jnp.bfloat16,
+                                         jnp.float16, jnp.float64)):
+    raise TypeError(
+        f"query must be float32, bfloat16, float16 or float64, got "
+        f"{query.dtype=}.")
+  key = _check_cache("key", key, query)
+  value = _check_cache("value", value, query)
+  b, t, n, h = query.shape
+  if key.shape[:3] != value.shape[:3]:
+    raise ValueError(
+        f"value must match key's first three dims, got {key.shape=}, "
+        f"{value.shape=}.")
+  num_kv = key.shape[2]
+  if key.shape[3] != h:
+    raise ValueError(
+        f"key's head dim must equal the query's, got {key.shape=}, "
+        f"{query.shape=}.")
+  if n % num_kv:
+    raise ValueError(
+        f"query heads N must be a multiple of key/value heads K, got N={n}, "
+        f"K={num_kv}.")
+  if block_table is None:
+    if key.shape[0] != b:
+      raise ValueError(
+          f"a contiguous cache must be [B, S_max, K, H] with the query's B, "
+          f"got {key.shape=}, {query.shape=} (pass block_table= for pages).")
+  else:
+    block_table = jnp.asarray(block_table)
+    if (not jnp.issubdtype(block_table.dtype, jnp.integer)
+        or block_table.ndim != 2 or block_table.shape[0] != b):
+      raise ValueError(
+          f"block_table must be an int [B={b}, max_pages] array, got "
+          f"{block_table.shape=}, {block_table.dtype=}.")
+    if block_kv is not None:
+      raise ValueError("block_kv applies to a contiguous cache only; a paged "
+                       "cache is read a page at a time.")
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(
+        f"lengths must be an int [B={b}] array, got {lengths.shape=}, "
+        f"{lengths.dtype=}.")
+  api.check_non_negative("lengths", lengths)
+  if query_positions is not None:
+    query_positions = jnp.asarray(query_positions)
+    if (query_positions.shape != (b, t)
+        or not jnp.issubdtype(query_positions.dtype, jnp.integer)):
+      raise ValueError(
+          f"query_positions must be an int [B, T_new]={(b, t)} array, got "
+          f"{query_positions.shape=}.")
+  for name, x in (("num_splits", num_splits), ("block_kv", block_kv)):
+    if x is not None and (not isinstance(x, (int, np.integer))
+                          or isinstance(x, bool) or x < 1):
+      raise ValueError(f"{name} must be a positive int or None, got {x!r}.")
+  static = api.static_arguments(
+      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, precision=precision)
+  if static["scale"] is None:
+    static["scale"] = 1.0 / math.sqrt(h)
+  if block_table is None:
+    block = block_kv or _default_block(key.shape[1], num_kv, h,
+                                       query.dtype.itemsize)
+    num_blocks = -(-key.shape[1] // block)
+  else:
+    block, num_blocks = key.shape[1], block_table.shape[1]
+  splits = num_splits or default_num_splits(b, num_kv, num_blocks)
+  out, lse = _decode(
+      query, key, value, lengths, block_table, query_positions,
+      block=int(block), splits=int(min(splits, num_blocks)), **static)
+  return (out, lse) if return_residual else out
+
+
+def _default_block(s_max: int, num_kv: int, h: int, itemsize: int) -> int:
+  rows = _BLOCK_BYTES // (num_kv * h * itemsize)
+  block = 1 << max(4, min(11, rows.bit_length() - 1))  # 16 .. 2048
+  return min(block, max(16, 1 << (s_max - 1).bit_length()))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("block", "splits", "scale", "is_causal",
+                     "local_window_size", "logits_soft_cap", "precision"))
+def _decode(query, key, value, lengths, block_table, query_positions, *,
+            block, splits, scale, is_causal, local_window_size,
+            logits_soft_cap, precision):
+  b, t, n, h = query.shape
+  num_kv, hv = key.shape[2], value.shape[3]
+  g = n // num_kv
+  rows = g * t
+  acc_dtype = online_softmax.stats_dtype(query.dtype)
+  lengths = lengths.astype(jnp.int32)
+  if query_positions is None:
+    query_positions = (lengths[:, None] - t
+                       + jnp.arange(t, dtype=jnp.int32)[None, :])
+  # Row r = g_index * T + token of the packed [K, G * T] tile.
+  row_pos = jnp.tile(query_positions.astype(jnp.int32), (1, g))
+
+  # Split p reads blocks p, p + splits, p + 2 splits, ...: interleaving keeps
+  # every split equally busy whatever the (ragged) lengths. Step j reads
+  # blocks [j * splits, (j + 1) * splits).
+  if block_table is None:
+    # Each step's blocks are one contiguous slice of the cache (no gather).
+    num_blocks = -(-key.shape[1] // block)
+    steps = -(-num_blocks // splits)
+    span = splits * block
+    pad = steps * span - key.shape[1]
+    if pad:
+      key, value = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+                    for x in (key, value))
+
+    def read(step):
+      return tuple(
+          jax.lax.dynamic_slice_in_dim(x, step * span, span, 1).reshape(
+              b, splits, block, num_kv, x.shape[3])
+          for x in (key, value))
+  else:
+    num_blocks = block_table.shape[1]
+    steps = -(-num_blocks // splits)
+    table = jnp.pad(block_table.astype(jnp.int32),
+                    ((0, 0), (0, steps * splits - num_blocks)))
+    table = table.reshape(b, steps, splits)
+
+    def read(step):
+      pages = jax.lax.dynamic_index_in_dim(table, step, 1, keepdims=False)
+      return key[pages], value[pages]  # [B, P, C, K, H]
+
+  q = query.reshape(b, t, num_kv, g, h).transpose(0, 2, 3, 1, 4)
+  q = q.reshape(b, num_kv, rows, h)
+  if acc_dtype == query.dtype:
+    # Full precision: fold the scale into q once instead of per logit.
+    q, logit_scale = q * scale, 1.0
+  else:
+    logit_scale = scale
+  offsets = jnp.arange(block, dtype=jnp.int32)
+
+  def body(step, carry):
+    m_i, l_i, acc = carry
+    blocks = step * splits + jnp.arange(splits, dtype=jnp.int32)  # [P]
+    k_blk, v_blk = read(step)  # [B, P, C, K, H]
+    kv_pos = blocks[:, None] * block + offsets[None, :]  # [P, C]
+    valid = kv_pos[None] < lengths[:, None, None]  # [B, P, C]
+    # Rows past a length may hold anything; 0 * NaN would leak into P.V.
+    v_blk = jnp.where(valid[..., None, None], v_blk, 0)
+    s = jnp.einsum("bkrh,bpckh->bpkrc", q, k_blk, precision=precision,
+                   preferred_element_type=acc_dtype)
+    if logit_scale != 1.0:
+      s = s * logit_scale
+    s = online_softmax.soft_cap(s, logits_soft_cap)
+    s = online_softmax.apply_mask(
+        s, _visible(valid, kv_pos, row_pos, is_causal, local_window_size))
+    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
+    acc = acc * alpha[..., None] + jnp.einsum(
+        "bpkrc,bpckh->bpkrh", p.astype(value.dtype), v_blk,
+        precision=precision, preferred_element_type=acc_dtype)
+    return m_i, l_i, acc
+
+  carry = online_softmax.init(
+      (b, splits, num_kv, rows), (b, splits, num_kv, rows, hv), acc_dtype)
+  # Only the blocks below the longest sequence are visited.
+  last = -(-jnp.max(lengths) // block)
+  m_i, l_i, acc = jax.lax.fori_loop(
+      0, jnp.minimum(steps, -(-last // splits)), body, carry)
+  out, lse = merge_splits(*online_softmax.finalize(m_i, l_i, acc), axis=1)
+  # [B, K, G * T, Hv] -> [B, T, N, Hv].
+  out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
+  lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
+  return out.reshape(b, t, n, hv).astype(query.dtype), lse.reshape(b, t, n)
+
+
+def _visible(valid, kv_pos, row_pos, is_causal, window):
+  """[B, P, 1, R, C] visibility of one block of keys for the packed rows."""
+  vis = valid[:, :, None, None, :]
+  kv = kv_pos[None, :, None, None, :]  # [1, P, 1, 1, C]
+  q = row_pos[:, None, None, :, None]  # [B, 1, 1, R, 1]
+  if is_causal:
+    vis = vis & (kv <= q)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      vis = vis & (kv >= q - left)
+    if right is not None:
+      vis = vis & (kv <= q + right)
+  return vis
+
+
+def merge_splits(out: Array, lse: Array, axis: int) -> tuple[Array, Array]:
+  """Exactly merges partial attentions over disjoint key sets stacked on
+  `axis` (out [..., rows, H], lse [..., rows], natural log); a row no part
+  saw keeps out 0 and lse -inf."""
+  top = jnp.max(lse, axis=axis, keepdims=True)
+  top_safe = jnp.where(top == online_softmax.MASK_VALUE, 0.0, top)
+  w = jnp.exp(lse - top_safe)
+  total = jnp.sum(w, axis=axis)
+  seen = total > 0
+  total_safe = jnp.where(seen, total, 1.0)
+  merged = jnp.sum(w[..., None] * out, axis=axis) / total_safe[..., None]
+  lse = jnp.where(seen, jnp.squeeze(top_safe, axis) + jnp.log(total_safe),
+                  online_softmax.MASK_VALUE)
+  return merged, lse

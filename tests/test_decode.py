@@ -1,0 +1,200 @@
+"""decode_attention against flash_attention on the gathered cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from pallas_fa import decode
+from tests.attention_testing import assert_close
+from tests.attention_testing import rng
+
+
+def _cache(gen, b, s_max, num_kv, h, hv, dtype, *, page_size=None):
+  """Random K/V, contiguous or paged with shuffled pages.
+
+  Returns (key, value, block_table, contiguous key, contiguous value); the
+  unused tail of every page/sequence holds NaN, which must never leak.
+  """
+  k = gen.standard_normal((b, s_max, num_kv, h)).astype(np.float32)
+  v = gen.standard_normal((b, s_max, num_kv, hv)).astype(np.float32)
+  if page_size is None:
+    return k, v, None, k, v
+  max_pages = -(-s_max // page_size)
+  num_pages = b * max_pages + 3  # A few pages nobody uses.
+  order = gen.permutation(num_pages)[:b * max_pages].reshape(b, max_pages)
+  k_pages = np.full((num_pages, page_size, num_kv, h), np.nan, np.float32)
+  v_pages = np.full((num_pages, page_size, num_kv, hv), np.nan, np.float32)
+  pad = max_pages * page_size - s_max
+  k_pad = np.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  v_pad = np.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  for row in range(b):
+    for i, page in enumerate(order[row]):
+      k_pages[page] = k_pad[row, i * page_size:(i + 1) * page_size]
+      v_pages[page] = v_pad[row, i * page_size:(i + 1) * page_size]
+  return k_pages, v_pages, order.astype(np.int32), k, v
+
+
+def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
+           dtype=jnp.float32, page_size=None, window=None, soft_cap=None,
+           positions=False, num_splits=None, block_kv=None, name=""):
+  hv = hv or h
+  gen = rng("decode", name, b, t, n, num_kv, h, hv, s_max, str(dtype),
+            page_size, window, soft_cap, positions, num_splits, block_kv)
+  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
+  k, v, table, k_flat, v_flat = _cache(
+      gen, b, s_max, num_kv, h, hv, dtype, page_size=page_size)
+  lengths = gen.integers(t, s_max + 1, b).astype(np.int32)
+  lengths[0] = s_max  # one full sequence
+  kw = dict(is_causal=True, local_window_size=window,
+            logits_soft_cap=soft_cap)
+  q_pos = lengths[:, None] - t + np.arange(t, dtype=np.int32)[None]
+  if positions:  # e.g. speculative tokens not at the end of the cache
+    q_pos = q_pos - gen.integers(0, 3, (b, 1)).astype(np.int32)
+  # Positions past each length hold NaN in the contiguous cache as well.
+  invalid = np.arange(s_max)[None] >= lengths[:, None]
+  k_flat = np.where(invalid[..., None, None], np.nan, k_flat)
+  v_flat = np.where(invalid[..., None, None], np.nan, v_flat)
+  if page_size is None:
+    k, v = k_flat, v_flat
+  cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+
+  out, lse = pallas_fa.decode_attention(
+      cast(q), cast(k), cast(v), jnp.asarray(lengths),
+      block_table=None if table is None else jnp.asarray(table),
+      query_positions=jnp.asarray(q_pos) if positions else None,
+      num_splits=num_splits, block_kv=block_kv, return_residual=True, **kw)
+  assert out.shape == (b, t, n, hv) and out.dtype == dtype
+  assert lse.shape == (b, t, n)
+
+  def reference(dtype):
+    # The reference reads the whole cache, so padding must be finite there.
+    kf = jnp.asarray(np.nan_to_num(k_flat), dtype)
+    vf = jnp.asarray(np.nan_to_num(v_flat), dtype)
+    if max(h, hv) > 256:  # Past flash_attention's head dims: numpy.
+      assert dtype == jnp.float32
+      return _numpy_reference(q, kf, vf, lengths, q_pos, n // num_kv)
+    return pallas_fa.flash_attention(
+        jnp.asarray(q, dtype), kf, vf, key_value_seq_lengths=lengths,
+        query_positions=jnp.asarray(q_pos), implementation="xla",
+        precision="highest", return_residual=True, **kw)
+
+  ref32 = reference(jnp.float32)
+  same = (None, None) if dtype == jnp.float32 else reference(dtype)
+  assert_close("out", out, ref32[0], same[0], dtype)
+  assert_close("lse", lse, ref32[1], same[1], dtype)
+
+
+def _numpy_reference(q, k, v, lengths, q_pos, group):
+  """Causal attention over the valid cache in float64 numpy."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  k, v = (np.repeat(x, group, axis=2) for x in (k, v))
+  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+  kv_pos = np.arange(k.shape[1])
+  visible = ((kv_pos[None, None, :] <= q_pos[:, :, None])
+             & (kv_pos[None, None, :] < lengths[:, None, None]))
+  s = np.where(visible[:, None], s, -np.inf)
+  lse = np.logaddexp.reduce(s, axis=-1)
+  out = np.einsum("bnts,bsnh->btnh", np.exp(s - lse[..., None]), v)
+  return jnp.asarray(out, jnp.float32), jnp.asarray(
+      lse.transpose(0, 2, 1), jnp.float32)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 32])
+def test_gqa_ratios(group):
+  _check(n=group * 2 if group < 32 else 32, num_kv=2 if group < 32 else 1,
+         t=2, name="gqa")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_dtypes_and_layouts(dtype, paged):
+  _check(dtype=dtype, num_kv=2, n=8, t=4, page_size=16 if paged else None,
+         name="dtypes")
+
+
+@pytest.mark.parametrize("h", [64, 128, 576, 4096])
+def test_head_dims(h):
+  _check(h=h, s_max=64 if h == 4096 else 150, n=4, num_kv=2,
+         page_size=32 if h == 576 else None, name="head dims")
+
+
+@pytest.mark.parametrize("num_splits, block_kv", [
+    (1, 16), (3, 16), (7, 32), (64, 16), (None, None)])
+def test_any_split_and_block(num_splits, block_kv):
+  _check(num_splits=num_splits, block_kv=block_kv, t=3, n=4, num_kv=2,
+         name="splits")
+
+
+def test_paged_splits_and_features():
+  _check(page_size=8, num_splits=5, window=(40, 0), soft_cap=20.0,
+         positions=True, t=4, n=8, num_kv=2, hv=48, name="features")
+
+
+def test_window_softcap_positions_value_head_dim():
+  _check(window=17, soft_cap=5.0, positions=True, t=2, hv=24,
+         name="contiguous features")
+
+
+def test_zero_length_rows_are_zero_not_nan():
+  gen = rng("decode", "empty")
+  q = jnp.asarray(gen.standard_normal((2, 1, 2, 16)), jnp.float32)
+  k = jnp.asarray(gen.standard_normal((2, 40, 1, 16)), jnp.float32)
+  out, lse = pallas_fa.decode_attention(
+      q, k, k, jnp.array([0, 40]), is_causal=False, return_residual=True)
+  np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[0])))
+  assert np.all(np.isfinite(np.asarray(out[1])))
+
+
+def test_merge_splits_equals_one_softmax():
+  """Merging per-part (out, lse) equals attention over all keys at once."""
+  gen = rng("decode", "merge")
+  s = jnp.asarray(gen.standard_normal((3, 5, 12)), jnp.float32)
+  v = jnp.asarray(gen.standard_normal((12, 4)), jnp.float32)
+  parts = s.reshape(3, 5, 3, 4)  # key axis split into 3 parts of 4
+  p = jax.nn.softmax(parts, axis=-1)
+  out_parts = jnp.einsum("bqpk,pkh->bpqh", p, v.reshape(3, 4, 4))
+  lse_parts = jax.nn.logsumexp(parts, axis=-1).transpose(0, 2, 1)
+  out, lse = decode.merge_splits(out_parts, lse_parts, axis=1)
+  np.testing.assert_allclose(out, jax.nn.softmax(s, axis=-1) @ v, atol=1e-6)
+  np.testing.assert_allclose(lse, jax.nn.logsumexp(s, axis=-1), atol=1e-6)
+
+
+def test_jit_and_vmap_compose():
+  gen = rng("decode", "jit")
+  q = jnp.asarray(gen.standard_normal((3, 2, 1, 4, 16)), jnp.float32)
+  k = jnp.asarray(gen.standard_normal((3, 2, 30, 2, 16)), jnp.float32)
+  lengths = jnp.asarray(gen.integers(1, 31, (3, 2)), jnp.int32)
+  fn = jax.jit(jax.vmap(
+      lambda q, k, n: pallas_fa.decode_attention(q, k, k, n, num_splits=2)))
+  out = fn(q, k, lengths)
+  for i in range(3):
+    np.testing.assert_allclose(
+        out[i], pallas_fa.decode_attention(q[i], k[i], k[i], lengths[i]),
+        atol=1e-6)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(implementation="triton"), NotImplementedError, "no decode path"),
+    (dict(implementation="nope"), ValueError, "implementation"),
+    (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths"),
+    (dict(lengths=jnp.array([-1, 2])), ValueError, "lengths"),
+    (dict(block_table=jnp.zeros((2,), jnp.int32)), ValueError, "block_table"),
+    (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(key=jnp.zeros((2, 30, 3, 16)), value=jnp.zeros((2, 30, 3, 16))),
+     ValueError, "multiple"),
+    (dict(value=jnp.zeros((2, 30, 1, 16), jnp.bfloat16)), TypeError,
+     "value"),
+    (dict(query=jnp.zeros((2, 4, 16))), ValueError, "query"),
+    (dict(local_window_size=-1), ValueError, "local_window_size"),
+])
+def test_bad_arguments_are_named(change, error, match):
+  args = dict(query=jnp.ones((2, 1, 4, 16)), key=jnp.ones((2, 30, 1, 16)),
+              value=jnp.ones((2, 30, 1, 16)), lengths=jnp.array([3, 30]))
+  args.update(change)
+  with pytest.raises(error, match=match):
+    pallas_fa.decode_attention(**args)
