@@ -371,7 +371,8 @@ def compare(name: str, result, ref32, ref_same=None, *, dtype=None,
     problem = "NaN or +inf"
   ref_max = _finite_max(ref)
   scale = max(min_scale, ref_max)
-  dtype = jnp.dtype(np.asarray(result).dtype if dtype is None else dtype)
+  dtype = jnp.dtype(getattr(result, "dtype", x.dtype) if dtype is None
+                    else dtype)
   common = dict(name=name, error=_max_error(x, ref), ref_max=ref_max,
                 problem=problem)
   if ref_same is None or jnp.finfo(dtype).bits >= 32:
