@@ -89,14 +89,22 @@ def implementation(request):
 @contextlib.contextmanager
 def script_module(name):
   """scripts/<name>.py imported as a module, registered in sys.modules while
-  in use (dataclasses look their module up)."""
-  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / (
-      name + ".py")
-  spec = importlib.util.spec_from_file_location(name + "_script", path)
+  in use (dataclasses look their module up).
+
+  scripts/ is on sys.path while it loads, as when it runs as a script, so
+  that it can import its sibling modules (scripts/bench/).
+  """
+  scripts = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+  spec = importlib.util.spec_from_file_location(
+      name + "_script", scripts / (name + ".py"))
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module
+  sys.path.insert(0, str(scripts))
   try:
     spec.loader.exec_module(module)
+    sys.path.remove(str(scripts))
     yield module
   finally:
+    if str(scripts) in sys.path:
+      sys.path.remove(str(scripts))
     sys.modules.pop(spec.name, None)

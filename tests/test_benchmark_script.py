@@ -27,7 +27,8 @@ def _settings(benchmark, **overrides):
   )
   kw.update(overrides)
   # One call per timed run: the timings of a test are not looked at.
-  return dataclasses.replace(benchmark.make_settings(**kw), min_repeat_s=0.0)
+  return dataclasses.replace(benchmark.options.make_settings(**kw),
+                             min_repeat_s=0.0)
 
 
 def _by_cell(report):
@@ -56,7 +57,7 @@ def test_sweep_writes_json_table_and_plot(benchmark, tmp_path):
   assert report["matmul"]["flops_per_s"] > 0
 
   path = tmp_path / "out" / "bench.json"
-  benchmark.write_json(report, str(path))
+  benchmark.report_lib.write_json(report, str(path))
   loaded = json.loads(path.read_text())
   for key in ("device", "device_kind", "platform", "jax_version",
               "jaxlib_version", "command", "flop_convention", "settings"):
@@ -66,10 +67,10 @@ def test_sweep_writes_json_table_and_plot(benchmark, tmp_path):
       "causal", "dtype", "status", "ms", "flops", "flops_per_s",
       "speedup_vs_xla", "pct_matmul", "check", "times_ms"}
 
-  table = benchmark.format_table(report)
+  table = benchmark.report_lib.format_table(report)
   assert "chunked" in table and "jax:xla" in table and "GFLOP/s" in table
   png = tmp_path / "bench.png"
-  benchmark.plot(report, str(png))
+  benchmark.report_lib.plot(report, str(png))
   assert png.read_bytes()[:4] == b"\x89PNG"
 
 

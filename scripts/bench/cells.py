@@ -1,0 +1,576 @@
+"""One benchmark cell: the function timed, its check, its timing and memory.
+
+A cell is (candidate, shape, mode): a pallas_fa implementation or a JAX peer,
+one `options.Shape`, and "fwd" or "fwd_bwd". It is checked against the float32
+reference of `pallas_fa.testing` (the FlashAttention error rule for low
+precision) and timed with `testing.time_call`, either here or in a fresh
+child process (`run_isolated`) that also reports the cell's peak memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_fa
+from bench import options
+from pallas_fa import api
+from pallas_fa import testing
+
+Array = Any
+
+# Isolated cells run the benchmark's own entry point with --child_spec.
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmark.py"
+CHILD_MARKER = "BENCHMARK_CHILD_RESULT "
+
+
+# ---------------------------------------------------------------------------
+# The functions under test.
+
+
+def _import(module: str):
+  try:
+    return importlib.import_module(module)
+  except Exception as e:  # ImportError, or a compiler stack failing to load.
+    raise NotImplementedError(f"cannot import {module}: {e}") from e
+
+
+def _is_hopper() -> bool:
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  return capability is not None and str(capability).startswith("9")
+
+
+def peer_unavailable_reason(name: str, platform: str) -> str | None:
+  """Why peer `name` cannot run here.
+
+  Args:
+    name: one of `options.PEERS`.
+    platform: "cpu" | "gpu" | "tpu".
+
+  Returns:
+    The reason, or None if the peer may run (its own checks may still
+    refuse a shape; that is reported per cell).
+  """
+  if name == "xla":
+    return None
+  if name == "cudnn":
+    return None if platform == "gpu" else "cuDNN runs only on GPU"
+  if name in ("pallas_mha", "pallas_mgpu"):
+    # Interpret mode elsewhere would time an emulator, not a kernel.
+    if platform != "gpu":
+      return "a GPU kernel (needs a GPU)"
+    if name == "pallas_mgpu" and not _is_hopper():
+      return "Mosaic GPU attention needs Hopper (sm90)"
+    module = ("jax.experimental.pallas.ops.gpu.attention" if
+              name == "pallas_mha" else
+              "jax.experimental.pallas.ops.gpu.attention_mgpu")
+  elif name == "pallas_tpu":
+    if platform != "tpu":
+      return "a TPU kernel (needs a TPU)"
+    module = "jax.experimental.pallas.ops.tpu.flash_attention"
+  else:
+    return f"unknown peer {name!r}"
+  try:
+    _import(module)
+  except NotImplementedError as e:
+    return str(e)
+  return None
+
+
+def _mgpu_config(module, causal: bool):
+  # Block sizes from the kernel's own sweep; only fields this JAX has.
+  fields = {f.name for f in dataclasses.fields(module.TuningConfig)}
+  kw = dict(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+            block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+  return module.TuningConfig(**{k: v for k, v in kw.items() if k in fields})
+
+
+def attention_fn(candidate: options.Candidate,
+                 shape: options.Shape) -> Callable:
+  """(q, k, v) -> out for `candidate` on `shape` (default scale 1/sqrt(H)).
+
+  Args:
+    candidate: an implementation or peer.
+    shape: the problem (its causal flag is baked in).
+
+  Returns:
+    A traceable function of (q, k, v), each [B, T, N, H].
+
+  Raises:
+    NotImplementedError: the candidate cannot run here.
+  """
+  causal = shape.causal
+  scale = 1.0 / math.sqrt(shape.head_dim)
+  if candidate.kind == "impl":
+    name = candidate.name
+
+    def ours(q, k, v):
+      # Looked up at call time so tests can substitute the entry point.
+      return pallas_fa.flash_attention(
+          q, k, v, is_causal=causal, implementation=name)
+
+    return ours
+
+  name = candidate.name
+  reason = peer_unavailable_reason(name, api.platform())
+  if reason is not None:
+    raise NotImplementedError(reason)
+  if name in ("xla", "cudnn"):
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=name)
+  if name == "pallas_mha":
+    module = _import("jax.experimental.pallas.ops.gpu.attention")
+    return lambda q, k, v: module.mha(
+        q, k, v, None, sm_scale=scale, causal=causal)
+  if name == "pallas_mgpu":
+    module = _import("jax.experimental.pallas.ops.gpu.attention_mgpu")
+    config = _mgpu_config(module, causal)
+    # The kernel applies no logit scale: fold it into q (counted in its time).
+    return lambda q, k, v: module.attention(q * scale, k, v, config)
+  if name == "pallas_tpu":
+    module = _import("jax.experimental.pallas.ops.tpu.flash_attention")
+
+    def tpu(q, k, v):
+      bnth = lambda x: x.transpose(0, 2, 1, 3)
+      out = module.flash_attention(
+          bnth(q), bnth(k), bnth(v), causal=causal, sm_scale=scale)
+      return bnth(out)
+
+    return tpu
+  raise NotImplementedError(f"unknown peer {name!r}")
+
+
+def build(candidate: options.Candidate, shape: options.Shape,
+          mode: str) -> Callable:
+  """The jitted function checked and timed for one cell.
+
+  Args:
+    candidate: an implementation or peer.
+    shape: the problem.
+    mode: "fwd" or "fwd_bwd".
+
+  Returns:
+    fwd: (q, k, v, dout) -> out; fwd_bwd: (q, k, v, dout) ->
+    (out, dq, dk, dv). dout is an argument of both so that one executable
+    serves the check (with a masked dout) and the timing.
+  """
+  fn = attention_fn(candidate, shape)
+  if mode == "fwd":
+    return jax.jit(lambda q, k, v, dout: fn(q, k, v))
+
+  def fwd_bwd(q, k, v, dout):
+    out, pullback = jax.vjp(fn, q, k, v)
+    return (out, *pullback(dout.astype(out.dtype)))
+
+  return jax.jit(fwd_bwd)
+
+
+def make_inputs(shape: options.Shape, seed: int) -> tuple[Array, ...]:
+  """Random inputs of one shape (`testing.make_inputs`).
+
+  Args:
+    shape: the problem.
+    seed: random seed.
+
+  Returns:
+    (q, k, v, dout), each [B, T, N, H] in the shape's dtype.
+  """
+  gen = testing.rng(seed)
+  dtype = options.DTYPES[shape.dtype]
+  q, k, v, _ = testing.make_inputs(shape.case(), dtype, gen)
+  return q, k, v, testing.normal(gen, q.shape, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Correctness check against the float32 reference.
+
+
+def check_rows(seq_len: int, rows: int) -> np.ndarray:
+  """The query rows the check compares.
+
+  Args:
+    seq_len: T.
+    rows: rows kept at each end of a long sequence.
+
+  Returns:
+    All row indices, or the first and last `rows` when T > 2 * rows.
+  """
+  if seq_len <= 2 * rows:
+    return np.arange(seq_len)
+  return np.concatenate([np.arange(rows), np.arange(seq_len - rows, seq_len)])
+
+
+def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype):
+  """Reference (out, dq, dk, dv) on the query rows `rows` only.
+
+  Slicing the queries (with their true positions) keeps the materialised
+  logits at [B, N, len(rows), S]. The gradients are those of the full
+  problem with dout zero outside `rows`: a query row whose dout is zero adds
+  nothing to dK/dV, so the candidate run with that masked dout must match.
+
+  Args:
+    shape: the problem (its causal flag).
+    q, k, v: [B, T, N, H] inputs.
+    dout: [B, T, N, H] cotangent; only its `rows` are used.
+    rows: query row indices.
+    grads: also compute the gradients.
+    compute_dtype: dtype of the reference's arithmetic.
+
+  Returns:
+    (out [B, R, N, H], dq [B, T, N, H] or None, dk, dv), float32.
+  """
+  b, t = q.shape[:2]
+  positions = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (b, len(rows)))
+
+  @jax.jit
+  def materialised(qs, k, v, ds):
+    def f(qs, k, v):
+      return testing.reference(
+          qs, k, v, is_causal=shape.causal, query_positions=positions,
+          compute_dtype=compute_dtype)[0]
+
+    cast = lambda x: x.astype(compute_dtype)
+    if not grads:
+      return f(cast(qs), cast(k), cast(v)), None, None, None
+    out, pullback = jax.vjp(f, cast(qs), cast(k), cast(v))
+    dqs, dk, dv = pullback(cast(ds))
+    dq = jnp.zeros((b, t) + dqs.shape[2:], dqs.dtype).at[:, rows].set(dqs)
+    return out, dq, dk, dv
+
+  results = materialised(q[:, rows], k, v, dout[:, rows])
+  return tuple(None if x is None else x.astype(jnp.float32) for x in results)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Reference:
+  """Reference results of one shape, shared by every candidate."""
+
+  rows: np.ndarray
+  dout_masked: Array  # dout, zero outside `rows`
+  f32: tuple  # (out, dq, dk, dv) float32 reference
+  same: tuple | None  # the same in the input dtype (low precision only)
+
+
+def make_reference(shape, inputs, rows: int, grads: bool) -> Reference:
+  """Computes the float32 (and same-dtype) reference for `shape`.
+
+  Args:
+    shape: the problem.
+    inputs: (q, k, v, dout) from `make_inputs`.
+    rows: see `check_rows`.
+    grads: also compute the reference gradients.
+
+  Returns:
+    The shape's `Reference`.
+  """
+  q, k, v, dout = inputs
+  idx = check_rows(shape.seq_len, rows)
+  masked = jnp.zeros_like(dout).at[:, idx].set(dout[:, idx])
+  f32 = reference_results(shape, q, k, v, masked, idx, grads, jnp.float32)
+  same = None
+  if shape.dtype != "float32":
+    same = reference_results(shape, q, k, v, masked, idx, grads,
+                             options.DTYPES[shape.dtype])
+  return Reference(rows=idx, dout_masked=masked, f32=f32, same=same)
+
+
+def compare(results, ref: Reference, dtype: str) -> dict[str, dict]:
+  """Compares candidate (out, dq, dk, dv) with the reference.
+
+  The rule is `testing.compare`'s at the default matmul precision, scale-
+  free (`min_scale=0`): long sequences have small gradients.
+
+  Args:
+    results: the candidate's outputs (out on every row; grads with
+      ref.dout_masked as cotangent), grads may be absent.
+    ref: the shape's reference.
+    dtype: the input dtype name (selects the tolerance rule).
+
+  Returns:
+    {name: {"err": max abs error, "tol": allowed, "ref_max": max|ref|}}.
+
+  Raises:
+    testing.Mismatch: some result is not finite or exceeds its tolerance.
+  """
+  names = ("out", "dq", "dk", "dv")
+  report = {}
+  got_all = (results[0][:, ref.rows],) + tuple(results[1:])
+  for i, got in enumerate(got_all):
+    if ref.f32[i] is None:
+      continue
+    comparison = testing.compare(
+        names[i], got, ref.f32[i], None if ref.same is None else ref.same[i],
+        dtype=options.DTYPES[dtype], precision="default", min_scale=0.0)
+    comparison.check(f"rows checked: {len(ref.rows)}")
+    report[names[i]] = {"err": comparison.error,
+                        "tol": comparison.tolerance,
+                        "ref_max": comparison.ref_max}
+  return report
+
+
+# ---------------------------------------------------------------------------
+# Timing and memory.
+
+
+def compiled_bytes(compiled) -> int | None:
+  """XLA's estimate of an executable's memory, or None if unknown."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # Not every backend implements it.
+    return None
+  if stats is None:
+    return None
+  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def _memory_now() -> tuple[int | None, str]:
+  """(peak bytes so far, source) of this process on its default device."""
+  stats = None
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # Some backends do not report memory.
+    pass
+  if stats and "peak_bytes_in_use" in stats:
+    return int(stats["peak_bytes_in_use"]), "device_peak"
+  # Linux: VmHWM is the high-water mark of this process's own address space.
+  # ru_maxrss is not usable in a child: fork+exec carries the parent's peak
+  # into it, so every isolated cell would report at least the parent's RSS.
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024, "rss_peak"
+  except OSError:
+    pass
+  kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB.
+  return int(kib * scale), "rss_peak"
+
+
+def measure(fn, args, *, repeats, warmup, min_repeat_s) -> dict:
+  """Times a compiled cell (or any function) with `testing.time_call`.
+
+  Args:
+    fn: the executable.
+    args: its arguments.
+    repeats: timed runs (the median is reported).
+    warmup: untimed runs first.
+    min_repeat_s: a run repeats short calls back to back for this long.
+
+  Returns:
+    {"ms": median, "times_ms": every run, "calls_per_run"}.
+  """
+  timing = testing.time_call(fn, *args, repeats=repeats, warmup=warmup,
+                             min_run_s=min_repeat_s)
+  return {"ms": timing.ms, "times_ms": [t * 1e3 for t in timing.times_s],
+          "calls_per_run": timing.calls_per_run}
+
+
+def matmul_ceiling(size: int, dtype: str, *, repeats: int, warmup: int,
+                   seed: int = 0, min_repeat_s: float = 0.05) -> dict | None:
+  """The machine's own matmul rate: a [size, size] @ [size, size] product.
+
+  Args:
+    size: M = N = K; 0 skips the measurement.
+    dtype: dtype name of both operands.
+    repeats, warmup, seed, min_repeat_s: as for `measure`.
+
+  Returns:
+    {"size", "dtype", "ms", "flops_per_s"}, or None when size is 0.
+  """
+  if not size:
+    return None
+  gen = testing.rng("matmul", seed)
+  a, b = (testing.normal(gen, (size, size), options.DTYPES[dtype])
+          for _ in range(2))
+  matmul = jax.jit(jnp.matmul).lower(a, b).compile()
+  timing = testing.time_call(matmul, a, b, repeats=repeats, warmup=warmup,
+                             min_run_s=min_repeat_s)
+  return {"size": size, "dtype": dtype, "ms": timing.ms,
+          "flops_per_s": 2.0 * size**3 / timing.median_s}
+
+
+# ---------------------------------------------------------------------------
+# Isolated cells.
+
+
+def _run_child(spec: dict) -> dict:
+  """Body of an isolated cell: compile, time, report peak memory."""
+  candidate = options.Candidate(**spec["candidate"])
+  shape = options.Shape(**spec["shape"])
+  inputs = make_inputs(shape, spec["seed"])
+  jax.block_until_ready(inputs)
+  base_bytes, source = _memory_now()
+  start = time.perf_counter()
+  compiled = build(candidate, shape, spec["mode"]).lower(*inputs).compile()
+  result = {"compile_s": time.perf_counter() - start,
+            "xla_mem_bytes": compiled_bytes(compiled)}
+  result.update(measure(compiled, inputs, repeats=spec["repeats"],
+                        warmup=spec["warmup"],
+                        min_repeat_s=spec["min_repeat_s"]))
+  peak, source = _memory_now()
+  result.update(peak_bytes=peak, base_bytes=base_bytes, mem_source=source)
+  return result
+
+
+def child_main(spec_json: str) -> None:
+  """Runs one isolated cell and prints its record for the parent."""
+  try:
+    result = _run_child(json.loads(spec_json))
+  except Exception as e:  # Reported to the parent, which classifies it.
+    result = {"error": str(e)[:2000], "error_type": type(e).__name__}
+  print(CHILD_MARKER + json.dumps(result), flush=True)
+
+
+def _child_env() -> dict:
+  env = dict(os.environ)
+  # The parent may run with the platform allocator (see benchmark.main);
+  # children measure with JAX's default one.
+  env.pop("XLA_PYTHON_CLIENT_ALLOCATOR", None)
+  return env
+
+
+class ChildError(Exception):
+  """An exception raised inside an isolated cell, carried back by type."""
+
+  def __init__(self, message, error_type):
+    super().__init__(message)
+    self.error_type = error_type
+
+
+def run_isolated(candidate, shape, mode, settings: options.Settings) -> dict:
+  """Times one cell in a fresh process (see `_run_child`).
+
+  Args:
+    candidate, shape, mode: the cell.
+    settings: repeats, warm-up, seed and timeout.
+
+  Returns:
+    The child's timing and memory record.
+
+  Raises:
+    ChildError: the cell raised in the child (its type is carried).
+    RuntimeError: the child failed otherwise.
+  """
+  spec = {
+      "candidate": dataclasses.asdict(candidate),
+      "shape": dataclasses.asdict(shape),
+      "mode": mode,
+      "repeats": settings.repeats,
+      "warmup": settings.warmup,
+      "seed": settings.seed,
+      "min_repeat_s": settings.min_repeat_s,
+  }
+  cmd = [sys.executable, str(SCRIPT), "--child_spec=" + json.dumps(spec)]
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=settings.cell_timeout, env=_child_env())
+  except subprocess.TimeoutExpired:
+    raise RuntimeError(f"timed out after {settings.cell_timeout:.0f} s"
+                       ) from None
+  for line in reversed(proc.stdout.splitlines()):
+    if line.startswith(CHILD_MARKER):
+      result = json.loads(line[len(CHILD_MARKER):])
+      if "error" in result:
+        raise ChildError(result["error"], result.get("error_type", ""))
+      return result
+  if proc.returncode < 0:
+    raise RuntimeError(
+        f"child killed by signal {-proc.returncode} (out of memory?)")
+  tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+  raise RuntimeError(f"child exited with {proc.returncode}: {tail}")
+
+
+# ---------------------------------------------------------------------------
+# One cell.
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return (text[0] if text else type(e).__name__)[:300]
+
+
+def _is_oom(message: str) -> bool:
+  lowered = message.lower()
+  return ("resource_exhausted" in lowered or "out of memory" in lowered
+          or "oom" in lowered.split())
+
+
+def classify(e: BaseException) -> tuple[str, str]:
+  """(status, reason) of a failed cell."""
+  error_type = getattr(e, "error_type", type(e).__name__)
+  message = _first_line(e)
+  if error_type == testing.Mismatch.__name__:
+    return "wrong", message
+  if error_type == "NotImplementedError":
+    return "skipped", f"unsupported: {message}"
+  if _is_oom(str(e)):
+    return "skipped", f"memory: {message}"
+  return "failed", f"{error_type}: {message}"
+
+
+def base_record(candidate, shape, mode) -> dict:
+  """The fields every record of a cell has, before it runs."""
+  return {"impl": candidate.label, "kind": candidate.kind, "mode": mode,
+          **dataclasses.asdict(shape), "flops": shape.flops(mode),
+          "status": "ok", "reason": "", "ms": None}
+
+
+def run_cell(candidate, shape, mode, inputs, ref, settings) -> dict:
+  """Checks, then times, one (candidate, shape, mode); never raises.
+
+  Args:
+    candidate, shape, mode: the cell.
+    inputs: (q, k, v, dout) of the shape.
+    ref: the shape's reference.
+    settings: the run's settings.
+
+  Returns:
+    The cell's record: status "ok" | "skipped" | "wrong" | "failed" with a
+    reason, the check's errors, timings and memory.
+  """
+  record = base_record(candidate, shape, mode)
+  limit = dict(settings.max_seq).get(candidate.label)
+  if limit and shape.seq_len > limit:
+    record.update(status="skipped",
+                  reason=f"memory: T > --peer_max_seq {limit}")
+    return record
+  try:
+    start = time.perf_counter()
+    compiled = build(candidate, shape, mode).lower(*inputs).compile()
+    record["compile_s"] = time.perf_counter() - start
+    record["xla_mem_bytes"] = compiled_bytes(compiled)
+    q, k, v, dout = inputs
+    results = compiled(q, k, v, ref.dout_masked)
+    if mode == "fwd":
+      results = (results,)
+    record["check"] = compare(results, ref, shape.dtype)
+    del results
+    if settings.isolate:
+      del compiled
+      record.update(run_isolated(candidate, shape, mode, settings))
+    else:
+      record.update(measure(compiled, inputs, repeats=settings.repeats,
+                            warmup=settings.warmup,
+                            min_repeat_s=settings.min_repeat_s))
+  except Exception as e:  # One bad cell must not end the sweep.
+    status, reason = classify(e)
+    record.update(status=status, reason=reason, ms=None)
+  if record["ms"]:
+    record["flops_per_s"] = record["flops"] / (record["ms"] * 1e-3)
+  return record

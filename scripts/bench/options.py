@@ -1,0 +1,330 @@
+"""The benchmark's options (declared once), presets and resolved settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Sequence
+
+from pallas_fa import api
+from pallas_fa import testing
+
+MODES = ("fwd", "fwd_bwd")
+DTYPES = testing.DTYPES
+# Peers: `jax.nn.dot_product_attention` (xla, cudnn), JAX's Pallas Triton
+# `mha`, its Hopper Mosaic GPU `attention_mgpu` and its TPU `flash_attention`.
+PEERS = ("xla", "cudnn", "pallas_mha", "pallas_mgpu", "pallas_tpu")
+DEFAULT_PEERS = {
+    "cpu": ("xla",),
+    "gpu": ("xla", "cudnn", "pallas_mha", "pallas_mgpu"),
+    "tpu": ("xla", "pallas_tpu"),
+}
+# The candidates that materialise the [B, N, T, S] logits: a bare number in
+# --peer_max_seq limits these.
+MATERIALISING = ("jax:xla", "xla")
+# The peer every ratio is taken against.
+BASELINE = "jax:xla"
+
+PRESETS = {
+    # The foundation's CPU targets.
+    "cpu": dict(
+        seq_lens=(512, 1024, 2048, 4096),
+        dtype="float32",
+        batch=1,
+        tokens=0,
+        heads=8,
+        model_dim=0,
+        head_dim=(64,),
+        causal="both",
+        modes=MODES,
+        repeats=5,
+        warmup=1,
+        peer_max_seq=("8192",),
+        matmul_size=2048,
+    ),
+    # FlashAttention-2 paper protocol: B*T = 16k tokens, N*H = 2048.
+    "fa": dict(
+        seq_lens=(512, 1024, 2048, 4096, 8192, 16384),
+        dtype="bfloat16",
+        batch=0,
+        tokens=16384,
+        heads=0,
+        model_dim=2048,
+        head_dim=(64, 128, 256),
+        causal="both",
+        modes=MODES,
+        repeats=10,
+        warmup=2,
+        peer_max_seq=(),
+        matmul_size=8192,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """One command-line option.
+
+  Attributes:
+    name: the flag's name, and the `make_settings` argument's if `setting`.
+    kind: the absl flag type (`DEFINE_<kind>`): "enum", "list", "integer",
+      "bool" or "string".
+    help: the flag's help.
+    default: its default; None for a preset value means "the preset's".
+    choices: an enum's values.
+    setting: an input of `make_settings` (else output or internal).
+  """
+
+  name: str
+  kind: str
+  help: str
+  default: Any = None
+  choices: tuple[str, ...] = ()
+  setting: bool = True
+
+
+OPTIONS = (
+    Option("grid", "enum",
+           "Preset: 'cpu' (foundation targets) or 'fa' (FlashAttention GPU "
+           "protocol). Default: 'fa' on GPU, else 'cpu'.",
+           choices=tuple(sorted(PRESETS))),
+    Option("seq_lens", "list", "T = S values (preset default)."),
+    Option("impls", "list",
+           "pallas_fa implementations to time; default: those the automatic "
+           "choice would try on this platform."),
+    Option("peers", "list",
+           f"Peers among {PEERS}, or 'none'; default: those for this "
+           "platform."),
+    Option("dtype", "enum", "Input dtype.", choices=tuple(sorted(DTYPES))),
+    Option("batch", "integer", "B; 0 = tokens // T."),
+    Option("tokens", "integer", "B * T when --batch=0."),
+    Option("heads", "integer", "N; 0 = model_dim // H."),
+    Option("model_dim", "integer", "N * H when --heads=0."),
+    Option("head_dim", "list", "H values."),
+    Option("causal", "enum", "Causal masking.",
+           choices=("both", "true", "false")),
+    Option("modes", "list", f"Subset of {MODES}."),
+    Option("repeats", "integer", "Timed runs per cell (median)."),
+    Option("warmup", "integer", "Untimed runs after compilation."),
+    Option("json", "string", "Write the results as JSON here.",
+           setting=False),
+    Option("plot", "string", "Write a PNG plot here.", setting=False),
+    Option("plot_metric", "enum", "Plot's y axis.", "flops",
+           ("flops", "ms"), setting=False),
+    Option("isolate", "bool",
+           "Time each cell in a fresh process and report its peak memory. "
+           "Default: on for CPU, off elsewhere."),
+    Option("peer_max_seq", "list",
+           "Longest T to run for memory-hungry candidates: 'LEN' applies to "
+           f"the materialising ones {MATERIALISING}, 'LABEL=LEN' to one "
+           "(e.g. jax:cudnn=8192); longer cells are reported as skipped "
+           "(memory)."),
+    Option("check_rows", "integer",
+           "Above 2x this many queries, the check compares only the first "
+           "and last check_rows query rows (the reference is quadratic in "
+           "memory).", 256),
+    Option("matmul_size", "integer",
+           "M = N = K of the matmul-rate ceiling; 0 = skip."),
+    Option("seed", "integer", "Seed of the random inputs.", 0),
+    Option("cell_timeout", "integer", "Seconds an isolated cell may run.",
+           1800),
+    Option("child_spec", "string",
+           "Internal: run one isolated cell (JSON) and exit.", setting=False),
+)
+SETTING_NAMES = tuple(o.name for o in OPTIONS if o.setting)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Shape:
+  """One self-attention problem (T = S, N query and key/value heads)."""
+
+  batch: int
+  seq_len: int
+  heads: int
+  head_dim: int
+  causal: bool
+  dtype: str
+
+  def __post_init__(self):
+    for name in ("batch", "seq_len", "heads", "head_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"Shape.{name} must be a positive int, got {value!r}.")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"Shape.dtype must be one of {sorted(DTYPES)}, got "
+                       f"{self.dtype!r}.")
+
+  def flops(self, mode: str) -> float:
+    return testing.attention_flops(
+        self.batch, self.heads, self.seq_len, self.seq_len, self.head_dim,
+        causal=self.causal, mode=mode)
+
+  def case(self) -> testing.Case:
+    """The shape as a `testing.Case` (no mask beyond causal)."""
+    return testing.Case(b=self.batch, t=self.seq_len, s=self.seq_len,
+                        n=self.heads, k=self.heads, h=self.head_dim,
+                        causal=self.causal)
+
+  def __str__(self):
+    return (f"B={self.batch} N={self.heads} H={self.head_dim} "
+            f"T={self.seq_len} causal={self.causal} {self.dtype}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+  """Something to time: a pallas_fa implementation or a JAX peer."""
+
+  kind: str  # "impl" | "peer"
+  name: str
+
+  @property
+  def label(self) -> str:
+    return self.name if self.kind == "impl" else f"jax:{self.name}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+  """Everything one benchmark run needs (options resolved against a preset)."""
+
+  grid: str
+  shapes: tuple[Shape, ...]
+  candidates: tuple[Candidate, ...]
+  modes: tuple[str, ...]
+  repeats: int
+  warmup: int
+  isolate: bool
+  max_seq: tuple[tuple[str, int], ...]  # (label, longest T)
+  check_rows: int = 256
+  matmul_size: int = 0
+  seed: int = 0
+  cell_timeout: float = 1800.0
+  min_repeat_s: float = 0.05
+
+
+def default_impls(platform: str) -> tuple[str, ...]:
+  """The implementations the automatic choice tries here, if they import.
+
+  Args:
+    platform: "cpu" | "gpu" | "tpu".
+
+  Returns:
+    Implementation names, fastest first; the others are printed as skipped.
+  """
+  order = api.AUTO_ORDER.get(platform, ("chunked",))
+  names = []
+  for name in order:
+    try:
+      api.get_backend(name)
+    except NotImplementedError as e:
+      print(f"impl {name}: skipped ({e})")
+      continue
+    names.append(name)
+  return tuple(names)
+
+
+def _parse_max_seq(entries: Sequence[str]) -> tuple[tuple[str, int], ...]:
+  limits = {}
+  for entry in entries:
+    entry = entry.strip()
+    if not entry:
+      continue
+    label, sep, value = entry.rpartition("=")
+    try:
+      length = int(value)
+    except ValueError:
+      raise ValueError(f"--peer_max_seq entries are LEN or LABEL=LEN, got "
+                       f"{entry!r}.") from None
+    for name in ((label,) if sep else MATERIALISING):
+      limits[name] = length
+  return tuple(sorted(limits.items()))
+
+
+def _shapes(value) -> list[Shape]:
+  seq_lens = [int(t) for t in value("seq_lens")]
+  head_dims = [int(h) for h in value("head_dim")]
+  batch, tokens = value("batch"), value("tokens")
+  heads, model_dim = value("heads"), value("model_dim")
+  causals = {"both": (False, True), "true": (True,), "false": (False,)}[
+      value("causal")]
+  shapes = []
+  for h in head_dims:
+    n = heads or model_dim // h
+    for t in seq_lens:
+      b = batch or tokens // t
+      if b < 1 or n < 1:
+        raise ValueError(
+            f"Cannot form a shape from {batch=}, {tokens=}, {heads=}, "
+            f"{model_dim=}, T={t}, H={h}.")
+      for c in causals:
+        shapes.append(Shape(batch=b, seq_len=t, heads=n, head_dim=h,
+                            causal=c, dtype=value("dtype")))
+  return shapes
+
+
+def _candidates(impls, peers) -> list[Candidate]:
+  for name in impls:
+    if name not in api.REGISTRY:
+      raise ValueError(f"Unknown implementation {name!r}; expected one of "
+                       f"{sorted(api.REGISTRY)}.")
+  peers = [p for p in peers if p != "none"]
+  for name in peers:
+    if name not in PEERS:
+      raise ValueError(f"Unknown peer {name!r}; expected one of {PEERS}.")
+  return ([Candidate(kind="impl", name=n) for n in impls]
+          + [Candidate(kind="peer", name=n) for n in peers])
+
+
+def make_settings(*, platform: str | None = None, **values) -> Settings:
+  """Resolves option values (None = preset default) into `Settings`.
+
+  Args:
+    platform: "cpu" | "gpu" | "tpu"; default the JAX default backend.
+    **values: any of `SETTING_NAMES`, as the flags of the same names
+      (`OPTIONS`); grid defaults to "fa" on GPU, else "cpu".
+
+  Returns:
+    The resolved settings.
+
+  Raises:
+    TypeError: a name that is not a setting.
+    ValueError: an unknown mode, peer or implementation, or a shape that
+      cannot be formed.
+  """
+  unknown = sorted(set(values) - set(SETTING_NAMES))
+  if unknown:
+    raise TypeError(f"make_settings got unknown options {unknown}; expected "
+                    f"some of {SETTING_NAMES}.")
+  platform = platform or api.platform()
+  grid = values.get("grid") or ("fa" if platform == "gpu" else "cpu")
+  preset = PRESETS[grid]
+  defaults = {o.name: o.default for o in OPTIONS}
+
+  def value(name):
+    given = values.get(name)
+    if given is not None:
+      return given
+    return preset[name] if name in preset else defaults[name]
+
+  modes = tuple(value("modes"))
+  for mode in modes:
+    if mode not in MODES:
+      raise ValueError(f"modes must be a subset of {MODES}, got {modes=}.")
+  impls = value("impls")
+  impls = default_impls(platform) if impls is None else impls
+  peers = value("peers")
+  peers = DEFAULT_PEERS.get(platform, ("xla",)) if peers is None else peers
+  isolate = value("isolate")
+  return Settings(
+      grid=grid,
+      shapes=tuple(_shapes(value)),
+      candidates=tuple(_candidates(impls, peers)),
+      modes=modes,
+      repeats=int(value("repeats")),
+      warmup=int(value("warmup")),
+      isolate=(platform == "cpu") if isolate is None else bool(isolate),
+      max_seq=_parse_max_seq(value("peer_max_seq")),
+      check_rows=int(value("check_rows")),
+      matmul_size=int(value("matmul_size")),
+      seed=int(value("seed")),
+      cell_timeout=float(value("cell_timeout")),
+  )

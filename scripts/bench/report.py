@@ -1,0 +1,220 @@
+"""The benchmark's results: ratios, metadata, text table, JSON and plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform as platform_lib
+import shlex
+import sys
+from typing import Sequence
+
+import jax
+import jaxlib
+
+import pallas_fa
+from bench import options
+from pallas_fa import api
+from pallas_fa import testing
+
+
+def _cell_key(r: dict) -> tuple:
+  return (r["mode"], r["batch"], r["seq_len"], r["heads"], r["head_dim"],
+          r["causal"], r["dtype"])
+
+
+def add_ratios(results: list[dict], ceiling: dict | None) -> None:
+  """Adds each record's speed-up against the baseline peer and its
+  percentage of the matmul ceiling (None where either is unknown)."""
+  baseline = {}
+  for r in results:
+    if r["impl"] == options.BASELINE and r["ms"]:
+      baseline[_cell_key(r)] = r["ms"]
+  for r in results:
+    peer_ms = baseline.get(_cell_key(r))
+    r["speedup_vs_xla"] = peer_ms / r["ms"] if peer_ms and r["ms"] else None
+    r["pct_matmul"] = (
+        100.0 * r["flops_per_s"] / ceiling["flops_per_s"]
+        if ceiling and r.get("flops_per_s") else None)
+
+
+def meta(settings: options.Settings, argv: Sequence[str] | None) -> dict:
+  """The run's device, versions, command, conventions and settings."""
+  device = jax.devices()[0]
+  argv = list(argv) if argv is not None else sys.argv
+  return {
+      "device": str(device),
+      "device_kind": getattr(device, "device_kind", None),
+      "platform": api.platform(),
+      "num_devices": jax.device_count(),
+      "jax_version": jax.__version__,
+      "jaxlib_version": jaxlib.__version__,
+      "pallas_fa_version": getattr(pallas_fa, "__version__", None),
+      "python": platform_lib.python_version(),
+      "command": " ".join(shlex.quote(a) for a in ["python"] + argv),
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      "default_matmul_precision": str(
+          jax.config.jax_default_matmul_precision),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "flop_convention": testing.FLOP_CONVENTION,
+      "timing": (f"median of {settings.repeats} runs after "
+                 f"{settings.warmup} warm-up run(s)"),
+      "settings": dataclasses.asdict(settings),
+  }
+
+
+def _unit(platform: str) -> tuple[str, float]:
+  """The FLOP/s unit and its size: GFLOP/s on CPU, TFLOP/s elsewhere."""
+  return ("GFLOP/s", 1e9) if platform == "cpu" else ("TFLOP/s", 1e12)
+
+
+def rate(flops_per_s: float, platform: str) -> str:
+  """A FLOP/s figure in the platform's unit."""
+  unit, size = _unit(platform)
+  return f"{flops_per_s / size:.1f} {unit}"
+
+
+def _memory_cell(r: dict) -> str:
+  if r.get("peak_bytes"):
+    return f"{r['peak_bytes'] / 2**20:.0f}"
+  if r.get("xla_mem_bytes"):
+    return f"~{r['xla_mem_bytes'] / 2**20:.0f}"
+  return "-"
+
+
+def format_table(report: dict) -> str:
+  """The results as a fixed-width text table.
+
+  Args:
+    report: the value of `benchmark.run`.
+
+  Returns:
+    The table, headed by the device, versions, command and conventions.
+  """
+  meta, results = report["meta"], report["results"]
+  gpu_like = meta["platform"] != "cpu"
+  unit, div = _unit(meta["platform"])
+  lines = [
+      f"device: {meta['device_kind']} ({meta['platform']}), jax "
+      f"{meta['jax_version']}, jaxlib {meta['jaxlib_version']}",
+      f"command: {meta['command']}",
+      f"timing: {meta['timing']}; FLOPs: {meta['flop_convention']}",
+  ]
+  if report.get("matmul"):
+    mm = report["matmul"]
+    lines.append(f"matmul ceiling: {mm['size']}^3 {mm['dtype']} "
+                 f"{mm['ms']:.3f} ms = {mm['flops_per_s'] / div:.2f} {unit}")
+  if meta["settings"]["isolate"]:
+    lines.append(
+        "peak MB: peak of a fresh process per cell (" +
+        ("device peak_bytes_in_use" if gpu_like else "RSS") +
+        ", including the runtime and inputs)")
+  else:
+    lines.append("peak MB: ~ = XLA's compiled estimate (arguments + outputs "
+                 "+ temporaries); --isolate measures the real peak")
+  lines.append(f"vs xla: {options.BASELINE} time / this time (speed-up)")
+  header = (f"{'mode':7} {'causal':6} {'B':>3} {'N':>3} {'H':>3} {'T':>6} "
+            f"{'impl':16} {'ms':>10} {unit:>8} {'%mm':>5} {'vs xla':>7} "
+            f"{'peak MB':>8}  status")
+  lines += [header, "-" * len(header)]
+  for r in results:
+    ms = f"{r['ms']:.3f}" if r["ms"] else "-"
+    flops = f"{r['flops_per_s'] / div:.2f}" if r.get("flops_per_s") else "-"
+    pct = f"{r['pct_matmul']:.0f}%" if r.get("pct_matmul") else "-"
+    ratio = (f"{r['speedup_vs_xla']:.2f}x" if r.get("speedup_vs_xla")
+             else "-")
+    status = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
+    lines.append(
+        f"{r['mode']:7} {str(r['causal']):6} {r['batch']:>3} {r['heads']:>3} "
+        f"{r['head_dim']:>3} {r['seq_len']:>6} {r['impl']:16} {ms:>10} "
+        f"{flops:>8} {pct:>5} {ratio:>7} {_memory_cell(r):>8}  {status}")
+  return "\n".join(lines)
+
+
+def _make_parent(path: str) -> None:
+  directory = os.path.dirname(path)
+  if directory:
+    os.makedirs(directory, exist_ok=True)
+
+
+def write_json(report: dict, path: str) -> None:
+  """Writes the report (meta, matmul ceiling, per-cell results) as JSON.
+
+  Args:
+    report: the value of `benchmark.run`.
+    path: the file to write (its folder is created).
+  """
+  _make_parent(path)
+  with open(path, "w") as f:
+    json.dump(report, f, indent=1, default=str)
+    f.write("\n")
+
+
+def plot(report: dict, path: str, metric: str = "flops") -> None:
+  """PNG: y = FLOP/s (or ms) vs T, one line per implementation (and H).
+
+  Subplot rows are the modes (fwd, fwd+bwd), columns non-causal / causal.
+
+  Args:
+    report: the value of `benchmark.run`.
+    path: the PNG to write (its folder is created).
+    metric: "flops" or "ms".
+  """
+  # Imported here: only --plot needs matplotlib.
+  import matplotlib
+
+  matplotlib.use("Agg")
+  from matplotlib import pyplot
+
+  results = [r for r in report["results"] if r["ms"]]
+  meta = report["meta"]
+  unit, div = _unit(meta["platform"])
+  modes = [m for m in options.MODES
+           if any(r["mode"] == m for r in report["results"])]
+  causals = sorted({r["causal"] for r in report["results"]})
+  head_dims = sorted({r["head_dim"] for r in report["results"]})
+  labels = list(dict.fromkeys(r["impl"] for r in report["results"]))
+  fig, axes = pyplot.subplots(
+      max(1, len(modes)), max(1, len(causals)), squeeze=False,
+      figsize=(5.5 * max(1, len(causals)), 4 * max(1, len(modes))))
+  styles = ["-", "--", ":", "-."]
+  for i, mode in enumerate(modes):
+    for j, causal in enumerate(causals):
+      ax = axes[i][j]
+      for c, label in enumerate(labels):
+        for d, h in enumerate(head_dims):
+          rows = sorted(
+              (r for r in results if r["impl"] == label and r["mode"] == mode
+               and r["causal"] == causal and r["head_dim"] == h),
+              key=lambda r: r["seq_len"])
+          if not rows:
+            continue
+          xs = [r["seq_len"] for r in rows]
+          ys = ([r["flops_per_s"] / div for r in rows] if metric == "flops"
+                else [r["ms"] for r in rows])
+          name = label if len(head_dims) == 1 else f"{label} H={h}"
+          ax.plot(xs, ys, marker="o", color=f"C{c}",
+                  linestyle=styles[d % len(styles)], label=name)
+      if report.get("matmul") and metric == "flops":
+        ax.axhline(report["matmul"]["flops_per_s"] / div, color="gray",
+                   linewidth=0.8, linestyle=":", label="matmul")
+      ax.set_xscale("log", base=2)
+      if metric == "ms":
+        ax.set_yscale("log")
+      else:
+        ax.set_ylim(bottom=0)
+      ax.set_xlabel("sequence length T = S")
+      ax.set_ylabel(unit if metric == "flops" else "ms")
+      ax.set_title(f"{'fwd+bwd' if mode == 'fwd_bwd' else 'fwd'}, "
+                   f"{'causal' if causal else 'non-causal'}")
+      ax.grid(True, alpha=0.3)
+      ax.legend(fontsize=7)
+  dtype = report["results"][0]["dtype"] if report["results"] else ""
+  fig.suptitle(f"{meta['device_kind']} - jax {meta['jax_version']} - {dtype}")
+  fig.tight_layout()
+  _make_parent(path)
+  fig.savefig(path, dpi=120)
+  pyplot.close(fig)
