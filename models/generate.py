@@ -2,17 +2,23 @@
 
 The prompt is prefilled in one call, then one token is decoded per step inside
 a single jitted `fori_loop`; greedy (temperature 0) or temperature / top-k
-sampling.
+sampling. `show_samples` prints generations on a built-in dataset (and scores
+them on the synthetic tasks).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+
+from models import data as data_lib
 
 Array = Any
 
@@ -129,3 +135,51 @@ def generate(
       temperature=float(temperature), top_k=top_k,
       return_logits=return_logits,
   )
+
+
+_TEXT_PROMPTS = ("def ", "import ", "class ", "    for ")
+
+
+def show_samples(model, dataset, *, num_shown: int, num_prompts: int = 512,
+                 seed: int = 0, prompts: Sequence[str] | None = None,
+                 max_new_tokens: int = 200, temperature: float = 0.8,
+                 top_k: int | None = 20, out=None):
+  """Generates with the KV cache and prints the results.
+
+  Args:
+    model: a `transformer.Transformer`.
+    dataset: the dataset it was trained on.
+    num_shown: generations printed.
+    num_prompts: synthetic tasks: fresh prompts scored.
+    seed: seed of the prompts and of the sampling.
+    prompts: text: the prompts to continue (default a few built-in ones).
+    max_new_tokens: text: tokens generated per prompt.
+    temperature: text: sampling temperature (0 = greedy).
+    top_k: text: sample among the k most likely tokens (None = all).
+    out: where to print (default stdout).
+
+  Returns:
+    Synthetic tasks: (exact-match accuracy of greedy generation,
+    predictions [num_prompts, answer_len]). Text: the generated strings.
+  """
+  out = out or sys.stdout
+  if isinstance(dataset, data_lib.SyntheticTask):
+    rng = np.random.default_rng([seed, 7])
+    questions, answers = dataset.examples(rng, num_prompts)
+    pred = np.asarray(generate(model, questions, dataset.answer_len))
+    ok = np.all(pred == answers, axis=1)
+    print(f"Greedy KV-cache generation on {len(ok)} fresh prompts: "
+          f"{ok.mean():.2%} exact match.", file=out)
+    for i in range(min(num_shown, len(ok))):
+      verdict = "ok" if ok[i] else "WRONG, want " + dataset.decode(answers[i])
+      print(f"  {dataset.decode(questions[i])} -> {dataset.decode(pred[i])}  "
+            f"{verdict}", file=out)
+    return float(ok.mean()), pred
+  texts = []
+  for i, text in enumerate(list(prompts or _TEXT_PROMPTS)[:num_shown]):
+    new = generate(
+        model, dataset.encode(text)[None], max_new_tokens,
+        rng=jax.random.key(seed + i), temperature=temperature, top_k=top_k)
+    texts.append(text + dataset.decode(new[0]))
+    print(f"--- sample {i} ---\n{texts[-1]}", file=out)
+  return texts

@@ -1,4 +1,4 @@
-"""Sharded training checks of scripts/train.py, run in a fresh process.
+"""Sharded training checks of models.train_lib, run in a fresh process.
 
 The device count of the CPU platform is fixed when jax is first imported, so
 `tests/test_train_sharded.py` runs this file as a subprocess:
@@ -25,10 +25,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app  # noqa: E402
 
-_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(_ROOT, "scripts"))
+from models import sharding  # noqa: E402
+from models import train_lib  # noqa: E402
 
-import train  # noqa: E402
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 _TOL = 1e-5
 _START = time.time()
@@ -43,9 +43,9 @@ def _say(msg):
 
 
 def _text_file(workdir):
-  """A small corpus: this repository's training script, repeated."""
+  """A small corpus: this repository's training code, repeated."""
   path = os.path.join(workdir, "corpus.txt")
-  with open(os.path.join(_ROOT, "scripts", "train.py"), "rb") as f:
+  with open(os.path.join(_ROOT, "models", "train_lib.py"), "rb") as f:
     text = f.read()
   with open(path, "wb") as f:
     f.write(text * 2)
@@ -60,13 +60,13 @@ def _options(workdir, **kw):
       quiet=True, workdir=os.path.join(workdir, "run"), fresh=True,
       model_overrides=_MODEL, seed=int(np.random.default_rng().integers(1000)),
   )
-  return train.Options(**(base | kw))
+  return train_lib.Options(**(base | kw))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _loss_and_grads(graphdef, params, batch):
   (loss, _), grads = jax.value_and_grad(
-      train._loss_fn, argnums=1, has_aux=True)(graphdef, params, batch)
+      train_lib.loss_fn, argnums=1, has_aux=True)(graphdef, params, batch)
   return loss, grads
 
 
@@ -74,19 +74,18 @@ def _step_matches_single_device(workdir, data, seq, task="text", **kw):
   """One step's loss and gradients on a data x seq mesh == one device."""
   opts = _options(workdir, task=task, data_parallel=data,
                   sequence_parallel=seq, **kw)
-  dataset = train.make_dataset(opts)
-  cfg = train.make_config(opts, dataset)
-  optim = train.OptimizerSpec.from_options(opts)
-  mesh = train.make_mesh(opts, dataset)
+  run = train_lib.make_run(opts)
+  dataset, cfg, optim, mesh = run.dataset, run.cfg, run.optim, run.mesh
   assert dict(mesh.shape) == {"data": data, "heads": 1, "sequence": seq}
-  graphdef, state = train.init_state(opts, cfg, optim)
-  sharded_graphdef, sharded_state = train.init_state(opts, cfg, optim, mesh)
-  params = train.parallel.replicate(sharded_state["params"], mesh)
+  graphdef, state = train_lib.init_state(opts, cfg, optim)
+  sharded_graphdef, sharded_state = train_lib.init_state(
+      opts, cfg, optim, mesh)
+  params = sharding.replicate(sharded_state["params"], mesh)
   for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(params),
                   strict=True):
     np.testing.assert_array_equal(a, b)
   host = dataset.batch(3, opts.batch_size)
-  batch = train.place_batch(host, mesh)
+  batch = sharding.place_batch(host, mesh)
   assert tuple(batch["inputs"].sharding.spec) == ("data", "sequence"), (
       batch["inputs"].sharding)
   want_loss, want_grads = _loss_and_grads(graphdef, state["params"], host)
@@ -107,10 +106,11 @@ def _step_matches_single_device(workdir, data, seq, task="text", **kw):
 
 
 def _sharded_training_lowers_loss(workdir):
-  """train.train end to end on the mesh: loss falls, eval and samples run."""
+  """train_lib.train end to end on the mesh: loss falls, eval and samples
+  run."""
   opts = _options(workdir, data_parallel=2, sequence_parallel=4,
                   num_samples=1)
-  result = train.train(opts)
+  result = train_lib.train(opts)
   path = os.path.join(opts.workdir, "metrics.jsonl")
   with open(path) as f:
     losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
@@ -133,7 +133,7 @@ def _validation(workdir):
   for kw, word in cases:
     opts = _options(workdir, **kw)
     try:
-      train.make_mesh(opts, train.make_dataset(opts))
+      train_lib.make_mesh(opts, train_lib.make_dataset(opts))
     except app.UsageError as e:
       assert word in str(e), (kw, str(e))
     else:

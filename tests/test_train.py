@@ -1,20 +1,22 @@
-"""Tests of scripts/train.py and scripts/sample.py: training, resume."""
+"""Tests of models.train_lib, models.checkpoint and the train/sample scripts:
+training, checkpoint cadence, interrupting and resuming, options as flags."""
 
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from absl import flags
+from conftest import script_module
 from flax import nnx
 
+from models import checkpoint
 from models import data
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import sample  # noqa: E402  (also imports train, which owns the flags)
-import train  # noqa: E402
+from models import train_lib
 
 _RNG = np.random.default_rng()
 
@@ -31,7 +33,7 @@ _OPTS = dict(
 
 
 def _opts(tmp_path, name, **kw):
-  return train.Options(workdir=str(tmp_path / name), **(_OPTS | kw))
+  return train_lib.Options(workdir=str(tmp_path / name), **(_OPTS | kw))
 
 
 def _interrupt_at(monkeypatch, step, how):
@@ -40,9 +42,9 @@ def _interrupt_at(monkeypatch, step, how):
 
   def batch(self, s, batch_size, split="train"):
     if split == "train" and s == step:
-      if how == "signal":
-        # The real handler path: SIGTERM becomes KeyboardInterrupt.
-        os.kill(os.getpid(), signal.SIGTERM)
+      if how in ("sigterm", "sigint"):
+        # The real handler path: the signal stops the loop, which saves.
+        os.kill(os.getpid(), getattr(signal, how.upper()))
       else:
         raise RuntimeError("killed")  # No chance to save: like SIGKILL.
     return original(self, s, batch_size, split)
@@ -51,7 +53,7 @@ def _interrupt_at(monkeypatch, step, how):
 
 
 def _params(workdir):
-  model, _, step = sample.load_model(workdir)
+  model, _, step, _ = checkpoint.load_model(workdir)
   return step, jax.tree.leaves(nnx.state(model))
 
 
@@ -60,7 +62,7 @@ def full_run(tmp_path_factory):
   """An uninterrupted run: (workdir, seed, result, final params)."""
   seed = int(_RNG.integers(1000))
   tmp = tmp_path_factory.mktemp("full")
-  result = train.train(_opts(tmp, "run", seed=seed))
+  result = train_lib.train(_opts(tmp, "run", seed=seed))
   workdir = tmp / "run"
   step, params = _params(str(workdir))
   assert step == 12
@@ -85,8 +87,9 @@ def test_training_lowers_loss(full_run):
 
 
 @pytest.mark.parametrize("how, at, resumes_from", [
-    # SIGTERM (like Ctrl-C) at step 7: a checkpoint is written at 7.
-    ("signal", 7, 7),
+    # SIGTERM or Ctrl-C at step 7: a checkpoint is written at 7.
+    ("sigterm", 7, 7),
+    ("sigint", 7, 7),
     # A hard failure at step 6 saves nothing: the rerun resumes from step 4,
     # the last periodic checkpoint, losing only steps 5-6.
     ("kill", 6, 4),
@@ -94,12 +97,16 @@ def test_training_lowers_loss(full_run):
 def test_interrupted_run_resumes_exactly(
     full_run, tmp_path, monkeypatch, how, at, resumes_from):
   _, seed, _, want = full_run
+  handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
   with monkeypatch.context() as m:
     _interrupt_at(m, at, how)
-    with pytest.raises(KeyboardInterrupt if how == "signal" else RuntimeError):
-      train.train(_opts(tmp_path, "run", seed=seed))
+    with pytest.raises(RuntimeError if how == "kill" else KeyboardInterrupt):
+      train_lib.train(_opts(tmp_path, "run", seed=seed))
+  # The training loop's signal handlers are gone again.
+  assert handlers == [
+      signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
   assert _params(str(tmp_path / "run"))[0] == resumes_from
-  train.train(_opts(tmp_path, "run", seed=seed))
+  train_lib.train(_opts(tmp_path, "run", seed=seed))
   # Batches depend only on (seed, step): the resumed run ends bitwise where
   # the uninterrupted one did, and its log holds each step once.
   step, got = _params(str(tmp_path / "run"))
@@ -110,20 +117,90 @@ def test_interrupted_run_resumes_exactly(
   assert steps == [2, 4, 6, 8, 10, 12]
 
 
+def test_checkpoints_keep_the_interval_and_the_run_config(full_run):
+  workdir = full_run[0]
+  # checkpoint_every=4 and the end (12); orbax keeps the last two.
+  assert sorted(os.listdir(workdir / "checkpoints"), key=int) == ["8", "12"]
+  mngr = checkpoint.manager(str(workdir))
+  try:
+    saved = checkpoint.restore_config(mngr, 12)
+  finally:
+    mngr.close()
+  assert saved == json.loads((workdir / "config.json").read_text())
+  assert saved["options"]["checkpoint_every"] == 4
+  assert saved["data"]["task"] == "sort"
+
+
+def test_save_cadence(tmp_path):
+  """Orbax saves on the interval (and possibly a fresh run's first step);
+  force saves any step once."""
+  mngr = checkpoint.manager(str(tmp_path), save_interval_steps=3)
+  state = {"params": {"w": np.asarray(_RNG.standard_normal((2, 3)))},
+           "opt_state": {"m": np.asarray(_RNG.standard_normal(3))}}
+  config = {"model": {}, "data": {"task": "sort"}, "options": {}}
+  try:
+    saved = {s for s in range(1, 8)
+             if checkpoint.save(mngr, s, state, config)}
+    assert {3, 6} <= saved <= {1, 3, 6}
+    assert checkpoint.save(mngr, 7, state, config, force=True)
+    assert not checkpoint.save(mngr, 7, state, config, force=True)
+    mngr.wait_until_finished()
+    assert mngr.latest_step() == 7
+    got = checkpoint.restore_state(mngr, 7, state)
+    np.testing.assert_array_equal(got["params"]["w"], state["params"]["w"])
+    assert checkpoint.restore_config(mngr, 7) == config
+  finally:
+    mngr.close()
+
+
 def test_resume_refuses_a_different_model(full_run):
   workdir, seed, _, _ = full_run
-  with pytest.raises(Exception, match="fresh"):
-    train.train(_opts(workdir.parent, "run", seed=seed, num_symbols=7))
+  with pytest.raises(checkpoint.IncompatibleRunError, match="fresh"):
+    train_lib.train(_opts(workdir.parent, "run", seed=seed, num_symbols=7))
 
 
 def test_sample_script(full_run, capsys):
-  acc, pred = sample.sample(str(full_run[0]), num_samples=3)
+  with script_module("sample") as sample:
+    acc, pred = sample.sample(str(full_run[0]), num_samples=3)
   assert pred.shape == (3, 4) and 0.0 <= acc <= 1.0
-  assert "Exact match" in capsys.readouterr().out
+  assert "exact match" in capsys.readouterr().out
 
 
-def test_flag_defaults_match_options():
-  train.flags.FLAGS(["train.py"])
-  opts = train.options_from_flags()
-  assert opts == train.Options()
-  assert train.default_workdir(opts) == os.path.join("runs", "sort")
+def _parse(*argv):
+  flag_values = flags.FlagValues()
+  train_lib.define_flags(flag_values=flag_values)
+  flag_values(["train.py", *argv])
+  return train_lib.options_from_flags(flag_values=flag_values)
+
+
+def test_flags_are_the_options():
+  opts = _parse()
+  assert opts == train_lib.Options()
+  assert train_lib.default_workdir(opts) == os.path.join("runs", "sort")
+  opts = _parse("--num_steps=7", "--remat", "--learning_rate=0.5",
+                "--attention_impl=xla", "--model=small",
+                "--text=/data/notes.txt")
+  assert opts == train_lib.Options(
+      num_steps=7, remat=True, learning_rate=0.5, attention_impl="xla",
+      model="small", task="text", text="/data/notes.txt")
+  assert train_lib.default_workdir(opts) == os.path.join(
+      "runs", "text-notes")
+  with pytest.raises(flags.IllegalFlagValueError):
+    _parse("--model=huge")
+  # Every option but the two test-only ones is a flag.
+  names = {f.name for f in train_lib.flag_fields(train_lib.Options)}
+  assert names == set(train_lib.Options.__dataclass_fields__) - {
+      "model_overrides", "quiet"}
+
+
+def test_train_script_help_lists_every_option():
+  root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "scripts", "train.py"), "--help"],
+      capture_output=True, text=True, timeout=120, check=False)
+  # absl exits with status 1 after printing the help.
+  assert "Traceback" not in proc.stderr, proc.stderr
+  for field in train_lib.flag_fields(train_lib.Options):
+    name = field.name
+    assert f"--{name}:" in proc.stdout or f"--[no]{name}:" in proc.stdout, (
+        name, proc.stdout)

@@ -1,4 +1,4 @@
-"""Tests of multi-device training in scripts/train.py (data x sequence mesh).
+"""Tests of multi-device training in models.train_lib (data x sequence mesh).
 
 The device count of the CPU platform is fixed when jax is first imported, so
 the checks run `tests/_train_sharded_worker.py` in a fresh process with 8
