@@ -52,10 +52,13 @@ def sample_logits(
     static_argnames=("graphdef", "max_new_tokens", "temperature", "top_k",
                      "return_logits"),
 )
-def _generate(graphdef, state, prompt, rng, *, max_new_tokens, temperature,
-              top_k, return_logits):
+def _generate(graphdef, state, prompt, prompt_lengths, rng, *, max_new_tokens,
+              temperature, top_k, return_logits):
   model = nnx.merge(graphdef, state)
-  logits = model(prompt, decode=True)[:, -1]  # [B, V]
+  # Every row's last real prompt token predicts its first new token.
+  logits = model(prompt, decode=True, decode_lengths=prompt_lengths)
+  logits = jnp.take_along_axis(
+      logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
   rng, sub = jax.random.split(rng)
   token = sample_logits(logits, sub, temperature, top_k)
   b, vocab = logits.shape
@@ -90,6 +93,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     cache_length: int | None = None,
+    prompt_lengths: Array | None = None,
     return_logits: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Continues `prompt` by `max_new_tokens` tokens.
@@ -99,12 +103,16 @@ def generate(
   Args:
     model: a `models.transformer.Transformer` (anything with `init_cache` and
       a `decode=True` call).
-    prompt: int [B, P], P >= 1 (equal-length prompts).
+    prompt: int [B, P], P >= 1: prompts right-padded to P when
+      `prompt_lengths` is given.
     max_new_tokens: tokens to generate (>= 1).
     rng: PRNG key for sampling; default key 0.
     temperature: 0 = greedy.
     top_k: sample among the k most likely tokens.
     cache_length: cache size; default P + max_new_tokens.
+    prompt_lengths: int [B] in [1, P], each prompt's real length (a batch
+      of prompts of different lengths decodes together, each continuing
+      from its own end); default P for all.
     return_logits: also return the logits each token was drawn from.
 
   Returns:
@@ -125,13 +133,27 @@ def generate(
   if cache_length < total:
     raise ValueError(
         f"{cache_length=} is shorter than prompt + new tokens ({total}).")
+  b, p = prompt.shape
+  if prompt_lengths is None:
+    prompt_lengths = jnp.full((b,), p, jnp.int32)
+  prompt_lengths = jnp.asarray(prompt_lengths)
+  if prompt_lengths.shape != (b,) or not jnp.issubdtype(
+      prompt_lengths.dtype, jnp.integer):
+    raise ValueError(
+        f"prompt_lengths must be an int [B={b}] array, got "
+        f"{prompt_lengths.shape=}.")
+  if not isinstance(prompt_lengths, jax.core.Tracer) and (
+      int(prompt_lengths.min()) < 1 or int(prompt_lengths.max()) > p):
+    raise ValueError(
+        f"prompt_lengths must be in [1, P={p}], got {prompt_lengths}.")
   graphdef, state = nnx.split(model)
   decoder = nnx.merge(graphdef, state)  # A copy: the cache stays off `model`.
   decoder.init_cache(prompt.shape[0], cache_length)
   graphdef, state = nnx.split(decoder)
   rng = jax.random.key(0) if rng is None else rng
   return _generate(
-      graphdef, state, prompt, rng, max_new_tokens=max_new_tokens,
+      graphdef, state, prompt, prompt_lengths.astype(jnp.int32), rng,
+      max_new_tokens=max_new_tokens,
       temperature=float(temperature), top_k=top_k,
       return_logits=return_logits,
   )

@@ -119,7 +119,9 @@ class Block(nnx.Module):
     self.mlp = SwiGLU(cfg.embed_dim, cfg.mlp_dim, dtype=dtype,
                       param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, *, positions=None, segment_ids=None, decode=False):
+  def __call__(self, x, *, positions=None, segment_ids=None, decode=False,
+               decode_lengths=None):
     x = x + self.attn(self.attn_norm(x), positions=positions,
-                      segment_ids=segment_ids, decode=decode)
+                      segment_ids=segment_ids, decode=decode,
+                      decode_lengths=decode_lengths)
     return x + self.mlp(self.mlp_norm(x))

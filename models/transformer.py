@@ -69,6 +69,7 @@ class Transformer(nnx.Module):
       positions: Array | None = None,
       segment_ids: Array | None = None,
       decode: bool = False,
+      decode_lengths: Array | None = None,
   ) -> Array:
     """Next-token logits.
 
@@ -79,6 +80,8 @@ class Transformer(nnx.Module):
       segment_ids: int [B, T]; tokens attend only within equal ids.
       decode: append to the key/value cache (`init_cache`) and attend over
         everything cached so far.
+      decode_lengths: int [B], with decode: the real tokens of each row
+        (rows right-padded to T); each row's cache advances by its own.
 
     Returns:
       float32 logits [B, T, vocab_size].
@@ -86,7 +89,7 @@ class Transformer(nnx.Module):
     x = self.embed(tokens) * math.sqrt(self.cfg.embed_dim)
     for block in self.blocks:
       if decode:
-        x = block(x, decode=True)
+        x = block(x, decode=True, decode_lengths=decode_lengths)
       elif self.cfg.remat:
         x = nnx.remat(_apply_block)(block, x, positions, segment_ids)
       else:

@@ -11,11 +11,15 @@ Two ways in:
   accepting every keyword they pass, so existing models switch to flash
   attention with one argument.
 
-Decoding with the cache writes the new keys/values at the cache index and
+Decoding with the cache writes the new keys/values at each sequence's own
+cache index (a batch of prompts of different lengths decodes together) and
 attends with query positions `index + arange(T)` over key positions
-`arange(max_length)` and `key_value_seq_lengths = index + T`: causal masking
+`arange(max_length)` and per-sequence lengths `index + T`: causal masking
 on positions is then exactly the bottom-right alignment of a full forward, so
-decoding reproduces the full forward's outputs.
+decoding reproduces the full forward's outputs. Calls of a few tokens go
+through `pallas_fa.decode_attention` (split-KV, GQA-packed) when the default
+attention function runs there; longer ones (the prompt) through
+`flash_attention`.
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_fa import api
+from pallas_fa import decode as decode_lib
 from pallas_fa import masking
 
 Array = Any
 # rope(x [B, T, N, H], positions int [B, T]) -> x rotated.
 RopeFn = Callable[[Array, Array], Array]
+# Decoding calls of at most this many new tokens use `decode_attention`.
+DECODE_MAX_NEW_TOKENS = 16
 
 
 def rope(
@@ -227,7 +234,7 @@ class MultiHeadAttention(nnx.Module):
     shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
-    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+    self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
 
   def __call__(
       self,
@@ -239,6 +246,7 @@ class MultiHeadAttention(nnx.Module):
       segment_ids: Array | None = None,
       kv_segment_ids: Array | None = None,
       decode: bool = False,
+      decode_lengths: Array | None = None,
       deterministic: bool | None = None,
       rngs: nnx.Rngs | None = None,
   ) -> Array:
@@ -256,6 +264,10 @@ class MultiHeadAttention(nnx.Module):
       kv_segment_ids: int [B, S]; default `segment_ids` for self-attention.
       decode: append this call's keys/values to the cache (see
         `init_cache`) and attend over everything cached so far.
+      decode_lengths: int [B], with decode: how many of the T tokens of each
+        row are real (default all); the cache index of row b advances by
+        `decode_lengths[b]`, so prompts of different lengths (right-padded
+        to T) prefill together and later tokens overwrite the padding.
       deterministic: no attention dropout; default the constructor's.
       rngs: dropout keys for this call (its "dropout" stream); default the
         stream forked at construction.
@@ -275,7 +287,9 @@ class MultiHeadAttention(nnx.Module):
             "decode=True is self-attention at the cache's positions: "
             "inputs_kv, positions and segment ids must be None."
         )
-      return self._decode(inputs_q)
+      return self._decode(inputs_q, decode_lengths)
+    if decode_lengths is not None:
+      raise ValueError("decode_lengths needs decode=True.")
     self_attention = inputs_kv is None
     inputs_kv = inputs_q if self_attention else inputs_kv
     q = self.query(inputs_q)  # [B, T, N, H]
@@ -310,7 +324,7 @@ class MultiHeadAttention(nnx.Module):
     )
     return self.out(out)
 
-  def _decode(self, inputs: Array) -> Array:
+  def _decode(self, inputs: Array, new_lengths: Array | None) -> Array:
     if self.cached_key is None:
       raise ValueError("decode=True needs a cache: call init_cache first.")
     q = self.query(inputs)
@@ -323,34 +337,64 @@ class MultiHeadAttention(nnx.Module):
           f"decode batch {b} differs from the cache's {cache_b} "
           f"({inputs.shape=}, cache shape {self.cached_key.shape})."
       )
-    index = self.cache_index[...]
-    if not isinstance(index, jax.core.Tracer) and int(index) + t > max_length:
+    index = self.cache_index[...]  # [B]
+    if not isinstance(index, jax.core.Tracer) and int(index.max()) + t > (
+        max_length):
       raise ValueError(
-          f"cache overflow: {int(index)} cached + {t} new > {max_length=}."
+          f"cache overflow: {int(index.max())} cached + {t} new > "
+          f"{max_length=}."
       )
-    positions = jnp.broadcast_to(
-        index + jnp.arange(t, dtype=jnp.int32), (b, t))
+    if new_lengths is None:
+      new_lengths = jnp.full((b,), t, jnp.int32)
+    else:
+      new_lengths = jnp.asarray(new_lengths)
+      if new_lengths.shape != (b,) or not jnp.issubdtype(
+          new_lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"decode_lengths must be an int [B={b}] array, got "
+            f"{new_lengths.shape=}.")
+    positions = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if self.rope is not None:
       q = self.rope(q, positions)
       k = self.rope(k, positions)
     dtype = self.cached_key.dtype
-    zero = jnp.zeros((), jnp.int32)
-    keys = jax.lax.dynamic_update_slice(
-        self.cached_key[...], k.astype(dtype), (zero, index, zero, zero))
-    values = jax.lax.dynamic_update_slice(
-        self.cached_value[...], v.astype(dtype), (zero, index, zero, zero))
+
+    def write(cache, x):  # Each row at its own index.
+      return jax.vmap(
+          lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0)
+      )(cache, x.astype(dtype), index)
+
+    keys = write(self.cached_key[...], k)
+    values = write(self.cached_value[...], v)
     self.cached_key[...] = keys
     self.cached_value[...] = values
-    self.cache_index[...] = index + t
+    self.cache_index[...] = index + new_lengths.astype(jnp.int32)
     # Keys beyond index + t are unwritten cache slots: padding. Queries sit
     # at their true positions, so causal masking on positions is the
-    # bottom-right alignment of the full forward.
-    lengths = jnp.full((b,), index + t, jnp.int32)
-    out = self._attend(
-        q, keys.astype(q.dtype), values.astype(q.dtype),
-        query_positions=positions, key_value_seq_lengths=lengths,
-    )
+    # bottom-right alignment of the full forward. (A padded token of a
+    # short row sees garbage-free keys only up to itself; its output is
+    # never used.)
+    lengths = index + t
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    if self._uses_decode_attention(t):
+      out = decode_lib.decode_attention(
+          q, keys, values, lengths, query_positions=positions,
+          scale=self.scale, is_causal=self.is_causal,
+          local_window_size=self.local_window_size,
+          logits_soft_cap=self.logits_soft_cap, precision=self.precision,
+          implementation=self.implementation)
+    else:
+      out = self._attend(q, keys, values, query_positions=positions,
+                         key_value_seq_lengths=lengths)
     return self.out(out)
+
+  def _uses_decode_attention(self, new_tokens: int) -> bool:
+    """Whether a decoding call of `new_tokens` runs `decode_attention`: the
+    default attention function, with an implementation that decodes."""
+    return (new_tokens <= DECODE_MAX_NEW_TOKENS
+            and self.attention_fn is api.flash_attention
+            and self.block_sizes is None
+            and self.implementation in (None, "chunked"))
 
   def _attend(self, q, k, v, **kwargs):
     if self.precision is not None:

@@ -314,10 +314,13 @@ def test_mha_packed_segments_equal_separate_sequences():
   np.testing.assert_allclose(packed[:, t1:], want_c, **_TOL)
 
 
-def test_mha_decode_equals_full_forward():
+# Tiles given: every call through flash_attention; none: the one-token
+# steps through decode_attention.
+@pytest.mark.parametrize("tiles", [_TILES, None])
+def test_mha_decode_equals_full_forward(tiles):
   b, t, prefill = 2, 21, 6
   x = _normal((b, t, 32))
-  layer = _mha(seed=_seed(), implementation="chunked", block_sizes=_TILES)
+  layer = _mha(seed=_seed(), implementation="chunked", block_sizes=tiles)
   layer.init_cache(b, t + 3)
   # Compiled once for the prefill shape and once for the 1-token steps.
   step = nnx.jit(lambda m, x: m(x, decode=True))
@@ -326,7 +329,7 @@ def test_mha_decode_equals_full_forward():
   # The full forward of this layer is checked against the same reference.
   np.testing.assert_allclose(
       jnp.concatenate(steps, axis=1), _np_mha(layer, x), **_TOL)
-  assert int(layer.cache_index[...]) == t
+  np.testing.assert_array_equal(layer.cache_index[...], [t] * b)
   with pytest.raises(ValueError, match="overflow"):
     layer(x[:, :4], decode=True)
   with pytest.raises(ValueError, match="decode"):
