@@ -282,12 +282,11 @@ def _store_column(ref, x):
 
 
 def _logits(st: Static, r, q, k):
-  """(capped logits, capped logits + bias) of one [bq, bk] tile, unmasked."""
-  s = _dot(q, k, _NT, st.precision)  # [bq, bk]
-  s_capped = online_softmax.soft_cap(s * st.scale, st.soft_cap)
-  s = s_capped
-  if "bias" in r:
-    s = s + r["bias"][...].astype(_F32)  # [bq|1, bk|1] broadcasts
+  """(s_capped, s) of one [bq, bk] tile, unmasked (`online_softmax.logits`)."""
+  qk = _dot(q, k, _NT, st.precision)  # [bq, bk]
+  bias = r["bias"][...] if "bias" in r else None  # [bq|1, bk|1] broadcasts
+  s, s_capped = online_softmax.logits(
+      qk, scale=st.scale, cap=st.soft_cap, bias=bias)
   return s_capped, s
 
 
@@ -403,7 +402,7 @@ def _forward_kernel(meta_ref, *refs, st: Static, names):
         _column(m_ref), _column(l_ref), s)  # p: [bq, bk]
     v = r["v"][...]
     pv = _dot(p.astype(v.dtype), v, _NN, st.precision)  # [bq, Hp]
-    acc_ref[...] = acc_ref[...] * alpha[:, None] + pv
+    acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
     _store_column(m_ref, m_i)
     _store_column(l_ref, l_i)
 
@@ -481,8 +480,9 @@ def _dq_kernel(meta_ref, *refs, st: Static, names):
     s_capped, s = _masked_logits(st, r, r["q"][...], k, masked)
     p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
     dp = _dot(r["do"][...], r["v"][...], _NT, st.precision)  # [bq, bk]
-    ds = online_softmax.logits_grad(p, dp, r["delta"][0])
-    ds = online_softmax.soft_cap_grad(ds, s_capped, st.soft_cap) * st.scale
+    ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
+    ds = online_softmax.logits_grad(
+        ds, s_capped, scale=st.scale, cap=st.soft_cap)
     dq_ref[...] += _dot(ds.astype(k.dtype), k, _NN, st.precision)  # [bq, Hp]
 
   _dispatch(st, kind, step)
@@ -536,10 +536,11 @@ def _dkv_kernel(meta_ref, *refs, st: Static, names):
     p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
     dv_ref[...] += _dot(p.astype(do.dtype), do, _TN, st.precision)  # [bk, Hp]
     dp = _dot(do, r["v"][...], _NT, st.precision)  # [bq, bk]
-    ds = online_softmax.logits_grad(p, dp, r["delta"][0])
+    ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
     if "dbias" in r:
       r["dbias"][...] = ds
-    ds = online_softmax.soft_cap_grad(ds, s_capped, st.soft_cap) * st.scale
+    ds = online_softmax.logits_grad(
+        ds, s_capped, scale=st.scale, cap=st.soft_cap)
     dk_ref[...] += _dot(ds.astype(q.dtype), q, _TN, st.precision)  # [bk, Hp]
 
   _dispatch(st, kind, step)

@@ -156,21 +156,16 @@ class _Layout:
     return x.transpose(0, 2, 1, 3)[:, : self.s]
 
   def logits(self, qi, kj, i, j, params):
-    """Capped+biased logits of tile (i, j) and its visibility (or None).
-
-    Returns (s_capped, s) where s = s_capped + bias, before masking.
-    """
+    """(s_capped, s) of tile (i, j), unmasked (`online_softmax.logits`)."""
     s = _unfold(jnp.einsum(
         "bkqh,bksh->bkqs", _fold(qi), kj, preferred_element_type=self.acc,
         precision=params.precision), self.g)
-    if self.logit_scale != 1.0:
-      s = s * self.logit_scale
-    s_capped = online_softmax.soft_cap(s, params.soft_cap)
-    s = s_capped
+    bias = None
     if self.bias is not None:
       bias = masking.slice_in_dim(self.bias, i * self.bq, self.bq, 3)
       bias = masking.slice_in_dim(bias, j * self.bk, self.bk, 4)
-      s = s + bias.astype(self.acc)
+    s, s_capped = online_softmax.logits(
+        s, scale=self.logit_scale, cap=params.soft_cap, bias=bias)
     return s_capped, s
 
   def dropout_factor(self, i, j):
@@ -253,7 +248,7 @@ def _forward(q, k, v, bias, info, params):
           "bkqs,bksh->bkqh", _fold(p.astype(vj.dtype)), vj,
           preferred_element_type=lay.acc, precision=params.precision,
       ), lay.g)
-      return m_i, l_i, acc * alpha[..., None] + pv
+      return m_i, l_i, online_softmax.rescale(acc, alpha) + pv
 
     m_i, l_i, acc = lay.tile_loop(lay.kinds[i], lo[i], hi[i], step, carry)
     out, lse = online_softmax.finalize(m_i, l_i, acc)
@@ -316,7 +311,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
           precision=params.precision), lay.g)
       if z is not None:
         dp = dp * z
-      ds = online_softmax.logits_grad(p, dp, delta_i)
+      ds = online_softmax.softmax_grad(p, dp, delta_i)
       if dbias is not None:
         d = ds.sum(axis=bias_sum_axes, keepdims=True)
         starts = [0, 0, 0, 0, 0]
@@ -326,9 +321,9 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
           starts[4] = j * lay.bk
         cur = jax.lax.dynamic_slice(dbias, starts, d.shape)
         dbias = jax.lax.dynamic_update_slice(dbias, cur + d, starts)
-      ds = online_softmax.soft_cap_grad(ds, s_capped, params.soft_cap)
       # The logit scale is applied to the [bq, H] / [bk, H] products rather
       # than to the [bq, bk] tile: d(scale q.k)/dq = scale * k.
+      ds = online_softmax.logits_grad(ds, s_capped, cap=params.soft_cap)
       dq_i = params.scale * _unfold(jnp.einsum(
           "bkqs,bksh->bkqh", _fold(ds.astype(kj.dtype)), kj,
           preferred_element_type=lay.acc, precision=params.precision,

@@ -1,7 +1,8 @@
 """`mosaic_gpu`: FlashAttention-3-style Hopper kernels in Pallas Mosaic GPU.
 
-The kernels live in `_mosaic_gpu_kernel` (warp-specialised, TMA-fed, wgmma,
-ping-pong softmax); this module is everything around them:
+The kernels live in `_mosaic_gpu_forward`, `_mosaic_gpu_dq` and
+`_mosaic_gpu_dkv`, on the skeleton of `_mosaic_gpu_kernel` (warp-specialised,
+TMA-fed, wgmma, ping-pong softmax); this module is everything around them:
 
 * `BlockSizes`, the frozen tiling config, and `default_block_sizes`, the
   heuristic that fits it into the 227 KiB of shared memory of an H100/H200;
@@ -29,6 +30,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import _mosaic_gpu_dkv as dkv_kernel
+from pallas_fa import _mosaic_gpu_dq as dq_kernel
+from pallas_fa import _mosaic_gpu_forward as forward_kernel
 from pallas_fa import _mosaic_gpu_kernel as kernel
 from pallas_fa import gpu_target
 from pallas_fa import masking
@@ -522,7 +526,7 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
       x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
       stages=bs.stages, consumers=bs.consumers, pingpong=bs.pingpong,
       units_per_head=x.q.shape[1] // rows, heads=n, num_heads=n)
-  out, lse = kernel.forward(spec, x.q, x.k, x.v, *x.meta, sched)
+  out, lse = forward_kernel.forward(spec, x.q, x.k, x.v, *x.meta, sched)
   return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
@@ -576,7 +580,7 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
       block_kv=bs.block_kv_dq, stages=bs.stages_bwd,
       consumers=bs.consumers_dq, pingpong=False,
       units_per_head=q_len // q_rows, heads=n, num_heads=n)
-  dq = kernel.backward_dq(spec, *operands, sched)
+  dq = dq_kernel.backward_dq(spec, *operands, sched)
 
   kinds = masking.classify_blocks(x.info, bs.block_q_dkv, bs.block_kv_dkv)
   sched = schedule(jnp.swapaxes(kinds, 1, 2), bs.consumers_dkv)
@@ -586,10 +590,10 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
       consumers=bs.consumers_dkv, pingpong=False,
       units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n)
   if bs.split_dkv:
-    (dv,) = kernel.backward_dkv(spec, *operands, sched, outputs=("dv",))
-    (dk,) = kernel.backward_dkv(spec, *operands, sched, outputs=("dk",))
+    (dv,) = dkv_kernel.backward_dkv(spec, *operands, sched, outputs=("dv",))
+    (dk,) = dkv_kernel.backward_dkv(spec, *operands, sched, outputs=("dk",))
   else:
-    dk, dv = kernel.backward_dkv(spec, *operands, sched)
+    dk, dv = dkv_kernel.backward_dkv(spec, *operands, sched)
   del b
   return (
       dq[:, :t, :, :h],

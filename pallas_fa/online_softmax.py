@@ -1,32 +1,80 @@
-"""The shared softmax math of every implementation (FlashAttention-2 §3.1).
+"""The softmax, logit and merge math of every implementation.
 
-Conventions, identical in every backend:
+This module is the one home of that math (FlashAttention-2 §3.1); a kernel
+body calls these functions rather than re-deriving them. Conventions,
+identical in every backend:
 
+* logits are `soft_cap(scale * q.k) + bias` (`logits`), then masked; the soft
+  cap comes first so that an additive bias (ALiBi, relative positions) is not
+  squashed;
 * masked logits are -inf (`MASK_VALUE`); a row whose keys are all masked has
   running max m = -inf, and every formula below guards that case so it gives
   probability 0, output 0 and logsumexp -inf -- never NaN;
 * the logsumexp residual is in natural log, float32 (float64 for float64
-  inputs: `stats_dtype`);
-* logits are `soft_cap(scale * q.k) + bias`, then masked; the soft cap comes
-  first so that an additive bias (ALiBi, relative positions) is not squashed.
+  inputs: `stats_dtype`).
 
-Kernels may work in base 2 (exp2 with log2(e) folded into the scale); they pass
-`exp=jnp.exp2` and finish with `finalize_base2`.
+Two hooks let the kernels keep their own code generation:
+
+* `base2`: kernels may work in base 2, with log2(e) folded into the logits
+  so that exp2 replaces exp; the logsumexp still leaves in natural log;
+* `per_query`: how a per-query vector [..., q] is broadcast against a tile.
+  The default appends a key axis ([..., q, k] tiles); `queries_last` serves
+  transposed [..., k, q] tiles (S^T = K Q^T, keys as the matmuls' M
+  dimension), and `queries_along(axis)` broadcasts explicitly for register
+  layouts that cannot hold a [q, 1] array (Mosaic GPU's wgmma layouts).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 Array = Any
+# (vector [..., q], tile shape) -> the vector, broadcastable to the tile.
+PerQuery = Callable[[Array, tuple[int, ...]], Array]
 
 MASK_VALUE = -jnp.inf
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------
+# Broadcasting per-query vectors against tiles.
+# --------------------------------------------------------------------------
+
+
+def queries_first(x: Array, shape: tuple[int, ...]) -> Array:
+  """A per-query vector [..., q] against a [..., q, k] (or [..., q, H])
+  tile."""
+  del shape  # Implicit broadcasting.
+  return x[..., None]
+
+
+def queries_last(x: Array, shape: tuple[int, ...]) -> Array:
+  """A per-query vector [..., q] against a transposed [..., k, q] tile."""
+  del shape
+  return x[..., None, :]
+
+
+def _broadcast_along(x: Array, shape: tuple[int, ...], *, axis: int):
+  return lax.broadcast_in_dim(x, shape, (axis,))
+
+
+def queries_along(axis: int) -> PerQuery:
+  """Broadcasts a vector [q] straight to a 2-D tile whose `axis` indexes
+  queries, never through a [q, 1] intermediate."""
+  return functools.partial(_broadcast_along, axis=axis)
+
+
+# --------------------------------------------------------------------------
+# Logits.
+# --------------------------------------------------------------------------
 
 
 def soft_cap(s: Array, cap: float | None) -> Array:
@@ -47,8 +95,76 @@ def soft_cap_grad(ds: Array, s_capped: Array, cap: float | None) -> Array:
   return ds * (1.0 - t * t)
 
 
+def logits(
+    qk: Array,
+    *,
+    scale: float,
+    cap: float | None = None,
+    bias: Array | None = None,
+    base2: bool = False,
+) -> tuple[Array, Array | None]:
+  """The logits `soft_cap(scale * qk) + bias` of a tile of q.k products.
+
+  With `base2` they come multiplied by log2(e), for `exp2`; when there is
+  neither cap nor bias that factor is folded into the scale, which leaves a
+  single multiply per element. A scale of 1 (already folded into q by the
+  caller) costs no multiply.
+
+  Args:
+    qk: raw q.k products, in the dtype the logits are computed in.
+    scale: the logit scale (a Python float).
+    cap: the soft cap, or None.
+    bias: additive bias broadcastable to `qk`, or None; cast to qk's dtype.
+    base2: return the logits in base 2.
+
+  Returns:
+    (s, s_capped): the logits, unmasked, and the capped logits before bias
+    and base change that `logits_grad` needs (None without a soft cap).
+  """
+  if base2 and cap is None and bias is None:
+    return qk * (scale * LOG2_E), None
+  s = qk if scale == 1.0 else qk * scale
+  s_capped = soft_cap(s, cap)
+  s = s_capped if bias is None else s_capped + bias.astype(qk.dtype)
+  if base2:
+    s = s * LOG2_E
+  return s, None if cap is None else s_capped
+
+
+def logits_grad(
+    ds: Array,
+    s_capped: Array | None,
+    *,
+    scale: float = 1.0,
+    cap: float | None = None,
+) -> Array:
+  """Chains dS (w.r.t. the natural logits) back to the q.k products.
+
+  The bias gradient is dS itself; this is d/dqk of `logits`: the soft-cap
+  derivative, then the scale. Kernels that accumulate dQ / dK over many
+  tiles may leave `scale` at 1 and apply it once to the sum.
+
+  Args:
+    ds: gradient w.r.t. the logits (`softmax_grad`).
+    s_capped: the second result of `logits`.
+    scale: the logit scale, or 1 to leave it to the caller.
+    cap: the soft cap, or None.
+
+  Returns:
+    The gradient w.r.t. the q.k products.
+  """
+  ds = soft_cap_grad(ds, s_capped, cap)
+  return ds if scale == 1.0 else ds * scale
+
+
 def apply_mask(s: Array, visible: Array | None) -> Array:
+  """Masked logits: -inf where `visible` is False (None: nothing masked)."""
   return s if visible is None else jnp.where(visible, s, MASK_VALUE)
+
+
+# --------------------------------------------------------------------------
+# Forward: the online softmax.
+# --------------------------------------------------------------------------
 
 
 def _finite_or_zero(m: Array) -> Array:
@@ -72,92 +188,203 @@ def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],
   return m_i, l_i, acc
 
 
-def update(
-    m_i: Array, l_i: Array, s: Array, exp: Callable[[Array], Array] = jnp.exp
-) -> tuple[Array, Array, Array, Array]:
+def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
+           per_query: PerQuery = queries_first):
   """One online-softmax step over a tile of logits s [..., rows, keys].
+
+  Args:
+    m_i: running max [..., rows] (in the base of s).
+    l_i: running denominator [..., rows].
+    s: masked logits of the tile.
+    base2: s is in base 2 (`logits(base2=True)`).
+    per_query: broadcast of a [..., rows] vector against s.
 
   Returns:
     (m_new, l_new, p, alpha): the new running max and denominator, the tile's
     unnormalised probabilities p = exp(s - m_new) and the factor alpha by which
-    the caller rescales its accumulator before adding p @ v.
+    the caller rescales its accumulator (`rescale`) before adding p @ v.
   """
+  exp = jnp.exp2 if base2 else jnp.exp
   m_new = jnp.maximum(m_i, s.max(axis=-1))
   m_safe = _finite_or_zero(m_new)
   alpha = exp(m_i - m_safe)
-  p = exp(s - m_safe[..., None])
+  p = exp(s - per_query(m_safe, s.shape))
   l_new = alpha * l_i + p.sum(axis=-1)
   return m_new, l_new, p, alpha
 
 
-def finalize(m_i: Array, l_i: Array, acc: Array) -> tuple[Array, Array]:
-  """Normalises acc [..., rows, H]; returns (out, lse) in the base of m_i.
+def rescale(acc: Array, alpha: Array, *,
+            per_query: PerQuery = queries_first) -> Array:
+  """acc [..., rows, H] * alpha [..., rows]: the accumulator of the previous
+  tiles brought to the new running max."""
+  return acc * per_query(alpha, acc.shape)
+
+
+def finalize(m_i: Array, l_i: Array, acc: Array, *, base2: bool = False,
+             per_query: PerQuery = queries_first):
+  """Normalises acc [..., rows, H]; returns (out, lse), lse in natural log.
 
   A row with l_i == 0 saw no visible key: its output is 0 and lse is -inf.
+
+  Args:
+    m_i: running max [..., rows].
+    l_i: running denominator [..., rows].
+    acc: accumulator [..., rows, H].
+    base2: m_i is in base 2 (the kernel ran with exp2).
+    per_query: broadcast of a [..., rows] vector against acc.
   """
   seen = l_i > 0
   l_safe = jnp.where(seen, l_i, 1.0)
-  out = acc / l_safe[..., None]
-  lse = jnp.where(seen, m_i + jnp.log(l_safe), MASK_VALUE)
+  out = acc / per_query(l_safe, acc.shape)
+  if base2:
+    lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, MASK_VALUE)
+  else:
+    lse = jnp.where(seen, m_i + jnp.log(l_safe), MASK_VALUE)
   return out, lse
 
 
-def finalize_base2(m_i: Array, l_i: Array, acc: Array):
-  """`finalize` for a kernel that ran with exp2: lse returned in natural log."""
-  seen = l_i > 0
-  l_safe = jnp.where(seen, l_i, 1.0)
-  out = acc / l_safe[..., None]
-  lse = jnp.where(seen, (m_i + jnp.log2(l_safe)) * LN_2, MASK_VALUE)
-  return out, lse
+def softmax(s: Array) -> tuple[Array, Array]:
+  """(p, lse) of whole rows of masked logits s [..., q, k], in one tile.
+
+  Differentiable by plain autodiff: the max is a constant shift of the
+  softmax, so no gradient flows through it, which also keeps rows with no
+  visible key (p = 0, lse = -inf) free of NaN.
+  """
+  m = lax.stop_gradient(s.max(axis=-1))
+  e = jnp.exp(s - _finite_or_zero(m)[..., None])
+  return finalize(m, e.sum(axis=-1), e)
 
 
-def per_query(x: Array, queries_last: bool = False) -> Array:
-  """A per-query vector [..., q] against a [..., q, k] tile, or against a
-  transposed [..., k, q] tile with `queries_last` (kernels that compute
-  S^T = K Q^T so that the key axis is the matmuls' M dimension)."""
-  return x[..., None, :] if queries_last else x[..., None]
+# --------------------------------------------------------------------------
+# Backward.
+# --------------------------------------------------------------------------
 
 
-def probs_from_lse(s: Array, lse: Array, exp=jnp.exp, *,
-                   queries_last: bool = False) -> Array:
+def lse_for_probs(lse: Array, *, base2: bool = False) -> Array:
+  """The logsumexp (natural log) as `probs` takes it.
+
+  Rows without a visible key (lse = -inf) become +inf so that exp(s - lse)
+  is 0 for every logit of the row, masked or not; with `base2` the others
+  are converted to base 2. Kernels may apply this once, outside the loop.
+  """
+  return jnp.where(lse == MASK_VALUE, jnp.inf, lse * LOG2_E if base2 else lse)
+
+
+def probs(s: Array, lse: Array, *, base2: bool = False,
+          per_query: PerQuery = queries_first) -> Array:
   """Normalised probabilities exp(s - lse) for the backward recomputation.
 
-  lse [..., q] must be in the base of `exp`. Queries with lse = -inf (no
-  visible key) get probability 0 everywhere. `queries_last`: s is [..., k, q]
-  (see `per_query`).
+  Args:
+    s: masked logits of a tile.
+    lse: per-query logsumexp from `lse_for_probs`, in the base of s.
+    base2: s and lse are in base 2.
+    per_query: broadcast of the lse against s.
   """
-  lse_safe = jnp.where(lse == MASK_VALUE, jnp.inf, lse)
-  return exp(s - per_query(lse_safe, queries_last))
+  exp = jnp.exp2 if base2 else jnp.exp
+  return exp(s - per_query(lse, s.shape))
 
 
-def logits_grad(p: Array, dp: Array, delta: Array, *,
-                queries_last: bool = False) -> Array:
+def probs_from_lse(s: Array, lse: Array, *, base2: bool = False,
+                   per_query: PerQuery = queries_first) -> Array:
+  """`probs` from a logsumexp in the base of s, -inf for queries with no
+  visible key (which get probability 0 everywhere)."""
+  return probs(s, lse_for_probs(lse), base2=base2, per_query=per_query)
+
+
+def softmax_grad(p: Array, dp: Array, delta: Array, *,
+                 per_query: PerQuery = queries_first) -> Array:
   """dS = P * (dP - delta), delta [..., q] = rowsum(out * dout) - dlse.
 
   Folding the logsumexp cotangent into delta makes the residual lse itself
   differentiable (d lse / d s = p), which exact merging of partial results
-  (ring attention) relies on. `queries_last`: p, dp are [..., k, q].
+  (`merge`, ring attention) relies on.
   """
-  return p * (dp - per_query(delta, queries_last))
+  return p * (dp - per_query(delta, p.shape))
+
+
+def _rowdot(out: Array, dout: Array) -> Array:
+  """rowsum(out * dout) in the stats dtype of out."""
+  dtype = stats_dtype(out.dtype)
+  return jnp.sum(out.astype(dtype) * dout.astype(dtype), axis=-1)
 
 
 def delta(out: Array, dout: Array, dlse: Array | None) -> Array:
-  """rowsum(out * dout) - dlse, [B, T, N] (FlashAttention-2 §3.2), in the
+  """rowsum(out * dout) - dlse, [..., rows] (FlashAttention-2 §3.2), in the
   `stats_dtype` of out."""
-  dtype = stats_dtype(out.dtype)
-  d = jnp.sum(out.astype(dtype) * dout.astype(dtype), axis=-1)
+  d = _rowdot(out, dout)
   if dlse is not None:
-    d = d - dlse.astype(dtype)
+    d = d - dlse.astype(d.dtype)
   return d
 
 
-def merge(out_a, lse_a, out_b, lse_b):
+# --------------------------------------------------------------------------
+# Merging partial attentions.
+# --------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array):
   """Exactly combines two partial attentions over disjoint key sets.
 
-  out_* [..., rows, H] normalised, lse_* [..., rows] natural log.
+  Args:
+    out_a: normalised output [..., rows, H] over the first keys.
+    lse_a: its logsumexp [..., rows], natural log (-inf: no visible key).
+    out_b: the same over the other keys.
+    lse_b: its logsumexp.
+
+  Returns:
+    (out, lse) of attention over both key sets. Reverse-mode differentiable
+    with the cotangents of `merge_grad`, zero for a part with lse = -inf:
+    autodiff of the formula below would give NaN there (the derivative of
+    logaddexp(-inf, -inf)) as soon as merges are chained.
   """
   lse = jnp.logaddexp(lse_a, lse_b)
   lse_safe = jnp.where(lse == MASK_VALUE, 0.0, lse)
   wa = jnp.exp(lse_a - lse_safe)[..., None]
   wb = jnp.exp(lse_b - lse_safe)[..., None]
   return wa * out_a + wb * out_b, lse
+
+
+def merge_grad(
+    out_part: Array, lse_part: Array, lse: Array, dout: Array, delta: Array
+) -> tuple[Array, Array]:
+  """The cotangents of one part of a merge, from those of the merged result.
+
+  Merging is associative: with out = sum_s w_s out_s and lse = logsumexp_s
+  lse_s over any number of parts, w_s = exp(lse_s - lse),
+
+      dout_s = w_s dout,    dlse_s = w_s (rowsum(dout * out_s) - delta),
+
+  where delta = rowsum(out * dout) - dlse is the `delta` of the merged
+  result. A part with lse_s = -inf gets zero cotangents.
+
+  Args:
+    out_part: the part's output [..., rows, H].
+    lse_part: its logsumexp [..., rows].
+    lse: the merged logsumexp.
+    dout: the cotangent of the merged output.
+    delta: `delta(out, dout, dlse)` of the merged result.
+
+  Returns:
+    (dout_part, dlse_part) in the dtypes of out_part and lse_part.
+  """
+  w = jnp.where(lse_part == MASK_VALUE, 0.0, jnp.exp(lse_part - lse))
+  dout_part = w[..., None] * dout.astype(stats_dtype(out_part.dtype))
+  dlse_part = w * (_rowdot(out_part, dout) - delta)
+  return dout_part.astype(out_part.dtype), dlse_part.astype(lse_part.dtype)
+
+
+def _merge_fwd(out_a, lse_a, out_b, lse_b):
+  out, lse = merge(out_a, lse_a, out_b, lse_b)
+  return (out, lse), (out_a, lse_a, out_b, lse_b, out, lse)
+
+
+def _merge_bwd(residuals, cotangents):
+  out_a, lse_a, out_b, lse_b, out, lse = residuals
+  dout, dlse = cotangents
+  d = delta(out, dout, dlse)
+  return (*merge_grad(out_a, lse_a, lse, dout, d),
+          *merge_grad(out_b, lse_b, lse, dout, d))
+
+
+merge.defvjp(_merge_fwd, _merge_bwd)

@@ -59,19 +59,11 @@ def attention(
       k.astype(compute_dtype),
       precision=precision,
   )
-  s = online_softmax.soft_cap(s * jnp.asarray(scale, compute_dtype), soft_cap)
   if bias is not None:
-    s = s + masking.group_heads(bias, num_kv).astype(compute_dtype)
+    bias = masking.group_heads(bias, num_kv)
+  s, _ = online_softmax.logits(s, scale=scale, cap=soft_cap, bias=bias)
   s = online_softmax.apply_mask(s, masking.tile_visibility(info, num_kv))
-  # The max is a constant shift of the softmax: no gradient needs to flow
-  # through it, and stopping it keeps fully-masked rows free of NaN.
-  m = jax.lax.stop_gradient(s.max(axis=-1))
-  m_safe = jnp.where(m == online_softmax.MASK_VALUE, 0.0, m).astype(s.dtype)
-  e = jnp.exp(s - m_safe[..., None])
-  denom = e.sum(axis=-1)
-  seen = denom > 0
-  l_safe = jnp.where(seen, denom, 1.0)
-  p = e / l_safe[..., None]
+  p, lse = online_softmax.softmax(s)
   if info.has_dropout:
     p = p * dropout.grouped_factor(
         info.dropout_seed, info.dropout_rate, p.shape, p.dtype)
@@ -81,7 +73,6 @@ def attention(
       v.astype(compute_dtype),
       precision=precision,
   )
-  lse = jnp.where(seen, m_safe + jnp.log(l_safe), online_softmax.MASK_VALUE)
   out = out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
   lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)
   return out, lse.astype(jnp.promote_types(compute_dtype, jnp.float32))

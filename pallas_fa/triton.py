@@ -1,6 +1,7 @@
 """`triton`: flash attention kernels in Pallas, lowered to Triton.
 
-Three kernels, none using atomics, so every result is deterministic:
+Three kernels (their bodies are in `_triton_kernel`), none using atomics, so
+every result is deterministic:
 
 * forward: grid (query blocks, query heads, batch); each program keeps one
   [block_q, H] tile of queries and runs the online softmax over the key/value
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_fa import dropout
+from pallas_fa import _triton_kernel
 from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import online_softmax
@@ -183,135 +184,12 @@ def _interpret() -> bool:
 # Static description of a call, shared by the three kernels.
 
 
-@dataclasses.dataclass(frozen=True)
-class _Features:
-  """What the kernels must compute (hashable: it parameterises the kernels).
-
-  `mask` / `bias` are None or, per axis (B, N, T, S), whether the dense array
-  is full along that axis (False: broadcast, size 1).
-  """
-
-  scale: float
-  soft_cap: float | None
-  is_causal: bool
-  window: tuple[int | None, int | None] | None
-  segments: bool
-  mask: tuple[bool, bool, bool, bool] | None
-  bias: tuple[bool, bool, bool, bool] | None
-  groups: int
-  precision: Any = None
-  dropout_rate: float = 0.0
-
-  @property
-  def positions(self) -> bool:
-    return self.is_causal or self.window is not None
-
-  @property
-  def masked(self) -> bool:
-    return self.positions or self.segments or self.mask is not None
+# The kernels' static parameters (`_Padded` builds them).
+_Features = _triton_kernel.Features
 
 
 def _full_axes(x) -> tuple[bool, bool, bool, bool] | None:
   return None if x is None else tuple(d > 1 for d in x.shape)
-
-
-def _dot(a, b, feat: _Features):
-  """a @ b, float32 accumulation at the call's matmul precision (float32
-  inputs: DEFAULT/HIGH run TF32 on tensor cores, HIGHEST full float32)."""
-  return jax.lax.dot_general(
-      a, b, (((1,), (0,)), ((), ())), precision=feat.precision,
-      preferred_element_type=_F32)
-
-
-def _dot_nt(a, b, feat: _Features):
-  """a @ b.T, as `_dot`."""
-  return jax.lax.dot_general(
-      a, b, (((1,), (1,)), ((), ())), precision=feat.precision,
-      preferred_element_type=_F32)
-
-
-def _logits(feat: _Features, qk, bias):
-  """Base-2 logits of a tile, and the capped natural logits (or None).
-
-  The natural logits are soft_cap(scale * qk) + bias; kernels use exp2, so
-  they are multiplied by log2(e) -- folded into the scale when there is
-  neither cap nor bias, which leaves a single multiply per element.
-  """
-  if feat.soft_cap is None and bias is None:
-    return None, qk * (feat.scale * _LOG2_E)
-  s_capped = online_softmax.soft_cap(qk * feat.scale, feat.soft_cap)
-  s = s_capped if bias is None else s_capped + bias.astype(_F32)
-  return s_capped, s * _LOG2_E
-
-
-def _program_ids():
-  """The three grid indices, read at the kernel's top level (the
-  interpreter resolves `program_id` there, not inside loop bodies)."""
-  return pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-
-def _dropout_factor(refs, feat: _Features, batch, head, row0, rows: int,
-                    col0, cols: int, *, queries_last: bool = False):
-  """The [rows, cols] attention-dropout factor of a tile (0 or
-  1 / (1 - rate), `pallas_fa.dropout`): rows are queries and columns keys,
-  or the converse with `queries_last`."""
-  seed = refs["seed"][...][None, :]  # [1, 1] uint32
-  r = row0 + jnp.arange(rows, dtype=jnp.int32)[:, None]
-  c = col0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
-  q_index, kv_index = (c, r) if queries_last else (r, c)
-  keep = dropout.keep_mask(seed, feat.dropout_rate, batch, head, q_index,
-                           kv_index)
-  return dropout.factor(keep, feat.dropout_rate, _F32)
-
-
-def _visible(feat: _Features, row_pos, col_pos, row_seg, col_seg, dense, *,
-             queries_last: bool = False):
-  """`masking.visible` for a [rows, cols] tile from per-row/column data.
-
-  Rows are queries and columns keys, or the converse with `queries_last`
-  (the transposed dK/dV tile).
-  """
-  def rows(x):
-    return None if x is None else x[:, None]
-
-  def cols(x):
-    return None if x is None else x[None, :]
-
-  q_pos, kv_pos = rows(row_pos), cols(col_pos)
-  q_seg, kv_seg = rows(row_seg), cols(col_seg)
-  if queries_last:
-    q_pos, kv_pos = cols(col_pos), rows(row_pos)
-    q_seg, kv_seg = cols(col_seg), rows(row_seg)
-  return masking.visible(
-      is_causal=feat.is_causal, window=feat.window,
-      q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg,
-      dense=None if dense is None else dense != 0,
-  )
-
-
-def _visit(refs, tile, carry, masked: bool, num_tiles: int):
-  """Runs tile(j, carry, masked) over the non-empty tiles of this program.
-
-  `refs["bounds"]` holds (lo, full_lo, full_hi, hi): tiles in
-  [full_lo, full_hi) are FULL and skip the masking arithmetic; the others in
-  [lo, hi) are masked; everything outside [lo, hi) is EMPTY and not visited.
-  """
-  if not masked:
-    return jax.lax.fori_loop(
-        0, num_tiles, functools.partial(tile, masked=False), carry)
-  bounds = refs["bounds"]
-  lo, full_lo, full_hi, hi = (bounds[i] for i in range(4))
-  head = full_lo - lo
-
-  def masked_tile(step, carry):
-    # The partial tiles before and after the FULL run, in one loop: one copy
-    # of the masked body (the online softmax does not depend on tile order).
-    j = jnp.where(step < head, lo + step, full_hi + (step - head))
-    return tile(j, carry, masked=True)
-
-  carry = jax.lax.fori_loop(
-      full_lo, full_hi, functools.partial(tile, masked=False), carry)
-  return jax.lax.fori_loop(0, head + hi - full_hi, masked_tile, carry)
 
 
 def tile_bounds(kinds: Array) -> Array:
@@ -436,56 +314,8 @@ def _dense_index(full, b, n, i, j):
           i if full[2] else 0, j if full[3] else 0)
 
 
-def _dense_tile(ref, full, lead, rows, cols):
-  """Loads a dense tile; broadcast axes load as size 1."""
-  return ref[(*lead, rows if full[2] else slice(None),
-              cols if full[3] else slice(None))]
-
-
 # ----------------------------------------------------------------------------
 # Forward.
-
-
-def _forward_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int,
-                    reverse_rows: bool):
-  q = refs["q"][...]  # [block_q, Hp]
-  block_q, hp = q.shape
-  row, head, batch = _program_ids()
-  if reverse_rows:
-    row = pl.num_programs(0) - 1 - row
-  q_pos = refs["q_pos"][...] if feat.positions else None  # [block_q]
-  q_seg = refs["q_seg"][...] if feat.segments else None
-
-  def tile(j, carry, masked):
-    m_i, l_i, acc = carry
-    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    k = refs["k"][cols, :]  # [block_k, Hp]
-    v = refs["v"][cols, :]
-    bias = None
-    if feat.bias is not None:
-      bias = _dense_tile(refs["bias"], feat.bias, (), slice(None), cols)
-    _, s = _logits(feat, _dot_nt(q, k, feat), bias)  # [block_q, block_k]
-    if masked:
-      dense = None
-      if feat.mask is not None:
-        dense = _dense_tile(refs["mask"], feat.mask, (), slice(None), cols)
-      s = online_softmax.apply_mask(s, _visible(
-          feat, q_pos,
-          refs["kv_pos"][cols] if feat.positions else None,
-          q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
-    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, exp=jnp.exp2)
-    if feat.dropout_rate:
-      # On the normalised probabilities: l_i sums the undropped ones.
-      p = p * _dropout_factor(refs, feat, batch, head, row * block_q,
-                              block_q, j * block_k, block_k)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, feat)
-    return m_i, l_i, acc
-
-  carry = online_softmax.init((block_q,), (block_q, hp))
-  m_i, l_i, acc = _visit(refs, tile, carry, feat.masked, num_tiles)
-  out, lse = online_softmax.finalize_base2(m_i, l_i, acc)
-  refs["out"][...] = out.astype(refs["out"].dtype)
-  refs["lse"][...] = lse
 
 
 def _forward(q, k, v, bias, info, params):
@@ -530,7 +360,7 @@ def _forward(q, k, v, bias, info, params):
   }
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
-      _forward_kernel, feat=feat, block_k=bk, num_tiles=nk,
+      _triton_kernel.forward, feat=feat, block_k=bk, num_tiles=nk,
       reverse_rows=info.is_causal)
   out, lse = _pallas_call(kernel, inputs, outputs, (nq, n, b),
                           bs.num_warps, bs.num_stages, "flash_fwd")
@@ -570,137 +400,6 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
 
 # ----------------------------------------------------------------------------
 # Backward.
-
-
-def _dkv_kernel(refs, *, feat: _Features, block_q: int, num_tiles: int):
-  # Transposed orientation (S^T = K Q^T, FlashAttention-2 §3.1.2): every
-  # matmul has M = block_kv, and P^T / dS^T are the left operands of the
-  # dV / dK updates as computed, so no tile is ever transposed in registers.
-  k = refs["k"][...]  # [block_kv, Hp]
-  v = refs["v"][...]
-  block_kv, hp = k.shape
-  kv_block, kv_head, batch = _program_ids()
-  kv_pos = refs["kv_pos"][...] if feat.positions else None  # [block_kv]
-  kv_seg = refs["kv_seg"][...] if feat.segments else None
-
-  def head(g, carry):
-    def tile(i, carry, masked):
-      dk, dv = carry
-      rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
-      q = refs["q"][rows, g, :]  # [block_q, Hp]
-      do = refs["do"][rows, g, :]
-      lse = refs["lse"][g, rows]  # [block_q], base 2
-      delta = refs["delta"][g, rows]
-      bias = None
-      if feat.bias is not None:
-        bias = _dense_tile(refs["bias"], feat.bias,
-                           (g if feat.bias[1] else 0,), rows, slice(None)).T
-      # [block_kv, block_q]
-      s_capped, s = _logits(feat, _dot_nt(k, q, feat), bias)
-      if masked:
-        dense = None
-        if feat.mask is not None:
-          dense = _dense_tile(refs["mask"], feat.mask,
-                              (g if feat.mask[1] else 0,), rows,
-                              slice(None)).T
-        s = online_softmax.apply_mask(s, _visible(
-            feat, kv_pos, refs["q_pos"][rows] if feat.positions else None,
-            kv_seg, refs["q_seg"][rows] if feat.segments else None, dense,
-            queries_last=True))
-      p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2,
-                                        queries_last=True)
-      dp = _dot_nt(v, do, feat)  # [block_kv, block_q]
-      p_used = p
-      if feat.dropout_rate:
-        # dV from the dropped P^T, dP^T through the same mask, and
-        # dS^T = P^T * (dP^T - delta) (FlashAttention-2's dropout backward).
-        z = _dropout_factor(
-            refs, feat, batch, kv_head * feat.groups + g, kv_block * block_kv,
-            block_kv, i * block_q, block_q, queries_last=True)
-        p_used, dp = p * z, dp * z
-      dv = dv + _dot(p_used.astype(do.dtype), do, feat)  # [block_kv, Hp]
-      ds = online_softmax.logits_grad(p, dp, delta, queries_last=True)
-      ds = online_softmax.soft_cap_grad(ds, s_capped, feat.soft_cap)
-      dk = dk + _dot(ds.astype(q.dtype), q, feat)  # unscaled, see below
-      return dk, dv
-
-    return _visit(refs, tile, carry, feat.masked, num_tiles)
-
-  carry = (jnp.zeros((block_kv, hp), _F32), jnp.zeros((block_kv, hp), _F32))
-  if feat.groups == 1:
-    dk, dv = head(0, carry)
-  else:
-    # The whole GQA group, so dK/dV leave the kernel already reduced.
-    dk, dv = jax.lax.fori_loop(0, feat.groups, head, carry)
-  # d logits / d qk = scale: applied once to the sum, not per tile.
-  refs["dk"][...] = (dk * feat.scale).astype(refs["dk"].dtype)
-  refs["dv"][...] = dv.astype(refs["dv"].dtype)
-
-
-def _dq_kernel(refs, *, feat: _Features, block_k: int, num_tiles: int):
-  q = refs["q"][...]  # [block_q, Hp]
-  do = refs["do"][...]
-  lse = refs["lse"][...]  # [block_q], base 2
-  delta = refs["delta"][...]
-  block_q, hp = q.shape
-  q_block, head, batch = _program_ids()
-  q_pos = refs["q_pos"][...] if feat.positions else None
-  q_seg = refs["q_seg"][...] if feat.segments else None
-  db = feat.bias
-  # dbias: tiles stored in place when bias has a full key axis, else a
-  # running row sum; the query axis is summed in the tile when bias
-  # broadcasts over it.
-  db_rows = block_q if db is not None and db[2] else 1
-  db_carry = db is not None and not db[3]
-
-  def tile(j, carry, masked):
-    dq, db_acc = carry
-    cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    k = refs["k"][cols, :]  # [block_k, Hp]
-    v = refs["v"][cols, :]
-    bias = None
-    if db is not None:
-      bias = _dense_tile(refs["bias"], db, (), slice(None), cols)
-    s_capped, s = _logits(feat, _dot_nt(q, k, feat), bias)  # [bq, bk]
-    if masked:
-      dense = None
-      if feat.mask is not None:
-        dense = _dense_tile(refs["mask"], feat.mask, (), slice(None), cols)
-      s = online_softmax.apply_mask(s, _visible(
-          feat, q_pos, refs["kv_pos"][cols] if feat.positions else None,
-          q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
-    p = online_softmax.probs_from_lse(s, lse, exp=jnp.exp2)
-    dp = _dot_nt(do, v, feat)  # [block_q, block_k]
-    if feat.dropout_rate:
-      dp = dp * _dropout_factor(refs, feat, batch, head, q_block * block_q,
-                                block_q, j * block_k, block_k)
-    ds = online_softmax.logits_grad(p, dp, delta)
-    if db is not None:
-      d = ds if db[2] else ds.sum(axis=0, keepdims=True)
-      if db[3]:
-        refs["dbias"][:, cols] = d.astype(refs["dbias"].dtype)
-      else:
-        db_acc = db_acc + d.sum(axis=1, keepdims=True)
-    ds = online_softmax.soft_cap_grad(ds, s_capped, feat.soft_cap)
-    dq = dq + _dot(ds.astype(k.dtype), k, feat)  # unscaled, see below
-    return dq, db_acc
-
-  if db is not None and db[3] and feat.masked:
-    # Tiles outside the visited range have zero gradient; write it.
-    def zero(j, c):
-      cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-      refs["dbias"][:, cols] = jnp.zeros((db_rows, block_k), _F32)
-      return c
-
-    bounds = refs["bounds"]
-    jax.lax.fori_loop(0, bounds[0], zero, 0)
-    jax.lax.fori_loop(bounds[3], num_tiles, zero, 0)
-  carry = (jnp.zeros((block_q, hp), _F32),
-           jnp.zeros((db_rows, 1), _F32) if db_carry else None)
-  dq, db_acc = _visit(refs, tile, carry, feat.masked, num_tiles)
-  if db_carry:
-    refs["dbias"][...] = db_acc
-  refs["dq"][...] = (dq * feat.scale).astype(refs["dq"].dtype)
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
@@ -757,7 +456,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   }
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
-      _dkv_kernel, feat=feat, block_q=bq_kv, num_tiles=nq)
+      _triton_kernel.backward_dkv, feat=feat, block_q=bq_kv, num_tiles=nq)
   dk, dv = _pallas_call(kernel, inputs, outputs, (nk, num_kv, b), warps,
                         stages, "flash_bwd_dkv")
 
@@ -795,7 +494,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
                         _spec(db_block, lambda i, h, b: (b, h, i, 0)))
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
-      _dq_kernel, feat=feat, block_k=bk_q, num_tiles=nk)
+      _triton_kernel.backward_dq, feat=feat, block_k=bk_q, num_tiles=nk)
   results = _pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
                          "flash_bwd_dq")
   dq = results[0][:, :t, :, :h]

@@ -6,8 +6,8 @@
 * The same kernel bodies run in the Mosaic GPU interpreter on CPU (warp
   specialisation, barriers, TMA ring, ping-pong, tile schedule and math) and
   are compared with the float32 reference under the FlashAttention rule.
-* Config validation, the heuristic, the tile schedule, `check` decisions and
-  the explicit-layout softmax math are checked directly.
+* Config validation, the heuristic, the tile schedule and `check` decisions
+  are checked directly.
 """
 
 
@@ -27,7 +27,6 @@ from pallas_fa import _mosaic_gpu_kernel as kernel
 from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import mosaic_gpu
-from pallas_fa import online_softmax
 from pallas_fa import vjp
 
 _SMALL = dict(
@@ -246,51 +245,6 @@ def test_schedule_covers_visible_and_full_runs_are_unmasked(
         saw_full_run |= fhi > flo
   # Random segments under a causal mask may leave no FULL tile at all.
   assert saw_full_run or (causal and segments)
-
-
-# --------------------------------------------------------------------------
-# The explicit-layout math is the shared math.
-# --------------------------------------------------------------------------
-
-
-def test_kernel_math_matches_online_softmax():
-  gen = rng("math")
-  rows, cols = 16, 24
-
-  def normal(*shape):
-    return jnp.asarray(gen.standard_normal(shape, np.float32))
-
-  s = normal(rows, cols) * 3
-  s = s.at[:3].set(online_softmax.MASK_VALUE)  # rows with no visible key
-  s = s.at[5, ::2].set(online_softmax.MASK_VALUE)
-  m_i = normal(rows).at[:2].set(online_softmax.MASK_VALUE)
-  l_i = jnp.abs(normal(rows)).at[:2].set(0.0)
-  acc, dp, delta = normal(rows, 8), normal(rows, cols), normal(rows)
-  lse = normal(rows).at[:3].set(online_softmax.MASK_VALUE)
-
-  @jax.jit
-  def both(s, m_i, l_i, acc, dp, delta, lse):
-    ours, theirs = {}, {}
-    ours["update"] = kernel.softmax_update(m_i, l_i, s)
-    theirs["update"] = online_softmax.update(m_i, l_i, s, exp=jnp.exp2)
-    m_new, l_new, p, _ = ours["update"]
-    ours["finalize"] = kernel.softmax_finalize(m_new, l_new, acc)
-    theirs["finalize"] = online_softmax.finalize_base2(m_new, l_new, acc)
-    expect = online_softmax.probs_from_lse(
-        s, lse * online_softmax.LOG2_E, exp=jnp.exp2)
-    lse2 = kernel.lse_for_kernel(lse)
-    ours["probs"] = (kernel.probs(s, lse2, 0), kernel.probs(s.T, lse2, 1).T)
-    theirs["probs"] = (expect, expect)
-    expect = online_softmax.logits_grad(p, dp, delta)
-    ours["dlogits"] = (kernel.dlogits(p, dp, delta, 0),
-                       kernel.dlogits(p.T, dp.T, delta, 1).T)
-    theirs["dlogits"] = (expect, expect)
-    return ours, theirs
-
-  ours, theirs = both(s, m_i, l_i, acc, dp, delta, lse)
-  for name in ours:
-    for a, b in zip(ours[name], theirs[name], strict=True):
-      np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=name)
 
 
 # --------------------------------------------------------------------------

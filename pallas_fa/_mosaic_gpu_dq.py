@@ -1,0 +1,126 @@
+"""The dQ Mosaic GPU kernel of `mosaic_gpu` (Hopper).
+
+Q-stationary, on the producer/consumer skeleton of `_mosaic_gpu_kernel`: each
+consumer keeps its query and dO tiles in shared memory while the producer
+streams K and V; it recomputes P from the logsumexp and accumulates
+dQ = dS K in registers. No atomics: each dQ tile has exactly one owner.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa import _mosaic_gpu_kernel as kernel
+from pallas_fa import _mosaic_gpu_ops as gpu_ops
+from pallas_fa import online_softmax
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+_ROWS = online_softmax.queries_along(0)
+
+
+def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
+                kv_pos, kv_seg, sched):
+  """The dQ kernel (Q-stationary; no atomics).
+
+  Args:
+    spec: launch parameters (`consumers` tiles of block_q rows per unit).
+    q: [B, Tp, N, Hp].
+    k: [B, Sp, K, Hp].
+    v: [B, Sp, K, Hp].
+    do: [B, Tp, N, Hp]; padded rows zeroed.
+    lse2: float32 [B, N, Tp] from `kernel.lse_for_kernel`.
+    delta: float32 [B, N, Tp].
+    q_pos: int32 [B, Tp].
+    q_seg: int32 [B, Tp].
+    kv_pos: int32 [B, Sp].
+    kv_seg: int32 [B, Sp].
+    sched: int32 [B, Tp / (consumers block_q), 2 + 2 consumers].
+
+  Returns:
+    dq [B, Tp, N, Hp] in q.dtype.
+  """
+  ops = gpu_ops.Ops(spec.interpret)
+  bq, h, stages = spec.block_q, spec.head_dim, spec.stages
+  nc = spec.consumers
+  units = kernel.q_units(spec)
+
+  def unit(r: kernel.Refs, t, base):
+    (q_ref, _, _, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, _, _,
+     sched_ref) = r.inputs
+    (dq_ref,) = r.outputs
+    (q_smem, do_smem, lse_smem, delta_smem, qpos_smem, qseg_smem, k_smem,
+     v_smem, kpos_smem, kseg_smem) = r.smem
+    q_bar, k_bar, v_bar, k_free, v_free = r.barriers
+    wg = r.wg
+    q_own, do_own = q_smem.at[wg], do_smem.at[wg]  # Q, then dQ.
+
+    b, n, row = units.decode(r.cta, t)
+    ulo = sched_ref[b, row, 0]
+    rows = pl.ds((row * nc + wg) * bq, bq)
+    kernel.load_stationary(
+        [(q_ref.at[b, rows, n], q_own),
+         (do_ref.at[b, rows, n], do_own),
+         (lse_ref.at[b, n, rows], lse_smem.at[wg]),
+         (delta_ref.at[b, n, rows], delta_smem.at[wg]),
+         *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
+                             (qpos_smem.at[wg], qseg_smem.at[wg]), b, rows)],
+        q_bar.at[wg])
+    lse2 = ops.load_vector(lse_smem.at[wg], 0)
+    delta = ops.load_vector(delta_smem.at[wg], 0)
+    q_p, q_s = kernel.load_meta(
+        spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
+
+    def step(j, dq, *, masked):
+      slot = lax.rem(base + j - ulo, stages)
+      plgpu.barrier_wait(k_bar.at[slot])
+      plgpu.barrier_wait(v_bar.at[slot])
+      qk, dp = ops.mm_pair(  # [bq, bk] each
+          dict(a=q_own, b=k_smem.at[slot], transpose_b=True),
+          dict(a=do_own, b=v_smem.at[slot], transpose_b=True))
+      plgpu.barrier_arrive(v_free.at[slot])
+      s, capped = kernel.logits(spec, qk)
+      if masked:
+        k_p, k_s = kernel.load_meta(
+            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
+        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
+      p = online_softmax.probs(s, lse2, base2=True, per_query=_ROWS)
+      ds = online_softmax.softmax_grad(p, dp, delta, per_query=_ROWS)
+      ds = kernel.logits_grad(spec, ds, capped)
+      dq = ops.mm(
+          ds.astype(spec.dtype), k_smem.at[slot], a_in_smem=False, acc=dq)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    dq = kernel.phases(
+        sched_ref, b, row, wg, step, ops.full((bq, h), 0.0), spec.masked)
+    q_own[...] = dq.astype(spec.dtype)
+    kernel.store([(q_own, dq_ref.at[b, rows, n])])
+    return base + sched_ref[b, row, 1] - ulo
+
+  smem = (
+      ops.smem((nc, bq, h), spec.dtype, True),  # Q, then dQ.
+      ops.smem((nc, bq, h), spec.dtype, True),  # dO
+      plgpu.SMEM((nc, bq), _F32),  # lse (base 2)
+      plgpu.SMEM((nc, bq), _F32),  # delta
+      plgpu.SMEM((nc, bq), _I32),  # query positions
+      plgpu.SMEM((nc, bq), _I32),  # query segment ids
+      *kernel.kv_rings(spec, ops),
+  )
+  barriers = (
+      # Q, dO, lse, delta (+ metadata) loaded, per consumer.
+      gpu_ops.barrier(nc, 4 + spec.num_meta),
+      *kernel.kv_barriers(spec),
+  )
+  (dq,) = kernel.launch(
+      spec, name="pfa_mgpu_dq", units=units, reps=1,
+      operands=(q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos, kv_seg,
+                sched),
+      out_types=(jax.ShapeDtypeStruct(q.shape, spec.dtype),),
+      smem_types=smem, barrier_types=barriers, unit=unit,
+      producer_groups=kernel.kv_producer(spec))
+  return dq

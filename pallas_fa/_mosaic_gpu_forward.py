@@ -1,0 +1,146 @@
+"""The forward Mosaic GPU kernel of `mosaic_gpu` (Hopper).
+
+Q-stationary, on the producer/consumer skeleton of `_mosaic_gpu_kernel`: each
+consumer keeps a [block_q, H] query tile in shared memory while the producer
+streams K (+ key positions / segment ids) and V through the ring; the online
+softmax runs in registers in base 2. Two consumers ping-pong through a shared
+barrier so that the softmax of one overlaps the matmuls of the other
+(FlashAttention-3, §3.2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa import _mosaic_gpu_kernel as kernel
+from pallas_fa import _mosaic_gpu_ops as gpu_ops
+from pallas_fa import online_softmax
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+_ROWS = online_softmax.queries_along(0)
+
+
+def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
+  """The forward kernel.
+
+  Args:
+    spec: launch parameters (two consumers; block_q rows each).
+    q: [B, Tp, N, Hp]; padded rows zeroed.
+    k: [B, Sp, K, Hp]; padded rows zeroed.
+    v: [B, Sp, K, Hp]; padded rows zeroed.
+    q_pos: int32 [B, Tp].
+    q_seg: int32 [B, Tp] (ignored without segments).
+    kv_pos: int32 [B, Sp].
+    kv_seg: int32 [B, Sp] (ignored without segments).
+    sched: int32 [B, Tp / (2 block_q), 6], see `kernel.produce` and
+      `kernel.phases`.
+
+  Returns:
+    (out [B, Tp, N, Hp] in q.dtype, lse float32 [B, N, Tp], natural log).
+  """
+  ops = gpu_ops.Ops(spec.interpret)
+  bq, h, stages = spec.block_q, spec.head_dim, spec.stages
+  nc = spec.consumers
+  units = kernel.q_units(spec)
+
+  def unit(r: kernel.Refs, t, base):
+    q_ref, _, _, qpos_ref, qseg_ref, _, _, sched_ref = r.inputs
+    o_ref, lse_ref = r.outputs
+    (qo_smem, lse_smem, qpos_smem, qseg_smem, k_smem, v_smem, kpos_smem,
+     kseg_smem) = r.smem
+    q_bar, k_bar, v_bar, k_free, v_free, schedule = r.barriers
+    wg = r.wg
+    qo = qo_smem.at[wg]  # Q, then the output.
+
+    def perform_schedule_barrier():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    b, n, row = units.decode(r.cta, t)
+    ulo = sched_ref[b, row, 0]
+    rows = pl.ds((row * nc + wg) * bq, bq)
+    kernel.load_stationary(
+        [(q_ref.at[b, rows, n], qo),
+         *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
+                             (qpos_smem.at[wg], qseg_smem.at[wg]), b, rows)],
+        q_bar.at[wg])
+    q_p, q_s = kernel.load_meta(
+        spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
+
+    def step(j, carry, *, masked):
+      m_i, l_i, acc = carry
+      slot = lax.rem(base + j - ulo, stages)
+      plgpu.barrier_wait(k_bar.at[slot])
+      qk = ops.mm(
+          qo, k_smem.at[slot], transpose_b=True,
+          between=perform_schedule_barrier if spec.pingpong else None,
+      )  # [bq, bk]
+      k_p = k_s = None
+      if masked:
+        k_p, k_s = kernel.load_meta(
+            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
+      plgpu.barrier_arrive(k_free.at[slot])
+      s, _ = kernel.logits(spec, qk)
+      if masked:
+        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
+      m_i, l_i, p, alpha = online_softmax.update(
+          m_i, l_i, s, base2=True, per_query=_ROWS)
+      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      p = p.astype(spec.dtype)
+      if spec.pingpong:
+        # Done with the softmax: let the other consumer's matmuls run
+        # and wait for the tensor cores to be ours again.
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_wait(schedule)
+      else:
+        plgpu.barrier_wait(v_bar.at[slot])
+      acc = ops.mm(p, v_smem.at[slot], a_in_smem=False, acc=acc)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return m_i, l_i, acc
+
+    carry = (
+        ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
+        ops.full_vector(bq, 0.0, 0),
+        ops.full((bq, h), 0.0),
+    )
+    if spec.pingpong:
+      pl.when(wg == 1)(perform_schedule_barrier)
+    m_i, l_i, acc = kernel.phases(
+        sched_ref, b, row, wg, step, carry, spec.masked)
+    if spec.pingpong:
+      pl.when(wg == 0)(perform_schedule_barrier)
+    out, lse = online_softmax.finalize(
+        m_i, l_i, acc, base2=True, per_query=_ROWS)
+    qo[...] = out.astype(spec.dtype)
+    lse_smem.at[wg][...] = lse
+    kernel.store([(qo, o_ref.at[b, rows, n]),
+                  (lse_smem.at[wg], lse_ref.at[b, n, rows])])
+    return base + sched_ref[b, row, 1] - ulo
+
+  smem = (
+      ops.smem((nc, bq, h), spec.dtype, True),  # Q, then the output.
+      plgpu.SMEM((nc, bq), _F32),  # lse
+      plgpu.SMEM((nc, bq), _I32),  # query positions
+      plgpu.SMEM((nc, bq), _I32),  # query segment ids
+      *kernel.kv_rings(spec, ops),
+  )
+  barriers = (
+      gpu_ops.barrier(nc, 1 + spec.num_meta),  # Q (+ metadata), per consumer.
+      *kernel.kv_barriers(spec),
+      gpu_ops.barrier(1, nc),  # ping-pong schedule.
+  )
+  out_types = (
+      jax.ShapeDtypeStruct(q.shape, spec.dtype),
+      jax.ShapeDtypeStruct((spec.batch, spec.num_heads, spec.q_len), _F32),
+  )
+  return kernel.launch(
+      spec, name="pfa_mgpu_forward", units=units, reps=1,
+      operands=(q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched),
+      out_types=out_types, smem_types=smem, barrier_types=barriers,
+      unit=unit, producer_groups=kernel.kv_producer(spec))

@@ -1,0 +1,146 @@
+"""The GPU-only operations of the Mosaic GPU kernels, with interpreter twins.
+
+The kernels of `mosaic_gpu` are written once and run both compiled (wgmma,
+register layouts, swizzled shared memory) and in the Mosaic GPU interpreter
+on CPU, which executes barriers, TMA copies and ref accesses as on the GPU.
+`Ops` holds the few operations that differ between the two.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+from typing import Callable
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_F32 = jnp.float32
+
+
+def _load_whole(ref, *, layout):
+  """`plgpu.load` of a whole ref: jax 0.10 wants the index `()`, jax 0.12
+  takes none."""
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+class Ops:
+  """The GPU-only operations, with interpreter equivalents.
+
+  The interpreter executes barriers, TMA copies and ref accesses as on the
+  GPU but has no register layouts and no transposed wgmma operands; there
+  the matmuls are jnp.dot on the loaded tiles. Everything else in a kernel
+  body is shared by both modes.
+  """
+
+  def __init__(self, interpret: bool):
+    self.interpret = interpret
+
+  def full(self, shape, value, dtype=_F32):
+    """A register array in the wgmma accumulator layout."""
+    x = jnp.full(shape, value, dtype)
+    if self.interpret:
+      return x
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+  def full_vector(self, size, value, axis):
+    """A per-row (axis 0) or per-column (axis 1) vector of a wgmma tile."""
+    x = jnp.full((size,), value, _F32)
+    if self.interpret:
+      return x
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1 - axis))
+
+  def load_vector(self, ref, axis):
+    """Loads a [size] SMEM vector laid out along `axis` of a wgmma tile."""
+    if self.interpret:
+      return ref[...]
+    return _load_whole(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+
+  def set_max_registers(self, n, action):
+    if not self.interpret:
+      plgpu.set_max_registers(n, action=action)
+
+  def smem(self, shape, dtype, swizzled: bool):
+    """SMEM scratch; 2-D+ bf16/f16 tiles use the 128-byte-swizzled layout
+    (the interpreter takes plain refs)."""
+    if swizzled and not self.interpret:
+      transforms = (
+          plgpu.TilingTransform((8, 64)),
+          plgpu.SwizzleTransform(128),
+      )
+      return plgpu.SMEM(shape, dtype, transforms=transforms)
+    return plgpu.SMEM(shape, dtype)
+
+  def mm(self, a, b, *, a_in_smem=True, transpose_b=False, acc=None,
+         between: Callable[[], None] | None = None):
+    """acc + a @ b (or a @ b^T) in float32.
+
+    Args:
+      a: [M, K] SMEM ref (`a_in_smem`) or register array.
+      b: [K, N] SMEM ref, or [N, K] with `transpose_b`.
+      a_in_smem: whether `a` is a ref.
+      transpose_b: use b^T.
+      acc: float32 [M, N] accumulator to add to, or None.
+      between: called after the wgmma is issued and before its result is
+        awaited (the ping-pong schedule barrier).
+
+    Returns:
+      float32 [M, N].
+    """
+    if self.interpret:
+      a_val = a[...] if a_in_smem else a
+      b_val = b[...]
+      if transpose_b:
+        b_val = b_val.T
+      out = jnp.dot(a_val, b_val, preferred_element_type=_F32)
+      if between is not None:
+        between()
+      return out if acc is None else acc + out
+    b_op = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    shape = (a.shape[0], b.shape[0] if transpose_b else b.shape[1])
+
+    if acc is None:
+      def fresh(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_op)
+        if between is not None:
+          between()
+        return acc_ref[...]
+
+      return pl.run_scoped(fresh, plgpu.ACC(shape, _F32))
+
+    def accumulate(acc_ref):
+      plgpu.wgmma(acc_ref, a, b_op)
+      if between is not None:
+        between()
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+  def mm_pair(self, first: dict[str, Any], second: dict[str, Any]):
+    """Two independent `mm`s (keyword dicts) issued back to back before
+    either is awaited, so that their wgmma latencies overlap."""
+    if self.interpret:
+      return self.mm(**first), self.mm(**second)
+    operands = []
+    for m in (first, second):
+      b = m["b"]
+      transpose_b = m.get("transpose_b", False)
+      shape = (m["a"].shape[0], b.shape[0] if transpose_b else b.shape[1])
+      acc = m.get("acc")
+      operands.append((
+          m["a"], plgpu.transpose_ref(b, (1, 0)) if transpose_b else b,
+          self.full(shape, 0.0) if acc is None else acc))
+
+    def issue(acc_refs):
+      for acc_ref, (a, b, _) in zip(acc_refs, operands, strict=True):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(issue)(
+        tuple(plgpu.ACC.init(acc) for _, _, acc in operands))
+
+
+def barrier(num_barriers, num_arrivals=1):
+  """`num_barriers` barriers, each completed by `num_arrivals` arrivals."""
+  return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=num_barriers)
