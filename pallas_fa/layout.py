@@ -11,8 +11,9 @@ take. The rules differ only in numbers, which each backend states once as an
     mosaic_gpu  the configured tile, never cut   a multiple of 64
     mosaic_tpu  a multiple of 128                a multiple of 128
 
-`tile` chooses a tile and the padded length, `padded_head_dim` the head
-dim, and `Padded` pads q/k/v (and bias) to them. Padded rows -- the tails
+`tile` chooses a tile and the padded length (`padded_length` when passes
+with different tiles share one padded copy), `padded_head_dim` the head dim,
+and `Padded` pads q/k/v (and bias) to them. Padded rows -- the tails
 added here and the caller's own padding -- are zeroed, because a masked
 logit only makes a probability 0, and 0 * NaN stored in K/V is still NaN;
 the tails are marked as padding in the `masking.MaskInfo`
@@ -94,8 +95,7 @@ def tile(block: int, length: int, align: Alignment) -> tuple[int, int]:
 
 
 def padded_length(length: int, *tiles: int) -> int:
-  """`length` rounded up to whole tiles of every size in `tiles` (passes
-  with different tiles share one padded copy of the inputs)."""
+  """`length` rounded up to whole tiles of every size in `tiles`."""
   return round_up(length, math.lcm(*tiles))
 
 
