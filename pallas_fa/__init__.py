@@ -1,4 +1,11 @@
-"""pallas_fa: exact, memory-linear flash attention for JAX, in Pallas."""
+"""pallas_fa: exact, memory-linear flash attention for JAX, in Pallas.
+
+`flash_attention` is the op; each `implementation=` is a backend module
+(`chunked`, `triton`, `mosaic_gpu`, `mosaic_tpu`, `reference` for "xla")
+with a tiling config exported here (`TritonBlockSizes`, ...) and a
+`default_block_sizes` of one signature. To add a backend, see the contract
+in `pallas_fa.vjp`.
+"""
 
 import importlib
 
@@ -15,6 +22,10 @@ __all__ = [
     "SegmentIds",
     "dropout",
     "gpu_target",
+    "ChunkedBlockSizes",
+    "TritonBlockSizes",
+    "MosaicGpuBlockSizes",
+    "MosaicTpuBlockSizes",
     "MultiHeadAttention",
     "make_attention_fn",
     "sharded_flash_attention",
@@ -22,10 +33,15 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# Flax and the multi-device layer are imported on first use, so that
-# `import pallas_fa` stays light for users of the bare op.
+# Flax, the multi-device layer and the backends (whose tiling configs these
+# are) are imported on first use, so that `import pallas_fa` stays light and
+# a backend whose compiler stack is missing breaks nothing until it is used.
 _LAZY = {
     "decode_attention": "pallas_fa.decode",
+    "ChunkedBlockSizes": "pallas_fa.chunked",
+    "TritonBlockSizes": "pallas_fa.triton",
+    "MosaicGpuBlockSizes": "pallas_fa.mosaic_gpu",
+    "MosaicTpuBlockSizes": "pallas_fa.mosaic_tpu",
     "MultiHeadAttention": "pallas_fa.modules",
     "make_attention_fn": "pallas_fa.modules",
     "sharded_flash_attention": "pallas_fa.parallel",

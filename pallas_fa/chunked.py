@@ -16,13 +16,13 @@ never repeated and dK/dV come out summed over the group by the matmul itself.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from pallas_fa import dropout
+from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import vjp
@@ -62,33 +62,44 @@ class ChunkedBlockSizes:
         )
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+def default_block_sizes(
+    *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
+    dropout: bool = False, device_kind: str | None = None,
+) -> ChunkedBlockSizes:
+  """The tiling of a call made without `block_sizes=`.
+
+  The class defaults whatever the call: tiles are clipped to the sequences
+  (see `ChunkedBlockSizes`). The arguments are those every backend's
+  `default_block_sizes` takes (`pallas_fa.vjp`).
+
+  Returns:
+    A `ChunkedBlockSizes`.
+  """
+  del q_len, kv_len, head_dim, dtype, is_causal, dropout, device_kind
+  return ChunkedBlockSizes()
 
 
-def _tiles(block: int, length: int) -> tuple[int, int]:
-  """(tile size, padded length) for a sequence of `length`."""
-  if length <= block:
-    return length, length
-  # Balance the tiles so the padded tail is as small as possible.
-  n = math.ceil(length / block)
-  tile = _round_up(math.ceil(length / n), 8)
-  return tile, _round_up(length, tile)
+# Tiles are balanced (the padded tail as short as possible) and a multiple
+# of 8 rows; the head dims are not padded.
+ALIGN = layout.Alignment(rows=8, balanced=True)
 
 
-class _Layout:
+class _Layout(layout.Padded):
   """Inputs padded to whole tiles, in the grouped head-major layout."""
 
   def __init__(self, q, k, v, bias, info, params, block_q, block_kv):
-    b, t, n, h = q.shape
-    s, num_kv = k.shape[1], k.shape[2]
-    self.b, self.t, self.s, self.n, self.h = b, t, s, n, h
-    self.hv = v.shape[-1]  # The value head dim may differ from H.
-    self.num_kv, self.g = num_kv, n // num_kv
-    self.bq, self.tp = _tiles(block_q, t)
-    self.bk, self.sp = _tiles(block_kv, s)
+    self.bq, tp = layout.tile(block_q, q.shape[1], ALIGN)
+    self.bk, sp = layout.tile(block_kv, k.shape[1], ALIGN)
+    # Softmax statistics and accumulators: float32 (float64 inputs: float64).
+    self.acc = online_softmax.stats_dtype(q.dtype)
+    # In full precision the logit scale is folded into q once, saving a
+    # multiply per logit; in low precision that would round scale * q.
+    self.scale_folded = q.dtype == self.acc
+    self.logit_scale = 1.0 if self.scale_folded else params.scale
+    if self.scale_folded:
+      q = q * params.scale
+    super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN)
     self.nq, self.nk = self.tp // self.bq, self.sp // self.bk
-    self.info = masking.pad_sequence(info, self.tp, self.sp)
     kinds = masking.classify_blocks(self.info, self.bq, self.bk)
     # Tiles span the whole batch here, so a tile is empty (full) only if it
     # is empty (full) for every batch row.
@@ -101,19 +112,8 @@ class _Layout:
             masking.PARTIAL,
         ),
     )  # [nq, nk]
-    # Softmax statistics and accumulators: float32 (float64 inputs: float64).
-    self.acc = online_softmax.stats_dtype(q.dtype)
-    # In full precision the logit scale is folded into q once, saving a
-    # multiply per logit; in low precision that would round scale * q.
-    self.scale_folded = q.dtype == self.acc
-    self.logit_scale = 1.0 if self.scale_folded else params.scale
-    self.q = self.queries(q * params.scale if self.scale_folded else q)
-    self.k = self.keys(k)
-    self.v = self.keys(v)
-    self.bias = None
-    if bias is not None:
-      bias = masking.pad_axes(bias, {2: self.tp, 3: self.sp}, broadcast=True)
-      self.bias = masking.group_heads(bias, num_kv)  # [B|1,K|1,G|1,T|1,S|1]
+    if self.bias is not None:  # -> [B|1, K|1, G|1, Tp|1, Sp|1]
+      self.bias = masking.group_heads(self.bias, self.num_kv)
     # Masking arithmetic is needed at all only if something can be masked.
     self.masked = (
         self.info.restricts_positions
@@ -123,23 +123,17 @@ class _Layout:
 
   def queries(self, x):
     """[B, T, N, H] -> [B, K, G, Tp, H], padded rows zeroed (any H)."""
-    x = masking.pad_axes(x, {1: self.tp})
-    x = masking.zero_padding(
-        x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
+    x = super().queries(x)
     x = x.reshape(self.b, self.tp, self.num_kv, self.g, x.shape[-1])
     return x.transpose(0, 2, 3, 1, 4)
 
   def keys(self, x):
     """[B, S, K, H] -> [B, K, Sp, H], padded rows zeroed."""
-    x = masking.pad_axes(x, {1: self.sp})
-    x = masking.zero_padding(
-        x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
-    return x.transpose(0, 2, 1, 3)
+    return super().keys(x).transpose(0, 2, 1, 3)
 
   def rows(self, x, fill):
     """[B, T, N] -> [B, K, G, Tp] (per-row statistics)."""
-    x = masking.pad_axes(x, {1: self.tp}, fill)
-    return x.reshape(self.b, self.tp, self.num_kv, self.g).transpose(0, 2, 3, 1)
+    return super().rows(x, fill).reshape(self.b, self.num_kv, self.g, self.tp)
 
   def unrows(self, x):
     """[B, K, G, Tp] -> [B, T, N]."""
@@ -217,12 +211,8 @@ def _unfold(x, g):
   return x.reshape(x.shape[0], x.shape[1], g, -1, x.shape[-1])
 
 
-def _block_sizes(params: vjp.Params) -> ChunkedBlockSizes:
-  return params.block_sizes or ChunkedBlockSizes()
-
-
 def _forward(q, k, v, bias, info, params):
-  bs = _block_sizes(params)
+  bs = BACKEND.block_sizes(params, q, k, info)
   lay = _Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
   lo, hi = masking.block_range(lay.kinds)
 
@@ -263,7 +253,7 @@ def _forward(q, k, v, bias, info, params):
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = _block_sizes(params)
+  bs = BACKEND.block_sizes(params, q, k, info)
   lay = _Layout(
       q, k, v, bias, info, params, bs.block_q_bwd, bs.block_kv_bwd)
   do = lay.queries(dout.astype(q.dtype))
@@ -369,6 +359,7 @@ BACKEND = vjp.Backend(
     backward=_backward,
     check=_check,
     block_sizes_type=ChunkedBlockSizes,
+    default_block_sizes=default_block_sizes,
     dtypes=vjp.WITH_FLOAT64,
     value_head_dim=True,
     dropout=True,

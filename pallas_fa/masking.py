@@ -396,3 +396,23 @@ def block_range(kinds: Array) -> tuple[Array, Array]:
   lo = jnp.min(jnp.where(nonempty, idx, n), axis=-1)
   hi = jnp.max(jnp.where(nonempty, idx + 1, 0), axis=-1)
   return lo, jnp.maximum(lo, hi)
+
+
+def full_run(kinds: Array, empty_at: Array) -> tuple[Array, Array]:
+  """[lo, hi) of the FULL tiles along the last axis of `kinds`, when they
+  are contiguous.
+
+  Kernels run the tiles of this run without masking arithmetic and mask all
+  others. Where a row has no FULL tile, or its FULL tiles are not
+  contiguous, the run is empty (lo == hi == `empty_at`, broadcast against
+  the row) and every tile of the row is masked.
+  """
+  n = kinds.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  full = kinds == FULL
+  lo = jnp.min(jnp.where(full, idx, n), axis=-1)
+  hi = jnp.max(jnp.where(full, idx + 1, 0), axis=-1)
+  count = jnp.sum(full, axis=-1, dtype=jnp.int32)
+  contiguous = (count > 0) & (count == hi - lo)
+  return (jnp.where(contiguous, lo, empty_at),
+          jnp.where(contiguous, hi, empty_at))

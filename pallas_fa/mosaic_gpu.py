@@ -4,14 +4,16 @@ The kernels live in `_mosaic_gpu_forward`, `_mosaic_gpu_dq` and
 `_mosaic_gpu_dkv`, on the skeleton of `_mosaic_gpu_kernel` (warp-specialised,
 TMA-fed, wgmma, ping-pong softmax); this module is everything around them:
 
-* `BlockSizes`, the frozen tiling config, and `default_block_sizes`, the
-  heuristic that fits it into the 227 KiB of shared memory of an H100/H200;
+* `MosaicGpuBlockSizes`, the frozen tiling config, and
+  `default_block_sizes`: a tuned record (`scripts/tune.py`), else
+  `heuristic_block_sizes`, which fits the tiles into the 227 KiB of shared
+  memory of an H100/H200;
 * `check`: bfloat16/float16 only, head dim <= 256, no bias or dense mask, and
   an sm90 GPU -- or, without a GPU, the Mosaic GPU interpreter. Anything else
   raises NotImplementedError so the automatic choice moves on to "triton";
-* the layout work: padding T and S to whole tiles (the tail marked as padding
-  through `masking.pad_sequence`, padded rows zeroed so NaN cannot leak) and
-  the head dim to a multiple of 64; and the per-tile schedule, derived from
+* the layout work: padding T and S to whole tiles and the head dim to a
+  multiple of 64 (`pallas_fa.layout`, which also zeroes padded rows so NaN
+  cannot leak); and the per-tile schedule, derived from
   `masking.classify_blocks`, that tells the kernels which key (query) tiles
   to stream and which of them need no masking arithmetic.
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 from typing import Any
 
 import jax
@@ -35,6 +36,7 @@ from pallas_fa import _mosaic_gpu_dq as dq_kernel
 from pallas_fa import _mosaic_gpu_forward as forward_kernel
 from pallas_fa import _mosaic_gpu_kernel as kernel
 from pallas_fa import gpu_target
+from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import tuning
 from pallas_fa import vjp
@@ -43,6 +45,9 @@ Array = Any
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
+# Tiles are multiples of 64 rows (one warpgroup's wgmma M) and are never cut
+# to fit short sequences; head dims are padded to 64 (128-byte TMA rows).
+ALIGN = layout.Alignment(rows=64, head_dim=64)
 
 # Shared memory per CTA on sm90 (H100 / H200), minus a margin: the estimate
 # below counts the buffers only, and the compiled kernels measure 2-5 KiB
@@ -53,12 +58,12 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 8 * 1024
 _DEFAULT_SM_COUNT = 132
 
 
-# Values of `BlockSizes.lowering_semantics` (None: jax's default).
+# Values of `MosaicGpuBlockSizes.lowering_semantics` (None: jax's default).
 LOWERING_SEMANTICS = (None, "lane", "warpgroup")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class BlockSizes:
+class MosaicGpuBlockSizes:
   """Tiling of the `mosaic_gpu` kernels.
 
   Every block is a multiple of 64 (the wgmma M granularity of a warpgroup)
@@ -67,17 +72,17 @@ class BlockSizes:
   Attributes:
     block_q: forward: query rows per consumer warpgroup.
     block_kv: forward: keys per streamed K/V tile.
-    stages: forward: depth of the K/V shared-memory ring.
-    consumers: forward: consumer warpgroups per CTA (1 or 2).
+    num_stages: forward: depth of the K/V shared-memory ring.
+    num_consumers: forward: consumer warpgroups per CTA (1 or 2).
     pingpong: forward: alternate the two consumers on the tensor cores
-      (FlashAttention-3 §3.2); needs consumers == 2.
+      (FlashAttention-3 §3.2); needs num_consumers == 2.
     block_q_dq: dQ kernel: query rows per consumer warpgroup.
     block_kv_dq: dQ kernel: keys per streamed tile.
-    consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
+    num_consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
     block_q_dkv: dK/dV kernel: queries per streamed tile.
     block_kv_dkv: dK/dV kernel: key rows per consumer warpgroup.
-    consumers_dkv: dK/dV kernel: consumer warpgroups per CTA (1 or 2).
-    stages_bwd: depth of the backward rings.
+    num_consumers_dkv: dK/dV kernel: consumer warpgroups per CTA (1 or 2).
+    num_stages_bwd: depth of the backward rings.
     split_dkv: compute dV and dK in two passes, keeping one float32
       accumulator in registers instead of two (head dim 256).
     num_ctas: persistent grid size; None = one CTA per SM (GPU) or 1
@@ -91,22 +96,24 @@ class BlockSizes:
 
   block_q: int = 64
   block_kv: int = 128
-  stages: int = 2
-  consumers: int = 2
+  num_stages: int = 2
+  num_consumers: int = 2
   pingpong: bool = True
   block_q_dq: int = 64
   block_kv_dq: int = 64
-  consumers_dq: int = 2
+  num_consumers_dq: int = 2
   block_q_dkv: int = 64
   block_kv_dkv: int = 64
-  consumers_dkv: int = 2
-  stages_bwd: int = 2
+  num_consumers_dkv: int = 2
+  num_stages_bwd: int = 2
   split_dkv: bool = False
   num_ctas: int | None = None
   interpret: bool | None = None
   lowering_semantics: str | None = None
 
   def __post_init__(self):
+    cls = type(self).__name__
+
     def is_int(x):
       return isinstance(x, int) and not isinstance(x, bool)
 
@@ -115,46 +122,42 @@ class BlockSizes:
       value = getattr(self, name)
       if not is_int(value) or value < 64 or value > 256 or value % 64:
         raise ValueError(
-            f"BlockSizes.{name} must be a multiple of 64 in [64, 256], got "
+            f"{cls}.{name} must be a multiple of 64 in [64, 256], got "
             f"{value!r}.")
-    for name in ("stages", "stages_bwd"):
+    for name in ("num_stages", "num_stages_bwd"):
       value = getattr(self, name)
       if not is_int(value) or not 1 <= value <= 8:
         raise ValueError(
-            f"BlockSizes.{name} must be an int in [1, 8], got {value!r}.")
-    for name in ("consumers", "consumers_dq", "consumers_dkv"):
+            f"{cls}.{name} must be an int in [1, 8], got {value!r}.")
+    for name in ("num_consumers", "num_consumers_dq", "num_consumers_dkv"):
       value = getattr(self, name)
       if value not in (1, 2) or not is_int(value):
-        raise ValueError(f"BlockSizes.{name} must be 1 or 2, got {value!r}.")
+        raise ValueError(f"{cls}.{name} must be 1 or 2, got {value!r}.")
     for name in ("pingpong", "split_dkv"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
-            f"BlockSizes.{name} must be a bool, got {getattr(self, name)!r}.")
-    if self.pingpong and self.consumers != 2:
+            f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")
+    if self.pingpong and self.num_consumers != 2:
       raise ValueError(
-          "BlockSizes.pingpong needs consumers == 2, got "
-          f"consumers={self.consumers!r}.")
+          f"{cls}.pingpong needs num_consumers == 2, got "
+          f"num_consumers={self.num_consumers!r}.")
     if self.num_ctas is not None and (
         not is_int(self.num_ctas) or self.num_ctas < 1):
       raise ValueError(
-          f"BlockSizes.num_ctas must be None or a positive int, got "
+          f"{cls}.num_ctas must be None or a positive int, got "
           f"{self.num_ctas!r}.")
     if self.lowering_semantics not in LOWERING_SEMANTICS:
       raise ValueError(
-          "BlockSizes.lowering_semantics must be one of "
+          f"{cls}.lowering_semantics must be one of "
           f"{LOWERING_SEMANTICS}, got {self.lowering_semantics!r}.")
     if self.interpret is not None and not isinstance(self.interpret, bool):
       raise ValueError(
-          f"BlockSizes.interpret must be None or a bool, got "
+          f"{cls}.interpret must be None or a bool, got "
           f"{self.interpret!r}.")
 
 
-def padded_head_dim(head_dim: int) -> int:
-  """The head dim the kernels run at: a multiple of 64 (128-byte rows)."""
-  return _round_up(max(head_dim, 1), 64)
-
-
-def shared_memory_bytes(bs: BlockSizes, head_dim: int, itemsize: int = 2):
+def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
+                        itemsize: int = 2) -> dict[str, int]:
   """Shared memory (bytes) of the forward, dQ and dK/dV kernels.
 
   Args:
@@ -165,24 +168,30 @@ def shared_memory_bytes(bs: BlockSizes, head_dim: int, itemsize: int = 2):
   Returns:
     dict with keys "forward", "dq", "dkv".
   """
-  hp = padded_head_dim(head_dim)
+  hp = layout.padded_head_dim(head_dim, ALIGN)
   tile = lambda rows: rows * hp * itemsize  # noqa: E731
   vec = lambda rows: rows * 4  # noqa: E731
   fwd = (
-      bs.consumers * (tile(bs.block_q) + 3 * vec(bs.block_q))
-      + bs.stages * (2 * tile(bs.block_kv) + 2 * vec(bs.block_kv)))
+      bs.num_consumers * (tile(bs.block_q) + 3 * vec(bs.block_q))
+      + bs.num_stages * (2 * tile(bs.block_kv) + 2 * vec(bs.block_kv)))
   dq = (
-      bs.consumers_dq * (2 * tile(bs.block_q_dq) + 4 * vec(bs.block_q_dq))
-      + bs.stages_bwd * (2 * tile(bs.block_kv_dq) + 2 * vec(bs.block_kv_dq)))
+      bs.num_consumers_dq * (2 * tile(bs.block_q_dq)
+                             + 4 * vec(bs.block_q_dq))
+      + bs.num_stages_bwd * (2 * tile(bs.block_kv_dq)
+                             + 2 * vec(bs.block_kv_dq)))
   dkv = (
-      bs.consumers_dkv * (2 * tile(bs.block_kv_dkv)
-                          + 2 * vec(bs.block_kv_dkv))
-      + bs.stages_bwd * (2 * tile(bs.block_q_dkv) + 4 * vec(bs.block_q_dkv)))
+      bs.num_consumers_dkv * (2 * tile(bs.block_kv_dkv)
+                              + 2 * vec(bs.block_kv_dkv))
+      + bs.num_stages_bwd * (2 * tile(bs.block_q_dkv)
+                             + 4 * vec(bs.block_q_dkv)))
   return {"forward": fwd, "dq": dq, "dkv": dkv}
 
 
-def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
-  """The heuristic tiling for a head dim (before autotuning).
+def heuristic_block_sizes(
+    *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
+    dropout: bool = False, device_kind: str | None = None,
+) -> MosaicGpuBlockSizes:
+  """The heuristic tiling of a call, ignoring tuned records.
 
   Forward: two 64-row consumers (ping-pong), 128-key tiles up to head dim
   128 and 64-key tiles beyond, and as many ring stages (<= 4) as shared
@@ -193,26 +202,33 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
   are listed in scripts/known_spills.json).
 
   Args:
-    head_dim: the (unpadded) head dim.
+    q_len: T (the tiling does not depend on it).
+    kv_len: S (likewise).
+    head_dim: H, unpadded.
     dtype: bfloat16 or float16.
+    is_causal: whether the call is causal (likewise).
+    dropout: whether the call has attention dropout (never: refused).
+    device_kind: a `jax.Device.device_kind` (every sm90 GPU has the same
+      shared memory).
 
   Returns:
-    A `BlockSizes`.
+    A `MosaicGpuBlockSizes`.
   """
+  del q_len, kv_len, is_causal, dropout, device_kind
   itemsize = jnp.dtype(dtype).itemsize
-  hp = padded_head_dim(head_dim)
+  hp = layout.padded_head_dim(head_dim, ALIGN)
   wide = hp > 128
-  base = BlockSizes(
+  base = MosaicGpuBlockSizes(
       block_q=64,
       block_kv=64 if wide else 128,
-      stages=2,
+      num_stages=2,
       block_kv_dq=64 if hp > 64 else 128,
-      consumers_dq=1 if wide else 2,
-      consumers_dkv=1 if wide else 2,
+      num_consumers_dq=1 if wide else 2,
+      num_consumers_dkv=1 if wide else 2,
       split_dkv=wide,
   )
   for stages in (4, 3):
-    candidate = dataclasses.replace(base, stages=stages)
+    candidate = dataclasses.replace(base, num_stages=stages)
     if shared_memory_bytes(candidate, head_dim, itemsize)["forward"] <= (
         SHARED_MEMORY_BYTES):
       base = candidate
@@ -222,12 +238,25 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
   return base
 
 
+def default_block_sizes(
+    *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
+    dropout: bool = False, device_kind: str | None = None,
+) -> MosaicGpuBlockSizes:
+  """The tiling of a call made without `block_sizes=`: the tuned record
+  nearest to the call (`pallas_fa.tuning`), else `heuristic_block_sizes`,
+  whose arguments these are. Returns a `MosaicGpuBlockSizes`."""
+  return tuning.tuned_or_heuristic(
+      "mosaic_gpu", MosaicGpuBlockSizes, heuristic_block_sizes, q_len=q_len,
+      kv_len=kv_len, head_dim=head_dim, dtype=dtype, is_causal=is_causal,
+      dropout=dropout, device_kind=device_kind)
+
+
 # --------------------------------------------------------------------------
 # Where the kernels can run.
 # --------------------------------------------------------------------------
 
 
-def _interpret(bs: BlockSizes | None) -> bool:
+def _interpret(bs: MosaicGpuBlockSizes | None) -> bool:
   """Whether to interpret; raises NotImplementedError if neither way works."""
   wanted = None if bs is None else bs.interpret
   target = gpu_target.current()
@@ -246,7 +275,7 @@ def _interpret(bs: BlockSizes | None) -> bool:
   return False
 
 
-def _num_ctas(bs: BlockSizes, interpret: bool, units: int) -> int:
+def _num_ctas(bs: MosaicGpuBlockSizes, interpret: bool, units: int) -> int:
   if bs.num_ctas is not None:
     return max(1, min(bs.num_ctas, units))
   target = gpu_target.current()
@@ -270,15 +299,15 @@ def _cuda_runtime_version() -> int | None:
 _MISCOMPILING_CUDA = (12080, 12091)
 
 
-def _needs_masking(q, k, info, bs: BlockSizes) -> bool:
+def _needs_masking(q, k, info, bs: MosaicGpuBlockSizes) -> bool:
   """Whether any kernel of the call runs its masked (jnp.where) path."""
   if info.restricts_positions or info.has_segments:
     return True
   t, s = q.shape[1], k.shape[1]
-  q_tiles = (bs.consumers * bs.block_q, bs.consumers_dq * bs.block_q_dq,
-             bs.block_q_dkv)
+  q_tiles = (bs.num_consumers * bs.block_q,
+             bs.num_consumers_dq * bs.block_q_dq, bs.block_q_dkv)
   kv_tiles = (bs.block_kv, bs.block_kv_dq,
-              bs.consumers_dkv * bs.block_kv_dkv)
+              bs.num_consumers_dkv * bs.block_kv_dkv)
   return any(t % x for x in q_tiles) or any(s % x for x in kv_tiles)
 
 
@@ -303,7 +332,7 @@ def _check(q, k, v, bias, info, params):
   if not _interpret(params.block_sizes):
     version = _cuda_runtime_version()
     lo, hi = _MISCOMPILING_CUDA
-    bs = _block_sizes(params, q, k, info)
+    bs = BACKEND.block_sizes(params, q, k, info)
     if version is not None and lo <= version < hi and _needs_masking(
         q, k, info, bs):
       raise NotImplementedError(
@@ -316,52 +345,19 @@ def _check(q, k, v, bias, info, params):
 # --------------------------------------------------------------------------
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+def _meta(x: layout.Padded) -> tuple[Array, Array, Array, Array]:
+  """q positions, q segment ids, kv positions, kv segment ids: int32
+  [B, Tp] / [B, Sp], zeros where the call has none (the kernels always
+  take all four)."""
+  info = x.info
 
+  def ids(values, length):
+    if values is None:
+      return jnp.zeros((x.b, length), jnp.int32)
+    return jnp.broadcast_to(values.astype(jnp.int32), (x.b, length))
 
-@dataclasses.dataclass(frozen=True)
-class _Padded:
-  """Inputs padded to whole tiles and a head dim multiple of 64."""
-
-  info: masking.MaskInfo
-  q: Array
-  k: Array
-  v: Array
-  q_pos: Array
-  q_seg: Array
-  kv_pos: Array
-  kv_seg: Array
-
-  @property
-  def meta(self):
-    return self.q_pos, self.q_seg, self.kv_pos, self.kv_seg
-
-
-def _pad_inputs(q, k, v, info, q_len, kv_len) -> _Padded:
-  b = q.shape[0]
-  hp = padded_head_dim(q.shape[-1])
-  info = masking.pad_sequence(info, q_len, kv_len)
-
-  def rows(x, length, seg, pad_id):
-    x = masking.pad_axes(x, {1: length, 3: hp})
-    return masking.zero_padding(x, seg, pad_id)
-
-  def ids(x, length):
-    if x is None:
-      return jnp.zeros((b, length), jnp.int32)
-    return jnp.broadcast_to(x.astype(jnp.int32), (b, length))
-
-  return _Padded(
-      info=info,
-      q=rows(q, q_len, info.q_segment_ids, masking.Q_PAD_SEGMENT),
-      k=rows(k, kv_len, info.kv_segment_ids, masking.KV_PAD_SEGMENT),
-      v=rows(v, kv_len, info.kv_segment_ids, masking.KV_PAD_SEGMENT),
-      q_pos=ids(info.q_positions, q_len),
-      q_seg=ids(info.q_segment_ids, q_len),
-      kv_pos=ids(info.kv_positions, kv_len),
-      kv_seg=ids(info.kv_segment_ids, kv_len),
-  )
+  return (ids(info.q_positions, x.tp), ids(info.q_segment_ids, x.tp),
+          ids(info.kv_positions, x.sp), ids(info.kv_segment_ids, x.sp))
 
 
 def schedule(kinds: Array, consumers: int) -> Array:
@@ -387,46 +383,52 @@ def schedule(kinds: Array, consumers: int) -> Array:
   any_u = lo_u < hi_u
   ulo = jnp.where(any_u, lo_u, 0)
   uhi = jnp.where(any_u, hi_u, 0)
-  idx = jnp.arange(cols, dtype=jnp.int32)
-  full = kinds == masking.FULL
-  f_lo = jnp.min(jnp.where(full, idx, cols), axis=-1)
-  f_hi = jnp.max(jnp.where(full, idx + 1, 0), axis=-1)
-  contiguous = (f_hi > f_lo) & (f_hi - f_lo == full.sum(axis=-1))
-  start = jnp.repeat(ulo, consumers, axis=1)
-  f_lo = jnp.where(contiguous, f_lo, start).reshape(b, units, consumers)
-  f_hi = jnp.where(contiguous, f_hi, start).reshape(b, units, consumers)
+  f_lo, f_hi = masking.full_run(kinds, jnp.repeat(ulo, consumers, axis=1))
+  f_lo = f_lo.reshape(b, units, consumers)
+  f_hi = f_hi.reshape(b, units, consumers)
   runs = jnp.stack([f_lo, f_hi], axis=-1).reshape(b, units, 2 * consumers)
   out = jnp.concatenate([ulo[..., None], uhi[..., None], runs], axis=-1)
   return out.astype(jnp.int32)
 
 
-def candidate_block_sizes(head_dim: int, dtype=jnp.bfloat16):
-  """Tilings worth timing for a head dim (the autotuning search space).
+# What autotuning varies, per pass: the forward fields, then (with the
+# forward fixed) the backward ones.
+_SEARCH = {
+    "forward": [
+        dict(block_q=bq, block_kv=bk, num_stages=st, pingpong=pp)
+        for bq in (64, 128) for bk in (64, 128, 192)
+        for st in (2, 3, 4) for pp in (True, False)
+    ],
+    "backward": [
+        dict(block_kv_dq=bk, num_consumers_dq=c, num_consumers_dkv=c2,
+             split_dkv=sp)
+        for bk in (64, 128) for c in (1, 2) for c2 in (1, 2)
+        for sp in (False, True)
+    ],
+}
 
-  Every candidate fits the shared memory of an sm90 GPU; the forward and
-  backward fields vary independently around `default_block_sizes`.
+
+def candidate_block_sizes(
+    base: MosaicGpuBlockSizes, *, head_dim: int, dtype=jnp.bfloat16,
+    passes: tuple[str, ...] = ("forward", "backward"),
+) -> list[MosaicGpuBlockSizes]:
+  """Tilings worth timing around `base` (the autotuning search space).
+
+  Every candidate fits the shared memory of an sm90 GPU; the fields of each
+  pass vary around `base`, the others stay as they are.
 
   Args:
+    base: the tiling to vary (`heuristic_block_sizes`, or the best so far).
     head_dim: the (unpadded) head dim.
     dtype: bfloat16 or float16.
+    passes: which fields vary: "forward" and/or "backward".
 
   Returns:
-    A list of `BlockSizes`, the heuristic default first.
+    A list of `MosaicGpuBlockSizes`, `base` first.
   """
   itemsize = jnp.dtype(dtype).itemsize
-  base = default_block_sizes(head_dim, dtype)
   out = [base]
-  forward = [
-      dict(block_q=bq, block_kv=bk, stages=st, pingpong=pp)
-      for bq in (64, 128) for bk in (64, 128, 192)
-      for st in (2, 3, 4) for pp in (True, False)
-  ]
-  backward = [
-      dict(block_kv_dq=bk, consumers_dq=c, consumers_dkv=c2, split_dkv=sp)
-      for bk in (64, 128) for c in (1, 2) for c2 in (1, 2)
-      for sp in (False, True)
-  ]
-  for change in forward + backward:
+  for change in (c for name in passes for c in _SEARCH[name]):
     candidate = dataclasses.replace(base, **change)
     smem = shared_memory_bytes(candidate, head_dim, itemsize)
     if max(smem.values()) <= SHARED_MEMORY_BYTES and candidate not in out:
@@ -434,40 +436,7 @@ def candidate_block_sizes(head_dim: int, dtype=jnp.bfloat16):
   return out
 
 
-def _tuned(head_dim, dtype, q_len, kv_len, is_causal) -> BlockSizes | None:
-  """A persisted autotuning result for this call (GPU only), or None."""
-  try:
-    key = tuning.tuning_key(
-        head_dim=head_dim, dtype=dtype, q_len=q_len, kv_len=kv_len,
-        is_causal=is_causal)
-    record = tuning.lookup(
-        tuning.load_tuned(tuning.device_kind()).get("mosaic_gpu", []), key)
-    return None if record is None else BlockSizes(**record)
-  except (AttributeError, TypeError, ValueError):
-    return None
-
-
-def block_sizes_for(*, head_dim: int, dtype, q_len: int, kv_len: int,
-                    is_causal: bool) -> BlockSizes:
-  """The tiling a call gets without `block_sizes=`: a tuned record for the
-  GPU kernels are built for (`gpu_target`), else the heuristic."""
-  if gpu_target.current() is not None:
-    tuned = _tuned(head_dim, dtype, q_len, kv_len, is_causal)
-    if tuned is not None:
-      return tuned
-  return default_block_sizes(head_dim, dtype)
-
-
-def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
-  """The explicit tiling, else `block_sizes_for` the call."""
-  if params.block_sizes is not None:
-    return params.block_sizes
-  return block_sizes_for(
-      head_dim=q.shape[-1], dtype=q.dtype, q_len=q.shape[1],
-      kv_len=k.shape[1], is_causal=info.is_causal)
-
-
-def _spec(x: _Padded, params, bs, interpret, *, block_q, block_kv, stages,
+def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
           consumers, pingpong, units_per_head, heads, num_heads):
   q_len, kv_len = x.q.shape[1], x.k.shape[1]
   units = x.q.shape[0] * heads * units_per_head
@@ -502,7 +471,7 @@ def _spec(x: _Padded, params, bs, interpret, *, block_q, block_kv, stages,
 
 def _forward(q, k, v, bias, info, params):
   del bias  # Refused by _check.
-  bs = _block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info)
   return forward_impl(q, k, v, info, params, interpret=_interpret(bs))
 
 
@@ -517,22 +486,25 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   """
   b, t, n, h = q.shape
   s = k.shape[1]
-  bs = _block_sizes(params, q, k, info)
-  rows = bs.consumers * bs.block_q
-  x = _pad_inputs(q, k, v, info, _round_up(t, rows), _round_up(s, bs.block_kv))
+  bs = BACKEND.block_sizes(params, q, k, info)
+  rows = bs.num_consumers * bs.block_q
+  x = layout.Padded(
+      q, k, v, None, info, q_len=layout.padded_length(t, rows),
+      kv_len=layout.padded_length(s, bs.block_kv), align=ALIGN)
   sched = schedule(
-      masking.classify_blocks(x.info, bs.block_q, bs.block_kv), bs.consumers)
+      masking.classify_blocks(x.info, bs.block_q, bs.block_kv),
+      bs.num_consumers)
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
-      stages=bs.stages, consumers=bs.consumers, pingpong=bs.pingpong,
-      units_per_head=x.q.shape[1] // rows, heads=n, num_heads=n)
-  out, lse = forward_kernel.forward(spec, x.q, x.k, x.v, *x.meta, sched)
+      stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
+      units_per_head=x.tp // rows, heads=n, num_heads=n)
+  out, lse = forward_kernel.forward(spec, x.q, x.k, x.v, *_meta(x), sched)
   return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
   del bias  # Refused by _check.
-  bs = _block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info)
   return backward_impl(
       q, k, v, info, params, lse, dout, delta, interpret=_interpret(bs))
 
@@ -546,48 +518,35 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   """
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
-  bs = _block_sizes(params, q, k, info)
-  q_rows = bs.consumers_dq * bs.block_q_dq
-  kv_rows = bs.consumers_dkv * bs.block_kv_dkv
-  q_len = _round_up(t, math.lcm(q_rows, bs.block_q_dkv))
-  kv_len = _round_up(s, math.lcm(kv_rows, bs.block_kv_dq))
-  x = _pad_inputs(q, k, v, info, q_len, kv_len)
-  hp = x.q.shape[-1]
-  do = masking.pad_axes(dout.astype(q.dtype), {1: q_len, 3: hp})
-  do = masking.zero_padding(
-      do, x.info.q_segment_ids, masking.Q_PAD_SEGMENT)
-
-  def per_head(r, fill):  # [B, T, N] -> [B, N, Tp] float32
-    r = jnp.swapaxes(r.astype(jnp.float32), 1, 2)
-    if q_len == t:
-      return r
-    return jnp.pad(r, ((0, 0), (0, 0), (0, q_len - t)), constant_values=fill)
-
-  lse2 = per_head(kernel.lse_for_kernel(lse), jnp.inf)
-  delta = per_head(delta, 0.0)
-  q_pad = masking.is_padding(x.info.q_segment_ids, masking.Q_PAD_SEGMENT)
-  if q_pad is not None:
-    # P is 0 on padded rows, but 0 * NaN is NaN: a NaN cotangent there must
-    # not reach dS through delta = rowsum(out * dout).
-    delta = jnp.where(q_pad[:, None, :], 0.0, delta)
-  operands = (x.q, x.k, x.v, do, lse2, delta, *x.meta)
+  bs = BACKEND.block_sizes(params, q, k, info)
+  q_rows = bs.num_consumers_dq * bs.block_q_dq
+  kv_rows = bs.num_consumers_dkv * bs.block_kv_dkv
+  q_len = layout.padded_length(t, q_rows, bs.block_q_dkv)
+  kv_len = layout.padded_length(s, kv_rows, bs.block_kv_dq)
+  x = layout.Padded(q, k, v, None, info, q_len=q_len, kv_len=kv_len,
+                    align=ALIGN)
+  do = x.queries(dout.astype(q.dtype))
+  # [B, N, Tp] float32; `vjp` zeroed delta on padded rows already.
+  lse2 = x.rows(kernel.lse_for_kernel(lse).astype(jnp.float32), jnp.inf)
+  delta = x.rows(delta.astype(jnp.float32), 0.0)
+  operands = (x.q, x.k, x.v, do, lse2, delta, *_meta(x))
 
   sched = schedule(
       masking.classify_blocks(x.info, bs.block_q_dq, bs.block_kv_dq),
-      bs.consumers_dq)
+      bs.num_consumers_dq)
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q_dq,
-      block_kv=bs.block_kv_dq, stages=bs.stages_bwd,
-      consumers=bs.consumers_dq, pingpong=False,
+      block_kv=bs.block_kv_dq, stages=bs.num_stages_bwd,
+      consumers=bs.num_consumers_dq, pingpong=False,
       units_per_head=q_len // q_rows, heads=n, num_heads=n)
   dq = dq_kernel.backward_dq(spec, *operands, sched)
 
   kinds = masking.classify_blocks(x.info, bs.block_q_dkv, bs.block_kv_dkv)
-  sched = schedule(jnp.swapaxes(kinds, 1, 2), bs.consumers_dkv)
+  sched = schedule(jnp.swapaxes(kinds, 1, 2), bs.num_consumers_dkv)
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q_dkv,
-      block_kv=bs.block_kv_dkv, stages=bs.stages_bwd,
-      consumers=bs.consumers_dkv, pingpong=False,
+      block_kv=bs.block_kv_dkv, stages=bs.num_stages_bwd,
+      consumers=bs.num_consumers_dkv, pingpong=False,
       units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n)
   if bs.split_dkv:
     (dv,) = dkv_kernel.backward_dkv(spec, *operands, sched, outputs=("dv",))
@@ -608,6 +567,7 @@ BACKEND = vjp.Backend(
     forward=_forward,
     backward=_backward,
     check=_check,
-    block_sizes_type=BlockSizes,
+    block_sizes_type=MosaicGpuBlockSizes,
+    default_block_sizes=default_block_sizes,
     dtypes=SUPPORTED_DTYPES,
 )

@@ -8,9 +8,9 @@ which simulates the TPU's memories and DMAs on the host (slow: for tests).
 
 This module prepares the kernels' inputs on device:
 
-* pads T and S to whole tiles and the head dim to a multiple of 128 (lanes),
-  marking the tails as padding (`masking.pad_sequence`) and zeroing padded
-  rows so that NaN/inf stored there cannot leak (`masking.zero_padding`);
+* pads T and S to whole tiles and the head dim to a multiple of 128 (lanes)
+  with `pallas_fa.layout`, which marks the tails as padding and zeroes padded
+  rows so that NaN/inf stored there cannot leak;
 * keeps the public BTNH layout (as a free [B, L, heads * Hp] reshape), so GQA
   needs no repeated K/V: a query head reads key/value head `n // G`;
 * classifies every (query tile, key tile) pair as EMPTY / PARTIAL / FULL from
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa import _mosaic_tpu_kernel as kernel
+from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import vjp
@@ -38,10 +39,13 @@ Array = Any
 _F32 = jnp.float32
 _LANES = kernel.NUM_LANES
 _SUBLANES = kernel.NUM_SUBLANES
+# Tiles and head dims are multiples of the lane width: key tiles are the lane
+# dimension of the logits, query tiles that of the logsumexp rows.
+ALIGN = layout.Alignment(rows=_LANES, head_dim=_LANES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class BlockSizes:
+class MosaicTpuBlockSizes:
   """Tile sizes of the `mosaic_tpu` kernels.
 
   Every size is a multiple of 128: key tiles are the lane dimension of the
@@ -62,22 +66,26 @@ class BlockSizes:
   block_kv_bwd: int = 512
 
   def __post_init__(self):
+    name = type(self).__name__
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(
-            f"BlockSizes.{f.name} must be a positive int, got {value!r}."
+            f"{name}.{f.name} must be a positive int, got {value!r}."
         )
       if value % _LANES:
         raise ValueError(
-            f"BlockSizes.{f.name} must be a multiple of {_LANES} (the TPU "
+            f"{name}.{f.name} must be a multiple of {_LANES} (the TPU "
             f"lane width), got {f.name}={value}."
         )
 
 
-def default_block_sizes(*, q_len: int, kv_len: int, head_dim: int,
-                        dtype) -> BlockSizes:
-  """The heuristic tiling for a call (clipped to the lengths by the kernels).
+def default_block_sizes(
+    *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
+    dropout: bool = False, device_kind: str | None = None,
+) -> MosaicTpuBlockSizes:
+  """The tiling of a call made without `block_sizes=` (a heuristic; tiles
+  are clipped to the sequences by the kernels).
 
   512 x 512 tiles keep the forward's double-buffered q/k/v tiles plus the
   float32 logit temporaries well inside the default scoped VMEM (16 MiB) for
@@ -90,20 +98,21 @@ def default_block_sizes(*, q_len: int, kv_len: int, head_dim: int,
     kv_len: S.
     head_dim: H (unpadded).
     dtype: the input dtype.
+    is_causal: whether the call is causal.
+    dropout: whether the call has attention dropout.
+    device_kind: a `jax.Device.device_kind`.
 
   Returns:
-    A `BlockSizes`.
+    A `MosaicTpuBlockSizes`.
   """
-  del q_len, kv_len  # Tiles are clipped to the sequences by the kernels.
+  # Tiles are clipped to the sequences by the kernels, and neither masking
+  # nor the TPU generation changes what fits the default scoped VMEM.
+  del q_len, kv_len, is_causal, dropout, device_kind
   itemsize = jnp.dtype(_compute_dtype(dtype)).itemsize
-  row_bytes = _round_up(head_dim, _LANES) * itemsize
+  row_bytes = layout.padded_head_dim(head_dim, ALIGN) * itemsize
   bwd = 512 if row_bytes <= 256 else 256
-  return BlockSizes(block_q=512, block_kv=512, block_q_bwd=bwd,
-                    block_kv_bwd=bwd)
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+  return MosaicTpuBlockSizes(block_q=512, block_kv=512, block_q_bwd=bwd,
+                             block_kv_bwd=bwd)
 
 
 def _compute_dtype(dtype):
@@ -127,14 +136,6 @@ def _precision(params: vjp.Params, dtype) -> jax.lax.Precision:
       and jax.__version_info__ < (0, 11, 2)):
     return jax.lax.Precision.HIGHEST
   return params.precision
-
-
-def tile(block: int, length: int) -> tuple[int, int]:
-  """(tile, padded length) of a sequence of `length` with tiles of `block`."""
-  if length <= block:
-    padded = _round_up(length, _LANES)
-    return padded, padded
-  return block, _round_up(length, block)
 
 
 def fetch_schedule(kinds: Array) -> Array:
@@ -169,23 +170,18 @@ def fetch_schedule(kinds: Array) -> Array:
   return words.reshape(-1).astype(jnp.int32)
 
 
-class _Layout:
+class _Layout(layout.Padded):
   """One pass's inputs, padded to whole tiles, in the kernels' HBM layout."""
 
   def __init__(self, q, k, v, bias, info, params, block_q, block_kv):
-    b, t, n, h = q.shape
-    s, num_kv = k.shape[1], k.shape[2]
-    self.b, self.t, self.s, self.n, self.h = b, t, s, n, h
-    self.num_kv = num_kv
-    self.bq, self.tp = tile(block_q, t)
-    self.bk, self.sp = tile(block_kv, s)
-    self.hp = _round_up(h, _LANES)
-    self.dtype = _compute_dtype(q.dtype)
-    self.info = info  # Unpadded: `zero_padding` reads the user's padding.
-    padded = masking.pad_sequence(info, self.tp, self.sp)
+    self.bq, tp = layout.tile(block_q, q.shape[1], ALIGN)
+    self.bk, sp = layout.tile(block_kv, k.shape[1], ALIGN)
+    super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN,
+                     dtype=_compute_dtype(q.dtype))
+    padded = self.info  # Tails marked as padding.
     self.kinds = masking.classify_blocks(padded, self.bq, self.bk)
     self.names = ["q", "k", "v"]
-    self.operands = [self.queries(q), self.keys(k), self.keys(v)]
+    self.operands = [self.q, self.k, self.v]
     if padded.restricts_positions:
       self._add("q_pos", _lane_rows(padded.q_positions))
       self._add("kv_pos", _sublane_rows(padded.kv_positions))
@@ -193,12 +189,11 @@ class _Layout:
       self._add("q_seg", _lane_rows(padded.q_segment_ids))
       self._add("kv_seg", _sublane_rows(padded.kv_segment_ids))
     self.bias_shape = None
-    if bias is not None:
-      bias = masking.pad_axes(bias, {2: self.tp, 3: self.sp}, broadcast=True)
-      if bias.dtype == jnp.float16:
-        bias = bias.astype(_F32)
-      self.bias_shape = bias.shape
-      self._add("bias", bias)
+    if self.bias is not None:
+      if self.bias.dtype == jnp.float16:
+        self.bias = self.bias.astype(_F32)
+      self.bias_shape = self.bias.shape
+      self._add("bias", self.bias)
     mask_shape = None
     if padded.mask is not None:
       mask = padded.mask.astype(jnp.int8)  # Mosaic has no bool memrefs.
@@ -210,9 +205,9 @@ class _Layout:
         soft_cap=params.soft_cap,
         is_causal=info.is_causal,
         window=info.window,
-        batch=b,
-        num_heads=n,
-        num_kv_heads=num_kv,
+        batch=self.b,
+        num_heads=self.n,
+        num_kv_heads=self.num_kv,
         head_dim=self.hp,
         q_len=self.tp,
         kv_len=self.sp,
@@ -233,22 +228,15 @@ class _Layout:
 
   def queries(self, x):
     """[B, T, N, H] -> [B, Tp, N * Hp], padded rows zeroed."""
-    x = masking.zero_padding(
-        x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
-    x = masking.pad_axes(x.astype(self.dtype), {1: self.tp, 3: self.hp})
-    return x.reshape(self.b, self.tp, self.n * self.hp)
+    return super().queries(x).reshape(self.b, self.tp, self.n * self.hp)
 
   def keys(self, x):
     """[B, S, K, H] -> [B, Sp, K * Hp], padded rows zeroed."""
-    x = masking.zero_padding(
-        x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
-    x = masking.pad_axes(x.astype(self.dtype), {1: self.sp, 3: self.hp})
-    return x.reshape(self.b, self.sp, self.num_kv * self.hp)
+    return super().keys(x).reshape(self.b, self.sp, self.num_kv * self.hp)
 
   def rows(self, x, fill):
     """Per-row statistic [B, T, N] -> [B, N, 1, Tp] float32."""
-    x = masking.pad_axes(x.astype(_F32), {1: self.tp}, fill)
-    return x.transpose(0, 2, 1)[:, :, None, :]
+    return super().rows(x.astype(_F32), fill)[:, :, None, :]
 
   def unqueries(self, x, dtype):
     """[B, Tp, N * Hp] -> [B, T, N, H]."""
@@ -277,15 +265,8 @@ def _sublane_rows(x):
                           (b, _SUBLANES, length))
 
 
-def _block_sizes(params: vjp.Params, q, k) -> BlockSizes:
-  if params.block_sizes is not None:
-    return params.block_sizes
-  return default_block_sizes(q_len=q.shape[1], kv_len=k.shape[1],
-                             head_dim=q.shape[3], dtype=q.dtype)
-
-
 def _forward(q, k, v, bias, info, params):
-  bs = _block_sizes(params, q, k)
+  bs = BACKEND.block_sizes(params, q, k, info)
   lay = _Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
   out, lse = kernel.forward(
       lay.static, fetch_schedule(lay.kinds), tuple(lay.names), lay.operands,
@@ -294,7 +275,7 @@ def _forward(q, k, v, bias, info, params):
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = _block_sizes(params, q, k)
+  bs = BACKEND.block_sizes(params, q, k, info)
   lay = _Layout(q, k, v, bias, info, params, bs.block_q_bwd, bs.block_kv_bwd)
   names = tuple(lay.names) + ("do", "lse", "delta")
   operands = lay.operands + [
@@ -330,17 +311,18 @@ def _check(q, k, v, bias, info, params):
   tile) -- lives in scalar memory; past its capacity the call is declined
   (larger `block_sizes` shrink it).
   """
-  del v, bias, info
+  del v, bias
   if kernel.interpret_params() is not False:
     return  # The interpreter's scalar memory is unbounded.
   capacity = kernel.metadata_capacity()
   if capacity is None:
     return
-  bs = _block_sizes(params, q, k)
+  bs = BACKEND.block_sizes(params, q, k, info)
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   for block_q, block_kv in ((bs.block_q, bs.block_kv),
                             (bs.block_q_bwd, bs.block_kv_bwd)):
-    (bq, tp), (bk, sp) = tile(block_q, t), tile(block_kv, s)
+    (bq, tp), (bk, sp) = (layout.tile(block_q, t, ALIGN),
+                          layout.tile(block_kv, s, ALIGN))
     words = b * (tp // bq) * (sp // bk)
     if words > capacity:
       raise NotImplementedError(
@@ -356,5 +338,6 @@ BACKEND = vjp.Backend(
     forward=_forward,
     backward=_backward,
     check=_check,
-    block_sizes_type=BlockSizes,
+    block_sizes_type=MosaicTpuBlockSizes,
+    default_block_sizes=default_block_sizes,
 )

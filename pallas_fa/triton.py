@@ -21,10 +21,10 @@ segment ids (so causal, windows, padding and sorted segments shrink the
 loops), and is split into a masked head, an unmasked middle of FULL tiles and
 a masked tail, so the masking arithmetic runs only on PARTIAL tiles.
 
-Any T and S are padded to whole tiles (the tail marked as padding through
-`masking.pad_sequence`) and any head dim is zero-padded to a power of two of
-at least 16 (zeros change no dot product). On CPU the kernels run in Pallas
-interpret mode.
+Any T and S are padded to whole tiles and any head dim to a power of two of
+at least 16 (`ALIGN`, `pallas_fa.layout`). A call without `block_sizes=`
+gets a tuned record (`scripts/tune.py`) or else the heuristic of
+`heuristic_block_sizes`. On CPU the kernels run in Pallas interpret mode.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 
 from pallas_fa import _triton_kernel
 from pallas_fa import gpu_target
+from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import tuning
@@ -64,12 +65,17 @@ _CompilerParams = (
 )
 
 
+# Tiles cut from short sequences, and the head dim, are powers of two of at
+# least MIN_BLOCK (`tl.arange` needs powers of two).
+ALIGN = layout.Alignment(rows=MIN_BLOCK, head_dim=MIN_BLOCK, power_of_two=True)
+
+
 def _is_power_of_2(x: int) -> bool:
   return x > 0 and x & (x - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class BlockSizes:
+class TritonBlockSizes:
   """Tiling of the `triton` kernels.
 
   Tiles are clipped to the (power-of-two rounded) sequence lengths, so large
@@ -77,7 +83,7 @@ class BlockSizes:
 
   Attributes:
     block_q: forward query rows per program.
-    block_k: forward key rows per loop step.
+    block_kv: forward key rows per loop step.
     block_q_dkv: dK/dV kernel, query rows per loop step.
     block_kv_dkv: dK/dV kernel, key rows per program.
     block_q_dq: dQ kernel, query rows per program.
@@ -89,7 +95,7 @@ class BlockSizes:
   """
 
   block_q: int = 128
-  block_k: int = 64
+  block_kv: int = 64
   block_q_dkv: int = 32
   block_kv_dkv: int = 128
   block_q_dq: int = 128
@@ -100,26 +106,27 @@ class BlockSizes:
   num_stages_bwd: int | None = None
 
   def __post_init__(self):
+    name = type(self).__name__
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
       if value is None and f.name.endswith("_bwd"):
         continue
       if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(
-            f"BlockSizes.{f.name} must be an int, got {value!r}.")
+            f"{name}.{f.name} must be an int, got {value!r}.")
       if f.name.startswith("block_") and not (
           _is_power_of_2(value) and MIN_BLOCK <= value <= MAX_BLOCK
       ):
         raise ValueError(
-            f"BlockSizes.{f.name} must be a power of two in "
+            f"{name}.{f.name} must be a power of two in "
             f"[{MIN_BLOCK}, {MAX_BLOCK}], got {value!r}."
         )
       if f.name.startswith("num_warps") and value not in _WARPS:
         raise ValueError(
-            f"BlockSizes.{f.name} must be one of {_WARPS}, got {value!r}.")
+            f"{name}.{f.name} must be one of {_WARPS}, got {value!r}.")
       if f.name.startswith("num_stages") and not 1 <= value <= 8:
         raise ValueError(
-            f"BlockSizes.{f.name} must be in [1, 8], got {value!r}.")
+            f"{name}.{f.name} must be in [1, 8], got {value!r}.")
 
   @property
   def backward_warps(self) -> int:
@@ -130,49 +137,200 @@ class BlockSizes:
     return self.num_stages_bwd or self.num_stages
 
 
-def default_block_sizes(
-    *, head_dim: int, dtype, q_len: int, kv_len: int, is_causal: bool = False,
-    dropout: bool = False, kind: str | None = None,
-) -> BlockSizes:
-  """The tuned or heuristic tiling for a call (see `pallas_fa.tuning`).
+# ----------------------------------------------------------------------------
+# Default tiles: a tuned record (`pallas_fa.tuning`), else the heuristic.
+
+# Shared memory per block (bytes) the Triton compiler can use, by device-kind
+# substring; the first match wins. Unknown GPUs get the conservative default.
+_SHARED_MEMORY = (
+    ("H100", 227 * 1024),
+    ("H200", 227 * 1024),
+    ("H800", 227 * 1024),
+    ("GH200", 227 * 1024),
+    ("B200", 227 * 1024),
+    ("A100", 163 * 1024),
+    ("A800", 163 * 1024),
+    ("A10", 99 * 1024),
+    ("L4", 99 * 1024),
+    ("L40", 99 * 1024),
+    ("RTX", 99 * 1024),
+)
+_DEFAULT_SHARED_MEMORY = 99 * 1024
+# Device kinds of Hopper (sm90) GPUs.
+HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
+
+
+def shared_memory_budget(kind: str) -> int:
+  """Shared memory per thread block usable by one kernel on `kind`."""
+  for name, size in _SHARED_MEMORY:
+    if name.lower() in kind.lower():
+      return size
+  return _DEFAULT_SHARED_MEMORY
+
+
+def _forward_bytes(bq, bk, hp, itemsize, stages):
+  # Q stays resident; K and V tiles are multi-buffered by the pipeliner.
+  return (bq * hp + stages * 2 * bk * hp) * itemsize
+
+
+def _backward_bytes(b_rows, b_stream, hp, itemsize, stages):
+  # One side resident (two tiles: K,V or Q,dO), the other side streamed (two
+  # tiles per stage), plus the f32 [rows, stream] staging of P / dS.
+  return (2 * b_rows * hp + stages * 2 * b_stream * hp) * itemsize + (
+      b_rows * b_stream * 4
+  )
+
+
+def shared_memory_bytes(bs: TritonBlockSizes, head_dim: int,
+                        itemsize: int) -> dict[str, int]:
+  """Estimated shared memory (bytes) of the forward, dQ and dK/dV kernels.
 
   Args:
-    head_dim: H.
-    dtype: input dtype.
-    q_len: T.
-    kv_len: S.
-    is_causal: whether the call is causal.
-    dropout: whether the call has attention dropout.
-    kind: device kind, default that of the default device.
+    bs: the tiling.
+    head_dim: the unpadded head dim.
+    itemsize: bytes per element of q/k/v.
 
   Returns:
-    A validated BlockSizes.
+    dict with keys "forward", "dq", "dkv".
   """
-  bs = BlockSizes(**tuning.triton_block_sizes(
-      head_dim=head_dim, dtype=dtype, q_len=q_len, kv_len=kv_len,
-      is_causal=is_causal, kind=kind))
+  hp = layout.padded_head_dim(head_dim, ALIGN)
+  stages = bs.backward_stages
+  return {
+      "forward": _forward_bytes(
+          bs.block_q, bs.block_kv, hp, itemsize, bs.num_stages),
+      "dq": _backward_bytes(
+          bs.block_q_dq, bs.block_kv_dq, hp, itemsize, stages),
+      "dkv": _backward_bytes(
+          bs.block_kv_dkv, bs.block_q_dkv, hp, itemsize, stages),
+  }
+
+
+def _heuristic(hp: int, itemsize: int, kind: str) -> TritonBlockSizes:
+  """FlashAttention-2 style tiles, shrunk until they fit shared memory."""
+  if "cpu" in kind.lower():
+    # Interpret mode: the cost is per grid step and per loop iteration, so
+    # large tiles are fastest; there is no shared memory to respect.
+    return TritonBlockSizes(
+        block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128,
+        block_q_dq=128, block_kv_dq=128, num_warps=4, num_stages=1)
+  budget = shared_memory_budget(kind)
+  wide = itemsize >= 4  # float32 tiles take twice the memory.
+  # Hopper's wgmma reads both operands from shared memory; older GPUs
+  # (mma.sync) hold them in registers, which leaves less for accumulators.
+  hopper = any(name in kind for name in HOPPER_KINDS)
+  # Register budgets below were read off ptxas (`scripts/compile_check.py`):
+  # each choice is the largest tiling that compiles without spilling.
+  if hp <= 64:
+    fwd = (128, 64 if wide else 128)
+    warps = 4 if hopper and not wide else 8
+  elif hp <= 128:
+    fwd = (128, 32 if wide else 64)
+    warps = 8
+  else:
+    fwd = (32 if wide else 64, 32)
+    warps = 8
+  # dK/dV keeps a K/V tile resident and streams Q; dQ the converse. The
+  # streamed side is the narrow one (FlashAttention-2 §3.2). dK/dV works on
+  # S^T = K Q^T, so its key tile is the M dimension of every matmul (at
+  # least 64, one Hopper wgmma, where registers allow): the two float32
+  # accumulators [block_kv, Hp] plus the [block_kv, block_q] logits must fit
+  # 8 warps' registers. At head dim 256 that caps the key tile at 32.
+  if hp <= 64:
+    dkv, dq = (64 if hopper and not wide else 32, 128), (128, 64)
+  elif hp <= 128:
+    dkv, dq = (32, 128 if hopper and not wide else 64), (128, 32)
+  else:
+    dkv, dq = (16, 32), (64, 32)
+  if wide:
+    # float32 operands: twice the registers per element again.
+    if hp <= 64:
+      dkv, dq = (16, dkv[1]), (32, 64)
+    elif hp <= 128:
+      dkv, dq = (16, 32), (32, 32)
+    else:
+      dkv, dq = (16, 16), (16, 32)
+  warps_bwd = 8
+  # Deeper backward pipelines than this spill at head dim 256.
+  max_stages_bwd = 3 if hp <= 128 else 2
+
+  def bwd_bytes(dkv, dq, stages):
+    return max(_backward_bytes(dkv[1], dkv[0], hp, itemsize, stages),
+               _backward_bytes(dq[0], dq[1], hp, itemsize, stages))
+
+  # Deepest software pipeline that fits; shrink the resident tiles (never
+  # below 32 rows) when not even one stage does.
+  while _forward_bytes(*fwd, hp, itemsize, 1) > budget and fwd[0] > 32:
+    fwd = (fwd[0] // 2, fwd[1])
+  while bwd_bytes(dkv, dq, 1) > budget and max(dkv[1], dq[0]) > 32:
+    dkv, dq = (dkv[0], max(32, dkv[1] // 2)), (max(32, dq[0] // 2), dq[1])
+  stages = 3
+  while stages > 1 and _forward_bytes(*fwd, hp, itemsize, stages) > budget:
+    stages -= 1
+  stages_bwd = max_stages_bwd
+  while stages_bwd > 1 and bwd_bytes(dkv, dq, stages_bwd) > budget:
+    stages_bwd -= 1
+  return TritonBlockSizes(
+      block_q=fwd[0], block_kv=fwd[1],
+      block_q_dkv=dkv[0], block_kv_dkv=dkv[1],
+      block_q_dq=dq[0], block_kv_dq=dq[1],
+      num_warps=warps, num_stages=stages,
+      num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd,
+  )
+
+
+def _for_dropout(bs: TritonBlockSizes, dropout: bool) -> TritonBlockSizes:
   if dropout and bs.num_warps < 8:
     # The mask hash adds registers: a 4-warp forward spills (ptxas, H=64).
-    bs = dataclasses.replace(bs, num_warps=8)
+    return dataclasses.replace(bs, num_warps=8)
   return bs
 
 
-def _block_sizes(params: vjp.Params, q, k, info) -> BlockSizes:
-  if params.block_sizes is not None:
-    return params.block_sizes
-  return default_block_sizes(
-      head_dim=q.shape[-1], dtype=q.dtype, q_len=q.shape[1],
-      kv_len=k.shape[1], is_causal=info.is_causal,
-      dropout=info.has_dropout)
+def heuristic_block_sizes(
+    *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
+    dropout: bool = False, device_kind: str | None = None,
+) -> TritonBlockSizes:
+  """The heuristic tiling of a call, ignoring tuned records.
+
+  FlashAttention-2 tiles per head dim, dtype and GPU (read off ptxas so that
+  none spills), shrunk until the software pipeline fits shared memory.
+
+  Args:
+    q_len: T (tiles are clipped to it when the kernels run).
+    kv_len: S (likewise).
+    head_dim: H, unpadded.
+    dtype: the input dtype.
+    is_causal: whether the call is causal (the heuristic does not care).
+    dropout: whether the call has attention dropout.
+    device_kind: a `jax.Device.device_kind`; None: the GPU the kernels are
+      built for (`pallas_fa.gpu_target`), else "cpu".
+
+  Returns:
+    A `TritonBlockSizes`.
+  """
+  del q_len, kv_len, is_causal
+  kind = tuning.device_kind() if device_kind is None else device_kind
+  hp = layout.padded_head_dim(head_dim, ALIGN)
+  bs = _heuristic(hp, jnp.dtype(dtype).itemsize, kind)
+  return _for_dropout(bs, dropout)
 
 
-def tile_size(block: int, length: int) -> int:
-  """The tile actually used: `block`, shrunk for short sequences."""
-  return min(block, max(MIN_BLOCK, tuning.next_power_of_2(length)))
+def default_block_sizes(
+    *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
+    dropout: bool = False, device_kind: str | None = None,
+) -> TritonBlockSizes:
+  """The tiling of a call made without `block_sizes=`.
 
+  The tuned record nearest to the call (`pallas_fa.tuning`), else
+  `heuristic_block_sizes`, whose arguments these are.
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+  Returns:
+    A `TritonBlockSizes`.
+  """
+  bs = tuning.tuned_or_heuristic(
+      "triton", TritonBlockSizes, heuristic_block_sizes, q_len=q_len,
+      kv_len=kv_len, head_dim=head_dim, dtype=dtype, is_causal=is_causal,
+      dropout=dropout, device_kind=device_kind)
+  return _for_dropout(bs, dropout)  # Records are tuned without dropout.
 
 
 def _interpret() -> bool:
@@ -200,15 +358,7 @@ def tile_bounds(kinds: Array) -> Array:
   contiguous (otherwise it is empty and every tile is masked).
   """
   lo, hi = masking.block_range(kinds)
-  n = kinds.shape[-1]
-  idx = jnp.arange(n, dtype=jnp.int32)
-  full = kinds == masking.FULL
-  full_lo = jnp.min(jnp.where(full, idx, n), axis=-1)
-  full_hi = jnp.max(jnp.where(full, idx + 1, 0), axis=-1)
-  count = jnp.sum(full, axis=-1, dtype=jnp.int32)
-  contiguous = (count > 0) & (count == full_hi - full_lo)
-  full_lo = jnp.where(contiguous, full_lo, hi)
-  full_hi = jnp.where(contiguous, full_hi, hi)
+  full_lo, full_hi = masking.full_run(kinds, hi)
   return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
 
 
@@ -216,23 +366,11 @@ def tile_bounds(kinds: Array) -> Array:
 # Inputs padded to whole tiles.
 
 
-class _Padded:
+class _Padded(layout.Padded):
   """q/k/v, bias, mask and MaskInfo padded to [Tp, Sp] and head dim Hp."""
 
   def __init__(self, q, k, v, bias, info, params, tp, sp):
-    b, t, n, h = q.shape
-    s, num_kv = k.shape[1], k.shape[2]
-    self.b, self.t, self.s, self.n, self.h = b, t, s, n, h
-    self.num_kv, self.g = num_kv, n // num_kv
-    self.tp, self.sp = tp, sp
-    self.hp = tuning.padded_head_dim(h)
-    self.info = masking.pad_sequence(info, tp, sp)
-    self.q = self.queries(q)
-    self.k = self.keys(k)
-    self.v = self.keys(v)
-    self.bias = None
-    if bias is not None:
-      self.bias = masking.pad_axes(bias, {2: tp, 3: sp}, broadcast=True)
+    super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN)
     self.mask = None
     if self.info.mask is not None:
       # Triton loads bytes, not i1: keep the mask as int8 in memory.
@@ -249,22 +387,6 @@ class _Padded:
         precision=params.precision,
         dropout_rate=self.info.dropout_rate,
     )
-
-  def queries(self, x):
-    """[B, T, N, H] -> [B, Tp, N, Hp], padded rows zeroed."""
-    x = masking.pad_axes(x, {1: self.tp, 3: self.hp})
-    return masking.zero_padding(
-        x, self.info.q_segment_ids, masking.Q_PAD_SEGMENT)
-
-  def keys(self, x):
-    """[B, S, K, H] -> [B, Sp, K, Hp], padded rows zeroed."""
-    x = masking.pad_axes(x, {1: self.sp, 3: self.hp})
-    return masking.zero_padding(
-        x, self.info.kv_segment_ids, masking.KV_PAD_SEGMENT)
-
-  def rows(self, x, fill):
-    """[B, T, N] -> [B, N, Tp] (per-row statistics, head-major)."""
-    return masking.pad_axes(x.transpose(0, 2, 1), {2: self.tp}, fill)
 
   def kinds(self, block_q, block_kv):
     return masking.classify_blocks(self.info, block_q, block_kv)
@@ -319,12 +441,12 @@ def _dense_index(full, b, n, i, j):
 
 
 def _forward(q, k, v, bias, info, params):
-  bs = _block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info)
   b, t, n, h = q.shape
   s = k.shape[1]
-  bq, bk = tile_size(bs.block_q, t), tile_size(bs.block_k, s)
-  x = _Padded(q, k, v, bias, info, params, _round_up(t, bq),
-              _round_up(s, bk))
+  bq, tp = layout.tile(bs.block_q, t, ALIGN)
+  bk, sp = layout.tile(bs.block_kv, s, ALIGN)
+  x = _Padded(q, k, v, bias, info, params, tp, sp)
   feat, hp, g = x.feat, x.hp, x.g
   nq, nk = x.tp // bq, x.sp // bk
   # Heavier (later, for causal) query blocks first: less tail imbalance.
@@ -403,14 +525,15 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = _block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info)
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
-  bq_kv, bk_kv = tile_size(bs.block_q_dkv, t), tile_size(bs.block_kv_dkv, s)
-  bq_q, bk_q = tile_size(bs.block_q_dq, t), tile_size(bs.block_kv_dq, s)
-  # Blocks are powers of two: the larger is a multiple of the smaller.
-  x = _Padded(q, k, v, bias, info, params,
-              _round_up(t, max(bq_kv, bq_q)), _round_up(s, max(bk_kv, bk_q)))
+  bq_kv, _ = layout.tile(bs.block_q_dkv, t, ALIGN)
+  bk_kv, _ = layout.tile(bs.block_kv_dkv, s, ALIGN)
+  bq_q, _ = layout.tile(bs.block_q_dq, t, ALIGN)
+  bk_q, _ = layout.tile(bs.block_kv_dq, s, ALIGN)
+  x = _Padded(q, k, v, bias, info, params, layout.padded_length(t, bq_kv, bq_q),
+              layout.padded_length(s, bk_kv, bk_q))
   feat, hp, g = x.feat, x.hp, x.g
   do = x.queries(dout.astype(q.dtype))
   # lse in base 2 for exp2; padded rows -inf (probability 0).
@@ -527,6 +650,7 @@ BACKEND = vjp.Backend(
     forward=_forward,
     backward=_backward,
     check=_check,
-    block_sizes_type=BlockSizes,
+    block_sizes_type=TritonBlockSizes,
+    default_block_sizes=default_block_sizes,
     dropout=True,
 )

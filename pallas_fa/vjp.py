@@ -1,10 +1,54 @@
-"""The backend interface and the custom_vjp shared by every implementation.
+"""The backend contract, and the custom_vjp shared by every implementation.
 
-A backend supplies a forward `(q, k, v, bias, info, params) -> (out, lse)` and,
-unless it relies on plain autodiff, a backward that receives the logsumexp
-residual and `delta = rowsum(out * dout) - dlse`, computed here once for all
-backends (FlashAttention-2 §3.2). Residuals are (out, lse) only -- never the
-T x S probabilities -- so memory stays linear in sequence length.
+How to add a backend
+--------------------
+
+A backend is a module that defines `BACKEND = vjp.Backend(...)` and is listed
+by name in `api.REGISTRY` (and, to be chosen automatically, in
+`api.AUTO_ORDER`); it is imported on first use, so an `ImportError` there
+only makes that one backend unavailable. `api.flash_attention` validates and
+canonicalises the public arguments once, so every function of a backend sees
+the same shapes whatever the caller passed:
+
+* `q` [B, T, N, H], `k` [B, S, K, H], `v` [B, S, K, Hv]: one batch dim,
+  N % K == 0 (GQA: query head n reads key/value head n // (N / K));
+* `bias` [B|1, N|1, T|1, S|1] or None;
+* `info`: the `masking.MaskInfo` -- causal, window, positions, segment ids
+  with the padding lengths folded in, dense mask, dropout -- to be read
+  through `masking`'s predicates, never re-derived;
+* `params`: `Params` (scale, soft cap, precision and `block_sizes`, the
+  caller's tiling config or None).
+
+It provides:
+
+* `forward(q, k, v, bias, info, params) -> (out, lse)`: out [B, T, N, Hv] in
+  q's dtype, lse [B, T, N] the natural-log logsumexp in float32 (float64 for
+  float64 inputs); a row that sees no key gets out = 0 and lse = -inf;
+* `backward(q, k, v, bias, info, params, lse, dout, delta) -> (dq, dk, dv,
+  dbias)`: the gradients in the dtypes of their inputs (dbias None without a
+  bias). `delta = rowsum(out * dout) - dlse` [B, T, N] arrives computed here
+  once for all backends (FlashAttention-2 §3.2), zero on padded query rows;
+  `backward=None` differentiates `forward` instead;
+* `check(q, k, v, bias, info, params) -> None`: raises NotImplementedError
+  naming the reason when the backend cannot honour the call, so the
+  automatic choice moves on (dtype, value head dim and dropout support are
+  declared as `Backend` fields and checked by `check_call`);
+* a frozen, slotted, kw_only tiling config class (`block_sizes_type`, named
+  after the backend, exported by `pallas_fa`) and `default_block_sizes(*,
+  q_len, kv_len, head_dim, dtype, is_causal=False, dropout=False,
+  device_kind=None)` returning the tiling of a call made without one;
+  `Backend.block_sizes` resolves the two. Tunable backends look up records
+  persisted by `scripts/tune.py` first (`pallas_fa.tuning`).
+
+Blockwise backends pad their inputs with `pallas_fa.layout` (tile choice,
+padded head dims, zeroed padding) and skip tiles with
+`masking.classify_blocks`. List the config in `pallas_fa/__init__.py`
+(`_LAZY`) and small test tiles in `tests/conftest.py`: the shared
+conformance suite (`tests/test_conformance.py`) then runs the backend.
+
+`attention` below wires forward and backward into one `jax.custom_vjp`.
+Residuals are (out, lse) only -- never the T x S probabilities -- so memory
+stays linear in sequence length.
 """
 
 from __future__ import annotations
@@ -58,6 +102,9 @@ class Backend:
       naming the reason when this backend cannot honour the call.
     block_sizes_type: the frozen tiling config class `block_sizes=` must be
       an instance of, or None if the backend takes none.
+    default_block_sizes: (*, q_len, kv_len, head_dim, dtype, is_causal,
+      dropout, device_kind) -> the tiling of a call without `block_sizes=`;
+      None if the backend takes none.
     dtypes: input dtypes it computes in (others raise NotImplementedError).
     value_head_dim: whether value (and the output) may have a head dim Hv
       other than the query/key head dim H.
@@ -69,6 +116,7 @@ class Backend:
   check: Callable[..., None]
   backward: Backward | None = None
   block_sizes_type: type | None = None
+  default_block_sizes: Callable[..., Any] | None = None
   dtypes: tuple[Any, ...] = (jnp.float32, jnp.bfloat16, jnp.float16)
   value_head_dim: bool = False
   dropout: bool = False
@@ -90,6 +138,15 @@ class Backend:
           f"implementation {self.name!r} does not implement attention "
           "dropout.")
     self.check(q, k, v, bias, info, params)
+
+  def block_sizes(self, params: Params, q, k, info) -> Any:
+    """The tiling a call runs with: `params.block_sizes`, else this
+    backend's `default_block_sizes` for the call."""
+    if params.block_sizes is not None or self.default_block_sizes is None:
+      return params.block_sizes
+    return self.default_block_sizes(
+        q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1],
+        dtype=q.dtype, is_causal=info.is_causal, dropout=info.has_dropout)
 
 
 # The XLA and jax.numpy backends also compute in float64 (with x64 enabled).
@@ -125,6 +182,11 @@ def _attention_bwd(backend, params, residuals, cotangents):
   q, k, v, bias, info, out, lse = residuals
   dout, dlse = cotangents
   delta = online_softmax.delta(out, dout, dlse)
+  q_pad = masking.is_padding(info.q_segment_ids, masking.Q_PAD_SEGMENT)
+  if q_pad is not None:
+    # A padded row's probabilities are 0, but 0 * NaN is NaN: a NaN
+    # cotangent there must not reach dS = P * (dP - delta).
+    delta = jnp.where(q_pad[:, :, None], jnp.zeros((), delta.dtype), delta)
   dq, dk, dv, dbias = backend.backward(
       q, k, v, bias, info, params, lse, dout, delta
   )

@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import glob
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -300,18 +301,18 @@ def _target(target: str) -> tuple[gpu_target.GpuTarget, str]:
   return TARGETS[target][0], TARGETS[target][1]
 
 
-def _heuristic_tiles(case: Case, t: int, target: gpu_target.GpuTarget):
-  """The backend's heuristic config, bypassing tuned records."""
-  dtype = jnp.dtype(case.dtype)
-  if case.backend == "triton":
-    from pallas_fa import triton  # noqa: PLC0415
-    from pallas_fa import tuning  # noqa: PLC0415
-    key = tuning.tuning_key(head_dim=case.head_dim, dtype=dtype, q_len=t,
-                            kv_len=t, is_causal=case.variant != "plain")
-    return triton.BlockSizes(**tuning.triton_heuristic(
-        key["head_dim"], dtype.itemsize, target.device_kind))
-  from pallas_fa import mosaic_gpu  # noqa: PLC0415
-  return mosaic_gpu.default_block_sizes(case.head_dim, dtype)
+def _tiles(case: Case, seq: int, *, heuristic: bool = False,
+           device_kind: str | None = None):
+  """The config a call of `case` gets without `block_sizes`: the backend's
+  `default_block_sizes` (tuned records, else the heuristic), or its
+  `heuristic_block_sizes` (records ignored)."""
+  module = importlib.import_module(f"pallas_fa.{case.backend}")
+  choose = (module.heuristic_block_sizes if heuristic
+            else module.default_block_sizes)
+  return choose(
+      q_len=seq, kv_len=seq, head_dim=case.head_dim,
+      dtype=jnp.dtype(case.dtype), is_causal=case.variant != "plain",
+      dropout=case.variant == "dropout", device_kind=device_kind)
 
 
 def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
@@ -349,7 +350,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
       return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
     if block_sizes is None and case.tiles == "heuristic":
-      block_sizes = _heuristic_tiles(case, seq, gpu)
+      block_sizes = _tiles(case, seq, heuristic=True,
+                           device_kind=gpu.device_kind)
     kwargs: dict[str, Any] = {}
     args = [spec((1, seq, heads, case.head_dim)),
             spec((1, seq, kv_heads, case.head_dim)),
@@ -371,7 +373,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     with gpu_target.compile_for(gpu):
       lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
           *args).lower()
-      result["block_sizes"] = repr(_chosen_tiles(case, block_sizes, seq))
+      result["block_sizes"] = repr(
+          _tiles(case, seq) if block_sizes is None else block_sizes)
       dump = keep or os.path.join(workdir, "xla")
       log = os.path.join(workdir, "compile.log")
       with _captured_output(log):
@@ -398,22 +401,6 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   return result
-
-
-def _chosen_tiles(case: Case, block_sizes, seq: int):
-  """The config the backend runs with (for the report)."""
-  if block_sizes is not None:
-    return block_sizes
-  dtype = jnp.dtype(case.dtype)
-  if case.backend == "triton":
-    from pallas_fa import triton  # noqa: PLC0415
-    return triton.default_block_sizes(
-        head_dim=case.head_dim, dtype=dtype, q_len=seq, kv_len=seq,
-        is_causal=case.variant != "plain", dropout=case.variant == "dropout")
-  from pallas_fa import mosaic_gpu  # noqa: PLC0415
-  return mosaic_gpu.block_sizes_for(
-      head_dim=case.head_dim, dtype=dtype, q_len=seq, kv_len=seq,
-      is_causal=case.variant != "plain")
 
 
 def spill_key(result: dict[str, Any], kernel: str) -> str:

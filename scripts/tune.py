@@ -1,14 +1,20 @@
-r"""Sweeps the `triton` block sizes on a GPU and persists the best ones.
+r"""Sweeps the tilings of the tunable backends on a GPU and persists the best.
 
-For every (head dim, sequence length, causal) cell of the grid, the forward
-tiles (block_q, block_k, num_warps, num_stages) are swept first, timing the
-forward pass; then, with the best forward fixed, the dK/dV tiles and the dQ
-tiles (with the backward warps/stages) are swept in turn, timing forward +
-backward. The winner is checked against the float32 materialised reference
-(`pallas_fa.reference.attention`) with the FlashAttention error rule; a config
-that fails is dropped for the next best. Results are merged into the package
-data file `pallas_fa/tuned/<device kind>.json`, which `pallas_fa.tuning`
-loads for calls made without `block_sizes=`.
+Tunable backends: `triton` (any GPU) and `mosaic_gpu` (Hopper); by default
+every one this device runs. For every (backend, head dim, sequence length,
+causal) cell of the grid, the tiling starts from the backend's heuristic
+(`heuristic_block_sizes`) and is swept one pass at a time, the best of each
+pass kept for the next: `triton` its forward tiles (block_q, block_kv,
+num_warps, num_stages, timing the forward pass), then its dK/dV tiles and
+its dQ tiles (with the backward warps/stages, timing forward + backward);
+`mosaic_gpu` its forward fields, then its backward fields
+(`mosaic_gpu.candidate_block_sizes`). The winner is checked against the
+float32 materialised reference (`pallas_fa.reference.attention`) with the
+FlashAttention error rule; a config that fails is dropped for the next best.
+Results are merged, per backend, into the package data file
+`pallas_fa/tuned/<device kind>.json`, which each backend's
+`default_block_sizes` reads (`pallas_fa.tuning`) for calls made without
+`block_sizes=`.
 
 Commands (from the repository root, on the GPU to tune for):
 
@@ -21,6 +27,9 @@ Commands (from the repository root, on the GPU to tune for):
 
   # Print the candidate grid of every cell and time nothing (runs anywhere):
   python scripts/tune.py --dry_run --device_kind="NVIDIA H100 80GB HBM3"
+
+  # One backend only:
+  python scripts/tune.py --backends=mosaic_gpu --head_dims=128
 
   # A smoke test of the whole loop on CPU (interpret mode, tiny shapes,
   # written to a scratch file rather than the package data):
@@ -41,6 +50,7 @@ import pathlib
 import statistics
 import time
 from typing import Any
+from typing import Callable
 
 import compile_check  # scripts/ is on sys.path when run as a script.
 import jax
@@ -53,10 +63,17 @@ from absl import logging
 import pallas_fa
 from pallas_fa import api
 from pallas_fa import gpu_target
+from pallas_fa import mosaic_gpu
 from pallas_fa import reference
 from pallas_fa import triton
 from pallas_fa import tuning
 
+TUNABLE = ("triton", "mosaic_gpu")
+
+_BACKENDS = flags.DEFINE_list(
+    "backends", None,
+    f"Backends to tune, of {TUNABLE}; default: every one this device runs "
+    "(mosaic_gpu on Hopper only).")
 _HEAD_DIMS = flags.DEFINE_list(
     "head_dims", ["64", "128", "256"], "Head dims H to tune.")
 _SEQ_LENS = flags.DEFINE_list(
@@ -128,30 +145,23 @@ def _cells() -> list[Cell]:
   return cells
 
 
-def _fits(bs: triton.BlockSizes, cell: Cell, kind: str) -> bool:
-  """Shared-memory estimate of `pallas_fa.tuning` (always True on CPU)."""
+def _fits(bs: triton.TritonBlockSizes, cell: Cell, kind: str) -> bool:
+  """Shared-memory estimate of the triton kernels (always True on CPU)."""
   if "cpu" in kind.lower():
     return True
-  hp = tuning.padded_head_dim(cell.h)
-  item = jnp.dtype(_DTYPES[cell.dtype]).itemsize
-  budget = tuning.shared_memory_bytes(kind)
-  fwd = tuning._forward_shared_memory(  # noqa: SLF001
-      bs.block_q, bs.block_k, hp, item, bs.num_stages)
-  dkv = tuning._backward_shared_memory(  # noqa: SLF001
-      bs.block_kv_dkv, bs.block_q_dkv, hp, item, bs.backward_stages)
-  dq = tuning._backward_shared_memory(  # noqa: SLF001
-      bs.block_q_dq, bs.block_kv_dq, hp, item, bs.backward_stages)
-  return max(fwd, dkv, dq) <= budget
+  smem = triton.shared_memory_bytes(
+      bs, cell.h, jnp.dtype(_DTYPES[cell.dtype]).itemsize)
+  return max(smem.values()) <= triton.shared_memory_budget(kind)
 
 
-def _compiles_cleanly(bs: triton.BlockSizes, cell: Cell) -> bool:
+def _compiles_cleanly(backend: str, bs, cell: Cell) -> bool:
   """Whether forward + backward compile for this GPU without a spill or a
   shared-memory overflow (`compile_check.py`; True where there is no GPU to
   compile for): spilling candidates are dropped before any timing."""
   target = gpu_target.current()
   if target is None or not _PRUNE.value:
     return True
-  case = compile_check.Case("triton", cell.h, cell.dtype,
+  case = compile_check.Case(backend, cell.h, cell.dtype,
                             "causal" if cell.causal else "plain")
   result = compile_check.compile_case(case, target="local", seq=cell.t,
                                       block_sizes=bs)
@@ -163,32 +173,31 @@ def _compiles_cleanly(bs: triton.BlockSizes, cell: Cell) -> bool:
   return not bad
 
 
-def _capped(candidates: list[triton.BlockSizes], cell: Cell
-            ) -> list[triton.BlockSizes]:
+def _capped(backend: str, candidates: list, cell: Cell) -> list:
   seen, out = set(), []
   for c in candidates:
     if c not in seen:
       seen.add(c)
-      if _compiles_cleanly(c, cell):
+      if _compiles_cleanly(backend, c, cell):
         out.append(c)
   if _MAX_CANDIDATES.value:
     out = out[: _MAX_CANDIDATES.value]
   return out
 
 
-def forward_candidates(base, cell, kind):
+def _triton_forward(base, cell, kind):
   """Forward tiles around `base` (which comes first)."""
   out = [base]
   for bq, bk, warps, stages in itertools.product(
       (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
-    c = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps=warps,
+    c = dataclasses.replace(base, block_q=bq, block_kv=bk, num_warps=warps,
                             num_stages=stages)
     if _fits(c, cell, kind):
       out.append(c)
-  return _capped(out, cell)
+  return out
 
 
-def dkv_candidates(base, cell, kind):
+def _triton_dkv(base, cell, kind):
   out = [base]
   for (bq, bkv), warps, stages in itertools.product(
       ((16, 64), (32, 64), (32, 128), (64, 64), (64, 128), (16, 128)),
@@ -197,17 +206,71 @@ def dkv_candidates(base, cell, kind):
                             num_warps_bwd=warps, num_stages_bwd=stages)
     if _fits(c, cell, kind):
       out.append(c)
-  return _capped(out, cell)
+  return out
 
 
-def dq_candidates(base, cell, kind):
+def _triton_dq(base, cell, kind):
   out = [base]
   for bq, bkv in ((64, 16), (64, 32), (128, 32), (128, 64), (64, 64),
                   (128, 16)):
     c = dataclasses.replace(base, block_q_dq=bq, block_kv_dq=bkv)
     if _fits(c, cell, kind):
       out.append(c)
-  return _capped(out, cell)
+  return out
+
+
+def _mosaic_gpu_pass(name):
+  def candidates(base, cell, kind):
+    del kind  # Every sm90 GPU has the same shared memory.
+    return mosaic_gpu.candidate_block_sizes(
+        base, head_dim=cell.h, dtype=_DTYPES[cell.dtype], passes=(name,))
+  return candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuner:
+  """How one backend is tuned.
+
+  Attributes:
+    module: the backend module (its `heuristic_block_sizes` is the start).
+    passes: (name, candidates(base, cell, kind), whether to time the
+      backward pass too), swept in order, each from the best of the last.
+    dtypes: the input dtypes it runs.
+  """
+
+  module: Any
+  passes: tuple[tuple[str, Callable[..., list], bool], ...]
+  dtypes: tuple[str, ...]
+
+
+TUNERS = {
+    "triton": Tuner(
+        module=triton,
+        passes=(("forward", _triton_forward, False),
+                ("dK/dV", _triton_dkv, True),
+                ("dQ", _triton_dq, True)),
+        dtypes=("bfloat16", "float16", "float32")),
+    "mosaic_gpu": Tuner(
+        module=mosaic_gpu,
+        passes=(("forward", _mosaic_gpu_pass("forward"), False),
+                ("backward", _mosaic_gpu_pass("backward"), True)),
+        dtypes=("bfloat16", "float16")),
+}
+
+
+def _backends(kind: str) -> list[str]:
+  """The backends to tune: --backends, else every one this device runs."""
+  if _BACKENDS.value:
+    unknown = set(_BACKENDS.value) - set(TUNABLE)
+    if unknown:
+      raise app.UsageError(f"--backends: {sorted(unknown)} not in {TUNABLE}")
+    return list(_BACKENDS.value)
+  target = gpu_target.current()
+  if target is not None:
+    hopper = target.major == 9
+  else:  # No GPU: Hopper only when previewing one (--dry_run).
+    hopper = any(name in kind for name in triton.HOPPER_KINDS)
+  return ["triton", "mosaic_gpu"] if hopper else ["triton"]
 
 
 def _inputs(cell: Cell, t: int | None = None, b: int | None = None,
@@ -228,9 +291,13 @@ def _inputs(cell: Cell, t: int | None = None, b: int | None = None,
 
 
 def _attention(bs, causal):
+  # Every tunable config class belongs to exactly one backend.
+  backend = {t.module.BACKEND.block_sizes_type: name
+             for name, t in TUNERS.items()}[type(bs)]
+
   def fn(q, k, v):
     return pallas_fa.flash_attention(
-        q, k, v, is_causal=causal, implementation="triton", block_sizes=bs)
+        q, k, v, is_causal=causal, implementation=backend, block_sizes=bs)
   return fn
 
 
@@ -279,7 +346,7 @@ def _max_err(x, ref) -> float:
   return float(np.nan_to_num(np.abs(x - ref), nan=np.inf).max(initial=0.0))
 
 
-def check(bs: triton.BlockSizes, cell: Cell) -> bool:
+def check(bs, cell: Cell) -> bool:
   """The FlashAttention rule against the float32 reference (fwd + grads).
 
   |x - ref32| <= 2 |x_same_dtype_ref - ref32| + a few ulps, on one batch row
@@ -317,39 +384,40 @@ def check(bs: triton.BlockSizes, cell: Cell) -> bool:
   return ok
 
 
-def tune_cell(cell: Cell, kind: str) -> dict | None:
-  """Sweeps one cell; returns its JSON record (None if nothing passed)."""
+def tune_cell(backend: str, cell: Cell, kind: str) -> dict | None:
+  """Sweeps one cell of one backend; returns its JSON record (None if
+  nothing passed)."""
+  tuner = TUNERS[backend]
   # Start from the heuristic, not from earlier tuning results.
-  base = triton.BlockSizes(**tuning.triton_heuristic(
-      tuning.padded_head_dim(cell.h), jnp.dtype(_DTYPES[cell.dtype]).itemsize,
-      kind))
+  best = tuner.module.heuristic_block_sizes(
+      q_len=cell.t, kv_len=cell.t, head_dim=cell.h, dtype=cell.dtype,
+      is_causal=cell.causal, device_kind=kind)
   if _DRY_RUN.value:
-    for name, cands in (("forward", forward_candidates(base, cell, kind)),
-                        ("dK/dV", dkv_candidates(base, cell, kind)),
-                        ("dQ", dq_candidates(base, cell, kind))):
-      print(f"{cell}: {len(cands)} {name} candidates")
+    for name, candidates, _ in tuner.passes:
+      cands = _capped(backend, candidates(best, cell, kind), cell)
+      print(f"{backend} {cell}: {len(cands)} {name} candidates")
       for c in cands:
         print(f"  {c}")
     return None
   args = _inputs(cell)
-  logging.info("%s: forward sweep", cell)
-  fwd = sweep(forward_candidates(base, cell, kind), cell, False, args)
-  if not fwd:
-    return None
-  best = fwd[0][1]
-  logging.info("%s: dK/dV sweep", cell)
-  bwd = sweep(dkv_candidates(best, cell, kind), cell, True, args)
-  if bwd:
-    best = bwd[0][1]
-  logging.info("%s: dQ sweep", cell)
-  bwd = sweep(dq_candidates(best, cell, kind), cell, True, args) or bwd
-  # The fastest full config that passes the correctness check.
-  ranked = [bs for _, bs in bwd] or [best]
-  for bs in ranked:
+  ranked = []
+  for name, candidates, backward in tuner.passes:
+    logging.info("%s %s: %s sweep", backend, cell, name)
+    results = sweep(_capped(backend, candidates(best, cell, kind), cell),
+                    cell, backward, args)
+    if not results:
+      if not backward:
+        return None  # Not even the forward pass runs.
+      continue
+    best = results[0][1]
+    ranked = [bs for _, bs in results]
+  # The fastest config of the last pass that passes the correctness check.
+  for bs in ranked or [best]:
     if check(bs, cell):
       break
   else:
-    logging.error("%s: no candidate passed the correctness check", cell)
+    logging.error("%s %s: no candidate passed the correctness check",
+                  backend, cell)
     return None
   fwd_ms = _time(_compiled(bs, cell, False, args[:3]), args[:3])
   bwd_ms = _time(_compiled(bs, cell, True, args), args)
@@ -363,7 +431,7 @@ def tune_cell(cell: Cell, kind: str) -> dict | None:
       "tflops": {"fwd": cell.flops(False) / fwd_ms * 1e-9,
                  "fwd_bwd": cell.flops(True) / bwd_ms * 1e-9},
   }
-  logging.info("%s: best %s", cell, record)
+  logging.info("%s %s: best %s", backend, cell, record)
   return record
 
 
@@ -375,23 +443,25 @@ def output_path(kind: str) -> pathlib.Path:
           (tuning.device_file_name(kind) + ".json"))
 
 
-def merge(path: pathlib.Path, records: list[dict], kind: str) -> dict:
-  """Adds records to the file's, replacing those with the same key."""
+def merge(path: pathlib.Path, records: dict[str, list[dict]],
+          kind: str) -> dict:
+  """Adds each backend's records to the file's, replacing those with the
+  same key."""
   data = {}
   if path.exists():
     data = json.loads(path.read_text())
-  old = data.get("triton", [])
-  keys = {json.dumps(r["key"], sort_keys=True) for r in records}
-  kept = [r for r in old if json.dumps(r.get("key"), sort_keys=True)
-          not in keys]
   data.update(
       device_kind=kind,
       jax_version=jax.__version__,
       updated=datetime.datetime.now(datetime.timezone.utc).isoformat(
           timespec="seconds"),
   )
-  data["triton"] = sorted(
-      kept + records, key=lambda r: json.dumps(r["key"], sort_keys=True))
+  for backend, new in records.items():
+    keys = {json.dumps(r["key"], sort_keys=True) for r in new}
+    kept = [r for r in data.get(backend, [])
+            if json.dumps(r.get("key"), sort_keys=True) not in keys]
+    data[backend] = sorted(
+        kept + new, key=lambda r: json.dumps(r["key"], sort_keys=True))
   return data
 
 
@@ -401,21 +471,27 @@ def main(argv):
   if api.platform() != "gpu" and not _DRY_RUN.value:
     logging.warning("Tuning on %r: kernels run in interpret mode; timings "
                     "are meaningless.", kind)
-  records = []
-  for cell in _cells():
-    record = tune_cell(cell, kind)
-    if record is not None:
-      records.append(record)
+  records = {}
+  for backend in _backends(kind):
+    if _DTYPE.value not in TUNERS[backend].dtypes:
+      logging.warning("%s does not run %s: not tuned.", backend,
+                      _DTYPE.value)
+      continue
+    for cell in _cells():
+      record = tune_cell(backend, cell, kind)
+      if record is not None:
+        records.setdefault(backend, []).append(record)
   if _DRY_RUN.value or not records:
     return
   path = output_path(kind)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(merge(path, records, kind), indent=1) + "\n")
-  print(f"wrote {len(records)} records to {path}")
-  for r in records:
-    print(f"  {r['key']}: {r['block_sizes']} "
-          f"fwd {r['tflops']['fwd']:.1f} / fwd+bwd "
-          f"{r['tflops']['fwd_bwd']:.1f} TFLOP/s")
+  for backend, new in records.items():
+    print(f"wrote {len(new)} {backend} records to {path}")
+    for r in new:
+      print(f"  {r['key']}: {r['block_sizes']} "
+            f"fwd {r['tflops']['fwd']:.1f} / fwd+bwd "
+            f"{r['tflops']['fwd_bwd']:.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

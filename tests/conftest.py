@@ -35,19 +35,19 @@ TEST_BLOCK_SIZES = {
     ),
     "triton": (
         "pallas_fa.triton",
-        "BlockSizes",
-        dict(block_q=16, block_k=32, block_q_dkv=32, block_kv_dkv=16,
+        "TritonBlockSizes",
+        dict(block_q=16, block_kv=32, block_q_dkv=32, block_kv_dkv=16,
              block_q_dq=16, block_kv_dq=32, num_warps=4, num_stages=1),
     ),
     "mosaic_gpu": (
         "pallas_fa.mosaic_gpu",
-        "BlockSizes",
+        "MosaicGpuBlockSizes",
         dict(block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64,
              block_q_dkv=64, block_kv_dkv=64),
     ),
     "mosaic_tpu": (
         "pallas_fa.mosaic_tpu",
-        "BlockSizes",
+        "MosaicTpuBlockSizes",
         dict(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128),
     ),
 }

@@ -1,7 +1,11 @@
 """Argument validation and implementation dispatch of flash_attention."""
 
 import dataclasses
+import inspect
+import subprocess
+import sys
 
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,6 +151,70 @@ def test_automatic_choice_on_cpu_is_chunked():
   q, k, v = _qkv()
   lowered = jax.jit(pallas_fa.flash_attention).lower(q, k, v).as_text()
   assert "while" in lowered  # the blockwise loop, not a dense softmax
+
+
+_TILED = {"chunked": "ChunkedBlockSizes", "triton": "TritonBlockSizes",
+          "mosaic_gpu": "MosaicGpuBlockSizes",
+          "mosaic_tpu": "MosaicTpuBlockSizes"}
+
+
+def test_import_leaves_the_backends_unloaded():
+  code = ("import sys, pallas_fa; print(sorted(m for m in sys.modules "
+          "if m.startswith('pallas_fa.')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True).stdout
+  for name in list(_TILED) + ["modules", "parallel", "layout", "tuning"]:
+    assert f"'pallas_fa.{name}'" not in out, out
+
+
+@pytest.mark.parametrize("name", list(_TILED))
+def test_tiling_configs_share_one_interface(name):
+  """Each backend's config is exported under its own name, and every
+  `default_block_sizes` takes the same arguments."""
+  backend = api.get_backend(name)
+  config = getattr(pallas_fa, _TILED[name])
+  assert backend.block_sizes_type is config
+  signature = inspect.signature(backend.default_block_sizes)
+  assert list(signature.parameters) == [
+      "q_len", "kv_len", "head_dim", "dtype", "is_causal", "dropout",
+      "device_kind"]
+  assert all(p.kind == p.KEYWORD_ONLY for p in signature.parameters.values())
+  dtype = jnp.float32 if name == "triton" else jnp.bfloat16
+  bs = backend.default_block_sizes(
+      q_len=1000, kv_len=3000, head_dim=64, dtype=dtype, is_causal=True)
+  assert isinstance(bs, config)
+  names = {f.name for f in dataclasses.fields(config)}
+  assert {"block_q", "block_kv"} <= names
+  # One vocabulary: no per-backend spellings of the same thing.
+  assert not names & {"block_k", "stages", "stages_bwd", "consumers"}
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "triton"])
+def test_nan_cotangent_on_padded_rows_does_not_leak(implementation):
+  """`vjp` zeroes delta on padded query rows for every backend: there the
+  probabilities are 0, but 0 * NaN would still be NaN."""
+  q, k, v = _qkv()
+  lengths = jnp.array([5, T], jnp.int32)
+  block_sizes = conftest.block_sizes_for(implementation)
+
+  def grads(dout, dlse):
+    def f(q, k, v):
+      return pallas_fa.flash_attention(
+          q, k, v, query_seq_lengths=lengths, return_residual=True,
+          implementation=implementation, block_sizes=block_sizes)
+    _, pullback = jax.vjp(f, q, k, v)
+    return pullback((dout, dlse))
+
+  pad = (jnp.arange(T)[None, :] >= lengths[:, None])[..., None]  # [B, T, 1]
+  dout = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape),
+                     jnp.float32)
+  dlse = jnp.ones((B, T, N))
+  clean = grads(jnp.where(pad[..., None], 0.0, dout),
+                jnp.where(pad, 0.0, dlse))
+  dirty = grads(jnp.where(pad[..., None], jnp.nan, dout),
+                jnp.where(pad, jnp.nan, dlse))
+  for a, b in zip(clean, dirty, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_block_sizes_are_hashable_and_frozen():

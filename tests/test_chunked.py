@@ -7,6 +7,7 @@ import pytest
 
 import pallas_fa
 from pallas_fa import chunked
+from pallas_fa import layout
 
 
 def _temp_bytes(fn, *args):
@@ -41,9 +42,9 @@ def test_memory_is_linear_in_sequence_length(causal):
 
 def test_tiles_balance_ragged_lengths():
   # 600 rows with 512-row tiles: two tiles of 304, not 512 + 88.
-  assert chunked._tiles(512, 600) == (304, 608)
-  assert chunked._tiles(512, 300) == (300, 300)
-  assert chunked._tiles(16, 45) == (16, 48)
+  assert layout.tile(512, 600, chunked.ALIGN) == (304, 608)
+  assert layout.tile(512, 300, chunked.ALIGN) == (300, 300)
+  assert layout.tile(16, 45, chunked.ALIGN) == (16, 48)
 
 
 def test_block_sizes_change_tiling_not_results():

@@ -24,8 +24,8 @@ _TILINGS = {
     "chunked-large": chunked.ChunkedBlockSizes(
         block_q=32, block_kv=64, block_q_bwd=64, block_kv_bwd=32),
     # Interpreted on CPU; the tiles of its three kernels all differ.
-    "triton": triton.BlockSizes(
-        block_q=16, block_k=32, block_q_dkv=32, block_kv_dkv=16,
+    "triton": triton.TritonBlockSizes(
+        block_q=16, block_kv=32, block_q_dkv=32, block_kv_dkv=16,
         block_q_dq=16, block_kv_dq=32, num_warps=4, num_stages=1),
 }
 

@@ -81,6 +81,18 @@ def test_classification_is_conservative_and_tight(
         assert lo[bi, i] <= nonempty.min() and hi[bi, i] > nonempty.max()
 
 
+def test_full_run():
+  for row, want in [
+      ([0, 1, 2, 2, 1, 0], (2, 4)),  # a contiguous FULL run
+      ([1, 2, 1, 2, 1, 0], (9, 9)),  # FULL tiles with a hole: no run
+      ([0, 1, 1, 0, 0, 0], (9, 9)),  # no FULL tile
+      ([2, 2, 2, 2, 2, 2], (0, 6)),
+  ]:
+    kinds = jnp.asarray([row, row], jnp.int32)
+    lo, hi = masking.full_run(kinds, jnp.array([9, 9], jnp.int32))
+    assert lo.tolist() == [want[0]] * 2 and hi.tolist() == [want[1]] * 2, row
+
+
 def test_padding_folds_into_segments():
   seg = masking.padding_segments(
       None, jnp.array([2, 4]), 4, masking.KV_PAD_SEGMENT)

@@ -25,8 +25,10 @@ from attention_testing import run
 import pallas_fa
 from pallas_fa import _mosaic_gpu_kernel as kernel
 from pallas_fa import gpu_target
+from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import mosaic_gpu
+from pallas_fa import tuning
 from pallas_fa import vjp
 
 _SMALL = dict(
@@ -54,24 +56,24 @@ needs_interpreter = pytest.mark.skipif(
 
 @pytest.mark.parametrize("field, value", [
     ("block_q", 32), ("block_kv", 96), ("block_kv_dkv", 320),
-    ("stages", 0), ("stages_bwd", 9), ("consumers_dq", 3),
+    ("num_stages", 0), ("num_stages_bwd", 9), ("num_consumers_dq", 3),
     ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
     ("lowering_semantics", "Lane"),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
-    mosaic_gpu.BlockSizes(**{field: value})
+    mosaic_gpu.MosaicGpuBlockSizes(**{field: value})
 
 
 def test_block_sizes_pingpong_needs_two_consumers():
   with pytest.raises(ValueError, match="pingpong"):
-    mosaic_gpu.BlockSizes(consumers=1)
-  mosaic_gpu.BlockSizes(consumers=1, pingpong=False)
+    mosaic_gpu.MosaicGpuBlockSizes(num_consumers=1)
+  mosaic_gpu.MosaicGpuBlockSizes(num_consumers=1, pingpong=False)
 
 
 def test_block_sizes_frozen_and_hashable():
-  bs = mosaic_gpu.BlockSizes(**_SMALL)
-  assert hash(bs) == hash(mosaic_gpu.BlockSizes(**_SMALL))
+  bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
+  assert hash(bs) == hash(mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
   with pytest.raises(AttributeError):
     bs.block_q = 128
 
@@ -79,17 +81,39 @@ def test_block_sizes_frozen_and_hashable():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [1, 32, 64, 72, 128, 160, 256])
 def test_heuristic_fits_shared_memory(head_dim, dtype):
-  bs = mosaic_gpu.default_block_sizes(head_dim, dtype)
+  bs = mosaic_gpu.heuristic_block_sizes(
+      q_len=4096, kv_len=4096, head_dim=head_dim, dtype=dtype)
   smem = mosaic_gpu.shared_memory_bytes(bs, head_dim)
   assert max(smem.values()) <= mosaic_gpu.SHARED_MEMORY_BYTES, smem
-  assert bs.stages >= 2
+  assert bs.num_stages >= 2
   # Past head dim 128 two float32 [64, H] accumulators would not fit the
   # registers of a consumer thread: split passes, one consumer.
-  wide = mosaic_gpu.padded_head_dim(head_dim) > 128
+  wide = layout.padded_head_dim(head_dim, mosaic_gpu.ALIGN) > 128
   assert bs.split_dkv == wide
-  for candidate in mosaic_gpu.candidate_block_sizes(head_dim, dtype):
+  candidates = mosaic_gpu.candidate_block_sizes(
+      bs, head_dim=head_dim, dtype=dtype)
+  assert candidates[0] == bs and len(set(candidates)) == len(candidates) > 1
+  for candidate in candidates:
     smem = mosaic_gpu.shared_memory_bytes(candidate, head_dim)
     assert max(smem.values()) <= mosaic_gpu.SHARED_MEMORY_BYTES
+  forward = mosaic_gpu.candidate_block_sizes(
+      bs, head_dim=head_dim, dtype=dtype, passes=("forward",))
+  assert all(c.block_q_dkv == bs.block_q_dkv and c.split_dkv == bs.split_dkv
+             for c in forward)
+
+
+def test_tuned_records_win_over_heuristic(monkeypatch):
+  tuned = dict(block_q=128, block_kv=64, num_stages=3, pingpong=False)
+  key = tuning.tuning_key(head_dim=128, dtype=jnp.bfloat16, q_len=4096,
+                          kv_len=4096, is_causal=False)
+  records = {"mosaic_gpu": [{"key": key, "block_sizes": tuned}]}
+  monkeypatch.setattr(tuning, "load_tuned", lambda kind: records)
+  kw = dict(q_len=2048, kv_len=4096, head_dim=128, dtype=jnp.bfloat16,
+            device_kind="NVIDIA H100 80GB HBM3")
+  assert mosaic_gpu.default_block_sizes(**kw) == (
+      mosaic_gpu.MosaicGpuBlockSizes(**tuned))
+  assert mosaic_gpu.default_block_sizes(**dict(kw, head_dim=64)) == (
+      mosaic_gpu.heuristic_block_sizes(**dict(kw, head_dim=64)))
 
 
 # --------------------------------------------------------------------------
@@ -108,7 +132,7 @@ def _canonical(dtype=jnp.bfloat16, h=32, mask=None, bias=None, **kw):
     (dict(dtype=jnp.float32), "bfloat16/float16"),
     (dict(bias=jnp.ones((1, 2, 8, 8))), "bias"),
     (dict(mask=jnp.ones((1, 1, 8, 8), bool)), "dense mask"),
-    (dict(block_sizes=mosaic_gpu.BlockSizes(interpret=False)), "sm90"),
+    (dict(block_sizes=mosaic_gpu.MosaicGpuBlockSizes(interpret=False)), "sm90"),
 ])
 def test_check_refuses(change, reason):
   if "sm90" in reason and jax.default_backend() != "cpu":
@@ -141,7 +165,7 @@ def test_check_refuses_masked_kernels_on_miscompiling_cuda(monkeypatch):
   monkeypatch.setattr(mosaic_gpu, "_interpret", lambda bs: False)
   monkeypatch.setattr(mosaic_gpu, "_cuda_runtime_version", lambda: 12085)
   gen = rng("cuda-version")
-  bs = mosaic_gpu.BlockSizes(**_SMALL)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
   for case, refused in [
       (Case(b=1, t=128, s=128, n=2, k=2, h=64), False),
       (Case(b=1, t=128, s=128, n=2, k=2, h=64, causal=True), True),
@@ -167,7 +191,7 @@ def test_builds_for_hopper_targets_only():
     assert pallas_fa.api.platform() == "gpu"
   with gpu_target.compile_for(gpu_target.A100):
     with pytest.raises(NotImplementedError, match="sm90"):
-      mosaic_gpu._interpret(mosaic_gpu.BlockSizes(interpret=False))
+      mosaic_gpu._interpret(mosaic_gpu.MosaicGpuBlockSizes(interpret=False))
 
 
 def test_automatic_choice_never_interprets_on_cpu():
@@ -274,9 +298,9 @@ def _lower_for_hopper(case: Case, dtype, block_sizes=None):
     (Case(b=2, t=130, s=300, n=2, k=1, h=256, window=(64, 8), segments=True,
           lengths=True, soft_cap=20.0), jnp.float16, None, 4),
     (Case(b=1, t=200, s=200, n=2, k=2, h=72), jnp.bfloat16,
-     mosaic_gpu.BlockSizes(block_q=128, block_kv=64, stages=3,
-                           pingpong=False, block_kv_dq=128, consumers_dkv=1,
-                           num_ctas=3), 3),
+     mosaic_gpu.MosaicGpuBlockSizes(
+         block_q=128, block_kv=64, num_stages=3, pingpong=False,
+         block_kv_dq=128, num_consumers_dkv=1, num_ctas=3), 3),
 ], ids=["h128-causal-gqa", "h256-window-segments-cap-f16", "h72-custom"])
 def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
   text = _lower_for_hopper(case, dtype, block_sizes)
@@ -286,7 +310,7 @@ def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
 @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
 def test_both_lowering_semantics_lower(semantics):
   """jax 0.10 lowers per lane by default, 0.11 per warpgroup: both work."""
-  bs = mosaic_gpu.BlockSizes(lowering_semantics=semantics)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(lowering_semantics=semantics)
   text = _lower_for_hopper(
       Case(b=1, t=128, s=192, n=2, k=1, h=64, causal=True, segments=True),
       jnp.bfloat16, bs)
@@ -294,7 +318,7 @@ def test_both_lowering_semantics_lower(semantics):
 
 
 def test_lowering_enforces_shared_memory_budget():
-  too_big = mosaic_gpu.BlockSizes(block_kv=256, stages=4)
+  too_big = mosaic_gpu.MosaicGpuBlockSizes(block_kv=256, num_stages=4)
   with pytest.raises(ValueError, match="shared memory"):
     _lower_for_hopper(Case(b=1, t=128, s=256, n=1, k=1, h=256),
                       jnp.bfloat16, too_big)
@@ -311,7 +335,7 @@ def test_interpreted_forward_and_backward():
   # (padded to 64): masked, unmasked and skipped tiles in every kernel.
   case = Case(b=1, t=100, s=150, n=2, k=1, h=32, causal=True, lengths=True,
               soft_cap=3.0)
-  bs = mosaic_gpu.BlockSizes(**_SMALL)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
   check_against_reference(
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
       rng("mosaic_gpu", "fwd-bwd"))
@@ -323,7 +347,7 @@ def test_interpreted_forward_window_segments():
               segments=True)
   gen = rng("mosaic_gpu", "window-segments")
   q, k, v, kw = make_inputs(case, jnp.float16, gen)
-  fn = flash("mosaic_gpu", mosaic_gpu.BlockSizes(**_SMALL))
+  fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
   out, lse = fn(q, k, v, **kw)
   ref_out, ref_lse = flash("xla")(
       *(x.astype(jnp.float32) for x in (q, k, v)), **kw)
@@ -342,9 +366,9 @@ def test_interpreted_forward_window_segments():
 def test_interpreted_split_dkv_single_consumer_round_robin():
   case = Case(b=2, t=70, s=90, n=4, k=2, h=16, window=(30, None),
               segments=True, lengths=True)
-  bs = mosaic_gpu.BlockSizes(
-      **_SMALL, consumers=1, pingpong=False, consumers_dq=1,
-      consumers_dkv=1, split_dkv=True, num_ctas=2, stages=1)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(
+      **_SMALL, num_consumers=1, pingpong=False, num_consumers_dq=1,
+      num_consumers_dkv=1, split_dkv=True, num_ctas=2, num_stages=1)
   check_against_reference(
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
       rng("mosaic_gpu", "split"))
@@ -358,7 +382,7 @@ def test_interpreted_deterministic():
   q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
   dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
   dlse = jnp.zeros(q.shape[:-1])
-  fn = flash("mosaic_gpu", mosaic_gpu.BlockSizes(**_SMALL))
+  fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
   a = run(fn, q, k, v, kw, dout, dlse)
   b = run(fn, q, k, v, kw, dout, dlse)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -379,7 +403,7 @@ def test_interpreted_padding_never_leaks():
   dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
   dout = jnp.where(q_pad, jnp.nan, dout)
   dlse = jnp.zeros(q.shape[:-1])
-  fn = flash("mosaic_gpu", mosaic_gpu.BlockSizes(**_SMALL))
+  fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
   clean = run(fn, q, k, v, kw, jnp.where(q_pad, 0.0, dout), dlse)
   dirty = run(fn, jnp.where(q_pad, jnp.nan, q), jnp.where(kv_pad, jnp.inf, k),
               jnp.where(kv_pad, jnp.nan, v), kw, dout, dlse)
@@ -411,8 +435,8 @@ _GPU_CASES = [
 @pytest.mark.parametrize("case, dtype", _GPU_CASES, ids=lambda x: str(x))
 @pytest.mark.parametrize("tiles", ["default", "small"])
 def test_compiled_matches_reference(case, dtype, tiles):
-  bs = None if tiles == "default" else mosaic_gpu.BlockSizes(
-      **_SMALL, stages=3, num_ctas=5)
+  bs = None if tiles == "default" else mosaic_gpu.MosaicGpuBlockSizes(
+      **_SMALL, num_stages=3, num_ctas=5)
   check_against_reference(
       flash("mosaic_gpu", bs), case, dtype,
       rng("mosaic_gpu", "compiled", str(case), tiles))

@@ -27,6 +27,7 @@ import pallas_fa
 from pallas_fa import _mosaic_tpu_kernel as kernel
 from pallas_fa import api
 from pallas_fa import chunked
+from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import mosaic_tpu
 
@@ -42,18 +43,18 @@ def fresh_caches():
   jax.clear_caches()
 
 
-# --- BlockSizes ---------------------------------------------------------------
+# --- MosaicTpuBlockSizes ------------------------------------------------------
 
 
 def test_block_sizes_defaults_are_valid_and_frozen():
-  bs = mosaic_tpu.BlockSizes()
+  bs = mosaic_tpu.MosaicTpuBlockSizes()
   assert all(getattr(bs, f.name) % TILE == 0
              for f in dataclasses.fields(bs))
   with pytest.raises(dataclasses.FrozenInstanceError):
     bs.block_q = 256
   assert not hasattr(bs, "__dict__")  # slotted
-  assert hash(bs) == hash(mosaic_tpu.BlockSizes())
-  assert {bs: 1}[mosaic_tpu.BlockSizes()] == 1
+  assert hash(bs) == hash(mosaic_tpu.MosaicTpuBlockSizes())
+  assert {bs: 1}[mosaic_tpu.MosaicTpuBlockSizes()] == 1
 
 
 @pytest.mark.parametrize("field", ["block_q", "block_kv", "block_q_bwd",
@@ -61,12 +62,12 @@ def test_block_sizes_defaults_are_valid_and_frozen():
 @pytest.mark.parametrize("value", [0, -128, 64, 200, 130, 128.0, True, "128"])
 def test_block_sizes_validation(field, value):
   with pytest.raises(ValueError, match=field):
-    mosaic_tpu.BlockSizes(**{field: value})
+    mosaic_tpu.MosaicTpuBlockSizes(**{field: value})
 
 
 def test_block_sizes_accepts_multiples_of_128():
-  bs = mosaic_tpu.BlockSizes(block_q=128, block_kv=384, block_q_bwd=1024,
-                             block_kv_bwd=256)
+  bs = mosaic_tpu.MosaicTpuBlockSizes(
+      block_q=128, block_kv=384, block_q_bwd=1024, block_kv_bwd=256)
   assert bs.block_kv == 384
 
 
@@ -102,7 +103,8 @@ def test_check_declines_metadata_beyond_scalar_memory(monkeypatch,
                               block_sizes=TILES)
   # 512-row tiles: 2 words.
   _, _, _, _, info, params = _canonicalise(q, q, q, {})
-  params = dataclasses.replace(params, block_sizes=mosaic_tpu.BlockSizes())
+  params = dataclasses.replace(
+      params, block_sizes=mosaic_tpu.MosaicTpuBlockSizes())
   mosaic_tpu.BACKEND.check(q, q, q, None, info, params)
 
 
@@ -111,7 +113,7 @@ def test_check_declines_metadata_beyond_scalar_memory(monkeypatch,
     [(128, 1, (128, 128)), (128, 128, (128, 128)), (128, 129, (128, 256)),
      (512, 300, (384, 384)), (256, 1000, (256, 1024))])
 def test_tile(block, length, want):
-  assert mosaic_tpu.tile(block, length) == want
+  assert layout.tile(block, length, mosaic_tpu.ALIGN) == want
 
 
 # --- HBM layouts --------------------------------------------------------------
@@ -488,7 +490,7 @@ SLOW_CASES = [
 @pytest.mark.parametrize("dtype, case", SLOW_CASES, ids=str)
 def test_multi_tile_slow(dtype, case):
   # Unequal tiles: the forward and backward sweeps tile differently.
-  bs = mosaic_tpu.BlockSizes(block_q=128, block_kv=256, block_q_bwd=256,
-                             block_kv_bwd=128)
+  bs = mosaic_tpu.MosaicTpuBlockSizes(
+      block_q=128, block_kv=256, block_q_bwd=256, block_kv_bwd=128)
   check_against_reference(flash("mosaic_tpu", bs), case, DTYPES[dtype],
                           rng("multi-tile-slow", str(case), dtype))

@@ -1,6 +1,6 @@
 """Tests of the `triton` backend beyond the shared conformance suite.
 
-BlockSizes validation, the tuning heuristics and persisted-result lookup,
+TritonBlockSizes validation, the tuning heuristics and persisted-result lookup,
 the block-skipping loop bounds (visited tiles against the ideal count, and
 proof by poisoning that skipped tiles are never read), and features the
 conformance suite does not reach (broadcast bias gradients, default tiles).
@@ -26,8 +26,8 @@ from pallas_fa import masking
 from pallas_fa import triton
 from pallas_fa import tuning
 
-SMALL = triton.BlockSizes(
-    block_q=16, block_k=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16,
+SMALL = triton.TritonBlockSizes(
+    block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16,
     block_kv_dq=16, num_warps=4, num_stages=1)
 
 
@@ -43,31 +43,31 @@ def _normal(gen, *shape):
   return jnp.asarray(gen.standard_normal(shape, np.float32))
 
 
-# --- BlockSizes ---------------------------------------------------------------
+# --- TritonBlockSizes ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("field, value", [
-    ("block_q", 24), ("block_k", 8), ("block_q_dkv", 1024),
+    ("block_q", 24), ("block_kv", 8), ("block_q_dkv", 1024),
     ("block_kv_dq", 0), ("block_kv_dkv", 32.0), ("block_q_dq", True),
     ("num_warps", 3), ("num_stages", 0), ("num_warps_bwd", 32),
     ("num_stages_bwd", 9),
 ])
 def test_block_sizes_validation(field, value):
   with pytest.raises(ValueError, match=field):
-    triton.BlockSizes(**{field: value})
+    triton.TritonBlockSizes(**{field: value})
 
 
 def test_block_sizes_frozen_hashable_kw_only():
-  a = triton.BlockSizes(block_q=64)
-  assert a == triton.BlockSizes(block_q=64) and hash(a) == hash(
-      triton.BlockSizes(block_q=64))
+  a = triton.TritonBlockSizes(block_q=64)
+  assert a == triton.TritonBlockSizes(block_q=64) and hash(a) == hash(
+      triton.TritonBlockSizes(block_q=64))
   with pytest.raises(dataclasses.FrozenInstanceError):
     a.block_q = 32
   assert not hasattr(a, "__dict__")  # slotted
   with pytest.raises(TypeError):
-    triton.BlockSizes(64)
+    triton.TritonBlockSizes(64)
   assert a.backward_warps == a.num_warps
-  assert triton.BlockSizes(num_stages_bwd=1).backward_stages == 1
+  assert triton.TritonBlockSizes(num_stages_bwd=1).backward_stages == 1
 
 
 def test_wrong_block_sizes_type_is_rejected():
@@ -90,20 +90,14 @@ _KINDS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_heuristic_is_valid_and_fits(kind, head_dim, dtype):
   bs = triton.default_block_sizes(
-      head_dim=head_dim, dtype=dtype, q_len=4096, kv_len=4096, kind=kind)
-  assert isinstance(bs, triton.BlockSizes)
+      head_dim=head_dim, dtype=dtype, q_len=4096, kv_len=4096,
+      device_kind=kind)
+  assert isinstance(bs, triton.TritonBlockSizes)
   if kind == "cpu":
     return
-  hp = tuning.padded_head_dim(head_dim)
-  item = jnp.dtype(dtype).itemsize
-  budget = tuning.shared_memory_bytes(kind)
-  fwd = tuning._forward_shared_memory(
-      bs.block_q, bs.block_k, hp, item, bs.num_stages)
-  bwd = max(
-      tuning._backward_shared_memory(
-          bs.block_kv_dkv, bs.block_q_dkv, hp, item, bs.backward_stages),
-      tuning._backward_shared_memory(
-          bs.block_q_dq, bs.block_kv_dq, hp, item, bs.backward_stages))
+  budget = triton.shared_memory_budget(kind)
+  smem = triton.shared_memory_bytes(bs, head_dim, jnp.dtype(dtype).itemsize)
+  fwd, bwd = smem["forward"], max(smem["dq"], smem["dkv"])
   # Fits the device, or is already at the smallest tiles and one stage.
   assert fwd <= budget or (bs.num_stages == 1 and bs.block_q == 32)
   assert bwd <= budget or (
@@ -111,14 +105,15 @@ def test_heuristic_is_valid_and_fits(kind, head_dim, dtype):
   # Bigger head dims never get bigger forward tiles.
   if head_dim == 256:
     small = triton.default_block_sizes(
-        head_dim=64, dtype=dtype, q_len=4096, kv_len=4096, kind=kind)
-    assert bs.block_q * bs.block_k <= small.block_q * small.block_k
+        head_dim=64, dtype=dtype, q_len=4096, kv_len=4096, device_kind=kind)
+    assert bs.block_q * bs.block_kv <= small.block_q * small.block_kv
 
 
-def test_tile_size_clips_short_sequences():
-  assert triton.tile_size(128, 1) == 16
-  assert triton.tile_size(128, 33) == 64
-  assert triton.tile_size(32, 1000) == 32
+def test_dropout_gets_eight_warps():
+  kw = dict(head_dim=64, dtype=jnp.bfloat16, q_len=4096, kv_len=4096,
+            device_kind="NVIDIA H100 80GB HBM3")
+  assert triton.default_block_sizes(**kw).num_warps == 4
+  assert triton.default_block_sizes(**kw, dropout=True).num_warps == 8
 
 
 def test_device_file_name():
@@ -128,7 +123,7 @@ def test_device_file_name():
 
 
 def test_tuned_records_win_over_heuristic(monkeypatch):
-  tuned = dict(block_q=64, block_k=32, block_q_dkv=16, block_kv_dkv=64,
+  tuned = dict(block_q=64, block_kv=32, block_q_dkv=16, block_kv_dkv=64,
                block_q_dq=64, block_kv_dq=16, num_warps=8, num_stages=4)
   key = tuning.tuning_key(head_dim=128, dtype=jnp.bfloat16, q_len=4096,
                           kv_len=4096, is_causal=True)
@@ -141,16 +136,21 @@ def test_tuned_records_win_over_heuristic(monkeypatch):
   # Round-trips through JSON exactly as scripts/tune.py writes it.
   records = json.loads(json.dumps(records))
   monkeypatch.setattr(tuning, "load_tuned", lambda kind: records)
+  h100 = "NVIDIA H100 80GB HBM3"
   got = triton.default_block_sizes(
       head_dim=128, dtype=jnp.bfloat16, q_len=3000, kv_len=5000,
-      is_causal=True, kind="NVIDIA H100 80GB HBM3")
-  assert got == triton.BlockSizes(**tuned)
+      is_causal=True, device_kind=h100)
+  assert got == triton.TritonBlockSizes(**tuned)
   # No record for this head dim: the heuristic.
-  got = triton.default_block_sizes(
-      head_dim=64, dtype=jnp.bfloat16, q_len=4096, kv_len=4096,
-      kind="NVIDIA H100 80GB HBM3")
-  assert got == triton.BlockSizes(**tuning.triton_heuristic(
-      64, 2, "NVIDIA H100 80GB HBM3"))
+  kw = dict(head_dim=64, dtype=jnp.bfloat16, q_len=4096, kv_len=4096,
+            device_kind=h100)
+  assert triton.default_block_sizes(**kw) == (
+      triton.heuristic_block_sizes(**kw))
+  # A record this config no longer accepts (an old field name): ignored.
+  records["triton"][0]["block_sizes"] = dict(tuned, block_k=32)
+  kw = dict(kw, head_dim=128, is_causal=True)
+  assert triton.default_block_sizes(**kw) == (
+      triton.heuristic_block_sizes(**kw))
 
 
 # --- Block skipping -----------------------------------------------------------
