@@ -309,7 +309,8 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
   last = -(-jnp.max(lengths) // block)
   m_i, l_i, acc = jax.lax.fori_loop(
       0, jnp.minimum(steps, -(-last // splits)), body, carry)
-  out, lse = merge_splits(*online_softmax.finalize(m_i, l_i, acc), axis=1)
+  out, lse = online_softmax.merge_parts(
+      *online_softmax.finalize(m_i, l_i, acc), axis=1)
   # [B, K, G * T, Hv] -> [B, T, N, Hv].
   out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
   lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
@@ -330,19 +331,3 @@ def _visible(valid, kv_pos, row_pos, is_causal, window):
     if right is not None:
       vis = vis & (kv <= q + right)
   return vis
-
-
-def merge_splits(out: Array, lse: Array, axis: int) -> tuple[Array, Array]:
-  """Exactly merges partial attentions over disjoint key sets stacked on
-  `axis` (out [..., rows, H], lse [..., rows], natural log); a row no part
-  saw keeps out 0 and lse -inf."""
-  top = jnp.max(lse, axis=axis, keepdims=True)
-  top_safe = jnp.where(top == online_softmax.MASK_VALUE, 0.0, top)
-  w = jnp.exp(lse - top_safe)
-  total = jnp.sum(w, axis=axis)
-  seen = total > 0
-  total_safe = jnp.where(seen, total, 1.0)
-  merged = jnp.sum(w[..., None] * out, axis=axis) / total_safe[..., None]
-  lse = jnp.where(seen, jnp.squeeze(top_safe, axis) + jnp.log(total_safe),
-                  online_softmax.MASK_VALUE)
-  return merged, lse

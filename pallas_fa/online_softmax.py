@@ -345,6 +345,31 @@ def merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array):
   return wa * out_a + wb * out_b, lse
 
 
+def merge_parts(out: Array, lse: Array, axis: int) -> tuple[Array, Array]:
+  """`merge` of any number of parts stacked on `axis` (split-KV decoding).
+
+  Args:
+    out: normalised outputs [..., rows, H], the parts along `axis` (an axis
+      before the last two).
+    lse: their logsumexps, `out` without its last axis.
+    axis: the parts' axis.
+
+  Returns:
+    (out, lse) over all parts' keys; a row no part saw keeps out 0 and
+    lse -inf.
+  """
+  top = jnp.max(lse, axis=axis, keepdims=True)
+  top_safe = jnp.where(top == MASK_VALUE, 0.0, top)
+  w = jnp.exp(lse - top_safe)
+  total = jnp.sum(w, axis=axis)
+  seen = total > 0
+  total_safe = jnp.where(seen, total, 1.0)
+  merged = jnp.sum(w[..., None] * out, axis=axis) / total_safe[..., None]
+  lse = jnp.where(seen, jnp.squeeze(top_safe, axis) + jnp.log(total_safe),
+                  MASK_VALUE)
+  return merged, lse
+
+
 def merge_grad(
     out_part: Array, lse_part: Array, lse: Array, dout: Array, delta: Array
 ) -> tuple[Array, Array]:

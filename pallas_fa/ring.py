@@ -123,20 +123,13 @@ def _step_backward(backend, params, q, k, v, bias, info, lse, dout, delta):
       grads = backend.backward(q, k, v, bias, info, params, lse, dout, delta)
     else:
       # Plain-autodiff backend: pull the step's share of the merged
-      # cotangents back through its forward. With w = exp(lse_s - lse),
-      # out = sum_s w out_s gives dout_s = w dout and
-      # dlse_s = w (rowsum(dout * out_s) - delta).
+      # cotangents back through its forward.
       def f(q, k, v, bias):
         return backend.forward(q, k, v, bias, info, params)
 
       (out_s, lse_s), pullback = jax.vjp(f, q, k, v, bias)
-      w = jnp.where(
-          lse_s == online_softmax.MASK_VALUE, 0.0, jnp.exp(lse_s - lse)
-      )
-      dout32 = dout.astype(_F32)
-      dout_s = (w[..., None] * dout32).astype(out_s.dtype)
-      dlse_s = w * (jnp.sum(dout32 * out_s.astype(_F32), axis=-1) - delta)
-      grads = pullback((dout_s, dlse_s.astype(lse_s.dtype)))
+      grads = pullback(
+          online_softmax.merge_grad(out_s, lse_s, lse, dout, delta))
     return jax.tree.map(lambda g: g.astype(_F32), grads)
 
   def skip():

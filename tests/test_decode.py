@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pallas_fa
-from pallas_fa import decode
+from pallas_fa import online_softmax
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
 
@@ -150,7 +150,7 @@ def test_zero_length_rows_are_zero_not_nan():
   assert np.all(np.isfinite(np.asarray(out[1])))
 
 
-def test_merge_splits_equals_one_softmax():
+def test_merge_parts_equals_one_softmax():
   """Merging per-part (out, lse) equals attention over all keys at once."""
   gen = rng("decode", "merge")
   s = jnp.asarray(gen.standard_normal((3, 5, 12)), jnp.float32)
@@ -159,7 +159,7 @@ def test_merge_splits_equals_one_softmax():
   p = jax.nn.softmax(parts, axis=-1)
   out_parts = jnp.einsum("bqpk,pkh->bpqh", p, v.reshape(3, 4, 4))
   lse_parts = jax.nn.logsumexp(parts, axis=-1).transpose(0, 2, 1)
-  out, lse = decode.merge_splits(out_parts, lse_parts, axis=1)
+  out, lse = online_softmax.merge_parts(out_parts, lse_parts, axis=1)
   np.testing.assert_allclose(out, jax.nn.softmax(s, axis=-1) @ v, atol=1e-6)
   np.testing.assert_allclose(lse, jax.nn.logsumexp(s, axis=-1), atol=1e-6)
 
