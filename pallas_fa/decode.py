@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa import api
+from pallas_fa import masking
 from pallas_fa import online_softmax
 
 Array = Any
@@ -318,16 +319,10 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
 
 
 def _visible(valid, kv_pos, row_pos, is_causal, window):
-  """[B, P, 1, R, C] visibility of one block of keys for the packed rows."""
-  vis = valid[:, :, None, None, :]
-  kv = kv_pos[None, :, None, None, :]  # [1, P, 1, 1, C]
-  q = row_pos[:, None, None, :, None]  # [B, 1, 1, R, 1]
-  if is_causal:
-    vis = vis & (kv <= q)
-  if window is not None:
-    left, right = window
-    if left is not None:
-      vis = vis & (kv >= q - left)
-    if right is not None:
-      vis = vis & (kv <= q + right)
-  return vis
+  """[B, P, 1, R, C] visibility of one block of keys for the packed rows:
+  `masking.visible` with the lengths as its dense term."""
+  return masking.visible(
+      is_causal=is_causal, window=window,
+      q_pos=row_pos[:, None, None, :, None],  # [B, 1, 1, R, 1]
+      kv_pos=kv_pos[None, :, None, None, :],  # [1, P, 1, 1, C]
+      dense=valid[:, :, None, None, :])
