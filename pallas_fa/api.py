@@ -1,5 +1,8 @@
 """`flash_attention`: validation, canonicalisation and backend dispatch.
 
+The per-argument checks are in `pallas_fa.checks`; this module runs them and
+exports the public ones under their own names (`api.check_window`, ...).
+
 This module is also the front door for the rest of the package (the
 multi-device layer, `pallas_fa.testing`, the scripts): `canonicalize` turns
 public arguments into a `Call` (what every backend receives), and
@@ -28,6 +31,17 @@ from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import vjp
+
+# The argument checks live in `pallas_fa.checks`; the public ones are also
+# reached as `api.check_*` by the rest of the package.
+from pallas_fa.checks import check_bias_and_mask
+from pallas_fa.checks import check_dropout
+from pallas_fa.checks import check_lengths
+from pallas_fa.checks import check_non_negative
+from pallas_fa.checks import check_per_token
+from pallas_fa.checks import check_precision
+from pallas_fa.checks import check_static_float
+from pallas_fa.checks import check_window
 
 Array = Any
 
@@ -93,165 +107,6 @@ def platform() -> str:
   return "gpu" if p in ("cuda", "rocm", "gpu") else p
 
 
-def _check_int_array(name, x, shape):
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got {x.dtype=}.")
-  if tuple(x.shape) != tuple(shape):
-    raise ValueError(
-        f"{name} must have shape {tuple(shape)}, got {x.shape=}."
-    )
-  return x.astype(jnp.int32)
-
-
-def _check_lengths(name, x, batch_shape):
-  """int [*B] (a scalar when there is one batch row) -> int32 [prod(B)]."""
-  if x is None:
-    return None
-  x = jnp.asarray(x)
-  if x.ndim == 0 and math.prod(batch_shape) == 1:
-    x = x.reshape(batch_shape)
-  return _check_int_array(name, x, batch_shape).reshape(-1)
-
-
-def _check_per_token(name, x, batch_shape, length):
-  """int [*B, length] -> int32 [prod(B), length]."""
-  return _check_int_array(name, x, batch_shape + (length,)).reshape(-1, length)
-
-
-def check_non_negative(name, x):
-  """Rejects negative lengths when they are known (not traced) values.
-
-  Traced negative lengths cannot be detected; they mean "all padding".
-  """
-  if x is None or isinstance(x, jax.core.Tracer):
-    return
-  values = np.asarray(x)
-  if np.issubdtype(values.dtype, np.integer) and np.any(values < 0):
-    raise ValueError(f"{name} must be non-negative, got {name}={values}.")
-
-
-def check_window(local_window_size):
-  if local_window_size is None:
-    return None
-  w = local_window_size
-  if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
-    w = (int(w), int(w))
-  if not isinstance(w, (tuple, list)) or len(w) != 2:
-    raise ValueError(
-        "local_window_size must be an int or a (left, right) pair, got "
-        f"{local_window_size=}."
-    )
-  sides = []
-  for side in w:
-    if side is None:
-      sides.append(None)
-    elif isinstance(side, (int, np.integer)) and not isinstance(side, bool):
-      if side < 0:
-        raise ValueError(
-            f"local_window_size sides must be >= 0, got {local_window_size=}."
-        )
-      sides.append(int(side))
-    else:
-      raise ValueError(
-          "local_window_size sides must be ints or None, got "
-          f"{local_window_size=}."
-      )
-  return None if sides == [None, None] else tuple(sides)
-
-
-def check_static_float(name, x, positive=False):
-  if x is None:
-    return None
-  if isinstance(x, jax.core.Tracer):
-    raise TypeError(f"{name} must be a static Python float, got a tracer.")
-  try:
-    value = float(x)
-  except (TypeError, ValueError):
-    raise TypeError(
-        f"{name} must be a float, got {type(x).__name__}.") from None
-  if not math.isfinite(value) or (positive and value <= 0):
-    raise ValueError(f"{name} must be finite{' and > 0' if positive else ''},"
-                     f" got {name}={value}.")
-  return value
-
-
-def check_dropout(rate, rng):
-  """(rate, rng as an array or None): the static rate in [0, 1); an rng
-  (PRNG key or integer seed) is required when rate > 0."""
-  rate = check_static_float("dropout_rate", rate) or 0.0
-  if not 0.0 <= rate < 1.0:
-    raise ValueError(f"dropout_rate must be in [0, 1), got {rate}.")
-  if rate == 0.0:
-    return 0.0, None
-  if rng is None:
-    raise ValueError(
-        f"dropout_rate={rate} needs dropout_rng (a PRNG key or an integer "
-        "seed).")
-  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
-    rng = np.uint32(int(rng) & 0xFFFFFFFF)
-  return rate, rng
-
-
-def check_precision(precision) -> jax.lax.Precision:
-  """`precision=` as a `jax.lax.Precision`, with JAX's names for its levels.
-
-  None follows `jax.default_matmul_precision`, read now (outside any jit of
-  ours); when that is unset too, DEFAULT, as for `jnp.dot`.
-  """
-  if precision is None:
-    config = jax.config.jax_default_matmul_precision
-    try:
-      return check_precision(config or "default")
-    except ValueError:
-      raise ValueError(
-          "precision=None follows jax_default_matmul_precision, which is a "
-          f"dot algorithm ({config!r}) that flash_attention does not "
-          "support; pass precision= explicitly."
-      ) from None
-  if isinstance(precision, jax.lax.Precision):
-    return precision
-  if not isinstance(precision, str):
-    raise TypeError(
-        "precision must be None, a jax.lax.Precision or its name, got "
-        f"{precision=}."
-    )
-  try:
-    # JAX's table: "bfloat16" and "fastest" are DEFAULT, "tensorfloat32" and
-    # "bfloat16_3x" HIGH, "float32" HIGHEST.
-    return jax.lax.Precision(precision.lower())
-  except ValueError:
-    raise ValueError(
-        "precision must be 'default', 'high', 'highest', 'bfloat16', "
-        "'tensorfloat32', 'float32', 'fastest', 'bfloat16_3x' or a "
-        f"jax.lax.Precision, got {precision=}."
-    ) from None
-
-
-def _check_dense(name, x, batch_shape, nts):
-  """bias/mask broadcastable to [*B, N, T, S] -> 4-D [1 or prod(B), ...]."""
-  if x is None:
-    return None
-  x = jnp.asarray(x)
-  full = batch_shape + nts
-  if x.ndim > len(full):
-    raise ValueError(
-        f"{name} must be broadcastable to [*B, N, T, S]={full}, got "
-        f"{x.shape=}.")
-  x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
-  for got, want in zip(x.shape, full):
-    if got not in (1, want):
-      raise ValueError(
-          f"{name} must be broadcastable to [*B, N, T, S]={full}, got "
-          f"{x.shape=}."
-      )
-  rows = x.shape[:len(batch_shape)]
-  if math.prod(rows) == 1:  # Shared by the whole batch: keep it so.
-    return x.reshape((1,) + x.shape[len(batch_shape):])
-  x = jnp.broadcast_to(x, batch_shape + x.shape[len(batch_shape):])
-  return x.reshape((-1,) + x.shape[len(batch_shape):])
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Call:
   """One canonical attention call: what every backend receives.
@@ -285,19 +140,6 @@ class Call:
     """Results [B, T, ...] back to the public call's [*B, T, ...]."""
     return (out.reshape(self.batch_shape + out.shape[1:]),
             lse.reshape(self.batch_shape + lse.shape[1:]))
-
-
-def check_bias_and_mask(bias, mask, batch_shape, nts):
-  """Validates bias (float) and mask (bool), each broadcastable to
-  [*B, *nts]; returns them 4-D with the batch dims folded (1 if shared)."""
-  bias = _check_dense("bias", bias, batch_shape, nts)
-  if bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating):
-    raise TypeError(f"bias must be a float array, got {bias.dtype=}.")
-  mask = _check_dense("mask", mask, batch_shape, nts)
-  if mask is not None and mask.dtype != jnp.bool_:
-    raise TypeError(f"mask must be a bool array (True = attend), got "
-                    f"{mask.dtype=}.")
-  return bias, mask
 
 
 def canonicalize(
@@ -382,19 +224,19 @@ def canonicalize(
       bias, mask, batch_shape, (n, t, bias_key_length or s))
   dropout_rate, dropout_rng = check_dropout(dropout_rate, dropout_rng)
 
-  q_len = _check_lengths("query_seq_lengths", query_seq_lengths, batch_shape)
-  kv_len = _check_lengths(
+  q_len = check_lengths("query_seq_lengths", query_seq_lengths, batch_shape)
+  kv_len = check_lengths(
       "key_value_seq_lengths", key_value_seq_lengths, batch_shape)
 
   if query_positions is None:
     q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   else:
-    q_pos = _check_per_token(
+    q_pos = check_per_token(
         "query_positions", query_positions, batch_shape, t)
   if key_positions is None:
     kv_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   else:
-    kv_pos = _check_per_token("key_positions", key_positions, batch_shape, s)
+    kv_pos = check_per_token("key_positions", key_positions, batch_shape, s)
 
   q_seg = kv_seg = None
   if segment_ids is not None:
@@ -403,8 +245,8 @@ def canonicalize(
           "segment_ids must be pallas_fa.SegmentIds(q=..., kv=...), got "
           f"{type(segment_ids).__name__}."
       )
-    q_seg = _check_per_token("segment_ids.q", segment_ids.q, batch_shape, t)
-    kv_seg = _check_per_token(
+    q_seg = check_per_token("segment_ids.q", segment_ids.q, batch_shape, t)
+    kv_seg = check_per_token(
         "segment_ids.kv", segment_ids.kv, batch_shape, s)
   q_seg = masking.padding_segments(q_seg, q_len, t, masking.Q_PAD_SEGMENT)
   kv_seg = masking.padding_segments(kv_seg, kv_len, s, masking.KV_PAD_SEGMENT)
@@ -600,6 +442,17 @@ def flash_attention(
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
       rng, **static)
   return (out, lse) if return_residual else out
+
+
+def clear_cache() -> None:
+  """Drops `flash_attention`'s compiled traces.
+
+  The backend is chosen while a call is traced, so a later call with the
+  same shapes and static arguments reuses the earlier choice. Clearing the
+  cache makes the next call choose again: needed after something that choice
+  depends on changes in-process, such as `get_backend`'s answer.
+  """
+  _flash_attention.clear_cache()
 
 
 @functools.partial(

@@ -112,7 +112,7 @@ def _declining_backend(name):
 
 def _fresh_traces():
   # Dispatch happens at trace time; drop cached traces so it runs again.
-  api._flash_attention.clear_cache()
+  api.clear_cache()
 
 
 def test_explicit_implementation_never_falls_back(monkeypatch):
