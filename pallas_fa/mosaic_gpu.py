@@ -256,8 +256,15 @@ def default_block_sizes(
 # --------------------------------------------------------------------------
 
 
-def _interpret(bs: MosaicGpuBlockSizes | None) -> bool:
-  """Whether to interpret; raises NotImplementedError if neither way works."""
+def runs_interpreted(bs: MosaicGpuBlockSizes | None) -> bool:
+  """Whether a call with block sizes `bs` runs in the Mosaic GPU interpreter
+  (True) or as compiled Hopper kernels (False), on this machine or the
+  current `gpu_target.compile_for` target.
+
+  Raises:
+    NotImplementedError: neither way works here (no interpreter in this jax,
+      or compiled kernels asked for without an sm90 target).
+  """
   wanted = None if bs is None else bs.interpret
   target = gpu_target.current()
   if wanted is None:
@@ -285,8 +292,9 @@ def _num_ctas(bs: MosaicGpuBlockSizes, interpret: bool, units: int) -> int:
   return max(1, min(int(sms), units))
 
 
-def _cuda_runtime_version() -> int | None:
-  """The CUDA runtime version (e.g. 12090), or None when unknown."""
+def cuda_runtime_version() -> int | None:
+  """The CUDA runtime version (e.g. 12090), or None when unknown; `check`
+  refuses masked compiled kernels on runtimes whose ptxas miscompiles them."""
   try:
     versions = importlib.import_module("jax._src.lib").cuda_versions
     return int(versions.cuda_runtime_get_version())
@@ -329,8 +337,8 @@ def _check(q, k, v, bias, info, params):
     raise NotImplementedError("mosaic_gpu does not take a bias.")
   if mask is not None:
     raise NotImplementedError("mosaic_gpu does not take a dense mask.")
-  if not _interpret(params.block_sizes):
-    version = _cuda_runtime_version()
+  if not runs_interpreted(params.block_sizes):
+    version = cuda_runtime_version()
     lo, hi = _MISCOMPILING_CUDA
     bs = BACKEND.block_sizes(params, q, k, info)
     if version is not None and lo <= version < hi and _needs_masking(
@@ -472,7 +480,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
 def _forward(q, k, v, bias, info, params):
   del bias  # Refused by _check.
   bs = BACKEND.block_sizes(params, q, k, info)
-  return forward_impl(q, k, v, info, params, interpret=_interpret(bs))
+  return forward_impl(q, k, v, info, params, interpret=runs_interpreted(bs))
 
 
 def forward_impl(q, k, v, info, params, *, interpret: bool):
@@ -506,7 +514,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   del bias  # Refused by _check.
   bs = BACKEND.block_sizes(params, q, k, info)
   return backward_impl(
-      q, k, v, info, params, lse, dout, delta, interpret=_interpret(bs))
+      q, k, v, info, params, lse, dout, delta, interpret=runs_interpreted(bs))
 
 
 def backward_impl(q, k, v, info, params, lse, dout, delta, *,

@@ -170,7 +170,7 @@ def fetch_schedule(kinds: Array) -> Array:
   return words.reshape(-1).astype(jnp.int32)
 
 
-class _Layout(layout.Padded):
+class Layout(layout.Padded):
   """One pass's inputs, padded to whole tiles, in the kernels' HBM layout."""
 
   def __init__(self, q, k, v, bias, info, params, block_q, block_kv):
@@ -267,7 +267,7 @@ def _sublane_rows(x):
 
 def _forward(q, k, v, bias, info, params):
   bs = BACKEND.block_sizes(params, q, k, info)
-  lay = _Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
+  lay = Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
   out, lse = kernel.forward(
       lay.static, fetch_schedule(lay.kinds), tuple(lay.names), lay.operands,
       lay.dtype)
@@ -276,7 +276,7 @@ def _forward(q, k, v, bias, info, params):
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
   bs = BACKEND.block_sizes(params, q, k, info)
-  lay = _Layout(q, k, v, bias, info, params, bs.block_q_bwd, bs.block_kv_bwd)
+  lay = Layout(q, k, v, bias, info, params, bs.block_q_bwd, bs.block_kv_bwd)
   names = tuple(lay.names) + ("do", "lse", "delta")
   operands = lay.operands + [
       lay.queries(dout),

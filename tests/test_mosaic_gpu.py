@@ -162,8 +162,8 @@ def test_check_accepts_interpreter_on_cpu(monkeypatch):
 
 
 def test_check_refuses_masked_kernels_on_miscompiling_cuda(monkeypatch):
-  monkeypatch.setattr(mosaic_gpu, "_interpret", lambda bs: False)
-  monkeypatch.setattr(mosaic_gpu, "_cuda_runtime_version", lambda: 12085)
+  monkeypatch.setattr(mosaic_gpu, "runs_interpreted", lambda bs: False)
+  monkeypatch.setattr(mosaic_gpu, "cuda_runtime_version", lambda: 12085)
   gen = rng("cuda-version")
   bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
   for case, refused in [
@@ -180,18 +180,19 @@ def test_check_refuses_masked_kernels_on_miscompiling_cuda(monkeypatch):
         mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
     else:
       mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
-  monkeypatch.setattr(mosaic_gpu, "_cuda_runtime_version", lambda: 12091)
+  monkeypatch.setattr(mosaic_gpu, "cuda_runtime_version", lambda: 12091)
   mosaic_gpu.BACKEND.check(q, k, v, bias, info, params)
 
 
 def test_builds_for_hopper_targets_only():
   """An ahead-of-time sm90 target builds compiled kernels; sm80 declines."""
   with gpu_target.compile_for(gpu_target.H100):
-    assert not mosaic_gpu._interpret(None)
+    assert not mosaic_gpu.runs_interpreted(None)
     assert pallas_fa.api.platform() == "gpu"
   with gpu_target.compile_for(gpu_target.A100):
     with pytest.raises(NotImplementedError, match="sm90"):
-      mosaic_gpu._interpret(mosaic_gpu.MosaicGpuBlockSizes(interpret=False))
+      mosaic_gpu.runs_interpreted(
+          mosaic_gpu.MosaicGpuBlockSizes(interpret=False))
 
 
 def test_automatic_choice_never_interprets_on_cpu():

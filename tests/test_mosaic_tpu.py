@@ -135,7 +135,7 @@ def test_layouts():
   q, k, v, bias, info, params = _canonical(case)
 
   def layout(q, k, v, bias, info):
-    lay = mosaic_tpu._Layout(q, k, v, bias, info, params, 128, 128)
+    lay = mosaic_tpu.Layout(q, k, v, bias, info, params, 128, 128)
     return dict(zip(lay.names, lay.operands, strict=True)), lay.kinds
 
   ops, kinds = jax.jit(layout)(q, k, v, bias, info)
@@ -175,7 +175,7 @@ def test_aligned_inputs_are_not_copied():
   """H % 128 == 0 and whole tiles: the kernel layout is a free reshape."""
   case = Case(b=1, t=256, s=384, n=2, k=1, h=128)
   q, k, v, bias, info, params = _canonical(case)
-  lay = mosaic_tpu._Layout(q, k, v, bias, info, params, 128, 128)
+  lay = mosaic_tpu.Layout(q, k, v, bias, info, params, 128, 128)
   assert lay.names == ["q", "k", "v"]  # No masking inputs at all.
   jaxpr = str(jax.make_jaxpr(lay.queries)(q))
   assert "pad" not in jaxpr and "transpose" not in jaxpr
@@ -307,7 +307,7 @@ def _skip_inputs(name):
 def test_forward_visits_only_needed_tiles(name, monkeypatch, fresh_caches):
   case, q, k, v, kw = _skip_inputs(name)
   _, _, _, _, info, params = _canonicalise(q, k, v, kw)
-  lay = mosaic_tpu._Layout(q, k, v, None, info, params, TILE, TILE)
+  lay = mosaic_tpu.Layout(q, k, v, None, info, params, TILE, TILE)
   ideal = _ideal_tiles(info, case.k, lay.tp, lay.sp)
   # Compute: exactly the tiles with a visible element run the kernel body.
   visited = np.asarray(lay.kinds) != masking.EMPTY
@@ -338,7 +338,7 @@ def test_backward_visits_only_needed_tiles(monkeypatch, fresh_caches):
   kw.update(_segment_kw(case, [150, 234]))
   _, _, _, _, info, params = _canonicalise(q, k, v, kw)
   ideal = _ideal_tiles(info, case.k, 384, 384)  # [1, 3, 3]
-  names = mosaic_tpu._Layout(q, k, v, None, info, params, TILE, TILE).names
+  names = mosaic_tpu.Layout(q, k, v, None, info, params, TILE, TILE).names
   names = names + ["do", "lse", "delta"]
 
   log = _DmaLog(monkeypatch)
