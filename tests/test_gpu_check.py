@@ -1,4 +1,5 @@
-"""Tests of scripts/gpu_check.py: its parsers and a whole --dry-run."""
+"""Tests of scripts/gpu_check.py (and scripts/gpu/): its parsers and a whole
+--dry-run."""
 
 import importlib.metadata
 import json
@@ -47,7 +48,7 @@ _JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 
 
 def test_parse_junit(gpu_check):
-  got = gpu_check.parse_junit(_JUNIT)
+  got = gpu_check.report.parse_junit(_JUNIT)
   assert {k: got[k] for k in (
       "tests", "passed", "failed", "errors", "skipped", "timeouts",
       "crashed", "interrupted")} == dict(
@@ -64,7 +65,7 @@ def test_parse_junit(gpu_check):
   # A bare <testsuite> root (older pytest) parses the same way.
   suite = _JUNIT.split("<testsuites name=\"pytest tests\">")[1].split(
       "</testsuites>")[0]
-  assert gpu_check.parse_junit(suite)["passed"] == 2
+  assert gpu_check.report.parse_junit(suite)["passed"] == 2
 
 
 def test_summarise_compile(gpu_check):
@@ -78,14 +79,14 @@ def test_summarise_compile(gpu_check):
        "variant": "causal", "target": "h100",
        "error": "ValueError: smem\nmore", "kernels": []},
   ]}
-  got = gpu_check.summarise_compile(report)
+  got = gpu_check.report.summarise_compile(report)
   assert {k: got[k] for k in ("cases", "kernels", "problems",
                               "spilling_kernels")} == dict(
       cases=2, kernels=2, problems=2, spilling_kernels=1)
   assert got["failed"] == [
       "h100 triton 64 bfloat16 plain flash_bwd_dq: spills",
       "h100 mosaic_gpu 256 bfloat16 causal: ValueError: smem"]
-  assert gpu_check.summarise_compile({"unexpected": 1}) == {}
+  assert gpu_check.report.summarise_compile({"unexpected": 1}) == {}
 
 
 @pytest.mark.parametrize("exit_code, message, status", [
@@ -107,10 +108,10 @@ def test_compile_step_exit_status(gpu_check, monkeypatch, tmp_path,
       print({message!r})
       sys.exit({exit_code})
   """))
-  monkeypatch.setattr(gpu_check, "COMPILE_CHECK", fake)
-  ctx = gpu_check.Context(out=tmp_path, dry_run=False, test_timeout=10,
-                          workers=0)
-  record = gpu_check.step_compile(ctx, timeout=60)
+  monkeypatch.setattr(gpu_check.steps, "COMPILE_CHECK", fake)
+  ctx = gpu_check.steps.Context(out=tmp_path, dry_run=False,
+                                test_timeout=10, workers=0)
+  record = gpu_check.steps.step_compile(ctx, timeout=60)
   assert record["status"] == status, record
   assert record["returncode"] == exit_code
   assert record["problems"] == (1 if exit_code else 0)
@@ -121,7 +122,7 @@ def test_compile_step_exit_status(gpu_check, monkeypatch, tmp_path,
 
 def test_stopped_at_timeout(gpu_check, tmp_path):
   log = tmp_path / "sleep.log"
-  result = gpu_check.run_logged(
+  result = gpu_check.runner.run_logged(
       [sys.executable, "-c", "import time; print('hi', flush=True); "
        "time.sleep(60)"], log_path=log, timeout=1)
   assert result.timed_out and result.duration_s < 15

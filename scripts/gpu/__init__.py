@@ -1,0 +1,1 @@
+"""The parts of scripts/gpu_check.py: runner, environment, steps and report."""
