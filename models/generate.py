@@ -2,8 +2,9 @@
 
 The prompt is prefilled in one call, then one token is decoded per step inside
 a single jitted `fori_loop`; greedy (temperature 0) or temperature / top-k
-sampling. `show_samples` prints generations on a built-in dataset (and scores
-them on the synthetic tasks).
+sampling; the cache is contiguous, or paged with `page_size=`. `show_samples`
+prints generations on a built-in dataset (and scores them on the synthetic
+tasks).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def generate(
     top_k: int | None = None,
     cache_length: int | None = None,
     prompt_lengths: Array | None = None,
+    page_size: int | None = None,
     return_logits: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Continues `prompt` by `max_new_tokens` tokens.
@@ -113,6 +115,9 @@ def generate(
     prompt_lengths: int [B] in [1, P], each prompt's real length (a batch
       of prompts of different lengths decodes together, each continuing
       from its own end); default P for all.
+    page_size: decode with a paged cache of pages this long (each row owns
+      ceil(cache_length / page_size) pages, see
+      `pallas_fa.modules.MultiHeadAttention.init_cache`); None = contiguous.
     return_logits: also return the logits each token was drawn from.
 
   Returns:
@@ -121,7 +126,7 @@ def generate(
     the prompt and the generated tokens.
 
   Raises:
-    ValueError: bad shapes or lengths.
+    ValueError: bad shapes, lengths or page_size.
   """
   prompt = jnp.asarray(prompt, jnp.int32)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
@@ -148,7 +153,7 @@ def generate(
         f"prompt_lengths must be in [1, P={p}], got {prompt_lengths}.")
   graphdef, state = nnx.split(model)
   decoder = nnx.merge(graphdef, state)  # A copy: the cache stays off `model`.
-  decoder.init_cache(prompt.shape[0], cache_length)
+  decoder.init_cache(prompt.shape[0], cache_length, page_size=page_size)
   graphdef, state = nnx.split(decoder)
   rng = jax.random.key(0) if rng is None else rng
   return _generate(

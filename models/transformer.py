@@ -97,12 +97,27 @@ class Transformer(nnx.Module):
     x = self.final_norm(x)
     return self.embed.attend(x).astype(jnp.float32)
 
-  def init_cache(self, batch_size: int, max_length: int | None = None,
-                 dtype: Any = None) -> None:
-    """Allocates every layer's key/value cache (default length cfg.max_len)."""
+  def init_cache(
+      self,
+      batch_size: int,
+      max_length: int | None = None,
+      dtype: Any = None,
+      *,
+      page_size: int | None = None,
+      num_pages: int | None = None,
+      block_table: Array | None = None,
+  ) -> None:
+    """Allocates every layer's key/value cache (default length cfg.max_len).
+
+    With `page_size` the caches are paged, as in
+    `pallas_fa.modules.MultiHeadAttention.init_cache`: each layer has its
+    own pool of `num_pages` pages, and all layers share one block table.
+    """
     max_length = max_length or self.cfg.max_len
     for block in self.blocks:
-      block.attn.init_cache(batch_size, max_length, dtype)
+      block.attn.init_cache(
+          batch_size, max_length, dtype, page_size=page_size,
+          num_pages=num_pages, block_table=block_table)
 
 
 def count_params(model: nnx.Module) -> int:

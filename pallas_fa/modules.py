@@ -19,7 +19,8 @@ on positions is then exactly the bottom-right alignment of a full forward, so
 decoding reproduces the full forward's outputs. Calls of a few tokens go
 through `pallas_fa.decode_attention` (split-KV, GQA-packed) when the default
 attention function runs there; longer ones (the prompt) through
-`flash_attention`.
+`flash_attention`. The cache is contiguous or, with
+`init_cache(..., page_size=...)`, paged (`pallas_fa.kv_cache`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from flax import nnx
 
 from pallas_fa import api
 from pallas_fa import decode as decode_lib
+from pallas_fa import kv_cache
 from pallas_fa import masking
 
 Array = Any
@@ -101,6 +103,7 @@ class MultiHeadAttention(nnx.Module):
     >>> layer.init_cache(batch_size, max_length)
     >>> y = layer(prompt, decode=True)           # prefill, then
     >>> y = layer(next_token, decode=True)       # one token at a time
+    >>> layer.init_cache(batch_size, max_length, page_size=16)  # paged
   """
 
   def __init__(
@@ -219,19 +222,58 @@ class MultiHeadAttention(nnx.Module):
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
+    self.block_table = nnx.data(None)
 
   def init_cache(
-      self, batch_size: int, max_length: int, dtype: Any = None
+      self,
+      batch_size: int,
+      max_length: int,
+      dtype: Any = None,
+      *,
+      page_size: int | None = None,
+      num_pages: int | None = None,
+      block_table: Array | None = None,
   ) -> None:
     """Allocates an empty key/value cache for `decode=True` calls.
 
+    Contiguous by default: `cached_key`/`cached_value` are
+    `[batch_size, max_length, K, H]`. With `page_size` they are a pool of
+    pages `[num_pages, page_size, K, H]` and `block_table` (a cache variable,
+    int32 `[batch_size, ceil(max_length / page_size)]`) names the page that
+    holds entries `[i * page_size, (i + 1) * page_size)` of row b, the
+    layout `pallas_fa.decode_attention` reads. Decoding writes each new
+    key/value straight into its page; calls of a few tokens read the pages
+    through the block table, longer ones (a prompt) gather each row's pages
+    into a contiguous copy for `flash_attention`. Every row owns its pages
+    for the life of the cache (static allocation, no page shared).
+
     Args:
       batch_size: B of the decoding calls.
-      max_length: the most positions (prompt + generated) the cache holds.
+      max_length: the most positions (prompt + generated) the cache holds
+        (a paged cache rounds it up to whole pages).
       dtype: cache dtype; default the computation dtype (else float32).
+      page_size: entries per page; None for a contiguous cache.
+      num_pages: pages in the pool (paged only); default
+        batch_size * ceil(max_length / page_size).
+      block_table: the pages of each row, int `[batch_size, ceil(max_length
+        / page_size)]`, distinct, in [0, num_pages) (paged only); default
+        row b owns pages b, b + batch_size, b + 2 * batch_size, ...
+
+    Raises:
+      ValueError: a bad page_size, num_pages or block_table, or either of
+        the last two without page_size.
     """
     dtype = dtype or self.dtype or jnp.float32
-    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
+    if page_size is None and num_pages is None and block_table is None:
+      shape = (batch_size, max_length)
+      self.block_table = nnx.data(None)
+    else:
+      page_size, num_pages, block_table = kv_cache.check_paged_config(
+          batch_size, max_length, page_size=page_size, num_pages=num_pages,
+          block_table=block_table)
+      shape = (num_pages, page_size)
+      self.block_table = nnx.Cache(block_table)
+    shape += (self.num_kv_heads, self.head_dim)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
@@ -331,18 +373,22 @@ class MultiHeadAttention(nnx.Module):
     k = self.key(inputs)
     v = self.value(inputs)
     b, t = q.shape[:2]
-    cache_b, max_length = self.cached_key.shape[:2]
+    cache_b = self.cache_index.shape[0]
     if b != cache_b:
       raise ValueError(
           f"decode batch {b} differs from the cache's {cache_b} "
           f"({inputs.shape=}, cache shape {self.cached_key.shape})."
       )
+    table = None if self.block_table is None else self.block_table[...]
+    # Entries a row can hold: whole pages for a paged cache.
+    capacity = self.cached_key.shape[1] * (
+        1 if table is None else table.shape[1])
     index = self.cache_index[...]  # [B]
     if not isinstance(index, jax.core.Tracer) and int(index.max()) + t > (
-        max_length):
+        capacity):
       raise ValueError(
-          f"cache overflow: {int(index.max())} cached + {t} new > "
-          f"{max_length=}."
+          f"cache overflow: {int(index.max())} cached + {t} new > the "
+          f"cache's {capacity} entries per row."
       )
     if new_lengths is None:
       new_lengths = jnp.full((b,), t, jnp.int32)
@@ -357,15 +403,9 @@ class MultiHeadAttention(nnx.Module):
     if self.rope is not None:
       q = self.rope(q, positions)
       k = self.rope(k, positions)
-    dtype = self.cached_key.dtype
-
-    def write(cache, x):  # Each row at its own index.
-      return jax.vmap(
-          lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0)
-      )(cache, x.astype(dtype), index)
-
-    keys = write(self.cached_key[...], k)
-    values = write(self.cached_value[...], v)
+    # Each row at its own index (into its own pages when paged).
+    keys = kv_cache.write(self.cached_key[...], k, index, table)
+    values = kv_cache.write(self.cached_value[...], v, index, table)
     self.cached_key[...] = keys
     self.cached_value[...] = values
     self.cache_index[...] = index + new_lengths.astype(jnp.int32)
@@ -375,12 +415,17 @@ class MultiHeadAttention(nnx.Module):
     # short row sees garbage-free keys only up to itself; its output is
     # never used.)
     lengths = index + t
+    by_decode_attention = self._uses_decode_attention(t)
+    if table is not None and not by_decode_attention:
+      # flash_attention wants contiguous keys: copy each row's pages.
+      keys = kv_cache.gather(keys, table)
+      values = kv_cache.gather(values, table)
     keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-    if self._uses_decode_attention(t):
+    if by_decode_attention:
       out = decode_lib.decode_attention(
-          q, keys, values, lengths, query_positions=positions,
-          scale=self.scale, is_causal=self.is_causal,
-          local_window_size=self.local_window_size,
+          q, keys, values, lengths, block_table=table,
+          query_positions=positions, scale=self.scale,
+          is_causal=self.is_causal, local_window_size=self.local_window_size,
           logits_soft_cap=self.logits_soft_cap, precision=self.precision,
           implementation=self.implementation)
     else:

@@ -165,6 +165,23 @@ def test_generate_mixed_prompt_lengths_matches_each_full_forward(impl):
     generate.generate(model, prompt, 2, prompt_lengths=jnp.array([0, 1, 1, 1]))
 
 
+def test_generate_with_paged_cache_matches_contiguous():
+  """An 18-token prompt prefills through flash_attention on the gathered
+  pages, the steps read the pages in decode_attention; pages of 5 divide
+  neither the prompt nor the cache."""
+  model = _model(_cfg(), _seed())
+  lengths = jnp.asarray([18, 9, 13])
+  prompt = _tokens(3, 18)
+  run = functools.partial(generate.generate, model, prompt, 6,
+                          prompt_lengths=lengths, return_logits=True)
+  new, logits = run(page_size=5)
+  want_new, want_logits = run()
+  np.testing.assert_array_equal(new, want_new)
+  np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="page_size"):
+    run(page_size=0)
+
+
 # --------------------------------------------------------------------------
 # Built-in data.
 

@@ -336,6 +336,90 @@ def test_mha_decode_equals_full_forward(tiles):
     layer(x[:, :1], decode=True, positions=jnp.zeros((b, 1), jnp.int32))
 
 
+# A 7-token prompt (rows of 7, 3 and 5 real tokens) into pages of 4 under a
+# shuffled block table with spare pages: pages straddle the prompt's end and
+# the steps cross page boundaries. Tiles given: every call gathers the pages
+# for flash_attention; none: every call reads them in decode_attention.
+@pytest.mark.parametrize("tiles", [_TILES, None])
+def test_mha_paged_decode_equals_contiguous_and_full_forward(tiles):
+  b, p, new, page_size = 3, 7, 5, 4
+  lengths = np.array([7, 3, 5])
+  x = _normal((b, p + new, 32))
+  paged = _mha(seed=_seed(), implementation="chunked", block_sizes=tiles)
+  contiguous = nnx.clone(paged)
+  max_pages = -(-(p + new) // page_size)
+  num_pages = b * max_pages + 2
+  table = _RNG.permutation(num_pages)[:b * max_pages].reshape(b, max_pages)
+  paged.init_cache(b, p + new, page_size=page_size, num_pages=num_pages,
+                   block_table=jnp.asarray(table))
+  contiguous.init_cache(b, p + new)
+  assert paged.cached_key.shape == (num_pages, page_size, 2, 8)
+  for layer in (paged, contiguous):  # Unwritten entries must never leak.
+    for cache in (layer.cached_key, layer.cached_value):
+      cache[...] = jnp.full(cache.shape, jnp.nan)
+
+  step = nnx.jit(lambda m, x, n: m(x, decode=True, decode_lengths=n))
+  x_np = np.asarray(x)
+
+  def decode(layer):
+    """Each row's outputs: its real prompt tokens, then `new` steps."""
+    prefill = step(layer, x[:, :p], jnp.asarray(lengths))
+    steps = [step(layer, x_np[np.arange(b), lengths + j][:, None],
+                  jnp.ones((b,), jnp.int32)) for j in range(new)]
+    steps = np.concatenate(steps, axis=1)
+    return [np.concatenate([prefill[row, :n], steps[row]])
+            for row, n in enumerate(lengths)]
+
+  got, want = decode(paged), decode(contiguous)
+  for row, n in enumerate(lengths):
+    reference = _np_mha(paged, x[row:row + 1, :n + new])[0]
+    np.testing.assert_allclose(got[row], reference, **_TOL)
+    np.testing.assert_allclose(got[row], want[row], **_TOL)
+  np.testing.assert_array_equal(paged.cache_index[...], lengths + new)
+  # Row b's entry i sits in page table[b, i // page_size] at i % page_size;
+  # the spare pages were never written.
+  pages = np.asarray(paged.cached_key[...])
+  rows = pages[table].reshape(b, max_pages * page_size, 2, 8)
+  dense = np.asarray(contiguous.cached_key[...])
+  for row, n in enumerate(lengths):
+    np.testing.assert_array_equal(rows[row, :n + new], dense[row, :n + new])
+  spare = np.setdiff1d(np.arange(num_pages), table)
+  assert np.isnan(pages[spare]).all()
+  with pytest.raises(ValueError, match="overflow"):
+    paged(x[:, :2], decode=True)
+
+
+def test_mha_paged_cache_default_table_and_validation():
+  layer = _mha()
+  layer.init_cache(2, 10, page_size=4)
+  assert layer.cached_value.shape == (6, 4, 2, 8)
+  np.testing.assert_array_equal(layer.block_table[...],
+                                [[0, 2, 4], [1, 3, 5]])
+  layer.init_cache(2, 10)
+  assert layer.block_table is None
+  assert layer.cached_key.shape == (2, 10, 2, 8)
+  table = lambda *rows: jnp.asarray(rows, jnp.int32)
+  bad = [
+      (dict(page_size=0), "page_size"),
+      (dict(page_size=2.5), "page_size"),
+      (dict(num_pages=6), "num_pages"),
+      (dict(block_table=table([0, 1, 2], [3, 4, 5])), "block_table"),
+      (dict(page_size=4, num_pages=5), "num_pages"),
+      (dict(page_size=4, block_table=table([0, 1], [2, 3])), "block_table"),
+      (dict(page_size=4, block_table=jnp.zeros((2, 3))), "block_table"),
+      (dict(page_size=4, block_table=table([0, 1, 2], [3, 4, 6])),
+       "block_table"),
+      (dict(page_size=4, num_pages=9, block_table=table([0, 1, 2],
+                                                        [3, 4, -1])),
+       "block_table"),
+      (dict(page_size=4, block_table=table([0, 1, 2], [2, 3, 4])),
+       "block_table"),
+  ]
+  for kwargs, name in bad:
+    with pytest.raises(ValueError, match=name):
+      layer.init_cache(2, 10, **kwargs)
+
+
 def test_mha_decode_without_cache_raises():
   with pytest.raises(ValueError, match="init_cache"):
     _mha()(jnp.ones((1, 1, 32)), decode=True)

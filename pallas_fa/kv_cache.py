@@ -1,0 +1,153 @@
+"""Key/value cache storage for decoding: contiguous rows or a paged pool.
+
+A contiguous cache is `[B, max_length, K, H]`, row b holding sequence b. A
+paged cache is a pool of pages `[num_pages, page_size, K, H]` plus a block
+table `[B, max_pages]`: page `block_table[b, i]` holds cache indices
+`[i * page_size, (i + 1) * page_size)` of sequence b (the layout
+`pallas_fa.decode_attention` reads). New tokens are scattered into their
+pages; nothing here copies the whole pool.
+
+The allocation is static: every row owns `max_pages` pages for the life of
+the cache, and no page is shared (a write would clobber the other owner).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any
+
+
+def _check_positive_int(name: str, x: Any) -> int:
+  if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1:
+    raise ValueError(f"{name} must be a positive int, got {name}={x!r}.")
+  return int(x)
+
+
+def num_pages_per_row(max_length: int, page_size: int) -> int:
+  """Pages a row needs to hold `max_length` cache entries."""
+  return -(-max_length // page_size)
+
+
+def default_block_table(batch_size: int, max_pages: int) -> Array:
+  """Row b owns pages `b, b + B, b + 2B, ...`: int32 [B, max_pages].
+
+  The pages of a row are strided through the pool, as an allocator that
+  hands out pages while all rows grow in lockstep would place them; no row
+  sees the identity mapping unless B = 1.
+  """
+  slots = np.arange(max_pages, dtype=np.int32)[None, :]
+  rows = np.arange(batch_size, dtype=np.int32)[:, None]
+  return jnp.asarray(slots * batch_size + rows)
+
+
+def check_paged_config(
+    batch_size: int,
+    max_length: int,
+    *,
+    page_size: Any,
+    num_pages: Any = None,
+    block_table: Any = None,
+) -> tuple[int, int, Array]:
+  """Validates a paged cache's configuration.
+
+  Args:
+    batch_size: B.
+    max_length: entries each row must hold.
+    page_size: entries per page.
+    num_pages: pages in the pool; default B * ceil(max_length / page_size).
+    block_table: int [B, ceil(max_length / page_size)] of distinct pages in
+      [0, num_pages); default `default_block_table`.
+
+  Returns:
+    (page_size, num_pages, block_table as int32).
+
+  Raises:
+    ValueError: a bad page size, pool size or block table (the message
+      names the argument).
+  """
+  if page_size is None:
+    for name, x in (("num_pages", num_pages), ("block_table", block_table)):
+      if x is not None:
+        raise ValueError(
+            f"{name} describes a paged cache and needs page_size, got "
+            f"page_size=None.")
+  batch_size = _check_positive_int("batch_size", batch_size)
+  max_length = _check_positive_int("max_length", max_length)
+  page_size = _check_positive_int("page_size", page_size)
+  max_pages = num_pages_per_row(max_length, page_size)
+  needed = batch_size * max_pages
+  if num_pages is None:
+    num_pages = needed
+  num_pages = _check_positive_int("num_pages", num_pages)
+  if block_table is None:
+    if num_pages < needed:
+      raise ValueError(
+          f"num_pages must be at least batch_size * ceil(max_length / "
+          f"page_size) = {needed} for the default block table, got "
+          f"{num_pages=}.")
+    return page_size, num_pages, default_block_table(batch_size, max_pages)
+  block_table = jnp.asarray(block_table)
+  if (not jnp.issubdtype(block_table.dtype, jnp.integer)
+      or block_table.shape != (batch_size, max_pages)):
+    raise ValueError(
+        f"block_table must be an int [batch_size, ceil(max_length / "
+        f"page_size)]={(batch_size, max_pages)} array, got "
+        f"{block_table.shape=}, {block_table.dtype=}.")
+  if not isinstance(block_table, jax.core.Tracer):
+    pages = np.asarray(block_table)
+    if pages.min() < 0 or pages.max() >= num_pages:
+      raise ValueError(
+          f"block_table entries must be pages in [0, {num_pages=}), got "
+          f"values in [{pages.min()}, {pages.max()}].")
+    if len(np.unique(pages)) != pages.size:
+      raise ValueError(
+          "block_table must name every page at most once (a page written "
+          f"by two slots would hold only the last write), got {pages}.")
+  return page_size, num_pages, block_table.astype(jnp.int32)
+
+
+def write(
+    cache: Array, new: Array, index: Array, block_table: Array | None = None
+) -> Array:
+  """Stores `new` at each row's cache indices `index[b] + arange(T)`.
+
+  Args:
+    cache: [B, max_length, K, H], or pages [num_pages, page_size, K, H]
+      with `block_table`.
+    new: [B, T, K, H] keys or values (cast to the cache's dtype).
+    index: int [B], where row b's first new entry goes.
+    block_table: int [B, max_pages] for a paged cache, else None.
+
+  Returns:
+    The updated cache. Paged: entry i of row b lands in page
+    `block_table[b, i // page_size]` at offset `i % page_size` (one scatter
+    of the new entries); entries past a row's last page are dropped.
+  """
+  new = new.astype(cache.dtype)
+  if block_table is None:
+    return jax.vmap(
+        lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0)
+    )(cache, new, index)
+  num_pages, page_size = cache.shape[:2]
+  max_pages = block_table.shape[1]
+  entry = index[:, None] + jnp.arange(new.shape[1], dtype=index.dtype)[None]
+  slot = entry // page_size  # [B, T]
+  page = jnp.take_along_axis(
+      block_table, jnp.minimum(slot, max_pages - 1), axis=1)
+  # An out-of-range page index makes the scatter skip the entry instead of
+  # clamping it onto some row's last page.
+  page = jnp.where(slot < max_pages, page, num_pages)
+  return cache.at[page, entry % page_size].set(new, mode="drop")
+
+
+def gather(pages: Array, block_table: Array) -> Array:
+  """The contiguous view [B, max_pages * page_size, K, H] of a paged cache
+  (copies every row's pages; for calls that need contiguous keys)."""
+  rows = pages[block_table]  # [B, max_pages, page_size, K, H]
+  b, max_pages, page_size = rows.shape[:3]
+  return rows.reshape(b, max_pages * page_size, *rows.shape[3:])
