@@ -116,9 +116,12 @@ TARGETS = {
 BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
-VARIANTS = ("plain", "causal", "masked", "dropout")
+VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged")
 # Variants only some backends implement (the others decline them).
-VARIANT_BACKENDS = {"dropout": ("triton",)}
+VARIANT_BACKENDS = {"dropout": ("triton",), "decode": ("triton",),
+                    "decode_paged": ("triton",)}
+# `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
+DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 HEAD_DIMS = (64, 72, 128, 256)
 
 
@@ -132,7 +135,9 @@ class Case:
     dtype: input dtype name.
     variant: "plain"; "causal"; "masked" = causal + sliding window + segment
       ids + GQA 4:1 (every masking path of the kernels at once);
-      "dropout" = causal + attention dropout (triton only).
+      "dropout" = causal + attention dropout (triton only); "decode" /
+      "decode_paged" = `decode_attention`'s forward (triton only) against
+      a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -315,6 +320,42 @@ def _tiles(case: Case, seq: int, *, heuristic: bool = False,
       dropout=case.variant == "dropout", device_kind=device_kind)
 
 
+def _decode_call(case: Case, seq: int, spec):
+  """(argument specs, forward function) of a decode case."""
+  shape = DECODE_SHAPE
+  b, h = 2, case.head_dim
+  kv, page = shape["kv_heads"], shape["page_size"]
+  args = [spec((b, shape["new_tokens"], shape["heads"], h))]
+  if case.variant == "decode_paged":
+    pages = b * seq // page
+    args += [spec((pages, page, kv, h)), spec((pages, page, kv, h)),
+             spec((b,), jnp.int32), spec((b, seq // page), jnp.int32)]
+  else:
+    args += [spec((b, seq, kv, h)), spec((b, seq, kv, h)),
+             spec((b,), jnp.int32), None]
+
+  def call(q, k, v, lengths, table):
+    return pallas_fa.decode_attention(
+        q, k, v, lengths, block_table=table, implementation=case.backend)
+
+  return args, call
+
+
+def _decode_tiles(case: Case) -> str:
+  """The decode kernel's block and head-dim tiling of a case."""
+  from pallas_fa import _triton_decode  # noqa: PLC0415
+  shape = DECODE_SHAPE
+  groups = shape["heads"] // shape["kv_heads"]
+  rows = _triton_decode.packed_rows(groups * shape["new_tokens"])
+  padded, chunk = _triton_decode.head_tiling(case.head_dim, rows)
+  block = _triton_decode.block_for(
+      head_dim=case.head_dim, groups=groups,
+      new_tokens=shape["new_tokens"], block_kv=None,
+      page_size=shape["page_size"] if case.variant == "decode_paged"
+      else None)
+  return f"rows={rows} block_kv={block} head_dim={padded}/{chunk}"
+
+
 def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
                  block_sizes: Any = None, keep: str | None = None
                  ) -> dict[str, Any]:
@@ -370,11 +411,17 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
           block_sizes=block_sizes, **kwargs)
       return out.astype(jnp.float32).sum()
 
+    call = jax.grad(loss, argnums=(0, 1, 2))
+    if case.variant.startswith("decode"):
+      args, call = _decode_call(case, seq, spec)
+
     with gpu_target.compile_for(gpu):
-      lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
-          *args).lower()
-      result["block_sizes"] = repr(
-          _tiles(case, seq) if block_sizes is None else block_sizes)
+      lowered = jax.jit(call).trace(*args).lower()
+      if case.variant.startswith("decode"):
+        result["block_sizes"] = "decode: " + _decode_tiles(case)
+      else:
+        result["block_sizes"] = repr(
+            _tiles(case, seq) if block_sizes is None else block_sizes)
       dump = keep or os.path.join(workdir, "xla")
       log = os.path.join(workdir, "compile.log")
       with _captured_output(log):
