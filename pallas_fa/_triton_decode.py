@@ -20,15 +20,20 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   divides `page_size` (so a block never straddles two pages), and block j
   of a sequence is rows [(j % per_page) * block, ...) of page
   `block_table[b, j // per_page]`. Page sizes must be multiples of 16.
-* **Head dims.** Up to 256 the head dim is padded to a power of two (one
+* **Head dims.** Up to 256 a head dim is padded to a power of two (one
   tile, `triton.ALIGN`); above, it is cut into power-of-two chunks that
-  divide it rounded up to 16 (576 = 9 x 64, 4096 = 16 x 256), so a cache
-  of such a head dim is read in place. Q.K^T sums over the key chunks in a
-  loop; the output is produced one value chunk per program (a grid axis),
-  each recomputing the logits: the [R, chunk] float32 accumulator is what
-  fits registers, at the price of reading K once per value chunk.
+  divide it rounded up to 16 (576 = 9 x 64, 4096 = 16 x 256), so a cache of
+  such a head dim is read in place. Q.K^T sums over key chunks of at most
+  256 in a loop. The output cannot stay in registers whole ([R, 4096]
+  float32), so each program produces one value chunk of at most 1024
+  columns (a grid axis), recomputing the logits: K is read once per value
+  chunk (4 times at Hv = 4096, 9 times at Hv = 576, once at 512), V once.
+  Tiles shrink with R so that a [R, chunk] float32 tile stays within the
+  register budget (`_TILE_ELEMENTS`).
 
-The grid is (B, K, splits * value chunks). A cache whose S_max is a multiple
+The grid is (B, K, splits * value chunks); `decode.default_num_splits`
+picks the splits (about two programs per streaming multiprocessor, value
+chunks counted). A cache whose S_max is a multiple
 of `block` and whose head dims need no padding is read in place; otherwise
 the padded copy costs one extra pass over it. Forward only.
 """
@@ -52,12 +57,14 @@ Array = Any
 _F32 = jnp.float32
 # Triton's tl.dot needs every matmul dimension to be at least 16.
 _MIN = triton.MIN_BLOCK
-# Widest head-dim tile, and the most float32 elements a [rows, chunk] tile
-# (accumulator, resident Q chunk) may hold: both read off ptxas
-# (`scripts/compile_check.py --variants=decode`) so that nothing spills.
-_MAX_HEAD_CHUNK = 256
+# Widest key and value head-dim tiles, and the most float32 elements a
+# [rows, chunk] tile (accumulator, resident Q chunk) may hold: read off
+# ptxas (`scripts/compile_check.py --variants=decode`) so that nothing
+# spills. The value tile may be wider: every value chunk past the first
+# re-reads K.
+_KEY_CHUNK = 256
+_VALUE_CHUNK = 1024
 _TILE_ELEMENTS = 1 << 14
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def packed_rows(rows: int) -> int:
@@ -66,35 +73,54 @@ def packed_rows(rows: int) -> int:
   return max(_MIN, layout.next_power_of_2(rows))
 
 
-def head_tiling(head_dim: int, rows: int) -> tuple[int, int]:
-  """(padded head dim, chunk) for a head dim against `rows` query rows.
-
-  The padded dim is a multiple of the chunk, a power of two in
-  [16, 256] kept small enough that a [rows, chunk] float32 tile fits the
-  register budget.
-  """
-  if head_dim <= _MAX_HEAD_CHUNK:
+def _head_tiling(head_dim: int, rows: int, widest: int) -> tuple[int, int]:
+  """(padded head dim, chunk): the chunk a power of two in [16, widest]
+  small enough that a [rows, chunk] float32 tile fits the register budget,
+  the padded dim a multiple of it (a power of two up to 256, else the head
+  dim rounded up to 16, so 576 = 9 x 64)."""
+  if head_dim <= 256:
     padded = layout.padded_head_dim(head_dim, triton.ALIGN)
   else:
     padded = layout.round_up(head_dim, _MIN)
-  limit = max(_MIN, min(_MAX_HEAD_CHUNK, _TILE_ELEMENTS // rows))
+  limit = max(_MIN, min(widest, _TILE_ELEMENTS // rows))
   chunk = _MIN
   while chunk * 2 <= limit and padded % (chunk * 2) == 0:
     chunk *= 2
   return padded, chunk
 
 
-def default_block(head_dim: int, rows: int) -> int:
-  """Keys per block of a contiguous cache: the widest [block, chunk] K tile
-  and [rows, block] logits tile that fit registers next to the
-  accumulator."""
-  _, chunk = head_tiling(head_dim, rows)
-  block = 64 if chunk <= 128 else 32
+def key_tiling(head_dim: int, rows: int) -> tuple[int, int]:
+  """(padded head dim, chunk) of the queries and keys: Q.K^T loops over
+  the chunks."""
+  return _head_tiling(head_dim, rows, _KEY_CHUNK)
+
+
+def value_tiling(head_dim: int, rows: int) -> tuple[int, int]:
+  """(padded value head dim, chunk) of the values: one chunk of the output
+  per program."""
+  return _head_tiling(head_dim, rows, _VALUE_CHUNK)
+
+
+def value_chunks(head_dim: int, rows: int) -> int:
+  """Programs per (sequence, K/V head, split): the value head-dim chunks
+  of G * T_new = `rows` query rows."""
+  padded, chunk = value_tiling(head_dim, packed_rows(rows))
+  return padded // chunk
+
+
+def default_block(head_dim: int, value_head_dim: int, rows: int) -> int:
+  """Keys per block of a contiguous cache: the widest K/V tiles and
+  [rows, block] logits tile that fit registers (and two pipeline stages of
+  shared memory) next to the accumulator."""
+  widest = max(key_tiling(head_dim, rows)[1],
+               value_tiling(value_head_dim, rows)[1])
+  block = 64 if widest <= 128 else 32 if widest <= 256 else 16
   return max(_MIN, min(block, _TILE_ELEMENTS // (4 * rows)))
 
 
-def block_for(*, head_dim: int, groups: int, new_tokens: int,
-              page_size: int | None, block_kv: int | None) -> int:
+def block_for(*, head_dim: int, value_head_dim: int, groups: int,
+              new_tokens: int, page_size: int | None,
+              block_kv: int | None) -> int:
   """Keys per block: `block_kv` or the default (contiguous), or the largest
   power-of-two divisor of `page_size` no wider than the default (paged).
 
@@ -102,7 +128,8 @@ def block_for(*, head_dim: int, groups: int, new_tokens: int,
     ValueError: `block_kv` is not a power of two >= 16, or `page_size` is
       not a multiple of 16.
   """
-  default = default_block(head_dim, packed_rows(groups * new_tokens))
+  default = default_block(head_dim, value_head_dim,
+                          packed_rows(groups * new_tokens))
   if page_size is None:
     block = block_kv or default
     if block < _MIN or block & (block - 1):
@@ -240,9 +267,9 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
   b, num_kv, r, h = q.shape
   hv = value.shape[3]
   rows = packed_rows(r)
-  hp, head_chunk = head_tiling(h, rows)
-  hvp, value_chunk = head_tiling(hv, rows)
-  value_chunks = hvp // value_chunk
+  hp, head_chunk = key_tiling(h, rows)
+  hvp, value_chunk = value_tiling(hv, rows)
+  num_value_chunks = hvp // value_chunk
   # Padded rows (zero queries) are sliced off below.
   q = masking.pad_axes(q, {2: rows, 3: hp})
   row_pos = masking.pad_axes(row_pos, {1: rows})
@@ -271,7 +298,10 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
                  window=local_window_size)
 
   def split_of(j):
-    return j // value_chunks
+    return j // num_value_chunks
+
+  def column_of(j):
+    return j % num_value_chunks
 
   inputs = {
       "q": (q, triton.block_spec((None, None, rows, hp),
@@ -291,7 +321,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       "out": (jax.ShapeDtypeStruct((b, num_kv, splits, rows, hvp), _F32),
               triton.block_spec(
                   (None, None, None, rows, value_chunk),
-                  lambda i, k, j: (i, k, split_of(j), 0, j % value_chunks))),
+                  lambda i, k, j: (i, k, split_of(j), 0, column_of(j)))),
       "lse": (jax.ShapeDtypeStruct((b, num_kv, splits, rows), _F32),
               triton.block_spec((None, None, None, rows),
                                 lambda i, k, j: (i, k, split_of(j), 0))),
@@ -299,12 +329,12 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
   kernel = functools.partial(
       _kernel, block=block, head_chunk=head_chunk,
       head_chunks=hp // head_chunk, value_chunk=value_chunk,
-      value_chunks=value_chunks, per_page=per_page, scale=scale,
+      value_chunks=num_value_chunks, per_page=per_page, scale=scale,
       soft_cap=logits_soft_cap, is_causal=is_causal,
       window=local_window_size, precision=precision)
   warps, stages = _launch(rows, max(head_chunk, value_chunk))
   out, lse = triton.pallas_call(
-      kernel, inputs, outputs, (b, num_kv, splits * value_chunks), warps,
+      kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
       stages, "flash_decode")
   return out[..., :r, :hv], lse[..., :r]
 

@@ -42,7 +42,8 @@ Two implementations:
   power of two that divides the page size (multiples of 16). Head dims up
   to 256 are one tile; larger ones (up to 8192 and beyond) are cut into
   chunks: Q.K^T loops over them and each program writes one chunk of the
-  output, recomputing the logits. float32, bfloat16 and float16.
+  output, recomputing the logits. float32, bfloat16 and float16;
+  `num_splits` counts the value chunks as programs too.
 """
 
 from __future__ import annotations
@@ -263,19 +264,23 @@ def _triton(query, key, value, lengths, block_table, query_positions,
         "implementation='triton' runs float32, bfloat16 and float16, got "
         f"{query.dtype=}.")
   b, t, n, h = query.shape
-  num_kv = key.shape[2]
+  num_kv, hv = key.shape[2], value.shape[3]
   paged = block_table is not None
   block = _triton_decode.block_for(
-      head_dim=max(h, value.shape[3]), groups=n // num_kv, new_tokens=t,
+      head_dim=h, value_head_dim=hv, groups=n // num_kv, new_tokens=t,
       page_size=key.shape[1] if paged else None, block_kv=block_kv)
   if paged:
     num_blocks = block_table.shape[1] * (key.shape[1] // block)
   else:
     num_blocks = -(-key.shape[1] // block)
-  splits = num_splits or default_num_splits(b, num_kv, num_blocks)
+  if num_splits is None:
+    # Value head-dim chunks are programs too.
+    num_splits = default_num_splits(
+        b, num_kv * _triton_decode.value_chunks(hv, n // num_kv * t),
+        num_blocks)
   return _decode_triton(
       query, key, value, lengths, block_table, query_positions,
-      block=block, splits=int(min(splits, num_blocks)), **static)
+      block=block, splits=int(min(num_splits, num_blocks)), **static)
 
 
 def _default_block(s_max: int, num_kv: int, h: int, itemsize: int) -> int:

@@ -347,13 +347,15 @@ def _decode_tiles(case: Case) -> str:
   shape = DECODE_SHAPE
   groups = shape["heads"] // shape["kv_heads"]
   rows = _triton_decode.packed_rows(groups * shape["new_tokens"])
-  padded, chunk = _triton_decode.head_tiling(case.head_dim, rows)
+  padded, chunk = _triton_decode.key_tiling(case.head_dim, rows)
+  value_padded, value_chunk = _triton_decode.value_tiling(case.head_dim, rows)
   block = _triton_decode.block_for(
-      head_dim=case.head_dim, groups=groups,
+      head_dim=case.head_dim, value_head_dim=case.head_dim, groups=groups,
       new_tokens=shape["new_tokens"], block_kv=None,
       page_size=shape["page_size"] if case.variant == "decode_paged"
       else None)
-  return f"rows={rows} block_kv={block} head_dim={padded}/{chunk}"
+  return (f"rows={rows} block_kv={block} head_dim={padded}/{chunk} "
+          f"value_head_dim={value_padded}/{value_chunk}")
 
 
 def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,

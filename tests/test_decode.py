@@ -153,9 +153,10 @@ def test_triton_layouts(dtype, paged, group):
 
 
 def test_triton_head_dim_past_256():
-  """Head-dim chunks for Q.K^T and one value chunk per program."""
-  _check(implementation="triton", h=576, n=4, num_kv=1, s_max=40,
-         page_size=16, num_splits=2, name="triton head dim")
+  """Head-dim chunks for Q.K^T, one value chunk per program, and pages
+  of two blocks each."""
+  _check(implementation="triton", h=576, n=4, num_kv=1, s_max=100,
+         page_size=128, num_splits=2, name="triton head dim")
 
 
 def test_triton_window_softcap_positions():
@@ -172,12 +173,14 @@ def test_triton_declines_float64():
                                  implementation="triton")
 
 
-def test_zero_length_rows_are_zero_not_nan():
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_zero_length_rows_are_zero_not_nan(implementation):
   gen = rng("decode", "empty")
   q = jnp.asarray(gen.standard_normal((2, 1, 2, 16)), jnp.float32)
   k = jnp.asarray(gen.standard_normal((2, 40, 1, 16)), jnp.float32)
   out, lse = pallas_fa.decode_attention(
-      q, k, k, jnp.array([0, 40]), is_causal=False, return_residual=True)
+      q, k, k, jnp.array([0, 40]), is_causal=False, return_residual=True,
+      implementation=implementation)
   np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
   assert np.all(np.isneginf(np.asarray(lse[0])))
   assert np.all(np.isfinite(np.asarray(out[1])))
