@@ -47,7 +47,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
@@ -125,8 +124,8 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
   power-of-two divisor of `page_size` no wider than the default (paged).
 
   Raises:
-    ValueError: `block_kv` is not a power of two >= 16, or `page_size` is
-      not a multiple of 16.
+    ValueError: `block_kv` is not a power of two >= 16.
+    NotImplementedError: `page_size` is not a multiple of 16.
   """
   default = default_block(head_dim, value_head_dim,
                           packed_rows(groups * new_tokens))
@@ -344,16 +343,4 @@ def _launch(rows: int, chunk: int) -> tuple[int, int]:
   tiles take 8 so the per-thread share of the accumulator stays small."""
   warps = 4 if rows * chunk <= 16 * 128 else 8
   return warps, 2
-
-
-def target_cores() -> int | None:
-  """Streaming multiprocessors of the GPU the kernel is built for, or None
-  (interpret mode)."""
-  target = gpu_target.current()
-  return None if target is None else (target.core_count or None)
-
-
-def interpreted() -> bool:
-  """Whether the kernel runs in Pallas interpret mode (no GPU target)."""
-  return gpu_target.current() is None
 
