@@ -6,8 +6,9 @@ device (`jax.experimental.topologies`, described by a GpuTargetConfigProto),
 including Triton and Mosaic GPU down to ptxas. Inside
 `pallas_fa.gpu_target.compile_for(target)` our backends build the compiled
 kernels (not the CPU interpreter) with the tiles that GPU would get. This
-script compiles forward + backward over a matrix of cases and prints one row
-per kernel: ok or the problem, registers, spill bytes, shared memory, grid.
+script compiles forward + backward over a matrix of cases (the forward of
+`decode_attention` for the decode variants) and prints one row per kernel:
+ok or the problem, registers, spill bytes, shared memory, grid.
 
 Needs jax's CUDA plugin at exactly the installed jaxlib version and ptxas,
 in a virtual environment of its own (never the test one: with the plugin,
@@ -392,7 +393,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     def spec(shape, dt=dtype):
       return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
-    if block_sizes is None and case.tiles == "heuristic":
+    decode = case.variant.startswith("decode")
+    if block_sizes is None and case.tiles == "heuristic" and not decode:
       block_sizes = _tiles(case, seq, heuristic=True,
                            device_kind=gpu.device_kind)
     kwargs: dict[str, Any] = {}
@@ -414,12 +416,12 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
       return out.astype(jnp.float32).sum()
 
     call = jax.grad(loss, argnums=(0, 1, 2))
-    if case.variant.startswith("decode"):
+    if decode:
       args, call = _decode_call(case, seq, spec)
 
     with gpu_target.compile_for(gpu):
       lowered = jax.jit(call).trace(*args).lower()
-      if case.variant.startswith("decode"):
+      if decode:
         result["block_sizes"] = "decode: " + _decode_tiles(case)
       else:
         result["block_sizes"] = repr(
