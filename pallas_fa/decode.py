@@ -7,24 +7,43 @@ bandwidth. Two things get close to that limit (FlashDecoding):
 * **GQA packing.** All G query heads of a K/V head, and all T_new new tokens,
   form one [G * T_new, H] tile, so each K/V byte is read once per K/V head,
   not once per query head.
-* **Split-KV.** The key axis is split into `num_splits` interleaved parts
-  that run side by side (one program each on a GPU; one vectorised axis
-  here), each keeping its own online-softmax statistics; the partial results
-  are merged exactly through their logsumexp. With one long sequence and
-  few heads the splits are what fill the machine.
+* **Split-KV.** The key axis is split into `num_splits` parts that run
+  side by side (one program each in the `triton` kernel, one vectorised
+  axis in `chunked`), each keeping its own online-softmax statistics; the
+  partial results are merged exactly through their logsumexp. With one
+  long sequence and few heads the splits are what fill the machine.
 
 The cache is either contiguous, `[B, S_max, K, H]`, or **paged**: pages
 `[num_pages, page_size, K, H]` plus a block table `[B, max_pages]` naming the
 page that holds each sequence's keys [i * page_size, (i + 1) * page_size).
-Both are read block by block through a table (a contiguous cache is its own
-identity table), so one code path serves both. Per-sequence `lengths` make
-the batch ragged; rows past a sequence's length are never read into a result
-(they may hold anything, NaN included).
+Both are read block by block (`chunked` through a table, a contiguous cache
+being its own identity table, so one code path serves both). Per-sequence
+`lengths` make the batch ragged; rows past a sequence's length are never
+read into a result (they may hold anything, NaN included).
 
 Semantics are `flash_attention`'s on the gathered cache: the new tokens sit at
 positions `lengths - T_new + arange(T_new)` unless `query_positions` says
 otherwise; keys are at their cache index; causal, sliding window and soft cap
 act on those positions. Forward only.
+
+Two implementations:
+
+* `chunked` (the default): jax.numpy on any platform and head dim; split p
+  reads blocks p, p + splits, ... of every sequence, all splits as one
+  vectorised axis.
+* `triton`: a Pallas-Triton kernel (`_triton_decode`), interpreted on CPU.
+  Grid (B, K, splits x value-head-dim chunks): each program holds the
+  packed [G * T_new, H] tile (rows padded to a power of two >= 16) and
+  walks one contiguous run of the sequence's visible key blocks (blocks
+  `masking.classify_blocks` marks empty -- past the length, after the last
+  query under causal, before a left window -- are never read); the
+  partials merge in plain JAX (`online_softmax.merge_parts`). A paged cache
+  is read page by page through the block table, in blocks of the largest
+  power of two that divides the page size (multiples of 16). Head dims up
+  to 256 are one tile; larger ones (up to 8192 and beyond) are cut into
+  chunks: Q.K^T loops over them and each program writes one chunk of the
+  output, recomputing the logits. float32, bfloat16 and float16;
+  `num_splits` counts the value chunks as programs too.
 """
 
 from __future__ import annotations
@@ -38,7 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import _triton_decode
 from pallas_fa import api
+from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import online_softmax
 
@@ -48,7 +69,10 @@ Array = Any
 # large enough to amortise the per-block loop overhead (on a 2-core x86 CPU
 # at S = 32k, 4 MiB blocks ran several times faster than 512 KiB ones).
 _BLOCK_BYTES = 1 << 22
-_IMPLEMENTATIONS = ("chunked",)
+_IMPLEMENTATIONS = ("chunked", "triton")
+# An H100's streaming multiprocessors: the default when the GPU does not
+# report its own.
+_DEFAULT_CORES = 132
 
 
 def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
@@ -56,13 +80,17 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
   """How many parts the key axis is split into.
 
   A GPU wants about two waves of programs over its streaming multiprocessors
-  (batch * K/V heads * splits >= 2 * 132 on an H100); a CPU runs one wide
-  block at a time fastest (its threads already share each block's matmuls).
+  (batch * K/V heads * splits >= 2 * 132 on an H100, `gpu_target`); a CPU
+  runs one wide block at a time fastest (its threads already share each
+  block's matmuls, and the interpreted Triton kernel pays per program).
   """
   platform = platform or api.platform()
   if platform == "cpu":
     return 1
-  target = 264 if platform == "gpu" else 8
+  target = 8
+  if platform == "gpu":
+    gpu = gpu_target.current()
+    target = 2 * ((gpu.core_count if gpu else 0) or _DEFAULT_CORES)
   splits = max(1, target // max(1, batch * num_kv_heads))
   return int(min(splits, num_blocks))
 
@@ -123,11 +151,14 @@ def decode_attention(
     logits_soft_cap: as in `flash_attention`.
     num_splits: parts the key axis is split into; default from the shape
       and platform (`default_num_splits`).
-    block_kv: keys per block of a contiguous cache (a paged cache reads one
-      page per block); default from the head dim.
+    block_kv: keys per block of a contiguous cache (a power of two >= 16
+      for "triton"); default from the head dim. A paged cache reads one
+      page per block ("chunked") or a power-of-two divisor of it
+      ("triton").
     implementation: None or "chunked" (jax.numpy, any platform, any head
-      dim). Other backends have no decode kernel and raise
-      NotImplementedError.
+      dim), or "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
+      mode, page sizes multiples of 16). Other backends have no decode
+      kernel and raise NotImplementedError.
     precision: as in `flash_attention`.
     return_residual: also return the logsumexp [B, T_new, N].
 
@@ -136,7 +167,8 @@ def decode_attention(
 
   Raises:
     ValueError / TypeError: invalid arguments (the message names them).
-    NotImplementedError: `implementation` has no decode path.
+    NotImplementedError: `implementation` has no decode path, or "triton"
+      with a page size that is not a multiple of 16.
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
@@ -207,6 +239,10 @@ def decode_attention(
       logits_soft_cap=logits_soft_cap, precision=precision)
   if static["scale"] is None:
     static["scale"] = 1.0 / math.sqrt(h)
+  if implementation == "triton":
+    out, lse = _triton(query, key, value, lengths, block_table,
+                       query_positions, num_splits, block_kv, static)
+    return (out, lse) if return_residual else out
   if block_table is None:
     block = block_kv or _default_block(key.shape[1], num_kv, h,
                                        query.dtype.itemsize)
@@ -220,30 +256,91 @@ def decode_attention(
   return (out, lse) if return_residual else out
 
 
+def _triton(query, key, value, lengths, block_table, query_positions,
+            num_splits, block_kv, static):
+  """The Pallas-Triton kernel (`_triton_decode`): its block and splits."""
+  if query.dtype == jnp.float64:
+    raise TypeError(
+        "implementation='triton' runs float32, bfloat16 and float16, got "
+        f"{query.dtype=}.")
+  b, t, n, h = query.shape
+  num_kv, hv = key.shape[2], value.shape[3]
+  paged = block_table is not None
+  block = _triton_decode.block_for(
+      head_dim=h, value_head_dim=hv, groups=n // num_kv, new_tokens=t,
+      page_size=key.shape[1] if paged else None, block_kv=block_kv)
+  if paged:
+    num_blocks = block_table.shape[1] * (key.shape[1] // block)
+  else:
+    num_blocks = -(-key.shape[1] // block)
+  if num_splits is None:
+    # Value head-dim chunks are programs too.
+    num_splits = default_num_splits(
+        b, num_kv * _triton_decode.value_chunks(hv, n // num_kv * t),
+        num_blocks)
+  return _decode_triton(
+      query, key, value, lengths, block_table, query_positions,
+      block=block, splits=int(min(num_splits, num_blocks)), **static)
+
+
 def _default_block(s_max: int, num_kv: int, h: int, itemsize: int) -> int:
   rows = _BLOCK_BYTES // (num_kv * h * itemsize)
   block = 1 << max(4, min(11, rows.bit_length() - 1))  # 16 .. 2048
   return min(block, max(16, 1 << (s_max - 1).bit_length()))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("block", "splits", "scale", "is_causal",
-                     "local_window_size", "logits_soft_cap", "precision"))
+def _packed(query, lengths, query_positions, num_kv):
+  """GQA packing: (q [B, K, G * T, H], row positions [B, G * T], query
+  positions [B, T]); row r of K/V head k is query head k * G + r // T at
+  token r % T."""
+  b, t, n, h = query.shape
+  g = n // num_kv
+  if query_positions is None:
+    query_positions = (lengths[:, None] - t
+                       + jnp.arange(t, dtype=jnp.int32)[None, :])
+  query_positions = query_positions.astype(jnp.int32)
+  q = query.reshape(b, t, num_kv, g, h).transpose(0, 2, 3, 1, 4)
+  return (q.reshape(b, num_kv, g * t, h),
+          jnp.tile(query_positions, (1, g)), query_positions)
+
+
+def _unpacked(out, lse, query):
+  """[B, K, G * T, Hv] and [B, K, G * T] back to the query's [B, T, N, Hv]
+  (typed like it) and [B, T, N]."""
+  b, t, n, _ = query.shape
+  num_kv, _, hv = out.shape[1:]
+  g = n // num_kv
+  out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
+  lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
+  return out.reshape(b, t, n, hv).astype(query.dtype), lse.reshape(b, t, n)
+
+
+_STATIC = ("block", "splits", "scale", "is_causal", "local_window_size",
+           "logits_soft_cap", "precision")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _decode_triton(query, key, value, lengths, block_table, query_positions,
+                   *, block, splits, **static):
+  lengths = lengths.astype(jnp.int32)
+  q, row_pos, query_positions = _packed(
+      query, lengths, query_positions, key.shape[2])
+  out, lse = _triton_decode.partials(
+      q, row_pos, query_positions, key, value, lengths, block_table,
+      block=block, splits=splits, **static)
+  return _unpacked(*online_softmax.merge_parts(out, lse, axis=2), query)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(query, key, value, lengths, block_table, query_positions, *,
             block, splits, scale, is_causal, local_window_size,
             logits_soft_cap, precision):
   b, t, n, h = query.shape
   num_kv, hv = key.shape[2], value.shape[3]
-  g = n // num_kv
-  rows = g * t
+  rows = n // num_kv * t
   acc_dtype = online_softmax.stats_dtype(query.dtype)
   lengths = lengths.astype(jnp.int32)
-  if query_positions is None:
-    query_positions = (lengths[:, None] - t
-                       + jnp.arange(t, dtype=jnp.int32)[None, :])
-  # Row r = g_index * T + token of the packed [K, G * T] tile.
-  row_pos = jnp.tile(query_positions.astype(jnp.int32), (1, g))
+  q, row_pos, _ = _packed(query, lengths, query_positions, num_kv)
 
   # Split p reads blocks p, p + splits, p + 2 splits, ...: interleaving keeps
   # every split equally busy whatever the (ragged) lengths. Step j reads
@@ -274,8 +371,6 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
       pages = jax.lax.dynamic_index_in_dim(table, step, 1, keepdims=False)
       return key[pages], value[pages]  # [B, P, C, K, H]
 
-  q = query.reshape(b, t, num_kv, g, h).transpose(0, 2, 3, 1, 4)
-  q = q.reshape(b, num_kv, rows, h)
   if acc_dtype == query.dtype:
     # Full precision: fold the scale into q once instead of per logit.
     q, logit_scale = q * scale, 1.0
@@ -312,10 +407,7 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
       0, jnp.minimum(steps, -(-last // splits)), body, carry)
   out, lse = online_softmax.merge_parts(
       *online_softmax.finalize(m_i, l_i, acc), axis=1)
-  # [B, K, G * T, Hv] -> [B, T, N, Hv].
-  out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
-  lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
-  return out.reshape(b, t, n, hv).astype(query.dtype), lse.reshape(b, t, n)
+  return _unpacked(out, lse, query)
 
 
 def _visible(valid, kv_pos, row_pos, is_causal, window):

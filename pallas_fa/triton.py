@@ -426,6 +426,12 @@ def _spec(block_shape, index_map):
   return pl.BlockSpec(block_shape, index_map)
 
 
+# The launcher and BlockSpec maker under public names, for the other
+# Triton kernels (`_triton_decode`).
+pallas_call = _pallas_call
+block_spec = _spec
+
+
 def _dense_block(x, full, rows: int, cols: int):
   """Block shape of a [B|1, N|1, T|1, S|1] array for a (row, col) tile."""
   return (None, None, rows if full[2] else 1, cols if full[3] else 1)

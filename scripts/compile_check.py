@@ -6,8 +6,9 @@ device (`jax.experimental.topologies`, described by a GpuTargetConfigProto),
 including Triton and Mosaic GPU down to ptxas. Inside
 `pallas_fa.gpu_target.compile_for(target)` our backends build the compiled
 kernels (not the CPU interpreter) with the tiles that GPU would get. This
-script compiles forward + backward over a matrix of cases and prints one row
-per kernel: ok or the problem, registers, spill bytes, shared memory, grid.
+script compiles forward + backward over a matrix of cases (the forward of
+`decode_attention` for the decode variants) and prints one row per kernel:
+ok or the problem, registers, spill bytes, shared memory, grid.
 
 Needs jax's CUDA plugin at exactly the installed jaxlib version and ptxas,
 in a virtual environment of its own (never the test one: with the plugin,
@@ -116,9 +117,12 @@ TARGETS = {
 BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
-VARIANTS = ("plain", "causal", "masked", "dropout")
+VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged")
 # Variants only some backends implement (the others decline them).
-VARIANT_BACKENDS = {"dropout": ("triton",)}
+VARIANT_BACKENDS = {"dropout": ("triton",), "decode": ("triton",),
+                    "decode_paged": ("triton",)}
+# `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
+DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 HEAD_DIMS = (64, 72, 128, 256)
 
 
@@ -132,7 +136,9 @@ class Case:
     dtype: input dtype name.
     variant: "plain"; "causal"; "masked" = causal + sliding window + segment
       ids + GQA 4:1 (every masking path of the kernels at once);
-      "dropout" = causal + attention dropout (triton only).
+      "dropout" = causal + attention dropout (triton only); "decode" /
+      "decode_paged" = `decode_attention`'s forward (triton only) against
+      a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -315,6 +321,44 @@ def _tiles(case: Case, seq: int, *, heuristic: bool = False,
       dropout=case.variant == "dropout", device_kind=device_kind)
 
 
+def _decode_call(case: Case, seq: int, spec):
+  """(argument specs, forward function) of a decode case."""
+  shape = DECODE_SHAPE
+  b, h = 2, case.head_dim
+  kv, page = shape["kv_heads"], shape["page_size"]
+  args = [spec((b, shape["new_tokens"], shape["heads"], h))]
+  if case.variant == "decode_paged":
+    pages = b * seq // page
+    args += [spec((pages, page, kv, h)), spec((pages, page, kv, h)),
+             spec((b,), jnp.int32), spec((b, seq // page), jnp.int32)]
+  else:
+    args += [spec((b, seq, kv, h)), spec((b, seq, kv, h)),
+             spec((b,), jnp.int32), None]
+
+  def call(q, k, v, lengths, table):
+    return pallas_fa.decode_attention(
+        q, k, v, lengths, block_table=table, implementation=case.backend)
+
+  return args, call
+
+
+def _decode_tiles(case: Case) -> str:
+  """The decode kernel's block and head-dim tiling of a case."""
+  from pallas_fa import _triton_decode  # noqa: PLC0415
+  shape = DECODE_SHAPE
+  groups = shape["heads"] // shape["kv_heads"]
+  rows = _triton_decode.packed_rows(groups * shape["new_tokens"])
+  padded, chunk = _triton_decode.key_tiling(case.head_dim, rows)
+  value_padded, value_chunk = _triton_decode.value_tiling(case.head_dim, rows)
+  block = _triton_decode.block_for(
+      head_dim=case.head_dim, value_head_dim=case.head_dim, groups=groups,
+      new_tokens=shape["new_tokens"], block_kv=None,
+      page_size=shape["page_size"] if case.variant == "decode_paged"
+      else None)
+  return (f"rows={rows} block_kv={block} head_dim={padded}/{chunk} "
+          f"value_head_dim={value_padded}/{value_chunk}")
+
+
 def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
                  block_sizes: Any = None, keep: str | None = None
                  ) -> dict[str, Any]:
@@ -349,7 +393,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     def spec(shape, dt=dtype):
       return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
-    if block_sizes is None and case.tiles == "heuristic":
+    decode = case.variant.startswith("decode")
+    if block_sizes is None and case.tiles == "heuristic" and not decode:
       block_sizes = _tiles(case, seq, heuristic=True,
                            device_kind=gpu.device_kind)
     kwargs: dict[str, Any] = {}
@@ -370,11 +415,17 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
           block_sizes=block_sizes, **kwargs)
       return out.astype(jnp.float32).sum()
 
+    call = jax.grad(loss, argnums=(0, 1, 2))
+    if decode:
+      args, call = _decode_call(case, seq, spec)
+
     with gpu_target.compile_for(gpu):
-      lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
-          *args).lower()
-      result["block_sizes"] = repr(
-          _tiles(case, seq) if block_sizes is None else block_sizes)
+      lowered = jax.jit(call).trace(*args).lower()
+      if decode:
+        result["block_sizes"] = "decode: " + _decode_tiles(case)
+      else:
+        result["block_sizes"] = repr(
+            _tiles(case, seq) if block_sizes is None else block_sizes)
       dump = keep or os.path.join(workdir, "xla")
       log = os.path.join(workdir, "compile.log")
       with _captured_output(log):

@@ -2,22 +2,29 @@ r"""Benchmarks `decode_attention` against the plain calls it replaces.
 
 Decoding is memory-bound, so each cell reports the K/V bytes it must read,
 the achieved rate, and that rate's share of the machine's memory bandwidth,
-measured in the same run as the rate of a large on-device copy. Peers in the
-same run: `flash_attention` on the same cache (key lengths and query
-positions; the plain call that decoding used before), and
-`jax.nn.dot_product_attention` with a [B, 1, T_new, S] mask.
+measured in the same run as the rate of a large on-device copy. Each
+`decode_attention` implementation of --implementations is one candidate
+(`decode/chunked`, `decode/triton`; the triton kernel runs interpreted on a
+CPU, so keep its shapes tiny there); "decode x" is how many times faster
+the first of them ran than each row. Peers in the same run:
+`flash_attention` on the same cache (key lengths and query positions; the
+plain call that decoding used before), and `jax.nn.dot_product_attention`
+with a [B, 1, T_new, S] mask.
 
     python scripts/decode_benchmark.py                    # CPU subset
     python scripts/decode_benchmark.py --batch=1,8,32 \
         --seq_lens=1024,4096,16384,32768,65536,131072 --kv_heads=32,8,1 \
         --head_dims=128,512,4096 --new_tokens=1,4 --dtype=bfloat16 \
         --max_cache_gib=16 --json=decode.json            # the full grid
+    python scripts/decode_benchmark.py --implementations=chunked,triton \
+        --page_size=64                                   # both, paged
 
 Cells whose cache exceeds --max_cache_gib are listed as skipped.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import platform as host_platform
 import sys
@@ -47,6 +54,9 @@ _PAGE = flags.DEFINE_integer(
     "contiguous).")
 _MAX_GIB = flags.DEFINE_float(
     "max_cache_gib", 1.0, "Skip cells whose K/V cache exceeds this.")
+_IMPLEMENTATIONS = flags.DEFINE_list(
+    "implementations", None, "decode_attention implementations timed "
+    "(default: chunked,triton on a GPU, chunked elsewhere).")
 _PEERS = flags.DEFINE_list(
     "peers", ["flash_attention", "jax_nn"], "Peers timed in the same run.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
@@ -80,12 +90,20 @@ def _inputs(b, s, n, num_kv, h, t, dtype, page_size, seed=0):
   return q, k, v, lengths, table
 
 
-def _candidates(t, s, page_size):
+def implementations() -> list[str]:
+  """The decode implementations this run times."""
+  if _IMPLEMENTATIONS.value:
+    return list(_IMPLEMENTATIONS.value)
+  return ["chunked", "triton"] if api.platform() == "gpu" else ["chunked"]
+
+
+def _candidates(t, s, page_size, impls):
   q_pos = lambda lengths: (lengths[:, None] - t  # noqa: E731
                            + jnp.arange(t, dtype=jnp.int32)[None, :])
 
-  def decode(q, k, v, lengths, table):
-    return pallas_fa.decode_attention(q, k, v, lengths, block_table=table)
+  def decode(q, k, v, lengths, table, impl):
+    return pallas_fa.decode_attention(q, k, v, lengths, block_table=table,
+                                      implementation=impl)
 
   def plain(q, k, v, lengths, table):
     del table
@@ -100,7 +118,8 @@ def _candidates(t, s, page_size):
                & (kv_pos < lengths[:, None, None, None]))
     return jax.nn.dot_product_attention(q, k, v, mask=visible)
 
-  out = {"decode_attention": decode}
+  out = {f"decode/{impl}": functools.partial(decode, impl=impl)
+         for impl in impls}
   if not page_size:  # The peers read a contiguous cache.
     out.update(flash_attention=plain, jax_nn=jax_nn)
   return out
@@ -120,8 +139,10 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
                         f"--max_cache_gib")]
   args = _inputs(b, s, n, num_kv, h, t, dtype, page_size)
   rows, times = [], {}
-  for name, fn in _candidates(t, s, page_size).items():
-    if name != "decode_attention" and name not in peers:
+  impls = implementations()
+  first = f"decode/{impls[0]}"
+  for name, fn in _candidates(t, s, page_size, impls).items():
+    if not name.startswith("decode/") and name not in peers:
       continue
     try:
       timing = testing.time_call(jax.jit(fn), *args, repeats=repeats)
@@ -134,8 +155,8 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
     rows.append(dict(base, impl=name, status="ok", ms=timing.ms,
                      bytes_per_s=rate, bandwidth_share=rate / bandwidth))
   for row in rows:
-    if "decode_attention" in times and row.get("status") == "ok":
-      row["decode_speedup"] = times[row["impl"]] / times["decode_attention"]
+    if first in times and row.get("status") == "ok":
+      row["decode_speedup"] = times[row["impl"]] / times[first]
   return rows
 
 

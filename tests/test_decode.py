@@ -40,10 +40,12 @@ def _cache(gen, b, s_max, num_kv, h, hv, dtype, *, page_size=None):
 
 def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
            dtype=jnp.float32, page_size=None, window=None, soft_cap=None,
-           positions=False, num_splits=None, block_kv=None, name=""):
+           positions=False, num_splits=None, block_kv=None,
+           implementation=None, name=""):
   hv = hv or h
   gen = rng("decode", name, b, t, n, num_kv, h, hv, s_max, str(dtype),
-            page_size, window, soft_cap, positions, num_splits, block_kv)
+            page_size, window, soft_cap, positions, num_splits, block_kv,
+            implementation)
   q = gen.standard_normal((b, t, n, h)).astype(np.float32)
   k, v, table, k_flat, v_flat = _cache(
       gen, b, s_max, num_kv, h, hv, dtype, page_size=page_size)
@@ -66,7 +68,8 @@ def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
       cast(q), cast(k), cast(v), jnp.asarray(lengths),
       block_table=None if table is None else jnp.asarray(table),
       query_positions=jnp.asarray(q_pos) if positions else None,
-      num_splits=num_splits, block_kv=block_kv, return_residual=True, **kw)
+      num_splits=num_splits, block_kv=block_kv, implementation=implementation,
+      return_residual=True, **kw)
   assert out.shape == (b, t, n, hv) and out.dtype == dtype
   assert lse.shape == (b, t, n)
 
@@ -139,12 +142,45 @@ def test_window_softcap_positions_value_head_dim():
          name="contiguous features")
 
 
-def test_zero_length_rows_are_zero_not_nan():
+# The Pallas-Triton kernel, interpreted: few tiny cases (each runs its grid
+# one program at a time).
+@pytest.mark.parametrize("dtype, paged, group", [
+    (jnp.float32, False, 1), (jnp.bfloat16, True, 4)])
+def test_triton_layouts(dtype, paged, group):
+  _check(implementation="triton", dtype=dtype, t=2, n=2 * group, num_kv=2,
+         h=64, s_max=70, page_size=16 if paged else None, num_splits=3,
+         name="triton")
+
+
+def test_triton_head_dim_past_256():
+  """Head-dim chunks for Q.K^T, one value chunk per program, and pages
+  of two blocks each."""
+  _check(implementation="triton", h=576, n=4, num_kv=1, s_max=100,
+         page_size=128, num_splits=2, name="triton head dim")
+
+
+def test_triton_window_softcap_positions():
+  _check(implementation="triton", window=(9, 0), soft_cap=5.0,
+         positions=True, t=2, n=4, num_kv=2, h=32, hv=48, s_max=60,
+         block_kv=16, name="triton features")
+
+
+def test_triton_declines_float64():
+  with jax.enable_x64(True):
+    x = jnp.ones((2, 30, 1, 16), jnp.float64)
+    with pytest.raises(TypeError, match="float64"):
+      pallas_fa.decode_attention(x[:, :1], x, x, jnp.array([3, 30]),
+                                 implementation="triton")
+
+
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_zero_length_rows_are_zero_not_nan(implementation):
   gen = rng("decode", "empty")
   q = jnp.asarray(gen.standard_normal((2, 1, 2, 16)), jnp.float32)
   k = jnp.asarray(gen.standard_normal((2, 40, 1, 16)), jnp.float32)
   out, lse = pallas_fa.decode_attention(
-      q, k, k, jnp.array([0, 40]), is_causal=False, return_residual=True)
+      q, k, k, jnp.array([0, 40]), is_causal=False, return_residual=True,
+      implementation=implementation)
   np.testing.assert_array_equal(np.asarray(out[0]), 0.0)
   assert np.all(np.isneginf(np.asarray(lse[0])))
   assert np.all(np.isfinite(np.asarray(out[1])))
@@ -179,7 +215,12 @@ def test_jit_and_vmap_compose():
 
 
 @pytest.mark.parametrize("change, error, match", [
-    (dict(implementation="triton"), NotImplementedError, "no decode path"),
+    (dict(implementation="mosaic_gpu"), NotImplementedError,
+     "no decode path"),
+    (dict(implementation="triton", block_kv=24), ValueError, "block_kv"),
+    (dict(implementation="triton", key=jnp.ones((4, 8, 1, 16)),
+          value=jnp.ones((4, 8, 1, 16)), block_table=jnp.zeros((2, 4), int)),
+     NotImplementedError, "page_size"),
     (dict(implementation="nope"), ValueError, "implementation"),
     (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths"),
     (dict(lengths=jnp.array([-1, 2])), ValueError, "lengths"),

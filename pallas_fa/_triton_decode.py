@@ -1,0 +1,346 @@
+"""The split-KV decode kernel of `decode_attention(implementation="triton")`.
+
+One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
+
+* **Rows.** The program holds the packed query tile of its K/V head: the G
+  query heads of the group times the T_new new tokens, R = G * T_new rows,
+  padded to a power of two of at least 16 (Triton's `tl.dot` minimum), so
+  each K/V byte is read once per K/V head, not once per query head.
+* **Keys.** The visible key range of the sequence (lengths, causal and the
+  window's left edge shrink it; `masking.classify_blocks`) is cut into
+  `splits` contiguous runs of `block` keys, one per program; each program
+  runs the online softmax over its run and writes a normalised partial
+  (out, lse). `online_softmax.merge_parts` merges the splits after the
+  kernel, in plain JAX. Inside a block every key is masked by
+  `masking.visible` with `key < length` as its dense term, and value rows
+  past the length are zeroed (they may hold NaN).
+* **Paging.** A contiguous cache [B, S_max, K, H] is read in blocks of
+  `block` keys (a `pl.ds` slice). A paged cache is read through the block
+  table: `block` is the largest power of two <= the contiguous default that
+  divides `page_size` (so a block never straddles two pages), and block j
+  of a sequence is rows [(j % per_page) * block, ...) of page
+  `block_table[b, j // per_page]`. Page sizes must be multiples of 16.
+* **Head dims.** Up to 256 a head dim is padded to a power of two (one
+  tile, `triton.ALIGN`); above, it is cut into power-of-two chunks that
+  divide it rounded up to 16 (576 = 9 x 64, 4096 = 16 x 256), so a cache of
+  such a head dim is read in place. Q.K^T sums over key chunks of at most
+  256 in a loop. The output cannot stay in registers whole ([R, 4096]
+  float32), so each program produces one value chunk of at most 1024
+  columns (a grid axis), recomputing the logits: K is read once per value
+  chunk (4 times at Hv = 4096, 9 times at Hv = 576, once at 512), V once.
+  Tiles shrink with R so that a [R, chunk] float32 tile stays within the
+  register budget (`_TILE_ELEMENTS`).
+
+The grid is (B, K, splits * value chunks); `decode.default_num_splits`
+picks the splits (about two programs per streaming multiprocessor, value
+chunks counted). A cache whose S_max is a multiple
+of `block` and whose head dims need no padding is read in place; otherwise
+the padded copy costs one extra pass over it. Forward only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_fa import layout
+from pallas_fa import masking
+from pallas_fa import online_softmax
+from pallas_fa import triton
+
+Array = Any
+_F32 = jnp.float32
+# Triton's tl.dot needs every matmul dimension to be at least 16.
+_MIN = triton.MIN_BLOCK
+# Widest key and value head-dim tiles, and the most float32 elements a
+# [rows, chunk] tile (accumulator, resident Q chunk) may hold: read off
+# ptxas (`scripts/compile_check.py --variants=decode`) so that nothing
+# spills. The value tile may be wider: every value chunk past the first
+# re-reads K.
+_KEY_CHUNK = 256
+_VALUE_CHUNK = 1024
+_TILE_ELEMENTS = 1 << 14
+
+
+def packed_rows(rows: int) -> int:
+  """Rows of a program's query tile: the G * T_new packed query rows,
+  padded to a power of two >= 16."""
+  return max(_MIN, layout.next_power_of_2(rows))
+
+
+def _head_tiling(head_dim: int, rows: int, widest: int) -> tuple[int, int]:
+  """(padded head dim, chunk): the chunk a power of two in [16, widest]
+  small enough that a [rows, chunk] float32 tile fits the register budget,
+  the padded dim a multiple of it (a power of two up to 256, else the head
+  dim rounded up to 16, so 576 = 9 x 64)."""
+  if head_dim <= 256:
+    padded = layout.padded_head_dim(head_dim, triton.ALIGN)
+  else:
+    padded = layout.round_up(head_dim, _MIN)
+  limit = max(_MIN, min(widest, _TILE_ELEMENTS // rows))
+  chunk = _MIN
+  while chunk * 2 <= limit and padded % (chunk * 2) == 0:
+    chunk *= 2
+  return padded, chunk
+
+
+def key_tiling(head_dim: int, rows: int) -> tuple[int, int]:
+  """(padded head dim, chunk) of the queries and keys: Q.K^T loops over
+  the chunks."""
+  return _head_tiling(head_dim, rows, _KEY_CHUNK)
+
+
+def value_tiling(head_dim: int, rows: int) -> tuple[int, int]:
+  """(padded value head dim, chunk) of the values: one chunk of the output
+  per program."""
+  return _head_tiling(head_dim, rows, _VALUE_CHUNK)
+
+
+def value_chunks(head_dim: int, rows: int) -> int:
+  """Programs per (sequence, K/V head, split): the value head-dim chunks
+  of G * T_new = `rows` query rows."""
+  padded, chunk = value_tiling(head_dim, packed_rows(rows))
+  return padded // chunk
+
+
+def default_block(head_dim: int, value_head_dim: int, rows: int) -> int:
+  """Keys per block of a contiguous cache: the widest K/V tiles and
+  [rows, block] logits tile that fit registers (and two pipeline stages of
+  shared memory) next to the accumulator."""
+  widest = max(key_tiling(head_dim, rows)[1],
+               value_tiling(value_head_dim, rows)[1])
+  block = 64 if widest <= 128 else 32 if widest <= 256 else 16
+  return max(_MIN, min(block, _TILE_ELEMENTS // (4 * rows)))
+
+
+def block_for(*, head_dim: int, value_head_dim: int, groups: int,
+              new_tokens: int, page_size: int | None,
+              block_kv: int | None) -> int:
+  """Keys per block: `block_kv` or the default (contiguous), or the largest
+  power-of-two divisor of `page_size` no wider than the default (paged).
+
+  Raises:
+    ValueError: `block_kv` is not a power of two >= 16.
+    NotImplementedError: `page_size` is not a multiple of 16.
+  """
+  default = default_block(head_dim, value_head_dim,
+                          packed_rows(groups * new_tokens))
+  if page_size is None:
+    block = block_kv or default
+    if block < _MIN or block & (block - 1):
+      raise ValueError(
+          f"block_kv must be a power of two >= {_MIN} for "
+          f"implementation='triton', got {block_kv}.")
+    return block
+  if page_size % _MIN:
+    raise NotImplementedError(
+        f"implementation='triton' reads pages in blocks of at least {_MIN} "
+        f"keys: page_size must be a multiple of {_MIN}, got {page_size}.")
+  block = default
+  while page_size % block:
+    block //= 2
+  return block
+
+
+def _spans(lengths, q_pos, *, num_blocks: int, block: int, splits: int,
+           is_causal: bool, window):
+  """int32 [B, splits, 4]: (first block, end block, length, 0) of each
+  split: the non-empty blocks of each sequence, cut into `splits`
+  contiguous runs."""
+  b = lengths.shape[0]
+  kv_len = num_blocks * block
+  info = masking.MaskInfo(
+      q_positions=q_pos,
+      kv_positions=jnp.broadcast_to(
+          jnp.arange(kv_len, dtype=jnp.int32), (b, kv_len)),
+      q_segment_ids=jnp.zeros(q_pos.shape, jnp.int32),
+      kv_segment_ids=masking.padding_segments(
+          None, lengths, kv_len, masking.KV_PAD_SEGMENT),
+      is_causal=is_causal, window=window)
+  kinds = masking.classify_blocks(info, q_pos.shape[1], block)[:, 0]
+  lo, hi = masking.block_range(kinds)  # [B]
+  per = -(-(hi - lo) // splits)
+  first = (lo[:, None]
+           + per[:, None] * jnp.arange(splits, dtype=jnp.int32)[None, :])
+  first = jnp.minimum(first, hi[:, None])
+  end = jnp.minimum(first + per[:, None], hi[:, None])
+  return jnp.stack(
+      [first, end, jnp.broadcast_to(lengths[:, None], first.shape),
+       jnp.zeros_like(first)], axis=-1).astype(jnp.int32)
+
+
+def _dot_nt(a, b, precision):
+  """a @ b.T with float32 accumulation."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                             precision=precision, preferred_element_type=_F32)
+
+
+def _dot(a, b, precision):
+  """a @ b with float32 accumulation."""
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                             precision=precision, preferred_element_type=_F32)
+
+
+def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
+            value_chunk: int, value_chunks: int, per_page: int | None,
+            scale: float, soft_cap, is_causal: bool, window, precision):
+  # Grid indices at the kernel's top level (the interpreter resolves
+  # `program_id` there, not inside loop bodies).
+  column = pl.program_id(2) % value_chunks
+  span = refs["span"]
+  first, end, length = span[0], span[1], span[2]
+  row_pos = refs["pos"][...][:, None]  # [R, 1]
+  rows = row_pos.shape[0]
+  values = pl.ds(pl.multiple_of(column * value_chunk, value_chunk),
+                 value_chunk)
+  q_whole = refs["q"][...] if head_chunks == 1 else None
+
+  def key_rows(j):
+    """(leading index, rows) of block j in the K/V refs."""
+    if per_page is None:
+      return (pl.ds(pl.multiple_of(j * block, block), block),)
+    page = refs["table"][j // per_page]
+    offset = pl.multiple_of((j % per_page) * block, block)
+    return page, pl.ds(offset, block)
+
+  def step(j, carry):
+    m_i, l_i, acc = carry
+    lead = key_rows(j)
+    if head_chunks == 1:
+      qk = _dot_nt(q_whole, refs["k"][(*lead, slice(None))], precision)
+    else:
+      def chunk(c, qk):
+        cols = pl.ds(pl.multiple_of(c * head_chunk, head_chunk), head_chunk)
+        return qk + _dot_nt(refs["q"][:, cols], refs["k"][(*lead, cols)],
+                            precision)
+
+      qk = jax.lax.fori_loop(0, head_chunks, chunk,
+                             jnp.zeros((rows, block), _F32))
+    s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap, base2=True)
+    kv_pos = j * block + jnp.arange(block, dtype=jnp.int32)
+    valid = kv_pos < length
+    s = online_softmax.apply_mask(s, masking.visible(
+        is_causal=is_causal, window=window, q_pos=row_pos,
+        kv_pos=kv_pos[None, :], dense=valid[None, :]))
+    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
+    v = refs["v"][(*lead, values)]  # [block, value_chunk]
+    # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
+    v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
+    acc = online_softmax.rescale(acc, alpha) + _dot(
+        p.astype(v.dtype), v, precision)
+    return m_i, l_i, acc
+
+  carry = online_softmax.init((rows,), (rows, value_chunk))
+  m_i, l_i, acc = jax.lax.fori_loop(first, end, step, carry)
+  out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
+  refs["out"][...] = out
+  refs["lse"][...] = lse
+
+
+def partials(q, row_pos, query_positions, key, value, lengths, block_table,
+             *, block: int, splits: int, scale: float, is_causal: bool,
+             local_window_size, logits_soft_cap, precision):
+  """The kernel's per-split results on the packed layout of `decode`.
+
+  Args:
+    q: packed queries [B, K, R, H], R = G * T_new.
+    row_pos: int32 [B, R], each row's query position.
+    query_positions: int32 [B, T_new].
+    key, value: the cache, contiguous [B, S_max, K, H] or pages
+      [P, page_size, K, H] with `block_table` int [B, max_pages].
+    lengths: int32 [B].
+    block: keys per block (`block_for`).
+    splits: parts of each sequence's visible keys (at most one per block).
+    scale, is_causal, local_window_size, logits_soft_cap, precision: the
+      call's validated static arguments.
+
+  Returns:
+    (out float32 [B, K, splits, R, Hv], lse float32 [B, K, splits, R]):
+    normalised partial results, merged by `online_softmax.merge_parts` on
+    axis 2 (a split with no visible key has lse -inf).
+  """
+  b, num_kv, r, h = q.shape
+  hv = value.shape[3]
+  rows = packed_rows(r)
+  hp, head_chunk = key_tiling(h, rows)
+  hvp, value_chunk = value_tiling(hv, rows)
+  num_value_chunks = hvp // value_chunk
+  # Padded rows (zero queries) are sliced off below.
+  q = masking.pad_axes(q, {2: rows, 3: hp})
+  row_pos = masking.pad_axes(row_pos, {1: rows})
+  if block_table is None:
+    num_blocks = -(-key.shape[1] // block)
+    key = masking.pad_axes(key, {1: num_blocks * block, 3: hp})
+    value = masking.pad_axes(value, {1: num_blocks * block, 3: hvp})
+    per_page = None
+    cache_block = (None, num_blocks * block, None)
+
+    def cache_index(i, k, j):
+      return (i, 0, k, 0)
+  else:
+    page_size = key.shape[1]
+    per_page = page_size // block
+    num_blocks = block_table.shape[1] * per_page
+    key = masking.pad_axes(key, {3: hp})
+    value = masking.pad_axes(value, {3: hvp})
+    cache_block = (key.shape[0], page_size, None)
+
+    def cache_index(i, k, j):
+      return (0, 0, k, 0)
+  splits = max(1, min(splits, num_blocks))
+  spans = _spans(lengths, query_positions, num_blocks=num_blocks,
+                 block=block, splits=splits, is_causal=is_causal,
+                 window=local_window_size)
+
+  def split_of(j):
+    return j // num_value_chunks
+
+  def column_of(j):
+    return j % num_value_chunks
+
+  inputs = {
+      "q": (q, triton.block_spec((None, None, rows, hp),
+                                 lambda i, k, j: (i, k, 0, 0))),
+      "pos": (row_pos, triton.block_spec((None, rows),
+                                         lambda i, k, j: (i, 0))),
+      "span": (spans, triton.block_spec(
+          (None, None, 4), lambda i, k, j: (i, split_of(j), 0))),
+      "k": (key, triton.block_spec((*cache_block, hp), cache_index)),
+      "v": (value, triton.block_spec((*cache_block, hvp), cache_index)),
+  }
+  if block_table is not None:
+    table = block_table.astype(jnp.int32)
+    inputs["table"] = (table, triton.block_spec(
+        (None, table.shape[1]), lambda i, k, j: (i, 0)))
+  outputs = {
+      "out": (jax.ShapeDtypeStruct((b, num_kv, splits, rows, hvp), _F32),
+              triton.block_spec(
+                  (None, None, None, rows, value_chunk),
+                  lambda i, k, j: (i, k, split_of(j), 0, column_of(j)))),
+      "lse": (jax.ShapeDtypeStruct((b, num_kv, splits, rows), _F32),
+              triton.block_spec((None, None, None, rows),
+                                lambda i, k, j: (i, k, split_of(j), 0))),
+  }
+  kernel = functools.partial(
+      _kernel, block=block, head_chunk=head_chunk,
+      head_chunks=hp // head_chunk, value_chunk=value_chunk,
+      value_chunks=num_value_chunks, per_page=per_page, scale=scale,
+      soft_cap=logits_soft_cap, is_causal=is_causal,
+      window=local_window_size, precision=precision)
+  warps, stages = _launch(rows, max(head_chunk, value_chunk))
+  out, lse = triton.pallas_call(
+      kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
+      stages, "flash_decode")
+  return out[..., :r, :hv], lse[..., :r]
+
+
+def _launch(rows: int, chunk: int) -> tuple[int, int]:
+  """(warps, software-pipeline stages): 4 warps cover a 16-row tile; wider
+  tiles take 8 so the per-thread share of the accumulator stays small."""
+  warps = 4 if rows * chunk <= 16 * 128 else 8
+  return warps, 2
+
