@@ -87,10 +87,11 @@ def test_default_block_sizes_heuristic():
         q_len=4096, kv_len=4096, head_dim=256, dtype=dtype)
     assert (big.block_q_bwd, big.block_kv_bwd) == (256, 256)
   # The wider of H and Hv decides.
-  wide_v = mosaic_tpu.default_block_sizes(
-      q_len=4096, kv_len=4096, head_dim=64, value_head_dim=256,
-      dtype=jnp.float32)
-  assert (wide_v.block_q_bwd, wide_v.block_kv_bwd) == (256, 256)
+  for hv, want in ((128, 512), (256, 256)):
+    bs = mosaic_tpu.default_block_sizes(
+        q_len=4096, kv_len=4096, head_dim=64, value_head_dim=hv,
+        dtype=jnp.bfloat16)
+    assert (bs.block_q_bwd, bs.block_kv_bwd) == (want, want), hv
 
 
 def test_wrong_block_sizes_type_is_rejected():
