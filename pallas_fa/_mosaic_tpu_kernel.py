@@ -4,8 +4,9 @@ Shapes are chosen for the TPU's (8 sublane x 128 lane) vector registers and its
 128-wide matrix unit:
 
 * q/k/v/out live in HBM as [B, L, heads * Hp] with the head dim padded to a
-  multiple of 128, so a (block, Hp) tile of one head is a lane-aligned slice of
-  a free reshape of the public BTNH layout (no transposes around the kernels);
+  multiple of 128 (q/k to H's, v/out to Hv's), so a (block, Hp) tile of one
+  head is a lane-aligned slice of a free reshape of the public BTNH layout (no
+  transposes around the kernels);
 * the running statistics m_i and l_i are kept lane-replicated ([bq, 128]) in
   VMEM, so broadcasting them against a [bq, bk] tile needs no relayout; the
   logsumexp and delta residuals travel compactly as rows [B, N, 1, Tp];
@@ -20,6 +21,11 @@ and, above them, the block that step fetches. A non-empty step fetches its own
 block; an empty one points at the block the sweep needs next (or the one it
 already holds), so the pipeline issues no DMA for it, and its body does
 nothing. FULL steps skip the masking arithmetic.
+
+Attention dropout (`pallas_fa.dropout`) regenerates its mask per tile from
+the seed, which sits in SMEM, and the tile's global indices: the query side of
+the hash runs once per row, lane-replicated like the positions, and only the
+key index is hashed per element.
 
 Compiled, the reduction grid axes are "arbitrary" and all others "parallel"
 (see `parallel_grid` for interpreted runs). FlashAttention-2 §3.1 for the
@@ -40,6 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_fa import dropout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 
@@ -112,7 +119,8 @@ class Static:
     batch: B.
     num_heads: N (query heads).
     num_kv_heads: K (key/value heads).
-    head_dim: Hp, the head dim padded to a multiple of 128.
+    head_dim: Hp, the query/key head dim padded to a multiple of 128.
+    value_head_dim: the value (and output) head dim, padded likewise.
     q_len: Tp, the padded query length (a multiple of block_q).
     kv_len: Sp, the padded key length (a multiple of block_kv).
     block_q: query rows per tile.
@@ -121,6 +129,7 @@ class Static:
     segments: whether segment-id arrays are passed.
     bias_shape: shape of the padded bias [B|1, N|1, Tp|1, Sp|1], or None.
     mask_shape: shape of the padded int8 mask, or None.
+    dropout_rate: attention dropout rate; 0 = none (else a "seed" input).
     precision: matmul precision of every dot.
     interpret: the `interpret=` argument of pallas_call.
     parallel: declare the non-reduction grid axes "parallel" (see
@@ -135,6 +144,7 @@ class Static:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  value_head_dim: int
   q_len: int
   kv_len: int
   block_q: int
@@ -143,6 +153,7 @@ class Static:
   segments: bool
   bias_shape: tuple[int, int, int, int] | None
   mask_shape: tuple[int, int, int, int] | None
+  dropout_rate: float
   precision: Any
   interpret: Any
   parallel: bool
@@ -198,16 +209,23 @@ def _block(word):
 
 def _in_spec(st: Static, name: str, coords) -> pl.BlockSpec:
   """BlockSpec of input `name`; `coords(*grid, meta_ref)` -> _Coords."""
-  hp, bq, bk = st.head_dim, st.block_q, st.block_kv
+  hp, hvp = st.head_dim, st.value_head_dim
+  bq, bk = st.block_q, st.block_kv
   sq = _SQUEEZED
 
   def spec(block, fn):
     return pl.BlockSpec(block, lambda *args: fn(coords(*args)))
 
-  if name in ("q", "do"):
+  if name == "q":
     return spec((sq, bq, hp), lambda c: (c.b, c.q_block, c.head))
-  if name in ("k", "v"):
+  if name == "do":
+    return spec((sq, bq, hvp), lambda c: (c.b, c.q_block, c.head))
+  if name == "k":
     return spec((sq, bk, hp), lambda c: (c.b, c.kv_block, c.kv_head))
+  if name == "v":
+    return spec((sq, bk, hvp), lambda c: (c.b, c.kv_block, c.kv_head))
+  if name == "seed":  # int32 [1], whole in scalar memory
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
   if name in ("lse", "delta"):
     return spec((sq, sq, 1, bq), lambda c: (c.b, c.head, 0, c.q_block))
   if name in ("q_pos", "q_seg"):
@@ -319,6 +337,23 @@ def _masked_logits(st: Static, r, q, k, masked: bool):
   return s_capped, s
 
 
+def _dropout_factor(st: Static, r, b, head, q_block, kv_block):
+  """The [bq, bk] attention-dropout factor (0 or 1 / (1 - rate)) of tile
+  (q_block, kv_block) of batch row b and query head `head`.
+
+  Indices are global (padding only appends), so the mask is the one every
+  backend draws. The query side is hashed lane-replicated ([bq, 128], the
+  layout of the query positions) and tiled; the key index per element.
+  """
+  bq, bk = st.block_q, st.block_kv
+  rows = q_block * bq + jax.lax.broadcasted_iota(
+      jnp.int32, (bq, NUM_LANES), 0)
+  state = _lanes(dropout.row_state(r["seed"][0], b, head, rows), bk)
+  cols = kv_block * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  keep = dropout.keep_in_row(state, st.dropout_rate, cols)
+  return dropout.factor(keep, st.dropout_rate, _F32)
+
+
 def _dispatch(st: Static, kind, step):
   """Runs step(masked) on PARTIAL/FULL steps; EMPTY steps do nothing."""
   if not st.masked:
@@ -384,7 +419,7 @@ def _call(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
 
 def _forward_kernel(meta_ref, *refs, st: Static, names):
   r = _unpack(names, refs)
-  b, _, i, j = (pl.program_id(a) for a in range(4))
+  b, n, i, j = (pl.program_id(a) for a in range(4))
   nq, nk = st.num_q_blocks, st.num_kv_blocks
   kind = _kind(meta_ref[(b * nq + i) * nk + j])
   m_ref, l_ref, acc_ref = r["m_i"], r["l_i"], r["acc"]
@@ -394,14 +429,17 @@ def _forward_kernel(meta_ref, *refs, st: Static, names):
     m_i, l_i, acc = online_softmax.init(m_ref.shape, acc_ref.shape)
     m_ref[...] = m_i  # [bq, 128], lane-replicated
     l_ref[...] = l_i
-    acc_ref[...] = acc  # [bq, Hp]
+    acc_ref[...] = acc  # [bq, Hvp]
 
   def step(masked):
     _, s = _masked_logits(st, r, r["q"][...], r["k"][...], masked)
     m_i, l_i, p, alpha = online_softmax.update(
         _column(m_ref), _column(l_ref), s)  # p: [bq, bk]
+    if st.dropout_rate:
+      # On the normalised probabilities: l_i sums the undropped ones.
+      p = p * _dropout_factor(st, r, b, n, i, j)
     v = r["v"][...]
-    pv = _dot(p.astype(v.dtype), v, _NN, st.precision)  # [bq, Hp]
+    pv = _dot(p.astype(v.dtype), v, _NN, st.precision)  # [bq, Hvp]
     acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
     _store_column(m_ref, m_i)
     _store_column(l_ref, l_i)
@@ -430,28 +468,28 @@ def forward(st: Static, meta, names, operands, out_dtype):
     out_dtype: dtype of the output.
 
   Returns:
-    (out [B, Tp, N * Hp], lse [B, N, 1, Tp] float32).
+    (out [B, Tp, N * Hvp], lse [B, N, 1, Tp] float32).
   """
-  b, n, hp = st.batch, st.num_heads, st.head_dim
+  b, n, hp, hvp = st.batch, st.num_heads, st.head_dim, st.value_head_dim
   bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
   sq = _SQUEEZED
   out_shapes = (
-      jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),
+      jax.ShapeDtypeStruct((b, st.q_len, n * hvp), out_dtype),
       jax.ShapeDtypeStruct((b, n, 1, st.q_len), _F32),
   )
   out_specs = (
-      pl.BlockSpec((sq, bq, hp), lambda b, n, i, j, m: (b, i, n)),
+      pl.BlockSpec((sq, bq, hvp), lambda b, n, i, j, m: (b, i, n)),
       pl.BlockSpec((sq, sq, 1, bq), lambda b, n, i, j, m: (b, n, 0, i)),
   )
   scratch = [
       pltpu.VMEM((bq, NUM_LANES), _F32),  # m_i
       pltpu.VMEM((bq, NUM_LANES), _F32),  # l_i
-      pltpu.VMEM((bq, hp), _F32),  # acc
+      pltpu.VMEM((bq, hvp), _F32),  # acc
   ]
   all_names = tuple(names) + ("out", "lse", "m_i", "l_i", "acc")
   tiles = b * n * nq * nk
   cost = _cost(
-      4 * tiles * bq * st.block_kv * hp, tiles * bq * st.block_kv,
+      2 * tiles * bq * st.block_kv * (hp + hvp), tiles * bq * st.block_kv,
       operands, out_shapes)
   return _call(
       functools.partial(_forward_kernel, st=st, names=all_names),
@@ -466,7 +504,7 @@ def forward(st: Static, meta, names, operands, out_dtype):
 
 def _dq_kernel(meta_ref, *refs, st: Static, names):
   r = _unpack(names, refs)
-  b, _, i, j = (pl.program_id(a) for a in range(4))
+  b, n, i, j = (pl.program_id(a) for a in range(4))
   nq, nk = st.num_q_blocks, st.num_kv_blocks
   kind = _kind(meta_ref[(b * nq + i) * nk + j])
   dq_ref = r["dq_acc"]
@@ -480,6 +518,9 @@ def _dq_kernel(meta_ref, *refs, st: Static, names):
     s_capped, s = _masked_logits(st, r, r["q"][...], k, masked)
     p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
     dp = _dot(r["do"][...], r["v"][...], _NT, st.precision)  # [bq, bk]
+    if st.dropout_rate:
+      # dS = P * (dP * factor - delta), FlashAttention-2's dropout backward.
+      dp = dp * _dropout_factor(st, r, b, n, i, j)
     ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
     ds = online_softmax.logits_grad(
         ds, s_capped, scale=st.scale, cap=st.soft_cap)
@@ -494,7 +535,7 @@ def _dq_kernel(meta_ref, *refs, st: Static, names):
 
 def backward_dq(st: Static, meta, names, operands, out_dtype):
   """Runs the dQ kernel; metadata as for `forward`. Returns [B, Tp, N * Hp]."""
-  b, n, hp = st.batch, st.num_heads, st.head_dim
+  b, n, hp, hvp = st.batch, st.num_heads, st.head_dim, st.value_head_dim
   bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
   out_shapes = (jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),)
   out_specs = (
@@ -504,7 +545,8 @@ def backward_dq(st: Static, meta, names, operands, out_dtype):
   all_names = tuple(names) + ("dq", "dq_acc")
   tiles = b * n * nq * nk
   cost = _cost(
-      6 * tiles * bq * st.block_kv * hp, tiles * bq * st.block_kv,
+      2 * tiles * bq * st.block_kv * (2 * hp + hvp),
+      tiles * bq * st.block_kv,
       operands, out_shapes)
   (dq,) = _call(
       functools.partial(_dq_kernel, st=st, names=all_names),
@@ -520,7 +562,7 @@ def backward_dq(st: Static, meta, names, operands, out_dtype):
 
 def _dkv_kernel(meta_ref, *refs, st: Static, names):
   r = _unpack(names, refs)
-  b, _, j, g, i = (pl.program_id(a) for a in range(5))
+  b, h, j, g, i = (pl.program_id(a) for a in range(5))
   nq, nk = st.num_q_blocks, st.num_kv_blocks
   kind = _kind(meta_ref[(b * nk + j) * nq + i])
   dk_ref, dv_ref = r["dk_acc"], r["dv_acc"]
@@ -534,8 +576,15 @@ def _dkv_kernel(meta_ref, *refs, st: Static, names):
     q, do = r["q"][...], r["do"][...]
     s_capped, s = _masked_logits(st, r, q, r["k"][...], masked)
     p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
-    dv_ref[...] += _dot(p.astype(do.dtype), do, _TN, st.precision)  # [bk, Hp]
     dp = _dot(do, r["v"][...], _NT, st.precision)  # [bq, bk]
+    p_used = p
+    if st.dropout_rate:
+      # dV from the dropped P, dP through the same mask, and
+      # dS = P * (dP - delta) (FlashAttention-2's dropout backward).
+      z = _dropout_factor(st, r, b, h * st.group + g, i, j)
+      p_used, dp = p * z, dp * z
+    dv_ref[...] += _dot(
+        p_used.astype(do.dtype), do, _TN, st.precision)  # [bk, Hvp]
     ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
     if "dbias" in r:
       r["dbias"][...] = ds
@@ -569,16 +618,21 @@ def backward_dkv(st: Static, meta_t, names, operands, out_dtype, with_dbias):
     with_dbias: also return dbias [B, N, Tp, Sp] float32 (un-reduced).
 
   Returns:
-    (dk, dv) each [B, Sp, K * Hp], plus dbias when requested.
+    (dk [B, Sp, K * Hp], dv [B, Sp, K * Hvp]), plus dbias when requested.
   """
-  b, n, kh, hp = st.batch, st.num_heads, st.num_kv_heads, st.head_dim
+  b, n, kh = st.batch, st.num_heads, st.num_kv_heads
+  hp, hvp = st.head_dim, st.value_head_dim
   bq, bk, nq, nk = st.block_q, st.block_kv, st.num_q_blocks, st.num_kv_blocks
   g = st.group
   sq = _SQUEEZED
-  kv_shape = jax.ShapeDtypeStruct((b, st.kv_len, kh * hp), out_dtype)
-  kv_spec = pl.BlockSpec((sq, bk, hp), lambda b, h, j, gi, i, m: (b, j, h))
-  out_shapes = [kv_shape, kv_shape]
-  out_specs = [kv_spec, kv_spec]
+
+  def kv_out(width):
+    return (jax.ShapeDtypeStruct((b, st.kv_len, kh * width), out_dtype),
+            pl.BlockSpec((sq, bk, width), lambda b, h, j, gi, i, m: (b, j, h)))
+
+  (dk_shape, dk_spec), (dv_shape, dv_spec) = kv_out(hp), kv_out(hvp)
+  out_shapes = [dk_shape, dv_shape]
+  out_specs = [dk_spec, dv_spec]
   out_names = ("dk", "dv")
   if with_dbias:
     out_shapes.append(
@@ -586,11 +640,12 @@ def backward_dkv(st: Static, meta_t, names, operands, out_dtype, with_dbias):
     out_specs.append(pl.BlockSpec(
         (sq, sq, bq, bk), lambda b, h, j, gi, i, m: (b, h * g + gi, i, j)))
     out_names += ("dbias",)
-  scratch = [pltpu.VMEM((bk, hp), _F32), pltpu.VMEM((bk, hp), _F32)]
+  scratch = [pltpu.VMEM((bk, hp), _F32), pltpu.VMEM((bk, hvp), _F32)]
   all_names = tuple(names) + out_names + ("dk_acc", "dv_acc")
   tiles = b * n * nq * nk
   cost = _cost(
-      8 * tiles * bq * bk * hp, tiles * bq * bk, operands, out_shapes)
+      4 * tiles * bq * bk * (hp + hvp), tiles * bq * bk, operands,
+      out_shapes)
   return _call(
       functools.partial(_dkv_kernel, st=st, names=all_names),
       st, (b, kh, nk, g, nq), _col_major_coords(st), names, operands,

@@ -382,7 +382,7 @@ def flash_attention(
       `xla` and `chunked` only, computing in float64).
     key: [*B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
     value: [*B, S, K, Hv], key's dtype; a value head dim Hv != H (as in
-      MLA) runs on `xla` and `chunked` (the Pallas kernels decline it).
+      MLA) runs on `xla`, `chunked` and `mosaic_tpu`.
     bias: float, broadcastable to [*B, N, T, S]; differentiable.
     mask: bool, broadcastable to [*B, N, T, S]; True = may attend.
     scale: logit scale, default 1/sqrt(H).
@@ -401,7 +401,8 @@ def flash_attention(
       1 / (1 - rate), as in Flax. The mask is a hash of (dropout_rng, batch
       row, query head, query index, key index), identical on every backend
       and tiling and regenerated (never stored) by the backward pass
-      (`pallas_fa.dropout`). `xla`, `chunked` and `triton` implement it.
+      (`pallas_fa.dropout`). `xla`, `chunked`, `triton` and `mosaic_tpu`
+      implement it.
     dropout_rng: a JAX PRNG key or an integer seed; needed when
       dropout_rate > 0.
     implementation: None (fastest that supports the call on this platform),

@@ -57,11 +57,22 @@ def keep_mask(seed: Array, rate: float, batch: Array, head: Array,
       `batch` is the row of the folded batch, `head` the query head, and
       `q_index` / `kv_index` index the query and key axes (not positions).
   """
+  return keep_in_row(row_state(seed, batch, head, q_index), rate, kv_index)
+
+
+def row_state(seed: Array, batch: Array, head: Array,
+              q_index: Array) -> Array:
+  """The hash of (seed, batch, head, q_index), uint32: `keep_mask` in two
+  stages, so that a kernel hashes the query side once per row and only the
+  key index per element (`keep_in_row`)."""
   h = _absorb(jnp.asarray(seed, _U32), batch)
   h = _absorb(h, head)
-  h = _absorb(h, q_index)
-  h = _absorb(h, kv_index)
-  return h >= _U32(threshold(rate))
+  return _absorb(h, q_index)
+
+
+def keep_in_row(state: Array, rate: float, kv_index: Array) -> Array:
+  """`keep_mask` from a `row_state` and the key indices (broadcastable)."""
+  return _absorb(state, kv_index) >= _U32(threshold(rate))
 
 
 def factor(keep: Array, rate: float, dtype) -> Array:

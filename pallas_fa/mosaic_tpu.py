@@ -8,9 +8,9 @@ which simulates the TPU's memories and DMAs on the host (slow: for tests).
 
 This module prepares the kernels' inputs on device:
 
-* pads T and S to whole tiles and the head dim to a multiple of 128 (lanes)
-  with `pallas_fa.layout`, which marks the tails as padding and zeroes padded
-  rows so that NaN/inf stored there cannot leak;
+* pads T and S to whole tiles and the head dims (H of q/k, Hv of v/out) to
+  multiples of 128 (lanes) with `pallas_fa.layout`, which marks the tails as
+  padding and zeroes padded rows so that NaN/inf stored there cannot leak;
 * keeps the public BTNH layout (as a free [B, L, heads * Hp] reshape), so GQA
   needs no repeated K/V: a query head reads key/value head `n // G`;
 * classifies every (query tile, key tile) pair as EMPTY / PARTIAL / FULL from
@@ -83,15 +83,17 @@ class MosaicTpuBlockSizes:
 def default_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> MosaicTpuBlockSizes:
   """The tiling of a call made without `block_sizes=` (a heuristic; tiles
   are clipped to the sequences by the kernels).
 
   512 x 512 tiles keep the forward's double-buffered q/k/v tiles plus the
   float32 logit temporaries well inside the default scoped VMEM (16 MiB) for
-  any head dim <= 256. The backward holds four [bq, bk] float32 temporaries
-  (s, p, dp, ds) plus q/dO and k/v tiles and two float32 accumulators, so it
-  halves its tiles once a padded head row exceeds 256 bytes.
+  any head dims <= 256. The backward holds four [bq, bk] float32 temporaries
+  (s, p, dp, ds; five with dropout's factor) plus q/dO and k/v tiles and two
+  float32 accumulators, so it halves its tiles once the wider padded head
+  row (H or Hv) exceeds 256 bytes.
 
   Args:
     q_len: T.
@@ -101,6 +103,7 @@ def default_block_sizes(
     is_causal: whether the call is causal.
     dropout: whether the call has attention dropout.
     device_kind: a `jax.Device.device_kind`.
+    value_head_dim: Hv (unpadded); None means H.
 
   Returns:
     A `MosaicTpuBlockSizes`.
@@ -109,7 +112,8 @@ def default_block_sizes(
   # nor the TPU generation changes what fits the default scoped VMEM.
   del q_len, kv_len, is_causal, dropout, device_kind
   itemsize = jnp.dtype(_compute_dtype(dtype)).itemsize
-  row_bytes = layout.padded_head_dim(head_dim, ALIGN) * itemsize
+  widest = max(head_dim, value_head_dim or head_dim)
+  row_bytes = layout.padded_head_dim(widest, ALIGN) * itemsize
   bwd = 512 if row_bytes <= 256 else 256
   return MosaicTpuBlockSizes(block_q=512, block_kv=512, block_q_bwd=bwd,
                              block_kv_bwd=bwd)
@@ -178,10 +182,15 @@ class Layout(layout.Padded):
     self.bk, sp = layout.tile(block_kv, k.shape[1], ALIGN)
     super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN,
                      dtype=_compute_dtype(q.dtype))
+    self.hvp = layout.padded_head_dim(self.hv, ALIGN)
     padded = self.info  # Tails marked as padding.
     self.kinds = masking.classify_blocks(padded, self.bq, self.bk)
     self.names = ["q", "k", "v"]
     self.operands = [self.q, self.k, self.v]
+    if padded.has_dropout:
+      # int32 in scalar memory (the kernel hashes it as uint32).
+      seed = jnp.asarray(padded.dropout_seed, jnp.uint32).reshape(1)
+      self._add("seed", jax.lax.bitcast_convert_type(seed, jnp.int32))
     if padded.restricts_positions:
       self._add("q_pos", _lane_rows(padded.q_positions))
       self._add("kv_pos", _sublane_rows(padded.kv_positions))
@@ -209,6 +218,7 @@ class Layout(layout.Padded):
         num_heads=self.n,
         num_kv_heads=self.num_kv,
         head_dim=self.hp,
+        value_head_dim=self.hvp,
         q_len=self.tp,
         kv_len=self.sp,
         block_q=self.bq,
@@ -217,6 +227,7 @@ class Layout(layout.Padded):
         segments=padded.has_segments,
         bias_shape=self.bias_shape,
         mask_shape=mask_shape,
+        dropout_rate=padded.dropout_rate,
         precision=_precision(params, q.dtype),
         interpret=interpret,
         parallel=kernel.parallel_grid(interpret),
@@ -227,26 +238,26 @@ class Layout(layout.Padded):
     self.operands.append(x)
 
   def queries(self, x):
-    """[B, T, N, H] -> [B, Tp, N * Hp], padded rows zeroed."""
-    return super().queries(x).reshape(self.b, self.tp, self.n * self.hp)
+    """[B, T, N, H] -> [B, Tp, N * Hp], padded rows zeroed (any H)."""
+    return super().queries(x).reshape(self.b, self.tp, -1)
 
   def keys(self, x):
-    """[B, S, K, H] -> [B, Sp, K * Hp], padded rows zeroed."""
-    return super().keys(x).reshape(self.b, self.sp, self.num_kv * self.hp)
+    """[B, S, K, H] -> [B, Sp, K * Hp], padded rows zeroed (any H)."""
+    return super().keys(x).reshape(self.b, self.sp, -1)
 
   def rows(self, x, fill):
     """Per-row statistic [B, T, N] -> [B, N, 1, Tp] float32."""
     return super().rows(x.astype(_F32), fill)[:, :, None, :]
 
-  def unqueries(self, x, dtype):
-    """[B, Tp, N * Hp] -> [B, T, N, H]."""
-    x = x.reshape(self.b, self.tp, self.n, self.hp)
-    return x[:, : self.t, :, : self.h].astype(dtype)
+  def unqueries(self, x, head_dim, dtype):
+    """[B, Tp, N * Hp] -> [B, T, N, head_dim] (Hp: head_dim padded)."""
+    x = x.reshape(self.b, self.tp, self.n, -1)
+    return x[:, : self.t, :, :head_dim].astype(dtype)
 
-  def unkeys(self, x, dtype):
-    """[B, Sp, K * Hp] -> [B, S, K, H]."""
-    x = x.reshape(self.b, self.sp, self.num_kv, self.hp)
-    return x[:, : self.s, :, : self.h].astype(dtype)
+  def unkeys(self, x, head_dim, dtype):
+    """[B, Sp, K * Hp] -> [B, S, K, head_dim] (Hp: head_dim padded)."""
+    x = x.reshape(self.b, self.sp, self.num_kv, -1)
+    return x[:, : self.s, :, :head_dim].astype(dtype)
 
   def unrows(self, x):
     """[B, N, 1, Tp] -> [B, T, N]."""
@@ -265,17 +276,28 @@ def _sublane_rows(x):
                           (b, _SUBLANES, length))
 
 
+def _block_sizes(params, q, k, v, info) -> MosaicTpuBlockSizes:
+  """`params.block_sizes`, else `default_block_sizes`, which also weighs the
+  value head dim."""
+  if params.block_sizes is not None:
+    return params.block_sizes
+  return default_block_sizes(
+      q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1],
+      value_head_dim=v.shape[-1], dtype=q.dtype, is_causal=info.is_causal,
+      dropout=info.has_dropout)
+
+
 def _forward(q, k, v, bias, info, params):
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = _block_sizes(params, q, k, v, info)
   lay = Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
   out, lse = kernel.forward(
       lay.static, fetch_schedule(lay.kinds), tuple(lay.names), lay.operands,
       lay.dtype)
-  return lay.unqueries(out, q.dtype), lay.unrows(lse)
+  return lay.unqueries(out, lay.hv, q.dtype), lay.unrows(lse)
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = _block_sizes(params, q, k, v, info)
   lay = Layout(q, k, v, bias, info, params, bs.block_q_bwd, bs.block_kv_bwd)
   names = tuple(lay.names) + ("do", "lse", "delta")
   operands = lay.operands + [
@@ -289,9 +311,9 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   outs = kernel.backward_dkv(
       lay.static, fetch_schedule(lay.kinds.transpose(0, 2, 1)), names,
       operands, lay.dtype, with_dbias=bias is not None)
-  dq = lay.unqueries(dq, q.dtype)
-  dk = lay.unkeys(outs[0], k.dtype)
-  dv = lay.unkeys(outs[1], v.dtype)
+  dq = lay.unqueries(dq, lay.h, q.dtype)
+  dk = lay.unkeys(outs[0], lay.h, k.dtype)
+  dv = lay.unkeys(outs[1], lay.hv, v.dtype)
   dbias = None
   if bias is not None:
     dbias = outs[2]  # [B, N, Tp, Sp]: sum over the bias's broadcast dims.
@@ -305,19 +327,20 @@ def _check(q, k, v, bias, info, params):
   """Declines only calls whose per-step metadata would not fit in SMEM.
 
   Every feature of the public op runs in the kernels: bias (with its
-  gradient), dense masks, GQA/MQA, positions, segment ids, windows and soft
-  capping; float16 computes in float32 (the TPU's matrix unit has no float16
-  mode). The grid's metadata -- one int32 per (batch row, query tile, key
-  tile) -- lives in scalar memory; past its capacity the call is declined
-  (larger `block_sizes` shrink it).
+  gradient), dense masks, GQA/MQA, positions, segment ids, windows, soft
+  capping, attention dropout and a value head dim Hv != H; float16
+  computes in float32 (the TPU's matrix unit has no float16 mode). The
+  grid's metadata -- one int32 per (batch row, query tile, key tile) --
+  lives in scalar memory; past its capacity the call is declined (larger
+  `block_sizes` shrink it).
   """
-  del v, bias
+  del bias
   if kernel.interpret_params() is not False:
     return  # The interpreter's scalar memory is unbounded.
   capacity = kernel.metadata_capacity()
   if capacity is None:
     return
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = _block_sizes(params, q, k, v, info)
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   for block_q, block_kv in ((bs.block_q, bs.block_kv),
                             (bs.block_q_bwd, bs.block_kv_bwd)):
@@ -340,4 +363,6 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=MosaicTpuBlockSizes,
     default_block_sizes=default_block_sizes,
+    value_head_dim=True,
+    dropout=True,
 )

@@ -1,5 +1,6 @@
 """Attention dropout: hashed masks, identical on every backend and tiling."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,9 +10,11 @@ import pytest
 from attention_testing import Case
 from attention_testing import make_inputs
 from attention_testing import rng
+from conftest import block_sizes_for
 from flax import nnx
 
 import pallas_fa
+from pallas_fa import api
 from pallas_fa import chunked
 from pallas_fa import dropout
 from pallas_fa import modules
@@ -27,6 +30,9 @@ _TILINGS = {
     "triton": triton.TritonBlockSizes(
         block_q=16, block_kv=32, block_q_dkv=32, block_kv_dkv=16,
         block_q_dq=16, block_kv_dq=32, num_warps=4, num_stages=1),
+    # Interpreted on CPU; one 128-row tile here, several in
+    # tests/test_mosaic_tpu.py.
+    "mosaic_tpu": block_sizes_for("mosaic_tpu"),
 }
 
 
@@ -56,7 +62,7 @@ def test_every_backend_and_tiling_draws_the_same_mask():
   kw.update(dropout_rate=0.3, dropout_rng=jax.random.key(gen.integers(99)))
   dout = jnp.asarray(gen.standard_normal(q.shape), jnp.float32)
   results = {name: _run(name, q, k, v, kw, dout) for name in _TILINGS}
-  for name in ("chunked-small", "chunked-large", "triton"):
+  for name in [name for name in _TILINGS if name != "xla"]:
     for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[name],
                           results["xla"]):
       np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5,
@@ -128,7 +134,8 @@ def test_fully_masked_rows_stay_zero_and_finite():
   q, k, v, kw = make_inputs(case, jnp.float32, rng("dropout", "masked"))
   kw["query_positions"] = jnp.broadcast_to(jnp.arange(16) - 4, (2, 16))
   kw.update(dropout_rate=0.5, dropout_rng=7)
-  for name in _TILINGS:
+  # mosaic_tpu's interpreter is slow; its masked rows are conformance cases.
+  for name in [name for name in _TILINGS if name != "mosaic_tpu"]:
     fn = lambda q, k, v, name=name: pallas_fa.flash_attention(
         q, k, v, implementation=name.split("-")[0],
         block_sizes=_TILINGS[name], **kw)
@@ -151,12 +158,13 @@ def test_unbiased_on_average():
   assert np.all(np.abs(outs.mean(axis=0) - plain) < 6 * spread + 1e-6)
 
 
-@pytest.mark.parametrize("implementation", ["mosaic_tpu"])
-def test_pallas_backends_decline_by_name(implementation):
+def test_a_backend_without_dropout_declines_by_name():
   q = jnp.ones((1, 8, 1, 16))
-  with pytest.raises(NotImplementedError, match="dropout"):
-    pallas_fa.flash_attention(q, q, q, implementation=implementation,
-                              dropout_rate=0.1, dropout_rng=0)
+  backend = dataclasses.replace(chunked.BACKEND, name="plain", dropout=False)
+  call = api.canonicalize(q, q, q, dropout_rate=0.1, dropout_rng=0)
+  with pytest.raises(NotImplementedError,
+                     match="'plain' does not implement attention dropout"):
+    backend.check_call(*call.arrays)
 
 
 @pytest.mark.parametrize("kwargs, error, text", [

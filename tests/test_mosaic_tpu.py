@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 from attention_testing import DTYPES
 from attention_testing import Case
+from attention_testing import assert_close
 from attention_testing import check_against_reference
 from attention_testing import flash
 from attention_testing import make_inputs
+from attention_testing import reference_fn
 from attention_testing import rng
+from attention_testing import run
 from conftest import block_sizes_for
 from jax.experimental.pallas import tpu as pltpu
 
@@ -30,6 +33,7 @@ from pallas_fa import chunked
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import mosaic_tpu
+from pallas_fa import testing
 
 TILES = block_sizes_for("mosaic_tpu")
 TILE = 128
@@ -82,6 +86,12 @@ def test_default_block_sizes_heuristic():
     big = mosaic_tpu.default_block_sizes(
         q_len=4096, kv_len=4096, head_dim=256, dtype=dtype)
     assert (big.block_q_bwd, big.block_kv_bwd) == (256, 256)
+  # The wider of H and Hv decides.
+  for hv, want in ((128, 512), (256, 256)):
+    bs = mosaic_tpu.default_block_sizes(
+        q_len=4096, kv_len=4096, head_dim=64, value_head_dim=hv,
+        dtype=jnp.bfloat16)
+    assert (bs.block_q_bwd, bs.block_kv_bwd) == (want, want), hv
 
 
 def test_wrong_block_sizes_type_is_rejected():
@@ -430,11 +440,8 @@ LOWERING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype, case", LOWERING_CASES, ids=str)
-def test_lowers_to_mosaic_for_tpu(dtype, case, monkeypatch, fresh_caches):
-  """Forward, dK/dV and dQ lower to Mosaic TPU custom calls (no TPU needed)."""
-  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
-  q, k, v, kw = make_inputs(case, DTYPES[dtype], rng("lower", str(case)))
+def _assert_lowers_to_mosaic(q, k, v, kw):
+  """Forward, dK/dV and dQ of the call lower to Mosaic TPU custom calls."""
   bias = kw.pop("bias", None)
 
   def loss(q, k, v, bias):
@@ -450,6 +457,27 @@ def test_lowers_to_mosaic_for_tpu(dtype, case, monkeypatch, fresh_caches):
   module = exported.mlir_module()
   assert module.count("tpu_custom_call") == 3
   assert "callback" not in module  # compiled kernels, not the interpreter
+
+
+@pytest.mark.parametrize("dtype, case", LOWERING_CASES, ids=str)
+def test_lowers_to_mosaic_for_tpu(dtype, case, monkeypatch, fresh_caches):
+  """Every masking feature lowers for the TPU (no TPU needed)."""
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  q, k, v, kw = make_inputs(case, DTYPES[dtype], rng("lower", str(case)))
+  _assert_lowers_to_mosaic(q, k, v, kw)
+
+
+def test_dropout_and_value_head_dim_lower_to_mosaic(monkeypatch,
+                                                     fresh_caches):
+  """The dropout hash (uint32 arithmetic on the seed in scalar memory and
+  on the tile's indices) and padded widths H != Hv lower for the TPU."""
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  case = Case(b=2, t=200, s=300, n=4, k=2, h=32, causal=True, bias="heads")
+  gen = rng("lower-dropout")
+  q, k, _, kw = make_inputs(case, jnp.bfloat16, gen)
+  v = testing.normal(gen, (case.b, case.s, case.k, 160), jnp.bfloat16)
+  kw.update(dropout_rate=0.2, dropout_rng=jax.random.key(0))
+  _assert_lowers_to_mosaic(q, k, v, kw)
 
 
 # --- numerics across many tiles -----------------------------------------------
@@ -468,6 +496,36 @@ MULTI_TILE_CASES = [
 def test_multi_tile(dtype, case):
   check_against_reference(flash("mosaic_tpu", TILES), case, DTYPES[dtype],
                           rng("multi-tile", str(case), dtype))
+
+
+# Value head dims whose padded width differs from the query/key one (128 vs
+# 256 lanes), with dropout: GQA, causal and segment ids in one, a bias (and
+# its gradient) in the other.
+VALUE_DIM_DROPOUT_CASES = [
+    (Case(b=1, t=200, s=260, n=4, k=2, h=32, causal=True, segments=True),
+     160, 0.3),
+    (Case(b=1, t=130, s=140, n=2, k=1, h=136, bias="heads"), 16, 0.5),
+]
+
+
+@pytest.mark.parametrize("case, hv, rate", VALUE_DIM_DROPOUT_CASES, ids=str)
+def test_value_head_dim_and_dropout_multi_tile(case, hv, rate):
+  """Against the reference drawing the same dropout mask: out, lse and
+  every gradient, across several tiles."""
+  gen = rng("value-dim-dropout", str(case), hv)
+  q, k, _, kw = make_inputs(case, jnp.float32, gen)
+  v = testing.normal(gen, (case.b, case.s, case.k, hv))
+  kw.update(dropout_rate=rate, dropout_rng=int(gen.integers(1 << 31)))
+  dout = testing.normal(gen, (case.b, case.t, case.n, hv))
+  dlse = testing.normal(gen, q.shape[:-1])
+  out, lse, grads = run(flash("mosaic_tpu", TILES), q, k, v, kw, dout, dlse)
+  ref_out, ref_lse, ref_grads = run(
+      reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
+  assert out.shape == ref_out.shape == (case.b, case.t, case.n, hv)
+  for name, x, r in zip(["out", "lse", "dq", "dk", "dv", "dbias"],
+                        [out, lse, *grads], [ref_out, ref_lse, *ref_grads]):
+    assert x.shape == r.shape, name
+    assert_close(name, x, r)
 
 
 def test_decode_with_default_block_sizes():
