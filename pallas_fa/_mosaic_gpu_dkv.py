@@ -44,7 +44,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     outputs: which of "dk", "dv" to compute.
 
   Returns:
-    A tuple with the requested of dk, dv, each [B, Sp, K, Hp] in k.dtype.
+    A tuple with the requested of dk [B, Sp, K, Hp] and dv [B, Sp, K, Hvp]
+    (Hvp: the padded value head dim), in k.dtype.
   """
   ops = gpu_ops.Ops(spec.interpret)
   bq, bk, h, stages = spec.block_q, spec.block_kv, spec.head_dim, spec.stages
@@ -115,8 +116,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
       return kernel.phases(sched_ref, b, row, wg, step, carry, spec.masked)
 
-    zeros = ops.full((bk, h), 0.0)
-    carry = (zeros if want_dk else None, zeros if want_dv else None)
+    carry = (ops.full((bk, h), 0.0) if want_dk else None,
+             ops.full((bk, spec.hv), 0.0) if want_dv else None)
     dk, dv = lax.fori_loop(0, g, group_member, carry)
     results = []
     if want_dk:
@@ -160,11 +161,11 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
   smem = (
       ops.smem((nc, bk, h), spec.dtype, True),  # K, then dK.
-      ops.smem((nc, bk, h), spec.dtype, True),  # V, then dV.
+      ops.smem((nc, bk, spec.hv), spec.dtype, True),  # V, then dV.
       plgpu.SMEM((nc, bk), _I32),  # key positions
       plgpu.SMEM((nc, bk), _I32),  # key segment ids
       ops.smem((stages, bq, h), spec.dtype, True),  # Q ring
-      ops.smem((stages, bq, h), spec.dtype, True),  # dO ring
+      ops.smem((stages, bq, spec.hv), spec.dtype, True),  # dO ring
       plgpu.SMEM((stages, bq), _F32),  # lse ring
       plgpu.SMEM((stages, bq), _F32),  # delta ring
       plgpu.SMEM((stages, bq), _I32),  # query positions ring
@@ -182,6 +183,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       operands=(q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos, kv_seg,
                 sched),
       out_types=tuple(
-          jax.ShapeDtypeStruct(k.shape, spec.dtype) for _ in outputs),
+          jax.ShapeDtypeStruct((v if name == "dv" else k).shape, spec.dtype)
+          for name in outputs),
       smem_types=smem, barrier_types=barriers, unit=unit,
       producer_groups=producer_groups)

@@ -31,8 +31,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     spec: launch parameters (`consumers` tiles of block_q rows per unit).
     q: [B, Tp, N, Hp].
     k: [B, Sp, K, Hp].
-    v: [B, Sp, K, Hp].
-    do: [B, Tp, N, Hp]; padded rows zeroed.
+    v: [B, Sp, K, Hvp] (Hvp: the padded value head dim).
+    do: [B, Tp, N, Hvp]; padded rows zeroed.
     lse2: float32 [B, N, Tp] from `kernel.lse_for_kernel`.
     delta: float32 [B, N, Tp].
     q_pos: int32 [B, Tp].
@@ -104,7 +104,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
   smem = (
       ops.smem((nc, bq, h), spec.dtype, True),  # Q, then dQ.
-      ops.smem((nc, bq, h), spec.dtype, True),  # dO
+      ops.smem((nc, bq, spec.hv), spec.dtype, True),  # dO
       plgpu.SMEM((nc, bq), _F32),  # lse (base 2)
       plgpu.SMEM((nc, bq), _F32),  # delta
       plgpu.SMEM((nc, bq), _I32),  # query positions

@@ -32,7 +32,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
     spec: launch parameters (two consumers; block_q rows each).
     q: [B, Tp, N, Hp]; padded rows zeroed.
     k: [B, Sp, K, Hp]; padded rows zeroed.
-    v: [B, Sp, K, Hp]; padded rows zeroed.
+    v: [B, Sp, K, Hvp]; padded rows zeroed.
     q_pos: int32 [B, Tp].
     q_seg: int32 [B, Tp] (ignored without segments).
     kv_pos: int32 [B, Sp].
@@ -41,21 +41,24 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
       `kernel.phases`.
 
   Returns:
-    (out [B, Tp, N, Hp] in q.dtype, lse float32 [B, N, Tp], natural log).
+    (out [B, Tp, N, Hvp] in q.dtype, lse float32 [B, N, Tp], natural log).
   """
   ops = gpu_ops.Ops(spec.interpret)
-  bq, h, stages = spec.block_q, spec.head_dim, spec.stages
+  bq, h, hv, stages = spec.block_q, spec.head_dim, spec.hv, spec.stages
   nc = spec.consumers
+  # The output reuses Q's buffer when the two have one head dim.
+  own_out = hv != h
   units = kernel.q_units(spec)
 
   def unit(r: kernel.Refs, t, base):
     q_ref, _, _, qpos_ref, qseg_ref, _, _, sched_ref = r.inputs
     o_ref, lse_ref = r.outputs
-    (qo_smem, lse_smem, qpos_smem, qseg_smem, k_smem, v_smem, kpos_smem,
-     kseg_smem) = r.smem
+    (qo_smem, lse_smem, qpos_smem, qseg_smem, *o_smem, k_smem, v_smem,
+     kpos_smem, kseg_smem) = r.smem
     q_bar, k_bar, v_bar, k_free, v_free, schedule = r.barriers
     wg = r.wg
-    qo = qo_smem.at[wg]  # Q, then the output.
+    qo = qo_smem.at[wg]  # Q, then (with one head dim) the output.
+    o_own = o_smem[0].at[wg] if own_out else qo
 
     def perform_schedule_barrier():
       plgpu.barrier_arrive(schedule)
@@ -107,7 +110,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
     carry = (
         ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
         ops.full_vector(bq, 0.0, 0),
-        ops.full((bq, h), 0.0),
+        ops.full((bq, hv), 0.0),
     )
     if spec.pingpong:
       pl.when(wg == 1)(perform_schedule_barrier)
@@ -117,9 +120,9 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
       pl.when(wg == 0)(perform_schedule_barrier)
     out, lse = online_softmax.finalize(
         m_i, l_i, acc, base2=True, per_query=_ROWS)
-    qo[...] = out.astype(spec.dtype)
+    o_own[...] = out.astype(spec.dtype)
     lse_smem.at[wg][...] = lse
-    kernel.store([(qo, o_ref.at[b, rows, n]),
+    kernel.store([(o_own, o_ref.at[b, rows, n]),
                   (lse_smem.at[wg], lse_ref.at[b, n, rows])])
     return base + sched_ref[b, row, 1] - ulo
 
@@ -128,7 +131,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
       plgpu.SMEM((nc, bq), _F32),  # lse
       plgpu.SMEM((nc, bq), _I32),  # query positions
       plgpu.SMEM((nc, bq), _I32),  # query segment ids
-      *kernel.kv_rings(spec, ops),
+      *([ops.smem((nc, bq, hv), spec.dtype, True)] if own_out else []),
+      *kernel.kv_rings(spec, ops),  # Last: `kv_producer` reads them there.
   )
   barriers = (
       gpu_ops.barrier(nc, 1 + spec.num_meta),  # Q (+ metadata), per consumer.
@@ -136,7 +140,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
       gpu_ops.barrier(1, nc),  # ping-pong schedule.
   )
   out_types = (
-      jax.ShapeDtypeStruct(q.shape, spec.dtype),
+      jax.ShapeDtypeStruct(q.shape[:-1] + (hv,), spec.dtype),
       jax.ShapeDtypeStruct((spec.batch, spec.num_heads, spec.q_len), _F32),
   )
   return kernel.launch(

@@ -113,7 +113,8 @@ class Spec:
     kv_len: padded key length (a multiple of the key tiles).
     num_heads: N.
     num_kv_heads: K.
-    head_dim: padded head dim (a multiple of 64, at most 256).
+    head_dim: padded query/key head dim (a multiple of 64, at most 256).
+    value_head_dim: padded value (and output) head dim; None: head_dim.
     dtype: bfloat16 or float16.
     block_q: query rows per consumer tile.
     block_kv: key rows per consumer tile.
@@ -150,6 +151,13 @@ class Spec:
   soft_cap: float | None = None
   interpret: bool = False
   lowering_semantics: str | None = None
+  value_head_dim: int | None = None
+
+  @property
+  def hv(self) -> int:
+    """The padded value head dim."""
+    return self.head_dim if self.value_head_dim is None else (
+        self.value_head_dim)
 
   @property
   def group(self) -> int:
@@ -368,7 +376,7 @@ def kv_rings(spec: Spec, ops: gpu_ops.Ops):
   bk, h, stages = spec.block_kv, spec.head_dim, spec.stages
   return (
       ops.smem((stages, bk, h), spec.dtype, True),  # K ring
-      ops.smem((stages, bk, h), spec.dtype, True),  # V ring
+      ops.smem((stages, bk, spec.hv), spec.dtype, True),  # V ring
       plgpu.SMEM((stages, bk), jnp.int32),  # key positions ring
       plgpu.SMEM((stages, bk), jnp.int32),  # key segment ids ring
   )

@@ -157,32 +157,38 @@ class MosaicGpuBlockSizes:
 
 
 def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
-                        itemsize: int = 2) -> dict[str, int]:
+                        itemsize: int = 2, value_head_dim: int | None = None
+                        ) -> dict[str, int]:
   """Shared memory (bytes) of the forward, dQ and dK/dV kernels.
 
   Args:
     bs: the tiling.
-    head_dim: the unpadded head dim.
+    head_dim: the unpadded query/key head dim.
     itemsize: bytes per element of q/k/v.
+    value_head_dim: the unpadded value head dim; None: head_dim.
 
   Returns:
     dict with keys "forward", "dq", "dkv".
   """
   hp = layout.padded_head_dim(head_dim, ALIGN)
-  tile = lambda rows: rows * hp * itemsize  # noqa: E731
+  hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
+  # A [rows, H] and a [rows, Hv] tile (Q or K with dO or V).
+  pair = lambda rows: rows * (hp + hvp) * itemsize  # noqa: E731
   vec = lambda rows: rows * 4  # noqa: E731
+  # The forward's output reuses Q's buffer only when Hv == H.
+  out = 0 if hvp == hp else bs.block_q * hvp * itemsize
   fwd = (
-      bs.num_consumers * (tile(bs.block_q) + 3 * vec(bs.block_q))
-      + bs.num_stages * (2 * tile(bs.block_kv) + 2 * vec(bs.block_kv)))
+      bs.num_consumers * (bs.block_q * hp * itemsize + out
+                          + 3 * vec(bs.block_q))
+      + bs.num_stages * (pair(bs.block_kv) + 2 * vec(bs.block_kv)))
   dq = (
-      bs.num_consumers_dq * (2 * tile(bs.block_q_dq)
-                             + 4 * vec(bs.block_q_dq))
-      + bs.num_stages_bwd * (2 * tile(bs.block_kv_dq)
+      bs.num_consumers_dq * (pair(bs.block_q_dq) + 4 * vec(bs.block_q_dq))
+      + bs.num_stages_bwd * (pair(bs.block_kv_dq)
                              + 2 * vec(bs.block_kv_dq)))
   dkv = (
-      bs.num_consumers_dkv * (2 * tile(bs.block_kv_dkv)
+      bs.num_consumers_dkv * (pair(bs.block_kv_dkv)
                               + 2 * vec(bs.block_kv_dkv))
-      + bs.num_stages_bwd * (2 * tile(bs.block_q_dkv)
+      + bs.num_stages_bwd * (pair(bs.block_q_dkv)
                              + 4 * vec(bs.block_q_dkv)))
   return {"forward": fwd, "dq": dq, "dkv": dkv}
 
@@ -190,6 +196,7 @@ def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
 def heuristic_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> MosaicGpuBlockSizes:
   """The heuristic tiling of a call, ignoring tuned records.
 
@@ -210,13 +217,16 @@ def heuristic_block_sizes(
     dropout: whether the call has attention dropout (never: refused).
     device_kind: a `jax.Device.device_kind` (every sm90 GPU has the same
       shared memory).
+    value_head_dim: Hv, unpadded; None: head_dim. The wider of the two
+      sizes the register-bound choices.
 
   Returns:
     A `MosaicGpuBlockSizes`.
   """
   del q_len, kv_len, is_causal, dropout, device_kind
   itemsize = jnp.dtype(dtype).itemsize
-  hp = layout.padded_head_dim(head_dim, ALIGN)
+  hv = value_head_dim or head_dim
+  hp = layout.padded_head_dim(max(head_dim, hv), ALIGN)
   wide = hp > 128
   base = MosaicGpuBlockSizes(
       block_q=64,
@@ -227,13 +237,15 @@ def heuristic_block_sizes(
       num_consumers_dkv=1 if wide else 2,
       split_dkv=wide,
   )
+  def smem(bs):
+    return shared_memory_bytes(bs, head_dim, itemsize, hv)
+
   for stages in (4, 3):
     candidate = dataclasses.replace(base, num_stages=stages)
-    if shared_memory_bytes(candidate, head_dim, itemsize)["forward"] <= (
-        SHARED_MEMORY_BYTES):
+    if smem(candidate)["forward"] <= SHARED_MEMORY_BYTES:
       base = candidate
       break
-  if shared_memory_bytes(base, head_dim, itemsize)["dq"] > SHARED_MEMORY_BYTES:
+  if smem(base)["dq"] > SHARED_MEMORY_BYTES:
     base = dataclasses.replace(base, block_kv_dq=64)
   return base
 
@@ -241,10 +253,16 @@ def heuristic_block_sizes(
 def default_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> MosaicGpuBlockSizes:
   """The tiling of a call made without `block_sizes=`: the tuned record
   nearest to the call (`pallas_fa.tuning`), else `heuristic_block_sizes`,
   whose arguments these are. Returns a `MosaicGpuBlockSizes`."""
+  if value_head_dim not in (None, head_dim):  # Records are tuned with Hv = H.
+    return heuristic_block_sizes(
+        q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
+        is_causal=is_causal, dropout=dropout, device_kind=device_kind,
+        value_head_dim=value_head_dim)
   return tuning.tuned_or_heuristic(
       "mosaic_gpu", MosaicGpuBlockSizes, heuristic_block_sizes, q_len=q_len,
       kv_len=kv_len, head_dim=head_dim, dtype=dtype, is_causal=is_causal,
@@ -329,10 +347,10 @@ def _check(q, k, v, bias, info, params):
     raise NotImplementedError(
         f"mosaic_gpu needs q, k, v of one dtype, got {q.dtype=} "
         f"{k.dtype=} {v.dtype=}.")
-  if q.shape[-1] > MAX_HEAD_DIM:
+  if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
     raise NotImplementedError(
         f"mosaic_gpu supports head dims up to {MAX_HEAD_DIM}, got "
-        f"{q.shape[-1]=}.")
+        f"{q.shape[-1]=} and {v.shape[-1]=}.")
   if bias is not None:
     raise NotImplementedError("mosaic_gpu does not take a bias.")
   if mask is not None:
@@ -455,6 +473,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       num_heads=num_heads,
       num_kv_heads=x.k.shape[2],
       head_dim=x.q.shape[-1],
+      value_head_dim=x.v.shape[-1],
       dtype=x.q.dtype,
       block_q=block_q,
       block_kv=block_kv,
@@ -490,9 +509,9 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   backend is, so that they can be lowered for CUDA ahead of time.
 
   Returns:
-    (out [B, T, N, H], lse float32 [B, T, N]).
+    (out [B, T, N, Hv], lse float32 [B, T, N]).
   """
-  b, t, n, h = q.shape
+  b, t, n, _ = q.shape
   s = k.shape[1]
   bs = BACKEND.block_sizes(params, q, k, info)
   rows = bs.num_consumers * bs.block_q
@@ -507,7 +526,7 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
       stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
       units_per_head=x.tp // rows, heads=n, num_heads=n)
   out, lse = forward_kernel.forward(spec, x.q, x.k, x.v, *_meta(x), sched)
-  return out[:, :t, :, :h], jnp.swapaxes(lse[:, :, :t], 1, 2)
+  return out[:, :t, :, :x.hv], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
@@ -565,7 +584,7 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   return (
       dq[:, :t, :, :h],
       dk[:, :s, :, :h].astype(k.dtype),
-      dv[:, :s, :, :h].astype(v.dtype),
+      dv[:, :s, :, :x.hv].astype(v.dtype),
       None,
   )
 
@@ -578,4 +597,5 @@ BACKEND = vjp.Backend(
     block_sizes_type=MosaicGpuBlockSizes,
     default_block_sizes=default_block_sizes,
     dtypes=SUPPORTED_DTYPES,
+    value_head_dim=True,
 )

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_testing import Case
+from attention_testing import assert_close
 from attention_testing import check_against_reference
 from attention_testing import flash
 from attention_testing import make_inputs
+from attention_testing import reference_fn
 from attention_testing import rng
 from attention_testing import run
 
@@ -28,6 +30,7 @@ from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import mosaic_gpu
+from pallas_fa import testing
 from pallas_fa import tuning
 from pallas_fa import vjp
 
@@ -360,6 +363,30 @@ def test_interpreted_forward_window_segments():
   finite = np.isfinite(np.asarray(ref_lse))
   np.testing.assert_allclose(
       np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-3)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("h, hv", [(64, 128), (72, 32)], ids=["hv>h", "hv<h"])
+def test_interpreted_value_head_dim(h, hv):
+  """Hv != H: the output and dV have V's head dim (each padded to 64 on its
+  own), dP contracts over Hv; forward, lse and gradients against the
+  reference, causal with GQA."""
+  case = Case(b=1, t=70, s=100, n=2, k=1, h=h, causal=True, lengths=True)
+  gen = rng("mosaic_gpu", "value-head-dim", h, hv)
+  q, k, _, kw = make_inputs(case, jnp.bfloat16, gen)
+  v = testing.normal(gen, k.shape[:-1] + (hv,), jnp.bfloat16)
+  dout = testing.normal(gen, q.shape[:-1] + (hv,))
+  dlse = testing.normal(gen, q.shape[:-1])
+  fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
+  got = run(fn, q, k, v, kw, dout, dlse)
+  want = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
+  same = run(reference_fn(jnp.bfloat16), q, k, v, kw, dout, dlse)
+  assert got[0].shape == q.shape[:-1] + (hv,)
+  for name, x, r, rs in zip(
+      ("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2][:3]),
+      (*want[:2], *want[2][:3]), (*same[:2], *same[2][:3])):
+    assert x.shape == r.shape, (name, x.shape, r.shape)
+    assert_close(name, x, r, rs, jnp.bfloat16)
 
 
 @pytest.mark.slow
