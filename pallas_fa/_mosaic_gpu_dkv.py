@@ -27,7 +27,7 @@ _COLUMNS = online_softmax.queries_along(1)
 
 
 def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
-                 kv_pos, kv_seg, sched, *, outputs=("dk", "dv")):
+                 kv_pos, kv_seg, sched, seed=None, *, outputs=("dk", "dv")):
   """The dK/dV kernel (KV-stationary; GQA group summed inside).
 
   Works on S^T = K Q^T so that P^T and dS^T are register operands of the
@@ -41,6 +41,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       `_mosaic_gpu_dq.backward_dq`.
     sched: int32 [B, Sp / (consumers block_kv), 2 + 2 consumers]; ranges of
       query tiles.
+    seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
     outputs: which of "dk", "dv" to compute.
 
   Returns:
@@ -66,7 +67,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     b, kh, row = units.decode(r.cta, t)
     ulo = sched_ref[b, row, 0]
     length = sched_ref[b, row, 1] - ulo
-    keys = pl.ds((row * nc + wg) * bk, bk)
+    key0 = (row * nc + wg) * bk
+    keys = pl.ds(key0, bk)
     kernel.load_stationary(
         [(k_ref.at[b, keys, kh], k_own),
          (v_ref.at[b, keys, kh], v_own),
@@ -91,10 +93,21 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
               spec, ops, qpos_smem.at[slot], qseg_smem.at[slot], 1)
           s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s)
         p_t = online_softmax.probs(s_t, lse2, base2=True, per_query=_COLUMNS)
+
+        def dropped(x):
+          # The mask is hashed afresh at each use: cheaper than keeping it
+          # live across the matmuls, which spills.
+          if not spec.dropout_rate:
+            return x
+          return kernel.apply_dropout(
+              spec, ops, x, r.seed, batch=b, head=kh * g + rep,
+              q_start=i * bq, kv_start=key0, q_axis=1)
+
         plgpu.barrier_wait(do_bar.at[slot])
-        dv_update = dict(a=p_t.astype(spec.dtype), b=do_smem.at[slot],
-                         a_in_smem=False, acc=dv)
         dp_t_fresh = dict(a=v_own, b=do_smem.at[slot], transpose_b=True)
+        if want_dv:  # Built only when used: dead code can stall Mosaic.
+          dv_update = dict(a=dropped(p_t).astype(spec.dtype),
+                           b=do_smem.at[slot], a_in_smem=False, acc=dv)
         if want_dv and want_dk:
           dv, dp_t = ops.mm_pair(dv_update, dp_t_fresh)
         elif want_dv:
@@ -105,8 +118,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           delta = ops.load_vector(delta_smem.at[slot], 1)
         plgpu.barrier_arrive(do_free.at[slot])
         if want_dk:
-          ds_t = online_softmax.softmax_grad(
-              p_t, dp_t, delta, per_query=_COLUMNS)
+          ds_t = online_softmax.softmax_grad(  # dP^T of the dropped P^T.
+              p_t, dropped(dp_t), delta, per_query=_COLUMNS)
           ds_t = kernel.logits_grad(spec, ds_t, capped_t)
           dk = ops.mm(
               ds_t.astype(spec.dtype), q_smem.at[slot], a_in_smem=False,
@@ -186,4 +199,4 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           jax.ShapeDtypeStruct((v if name == "dv" else k).shape, spec.dtype)
           for name in outputs),
       smem_types=smem, barrier_types=barriers, unit=unit,
-      producer_groups=producer_groups)
+      producer_groups=producer_groups, seed=seed)

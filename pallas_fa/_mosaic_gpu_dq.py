@@ -24,7 +24,7 @@ _ROWS = online_softmax.queries_along(0)
 
 
 def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
-                kv_pos, kv_seg, sched):
+                kv_pos, kv_seg, sched, seed=None):
   """The dQ kernel (Q-stationary; no atomics).
 
   Args:
@@ -40,6 +40,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     kv_pos: int32 [B, Sp].
     kv_seg: int32 [B, Sp].
     sched: int32 [B, Tp / (consumers block_q), 2 + 2 consumers].
+    seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
 
   Returns:
     dq [B, Tp, N, Hp] in q.dtype.
@@ -61,7 +62,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
     b, n, row = units.decode(r.cta, t)
     ulo = sched_ref[b, row, 0]
-    rows = pl.ds((row * nc + wg) * bq, bq)
+    row0 = (row * nc + wg) * bq
+    rows = pl.ds(row0, bq)
     kernel.load_stationary(
         [(q_ref.at[b, rows, n], q_own),
          (do_ref.at[b, rows, n], do_own),
@@ -83,6 +85,10 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           dict(a=q_own, b=k_smem.at[slot], transpose_b=True),
           dict(a=do_own, b=v_smem.at[slot], transpose_b=True))
       plgpu.barrier_arrive(v_free.at[slot])
+      if spec.dropout_rate:  # dP of the dropped probabilities.
+        dp = kernel.apply_dropout(
+            spec, ops, dp, r.seed, batch=b, head=n, q_start=row0,
+            kv_start=j * spec.block_kv, q_axis=0)
       s, capped = kernel.logits(spec, qk)
       if masked:
         k_p, k_s = kernel.load_meta(
@@ -122,5 +128,5 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
                 sched),
       out_types=(jax.ShapeDtypeStruct(q.shape, spec.dtype),),
       smem_types=smem, barrier_types=barriers, unit=unit,
-      producer_groups=kernel.kv_producer(spec))
+      producer_groups=kernel.kv_producer(spec), seed=seed)
   return dq

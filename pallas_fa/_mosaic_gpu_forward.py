@@ -25,7 +25,8 @@ _I32 = jnp.int32
 _ROWS = online_softmax.queries_along(0)
 
 
-def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
+def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
+            seed=None):
   """The forward kernel.
 
   Args:
@@ -39,6 +40,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
     kv_seg: int32 [B, Sp] (ignored without segments).
     sched: int32 [B, Tp / (2 block_q), 6], see `kernel.produce` and
       `kernel.phases`.
+    seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
 
   Returns:
     (out [B, Tp, N, Hvp] in q.dtype, lse float32 [B, N, Tp], natural log).
@@ -66,7 +68,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
 
     b, n, row = units.decode(r.cta, t)
     ulo = sched_ref[b, row, 0]
-    rows = pl.ds((row * nc + wg) * bq, bq)
+    row0 = (row * nc + wg) * bq
+    rows = pl.ds(row0, bq)
     kernel.load_stationary(
         [(q_ref.at[b, rows, n], qo),
          *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
@@ -94,6 +97,10 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
       m_i, l_i, p, alpha = online_softmax.update(
           m_i, l_i, s, base2=True, per_query=_ROWS)
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      if spec.dropout_rate:  # After the running sums: they are undropped.
+        p = kernel.apply_dropout(
+            spec, ops, p, r.seed, batch=b, head=n, q_start=row0,
+            kv_start=j * spec.block_kv, q_axis=0)
       p = p.astype(spec.dtype)
       if spec.pingpong:
         # Done with the softmax: let the other consumer's matmuls run
@@ -147,4 +154,4 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched):
       spec, name="pfa_mgpu_forward", units=units, reps=1,
       operands=(q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched),
       out_types=out_types, smem_types=smem, barrier_types=barriers,
-      unit=unit, producer_groups=kernel.kv_producer(spec))
+      unit=unit, producer_groups=kernel.kv_producer(spec), seed=seed)

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa import _mosaic_gpu_ops as gpu_ops
+from pallas_fa import dropout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 
@@ -115,6 +116,7 @@ class Spec:
     num_kv_heads: K.
     head_dim: padded query/key head dim (a multiple of 64, at most 256).
     value_head_dim: padded value (and output) head dim; None: head_dim.
+    dropout_rate: attention dropout rate (`pallas_fa.dropout`); 0: none.
     dtype: bfloat16 or float16.
     block_q: query rows per consumer tile.
     block_kv: key rows per consumer tile.
@@ -152,6 +154,7 @@ class Spec:
   interpret: bool = False
   lowering_semantics: str | None = None
   value_head_dim: int | None = None
+  dropout_rate: float = 0.0
 
   @property
   def hv(self) -> int:
@@ -404,6 +407,27 @@ def meta_copies(spec: Spec, refs, dsts, b, rows):
   return out
 
 
+def apply_dropout(spec: Spec, ops: gpu_ops.Ops, x, seed_ref, *, batch, head,
+                  q_start, kv_start, q_axis):
+  """x times its attention-dropout factor (0 or 1 / (1 - rate)): x is a
+  float32 tile in the wgmma layout whose first query / key are q_start /
+  kv_start, its query axis `q_axis` (1 in the transposed dK/dV kernel).
+
+  The query side of the hash is computed once per row vector
+  (`dropout.row_state`), the key index is mixed in per element; a select
+  instead of a product with a factor tile keeps one float32 tile fewer
+  live.
+  """
+  shape, kv_axis = x.shape, 1 - q_axis
+  q_index = q_start + ops.iota_vector(shape[q_axis], q_axis)
+  kv_index = kv_start + ops.iota_vector(shape[kv_axis], kv_axis)
+  state = dropout.row_state(seed_ref[0], batch, head, q_index)
+  keep = dropout.keep_in_row(
+      lax.broadcast_in_dim(state, shape, (q_axis,)), spec.dropout_rate,
+      lax.broadcast_in_dim(kv_index, shape, (kv_axis,)))
+  return jnp.where(keep, x * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
+
+
 def load_meta(spec: Spec, ops: gpu_ops.Ops, pos_ref, seg_ref, axis):
   """(positions, segment ids) vectors laid out along `axis` of a wgmma tile;
   None for those the spec does not use."""
@@ -424,7 +448,8 @@ def load_meta(spec: Spec, ops: gpu_ops.Ops, pos_ref, seg_ref, axis):
 class Refs:
   """What a kernel body sees: GMEM input refs (in operand order, the
   schedule last), GMEM output refs, SMEM and barrier refs (in the order the
-  kernel declared them), this CTA's index and this warpgroup's."""
+  kernel declared them), this CTA's index and this warpgroup's, and the
+  uint32 [1] dropout seed (None without dropout)."""
 
   inputs: tuple
   outputs: tuple
@@ -432,6 +457,7 @@ class Refs:
   barriers: tuple
   cta: Any
   wg: Any
+  seed: Any = None
 
 
 def load_stationary(copies, bar):
@@ -453,7 +479,7 @@ def store(copies):
 
 
 def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
-           barrier_types, unit, producer_groups):
+           barrier_types, unit, producer_groups, seed=None):
   """Builds and runs a persistent warp-specialised kernel.
 
   Warpgroups 0 .. consumers - 1 each run `unit` over this CTA's units of
@@ -473,15 +499,19 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
     unit: unit(refs, t, base) -> base: a consumer's t-th unit; `base` counts
       the ring steps consumed so far.
     producer_groups: producer_groups(refs) -> the `groups` of `produce`.
+    seed: the uint32 [1] dropout seed, or None without dropout.
   """
   ops = gpu_ops.Ops(spec.interpret)
   nc, num_inputs = spec.consumers, len(operands)
+  if seed is not None:
+    operands = (*operands, seed)
 
   def body(*refs):
     r = Refs(
-        inputs=refs[:num_inputs], outputs=refs[num_inputs:-2],
+        inputs=refs[:num_inputs], outputs=refs[len(operands):-2],
         smem=refs[-2], barriers=refs[-1],
-        cta=lax.axis_index("cta"), wg=lax.axis_index("wg"))
+        cta=lax.axis_index("cta"), wg=lax.axis_index("wg"),
+        seed=None if seed is None else refs[num_inputs])
 
     @pl.when(r.wg < nc)
     def _consumer():

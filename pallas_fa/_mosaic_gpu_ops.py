@@ -13,6 +13,7 @@ from typing import Any
 from typing import Callable
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -49,6 +50,13 @@ class Ops:
   def full_vector(self, size, value, axis):
     """A per-row (axis 0) or per-column (axis 1) vector of a wgmma tile."""
     x = jnp.full((size,), value, _F32)
+    if self.interpret:
+      return x
+    return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1 - axis))
+
+  def iota_vector(self, size, axis):
+    """0 .. size - 1 (int32) laid out along `axis` of a wgmma tile."""
+    x = lax.broadcasted_iota(jnp.int32, (size,), 0)
     if self.interpret:
       return x
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1 - axis))

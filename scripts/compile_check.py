@@ -119,7 +119,7 @@ DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged")
 # Variants only some backends implement (the others decline them).
-VARIANT_BACKENDS = {"dropout": ("triton",), "decode": ("triton",),
+VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",)}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)

@@ -365,28 +365,51 @@ def test_interpreted_forward_window_segments():
       np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-3)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("h, hv", [(64, 128), (72, 32)], ids=["hv>h", "hv<h"])
-def test_interpreted_value_head_dim(h, hv):
-  """Hv != H: the output and dV have V's head dim (each padded to 64 on its
-  own), dP contracts over Hv; forward, lse and gradients against the
-  reference, causal with GQA."""
-  case = Case(b=1, t=70, s=100, n=2, k=1, h=h, causal=True, lengths=True)
-  gen = rng("mosaic_gpu", "value-head-dim", h, hv)
-  q, k, _, kw = make_inputs(case, jnp.bfloat16, gen)
-  v = testing.normal(gen, k.shape[:-1] + (hv,), jnp.bfloat16)
-  dout = testing.normal(gen, q.shape[:-1] + (hv,))
+def _check_interpreted(q, k, v, kw, gen):
+  """The interpreted kernels' out, lse, dq, dk, dv (small tiles) against
+  the float32 reference under the FlashAttention rule (bfloat16 inputs)."""
+  dout = testing.normal(gen, q.shape[:-1] + v.shape[-1:])
   dlse = testing.normal(gen, q.shape[:-1])
   fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
   got = run(fn, q, k, v, kw, dout, dlse)
   want = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
   same = run(reference_fn(jnp.bfloat16), q, k, v, kw, dout, dlse)
-  assert got[0].shape == q.shape[:-1] + (hv,)
+  assert got[0].shape == q.shape[:-1] + v.shape[-1:]
   for name, x, r, rs in zip(
-      ("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2][:3]),
-      (*want[:2], *want[2][:3]), (*same[:2], *same[2][:3])):
+      ("out", "lse", "dq", "dk", "dv"), (*got[:2], *got[2]),
+      (*want[:2], *want[2]), (*same[:2], *same[2])):
     assert x.shape == r.shape, (name, x.shape, r.shape)
     assert_close(name, x, r, rs, jnp.bfloat16)
+  return got
+
+
+@needs_interpreter
+@pytest.mark.parametrize("h, hv", [(64, 128), (72, 32)], ids=["hv>h", "hv<h"])
+def test_interpreted_value_head_dim(h, hv):
+  """Hv != H: the output and dV have V's head dim (each padded to 64 on its
+  own), dP contracts over Hv; causal with GQA and padding."""
+  case = Case(b=1, t=70, s=100, n=2, k=1, h=h, causal=True, lengths=True)
+  gen = rng("mosaic_gpu", "value-head-dim", h, hv)
+  q, k, _, kw = make_inputs(case, jnp.bfloat16, gen)
+  v = testing.normal(gen, k.shape[:-1] + (hv,), jnp.bfloat16)
+  _check_interpreted(q, k, v, kw, gen)
+
+
+@needs_interpreter
+def test_interpreted_dropout():
+  """Dropout draws the mask of `pallas_fa.dropout` (the reference's) in all
+  three kernels, the dK/dV kernel in its transposed orientation included:
+  GQA (the query head, not the key/value head, is hashed), segments,
+  padding; and the result differs from no dropout."""
+  case = Case(b=2, t=70, s=90, n=4, k=2, h=32, causal=True, segments=True,
+              lengths=True)
+  gen = rng("mosaic_gpu", "dropout")
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  kw.update(dropout_rate=0.3, dropout_rng=int(gen.integers(1 << 30)))
+  out = _check_interpreted(q, k, v, kw, gen)[0]
+  plain = flash("xla")(q, k, v, **{
+      n: x for n, x in kw.items() if not n.startswith("dropout")})[0]
+  assert float(jnp.abs(out.astype(jnp.float32) - plain).max()) > 0.1
 
 
 @pytest.mark.slow

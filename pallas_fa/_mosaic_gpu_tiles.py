@@ -1,0 +1,263 @@
+"""Tiling of the `mosaic_gpu` kernels: the config class, the shared-memory
+model and the heuristic.
+
+`mosaic_gpu` re-exports everything public here; `mosaic_gpu.
+default_block_sizes` prefers a tuned record (`pallas_fa.tuning`) over
+`heuristic_block_sizes`. The register-bound choices of the heuristic were
+read off ptxas (`scripts/compile_check.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_fa import layout
+
+# Tiles are multiples of 64 rows (one warpgroup's wgmma M) and are never cut
+# to fit short sequences; head dims are padded to 64 (128-byte TMA rows).
+ALIGN = layout.Alignment(rows=64, head_dim=64)
+
+# Shared memory per CTA on sm90 (H100 / H200), minus a margin: the estimate
+# below counts the buffers only, and the compiled kernels measure 2-5 KiB
+# more (barriers, 1 KiB alignment of swizzled tiles; compile_check.py).
+SHARED_MEMORY_BYTES = 227 * 1024 - 8 * 1024
+
+# Values of `MosaicGpuBlockSizes.lowering_semantics` (None: jax's default).
+LOWERING_SEMANTICS = (None, "lane", "warpgroup")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MosaicGpuBlockSizes:
+  """Tiling of the `mosaic_gpu` kernels.
+
+  Every block is a multiple of 64 (the wgmma M granularity of a warpgroup)
+  and at most 256.
+
+  Attributes:
+    block_q: forward: query rows per consumer warpgroup.
+    block_kv: forward: keys per streamed K/V tile.
+    num_stages: forward: depth of the K/V shared-memory ring.
+    num_consumers: forward: consumer warpgroups per CTA (1 or 2).
+    pingpong: forward: alternate the two consumers on the tensor cores
+      (FlashAttention-3 §3.2); needs num_consumers == 2.
+    block_q_dq: dQ kernel: query rows per consumer warpgroup.
+    block_kv_dq: dQ kernel: keys per streamed tile.
+    num_consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
+    block_q_dkv: dK/dV kernel: queries per streamed tile.
+    block_kv_dkv: dK/dV kernel: key rows per consumer warpgroup.
+    num_consumers_dkv: dK/dV kernel: consumer warpgroups per CTA (1 or 2).
+    num_stages_bwd: depth of the backward rings.
+    split_dkv: compute dV and dK in two passes, keeping one float32
+      accumulator in registers instead of two (head dim 256).
+    num_ctas: persistent grid size; None = one CTA per SM (GPU) or 1
+      (interpreter).
+    interpret: run in the Mosaic GPU interpreter; None = exactly when the
+      default backend is not a GPU.
+    lowering_semantics: how Mosaic GPU lowers the kernels: "lane" (per
+      thread), "warpgroup" (layouts inferred per warpgroup) or None, the
+      installed jax's default (lane up to 0.10, warpgroup from 0.11).
+  """
+
+  block_q: int = 64
+  block_kv: int = 128
+  num_stages: int = 2
+  num_consumers: int = 2
+  pingpong: bool = True
+  block_q_dq: int = 64
+  block_kv_dq: int = 64
+  num_consumers_dq: int = 2
+  block_q_dkv: int = 64
+  block_kv_dkv: int = 64
+  num_consumers_dkv: int = 2
+  num_stages_bwd: int = 2
+  split_dkv: bool = False
+  num_ctas: int | None = None
+  interpret: bool | None = None
+  lowering_semantics: str | None = None
+
+  def __post_init__(self):
+    cls = type(self).__name__
+
+    def is_int(x):
+      return isinstance(x, int) and not isinstance(x, bool)
+
+    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq",
+                 "block_q_dkv", "block_kv_dkv"):
+      value = getattr(self, name)
+      if not is_int(value) or value < 64 or value > 256 or value % 64:
+        raise ValueError(
+            f"{cls}.{name} must be a multiple of 64 in [64, 256], got "
+            f"{value!r}.")
+    for name in ("num_stages", "num_stages_bwd"):
+      value = getattr(self, name)
+      if not is_int(value) or not 1 <= value <= 8:
+        raise ValueError(
+            f"{cls}.{name} must be an int in [1, 8], got {value!r}.")
+    for name in ("num_consumers", "num_consumers_dq", "num_consumers_dkv"):
+      value = getattr(self, name)
+      if value not in (1, 2) or not is_int(value):
+        raise ValueError(f"{cls}.{name} must be 1 or 2, got {value!r}.")
+    for name in ("pingpong", "split_dkv"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(
+            f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")
+    if self.pingpong and self.num_consumers != 2:
+      raise ValueError(
+          f"{cls}.pingpong needs num_consumers == 2, got "
+          f"num_consumers={self.num_consumers!r}.")
+    if self.num_ctas is not None and (
+        not is_int(self.num_ctas) or self.num_ctas < 1):
+      raise ValueError(
+          f"{cls}.num_ctas must be None or a positive int, got "
+          f"{self.num_ctas!r}.")
+    if self.lowering_semantics not in LOWERING_SEMANTICS:
+      raise ValueError(
+          f"{cls}.lowering_semantics must be one of "
+          f"{LOWERING_SEMANTICS}, got {self.lowering_semantics!r}.")
+    if self.interpret is not None and not isinstance(self.interpret, bool):
+      raise ValueError(
+          f"{cls}.interpret must be None or a bool, got "
+          f"{self.interpret!r}.")
+
+
+def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
+                        itemsize: int = 2, value_head_dim: int | None = None
+                        ) -> dict[str, int]:
+  """Shared memory (bytes) of the forward, dQ and dK/dV kernels.
+
+  Args:
+    bs: the tiling.
+    head_dim: the unpadded query/key head dim.
+    itemsize: bytes per element of q/k/v.
+    value_head_dim: the unpadded value head dim; None: head_dim.
+
+  Returns:
+    dict with keys "forward", "dq", "dkv".
+  """
+  hp = layout.padded_head_dim(head_dim, ALIGN)
+  hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
+  # A [rows, H] and a [rows, Hv] tile (Q or K with dO or V).
+  pair = lambda rows: rows * (hp + hvp) * itemsize  # noqa: E731
+  vec = lambda rows: rows * 4  # noqa: E731
+  # The forward's output reuses Q's buffer only when Hv == H.
+  out = 0 if hvp == hp else bs.block_q * hvp * itemsize
+  fwd = (
+      bs.num_consumers * (bs.block_q * hp * itemsize + out
+                          + 3 * vec(bs.block_q))
+      + bs.num_stages * (pair(bs.block_kv) + 2 * vec(bs.block_kv)))
+  dq = (
+      bs.num_consumers_dq * (pair(bs.block_q_dq) + 4 * vec(bs.block_q_dq))
+      + bs.num_stages_bwd * (pair(bs.block_kv_dq)
+                             + 2 * vec(bs.block_kv_dq)))
+  dkv = (
+      bs.num_consumers_dkv * (pair(bs.block_kv_dkv)
+                              + 2 * vec(bs.block_kv_dkv))
+      + bs.num_stages_bwd * (pair(bs.block_q_dkv)
+                             + 4 * vec(bs.block_q_dkv)))
+  return {"forward": fwd, "dq": dq, "dkv": dkv}
+
+
+def heuristic_block_sizes(
+    *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
+    dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
+) -> MosaicGpuBlockSizes:
+  """The heuristic tiling of a call, ignoring tuned records.
+
+  Forward: two 64-row consumers (ping-pong), 128-key tiles up to head dim
+  128 and 64-key tiles beyond, and as many ring stages (<= 4) as shared
+  memory allows. Backward: 64-row tiles, 128-key dQ tiles only at head dim
+  64 (wider ones spill); past head dim 128 one consumer per CTA (256
+  registers a thread instead of 240) and split dK/dV passes, so that the
+  float32 accumulators fit the registers (the few bytes that still spill
+  are listed in scripts/known_spills.json). Dropout hashes every
+  probability in registers: its calls take 64-key tiles in the forward and
+  dQ kernels and split dK/dV passes past head dim 64.
+
+  Args:
+    q_len: T (the tiling does not depend on it).
+    kv_len: S (likewise).
+    head_dim: H, unpadded.
+    dtype: bfloat16 or float16.
+    is_causal: whether the call is causal (likewise).
+    dropout: whether the call has attention dropout.
+    device_kind: a `jax.Device.device_kind` (every sm90 GPU has the same
+      shared memory).
+    value_head_dim: Hv, unpadded; None: head_dim. The wider of the two
+      sizes the register-bound choices.
+
+  Returns:
+    A `MosaicGpuBlockSizes`.
+  """
+  del q_len, kv_len, is_causal, device_kind
+  itemsize = jnp.dtype(dtype).itemsize
+  hv = value_head_dim or head_dim
+  hp = layout.padded_head_dim(max(head_dim, hv), ALIGN)
+  wide = hp > 128
+  base = MosaicGpuBlockSizes(
+      block_q=64,
+      block_kv=64 if wide or dropout else 128,
+      num_stages=2,
+      block_kv_dq=64 if hp > 64 or dropout else 128,
+      num_consumers_dq=1 if wide else 2,
+      num_consumers_dkv=1 if wide else 2,
+      split_dkv=wide or (dropout and hp > 64),
+  )
+  def smem(bs):
+    return shared_memory_bytes(bs, head_dim, itemsize, hv)
+
+  for stages in (4, 3):
+    candidate = dataclasses.replace(base, num_stages=stages)
+    if smem(candidate)["forward"] <= SHARED_MEMORY_BYTES:
+      base = candidate
+      break
+  if smem(base)["dq"] > SHARED_MEMORY_BYTES:
+    base = dataclasses.replace(base, block_kv_dq=64)
+  return base
+
+
+# What autotuning varies, per pass: the forward fields, then (with the
+# forward fixed) the backward ones.
+_SEARCH = {
+    "forward": [
+        dict(block_q=bq, block_kv=bk, num_stages=st, pingpong=pp)
+        for bq in (64, 128) for bk in (64, 128, 192)
+        for st in (2, 3, 4) for pp in (True, False)
+    ],
+    "backward": [
+        dict(block_kv_dq=bk, num_consumers_dq=c, num_consumers_dkv=c2,
+             split_dkv=sp)
+        for bk in (64, 128) for c in (1, 2) for c2 in (1, 2)
+        for sp in (False, True)
+    ],
+}
+
+
+def candidate_block_sizes(
+    base: MosaicGpuBlockSizes, *, head_dim: int, dtype=jnp.bfloat16,
+    passes: tuple[str, ...] = ("forward", "backward"),
+) -> list[MosaicGpuBlockSizes]:
+  """Tilings worth timing around `base` (the autotuning search space).
+
+  Every candidate fits the shared memory of an sm90 GPU; the fields of each
+  pass vary around `base`, the others stay as they are.
+
+  Args:
+    base: the tiling to vary (`heuristic_block_sizes`, or the best so far).
+    head_dim: the (unpadded) head dim.
+    dtype: bfloat16 or float16.
+    passes: which fields vary: "forward" and/or "backward".
+
+  Returns:
+    A list of `MosaicGpuBlockSizes`, `base` first.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  out = [base]
+  for change in (c for name in passes for c in _SEARCH[name]):
+    candidate = dataclasses.replace(base, **change)
+    smem = shared_memory_bytes(candidate, head_dim, itemsize)
+    if max(smem.values()) <= SHARED_MEMORY_BYTES and candidate not in out:
+      out.append(candidate)
+  return out
