@@ -49,47 +49,57 @@ def shared_memory_budget(kind: str) -> int:
   return _DEFAULT_SHARED_MEMORY
 
 
-def _forward_bytes(bq, bk, hp, itemsize, stages):
+# Head dims below are padded: hp of q/k, hvp of v, the output and dO.
+
+
+def _forward_bytes(bq, bk, hp, hvp, itemsize, stages):
   # Q stays resident; K and V tiles are multi-buffered by the pipeliner.
-  return (bq * hp + stages * 2 * bk * hp) * itemsize
+  return (bq * hp + stages * bk * (hp + hvp)) * itemsize
 
 
-def _backward_bytes(b_rows, b_stream, hp, itemsize, stages):
+def _backward_bytes(b_rows, b_stream, hp, hvp, itemsize, stages):
   # One side resident (two tiles: K,V or Q,dO), the other side streamed (two
   # tiles per stage), plus the f32 [rows, stream] staging of P / dS.
-  return (2 * b_rows * hp + stages * 2 * b_stream * hp) * itemsize + (
+  return (b_rows + stages * b_stream) * (hp + hvp) * itemsize + (
       b_rows * b_stream * 4
   )
 
 
-def shared_memory_bytes(bs, head_dim: int, itemsize: int) -> dict[str, int]:
+def shared_memory_bytes(bs, head_dim: int, itemsize: int,
+                        value_head_dim: int | None = None) -> dict[str, int]:
   """Estimated shared memory (bytes) of the forward, dQ and dK/dV kernels.
 
   Args:
     bs: the tiling (a `triton.TritonBlockSizes`).
-    head_dim: the unpadded head dim.
+    head_dim: the unpadded query/key head dim H.
     itemsize: bytes per element of q/k/v.
+    value_head_dim: the unpadded value head dim Hv; None: H.
 
   Returns:
     dict with keys "forward", "dq", "dkv".
   """
   hp = layout.padded_head_dim(head_dim, ALIGN)
+  hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
   stages = bs.backward_stages
   return {
       "forward": _forward_bytes(
-          bs.block_q, bs.block_kv, hp, itemsize, bs.num_stages),
+          bs.block_q, bs.block_kv, hp, hvp, itemsize, bs.num_stages),
       "dq": _backward_bytes(
-          bs.block_q_dq, bs.block_kv_dq, hp, itemsize, stages),
+          bs.block_q_dq, bs.block_kv_dq, hp, hvp, itemsize, stages),
       "dkv": _backward_bytes(
-          bs.block_kv_dkv, bs.block_q_dkv, hp, itemsize, stages),
+          bs.block_kv_dkv, bs.block_q_dkv, hp, hvp, itemsize, stages),
   }
 
 
-def heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
+def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
   """FlashAttention-2 style tiles, shrunk until they fit shared memory.
 
+  Registers are budgeted for the wider of the two head dims (every tile and
+  accumulator is at most that wide), shared memory for both.
+
   Args:
-    hp: the padded head dim.
+    hp: the padded query/key head dim.
+    hvp: the padded value head dim.
     itemsize: bytes per element of q/k/v.
     kind: a `jax.Device.device_kind`.
 
@@ -109,10 +119,13 @@ def heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
   hopper = any(name in kind for name in HOPPER_KINDS)
   # Register budgets below were read off ptxas (`scripts/compile_check.py`):
   # each choice is the largest tiling that compiles without spilling.
-  if hp <= 64:
+  widest = max(hp, hvp)
+  if widest <= 64:
     fwd = (128, 64 if wide else 128)
-    warps = 4 if hopper and not wide else 8
-  elif hp <= 128:
+    # Four warps fill their registers exactly (255 at H = Hv = 64); a
+    # narrower V already spills there (H=64, Hv=32), so only H = Hv gets it.
+    warps = 4 if hopper and not wide and hp == hvp else 8
+  elif widest <= 128:
     fwd = (128, 32 if wide else 64)
     warps = 8
   else:
@@ -122,38 +135,40 @@ def heuristic(hp: int, itemsize: int, kind: str) -> dict[str, int]:
   # streamed side is the narrow one (FlashAttention-2 §3.2). dK/dV works on
   # S^T = K Q^T, so its key tile is the M dimension of every matmul (at
   # least 64, one Hopper wgmma, where registers allow): the two float32
-  # accumulators [block_kv, Hp] plus the [block_kv, block_q] logits must fit
-  # 8 warps' registers. At head dim 256 that caps the key tile at 32.
-  if hp <= 64:
+  # accumulators (dK [block_kv, Hp], dV [block_kv, Hvp]) plus the
+  # [block_kv, block_q] logits must fit 8 warps' registers. At head dim
+  # 256 that caps the key tile at 32.
+  if widest <= 64:
     dkv, dq = (64 if hopper and not wide else 32, 128), (128, 64)
-  elif hp <= 128:
+  elif widest <= 128:
     dkv, dq = (32, 128 if hopper and not wide else 64), (128, 32)
   else:
     dkv, dq = (16, 32), (64, 32)
   if wide:
     # float32 operands: twice the registers per element again.
-    if hp <= 64:
+    if widest <= 64:
       dkv, dq = (16, dkv[1]), (32, 64)
-    elif hp <= 128:
+    elif widest <= 128:
       dkv, dq = (16, 32), (32, 32)
     else:
       dkv, dq = (16, 16), (16, 32)
   warps_bwd = 8
   # Deeper backward pipelines than this spill at head dim 256.
-  max_stages_bwd = 3 if hp <= 128 else 2
+  max_stages_bwd = 3 if widest <= 128 else 2
 
   def bwd_bytes(dkv, dq, stages):
-    return max(_backward_bytes(dkv[1], dkv[0], hp, itemsize, stages),
-               _backward_bytes(dq[0], dq[1], hp, itemsize, stages))
+    return max(_backward_bytes(dkv[1], dkv[0], hp, hvp, itemsize, stages),
+               _backward_bytes(dq[0], dq[1], hp, hvp, itemsize, stages))
 
   # Deepest software pipeline that fits; shrink the resident tiles (never
   # below 32 rows) when not even one stage does.
-  while _forward_bytes(*fwd, hp, itemsize, 1) > budget and fwd[0] > 32:
+  while _forward_bytes(*fwd, hp, hvp, itemsize, 1) > budget and fwd[0] > 32:
     fwd = (fwd[0] // 2, fwd[1])
   while bwd_bytes(dkv, dq, 1) > budget and max(dkv[1], dq[0]) > 32:
     dkv, dq = (dkv[0], max(32, dkv[1] // 2)), (max(32, dq[0] // 2), dq[1])
   stages = 3
-  while stages > 1 and _forward_bytes(*fwd, hp, itemsize, stages) > budget:
+  while stages > 1 and (
+      _forward_bytes(*fwd, hp, hvp, itemsize, stages) > budget):
     stages -= 1
   stages_bwd = max_stages_bwd
   while stages_bwd > 1 and bwd_bytes(dkv, dq, stages_bwd) > budget:

@@ -6,9 +6,11 @@ every result is deterministic:
 * forward: grid (query blocks, query heads, batch); each program keeps one
   [block_q, H] tile of queries and runs the online softmax over the key/value
   tiles (FlashAttention-2, Algorithm 1) in base 2, with log2(e) folded into
-  the logit scale; it writes the output and the natural-log logsumexp;
+  the logit scale, accumulating [block_q, Hv]; it writes the output and the
+  natural-log logsumexp;
 * dK/dV: grid (key blocks, key/value heads, batch); each program keeps one
-  [block_kv, H] tile of K and V and streams the query tiles of *every* query
+  [block_kv, H] tile of K and one [block_kv, Hv] tile of V (Hv, the value
+  head dim, may differ from H) and streams the query tiles of *every* query
   head of its GQA group, so dK and dV come out summed over the group without
   ever being materialised per query head (FlashAttention-2 §3.2);
 * dQ: grid (query blocks, query heads, batch); each program keeps one query
@@ -21,10 +23,11 @@ segment ids (so causal, windows, padding and sorted segments shrink the
 loops), and is split into a masked head, an unmasked middle of FULL tiles and
 a masked tail, so the masking arithmetic runs only on PARTIAL tiles.
 
-Any T and S are padded to whole tiles and any head dim to a power of two of
-at least 16 (`ALIGN`, `pallas_fa.layout`). A call without `block_sizes=`
-gets a tuned record (`scripts/tune.py`) or else the heuristic of
-`heuristic_block_sizes`. On CPU the kernels run in Pallas interpret mode.
+Any T and S are padded to whole tiles and each head dim (H of q/k, Hv of
+v, the output and dO) to a power of two of at least 16 (`ALIGN`,
+`pallas_fa.layout`). A call without `block_sizes=` gets a tuned record
+(`scripts/tune.py`) or else the heuristic of `heuristic_block_sizes`
+(`_triton_tiles`). On CPU the kernels run in Pallas interpret mode.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class TritonBlockSizes:
 def heuristic_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> TritonBlockSizes:
   """The heuristic tiling of a call, ignoring tuned records.
 
@@ -156,6 +160,7 @@ def heuristic_block_sizes(
     dropout: whether the call has attention dropout.
     device_kind: a `jax.Device.device_kind`; None: the GPU the kernels are
       built for (`pallas_fa.gpu_target`), else "cpu".
+    value_head_dim: Hv, unpadded; None: H.
 
   Returns:
     A `TritonBlockSizes`.
@@ -163,14 +168,16 @@ def heuristic_block_sizes(
   del q_len, kv_len, is_causal
   kind = tuning.device_kind() if device_kind is None else device_kind
   hp = layout.padded_head_dim(head_dim, ALIGN)
+  hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
   bs = TritonBlockSizes(
-      **_triton_tiles.heuristic(hp, jnp.dtype(dtype).itemsize, kind))
+      **_triton_tiles.heuristic(hp, hvp, jnp.dtype(dtype).itemsize, kind))
   return _triton_tiles.for_dropout(bs, dropout)
 
 
 def default_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> TritonBlockSizes:
   """The tiling of a call made without `block_sizes=`.
 
@@ -183,7 +190,7 @@ def default_block_sizes(
   bs = tuning.tuned_or_heuristic(
       "triton", TritonBlockSizes, heuristic_block_sizes, q_len=q_len,
       kv_len=kv_len, head_dim=head_dim, dtype=dtype, is_causal=is_causal,
-      dropout=dropout, device_kind=device_kind)
+      dropout=dropout, device_kind=device_kind, value_head_dim=value_head_dim)
   # Records are tuned without dropout.
   return _triton_tiles.for_dropout(bs, dropout)
 
@@ -302,13 +309,13 @@ def _dense_index(full, b, n, i, j):
 
 
 def _forward(q, k, v, bias, info, params):
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   b, t, n, h = q.shape
   s = k.shape[1]
   bq, tp = layout.tile(bs.block_q, t, ALIGN)
   bk, sp = layout.tile(bs.block_kv, s, ALIGN)
   x = _Padded(q, k, v, bias, info, params, tp, sp)
-  feat, hp, g = x.feat, x.hp, x.g
+  feat, hp, hvp, g = x.feat, x.hp, x.hvp, x.g
   nq, nk = x.tp // bq, x.sp // bk
   # Heavier (later, for causal) query blocks first: less tail imbalance.
   if info.is_causal:
@@ -323,7 +330,7 @@ def _forward(q, k, v, bias, info, params):
                        lambda i, h, b: (b, row(i), h, 0))),
       "k": (x.k, _spec((None, x.sp, None, hp),
                        lambda i, h, b: (b, 0, h // g, 0))),
-      "v": (x.v, _spec((None, x.sp, None, hp),
+      "v": (x.v, _spec((None, x.sp, None, hvp),
                        lambda i, h, b: (b, 0, h // g, 0))),
       "bounds": None,
       "q_pos": None, "kv_pos": None, "q_seg": None, "kv_seg": None,
@@ -336,8 +343,9 @@ def _forward(q, k, v, bias, info, params):
   _add_row_col_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   _add_dense_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   outputs = {
-      "out": (jax.ShapeDtypeStruct((b, x.tp, n, hp), q.dtype),
-              _spec((None, bq, None, hp), lambda i, h, b: (b, row(i), h, 0))),
+      "out": (jax.ShapeDtypeStruct((b, x.tp, n, hvp), q.dtype),
+              _spec((None, bq, None, hvp),
+                    lambda i, h, b: (b, row(i), h, 0))),
       "lse": (jax.ShapeDtypeStruct((b, n, x.tp), _F32),
               _spec((None, None, bq), lambda i, h, b: (b, h, row(i)))),
   }
@@ -347,7 +355,7 @@ def _forward(q, k, v, bias, info, params):
       reverse_rows=info.is_causal)
   out, lse = _pallas_call(kernel, inputs, outputs, (nq, n, b),
                           bs.num_warps, bs.num_stages, "flash_fwd")
-  return out[:, :t, :, :h], lse[:, :, :t].transpose(0, 2, 1)
+  return out[:, :t, :, :x.hv], lse[:, :, :t].transpose(0, 2, 1)
 
 
 def _add_row_col_inputs(inputs, x, feat, rows, cols, row, col):
@@ -386,7 +394,7 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
   bq_kv, _ = layout.tile(bs.block_q_dkv, t, ALIGN)
@@ -395,8 +403,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   bk_q, _ = layout.tile(bs.block_kv_dq, s, ALIGN)
   x = _Padded(q, k, v, bias, info, params, layout.padded_length(t, bq_kv, bq_q),
               layout.padded_length(s, bk_kv, bk_q))
-  feat, hp, g = x.feat, x.hp, x.g
-  do = x.queries(dout.astype(q.dtype))
+  feat, hp, hvp, g = x.feat, x.hp, x.hvp, x.g
+  do = x.queries(dout.astype(q.dtype))  # [B, Tp, N, Hvp]
   # lse in base 2 for exp2; padded rows -inf (probability 0).
   lse2 = x.rows(lse * _LOG2_E, online_softmax.MASK_VALUE)  # [B, N, Tp]
   delta = x.rows(delta.astype(_F32), 0.0)
@@ -407,10 +415,10 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   inputs = {
       "k": (x.k, _spec((None, bk_kv, None, hp),
                        lambda j, h, b: (b, j, h, 0))),
-      "v": (x.v, _spec((None, bk_kv, None, hp),
+      "v": (x.v, _spec((None, bk_kv, None, hvp),
                        lambda j, h, b: (b, j, h, 0))),
       "q": (x.q, _spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
-      "do": (do, _spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
+      "do": (do, _spec((None, x.tp, g, hvp), lambda j, h, b: (b, 0, h, 0))),
       "lse": (lse2, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
       "delta": (delta, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
       "bounds": None,
@@ -435,8 +443,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   outputs = {
       "dk": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), k.dtype),
              _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
-      "dv": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), v.dtype),
-             _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
+      "dv": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hvp), v.dtype),
+             _spec((None, bk_kv, None, hvp), lambda j, h, b: (b, j, h, 0))),
   }
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
@@ -448,12 +456,13 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   nq, nk = x.tp // bq_q, x.sp // bk_q
   inputs = {
       "q": (x.q, _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
-      "do": (do, _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
+      "do": (do, _spec((None, bq_q, None, hvp),
+                       lambda i, h, b: (b, i, h, 0))),
       "lse": (lse2, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
       "delta": (delta, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
       "k": (x.k, _spec((None, x.sp, None, hp),
                        lambda i, h, b: (b, 0, h // g, 0))),
-      "v": (x.v, _spec((None, x.sp, None, hp),
+      "v": (x.v, _spec((None, x.sp, None, hvp),
                        lambda i, h, b: (b, 0, h // g, 0))),
       "bounds": None,
   }
@@ -482,7 +491,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   results = _pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
                          "flash_bwd_dq")
   dq = results[0][:, :t, :, :h]
-  dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :h]
+  dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :x.hv]
   dbias = None
   if db is not None:
     dbias = results[1]
@@ -513,5 +522,6 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=TritonBlockSizes,
     default_block_sizes=default_block_sizes,
+    value_head_dim=True,
     dropout=True,
 )
