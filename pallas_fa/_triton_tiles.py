@@ -95,7 +95,8 @@ def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
   """FlashAttention-2 style tiles, shrunk until they fit shared memory.
 
   Registers are budgeted for the wider of the two head dims (every tile and
-  accumulator is at most that wide), shared memory for both.
+  accumulator is at most that wide; where ptxas showed mixed widths to need
+  more, below, less), shared memory for both.
 
   Args:
     hp: the padded query/key head dim.
@@ -152,6 +153,11 @@ def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
       dkv, dq = (16, 32), (32, 32)
     else:
       dkv, dq = (16, 16), (16, 32)
+  if hvp > hp and not hopper and not wide:
+    # dK/dV with V wider than K needs more registers than with both at the
+    # wider head dim on mma.sync GPUs (ptxas, A100: H=64, Hv=128 spills at
+    # 32 query rows, not at 16).
+    dkv = (16, dkv[1])
   warps_bwd = 8
   # Deeper backward pipelines than this spill at head dim 256.
   max_stages_bwd = 3 if widest <= 128 else 2
@@ -166,7 +172,9 @@ def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
     fwd = (fwd[0] // 2, fwd[1])
   while bwd_bytes(dkv, dq, 1) > budget and max(dkv[1], dq[0]) > 32:
     dkv, dq = (dkv[0], max(32, dkv[1] // 2)), (max(32, dq[0] // 2), dq[1])
-  stages = 3
+  # A third forward stage spills at head dim 256 in float32 on mma.sync
+  # GPUs (ptxas, A100: H=128, Hv=256), where shared memory would allow it.
+  stages = 2 if widest > 128 and wide and not hopper else 3
   while stages > 1 and (
       _forward_bytes(*fwd, hp, hvp, itemsize, stages) > budget):
     stages -= 1
