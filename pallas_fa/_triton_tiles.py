@@ -120,12 +120,12 @@ def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
   hopper = any(name in kind for name in HOPPER_KINDS)
   # Register budgets below were read off ptxas (`scripts/compile_check.py`):
   # each choice is the largest tiling that compiles without spilling.
-  widest = max(hp, hvp)
+  widest, mixed = max(hp, hvp), hp != hvp
   if widest <= 64:
     fwd = (128, 64 if wide else 128)
     # Four warps fill their registers exactly (255 at H = Hv = 64); a
     # narrower V already spills there (H=64, Hv=32), so only H = Hv gets it.
-    warps = 4 if hopper and not wide and hp == hvp else 8
+    warps = 4 if hopper and not wide and not mixed else 8
   elif widest <= 128:
     fwd = (128, 32 if wide else 64)
     warps = 8
@@ -172,9 +172,10 @@ def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
     fwd = (fwd[0] // 2, fwd[1])
   while bwd_bytes(dkv, dq, 1) > budget and max(dkv[1], dq[0]) > 32:
     dkv, dq = (dkv[0], max(32, dkv[1] // 2)), (max(32, dq[0] // 2), dq[1])
-  # A third forward stage spills at head dim 256 in float32 on mma.sync
-  # GPUs (ptxas, A100: H=128, Hv=256), where shared memory would allow it.
-  stages = 2 if widest > 128 and wide and not hopper else 3
+  # Past head dim 128 in float32 with Hv != H, shared memory allows a third
+  # forward stage that spills on mma.sync GPUs (ptxas, A100: H=128, Hv=256;
+  # H = Hv = 256 never fits three stages there).
+  stages = 2 if widest > 128 and wide and mixed and not hopper else 3
   while stages > 1 and (
       _forward_bytes(*fwd, hp, hvp, itemsize, stages) > budget):
     stages -= 1
