@@ -173,7 +173,8 @@ def _tile_logits(refs, feat: Features, q, k, cols, q_pos, q_seg, masked):
 def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
                     reverse_rows: bool):
   q = refs["q"][...]  # [block_q, Hp]
-  block_q, hp = q.shape
+  block_q = q.shape[0]
+  hvp = refs["v"].shape[-1]  # the value head dim, padded
   row, head, batch = _program_ids()
   if reverse_rows:
     row = pl.num_programs(0) - 1 - row
@@ -184,7 +185,7 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     m_i, l_i, acc = carry
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = refs["k"][cols, :]  # [block_k, Hp]
-    v = refs["v"][cols, :]
+    v = refs["v"][cols, :]  # [block_k, Hvp]
     s, _ = _tile_logits(refs, feat, q, k, cols, q_pos, q_seg, masked)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
     if feat.dropout_rate:
@@ -194,7 +195,7 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     acc = online_softmax.rescale(acc, alpha) + _dot(p.astype(v.dtype), v, feat)
     return m_i, l_i, acc
 
-  carry = online_softmax.init((block_q,), (block_q, hp))
+  carry = online_softmax.init((block_q,), (block_q, hvp))
   m_i, l_i, acc = _visit(refs, tile, carry, feat.masked, num_tiles)
   out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
   refs["out"][...] = out.astype(refs["out"].dtype)
@@ -210,7 +211,7 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
   # matmul has M = block_kv, and P^T / dS^T are the left operands of the
   # dV / dK updates as computed, so no tile is ever transposed in registers.
   k = refs["k"][...]  # [block_kv, Hp]
-  v = refs["v"][...]
+  v = refs["v"][...]  # [block_kv, Hvp]
   block_kv, hp = k.shape
   kv_block, kv_head, batch = _program_ids()
   kv_pos = refs["kv_pos"][...] if feat.positions else None  # [block_kv]
@@ -221,7 +222,7 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
       dk, dv = carry
       rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
       q = refs["q"][rows, g, :]  # [block_q, Hp]
-      do = refs["do"][rows, g, :]
+      do = refs["do"][rows, g, :]  # [block_q, Hvp]
       lse = refs["lse"][g, rows]  # [block_q], base 2
       delta = refs["delta"][g, rows]
       bias = None
@@ -251,7 +252,7 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
             refs, feat, batch, kv_head * feat.groups + g, kv_block * block_kv,
             block_kv, i * block_q, block_q, queries_last=True)
         p_used, dp = p * z, dp * z
-      dv = dv + _dot(p_used.astype(do.dtype), do, feat)  # [block_kv, Hp]
+      dv = dv + _dot(p_used.astype(do.dtype), do, feat)  # [block_kv, Hvp]
       ds = online_softmax.softmax_grad(
           p, dp, delta, per_query=online_softmax.queries_last)
       ds = online_softmax.logits_grad(ds, s_capped, cap=feat.soft_cap)
@@ -260,7 +261,8 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
 
     return _visit(refs, tile, carry, feat.masked, num_tiles)
 
-  carry = (jnp.zeros((block_kv, hp), _F32), jnp.zeros((block_kv, hp), _F32))
+  carry = (jnp.zeros((block_kv, hp), _F32),
+           jnp.zeros((block_kv, v.shape[1]), _F32))
   if feat.groups == 1:
     dk, dv = head(0, carry)
   else:
@@ -273,7 +275,7 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
 
 def backward_dq(refs, *, feat: Features, block_k: int, num_tiles: int):
   q = refs["q"][...]  # [block_q, Hp]
-  do = refs["do"][...]
+  do = refs["do"][...]  # [block_q, Hvp]
   lse = refs["lse"][...]  # [block_q], base 2
   delta = refs["delta"][...]
   block_q, hp = q.shape
@@ -291,7 +293,7 @@ def backward_dq(refs, *, feat: Features, block_k: int, num_tiles: int):
     dq, db_acc = carry
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = refs["k"][cols, :]  # [block_k, Hp]
-    v = refs["v"][cols, :]
+    v = refs["v"][cols, :]  # [block_k, Hvp]
     s, s_capped = _tile_logits(refs, feat, q, k, cols, q_pos, q_seg, masked)
     p = online_softmax.probs_from_lse(s, lse, base2=True)
     dp = _dot_nt(do, v, feat)  # [block_q, block_k]

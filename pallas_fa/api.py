@@ -382,7 +382,7 @@ def flash_attention(
       `xla` and `chunked` only, computing in float64).
     key: [*B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
     value: [*B, S, K, Hv], key's dtype; a value head dim Hv != H (as in
-      MLA) runs on `xla`, `chunked` and `mosaic_tpu`.
+      MLA) runs on every implementation.
     bias: float, broadcastable to [*B, N, T, S]; differentiable.
     mask: bool, broadcastable to [*B, N, T, S]; True = may attend.
     scale: logit scale, default 1/sqrt(H).

@@ -65,6 +65,7 @@ class ChunkedBlockSizes:
 def default_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> ChunkedBlockSizes:
   """The tiling of a call made without `block_sizes=`.
 
@@ -76,6 +77,7 @@ def default_block_sizes(
     A `ChunkedBlockSizes`.
   """
   del q_len, kv_len, head_dim, dtype, is_causal, dropout, device_kind
+  del value_head_dim
   return ChunkedBlockSizes()
 
 

@@ -116,7 +116,7 @@ class Padded:
     b, t, s, n, h, hv: batch, T, S, query heads, key and value head dims.
     num_kv, g: key/value heads and query heads per key/value head.
     tp, sp: padded T and S.
-    hp: padded key head dim.
+    hp, hvp: padded key and value head dims.
     info: the MaskInfo padded to [Tp, Sp]: the tails are padding.
     q: `queries(q)`; k, v: `keys(k)`, `keys(v)`.
     bias: [B|1, N|1, Tp|1, Sp|1] or None; broadcast axes stay 1.
@@ -144,6 +144,7 @@ class Padded:
     self.tp, self.sp = q_len, kv_len
     self.align, self.dtype = align, dtype
     self.hp = padded_head_dim(self.h, align)
+    self.hvp = padded_head_dim(self.hv, align)
     # Zeroing reads the caller's padding only: the tails added here are
     # zeros already, so a call without padding of its own is not rewritten.
     self._q_segments = info.q_segment_ids

@@ -166,7 +166,7 @@ def _check(q, k, v, bias, info, params):
   if not runs_interpreted(params.block_sizes):
     version = cuda_runtime_version()
     lo, hi = _MISCOMPILING_CUDA
-    bs = BACKEND.block_sizes(params, q, k, info)
+    bs = BACKEND.block_sizes(params, q, k, info, v=v)
     if version is not None and lo <= version < hi and _needs_masking(
         q, k, info, bs):
       raise NotImplementedError(
@@ -269,7 +269,7 @@ def _seed(x: layout.Padded) -> Array | None:
 
 def _forward(q, k, v, bias, info, params):
   del bias  # Refused by _check.
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   return forward_impl(q, k, v, info, params, interpret=runs_interpreted(bs))
 
 
@@ -284,7 +284,7 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   """
   b, t, n, _ = q.shape
   s = k.shape[1]
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   rows = bs.num_consumers * bs.block_q
   x = layout.Padded(
       q, k, v, None, info, q_len=layout.padded_length(t, rows),
@@ -303,7 +303,7 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
   del bias  # Refused by _check.
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   return backward_impl(
       q, k, v, info, params, lse, dout, delta, interpret=runs_interpreted(bs))
 
@@ -317,7 +317,7 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   """
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   q_rows = bs.num_consumers_dq * bs.block_q_dq
   kv_rows = bs.num_consumers_dkv * bs.block_kv_dkv
   q_len = layout.padded_length(t, q_rows, bs.block_q_dkv)

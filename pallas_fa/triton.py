@@ -6,9 +6,11 @@ every result is deterministic:
 * forward: grid (query blocks, query heads, batch); each program keeps one
   [block_q, H] tile of queries and runs the online softmax over the key/value
   tiles (FlashAttention-2, Algorithm 1) in base 2, with log2(e) folded into
-  the logit scale; it writes the output and the natural-log logsumexp;
+  the logit scale, accumulating [block_q, Hv]; it writes the output and the
+  natural-log logsumexp;
 * dK/dV: grid (key blocks, key/value heads, batch); each program keeps one
-  [block_kv, H] tile of K and V and streams the query tiles of *every* query
+  [block_kv, H] tile of K and one [block_kv, Hv] tile of V (Hv, the value
+  head dim, may differ from H) and streams the query tiles of *every* query
   head of its GQA group, so dK and dV come out summed over the group without
   ever being materialised per query head (FlashAttention-2 §3.2);
 * dQ: grid (query blocks, query heads, batch); each program keeps one query
@@ -21,10 +23,11 @@ segment ids (so causal, windows, padding and sorted segments shrink the
 loops), and is split into a masked head, an unmasked middle of FULL tiles and
 a masked tail, so the masking arithmetic runs only on PARTIAL tiles.
 
-Any T and S are padded to whole tiles and any head dim to a power of two of
-at least 16 (`ALIGN`, `pallas_fa.layout`). A call without `block_sizes=`
-gets a tuned record (`scripts/tune.py`) or else the heuristic of
-`heuristic_block_sizes`. On CPU the kernels run in Pallas interpret mode.
+Any T and S are padded to whole tiles and each head dim (H of q/k, Hv of
+v, the output and dO) to a power of two of at least 16 (`ALIGN`,
+`pallas_fa.layout`). A call without `block_sizes=` gets a tuned record
+(`scripts/tune.py`) or else the heuristic of `heuristic_block_sizes`
+(`_triton_tiles`). On CPU the kernels run in Pallas interpret mode.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fa import _triton_kernel
+from pallas_fa import _triton_tiles
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
@@ -53,9 +57,6 @@ except ImportError:  # pragma: no cover - depends on the installed jax.
 Array = Any
 _F32 = jnp.float32
 _LOG2_E = online_softmax.LOG2_E
-# Triton's tl.dot needs every matmul dimension to be at least 16.
-MIN_BLOCK = 16
-MAX_BLOCK = 512
 _WARPS = (1, 2, 4, 8, 16)
 _SQUEEZED = getattr(pl, "squeezed", None)
 # Older jax releases call it TritonCompilerParams.
@@ -65,9 +66,12 @@ _CompilerParams = (
 )
 
 
-# Tiles cut from short sequences, and the head dim, are powers of two of at
-# least MIN_BLOCK (`tl.arange` needs powers of two).
-ALIGN = layout.Alignment(rows=MIN_BLOCK, head_dim=MIN_BLOCK, power_of_two=True)
+MIN_BLOCK, MAX_BLOCK = _triton_tiles.MIN_BLOCK, _triton_tiles.MAX_BLOCK
+ALIGN = _triton_tiles.ALIGN
+# The shared-memory model, for `scripts/tune.py` and the tests.
+HOPPER_KINDS = _triton_tiles.HOPPER_KINDS
+shared_memory_budget = _triton_tiles.shared_memory_budget
+shared_memory_bytes = _triton_tiles.shared_memory_bytes
 
 
 def _is_power_of_2(x: int) -> bool:
@@ -137,157 +141,10 @@ class TritonBlockSizes:
     return self.num_stages_bwd or self.num_stages
 
 
-# ----------------------------------------------------------------------------
-# Default tiles: a tuned record (`pallas_fa.tuning`), else the heuristic.
-
-# Shared memory per block (bytes) the Triton compiler can use, by device-kind
-# substring; the first match wins. Unknown GPUs get the conservative default.
-_SHARED_MEMORY = (
-    ("H100", 227 * 1024),
-    ("H200", 227 * 1024),
-    ("H800", 227 * 1024),
-    ("GH200", 227 * 1024),
-    ("B200", 227 * 1024),
-    ("A100", 163 * 1024),
-    ("A800", 163 * 1024),
-    ("A10", 99 * 1024),
-    ("L4", 99 * 1024),
-    ("L40", 99 * 1024),
-    ("RTX", 99 * 1024),
-)
-_DEFAULT_SHARED_MEMORY = 99 * 1024
-# Device kinds of Hopper (sm90) GPUs.
-HOPPER_KINDS = ("H100", "H200", "H800", "GH200")
-
-
-def shared_memory_budget(kind: str) -> int:
-  """Shared memory per thread block usable by one kernel on `kind`."""
-  for name, size in _SHARED_MEMORY:
-    if name.lower() in kind.lower():
-      return size
-  return _DEFAULT_SHARED_MEMORY
-
-
-def _forward_bytes(bq, bk, hp, itemsize, stages):
-  # Q stays resident; K and V tiles are multi-buffered by the pipeliner.
-  return (bq * hp + stages * 2 * bk * hp) * itemsize
-
-
-def _backward_bytes(b_rows, b_stream, hp, itemsize, stages):
-  # One side resident (two tiles: K,V or Q,dO), the other side streamed (two
-  # tiles per stage), plus the f32 [rows, stream] staging of P / dS.
-  return (2 * b_rows * hp + stages * 2 * b_stream * hp) * itemsize + (
-      b_rows * b_stream * 4
-  )
-
-
-def shared_memory_bytes(bs: TritonBlockSizes, head_dim: int,
-                        itemsize: int) -> dict[str, int]:
-  """Estimated shared memory (bytes) of the forward, dQ and dK/dV kernels.
-
-  Args:
-    bs: the tiling.
-    head_dim: the unpadded head dim.
-    itemsize: bytes per element of q/k/v.
-
-  Returns:
-    dict with keys "forward", "dq", "dkv".
-  """
-  hp = layout.padded_head_dim(head_dim, ALIGN)
-  stages = bs.backward_stages
-  return {
-      "forward": _forward_bytes(
-          bs.block_q, bs.block_kv, hp, itemsize, bs.num_stages),
-      "dq": _backward_bytes(
-          bs.block_q_dq, bs.block_kv_dq, hp, itemsize, stages),
-      "dkv": _backward_bytes(
-          bs.block_kv_dkv, bs.block_q_dkv, hp, itemsize, stages),
-  }
-
-
-def _heuristic(hp: int, itemsize: int, kind: str) -> TritonBlockSizes:
-  """FlashAttention-2 style tiles, shrunk until they fit shared memory."""
-  if "cpu" in kind.lower():
-    # Interpret mode: the cost is per grid step and per loop iteration, so
-    # large tiles are fastest; there is no shared memory to respect.
-    return TritonBlockSizes(
-        block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128,
-        block_q_dq=128, block_kv_dq=128, num_warps=4, num_stages=1)
-  budget = shared_memory_budget(kind)
-  wide = itemsize >= 4  # float32 tiles take twice the memory.
-  # Hopper's wgmma reads both operands from shared memory; older GPUs
-  # (mma.sync) hold them in registers, which leaves less for accumulators.
-  hopper = any(name in kind for name in HOPPER_KINDS)
-  # Register budgets below were read off ptxas (`scripts/compile_check.py`):
-  # each choice is the largest tiling that compiles without spilling.
-  if hp <= 64:
-    fwd = (128, 64 if wide else 128)
-    warps = 4 if hopper and not wide else 8
-  elif hp <= 128:
-    fwd = (128, 32 if wide else 64)
-    warps = 8
-  else:
-    fwd = (32 if wide else 64, 32)
-    warps = 8
-  # dK/dV keeps a K/V tile resident and streams Q; dQ the converse. The
-  # streamed side is the narrow one (FlashAttention-2 §3.2). dK/dV works on
-  # S^T = K Q^T, so its key tile is the M dimension of every matmul (at
-  # least 64, one Hopper wgmma, where registers allow): the two float32
-  # accumulators [block_kv, Hp] plus the [block_kv, block_q] logits must fit
-  # 8 warps' registers. At head dim 256 that caps the key tile at 32.
-  if hp <= 64:
-    dkv, dq = (64 if hopper and not wide else 32, 128), (128, 64)
-  elif hp <= 128:
-    dkv, dq = (32, 128 if hopper and not wide else 64), (128, 32)
-  else:
-    dkv, dq = (16, 32), (64, 32)
-  if wide:
-    # float32 operands: twice the registers per element again.
-    if hp <= 64:
-      dkv, dq = (16, dkv[1]), (32, 64)
-    elif hp <= 128:
-      dkv, dq = (16, 32), (32, 32)
-    else:
-      dkv, dq = (16, 16), (16, 32)
-  warps_bwd = 8
-  # Deeper backward pipelines than this spill at head dim 256.
-  max_stages_bwd = 3 if hp <= 128 else 2
-
-  def bwd_bytes(dkv, dq, stages):
-    return max(_backward_bytes(dkv[1], dkv[0], hp, itemsize, stages),
-               _backward_bytes(dq[0], dq[1], hp, itemsize, stages))
-
-  # Deepest software pipeline that fits; shrink the resident tiles (never
-  # below 32 rows) when not even one stage does.
-  while _forward_bytes(*fwd, hp, itemsize, 1) > budget and fwd[0] > 32:
-    fwd = (fwd[0] // 2, fwd[1])
-  while bwd_bytes(dkv, dq, 1) > budget and max(dkv[1], dq[0]) > 32:
-    dkv, dq = (dkv[0], max(32, dkv[1] // 2)), (max(32, dq[0] // 2), dq[1])
-  stages = 3
-  while stages > 1 and _forward_bytes(*fwd, hp, itemsize, stages) > budget:
-    stages -= 1
-  stages_bwd = max_stages_bwd
-  while stages_bwd > 1 and bwd_bytes(dkv, dq, stages_bwd) > budget:
-    stages_bwd -= 1
-  return TritonBlockSizes(
-      block_q=fwd[0], block_kv=fwd[1],
-      block_q_dkv=dkv[0], block_kv_dkv=dkv[1],
-      block_q_dq=dq[0], block_kv_dq=dq[1],
-      num_warps=warps, num_stages=stages,
-      num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd,
-  )
-
-
-def _for_dropout(bs: TritonBlockSizes, dropout: bool) -> TritonBlockSizes:
-  if dropout and bs.num_warps < 8:
-    # The mask hash adds registers: a 4-warp forward spills (ptxas, H=64).
-    return dataclasses.replace(bs, num_warps=8)
-  return bs
-
-
 def heuristic_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> TritonBlockSizes:
   """The heuristic tiling of a call, ignoring tuned records.
 
@@ -303,6 +160,7 @@ def heuristic_block_sizes(
     dropout: whether the call has attention dropout.
     device_kind: a `jax.Device.device_kind`; None: the GPU the kernels are
       built for (`pallas_fa.gpu_target`), else "cpu".
+    value_head_dim: Hv, unpadded; None: H.
 
   Returns:
     A `TritonBlockSizes`.
@@ -310,13 +168,16 @@ def heuristic_block_sizes(
   del q_len, kv_len, is_causal
   kind = tuning.device_kind() if device_kind is None else device_kind
   hp = layout.padded_head_dim(head_dim, ALIGN)
-  bs = _heuristic(hp, jnp.dtype(dtype).itemsize, kind)
-  return _for_dropout(bs, dropout)
+  hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
+  bs = TritonBlockSizes(
+      **_triton_tiles.heuristic(hp, hvp, jnp.dtype(dtype).itemsize, kind))
+  return _triton_tiles.for_dropout(bs, dropout)
 
 
 def default_block_sizes(
     *, q_len: int, kv_len: int, head_dim: int, dtype, is_causal: bool = False,
     dropout: bool = False, device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> TritonBlockSizes:
   """The tiling of a call made without `block_sizes=`.
 
@@ -329,8 +190,9 @@ def default_block_sizes(
   bs = tuning.tuned_or_heuristic(
       "triton", TritonBlockSizes, heuristic_block_sizes, q_len=q_len,
       kv_len=kv_len, head_dim=head_dim, dtype=dtype, is_causal=is_causal,
-      dropout=dropout, device_kind=device_kind)
-  return _for_dropout(bs, dropout)  # Records are tuned without dropout.
+      dropout=dropout, device_kind=device_kind, value_head_dim=value_head_dim)
+  # Records are tuned without dropout.
+  return _triton_tiles.for_dropout(bs, dropout)
 
 
 def _interpret() -> bool:
@@ -447,13 +309,13 @@ def _dense_index(full, b, n, i, j):
 
 
 def _forward(q, k, v, bias, info, params):
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   b, t, n, h = q.shape
   s = k.shape[1]
   bq, tp = layout.tile(bs.block_q, t, ALIGN)
   bk, sp = layout.tile(bs.block_kv, s, ALIGN)
   x = _Padded(q, k, v, bias, info, params, tp, sp)
-  feat, hp, g = x.feat, x.hp, x.g
+  feat, hp, hvp, g = x.feat, x.hp, x.hvp, x.g
   nq, nk = x.tp // bq, x.sp // bk
   # Heavier (later, for causal) query blocks first: less tail imbalance.
   if info.is_causal:
@@ -468,7 +330,7 @@ def _forward(q, k, v, bias, info, params):
                        lambda i, h, b: (b, row(i), h, 0))),
       "k": (x.k, _spec((None, x.sp, None, hp),
                        lambda i, h, b: (b, 0, h // g, 0))),
-      "v": (x.v, _spec((None, x.sp, None, hp),
+      "v": (x.v, _spec((None, x.sp, None, hvp),
                        lambda i, h, b: (b, 0, h // g, 0))),
       "bounds": None,
       "q_pos": None, "kv_pos": None, "q_seg": None, "kv_seg": None,
@@ -481,8 +343,9 @@ def _forward(q, k, v, bias, info, params):
   _add_row_col_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   _add_dense_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   outputs = {
-      "out": (jax.ShapeDtypeStruct((b, x.tp, n, hp), q.dtype),
-              _spec((None, bq, None, hp), lambda i, h, b: (b, row(i), h, 0))),
+      "out": (jax.ShapeDtypeStruct((b, x.tp, n, hvp), q.dtype),
+              _spec((None, bq, None, hvp),
+                    lambda i, h, b: (b, row(i), h, 0))),
       "lse": (jax.ShapeDtypeStruct((b, n, x.tp), _F32),
               _spec((None, None, bq), lambda i, h, b: (b, h, row(i)))),
   }
@@ -492,7 +355,7 @@ def _forward(q, k, v, bias, info, params):
       reverse_rows=info.is_causal)
   out, lse = _pallas_call(kernel, inputs, outputs, (nq, n, b),
                           bs.num_warps, bs.num_stages, "flash_fwd")
-  return out[:, :t, :, :h], lse[:, :, :t].transpose(0, 2, 1)
+  return out[:, :t, :, :x.hv], lse[:, :, :t].transpose(0, 2, 1)
 
 
 def _add_row_col_inputs(inputs, x, feat, rows, cols, row, col):
@@ -531,7 +394,7 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = BACKEND.block_sizes(params, q, k, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
   bq_kv, _ = layout.tile(bs.block_q_dkv, t, ALIGN)
@@ -540,8 +403,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   bk_q, _ = layout.tile(bs.block_kv_dq, s, ALIGN)
   x = _Padded(q, k, v, bias, info, params, layout.padded_length(t, bq_kv, bq_q),
               layout.padded_length(s, bk_kv, bk_q))
-  feat, hp, g = x.feat, x.hp, x.g
-  do = x.queries(dout.astype(q.dtype))
+  feat, hp, hvp, g = x.feat, x.hp, x.hvp, x.g
+  do = x.queries(dout.astype(q.dtype))  # [B, Tp, N, Hvp]
   # lse in base 2 for exp2; padded rows -inf (probability 0).
   lse2 = x.rows(lse * _LOG2_E, online_softmax.MASK_VALUE)  # [B, N, Tp]
   delta = x.rows(delta.astype(_F32), 0.0)
@@ -552,10 +415,10 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   inputs = {
       "k": (x.k, _spec((None, bk_kv, None, hp),
                        lambda j, h, b: (b, j, h, 0))),
-      "v": (x.v, _spec((None, bk_kv, None, hp),
+      "v": (x.v, _spec((None, bk_kv, None, hvp),
                        lambda j, h, b: (b, j, h, 0))),
       "q": (x.q, _spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
-      "do": (do, _spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
+      "do": (do, _spec((None, x.tp, g, hvp), lambda j, h, b: (b, 0, h, 0))),
       "lse": (lse2, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
       "delta": (delta, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
       "bounds": None,
@@ -580,8 +443,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   outputs = {
       "dk": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), k.dtype),
              _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
-      "dv": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), v.dtype),
-             _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
+      "dv": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hvp), v.dtype),
+             _spec((None, bk_kv, None, hvp), lambda j, h, b: (b, j, h, 0))),
   }
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
@@ -593,12 +456,13 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   nq, nk = x.tp // bq_q, x.sp // bk_q
   inputs = {
       "q": (x.q, _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
-      "do": (do, _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
+      "do": (do, _spec((None, bq_q, None, hvp),
+                       lambda i, h, b: (b, i, h, 0))),
       "lse": (lse2, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
       "delta": (delta, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
       "k": (x.k, _spec((None, x.sp, None, hp),
                        lambda i, h, b: (b, 0, h // g, 0))),
-      "v": (x.v, _spec((None, x.sp, None, hp),
+      "v": (x.v, _spec((None, x.sp, None, hvp),
                        lambda i, h, b: (b, 0, h // g, 0))),
       "bounds": None,
   }
@@ -627,7 +491,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   results = _pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
                          "flash_bwd_dq")
   dq = results[0][:, :t, :, :h]
-  dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :h]
+  dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :x.hv]
   dbias = None
   if db is not None:
     dbias = results[1]
@@ -658,5 +522,6 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=TritonBlockSizes,
     default_block_sizes=default_block_sizes,
+    value_head_dim=True,
     dropout=True,
 )

@@ -126,6 +126,7 @@ def tuned_block_sizes(
     is_causal: bool = False,
     dropout: bool = False,
     device_kind: str | None = None,
+    value_head_dim: int | None = None,
 ) -> Any:
   """The persisted tiling of `backend` nearest to a call, or None.
 
@@ -141,6 +142,9 @@ def tuned_block_sizes(
       without; the backend adapts them).
     device_kind: a `jax.Device.device_kind`; None: that of the GPU the
       kernels are built for (`gpu_target`), else "cpu".
+    value_head_dim: Hv (unpadded), None: H. Records are tuned with Hv = H:
+      a call with Hv != H takes the record of the larger head dim, whose
+      tiles are budgeted for wider operands than either of its own.
 
   Returns:
     A `config`, or None when no record matches or the record does not
@@ -148,6 +152,7 @@ def tuned_block_sizes(
   """
   del dropout
   kind = gpu_target.device_kind() if device_kind is None else device_kind
+  head_dim = max(head_dim, value_head_dim or head_dim)
   key = tuning_key(head_dim=head_dim, dtype=dtype, q_len=q_len,
                    kv_len=kv_len, is_causal=is_causal)
   record = lookup(load_tuned(kind).get(backend, []), key)

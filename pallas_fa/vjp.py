@@ -36,7 +36,9 @@ It provides:
 * a frozen, slotted, kw_only tiling config class (`block_sizes_type`, named
   after the backend, exported by `pallas_fa`) and `default_block_sizes(*,
   q_len, kv_len, head_dim, dtype, is_causal=False, dropout=False,
-  device_kind=None)` returning the tiling of a call made without one;
+  device_kind=None, value_head_dim=None)` returning the tiling of a call
+  made without one (value_head_dim None: equal to head_dim; a backend whose
+  tiles do not depend on it accepts and ignores it);
   `Backend.block_sizes` resolves the two. Tunable backends look up records
   persisted by `scripts/tune.py` first (`pallas_fa.tuning`).
 
@@ -103,8 +105,8 @@ class Backend:
     block_sizes_type: the frozen tiling config class `block_sizes=` must be
       an instance of, or None if the backend takes none.
     default_block_sizes: (*, q_len, kv_len, head_dim, dtype, is_causal,
-      dropout, device_kind) -> the tiling of a call without `block_sizes=`;
-      None if the backend takes none.
+      dropout, device_kind, value_head_dim) -> the tiling of a call without
+      `block_sizes=`; None if the backend takes none.
     dtypes: input dtypes it computes in (others raise NotImplementedError).
     value_head_dim: whether value (and the output) may have a head dim Hv
       other than the query/key head dim H.
@@ -139,14 +141,16 @@ class Backend:
           "dropout.")
     self.check(q, k, v, bias, info, params)
 
-  def block_sizes(self, params: Params, q, k, info) -> Any:
+  def block_sizes(self, params: Params, q, k, info, v=None) -> Any:
     """The tiling a call runs with: `params.block_sizes`, else this
-    backend's `default_block_sizes` for the call."""
+    backend's `default_block_sizes` for the call (given `v` when the
+    backend's tiles depend on the value head dim)."""
     if params.block_sizes is not None or self.default_block_sizes is None:
       return params.block_sizes
     return self.default_block_sizes(
         q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1],
-        dtype=q.dtype, is_causal=info.is_causal, dropout=info.has_dropout)
+        dtype=q.dtype, is_causal=info.is_causal, dropout=info.has_dropout,
+        value_head_dim=None if v is None else v.shape[-1])
 
 
 # The XLA and jax.numpy backends also compute in float64 (with x64 enabled).

@@ -117,10 +117,12 @@ TARGETS = {
 BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
-VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged")
+VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
+            "value_dim")
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
-                    "decode_paged": ("triton",)}
+                    "decode_paged": ("triton",),
+                    "value_dim": ("triton", "mosaic_gpu")}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 HEAD_DIMS = (64, 72, 128, 256)
@@ -138,7 +140,9 @@ class Case:
       ids + GQA 4:1 (every masking path of the kernels at once);
       "dropout" = causal + attention dropout (triton only); "decode" /
       "decode_paged" = `decode_attention`'s forward (triton only) against
-      a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2).
+      a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2);
+      "value_dim" = causal with a value head dim Hv = H // 2 (MLA-style
+      values narrower than queries/keys).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -148,6 +152,11 @@ class Case:
   dtype: str
   variant: str = "plain"
   tiles: str = "default"
+
+  @property
+  def value_head_dim(self) -> int:
+    return self.head_dim // 2 if self.variant == "value_dim" else (
+        self.head_dim)
 
   def __str__(self):
     return (f"{self.backend:10s} h={self.head_dim:<3d} {self.dtype:8s} "
@@ -318,7 +327,8 @@ def _tiles(case: Case, seq: int, *, heuristic: bool = False,
   return choose(
       q_len=seq, kv_len=seq, head_dim=case.head_dim,
       dtype=jnp.dtype(case.dtype), is_causal=case.variant != "plain",
-      dropout=case.variant == "dropout", device_kind=device_kind)
+      dropout=case.variant == "dropout", device_kind=device_kind,
+      value_head_dim=case.value_head_dim)
 
 
 def _decode_call(case: Case, seq: int, spec):
@@ -400,7 +410,7 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     kwargs: dict[str, Any] = {}
     args = [spec((1, seq, heads, case.head_dim)),
             spec((1, seq, kv_heads, case.head_dim)),
-            spec((1, seq, kv_heads, case.head_dim))]
+            spec((1, seq, kv_heads, case.value_head_dim))]
     if case.variant == "masked":
       args.append(pallas_fa.SegmentIds(q=spec((1, seq), jnp.int32),
                                        kv=spec((1, seq), jnp.int32)))

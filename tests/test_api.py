@@ -177,7 +177,7 @@ def test_tiling_configs_share_one_interface(name):
   signature = inspect.signature(backend.default_block_sizes)
   assert list(signature.parameters) == [
       "q_len", "kv_len", "head_dim", "dtype", "is_causal", "dropout",
-      "device_kind"]
+      "device_kind", "value_head_dim"]
   assert all(p.kind == p.KEYWORD_ONLY for p in signature.parameters.values())
   dtype = jnp.float32 if name == "triton" else jnp.bfloat16
   bs = backend.default_block_sizes(

@@ -85,6 +85,17 @@ _KINDS = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
           "NVIDIA GeForce RTX 4090", "cpu"]
 
 
+def _assert_fits(bs, kind, dtype, head_dim, value_head_dim=None):
+  budget = triton.shared_memory_budget(kind)
+  smem = triton.shared_memory_bytes(bs, head_dim, jnp.dtype(dtype).itemsize,
+                                    value_head_dim=value_head_dim)
+  fwd, bwd = smem["forward"], max(smem["dq"], smem["dkv"])
+  # Fits the device, or is already at the smallest tiles and one stage.
+  assert fwd <= budget or (bs.num_stages == 1 and bs.block_q == 32)
+  assert bwd <= budget or (
+      bs.backward_stages == 1 and bs.block_kv_dkv == bs.block_q_dq == 32)
+
+
 @pytest.mark.parametrize("kind", _KINDS)
 @pytest.mark.parametrize("head_dim", [8, 64, 72, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -95,18 +106,36 @@ def test_heuristic_is_valid_and_fits(kind, head_dim, dtype):
   assert isinstance(bs, triton.TritonBlockSizes)
   if kind == "cpu":
     return
-  budget = triton.shared_memory_budget(kind)
-  smem = triton.shared_memory_bytes(bs, head_dim, jnp.dtype(dtype).itemsize)
-  fwd, bwd = smem["forward"], max(smem["dq"], smem["dkv"])
-  # Fits the device, or is already at the smallest tiles and one stage.
-  assert fwd <= budget or (bs.num_stages == 1 and bs.block_q == 32)
-  assert bwd <= budget or (
-      bs.backward_stages == 1 and bs.block_kv_dkv == bs.block_q_dq == 32)
+  _assert_fits(bs, kind, dtype, head_dim)
   # Bigger head dims never get bigger forward tiles.
   if head_dim == 256:
     small = triton.default_block_sizes(
         head_dim=64, dtype=dtype, q_len=4096, kv_len=4096, device_kind=kind)
     assert bs.block_q * bs.block_kv <= small.block_q * small.block_kv
+
+
+@pytest.mark.parametrize("kind", _KINDS[:3])
+@pytest.mark.parametrize("head_dim, value_head_dim", [
+    (192, 128), (256, 64), (64, 256), (72, 36)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_heuristic_with_value_head_dim_fits(kind, head_dim, value_head_dim,
+                                            dtype):
+  kw = dict(dtype=dtype, q_len=4096, kv_len=4096, device_kind=kind)
+  bs = triton.default_block_sizes(
+      head_dim=head_dim, value_head_dim=value_head_dim, **kw)
+  _assert_fits(bs, kind, dtype, head_dim, value_head_dim)
+  if "H100" in kind:
+    # Registers are budgeted for the wider head dim: the tiles it gets
+    # alone (where shared memory does not shrink them).
+    wide = triton.default_block_sizes(
+        head_dim=max(head_dim, value_head_dim), **kw)
+    fields = ("block_q", "block_kv", "block_q_dkv", "block_q_dq", "num_warps")
+    assert [getattr(bs, f) for f in fields] == [
+        getattr(wide, f) for f in fields]
+  # value_head_dim = H is the default.
+  assert triton.default_block_sizes(
+      head_dim=head_dim, value_head_dim=head_dim, **kw) == (
+          triton.default_block_sizes(head_dim=head_dim, **kw))
 
 
 def test_dropout_gets_eight_warps():
@@ -146,6 +175,12 @@ def test_tuned_records_win_over_heuristic(monkeypatch):
             device_kind=h100)
   assert triton.default_block_sizes(**kw) == (
       triton.heuristic_block_sizes(**kw))
+  # Hv != H: the record of the wider head dim, else the heuristic.
+  assert triton.default_block_sizes(**kw, value_head_dim=128) == (
+      triton.TritonBlockSizes(**tuned))
+  wider = dict(kw, head_dim=128, value_head_dim=256)
+  assert triton.default_block_sizes(**wider) == (
+      triton.heuristic_block_sizes(**wider))
   # A record this config no longer accepts (an old field name): ignored.
   records["triton"][0]["block_sizes"] = dict(tuned, block_k=32)
   kw = dict(kw, head_dim=128, is_causal=True)
@@ -256,15 +291,16 @@ def test_causal_and_window_skip_tiles():
 # --- Features against the reference ------------------------------------------
 
 
-def _check(kw, shape, name, bias=None, dtype=jnp.float32, fn=None):
+def _check(kw, shape, name, bias=None, dtype=jnp.float32, fn=None, hv=None):
   gen = rng("triton", name)
   b, t, s, n, k, h = shape
+  hv = h if hv is None else hv
   q = _normal(gen, b, t, n, h).astype(dtype)
   kk = _normal(gen, b, s, k, h).astype(dtype)
-  v = _normal(gen, b, s, k, h).astype(dtype)
+  v = _normal(gen, b, s, k, hv).astype(dtype)
   if bias is not None:
     kw = dict(kw, bias=_normal(gen, *bias))
-  dout = _normal(gen, b, t, n, h)
+  dout = _normal(gen, b, t, n, hv)
   dlse = _normal(gen, b, t, n)
   got = run(fn or _flash(), q, kk, v, kw, dout, dlse)
   want = run(reference_fn(jnp.float32), q, kk, v, kw, dout, dlse)
@@ -294,6 +330,19 @@ def test_gqa_window_positions_mask_shared_bias():
                   jnp.arange(30, dtype=jnp.int32) + 20, (2, 30))),
          (2, 30, 50, 8, 2, 16), "gqa-window-positions-mask",
          bias=(1, 1, 30, 50))
+
+
+@pytest.mark.parametrize("h, hv, kw", [
+    # Narrower values, GQA 2:1, causal over ragged keys.
+    (32, 16, dict(is_causal=True,
+                  key_value_seq_lengths=jnp.asarray([29, 17]))),
+    # Wider values padded 40 -> 64, a window and attention dropout.
+    (16, 40, dict(local_window_size=(7, 3), dropout_rate=0.25,
+                  dropout_rng=5)),
+], ids=["hv<h-causal-gqa", "hv>h-window-dropout"])
+def test_value_head_dim(h, hv, kw):
+  """Hv != H: out [.., Hv], lse and every gradient against the reference."""
+  _check(kw, (2, 21, 29, 4, 2, h), f"value-head-dim-{h}-{hv}", hv=hv)
 
 
 def test_default_block_sizes_on_cpu():
