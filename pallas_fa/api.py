@@ -401,8 +401,7 @@ def flash_attention(
       1 / (1 - rate), as in Flax. The mask is a hash of (dropout_rng, batch
       row, query head, query index, key index), identical on every backend
       and tiling and regenerated (never stored) by the backward pass
-      (`pallas_fa.dropout`). `xla`, `chunked`, `triton` and `mosaic_tpu`
-      implement it.
+      (`pallas_fa.dropout`). Every backend implements it.
     dropout_rng: a JAX PRNG key or an integer seed; needed when
       dropout_rate > 0.
     implementation: None (fastest that supports the call on this platform),

@@ -138,7 +138,7 @@ class Case:
     dtype: input dtype name.
     variant: "plain"; "causal"; "masked" = causal + sliding window + segment
       ids + GQA 4:1 (every masking path of the kernels at once);
-      "dropout" = causal + attention dropout (triton only); "decode" /
+      "dropout" = causal + attention dropout; "decode" /
       "decode_paged" = `decode_attention`'s forward (triton only) against
       a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2);
       "value_dim" = causal with a value head dim Hv = H // 2 (MLA-style
