@@ -2,7 +2,7 @@
 
 `triton` pads the inputs, builds the BlockSpecs and launches; these are the
 programs it launches (FlashAttention-2, Algorithm 1 and §3.2), written against
-one dict of refs each (`triton._pallas_call`): the forward, the dK/dV kernel
+one dict of refs each (`triton.pallas_call`): the forward, the dK/dV kernel
 (transposed orientation, the GQA group summed inside) and the dQ kernel (with
 dbias). They work in base 2, with log2(e) folded into the logits.
 """

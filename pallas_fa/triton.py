@@ -259,8 +259,10 @@ def _grouped(x, num_kv):
   return masking.group_heads(x, num_kv)
 
 
-def _pallas_call(kernel, inputs, outputs, grid, warps, stages, name):
-  """pallas_call over named (array, BlockSpec) inputs and outputs.
+def pallas_call(kernel, inputs, outputs, grid, warps, stages, name):
+  """pallas_call over named (array, BlockSpec) inputs and outputs, with
+  the Triton compiler parameters and interpret mode of this backend (the
+  decode kernel, `_triton_decode`, launches through it too).
 
   The kernel receives one dict of refs, so optional inputs (positions,
   segment ids, mask, bias) are simply absent rather than positional Nones.
@@ -283,15 +285,10 @@ def _pallas_call(kernel, inputs, outputs, grid, warps, stages, name):
   )(*[inputs[key][0] for key in in_names])
 
 
-def _spec(block_shape, index_map):
+def block_spec(block_shape, index_map):
+  """A BlockSpec whose None dims are squeezed (the kernel sees no axis)."""
   block_shape = tuple(_SQUEEZED if d is None else d for d in block_shape)
   return pl.BlockSpec(block_shape, index_map)
-
-
-# The launcher and BlockSpec maker under public names, for the other
-# Triton kernels (`_triton_decode`).
-pallas_call = _pallas_call
-block_spec = _spec
 
 
 def _dense_block(x, full, rows: int, cols: int):
@@ -326,12 +323,12 @@ def _forward(q, k, v, bias, info, params):
       return i
 
   inputs = {
-      "q": (x.q, _spec((None, bq, None, hp),
-                       lambda i, h, b: (b, row(i), h, 0))),
-      "k": (x.k, _spec((None, x.sp, None, hp),
-                       lambda i, h, b: (b, 0, h // g, 0))),
-      "v": (x.v, _spec((None, x.sp, None, hvp),
-                       lambda i, h, b: (b, 0, h // g, 0))),
+      "q": (x.q, block_spec((None, bq, None, hp),
+                            lambda i, h, b: (b, row(i), h, 0))),
+      "k": (x.k, block_spec((None, x.sp, None, hp),
+                            lambda i, h, b: (b, 0, h // g, 0))),
+      "v": (x.v, block_spec((None, x.sp, None, hvp),
+                            lambda i, h, b: (b, 0, h // g, 0))),
       "bounds": None,
       "q_pos": None, "kv_pos": None, "q_seg": None, "kv_seg": None,
       "mask": None, "bias": None,
@@ -339,22 +336,22 @@ def _forward(q, k, v, bias, info, params):
   if feat.masked:
     inputs["bounds"] = (
         tile_bounds(x.kinds(bq, bk)),
-        _spec((None, None, 4), lambda i, h, b: (b, row(i), 0)))
+        block_spec((None, None, 4), lambda i, h, b: (b, row(i), 0)))
   _add_row_col_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   _add_dense_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   outputs = {
       "out": (jax.ShapeDtypeStruct((b, x.tp, n, hvp), q.dtype),
-              _spec((None, bq, None, hvp),
-                    lambda i, h, b: (b, row(i), h, 0))),
+              block_spec((None, bq, None, hvp),
+                         lambda i, h, b: (b, row(i), h, 0))),
       "lse": (jax.ShapeDtypeStruct((b, n, x.tp), _F32),
-              _spec((None, None, bq), lambda i, h, b: (b, h, row(i)))),
+              block_spec((None, None, bq), lambda i, h, b: (b, h, row(i)))),
   }
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
       _triton_kernel.forward, feat=feat, block_k=bk, num_tiles=nk,
       reverse_rows=info.is_causal)
-  out, lse = _pallas_call(kernel, inputs, outputs, (nq, n, b),
-                          bs.num_warps, bs.num_stages, "flash_fwd")
+  out, lse = pallas_call(kernel, inputs, outputs, (nq, n, b),
+                         bs.num_warps, bs.num_stages, "flash_fwd")
   return out[:, :t, :, :x.hv], lse[:, :, :t].transpose(0, 2, 1)
 
 
@@ -367,15 +364,15 @@ def _add_row_col_inputs(inputs, x, feat, rows, cols, row, col):
     pairs.append(("seg", x.info.q_segment_ids, x.info.kv_segment_ids))
   for name, q_arr, kv_arr in pairs:
     inputs["q_" + name] = (
-        q_arr, _spec((None, rows), lambda r, h, b: (b, row(r))))
+        q_arr, block_spec((None, rows), lambda r, h, b: (b, row(r))))
     inputs["kv_" + name] = (
-        kv_arr, _spec((None, cols), lambda r, h, b: (b, col(r))))
+        kv_arr, block_spec((None, cols), lambda r, h, b: (b, col(r))))
 
 
 def _add_dropout_seed(inputs, x):
   if x.info.has_dropout:
     seed = jnp.asarray(x.info.dropout_seed, jnp.uint32).reshape(1)
-    inputs["seed"] = (seed, _spec((1,), lambda *_: (0,)))
+    inputs["seed"] = (seed, block_spec((1,), lambda *_: (0,)))
 
 
 def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
@@ -384,7 +381,7 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
                           ("bias", x.bias, feat.bias)):
     if arr is None:
       continue
-    inputs[name] = (arr, _spec(
+    inputs[name] = (arr, block_spec(
         _dense_block(arr, full, rows, cols),
         lambda r, h, b, full=full: _dense_index(full, b, h, row(r), col(r))))
 
@@ -413,20 +410,22 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   # dK/dV: grid (key blocks, kv heads, batch), loop over group x query tiles.
   nq, nk = x.tp // bq_kv, x.sp // bk_kv
   inputs = {
-      "k": (x.k, _spec((None, bk_kv, None, hp),
-                       lambda j, h, b: (b, j, h, 0))),
-      "v": (x.v, _spec((None, bk_kv, None, hvp),
-                       lambda j, h, b: (b, j, h, 0))),
-      "q": (x.q, _spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
-      "do": (do, _spec((None, x.tp, g, hvp), lambda j, h, b: (b, 0, h, 0))),
-      "lse": (lse2, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
-      "delta": (delta, _spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
+      "k": (x.k, block_spec((None, bk_kv, None, hp),
+                            lambda j, h, b: (b, j, h, 0))),
+      "v": (x.v, block_spec((None, bk_kv, None, hvp),
+                            lambda j, h, b: (b, j, h, 0))),
+      "q": (x.q, block_spec((None, x.tp, g, hp), lambda j, h, b: (b, 0, h, 0))),
+      "do": (do, block_spec((None, x.tp, g, hvp),
+                            lambda j, h, b: (b, 0, h, 0))),
+      "lse": (lse2, block_spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
+      "delta": (delta, block_spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
       "bounds": None,
   }
   if feat.masked:
     kinds = jnp.swapaxes(x.kinds(bq_kv, bk_kv), 1, 2)  # [B, nk, nq]
     inputs["bounds"] = (
-        tile_bounds(kinds), _spec((None, None, 4), lambda j, h, b: (b, j, 0)))
+        tile_bounds(kinds),
+        block_spec((None, None, 4), lambda j, h, b: (b, j, 0)))
   _add_row_col_inputs(inputs, x, feat, x.tp, bk_kv, lambda j: 0,
                       lambda j: j)
   for name, arr, full in (("mask", x.mask, feat.mask),
@@ -436,46 +435,49 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     arr = _grouped(arr, num_kv)  # [B|1, K|1, G|1, Tp|1, Sp|1]
     block = (None, None, g if full[1] else 1,
              x.tp if full[2] else 1, bk_kv if full[3] else 1)
-    inputs[name] = (arr, _spec(
+    inputs[name] = (arr, block_spec(
         block,
         lambda j, h, b, full=full: (b if full[0] else 0, h if full[1] else 0,
                                     0, 0, j if full[3] else 0)))
   outputs = {
       "dk": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hp), k.dtype),
-             _spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
+             block_spec((None, bk_kv, None, hp), lambda j, h, b: (b, j, h, 0))),
       "dv": (jax.ShapeDtypeStruct((b, x.sp, num_kv, hvp), v.dtype),
-             _spec((None, bk_kv, None, hvp), lambda j, h, b: (b, j, h, 0))),
+             block_spec((None, bk_kv, None, hvp),
+                        lambda j, h, b: (b, j, h, 0))),
   }
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
       _triton_kernel.backward_dkv, feat=feat, block_q=bq_kv, num_tiles=nq)
-  dk, dv = _pallas_call(kernel, inputs, outputs, (nk, num_kv, b), warps,
-                        stages, "flash_bwd_dkv")
+  dk, dv = pallas_call(kernel, inputs, outputs, (nk, num_kv, b), warps,
+                       stages, "flash_bwd_dkv")
 
   # dQ (and dbias): grid (query blocks, query heads, batch).
   nq, nk = x.tp // bq_q, x.sp // bk_q
   inputs = {
-      "q": (x.q, _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
-      "do": (do, _spec((None, bq_q, None, hvp),
-                       lambda i, h, b: (b, i, h, 0))),
-      "lse": (lse2, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
-      "delta": (delta, _spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
-      "k": (x.k, _spec((None, x.sp, None, hp),
-                       lambda i, h, b: (b, 0, h // g, 0))),
-      "v": (x.v, _spec((None, x.sp, None, hvp),
-                       lambda i, h, b: (b, 0, h // g, 0))),
+      "q": (x.q, block_spec((None, bq_q, None, hp),
+                            lambda i, h, b: (b, i, h, 0))),
+      "do": (do, block_spec((None, bq_q, None, hvp),
+                            lambda i, h, b: (b, i, h, 0))),
+      "lse": (lse2, block_spec((None, None, bq_q), lambda i, h, b: (b, h, i))),
+      "delta": (delta, block_spec((None, None, bq_q),
+                                  lambda i, h, b: (b, h, i))),
+      "k": (x.k, block_spec((None, x.sp, None, hp),
+                            lambda i, h, b: (b, 0, h // g, 0))),
+      "v": (x.v, block_spec((None, x.sp, None, hvp),
+                            lambda i, h, b: (b, 0, h // g, 0))),
       "bounds": None,
   }
   if feat.masked:
     inputs["bounds"] = (
         tile_bounds(x.kinds(bq_q, bk_q)),
-        _spec((None, None, 4), lambda i, h, b: (b, i, 0)))
+        block_spec((None, None, 4), lambda i, h, b: (b, i, 0)))
   _add_row_col_inputs(inputs, x, feat, bq_q, x.sp, lambda i: i,
                       lambda i: 0)
   _add_dense_inputs(inputs, x, feat, bq_q, x.sp, lambda i: i, lambda i: 0)
   outputs = {
       "dq": (jax.ShapeDtypeStruct((b, x.tp, n, hp), q.dtype),
-             _spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
+             block_spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
   }
   db = feat.bias
   if db is not None:
@@ -484,12 +486,12 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     db_shape = (b, n, x.tp if db[2] else nq, x.sp if db[3] else 1)
     db_block = (None, None, bq_q if db[2] else 1, x.sp if db[3] else 1)
     outputs["dbias"] = (jax.ShapeDtypeStruct(db_shape, _F32),
-                        _spec(db_block, lambda i, h, b: (b, h, i, 0)))
+                        block_spec(db_block, lambda i, h, b: (b, h, i, 0)))
   _add_dropout_seed(inputs, x)
   kernel = functools.partial(
       _triton_kernel.backward_dq, feat=feat, block_k=bk_q, num_tiles=nk)
-  results = _pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
-                         "flash_bwd_dq")
+  results = pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
+                        "flash_bwd_dq")
   dq = results[0][:, :t, :, :h]
   dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :x.hv]
   dbias = None
