@@ -1,4 +1,7 @@
-"""Pallas/Mosaic TPU kernels of `mosaic_tpu`: forward, dK/dV and dQ.
+"""The shared pieces of the Mosaic TPU kernels of `mosaic_tpu`.
+
+The kernels themselves are in `_mosaic_tpu_forward` (forward) and
+`_mosaic_tpu_backward` (dQ, dK/dV).
 
 Shapes are chosen for the TPU's (8 sublane x 128 lane) vector registers and its
 128-wide matrix unit:
@@ -37,7 +40,6 @@ in VMEM -- and a dQ kernel -- query tile stationary, keys streamed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -58,12 +60,13 @@ KIND_BITS = 2
 KIND_MASK = (1 << KIND_BITS) - 1
 
 _F32 = jnp.float32
-_NT = ((1,), (1,))  # a @ b.T
-_NN = ((1,), (0,))  # a @ b
-_TN = ((0,), (0,))  # a.T @ b
+# `dot`'s contraction dims.
+NT = ((1,), (1,))  # a @ b.T
+NN = ((1,), (0,))  # a @ b
+TN = ((0,), (0,))  # a.T @ b
 
 # Squeezed block dims: `pl.squeezed` where the installed Pallas has it.
-_SQUEEZED = getattr(pl, "squeezed", None)
+SQUEEZED = getattr(pl, "squeezed", None)
 _COMPILER_PARAMS = getattr(pltpu, "CompilerParams", None) or getattr(
     pltpu, "TPUCompilerParams", None
 )
@@ -196,11 +199,13 @@ class _Coords:
     return self._kv_block()
 
 
-def _kind(word):
+def step_kind(word):
+  """The kind (EMPTY/PARTIAL/FULL) of a grid step's metadata word."""
   return word & KIND_MASK
 
 
-def _block(word):
+def step_block(word):
+  """The block a grid step fetches, from its metadata word."""
   return word >> KIND_BITS
 
 
@@ -211,7 +216,7 @@ def _in_spec(st: Static, name: str, coords) -> pl.BlockSpec:
   """BlockSpec of input `name`; `coords(*grid, meta_ref)` -> _Coords."""
   hp, hvp = st.head_dim, st.value_head_dim
   bq, bk = st.block_q, st.block_kv
-  sq = _SQUEEZED
+  sq = SQUEEZED
 
   def spec(block, fn):
     return pl.BlockSpec(block, lambda *args: fn(coords(*args)))
@@ -248,7 +253,7 @@ def _in_spec(st: Static, name: str, coords) -> pl.BlockSpec:
   raise ValueError(f"unknown kernel input {name=}")
 
 
-def _row_major_coords(st: Static):
+def row_major_coords(st: Static):
   """Grid (B, N, nq, nk): query tile stationary, key tiles streamed."""
   nq, nk, g = st.num_q_blocks, st.num_kv_blocks, st.group
 
@@ -257,19 +262,19 @@ def _row_major_coords(st: Static):
     kv_head = jax.lax.div(n, jnp.int32(g))
     return _Coords(
         b=b, head=n, kv_head=kv_head, q_block=lambda: i,
-        kv_block=lambda: _block(meta_ref[(b * nq + i) * nk + j]))
+        kv_block=lambda: step_block(meta_ref[(b * nq + i) * nk + j]))
 
   return coords
 
 
-def _col_major_coords(st: Static):
+def col_major_coords(st: Static):
   """Grid (B, K, nk, G, nq): key tile stationary, its group's queries stream."""
   nq, nk, g = st.num_q_blocks, st.num_kv_blocks, st.group
 
   def coords(b, h, j, gi, i, meta_ref):
     return _Coords(
         b=b, head=h * g + gi, kv_head=h,
-        q_block=lambda: _block(meta_ref[(b * nk + j) * nq + i]),
+        q_block=lambda: step_block(meta_ref[(b * nk + j) * nq + i]),
         kv_block=lambda: j)
 
   return coords
@@ -278,7 +283,8 @@ def _col_major_coords(st: Static):
 # --- shared kernel pieces -----------------------------------------------------
 
 
-def _dot(a, b, dims, precision):
+def dot(a, b, dims, precision):
+  """a . b contracting `dims` (NT/NN/TN), accumulated in float32."""
   return jax.lax.dot_general(
       a, b, (dims, ((), ())), preferred_element_type=_F32, precision=precision
   )
@@ -289,19 +295,19 @@ def _lanes(x, width):
   return jnp.tile(x, (1, width // NUM_LANES))
 
 
-def _column(ref):
+def column(ref):
   """A lane-replicated [rows, 128] statistic as a [rows] column."""
   return ref[...][:, 0]
 
 
-def _store_column(ref, x):
+def store_column(ref, x):
   """Stores a [rows] column lane-replicated into a [rows, 128] ref."""
   ref[...] = jnp.broadcast_to(x[:, None], ref.shape)
 
 
 def _logits(st: Static, r, q, k):
   """(s_capped, s) of one [bq, bk] tile, unmasked (`online_softmax.logits`)."""
-  qk = _dot(q, k, _NT, st.precision)  # [bq, bk]
+  qk = dot(q, k, NT, st.precision)  # [bq, bk]
   bias = r["bias"][...] if "bias" in r else None  # [bq|1, bk|1] broadcasts
   s, s_capped = online_softmax.logits(
       qk, scale=st.scale, cap=st.soft_cap, bias=bias)
@@ -330,14 +336,15 @@ def _visibility(st: Static, r):
   )
 
 
-def _masked_logits(st: Static, r, q, k, masked: bool):
+def masked_logits(st: Static, r, q, k, masked: bool):
+  """(s_capped, s) of the current tile, s masked when `masked`."""
   s_capped, s = _logits(st, r, q, k)
   if masked:
     s = online_softmax.apply_mask(s, _visibility(st, r))
   return s_capped, s
 
 
-def _dropout_factor(st: Static, r, b, head, q_block, kv_block):
+def dropout_factor(st: Static, r, b, head, q_block, kv_block):
   """The [bq, bk] attention-dropout factor (0 or 1 / (1 - rate)) of tile
   (q_block, kv_block) of batch row b and query head `head`.
 
@@ -354,7 +361,7 @@ def _dropout_factor(st: Static, r, b, head, q_block, kv_block):
   return dropout.factor(keep, st.dropout_rate, _F32)
 
 
-def _dispatch(st: Static, kind, step):
+def dispatch(st: Static, kind, step):
   """Runs step(masked) on PARTIAL/FULL steps; EMPTY steps do nothing."""
   if not st.masked:
     step(False)  # Every tile is FULL.
@@ -363,7 +370,8 @@ def _dispatch(st: Static, kind, step):
   pl.when(kind == masking.FULL)(lambda: step(False))
 
 
-def _unpack(names, refs):
+def unpack(names, refs):
+  """The kernel's refs as a dict keyed by their names."""
   return dict(zip(names, refs, strict=True))
 
 
@@ -380,7 +388,8 @@ def _compiler_params(st: Static, num_parallel: int, num_axes: int):
   return _COMPILER_PARAMS(dimension_semantics=semantics)
 
 
-def _cost(flops, transcendentals, operands, out_shapes):
+def cost_estimate(flops, transcendentals, operands, out_shapes):
+  """pallas_call's cost estimate, or None where Pallas has none."""
   cost = getattr(pl, "CostEstimate", None)
   if cost is None:
     return None
@@ -391,8 +400,14 @@ def _cost(flops, transcendentals, operands, out_shapes):
               bytes_accessed=int(nbytes))
 
 
-def _call(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
-          scratch, num_parallel, meta, cost):
+def launch(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
+           scratch, num_parallel, meta, cost):
+  """Runs `kernel` over `grid` with the metadata words in scalar prefetch.
+
+  The inputs `operands`, named `names`, are tiled by `coords` (see
+  `row_major_coords`, `col_major_coords`); the leading `num_parallel` grid
+  axes may be "parallel". `cost` is a `cost_estimate` or None.
+  """
   in_specs = [_in_spec(st, name, coords) for name in names]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
@@ -412,244 +427,3 @@ def _call(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
       interpret=st.interpret,
       **kwargs,
   )(meta, *operands)
-
-
-# --- forward ------------------------------------------------------------------
-
-
-def _forward_kernel(meta_ref, *refs, st: Static, names):
-  r = _unpack(names, refs)
-  b, n, i, j = (pl.program_id(a) for a in range(4))
-  nq, nk = st.num_q_blocks, st.num_kv_blocks
-  kind = _kind(meta_ref[(b * nq + i) * nk + j])
-  m_ref, l_ref, acc_ref = r["m_i"], r["l_i"], r["acc"]
-
-  @pl.when(j == 0)
-  def _init():
-    m_i, l_i, acc = online_softmax.init(m_ref.shape, acc_ref.shape)
-    m_ref[...] = m_i  # [bq, 128], lane-replicated
-    l_ref[...] = l_i
-    acc_ref[...] = acc  # [bq, Hvp]
-
-  def step(masked):
-    _, s = _masked_logits(st, r, r["q"][...], r["k"][...], masked)
-    m_i, l_i, p, alpha = online_softmax.update(
-        _column(m_ref), _column(l_ref), s)  # p: [bq, bk]
-    if st.dropout_rate:
-      # On the normalised probabilities: l_i sums the undropped ones.
-      p = p * _dropout_factor(st, r, b, n, i, j)
-    v = r["v"][...]
-    pv = _dot(p.astype(v.dtype), v, _NN, st.precision)  # [bq, Hvp]
-    acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
-    _store_column(m_ref, m_i)
-    _store_column(l_ref, l_i)
-
-  _dispatch(st, kind, step)
-
-  @pl.when(j == nk - 1)
-  def _finalize():
-    out, lse = online_softmax.finalize(
-        _column(m_ref), _column(l_ref), acc_ref[...])
-    r["out"][...] = out.astype(r["out"].dtype)
-    # Column -> row through an explicit (XLU) transpose of a lane-replicated
-    # [bq, 128] tile: the residual then travels compactly as [1, bq].
-    lse = jnp.broadcast_to(lse[:, None], (st.block_q, NUM_LANES))
-    r["lse"][...] = lse.T[:1, :]  # [1, bq]
-
-
-def forward(st: Static, meta, names, operands, out_dtype):
-  """Runs the forward kernel.
-
-  Args:
-    st: static launch description.
-    meta: int32 [B * nq * nk] metadata words, row-major over (b, i, j).
-    names: names of `operands` (see `_in_spec`).
-    operands: kernel inputs in HBM layout.
-    out_dtype: dtype of the output.
-
-  Returns:
-    (out [B, Tp, N * Hvp], lse [B, N, 1, Tp] float32).
-  """
-  b, n, hp, hvp = st.batch, st.num_heads, st.head_dim, st.value_head_dim
-  bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
-  sq = _SQUEEZED
-  out_shapes = (
-      jax.ShapeDtypeStruct((b, st.q_len, n * hvp), out_dtype),
-      jax.ShapeDtypeStruct((b, n, 1, st.q_len), _F32),
-  )
-  out_specs = (
-      pl.BlockSpec((sq, bq, hvp), lambda b, n, i, j, m: (b, i, n)),
-      pl.BlockSpec((sq, sq, 1, bq), lambda b, n, i, j, m: (b, n, 0, i)),
-  )
-  scratch = [
-      pltpu.VMEM((bq, NUM_LANES), _F32),  # m_i
-      pltpu.VMEM((bq, NUM_LANES), _F32),  # l_i
-      pltpu.VMEM((bq, hvp), _F32),  # acc
-  ]
-  all_names = tuple(names) + ("out", "lse", "m_i", "l_i", "acc")
-  tiles = b * n * nq * nk
-  cost = _cost(
-      2 * tiles * bq * st.block_kv * (hp + hvp), tiles * bq * st.block_kv,
-      operands, out_shapes)
-  return _call(
-      functools.partial(_forward_kernel, st=st, names=all_names),
-      st, (b, n, nq, nk), _row_major_coords(st), names, operands, out_specs,
-      out_shapes, scratch, 3,
-      meta, cost,
-  )
-
-
-# --- backward: dQ -------------------------------------------------------------
-
-
-def _dq_kernel(meta_ref, *refs, st: Static, names):
-  r = _unpack(names, refs)
-  b, n, i, j = (pl.program_id(a) for a in range(4))
-  nq, nk = st.num_q_blocks, st.num_kv_blocks
-  kind = _kind(meta_ref[(b * nq + i) * nk + j])
-  dq_ref = r["dq_acc"]
-
-  @pl.when(j == 0)
-  def _init():
-    dq_ref[...] = jnp.zeros(dq_ref.shape, _F32)
-
-  def step(masked):
-    k = r["k"][...]
-    s_capped, s = _masked_logits(st, r, r["q"][...], k, masked)
-    p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
-    dp = _dot(r["do"][...], r["v"][...], _NT, st.precision)  # [bq, bk]
-    if st.dropout_rate:
-      # dS = P * (dP * factor - delta), FlashAttention-2's dropout backward.
-      dp = dp * _dropout_factor(st, r, b, n, i, j)
-    ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
-    ds = online_softmax.logits_grad(
-        ds, s_capped, scale=st.scale, cap=st.soft_cap)
-    dq_ref[...] += _dot(ds.astype(k.dtype), k, _NN, st.precision)  # [bq, Hp]
-
-  _dispatch(st, kind, step)
-
-  @pl.when(j == nk - 1)
-  def _finalize():
-    r["dq"][...] = dq_ref[...].astype(r["dq"].dtype)
-
-
-def backward_dq(st: Static, meta, names, operands, out_dtype):
-  """Runs the dQ kernel; metadata as for `forward`. Returns [B, Tp, N * Hp]."""
-  b, n, hp, hvp = st.batch, st.num_heads, st.head_dim, st.value_head_dim
-  bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
-  out_shapes = (jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),)
-  out_specs = (
-      pl.BlockSpec((_SQUEEZED, bq, hp), lambda b, n, i, j, m: (b, i, n)),
-  )
-  scratch = [pltpu.VMEM((bq, hp), _F32)]
-  all_names = tuple(names) + ("dq", "dq_acc")
-  tiles = b * n * nq * nk
-  cost = _cost(
-      2 * tiles * bq * st.block_kv * (2 * hp + hvp),
-      tiles * bq * st.block_kv,
-      operands, out_shapes)
-  (dq,) = _call(
-      functools.partial(_dq_kernel, st=st, names=all_names),
-      st, (b, n, nq, nk), _row_major_coords(st), names, operands, out_specs,
-      out_shapes, scratch, 3,
-      meta, cost,
-  )
-  return dq
-
-
-# --- backward: dK, dV (and dbias) ---------------------------------------------
-
-
-def _dkv_kernel(meta_ref, *refs, st: Static, names):
-  r = _unpack(names, refs)
-  b, h, j, g, i = (pl.program_id(a) for a in range(5))
-  nq, nk = st.num_q_blocks, st.num_kv_blocks
-  kind = _kind(meta_ref[(b * nk + j) * nq + i])
-  dk_ref, dv_ref = r["dk_acc"], r["dv_acc"]
-
-  @pl.when((g == 0) & (i == 0))
-  def _init():
-    dk_ref[...] = jnp.zeros(dk_ref.shape, _F32)
-    dv_ref[...] = jnp.zeros(dv_ref.shape, _F32)
-
-  def step(masked):
-    q, do = r["q"][...], r["do"][...]
-    s_capped, s = _masked_logits(st, r, q, r["k"][...], masked)
-    p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
-    dp = _dot(do, r["v"][...], _NT, st.precision)  # [bq, bk]
-    p_used = p
-    if st.dropout_rate:
-      # dV from the dropped P, dP through the same mask, and
-      # dS = P * (dP - delta) (FlashAttention-2's dropout backward).
-      z = _dropout_factor(st, r, b, h * st.group + g, i, j)
-      p_used, dp = p * z, dp * z
-    dv_ref[...] += _dot(
-        p_used.astype(do.dtype), do, _TN, st.precision)  # [bk, Hvp]
-    ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
-    if "dbias" in r:
-      r["dbias"][...] = ds
-    ds = online_softmax.logits_grad(
-        ds, s_capped, scale=st.scale, cap=st.soft_cap)
-    dk_ref[...] += _dot(ds.astype(q.dtype), q, _TN, st.precision)  # [bk, Hp]
-
-  _dispatch(st, kind, step)
-
-  if "dbias" in r:
-    # Every dbias tile is written back, visited or not.
-    @pl.when(kind == masking.EMPTY)
-    def _zero_dbias():
-      r["dbias"][...] = jnp.zeros(r["dbias"].shape, _F32)
-
-  @pl.when((g == st.group - 1) & (i == nq - 1))
-  def _finalize():
-    r["dk"][...] = dk_ref[...].astype(r["dk"].dtype)
-    r["dv"][...] = dv_ref[...].astype(r["dv"].dtype)
-
-
-def backward_dkv(st: Static, meta_t, names, operands, out_dtype, with_dbias):
-  """Runs the dK/dV kernel.
-
-  Args:
-    st: static launch description.
-    meta_t: int32 [B * nk * nq] metadata words, row-major over (b, j, i).
-    names: names of `operands`.
-    operands: kernel inputs in HBM layout.
-    out_dtype: dtype of dk and dv.
-    with_dbias: also return dbias [B, N, Tp, Sp] float32 (un-reduced).
-
-  Returns:
-    (dk [B, Sp, K * Hp], dv [B, Sp, K * Hvp]), plus dbias when requested.
-  """
-  b, n, kh = st.batch, st.num_heads, st.num_kv_heads
-  hp, hvp = st.head_dim, st.value_head_dim
-  bq, bk, nq, nk = st.block_q, st.block_kv, st.num_q_blocks, st.num_kv_blocks
-  g = st.group
-  sq = _SQUEEZED
-
-  def kv_out(width):
-    return (jax.ShapeDtypeStruct((b, st.kv_len, kh * width), out_dtype),
-            pl.BlockSpec((sq, bk, width), lambda b, h, j, gi, i, m: (b, j, h)))
-
-  (dk_shape, dk_spec), (dv_shape, dv_spec) = kv_out(hp), kv_out(hvp)
-  out_shapes = [dk_shape, dv_shape]
-  out_specs = [dk_spec, dv_spec]
-  out_names = ("dk", "dv")
-  if with_dbias:
-    out_shapes.append(
-        jax.ShapeDtypeStruct((b, n, st.q_len, st.kv_len), _F32))
-    out_specs.append(pl.BlockSpec(
-        (sq, sq, bq, bk), lambda b, h, j, gi, i, m: (b, h * g + gi, i, j)))
-    out_names += ("dbias",)
-  scratch = [pltpu.VMEM((bk, hp), _F32), pltpu.VMEM((bk, hvp), _F32)]
-  all_names = tuple(names) + out_names + ("dk_acc", "dv_acc")
-  tiles = b * n * nq * nk
-  cost = _cost(
-      4 * tiles * bq * bk * (hp + hvp), tiles * bq * bk, operands,
-      out_shapes)
-  return _call(
-      functools.partial(_dkv_kernel, st=st, names=all_names),
-      st, (b, kh, nk, g, nq), _col_major_coords(st), names, operands,
-      tuple(out_specs), tuple(out_shapes), scratch,
-      3,
-      meta_t, cost,
-  )

@@ -1,9 +1,10 @@
 """`mosaic_tpu`: flash attention for TPU, in Pallas, compiled by Mosaic.
 
-Three kernels (`pallas_fa._mosaic_tpu_kernel`): the forward (FlashAttention-2,
-Algorithm 1), and a backward split into a dK/dV kernel and a dQ kernel that
-both recompute the probabilities from the logsumexp residual. On a TPU they
-are compiled by Mosaic; anywhere else they run in Pallas's TPU interpret mode,
+Three kernels (`_mosaic_tpu_forward`, `_mosaic_tpu_backward`, on the shared
+pieces of `_mosaic_tpu_kernel`): the forward (FlashAttention-2, Algorithm 1),
+and a backward split into a dK/dV kernel and a dQ kernel that both recompute
+the probabilities from the logsumexp residual. On a TPU they are compiled by
+Mosaic; anywhere else they run in Pallas's TPU interpret mode,
 which simulates the TPU's memories and DMAs on the host (slow: for tests).
 
 This module prepares the kernels' inputs on device:
@@ -29,6 +30,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import _mosaic_tpu_backward as backward_kernels
+from pallas_fa import _mosaic_tpu_forward as forward_kernel
 from pallas_fa import _mosaic_tpu_kernel as kernel
 from pallas_fa import layout
 from pallas_fa import masking
@@ -290,7 +293,7 @@ def _block_sizes(params, q, k, v, info) -> MosaicTpuBlockSizes:
 def _forward(q, k, v, bias, info, params):
   bs = _block_sizes(params, q, k, v, info)
   lay = Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
-  out, lse = kernel.forward(
+  out, lse = forward_kernel.forward(
       lay.static, fetch_schedule(lay.kinds), tuple(lay.names), lay.operands,
       lay.dtype)
   return lay.unqueries(out, lay.hv, q.dtype), lay.unrows(lse)
@@ -305,10 +308,10 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       lay.rows(lse, online_softmax.MASK_VALUE),
       lay.rows(delta, 0.0),
   ]
-  dq = kernel.backward_dq(
+  dq = backward_kernels.backward_dq(
       lay.static, fetch_schedule(lay.kinds), names, operands, lay.dtype)
   # The dK/dV sweep runs over query tiles per key tile: transposed kinds.
-  outs = kernel.backward_dkv(
+  outs = backward_kernels.backward_dkv(
       lay.static, fetch_schedule(lay.kinds.transpose(0, 2, 1)), names,
       operands, lay.dtype, with_dbias=bias is not None)
   dq = lay.unqueries(dq, lay.h, q.dtype)
