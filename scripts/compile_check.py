@@ -140,7 +140,10 @@ class Case:
       "decode_paged" = `decode_attention`'s forward (triton only) against
       a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2);
       "value_dim" = causal with a value head dim Hv = H // 2 (MLA-style
-      values narrower than queries/keys).
+      values narrower than queries/keys), or 2 H at H <= 64: there H // 2
+      pads to H's width on mosaic_gpu, the kernels of the causal case,
+      which Mosaic's in-process cache would then not compile (no ptxas
+      report).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -153,8 +156,9 @@ class Case:
 
   @property
   def value_head_dim(self) -> int:
-    return self.head_dim // 2 if self.variant == "value_dim" else (
-        self.head_dim)
+    if self.variant != "value_dim":
+      return self.head_dim
+    return self.head_dim // 2 if self.head_dim > 64 else 2 * self.head_dim
 
   def __str__(self):
     return (f"{self.backend:10s} h={self.head_dim:<3d} {self.dtype:8s} "
