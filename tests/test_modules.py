@@ -171,20 +171,20 @@ def test_nnx_decode_mode_matches_flax():
   np.testing.assert_allclose(full, outs[1], **_TOL)
 
 
-def test_attention_dropout_in_training_needs_a_backend_with_dropout():
-  """Training with dropout runs where the backend implements it (see
-  test_dropout.py) and is refused by name where it does not."""
+def test_dropout_rate_is_ignored_outside_training():
+  """With deterministic=True the module's dropout rate changes nothing
+  (training with dropout is covered in test_dropout.py)."""
   d = 16
   x = _normal((2, 5, d))
-  module = nnx.MultiHeadAttention(
-      num_heads=2, in_features=d, dropout_rate=0.1, decode=False,
-      attention_fn=_attention_fn("mosaic_tpu"), rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="dropout"):
-    module(x, deterministic=False)
-  # Outside training the dropout rate is irrelevant and the call works
-  # (traced only: the numerics are covered by the parity tests).
-  y = nnx.eval_shape(lambda m, x: m(x, deterministic=True), module, x)
-  assert y.shape == x.shape
+
+  def module(rate):
+    return nnx.MultiHeadAttention(
+        num_heads=2, in_features=d, dropout_rate=rate, decode=False,
+        attention_fn=_attention_fn("chunked"), rngs=nnx.Rngs(0))
+
+  with_rate = module(0.3)(x, deterministic=True)
+  np.testing.assert_array_equal(with_rate, module(0.0)(x, deterministic=True))
+  assert not np.allclose(with_rate, module(0.3)(x, deterministic=False))
 
 
 def test_sow_weights_raises():
