@@ -67,6 +67,25 @@ LOW_PRECISION_CASES = [
 ]
 
 
+# Interpreted Pallas backends recompile per shape; on CPU they run these
+# subsets (every feature; the shapes whose tiling differs), and every case
+# compiled on their own hardware.
+_FAST = ("xla", "chunked")
+_INTERPRETED_FLOAT32 = [
+    *(SHAPE_CASES[i] for i in (0, 1, 2, 3, 7)),
+    *(FEATURE_CASES[i] for i in (0, 1, 3, 4, 5, 6, 7, 9, 10, 11)),
+]
+_INTERPRETED_LOW_PRECISION = {
+    "bfloat16": LOW_PRECISION_CASES[:3] + LOW_PRECISION_CASES[-1:],
+    # float16 repeats the bfloat16 code path.
+    "float16": LOW_PRECISION_CASES[:1],
+}
+
+
+def _interpreted_on_cpu(implementation) -> bool:
+  return implementation not in _FAST and api.platform() == "cpu"
+
+
 def _fn(implementation):
   return flash(implementation, block_sizes_for(implementation))
 
@@ -95,22 +114,19 @@ def _require_float32(implementation):
 
 @pytest.mark.parametrize("case", SHAPE_CASES + FEATURE_CASES, ids=str)
 def test_float32(implementation, case):
+  if _interpreted_on_cpu(implementation) and case not in (
+      _INTERPRETED_FLOAT32):
+    pytest.skip("outside the interpreted subset (runs compiled on device)")
   _check_or_decline(implementation, case, jnp.float32,
                     rng(implementation, str(case), "f32"))
-
-
-# Interpreted Pallas backends recompile per shape: fewer examples for them.
-_FAST = ("xla", "chunked")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=str)
 def test_low_precision(implementation, case, dtype):
-  if (dtype == "float16" and implementation not in _FAST
-      and api.platform() == "cpu" and case not in LOW_PRECISION_CASES[:3]):
-    # Interpreted on CPU, float16 repeats the bfloat16 code path; three
-    # shapes keep it covered within the CI time budget (all run compiled).
-    pytest.skip("float16 subset only for interpreted backends on CPU")
+  if _interpreted_on_cpu(implementation) and case not in (
+      _INTERPRETED_LOW_PRECISION[dtype]):
+    pytest.skip("outside the interpreted subset (runs compiled on device)")
   _check_or_decline(implementation, case, DTYPES[dtype],
                     rng(implementation, str(case), dtype))
 
