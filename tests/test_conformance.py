@@ -72,11 +72,12 @@ LOW_PRECISION_CASES = [
 # compiled on their own hardware.
 _FAST = ("xla", "chunked")
 _INTERPRETED_FLOAT32 = [
-    *(SHAPE_CASES[i] for i in (0, 1, 2, 3, 7)),
-    *(FEATURE_CASES[i] for i in (0, 1, 3, 4, 5, 6, 7, 9, 10, 11)),
+    *(SHAPE_CASES[i] for i in (0, 1, 3, 7)),
+    # The last case combines causal, window, lengths, segments and the cap.
+    *(FEATURE_CASES[i] for i in (0, 4, 5, 7, 9, 11)),
 ]
 _INTERPRETED_LOW_PRECISION = {
-    "bfloat16": LOW_PRECISION_CASES[:3] + LOW_PRECISION_CASES[-1:],
+    "bfloat16": LOW_PRECISION_CASES[:2] + LOW_PRECISION_CASES[-1:],
     # float16 repeats the bfloat16 code path.
     "float16": LOW_PRECISION_CASES[:1],
 }
@@ -155,7 +156,7 @@ def _cases(draw):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_property(implementation):
   _require_float32(implementation)
-  examples = 6 if implementation in _FAST else 3
+  examples = 4 if implementation in _FAST else 3
 
   @hypothesis.settings(max_examples=examples, deadline=None,
                        derandomize=True, database=None)
