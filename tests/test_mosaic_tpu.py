@@ -528,6 +528,7 @@ def test_value_head_dim_and_dropout_multi_tile(case, hv, rate):
     assert_close(name, x, r)
 
 
+@pytest.mark.slow  # Default tiles at T = 1; test_multi_tile runs the kernels.
 def test_decode_with_default_block_sizes():
   """T = 1 (MQA decode, bottom-right aligned) with the heuristic tiling."""
   case = Case(b=2, t=1, s=700, n=8, k=1, h=128, causal=True, positions=True)
