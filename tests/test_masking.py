@@ -16,7 +16,7 @@ def _brute_force_kinds(visible, bq, bk):
   return empty, full
 
 
-@hypothesis.settings(max_examples=12, deadline=None, derandomize=True,
+@hypothesis.settings(max_examples=8, deadline=None, derandomize=True,
                      database=None)
 @hypothesis.given(
     t_blocks=st.integers(1, 5), s_blocks=st.integers(1, 5),

@@ -47,7 +47,10 @@ def _run_worker(*args):
   return proc.stdout
 
 
-_MULTI_DEVICE_IMPLEMENTATIONS = ("chunked", "xla")
+# chunked is the blockwise path a CPU mesh runs; xla repeats the same
+# sharding code around another backend (slow: one more worker process each).
+_MULTI_DEVICE_IMPLEMENTATIONS = (
+    "chunked", pytest.param("xla", marks=pytest.mark.slow))
 
 
 @pytest.mark.parametrize("implementation", _MULTI_DEVICE_IMPLEMENTATIONS)
