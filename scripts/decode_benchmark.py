@@ -2,7 +2,8 @@ r"""Benchmarks `decode_attention` against the plain calls it replaces.
 
 Decoding is memory-bound, so each cell reports the K/V bytes it must read,
 the achieved rate, and that rate's share of the machine's memory bandwidth,
-measured in the same run as the rate of a large on-device copy. Each
+measured in the same run (the faster of a large on-device copy and a large
+read-only reduction, `memory_bandwidth`). Each
 `decode_attention` implementation of --implementations is one candidate
 (`decode/chunked`, `decode/triton`; the triton kernel runs interpreted on a
 CPU, so keep its shapes tiny there); "decode x" is how many times faster
@@ -63,31 +64,48 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
 _JSON = flags.DEFINE_string("json", None, "Write the report here.")
 
 
-def copy_bandwidth(nbytes: int, dtype, repeats: int) -> float:
-  """Bytes per second of an on-device elementwise copy (read + write)."""
+def memory_bandwidth(nbytes: int, dtype, repeats: int) -> dict[str, float]:
+  """Bytes per second the device moves, by two probes over `nbytes`.
+
+  "copy": an elementwise copy (read + write bytes); "read": a sum (read
+  bytes only), the access pattern of decoding. On a CPU they differ several
+  times over (XLA runs the copy on one thread and pays write-allocate
+  traffic; the reduction is multi-threaded), so the share of bandwidth is
+  taken against the faster one, "peak".
+  """
   x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
-  fn = jax.jit(lambda x: x * 2)
-  timing = testing.time_call(fn, x, repeats=repeats, min_run_s=0.05)
-  return 2 * x.nbytes / timing.median_s
+
+  def rate(fn, moved):
+    timing = testing.time_call(
+        jax.jit(fn), x, repeats=repeats, min_run_s=0.05)
+    return moved / timing.median_s
+
+  rates = {"copy": rate(lambda x: x * 2, 2 * x.nbytes),
+           # Row sums over 64 rows: a reduction XLA splits across threads.
+           "read": rate(lambda x: x.reshape(64, -1).sum(1), x.nbytes)}
+  return rates | {"peak": max(rates.values())}
 
 
-def _inputs(b, s, n, num_kv, h, t, dtype, page_size, seed=0):
+def _inputs(b, s, n, num_kv, h, t, dtype, seed=0):
+  """q, k, v (a contiguous cache) and lengths (every row full)."""
   gen = np.random.default_rng(seed)
   q = testing.normal(gen, (b, t, n, h), dtype)
   k = testing.normal(gen, (b, s, num_kv, h), dtype)
   v = testing.normal(gen, (b, s, num_kv, h), dtype)
-  lengths = jnp.full((b,), s, jnp.int32)
-  table = None
-  if page_size:
-    pages = b * (s // page_size)
-    order = jnp.asarray(gen.permutation(pages), jnp.int32)
-    # Page order[i] holds the i-th page of the row-major cache.
-    k_pages = k.reshape(pages, page_size, num_kv, h)
-    v_pages = v.reshape(pages, page_size, num_kv, h)
-    inverse = jnp.argsort(order)
-    table = order.reshape(b, s // page_size)
-    k, v = k_pages[inverse], v_pages[inverse]
-  return q, k, v, lengths, table
+  return q, k, v, jnp.full((b,), s, jnp.int32)
+
+
+def _paged(k, v, page_size, seed=0):
+  """The contiguous cache as shuffled pages: (k_pages, v_pages, table)."""
+  b, s, num_kv, h = k.shape
+  pages = b * (s // page_size)
+  order = jnp.asarray(np.random.default_rng(seed).permutation(pages),
+                      jnp.int32)
+  # Page order[i] holds the i-th page of the row-major cache.
+  inverse = jnp.argsort(order)
+  k_pages, v_pages = (x.reshape(pages, page_size, num_kv, h)[inverse]
+                      for x in (k, v))
+  return k_pages, v_pages, order.reshape(b, s // page_size)
 
 
 def implementations() -> list[str]:
@@ -137,7 +155,17 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
     return [dict(base, impl="*", status="skipped",
                  reason=f"cache {kv_bytes / 2**30:.1f} GiB > "
                         f"--max_cache_gib")]
-  args = _inputs(b, s, n, num_kv, h, t, dtype, page_size)
+  q, k, v, lengths = _inputs(b, s, n, num_kv, h, t, dtype)
+  args = (q, k, v, lengths, None)
+  if page_size:
+    k_pages, v_pages, table = _paged(k, v, page_size)
+    args = (q, k_pages, v_pages, lengths, table)
+  # What every candidate must return: the plain call, in float32 and in the
+  # inputs' dtype (the project's low-precision rule, `testing.compare`).
+  plain = _candidates(t, s, 0, [])["flash_attention"]
+  up = [x.astype(jnp.float32) for x in (q, k, v)]
+  ref32 = jax.jit(plain)(*up, lengths, None)
+  ref_same = jax.jit(plain)(q, k, v, lengths, None)
   rows, times = [], {}
   impls = implementations()
   first = f"decode/{impls[0]}"
@@ -145,15 +173,23 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
     if not name.startswith("decode/") and name not in peers:
       continue
     try:
-      timing = testing.time_call(jax.jit(fn), *args, repeats=repeats)
+      fn = jax.jit(fn)
+      check = testing.compare("out", fn(*args), ref32, ref_same,
+                              precision="default")
+      timing = testing.time_call(fn, *args, repeats=repeats)
     except Exception as e:  # noqa: BLE001  (reported, never hidden)
       rows.append(dict(base, impl=name, status="error",
                        reason=str(e).splitlines()[0][:200]))
       continue
+    if not check.ok:
+      rows.append(dict(base, impl=name, status="wrong",
+                       reason=check.message()))
+      continue
     times[name] = timing.median_s
     rate = kv_bytes / timing.median_s
     rows.append(dict(base, impl=name, status="ok", ms=timing.ms,
-                     bytes_per_s=rate, bandwidth_share=rate / bandwidth))
+                     bytes_per_s=rate, bandwidth_share=rate / bandwidth,
+                     max_error=check.error, tolerance=check.tolerance))
   for row in rows:
     if first in times and row.get("status") == "ok":
       row["decode_speedup"] = times[row["impl"]] / times[first]
@@ -180,9 +216,11 @@ def main(argv: Sequence[str]) -> None:
   del argv
   dtype = testing.DTYPES[_DTYPE.value]
   ints = lambda values: [int(x) for x in values]  # noqa: E731
-  bandwidth = copy_bandwidth(1 << 28, dtype, _REPEATS.value)
-  print(f"device: {jax.devices()[0].device_kind}; copy bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s")
+  probes = memory_bandwidth(1 << 28, dtype, _REPEATS.value)
+  bandwidth = probes["peak"]
+  print(f"device: {jax.devices()[0].device_kind}; memory bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s (copy {probes['copy'] / 1e9:.1f}, "
+        f"read {probes['read'] / 1e9:.1f})")
   rows = []
   for b in ints(_BATCH.value):
     for s in ints(_SEQ.value):
@@ -200,7 +238,7 @@ def main(argv: Sequence[str]) -> None:
         device=jax.devices()[0].device_kind, platform=api.platform(),
         jax=jax.__version__, python=sys.version.split()[0],
         host=host_platform.processor() or host_platform.machine(),
-        command=" ".join(sys.argv), copy_bandwidth=bandwidth, rows=rows)
+        command=" ".join(sys.argv), memory_bandwidth=probes, rows=rows)
     with open(_JSON.value, "w") as f:
       json.dump(report, f, indent=1)
 

@@ -3,6 +3,9 @@
 import dataclasses
 import functools
 import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -132,3 +135,27 @@ def test_isolated_cell_reports_peak_memory(benchmark):
   assert r["status"] == "ok", r["reason"]
   assert r["mem_source"] == "rss_peak"
   assert r["peak_bytes"] >= r["base_bytes"] > 0
+
+
+def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
+    tmp_path):
+  """scripts/decode_benchmark.py on a tiny shuffled-page cache: each timed
+  decode is first compared with the float32 flash_attention on the same
+  cache (a wrong page table would show as status "wrong")."""
+  script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / (
+      "decode_benchmark.py")
+  out = tmp_path / "decode.json"
+  proc = subprocess.run(
+      [sys.executable, str(script), "--batch=2", "--seq_lens=128",
+       "--heads=4", "--kv_heads=2", "--head_dims=16", "--new_tokens=2",
+       "--page_size=32", "--dtype=bfloat16", "--repeats=1",
+       f"--json={out}"],
+      capture_output=True, text=True, timeout=240, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+  report = json.loads(out.read_text())
+  assert report["memory_bandwidth"]["peak"] == max(
+      report["memory_bandwidth"]["copy"], report["memory_bandwidth"]["read"])
+  (row,) = report["rows"]
+  assert row["impl"] == "decode/chunked" and row["status"] == "ok", row
+  assert 0 <= row["max_error"] <= row["tolerance"], row
+  assert row["bytes_per_s"] > 0 and row["page_size"] == 32
