@@ -19,7 +19,9 @@ inside `shard_map`:
 
 `sharded_flash_attention` takes global arrays and plans the split;
 `pallas_fa.ring.ring_attention` is the per-device op for use inside a
-`shard_map` of your own (re-exported here).
+`shard_map` of your own. Both, and the mesh and layout helpers of
+`pallas_fa.mesh` (`make_mesh`, `shard_batch`, `zigzag`, ...), are exported
+here.
 """
 
 from __future__ import annotations
@@ -30,222 +32,28 @@ from typing import Any
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from pallas_fa import api
 from pallas_fa import masking
+from pallas_fa import mesh as mesh_lib
 from pallas_fa import ring as ring_lib
 from pallas_fa import vjp
+from pallas_fa.mesh import DATA_AXIS  # noqa: F401  (re-exports)
+from pallas_fa.mesh import HEAD_AXIS  # noqa: F401
+from pallas_fa.mesh import SEQUENCE_AXIS  # noqa: F401
+from pallas_fa.mesh import AxisNames
+from pallas_fa.mesh import make_mesh  # noqa: F401
+from pallas_fa.mesh import replicate  # noqa: F401
+from pallas_fa.mesh import shard_batch  # noqa: F401
+from pallas_fa.mesh import shard_map  # noqa: F401
+from pallas_fa.mesh import spec_entry
+from pallas_fa.mesh import unzigzag  # noqa: F401
+from pallas_fa.mesh import zigzag  # noqa: F401
+from pallas_fa.mesh import zigzag_indices  # noqa: F401
 from pallas_fa.ring import ring_attention  # noqa: F401  (re-export)
 
 Array = Any
-AxisNames = str | Sequence[str] | None
 _P = jax.sharding.PartitionSpec
-
-# Mesh axis names used by `make_mesh` (any names work elsewhere).
-DATA_AXIS = "data"
-HEAD_AXIS = "heads"
-SEQUENCE_AXIS = "sequence"
-
-
-# --------------------------------------------------------------------------
-# shard_map and mesh helpers.
-
-
-def shard_map(f, *, mesh, in_specs, out_specs):
-  """`jax.shard_map` (or the older `jax.experimental.shard_map`).
-
-  Replication checking is off: the ring skips steps with `lax.cond`, whose
-  branches differ in how they vary over the mesh; the transpose still sums
-  the cotangents of inputs replicated over an axis.
-  """
-  if hasattr(jax, "shard_map"):
-    return jax.shard_map(
-        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )
-  from jax.experimental import shard_map as legacy
-
-  return legacy.shard_map(
-      f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False
-  )
-
-
-def make_mesh(
-    *,
-    data: int = 1,
-    heads: int = 1,
-    sequence: int = 1,
-    devices: Sequence[Any] | None = None,
-) -> jax.sharding.Mesh:
-  """A (data, heads, sequence) mesh with automatic (GSPMD) axes.
-
-  The sequence axis is innermost so ring neighbours are, where possible,
-  devices of the same host (NVLink rather than the network).
-
-  Args:
-    data: devices along the batch (data-parallel) axis.
-    heads: devices along the head (tensor-parallel) axis.
-    sequence: devices along the sequence (context-parallel, ring) axis.
-    devices: devices to use, default `jax.devices()` (all processes).
-
-  Returns:
-    A `jax.sharding.Mesh` with axes (DATA_AXIS, HEAD_AXIS, SEQUENCE_AXIS).
-
-  Raises:
-    ValueError: data * heads * sequence differs from the number of devices.
-  """
-  devices = list(jax.devices() if devices is None else devices)
-  shape = (data, heads, sequence)
-  if min(shape) < 1 or int(np.prod(shape)) != len(devices):
-    raise ValueError(
-        f"make_mesh needs data * heads * sequence == number of devices, got "
-        f"{data=}, {heads=}, {sequence=} for {len(devices)} devices."
-    )
-  names = (DATA_AXIS, HEAD_AXIS, SEQUENCE_AXIS)
-  axis_type = getattr(jax.sharding, "AxisType", None)
-  kwargs = {}
-  if axis_type is not None:
-    kwargs["axis_types"] = (axis_type.Auto,) * 3
-  try:
-    return jax.make_mesh(shape, names, devices=devices, **kwargs)
-  except TypeError:  # Older jax: no devices= argument.
-    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), names)
-
-
-def _names(axes: AxisNames) -> tuple[str, ...]:
-  if axes is None:
-    return ()
-  if isinstance(axes, str):
-    return (axes,)
-  return tuple(axes)
-
-
-def _entry(names: tuple[str, ...]):
-  """A PartitionSpec entry for `names` (None when empty)."""
-  if not names:
-    return None
-  return names[0] if len(names) == 1 else names
-
-
-# --------------------------------------------------------------------------
-# Zig-zag (load-balanced causal) layout.
-
-
-def zigzag_indices(length: int, num_shards: int) -> np.ndarray:
-  """Token order of the zig-zag layout: `x_zz = x[zigzag_indices(...)]`.
-
-  The sequence is cut into 2 * num_shards equal chunks and shard r holds
-  chunks r and 2 * num_shards - 1 - r, so under a causal mask every shard
-  sees the same number of keys (FlashAttention-style load balancing for
-  context parallelism).
-
-  Raises:
-    ValueError: length is not a multiple of 2 * num_shards.
-  """
-  chunks = 2 * num_shards
-  if num_shards < 1 or length % chunks:
-    raise ValueError(
-        f"the zig-zag layout needs length % (2 * num_shards) == 0, got "
-        f"{length=}, {num_shards=}."
-    )
-  c = length // chunks
-  order = []
-  for r in range(num_shards):
-    order += [r, chunks - 1 - r]
-  return np.concatenate([np.arange(j * c, (j + 1) * c) for j in order])
-
-
-def zigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
-  """Permutes `axis` of x into the zig-zag layout (see `zigzag_indices`).
-
-  A model permutes its tokens (and targets, and `arange` positions) once
-  with this and runs every layer in that order; attention stays exact because
-  it masks by the positions, which are permuted with the tokens.
-  """
-  idx = zigzag_indices(x.shape[axis], num_shards)
-  return jnp.take(x, jnp.asarray(idx), axis=axis)
-
-
-def unzigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
-  """Inverse of `zigzag`: back to the natural token order."""
-  idx = np.argsort(zigzag_indices(x.shape[axis], num_shards))
-  return jnp.take(x, jnp.asarray(idx), axis=axis)
-
-
-def shard_batch(
-    batch: Any,
-    mesh: jax.sharding.Mesh,
-    *,
-    batch_axes: AxisNames = DATA_AXIS,
-    sequence_axis: str | None = SEQUENCE_AXIS,
-    load_balance: bool = True,
-) -> Any:
-  """Places a host batch on `mesh`: rows over batch_axes, tokens over the ring.
-
-  Every leaf is a [B, T, ...] host array (tokens, targets, weights, positions,
-  segment ids). When the sequence is split (the mesh has `sequence_axis` of
-  size > 1) and `load_balance` is set, the token axis is permuted into the
-  zig-zag layout first, so causal ring attention is balanced; the batch must
-  then carry the true `positions` ([B, T], e.g. `arange(T)`), which the
-  model passes to attention and RoPE. Token-wise losses are unchanged by the
-  permutation.
-
-  Works on one or many processes: every process passes the same global batch
-  (as a deterministic data pipeline gives) and keeps only its devices' part.
-
-  Args:
-    batch: pytree of [B, T, ...] arrays.
-    mesh: the device mesh.
-    batch_axes: mesh axis name(s) splitting B ("data" by default; None for
-      none).
-    sequence_axis: mesh axis splitting T, or None (also ignored when absent
-      from the mesh).
-    load_balance: permute T into the zig-zag layout when T is split.
-
-  Returns:
-    The batch as global `jax.Array`s sharded [batch_axes, sequence_axis].
-
-  Raises:
-    ValueError: T is not a multiple of 2 * ring size (zig-zag) or B of the
-      batch-axis size.
-  """
-  batch_names = tuple(a for a in _names(batch_axes) if a in mesh.shape)
-  if sequence_axis is not None and sequence_axis not in mesh.shape:
-    sequence_axis = None
-  ring_size = 1 if sequence_axis is None else mesh.shape[sequence_axis]
-  spec = _P(_entry(batch_names), sequence_axis if ring_size > 1 else None)
-  sharding = jax.sharding.NamedSharding(mesh, spec)
-  rows = _mesh_size(mesh, batch_names)
-
-  def put(x):
-    x = np.asarray(x)
-    if x.ndim < 2 or x.shape[0] % rows:
-      raise ValueError(
-          f"shard_batch needs [B, T, ...] leaves with B a multiple of {rows} "
-          f"(the devices on {batch_axes=}), got {x.shape=}."
-      )
-    if ring_size > 1 and load_balance:
-      x = np.take(x, zigzag_indices(x.shape[1], ring_size), axis=1)
-    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
-
-  return jax.tree.map(put, batch)
-
-
-def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-  """Places a pytree (parameters, optimiser state) on every device of mesh.
-
-  Works on one or many processes; every process passes the same values
-  (the same initialisation seed, or a restored checkpoint).
-  """
-  sharding = jax.sharding.NamedSharding(mesh, _P())
-
-  def put(x):
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
-
-  return jax.tree.map(put, tree)
-
 
 # --------------------------------------------------------------------------
 # Global-array entry point.
@@ -269,24 +77,25 @@ class _Plan:
   params: vjp.Params
 
   def q_spec(self):  # [B, T, N, H]
-    return _P(_entry(self.batch), self.sequence, _entry(self.heads), None)
+    return _P(spec_entry(self.batch), self.sequence, spec_entry(self.heads),
+              None)
 
   def kv_spec(self):  # [B, S, K, H]
-    heads = None if self.kv_replicated else _entry(self.heads)
-    return _P(_entry(self.batch), self.sequence, heads, None)
+    heads = None if self.kv_replicated else spec_entry(self.heads)
+    return _P(spec_entry(self.batch), self.sequence, heads, None)
 
   def rows_spec(self):  # [B, T] positions / segment ids; [B, T, N] lse
-    return _P(_entry(self.batch), self.sequence)
+    return _P(spec_entry(self.batch), self.sequence)
 
   def lse_spec(self):
-    return _P(_entry(self.batch), self.sequence, _entry(self.heads))
+    return _P(spec_entry(self.batch), self.sequence, spec_entry(self.heads))
 
   def dense_spec(self, x):  # [B|1, N|1, T|1, S|1]; S is never split
     if x is None:
       return None
     return _P(
-        _entry(self.batch) if x.shape[0] > 1 else None,
-        _entry(self.heads) if x.shape[1] > 1 else None,
+        spec_entry(self.batch) if x.shape[0] > 1 else None,
+        spec_entry(self.heads) if x.shape[1] > 1 else None,
         self.sequence if x.shape[2] > 1 else None,
         None,
     )
@@ -302,13 +111,9 @@ class _Plan:
     )
 
 
-def _mesh_size(mesh, names):
-  return int(np.prod([mesh.shape[a] for a in names], dtype=np.int64))
-
-
 def _make_plan(mesh, batch_axes, head_axes, sequence_axis, zigzag_layout,
                q_shape, k_shape, implementation, params):
-  batch, heads = _names(batch_axes), _names(head_axes)
+  batch, heads = mesh_lib.axis_names(batch_axes), mesh_lib.axis_names(head_axes)
   seq = () if sequence_axis is None else (sequence_axis,)
   used = batch + heads + seq
   for a in used:
@@ -325,13 +130,13 @@ def _make_plan(mesh, batch_axes, head_axes, sequence_axis, zigzag_layout,
     )
   b, t, n, _ = q_shape
   s, num_kv = k_shape[1], k_shape[2]
-  nb = _mesh_size(mesh, batch)
+  nb = mesh_lib.mesh_size(mesh, batch)
   if b % nb:
     raise ValueError(
         f"batch B={b} must be a multiple of the {nb} devices on "
         f"{batch_axes=} (query shape {tuple(q_shape)})."
     )
-  nh = _mesh_size(mesh, heads)
+  nh = mesh_lib.mesh_size(mesh, heads)
   kv_replicated = False
   if n % nh:
     raise ValueError(
@@ -452,7 +257,7 @@ def _sharded(plan: _Plan, q, k, v, bias, info):
   in_specs = _specs(plan, bias, info)
   out_specs = (plan.q_spec(), plan.lse_spec())
   args = _reshard(plan, (q, k, v, bias, info), in_specs)
-  out, lse = shard_map(
+  out, lse = mesh_lib.shard_map(
       body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
   if relayout:
     out, lse = _reshard(plan, (out, lse),
@@ -557,8 +362,8 @@ def sharded_flash_attention(
       key_value_seq_lengths=key_value_seq_lengths)
   static.update(
       mesh=mesh,
-      batch_axes=_names(batch_axes),
-      head_axes=_names(head_axes),
+      batch_axes=mesh_lib.axis_names(batch_axes),
+      head_axes=mesh_lib.axis_names(head_axes),
       sequence_axis=sequence_axis,
       load_balance=bool(load_balance),
       implementation=implementation,

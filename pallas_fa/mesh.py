@@ -1,0 +1,222 @@
+"""Device meshes and token layouts for multi-device attention.
+
+`make_mesh` builds the (data, heads, sequence) mesh `pallas_fa.parallel`
+plans its splits on; `shard_batch` and `replicate` place host data on it;
+`zigzag` is the load-balanced token order of causal ring attention (device
+r holds sequence chunks r and 2P-1-r of 2P); `shard_map` is the one wrapper
+over jax's two spellings of it. `pallas_fa.parallel` re-exports all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any
+AxisNames = str | Sequence[str] | None
+_P = jax.sharding.PartitionSpec
+
+# Mesh axis names used by `make_mesh` (any names work elsewhere).
+DATA_AXIS = "data"
+HEAD_AXIS = "heads"
+SEQUENCE_AXIS = "sequence"
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """`jax.shard_map` (or the older `jax.experimental.shard_map`).
+
+  Replication checking is off: the ring skips steps with `lax.cond`, whose
+  branches differ in how they vary over the mesh; the transpose still sums
+  the cotangents of inputs replicated over an axis.
+  """
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+  from jax.experimental import shard_map as legacy
+
+  return legacy.shard_map(
+      f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False
+  )
+
+
+def make_mesh(
+    *,
+    data: int = 1,
+    heads: int = 1,
+    sequence: int = 1,
+    devices: Sequence[Any] | None = None,
+) -> jax.sharding.Mesh:
+  """A (data, heads, sequence) mesh with automatic (GSPMD) axes.
+
+  The sequence axis is innermost so ring neighbours are, where possible,
+  devices of the same host (NVLink rather than the network).
+
+  Args:
+    data: devices along the batch (data-parallel) axis.
+    heads: devices along the head (tensor-parallel) axis.
+    sequence: devices along the sequence (context-parallel, ring) axis.
+    devices: devices to use, default `jax.devices()` (all processes).
+
+  Returns:
+    A `jax.sharding.Mesh` with axes (DATA_AXIS, HEAD_AXIS, SEQUENCE_AXIS).
+
+  Raises:
+    ValueError: data * heads * sequence differs from the number of devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = (data, heads, sequence)
+  if min(shape) < 1 or int(np.prod(shape)) != len(devices):
+    raise ValueError(
+        f"make_mesh needs data * heads * sequence == number of devices, got "
+        f"{data=}, {heads=}, {sequence=} for {len(devices)} devices."
+    )
+  names = (DATA_AXIS, HEAD_AXIS, SEQUENCE_AXIS)
+  axis_type = getattr(jax.sharding, "AxisType", None)
+  kwargs = {}
+  if axis_type is not None:
+    kwargs["axis_types"] = (axis_type.Auto,) * 3
+  try:
+    return jax.make_mesh(shape, names, devices=devices, **kwargs)
+  except TypeError:  # Older jax: no devices= argument.
+    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), names)
+
+
+def axis_names(axes: AxisNames) -> tuple[str, ...]:
+  """Mesh axis names as a tuple: None -> (), "x" -> ("x",)."""
+  if axes is None:
+    return ()
+  if isinstance(axes, str):
+    return (axes,)
+  return tuple(axes)
+
+
+def mesh_size(mesh: jax.sharding.Mesh, names: tuple[str, ...]) -> int:
+  """Devices along the mesh axes `names` (1 for none)."""
+  return int(np.prod([mesh.shape[a] for a in names], dtype=np.int64))
+
+
+def spec_entry(names: tuple[str, ...]):
+  """A PartitionSpec entry for `names` (None when empty)."""
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else names
+
+
+def zigzag_indices(length: int, num_shards: int) -> np.ndarray:
+  """Token order of the zig-zag layout: `x_zz = x[zigzag_indices(...)]`.
+
+  The sequence is cut into 2 * num_shards equal chunks and shard r holds
+  chunks r and 2 * num_shards - 1 - r, so under a causal mask every shard
+  sees the same number of keys (FlashAttention-style load balancing for
+  context parallelism).
+
+  Raises:
+    ValueError: length is not a multiple of 2 * num_shards.
+  """
+  chunks = 2 * num_shards
+  if num_shards < 1 or length % chunks:
+    raise ValueError(
+        f"the zig-zag layout needs length % (2 * num_shards) == 0, got "
+        f"{length=}, {num_shards=}."
+    )
+  c = length // chunks
+  order = []
+  for r in range(num_shards):
+    order += [r, chunks - 1 - r]
+  return np.concatenate([np.arange(j * c, (j + 1) * c) for j in order])
+
+
+def zigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
+  """Permutes `axis` of x into the zig-zag layout (see `zigzag_indices`).
+
+  A model permutes its tokens (and targets, and `arange` positions) once
+  with this and runs every layer in that order; attention stays exact because
+  it masks by the positions, which are permuted with the tokens.
+  """
+  idx = zigzag_indices(x.shape[axis], num_shards)
+  return jnp.take(x, jnp.asarray(idx), axis=axis)
+
+
+def unzigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
+  """Inverse of `zigzag`: back to the natural token order."""
+  idx = np.argsort(zigzag_indices(x.shape[axis], num_shards))
+  return jnp.take(x, jnp.asarray(idx), axis=axis)
+
+
+def shard_batch(
+    batch: Any,
+    mesh: jax.sharding.Mesh,
+    *,
+    batch_axes: AxisNames = DATA_AXIS,
+    sequence_axis: str | None = SEQUENCE_AXIS,
+    load_balance: bool = True,
+) -> Any:
+  """Places a host batch on `mesh`: rows over batch_axes, tokens over the ring.
+
+  Every leaf is a [B, T, ...] host array (tokens, targets, weights, positions,
+  segment ids). When the sequence is split (the mesh has `sequence_axis` of
+  size > 1) and `load_balance` is set, the token axis is permuted into the
+  zig-zag layout first, so causal ring attention is balanced; the batch must
+  then carry the true `positions` ([B, T], e.g. `arange(T)`), which the
+  model passes to attention and RoPE. Token-wise losses are unchanged by the
+  permutation.
+
+  Works on one or many processes: every process passes the same global batch
+  (as a deterministic data pipeline gives) and keeps only its devices' part.
+
+  Args:
+    batch: pytree of [B, T, ...] arrays.
+    mesh: the device mesh.
+    batch_axes: mesh axis name(s) splitting B ("data" by default; None for
+      none).
+    sequence_axis: mesh axis splitting T, or None (also ignored when absent
+      from the mesh).
+    load_balance: permute T into the zig-zag layout when T is split.
+
+  Returns:
+    The batch as global `jax.Array`s sharded [batch_axes, sequence_axis].
+
+  Raises:
+    ValueError: T is not a multiple of 2 * ring size (zig-zag) or B of the
+      batch-axis size.
+  """
+  batch_names = tuple(a for a in axis_names(batch_axes) if a in mesh.shape)
+  if sequence_axis is not None and sequence_axis not in mesh.shape:
+    sequence_axis = None
+  ring_size = 1 if sequence_axis is None else mesh.shape[sequence_axis]
+  spec = _P(spec_entry(batch_names), sequence_axis if ring_size > 1 else None)
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  rows = mesh_size(mesh, batch_names)
+
+  def put(x):
+    x = np.asarray(x)
+    if x.ndim < 2 or x.shape[0] % rows:
+      raise ValueError(
+          f"shard_batch needs [B, T, ...] leaves with B a multiple of {rows} "
+          f"(the devices on {batch_axes=}), got {x.shape=}."
+      )
+    if ring_size > 1 and load_balance:
+      x = np.take(x, zigzag_indices(x.shape[1], ring_size), axis=1)
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+  return jax.tree.map(put, batch)
+
+
+def replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """Places a pytree (parameters, optimiser state) on every device of mesh.
+
+  Works on one or many processes; every process passes the same values
+  (the same initialisation seed, or a restored checkpoint).
+  """
+  sharding = jax.sharding.NamedSharding(mesh, _P())
+
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda i: x[i])
+
+  return jax.tree.map(put, tree)
