@@ -9,6 +9,7 @@ over jax's two spellings of it. `pallas_fa.parallel` re-exports all of them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import Sequence
 
@@ -138,14 +139,36 @@ def zigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
   with this and runs every layer in that order; attention stays exact because
   it masks by the positions, which are permuted with the tokens.
   """
-  idx = zigzag_indices(x.shape[axis], num_shards)
-  return jnp.take(x, jnp.asarray(idx), axis=axis)
+  return _permute(x, num_shards, axis, False)
 
 
 def unzigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
   """Inverse of `zigzag`: back to the natural token order."""
-  idx = np.argsort(zigzag_indices(x.shape[axis], num_shards))
-  return jnp.take(x, jnp.asarray(idx), axis=axis)
+  return _permute(x, num_shards, axis, True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _permute(x, num_shards, axis, inverse):
+  order = zigzag_indices(x.shape[axis], num_shards)
+  if inverse:
+    order = np.argsort(order)
+  return jnp.take(x, jnp.asarray(order), axis=axis)
+
+
+def _permute_fwd(x, num_shards, axis, inverse):
+  return _permute(x, num_shards, axis, inverse), None
+
+
+def _permute_bwd(num_shards, axis, inverse, _, g):
+  # A permutation's transpose is its inverse: a gather again, where
+  # autodiff of `take` would scatter-add (which jax refuses to shard on a
+  # mesh with explicit axes).
+  if g.dtype == jax.dtypes.float0:  # Integer inputs (positions, segments).
+    return (g,)
+  return (_permute(g, num_shards, axis, not inverse),)
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def shard_batch(

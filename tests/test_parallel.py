@@ -118,6 +118,23 @@ def test_zigzag_is_a_balanced_permutation(num_shards):
   assert len(set(work)) == 1, work
 
 
+def test_zigzag_gradients_are_the_inverse_permutation():
+  """The transpose of each permutation is the other (a gather both ways),
+  and integer inputs (positions) pass through a gradient untouched."""
+  gen = np.random.default_rng()
+  x = jnp.asarray(gen.standard_normal((2, 12, 3)), jnp.float32)
+  w = jnp.asarray(gen.standard_normal((2, 12, 3)), jnp.float32)
+  for f, inverse in ((parallel.zigzag, parallel.unzigzag),
+                     (parallel.unzigzag, parallel.zigzag)):
+    grad = jax.grad(lambda x, f=f: jnp.sum(f(x, 3) * w))(x)
+    np.testing.assert_array_equal(grad, inverse(w, 3))
+  pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  grad = jax.grad(
+      lambda x: jnp.sum(parallel.zigzag(x, 2) * parallel.zigzag(pos, 2)))(x[
+          ..., 0])
+  np.testing.assert_array_equal(grad, pos.astype(jnp.float32))
+
+
 def test_zigzag_rejects_lengths_that_do_not_split():
   with pytest.raises(ValueError, match="length % \\(2 \\* num_shards\\)"):
     parallel.zigzag_indices(10, 3)
