@@ -27,12 +27,7 @@ def _forward_kernel(meta_ref, *refs, st: kernel.Static, names):
   kind = kernel.step_kind(meta_ref[(b * nq + i) * nk + j])
   m_ref, l_ref, acc_ref = r["m_i"], r["l_i"], r["acc"]
 
-  @pl.when(j == 0)
-  def _init():
-    m_i, l_i, acc = online_softmax.init(m_ref.shape, acc_ref.shape)
-    m_ref[...] = m_i  # [bq, 128], lane-replicated
-    l_ref[...] = l_i
-    acc_ref[...] = acc  # [bq, Hvp]
+  pl.when(j == 0)(lambda: kernel.init_softmax(m_ref, l_ref, acc_ref))
 
   def step(masked):
     _, s = kernel.masked_logits(st, r, r["q"][...], r["k"][...], masked)

@@ -305,6 +305,15 @@ def store_column(ref, x):
   ref[...] = jnp.broadcast_to(x[:, None], ref.shape)
 
 
+def init_softmax(m_ref, l_ref, acc_ref):
+  """Starts an online softmax in VMEM scratch: the lane-replicated
+  [rows, 128] statistics m_i (-inf) and l_i (0) and the accumulator (0)."""
+  m_i, l_i, acc = online_softmax.init(m_ref.shape, acc_ref.shape)
+  m_ref[...] = m_i
+  l_ref[...] = l_i
+  acc_ref[...] = acc
+
+
 def _logits(st: Static, r, q, k):
   """(s_capped, s) of one [bq, bk] tile, unmasked (`online_softmax.logits`)."""
   qk = dot(q, k, NT, st.precision)  # [bq, bk]
@@ -375,17 +384,24 @@ def unpack(names, refs):
   return dict(zip(names, refs, strict=True))
 
 
-def _compiler_params(st: Static, num_parallel: int, num_axes: int):
-  """Leading `num_parallel` axes "parallel", the reduction axes "arbitrary"."""
+def compiler_params(parallel: bool, num_parallel: int, num_axes: int,
+                    vmem_limit_bytes: int | None = None):
+  """pallas_call's TPU compiler parameters: with `parallel` (see
+  `parallel_grid`) the leading `num_parallel` grid axes "parallel" and the
+  reduction axes "arbitrary"; `vmem_limit_bytes` raises the scoped VMEM
+  limit (None: the compiler's default)."""
   if _COMPILER_PARAMS is None:
     return None
-  if not st.parallel:
+  kwargs = {}
+  if vmem_limit_bytes is not None:
+    kwargs["vmem_limit_bytes"] = int(vmem_limit_bytes)
+  if not parallel:
     # None means "arbitrary" everywhere. Unlike an explicit tuple it also
     # covers grid axes that vmap prepends, which the interpreter needs.
-    return _COMPILER_PARAMS()
+    return _COMPILER_PARAMS(**kwargs)
   semantics = ("parallel",) * num_parallel + ("arbitrary",) * (
       num_axes - num_parallel)
-  return _COMPILER_PARAMS(dimension_semantics=semantics)
+  return _COMPILER_PARAMS(dimension_semantics=semantics, **kwargs)
 
 
 def cost_estimate(flops, transcendentals, operands, out_shapes):
@@ -423,7 +439,7 @@ def launch(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
       kernel,
       grid_spec=grid_spec,
       out_shape=out_shapes,
-      compiler_params=_compiler_params(st, num_parallel, len(grid)),
+      compiler_params=compiler_params(st.parallel, num_parallel, len(grid)),
       interpret=st.interpret,
       **kwargs,
   )(meta, *operands)

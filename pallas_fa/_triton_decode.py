@@ -149,25 +149,10 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
 def _spans(lengths, q_pos, *, num_blocks: int, block: int, splits: int,
            is_causal: bool, window):
   """int32 [B, splits, 4]: (first block, end block, length, 0) of each
-  split: the non-empty blocks of each sequence, cut into `splits`
-  contiguous runs."""
-  b = lengths.shape[0]
-  kv_len = num_blocks * block
-  info = masking.MaskInfo(
-      q_positions=q_pos,
-      kv_positions=jnp.broadcast_to(
-          jnp.arange(kv_len, dtype=jnp.int32), (b, kv_len)),
-      q_segment_ids=jnp.zeros(q_pos.shape, jnp.int32),
-      kv_segment_ids=masking.padding_segments(
-          None, lengths, kv_len, masking.KV_PAD_SEGMENT),
+  split (`masking.split_runs`), one row per program."""
+  first, end = masking.split_runs(
+      lengths, q_pos, num_blocks=num_blocks, block=block, splits=splits,
       is_causal=is_causal, window=window)
-  kinds = masking.classify_blocks(info, q_pos.shape[1], block)[:, 0]
-  lo, hi = masking.block_range(kinds)  # [B]
-  per = -(-(hi - lo) // splits)
-  first = (lo[:, None]
-           + per[:, None] * jnp.arange(splits, dtype=jnp.int32)[None, :])
-  first = jnp.minimum(first, hi[:, None])
-  end = jnp.minimum(first + per[:, None], hi[:, None])
   return jnp.stack(
       [first, end, jnp.broadcast_to(lengths[:, None], first.shape),
        jnp.zeros_like(first)], axis=-1).astype(jnp.int32)

@@ -8,10 +8,11 @@ bandwidth. Two things get close to that limit (FlashDecoding):
   form one [G * T_new, H] tile, so each K/V byte is read once per K/V head,
   not once per query head.
 * **Split-KV.** The key axis is split into `num_splits` parts that run
-  side by side (one program each in the `triton` kernel, one vectorised
-  axis in `chunked`), each keeping its own online-softmax statistics; the
-  partial results are merged exactly through their logsumexp. With one
-  long sequence and few heads the splits are what fill the machine.
+  side by side (one program each in the `triton` and `mosaic_tpu` kernels,
+  one vectorised axis in `chunked`), each keeping its own online-softmax
+  statistics; the partial results are merged exactly through their
+  logsumexp. With one long sequence and few heads the splits are what fill
+  the machine.
 
 The cache is either contiguous, `[B, S_max, K, H]`, or **paged**: pages
 `[num_pages, page_size, K, H]` plus a block table `[B, max_pages]` naming the
@@ -26,7 +27,7 @@ positions `lengths - T_new + arange(T_new)` unless `query_positions` says
 otherwise; keys are at their cache index; causal, sliding window and soft cap
 act on those positions. Forward only.
 
-Two implementations:
+Three implementations:
 
 * `chunked` (the default): jax.numpy on any platform and head dim; split p
   reads blocks p, p + splits, ... of every sequence, all splits as one
@@ -44,6 +45,17 @@ Two implementations:
   chunks: Q.K^T loops over them and each program writes one chunk of the
   output, recomputing the logits. float32, bfloat16 and float16;
   `num_splits` counts the value chunks as programs too.
+* `mosaic_tpu`: a Pallas TPU kernel (`_mosaic_tpu_decode`), compiled by
+  Mosaic on a TPU and run in Pallas's TPU interpret mode elsewhere. Grid
+  (B, K, splits, blocks per split), the last axis sequential: the packed
+  tile (rows padded to whole sublane tiles) stays in VMEM while the
+  pipeline streams the split's visible key blocks; the lengths, the split
+  runs and the block table are scalar-prefetched, so the K/V index maps
+  turn a paged cache into the DMAs' addresses, and skipped steps re-name
+  the block already resident (no DMA). Head dims are padded to multiples of
+  128; blocks are multiples of 128 keys (contiguous; fewer for very wide
+  heads) or divisors of the page size (multiples of 8). float32, bfloat16
+  and float16 (computed in float32).
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import _mosaic_tpu_decode
 from pallas_fa import _triton_decode
 from pallas_fa import api
 from pallas_fa import gpu_target
@@ -69,10 +82,13 @@ Array = Any
 # large enough to amortise the per-block loop overhead (on a 2-core x86 CPU
 # at S = 32k, 4 MiB blocks ran several times faster than 512 KiB ones).
 _BLOCK_BYTES = 1 << 22
-_IMPLEMENTATIONS = ("chunked", "triton")
+_IMPLEMENTATIONS = ("chunked", "triton", "mosaic_tpu")
 # An H100's streaming multiprocessors: the default when the GPU does not
 # report its own.
 _DEFAULT_CORES = 132
+# TensorCores per TPU chip (two on megacore chips, one on v5e/v6e): the
+# parallel grid axes are shared among them, so more programs gain nothing.
+_TPU_CORES = 2
 
 
 def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
@@ -80,14 +96,17 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
   """How many parts the key axis is split into.
 
   A GPU wants about two waves of programs over its streaming multiprocessors
-  (batch * K/V heads * splits >= 2 * 132 on an H100, `gpu_target`); a CPU
-  runs one wide block at a time fastest (its threads already share each
-  block's matmuls, and the interpreted Triton kernel pays per program).
+  (batch * K/V heads * splits >= 2 * 132 on an H100, `gpu_target`); a TPU
+  one program per TensorCore (each core streams its blocks through one
+  pipeline, and every split adds a partial result to merge; this holds for
+  the `chunked` path on a TPU as well); a CPU runs
+  one wide block at a time fastest (its threads already share each
+  block's matmuls, and the interpreted kernels pay per program).
   """
   platform = platform or api.platform()
   if platform == "cpu":
     return 1
-  target = 8
+  target = _TPU_CORES if platform == "tpu" else 8
   if platform == "gpu":
     gpu = gpu_target.current()
     target = 2 * ((gpu.core_count if gpu else 0) or _DEFAULT_CORES)
@@ -152,13 +171,16 @@ def decode_attention(
     num_splits: parts the key axis is split into; default from the shape
       and platform (`default_num_splits`).
     block_kv: keys per block of a contiguous cache (a power of two >= 16
-      for "triton"); default from the head dim. A paged cache reads one
-      page per block ("chunked") or a power-of-two divisor of it
-      ("triton").
+      for "triton", a multiple of 8 for "mosaic_tpu"); default from the
+      head dim. A paged cache reads one page per block ("chunked") or a
+      divisor of it ("triton": a power of two, "mosaic_tpu": a multiple of
+      8).
     implementation: None or "chunked" (jax.numpy, any platform, any head
-      dim), or "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
-      mode, page sizes multiples of 16). Other backends have no decode
-      kernel and raise NotImplementedError.
+      dim), "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
+      mode, page sizes multiples of 16) or "mosaic_tpu" (the Pallas TPU
+      kernel; a TPU or its interpret mode elsewhere, page sizes multiples
+      of 8). Other backends have no decode kernel and raise
+      NotImplementedError.
     precision: as in `flash_attention`.
     return_residual: also return the logsumexp [B, T_new, N].
 
@@ -168,7 +190,7 @@ def decode_attention(
   Raises:
     ValueError / TypeError: invalid arguments (the message names them).
     NotImplementedError: `implementation` has no decode path, or "triton"
-      with a page size that is not a multiple of 16.
+      ("mosaic_tpu") with a page size that is not a multiple of 16 (8).
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
@@ -239,9 +261,10 @@ def decode_attention(
       logits_soft_cap=logits_soft_cap, precision=precision)
   if static["scale"] is None:
     static["scale"] = 1.0 / math.sqrt(h)
-  if implementation == "triton":
-    out, lse = _triton(query, key, value, lengths, block_table,
-                       query_positions, num_splits, block_kv, static)
+  if implementation in ("triton", "mosaic_tpu"):
+    out, lse = _split_kernel(implementation, query, key, value, lengths,
+                             block_table, query_positions, num_splits,
+                             block_kv, static)
     return (out, lse) if return_residual else out
   if block_table is None:
     block = block_kv or _default_block(key.shape[1], num_kv, h,
@@ -256,31 +279,40 @@ def decode_attention(
   return (out, lse) if return_residual else out
 
 
-def _triton(query, key, value, lengths, block_table, query_positions,
-            num_splits, block_kv, static):
-  """The Pallas-Triton kernel (`_triton_decode`): its block and splits."""
+def _split_kernel(implementation, query, key, value, lengths, block_table,
+                  query_positions, num_splits, block_kv, static):
+  """A Pallas kernel (`_triton_decode` or `_mosaic_tpu_decode`): its block
+  and splits."""
   if query.dtype == jnp.float64:
     raise TypeError(
-        "implementation='triton' runs float32, bfloat16 and float16, got "
-        f"{query.dtype=}.")
+        f"implementation={implementation!r} runs float32, bfloat16 and "
+        f"float16, got query {query.dtype=}.")
   b, t, n, h = query.shape
   num_kv, hv = key.shape[2], value.shape[3]
   paged = block_table is not None
-  block = _triton_decode.block_for(
-      head_dim=h, value_head_dim=hv, groups=n // num_kv, new_tokens=t,
-      page_size=key.shape[1] if paged else None, block_kv=block_kv)
+  shape = dict(head_dim=h, value_head_dim=hv, groups=n // num_kv,
+               new_tokens=t, page_size=key.shape[1] if paged else None,
+               block_kv=block_kv)
+  if implementation == "triton":
+    kernel, platform = _triton_decode, None
+    block = kernel.block_for(**shape)
+    # Value head-dim chunks are programs too.
+    programs = num_kv * kernel.value_chunks(hv, n // num_kv * t)
+  else:
+    kernel, platform = _mosaic_tpu_decode, "tpu"
+    block = kernel.block_for(**shape, dtype=query.dtype,
+                             cache_len=key.shape[1])
+    programs = num_kv
   if paged:
     num_blocks = block_table.shape[1] * (key.shape[1] // block)
   else:
     num_blocks = -(-key.shape[1] // block)
   if num_splits is None:
-    # Value head-dim chunks are programs too.
-    num_splits = default_num_splits(
-        b, num_kv * _triton_decode.value_chunks(hv, n // num_kv * t),
-        num_blocks)
-  return _decode_triton(
+    num_splits = default_num_splits(b, programs, num_blocks, platform)
+  return _decode_split_kernel(
       query, key, value, lengths, block_table, query_positions,
-      block=block, splits=int(min(num_splits, num_blocks)), **static)
+      partials=kernel.partials, block=block,
+      splits=int(min(num_splits, num_blocks)), **static)
 
 
 def _default_block(s_max: int, num_kv: int, h: int, itemsize: int) -> int:
@@ -319,13 +351,23 @@ _STATIC = ("block", "splits", "scale", "is_causal", "local_window_size",
            "logits_soft_cap", "precision")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode_triton(query, key, value, lengths, block_table, query_positions,
-                   *, block, splits, **static):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("partials",))
+def _decode_split_kernel(query, key, value, lengths, block_table,
+                         query_positions, *, partials, block, splits,
+                         **static):
+  """Packs the queries, runs a kernel's `partials` and merges its splits.
+
+  `partials(q, row_pos, query_positions, key, value, lengths, block_table,
+  *, block, splits, **static)` takes the packed queries [B, K, R, H]
+  (R = G * T_new), each packed row's position [B, R], the new tokens'
+  positions [B, T_new], the cache as given and int32 lengths; it returns
+  each split's normalised result and logsumexp, float32 [B, K, splits, R,
+  Hv] and [B, K, splits, R] (-inf for a split that saw no key).
+  """
   lengths = lengths.astype(jnp.int32)
   q, row_pos, query_positions = _packed(
       query, lengths, query_positions, key.shape[2])
-  out, lse = _triton_decode.partials(
+  out, lse = partials(
       q, row_pos, query_positions, key, value, lengths, block_table,
       block=block, splits=splits, **static)
   return _unpacked(*online_softmax.merge_parts(out, lse, axis=2), query)

@@ -114,7 +114,7 @@ def default_block_sizes(
   # Tiles are clipped to the sequences by the kernels, and neither masking
   # nor the TPU generation changes what fits the default scoped VMEM.
   del q_len, kv_len, is_causal, dropout, device_kind
-  itemsize = jnp.dtype(_compute_dtype(dtype)).itemsize
+  itemsize = jnp.dtype(compute_dtype(dtype)).itemsize
   widest = max(head_dim, value_head_dim or head_dim)
   row_bytes = layout.padded_head_dim(widest, ALIGN) * itemsize
   bwd = 512 if row_bytes <= 256 else 256
@@ -122,12 +122,14 @@ def default_block_sizes(
                              block_kv_bwd=bwd)
 
 
-def _compute_dtype(dtype):
-  # The TPU's matrix unit takes bfloat16 and float32, not float16.
+def compute_dtype(dtype):
+  """The dtype the kernels compute inputs of `dtype` in: the TPU's matrix
+  unit takes bfloat16 and float32, not float16."""
   return _F32 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
 
 
-def _precision(params: vjp.Params, dtype) -> jax.lax.Precision:
+def kernel_precision(precision: jax.lax.Precision,
+                     dtype) -> jax.lax.Precision:
   """The kernels' matmul precision for inputs of `dtype`.
 
   float32 inputs run at the requested precision, but HIGH (three bfloat16
@@ -139,10 +141,10 @@ def _precision(params: vjp.Params, dtype) -> jax.lax.Precision:
     return jax.lax.Precision.DEFAULT
   if jnp.dtype(dtype) == jnp.float16:
     return jax.lax.Precision.HIGHEST
-  if (params.precision == jax.lax.Precision.HIGH
+  if (precision == jax.lax.Precision.HIGH
       and jax.__version_info__ < (0, 11, 2)):
     return jax.lax.Precision.HIGHEST
-  return params.precision
+  return precision
 
 
 def fetch_schedule(kinds: Array) -> Array:
@@ -184,7 +186,7 @@ class Layout(layout.Padded):
     self.bq, tp = layout.tile(block_q, q.shape[1], ALIGN)
     self.bk, sp = layout.tile(block_kv, k.shape[1], ALIGN)
     super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN,
-                     dtype=_compute_dtype(q.dtype))
+                     dtype=compute_dtype(q.dtype))
     self.hvp = layout.padded_head_dim(self.hv, ALIGN)
     padded = self.info  # Tails marked as padding.
     self.kinds = masking.classify_blocks(padded, self.bq, self.bk)
@@ -195,10 +197,10 @@ class Layout(layout.Padded):
       seed = jnp.asarray(padded.dropout_seed, jnp.uint32).reshape(1)
       self._add("seed", jax.lax.bitcast_convert_type(seed, jnp.int32))
     if padded.restricts_positions:
-      self._add("q_pos", _lane_rows(padded.q_positions))
+      self._add("q_pos", lane_rows(padded.q_positions))
       self._add("kv_pos", _sublane_rows(padded.kv_positions))
     if padded.has_segments:
-      self._add("q_seg", _lane_rows(padded.q_segment_ids))
+      self._add("q_seg", lane_rows(padded.q_segment_ids))
       self._add("kv_seg", _sublane_rows(padded.kv_segment_ids))
     self.bias_shape = None
     if self.bias is not None:
@@ -231,7 +233,7 @@ class Layout(layout.Padded):
         bias_shape=self.bias_shape,
         mask_shape=mask_shape,
         dropout_rate=padded.dropout_rate,
-        precision=_precision(params, q.dtype),
+        precision=kernel_precision(params.precision, q.dtype),
         interpret=interpret,
         parallel=kernel.parallel_grid(interpret),
     )
@@ -267,7 +269,7 @@ class Layout(layout.Padded):
     return x[:, :, 0, : self.t].transpose(0, 2, 1)
 
 
-def _lane_rows(x):
+def lane_rows(x):
   """[B, L] -> [B, L, 128]: one value per sublane row, replicated on lanes."""
   return jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], x.shape + (_LANES,))
 

@@ -5,8 +5,9 @@ the achieved rate, and that rate's share of the machine's memory bandwidth,
 measured in the same run (the faster of a large on-device copy and a large
 read-only reduction, `memory_bandwidth`). Each
 `decode_attention` implementation of --implementations is one candidate
-(`decode/chunked`, `decode/triton`; the triton kernel runs interpreted on a
-CPU, so keep its shapes tiny there); "decode x" is how many times faster
+(`decode/chunked`, `decode/triton`, `decode/mosaic_tpu`; the kernels run
+interpreted off their platform, so keep shapes tiny there); "decode x" is
+how many times faster
 the first of them ran than each row. Peers in the same run:
 `flash_attention` on the same cache (key lengths and query positions; the
 plain call that decoding used before), and `jax.nn.dot_product_attention`
@@ -57,7 +58,8 @@ _MAX_GIB = flags.DEFINE_float(
     "max_cache_gib", 1.0, "Skip cells whose K/V cache exceeds this.")
 _IMPLEMENTATIONS = flags.DEFINE_list(
     "implementations", None, "decode_attention implementations timed "
-    "(default: chunked,triton on a GPU, chunked elsewhere).")
+    "(default: chunked,triton on a GPU, chunked,mosaic_tpu on a TPU, chunked "
+    "elsewhere).")
 _PEERS = flags.DEFINE_list(
     "peers", ["flash_attention", "jax_nn"], "Peers timed in the same run.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
@@ -112,7 +114,8 @@ def implementations() -> list[str]:
   """The decode implementations this run times."""
   if _IMPLEMENTATIONS.value:
     return list(_IMPLEMENTATIONS.value)
-  return ["chunked", "triton"] if api.platform() == "gpu" else ["chunked"]
+  kernels = {"gpu": ["triton"], "tpu": ["mosaic_tpu"]}
+  return ["chunked"] + kernels.get(api.platform(), [])
 
 
 def _candidates(t, s, page_size, impls):

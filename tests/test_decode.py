@@ -17,7 +17,7 @@ def _cache(gen, b, s_max, num_kv, h, hv, dtype, *, page_size=None):
   """Random K/V, contiguous or paged with shuffled pages.
 
   Returns (key, value, block_table, contiguous key, contiguous value); the
-  unused tail of every page/sequence holds NaN, which must never leak.
+  pages nobody uses hold NaN, which must never leak.
   """
   k = gen.standard_normal((b, s_max, num_kv, h)).astype(np.float32)
   v = gen.standard_normal((b, s_max, num_kv, hv)).astype(np.float32)
@@ -62,6 +62,11 @@ def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
   v_flat = np.where(invalid[..., None, None], np.nan, v_flat)
   if page_size is None:
     k, v = k_flat, v_flat
+  else:  # and in the used pages' rows past the length
+    for row, pages in enumerate(table):
+      for i, page in enumerate(pages):
+        tail = i * page_size + np.arange(page_size) >= lengths[row]
+        k[page, tail] = v[page, tail] = np.nan
   cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
 
   out, lse = pallas_fa.decode_attention(
@@ -165,15 +170,46 @@ def test_triton_window_softcap_positions():
          block_kv=16, name="triton features")
 
 
-def test_triton_declines_float64():
+@pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu"])
+def test_kernels_decline_float64(implementation):
   with jax.enable_x64(True):
-    x = jnp.ones((2, 30, 1, 16), jnp.float64)
-    with pytest.raises(TypeError, match="float64"):
+    x = jnp.ones((2, 32, 1, 16), jnp.float64)
+    with pytest.raises(TypeError, match="query.*float64"):
       pallas_fa.decode_attention(x[:, :1], x, x, jnp.array([3, 30]),
-                                 implementation="triton")
+                                 implementation=implementation)
 
 
-@pytest.mark.parametrize("implementation", [None, "triton"])
+# The Mosaic TPU kernel in Pallas's TPU interpret mode: few tiny cases (the
+# interpreter compiles each shape for seconds). The contiguous case reads
+# two 128-key blocks per sequence (the shorter one skips its second); the
+# paged one walks runs of 16-key pages with skipped steps past each run.
+@pytest.mark.parametrize("dtype, paged, group, t", [
+    (jnp.float32, False, 1, 1), (jnp.bfloat16, True, 4, 4)])
+def test_mosaic_tpu_layouts(dtype, paged, group, t):
+  _check(implementation="mosaic_tpu", dtype=dtype, t=t, n=2 * group,
+         num_kv=2, h=64, s_max=100 if paged else 200,
+         page_size=16 if paged else None, num_splits=3 if paged else None,
+         name="mosaic_tpu")
+
+
+def test_mosaic_tpu_window_softcap_positions():
+  """A left window drops the first pages; 8-key pages; Hv != H."""
+  _check(implementation="mosaic_tpu", window=(9, 0), soft_cap=5.0,
+         positions=True, t=2, n=4, num_kv=2, h=32, hv=48, s_max=60,
+         page_size=8, num_splits=2, name="mosaic_tpu features")
+
+
+@pytest.mark.parametrize("h, dtype, page_size, s_max", [
+    (192, jnp.float16, None, 150),  # padded to 256 lanes, float32 compute
+    (1024, jnp.float32, 24, 40),  # a page size that is no power of two
+    (8192, jnp.float32, None, 16),  # blocks of 32 keys fit VMEM
+])
+def test_mosaic_tpu_head_dims(h, dtype, page_size, s_max):
+  _check(implementation="mosaic_tpu", h=h, dtype=dtype, n=4, num_kv=1,
+         s_max=s_max, page_size=page_size, name="mosaic_tpu head dims")
+
+
+@pytest.mark.parametrize("implementation", [None, "triton", "mosaic_tpu"])
 def test_zero_length_rows_are_zero_not_nan(implementation):
   gen = rng("decode", "empty")
   q = jnp.asarray(gen.standard_normal((2, 1, 2, 16)), jnp.float32)
@@ -220,6 +256,11 @@ def test_jit_and_vmap_compose():
     (dict(implementation="triton", block_kv=24), ValueError, "block_kv"),
     (dict(implementation="triton", key=jnp.ones((4, 8, 1, 16)),
           value=jnp.ones((4, 8, 1, 16)), block_table=jnp.zeros((2, 4), int)),
+     NotImplementedError, "page_size"),
+    (dict(implementation="mosaic_tpu", block_kv=12), ValueError,
+     "block_kv"),
+    (dict(implementation="mosaic_tpu", key=jnp.ones((4, 12, 1, 16)),
+          value=jnp.ones((4, 12, 1, 16)), block_table=jnp.zeros((2, 3), int)),
      NotImplementedError, "page_size"),
     (dict(implementation="nope"), ValueError, "implementation"),
     (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths"),

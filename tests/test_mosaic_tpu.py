@@ -480,6 +480,77 @@ def test_dropout_and_value_head_dim_lower_to_mosaic(monkeypatch,
   _assert_lowers_to_mosaic(q, k, v, kw)
 
 
+# --- the decode kernel (`_mosaic_tpu_decode`): DMAs and lowering -------------
+
+
+def _decode_inputs(gen, *, b, t, n, num_kv, h, lengths, page_size, dtype):
+  """q, a cache of shuffled pages, its block table and the lengths."""
+  max_pages = -(-max(lengths) // page_size)
+  pages = gen.permutation(b * max_pages).reshape(b, max_pages)
+  q = testing.normal(gen, (b, t, n, h), dtype)
+  k = testing.normal(gen, (b * max_pages, page_size, num_kv, h), dtype)
+  v = testing.normal(gen, (b * max_pages, page_size, num_kv, h), dtype)
+  return (q, k, v, jnp.asarray(pages, jnp.int32),
+          jnp.asarray(lengths, jnp.int32))
+
+
+def test_decode_fetches_each_visible_page_once(monkeypatch, fresh_caches):
+  """Grid (B, K, splits, steps): the pipeline copies each page of a split's
+  run once, and the steps past a run (re-naming its last page) none."""
+  lengths, page_size, splits = [70, 37], 16, 2
+  q, k, v, table, lens = _decode_inputs(
+      rng("decode-dma"), b=2, t=1, n=2, num_kv=1, h=32, lengths=lengths,
+      page_size=page_size, dtype=jnp.float32)
+  log = _DmaLog(monkeypatch)
+  out = pallas_fa.decode_attention(
+      q, k, v, lens, block_table=table, num_splits=splits,
+      implementation="mosaic_tpu")
+  jax.block_until_ready(out)
+  # Runs of ceil(blocks / splits) pages: [0, 3) [3, 5) and [0, 2) [2, 3).
+  table = np.asarray(table)
+  needed = [(row, table[row, i]) for row, length in enumerate(lengths)
+            for i in range(-(-length // page_size))]
+  steps = -(-table.shape[1] // splits)
+  # The kernel's `*refs` after the lengths and split runs: the block table,
+  # q, the row positions, k, v.
+  for operand in (3, 4):
+    assert log.count(operand, 4) == _runs(needed) == len(needed)
+  assert len(needed) < len(lengths) * splits * steps  # some steps skip
+
+
+DECODE_LOWERING_CASES = [
+    # (dtype, G, T_new, H, page size or None for a contiguous cache, extra)
+    ("bfloat16", 4, 4, 128, 16, {}),
+    ("float32", 1, 2, 192, None,
+     {"local_window_size": (40, 0), "logits_soft_cap": 5.0}),
+    ("float16", 2, 1, 8192, None, {}),  # blocks of fewer than 128 keys
+]
+
+
+@pytest.mark.parametrize("dtype, group, t, h, page_size, kw",
+                         DECODE_LOWERING_CASES, ids=str)
+def test_decode_lowers_to_mosaic_for_tpu(dtype, group, t, h, page_size, kw,
+                                         monkeypatch, fresh_caches):
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  q, k, v, table, lengths = _decode_inputs(
+      rng("decode-lower", dtype, h), b=2, t=t, n=2 * group, num_kv=2, h=h,
+      lengths=[300, 77], page_size=page_size or 16, dtype=DTYPES[dtype])
+  if page_size is None:  # The same keys as one contiguous cache.
+    k, v = (x[table].reshape(2, -1, *x.shape[2:]) for x in (k, v))
+    table = None
+
+  def decode(q, k, v, lengths, table):
+    return pallas_fa.decode_attention(
+        q, k, v, lengths, block_table=table, implementation="mosaic_tpu",
+        num_splits=2, **kw)
+
+  exported = jax.export.export(jax.jit(decode), platforms=["tpu"])(
+      q, k, v, lengths, table)
+  module = exported.mlir_module()
+  assert module.count("tpu_custom_call") == 1
+  assert "callback" not in module  # a compiled kernel, not the interpreter
+
+
 # --- numerics across many tiles -----------------------------------------------
 
 MULTI_TILE_CASES = [

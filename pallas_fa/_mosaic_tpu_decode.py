@@ -1,0 +1,418 @@
+"""The split-KV decode kernel of `decode_attention(implementation=
+"mosaic_tpu")`.
+
+Grid (B, K, splits, steps): the first three axes are "parallel" (Mosaic
+shares them among a chip's TensorCores), the last, the key blocks of one
+split, is "arbitrary" and carries the online softmax.
+
+* **Rows.** A program holds the packed query tile of its K/V head
+  (`decode`'s GQA packing): the G query heads of the group times the T_new
+  new tokens, R = G * T_new rows padded to whole sublane tiles, so each K/V
+  byte is read once per K/V head.
+* **Keys.** `masking.split_runs` cuts the visible blocks of each sequence
+  (past the length, after the last query under causal and left of the
+  window are dropped) into `splits` contiguous runs; step j of split p
+  reads block `first[b, p] + j`. Steps past the run's end do nothing
+  (`pl.when`) and their index maps name the run's last block again, which
+  the pipeline already holds, so they issue no DMA.
+* **Paging.** The run boundaries, the lengths and the block table are
+  scalar-prefetched into SMEM and read by the K/V index maps, so the
+  pipeline's DMAs fetch block j of a paged cache straight from page
+  `block_table[b, j // per_page]`, rows `(j % per_page) * block`. A
+  contiguous cache is indexed by block directly.
+* **Layout.** The cache stays in HBM as [B or pages, rows, K * Hp], a free
+  reshape of [.., K, H] when H is a multiple of 128, so a (block, Hp) tile
+  of one K/V head is a lane-aligned slice. The statistics m_i and l_i live
+  lane-replicated ([R, 128]) in float32 VMEM scratch next to the [R, Hvp]
+  accumulator (the conventions of `_mosaic_tpu_forward`); each split
+  writes a normalised partial (out, lse) that `online_softmax.merge_parts`
+  merges in plain JAX.
+* **Masking.** Every key of a block is masked by `masking.visible` with
+  `key < length` as its dense term, and value rows past the length are
+  zeroed before P.V: they may hold NaN, and 0 * NaN is NaN.
+
+Blocks are multiples of 128 keys (the lane width of the [R, block] logits)
+for a contiguous cache, a divisor of the page size (a multiple of 8
+sublanes) for a paged one, and as large as `_STEP_BYTES` and the VMEM
+budget allow; very wide heads (thousands of lanes) take blocks below 128
+keys so that the double-buffered tiles fit. float16 computes in float32
+(the TPU's matrix unit has no float16 mode), at the cost of a converted
+copy of the cache. Forward only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_fa import _mosaic_tpu_kernel as kernel
+from pallas_fa import layout
+from pallas_fa import masking
+from pallas_fa import mosaic_tpu
+from pallas_fa import online_softmax
+
+Array = Any
+_F32 = jnp.float32
+_LANES = kernel.NUM_LANES
+_SUBLANES = kernel.NUM_SUBLANES
+# The widest block of keys.
+_MAX_BLOCK = 2048
+# K plus V bytes one grid step reads at most: 2 MiB take ~2.6 us at a v5e's
+# ~0.8 TB/s, so a grid step's fixed cost (~0.35 us) stays small, while
+# short caches still split into several blocks.
+_STEP_BYTES = 1 << 21
+# The default scoped VMEM of a v5e, and the share of it the kernel's
+# buffers may take (the rest is Mosaic's own temporaries).
+_SCOPED_VMEM = 16 << 20
+_VMEM_BUDGET = 12 << 20
+
+
+def packed_rows(rows: int, dtype) -> int:
+  """Rows of the query tile: G * T_new rounded up to whole sublane tiles
+  (8 rows of 32-bit values, 16 of 16-bit ones)."""
+  itemsize = jnp.dtype(mosaic_tpu.compute_dtype(dtype)).itemsize
+  return layout.round_up(rows, _SUBLANES * 4 // itemsize)
+
+
+def vmem_bytes(
+  *, rows: int, head_dim: int, value_head_dim: int, block: int, itemsize: int
+) -> int:
+  """Estimated VMEM of one launch: double-buffered q/k/v tiles, positions
+  and outputs, the float32 scratch and [rows, block] temporaries (logits,
+  probabilities, mask) plus the masked value tile.
+
+  Args:
+    rows: packed rows (`packed_rows`).
+    head_dim, value_head_dim: padded head dims (multiples of 128).
+    block: keys per block.
+    itemsize: bytes per element of the computed dtype.
+  """
+  inputs = (
+    2 * itemsize * (rows * head_dim + block * (head_dim + value_head_dim))
+  )
+  positions = 2 * 4 * rows * _LANES
+  outputs = 2 * 4 * rows * (value_head_dim + _LANES)
+  scratch = 4 * rows * (value_head_dim + 2 * _LANES)
+  temporaries = 4 * 3 * rows * max(block, _LANES)
+  temporaries += itemsize * block * value_head_dim
+  return inputs + positions + outputs + scratch + temporaries
+
+
+def block_for(
+  *,
+  head_dim: int,
+  value_head_dim: int,
+  groups: int,
+  new_tokens: int,
+  dtype,
+  cache_len: int,
+  page_size: int | None,
+  block_kv: int | None,
+) -> int:
+  """Keys per block.
+
+  Contiguous: `block_kv`, or the cache length rounded up to 128 if that is
+  smaller, or the widest power-of-two multiple of 128 (up to 2048) whose
+  buffers fit `_VMEM_BUDGET` and, past 128, whose step stays within
+  `_STEP_BYTES`; below 128 keys (8 to 64) only when even 128 does not fit
+  the budget. Paged: the widest divisor of `page_size` that is a multiple
+  of 8 and fits the same limits.
+
+  Args:
+    head_dim, value_head_dim: H and Hv (unpadded).
+    groups, new_tokens: G and T_new.
+    dtype: the query's dtype.
+    cache_len: S_max of a contiguous cache.
+    page_size: the page size of a paged cache, else None.
+    block_kv: the caller's block of a contiguous cache, or None.
+
+  Raises:
+    ValueError: `block_kv` is not a multiple of 8.
+    NotImplementedError: `page_size` is not a multiple of 8.
+  """
+  itemsize = jnp.dtype(mosaic_tpu.compute_dtype(dtype)).itemsize
+  hp = layout.padded_head_dim(head_dim, mosaic_tpu.ALIGN)
+  hvp = layout.padded_head_dim(value_head_dim, mosaic_tpu.ALIGN)
+  rows = packed_rows(groups * new_tokens, dtype)
+
+  def fits(block):
+    # Blocks of up to 128 keys are never cut for the step size: narrower
+    # logits waste lanes.
+    return (
+      block <= _LANES or block * (hp + hvp) * itemsize <= _STEP_BYTES
+    ) and vmem_bytes(
+      rows=rows, head_dim=hp, value_head_dim=hvp, block=block, itemsize=itemsize
+    ) <= _VMEM_BUDGET
+
+  if page_size is not None:
+    if page_size % _SUBLANES:
+      raise NotImplementedError(
+        "implementation='mosaic_tpu' reads pages in whole sublane tiles: "
+        f"page_size must be a multiple of {_SUBLANES}, got {page_size}."
+      )
+    divisors = [
+      d
+      for d in range(_SUBLANES, min(page_size, _MAX_BLOCK) + 1, _SUBLANES)
+      if page_size % d == 0
+    ]
+    fitting = [d for d in divisors if fits(d)]
+    return max(fitting) if fitting else _SUBLANES
+  if block_kv is not None:
+    if block_kv % _SUBLANES:
+      raise ValueError(
+        f"block_kv must be a multiple of {_SUBLANES} for "
+        f"implementation='mosaic_tpu', got {block_kv}."
+      )
+    return block_kv
+  if not fits(_LANES):
+    block = _LANES // 2
+    while block > _SUBLANES and not fits(block):
+      block //= 2
+    return block
+  block = _LANES
+  while block * 2 <= _MAX_BLOCK and fits(block * 2):
+    block *= 2
+  return min(block, layout.round_up(cache_len, _LANES))
+
+
+def _kernel(
+  lengths_ref,
+  runs_ref,
+  *refs,
+  paged: bool,
+  block: int,
+  splits: int,
+  steps: int,
+  scale: float,
+  soft_cap,
+  is_causal: bool,
+  window,
+  precision,
+):
+  # The block table (paged) is read by the index maps only.
+  q_ref, pos_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref = (
+    refs[1:] if paged else refs
+  )
+  b, p, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  run = 2 * (b * splits + p)
+  key_block = runs_ref[run] + j
+  length = lengths_ref[b]
+
+  pl.when(j == 0)(lambda: kernel.init_softmax(m_ref, l_ref, acc_ref))
+
+  @pl.when(key_block < runs_ref[run + 1])
+  def _step():
+    qk = kernel.dot(q_ref[...], k_ref[...], kernel.NT, precision)  # [R, bk]
+    s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap)
+    start = key_block * block
+    kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+    s = online_softmax.apply_mask(
+      s,
+      masking.visible(
+        is_causal=is_causal,
+        window=window,
+        q_pos=kernel.column(pos_ref)[:, None],
+        kv_pos=kv_pos,
+        dense=kv_pos < length,
+      ),
+    )
+    m_i, l_i, probs, alpha = online_softmax.update(
+      kernel.column(m_ref), kernel.column(l_ref), s
+    )
+    v = v_ref[...]
+    # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
+    key_rows = start + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+    v = jnp.where(key_rows < length, v, jnp.zeros((), v.dtype))
+    pv = kernel.dot(probs.astype(v.dtype), v, kernel.NN, precision)
+    acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
+    kernel.store_column(m_ref, m_i)
+    kernel.store_column(l_ref, l_i)
+
+  @pl.when(j == steps - 1)
+  def _finalize():
+    out, lse = online_softmax.finalize(
+      kernel.column(m_ref), kernel.column(l_ref), acc_ref[...]
+    )
+    out_ref[...] = out
+    kernel.store_column(lse_ref, lse)
+
+
+def partials(
+  q,
+  row_pos,
+  query_positions,
+  key,
+  value,
+  lengths,
+  block_table,
+  *,
+  block: int,
+  splits: int,
+  scale: float,
+  is_causal: bool,
+  local_window_size,
+  logits_soft_cap,
+  precision,
+):
+  """Runs the kernel: the normalised (out, lse) of every split, float32
+  [B, K, splits, R, Hv] and [B, K, splits, R], for `decode` to merge (the
+  arguments and results of `decode._decode_split_kernel`'s `partials`;
+  `block` from `block_for`).
+
+  Raises:
+    NotImplementedError: on a TPU, the block table and run boundaries do
+      not fit its scalar memory.
+  """
+  b, num_kv, r, h = q.shape
+  hv = value.shape[3]
+  dtype = mosaic_tpu.compute_dtype(q.dtype)
+  precision = mosaic_tpu.kernel_precision(precision, q.dtype)
+  hp = layout.padded_head_dim(h, mosaic_tpu.ALIGN)
+  hvp = layout.padded_head_dim(hv, mosaic_tpu.ALIGN)
+  rows = packed_rows(r, q.dtype)
+  # Padded rows (zero queries) are sliced off below.
+  q = masking.pad_axes(q.astype(dtype), {2: rows, 3: hp})
+  positions = mosaic_tpu.lane_rows(masking.pad_axes(row_pos, {1: rows}))
+  key, value = key.astype(dtype), value.astype(dtype)
+  paged = block_table is not None
+  if paged:
+    per_page = key.shape[1] // block
+    num_blocks = block_table.shape[1] * per_page
+  else:
+    num_blocks = -(-key.shape[1] // block)
+    key, value = (
+      masking.pad_axes(x, {1: num_blocks * block}) for x in (key, value)
+    )
+  # [B or pages, rows, K * Hp]: one head's (block, Hp) tile is a lane slice.
+  key = masking.pad_axes(key, {3: hp}).reshape(*key.shape[:2], -1)
+  value = masking.pad_axes(value, {3: hvp}).reshape(*value.shape[:2], -1)
+  splits = max(1, min(splits, num_blocks))
+  steps = -(-num_blocks // splits)
+  first, end = masking.split_runs(
+    lengths,
+    query_positions,
+    num_blocks=num_blocks,
+    block=block,
+    splits=splits,
+    is_causal=is_causal,
+    window=local_window_size,
+  )
+  prefetch = [
+    lengths.astype(jnp.int32),
+    jnp.stack([first, end], axis=-1).reshape(-1),
+  ]
+  if paged:
+    # Entries past a sequence's pages may name no page at all; the steps
+    # that would read them are skipped, but their DMAs must stay in bounds.
+    prefetch.append(
+      jnp.clip(block_table.astype(jnp.int32), 0, key.shape[0] - 1).reshape(-1)
+    )
+  _check_scalar_memory(sum(x.size for x in prefetch))
+
+  def cache_index(i, k, p, j, lengths_ref, runs_ref, *table_ref):
+    del lengths_ref
+    run = 2 * (i * splits + p)
+    # Past the run's end: its last block again, already resident.
+    blk = jnp.maximum(jnp.minimum(runs_ref[run] + j, runs_ref[run + 1] - 1), 0)
+    if not paged:
+      return i, blk, k
+    if per_page == 1:
+      return table_ref[0][i * block_table.shape[1] + blk], 0, k
+    page = table_ref[0][
+      i * block_table.shape[1] + jax.lax.div(blk, jnp.int32(per_page))
+    ]
+    return page, jax.lax.rem(blk, jnp.int32(per_page)), k
+
+  sq = kernel.SQUEEZED
+  in_specs = [
+    pl.BlockSpec((sq, sq, rows, hp), lambda i, k, p, j, *_: (i, k, 0, 0)),
+    pl.BlockSpec((sq, rows, _LANES), lambda i, k, p, j, *_: (i, 0, 0)),
+    pl.BlockSpec((sq, block, hp), cache_index),
+    pl.BlockSpec((sq, block, hvp), cache_index),
+  ]
+  out_shapes = (
+    jax.ShapeDtypeStruct((b, num_kv, splits, rows, hvp), _F32),
+    jax.ShapeDtypeStruct((b, num_kv, splits, rows, _LANES), _F32),
+  )
+  out_specs = [
+    pl.BlockSpec(
+      (sq, sq, sq, rows, width), lambda i, k, p, j, *_: (i, k, p, 0, 0)
+    )
+    for width in (hvp, _LANES)
+  ]
+  scratch = [
+    pltpu.VMEM((rows, _LANES), _F32),  # m_i
+    pltpu.VMEM((rows, _LANES), _F32),  # l_i
+    pltpu.VMEM((rows, hvp), _F32),  # acc
+  ]
+  need = vmem_bytes(
+    rows=rows,
+    head_dim=hp,
+    value_head_dim=hvp,
+    block=block,
+    itemsize=jnp.dtype(dtype).itemsize,
+  )
+  interpret = kernel.interpret_params()
+  params = kernel.compiler_params(
+    kernel.parallel_grid(interpret),
+    3,
+    4,
+    # Past the budget (many rows of a wide head): ask for what it needs.
+    vmem_limit_bytes=None
+    if need <= _VMEM_BUDGET
+    else need + _SCOPED_VMEM - _VMEM_BUDGET,
+  )
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=len(prefetch),
+    grid=(b, num_kv, splits, steps),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    scratch_shapes=scratch,
+  )
+  kwargs = {}
+  logits = b * num_kv * rows * num_blocks * block
+  cost = kernel.cost_estimate(
+    2 * logits * (hp + hvp), logits, (q, key, value), out_shapes
+  )
+  if cost is not None:
+    kwargs["cost_estimate"] = cost
+  out, lse = pl.pallas_call(
+    functools.partial(
+      _kernel,
+      paged=paged,
+      block=block,
+      splits=splits,
+      steps=steps,
+      scale=scale,
+      soft_cap=logits_soft_cap,
+      is_causal=is_causal,
+      window=local_window_size,
+      precision=precision,
+    ),
+    grid_spec=grid_spec,
+    out_shape=out_shapes,
+    compiler_params=params,
+    interpret=interpret,
+    name="flash_decode",
+    **kwargs,
+  )(*prefetch, q, positions, key, value)
+  return out[..., :r, :hv], lse[..., :r, 0]
+
+
+def _check_scalar_memory(words: int) -> None:
+  """Raises NotImplementedError when the scalar-prefetched words (lengths,
+  run boundaries, block table) exceed this TPU's scalar memory."""
+  if kernel.interpret_params() is not False:
+    return  # The interpreter's scalar memory is unbounded.
+  capacity = kernel.metadata_capacity()
+  if capacity is not None and words > capacity:
+    raise NotImplementedError(
+      f"implementation='mosaic_tpu': the block_table, lengths and split "
+      f"runs ({words} int32 words) exceed the {capacity} that fit in this "
+      "TPU's scalar memory; use larger pages or fewer num_splits."
+    )
