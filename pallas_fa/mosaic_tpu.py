@@ -281,19 +281,8 @@ def _sublane_rows(x):
                           (b, _SUBLANES, length))
 
 
-def _block_sizes(params, q, k, v, info) -> MosaicTpuBlockSizes:
-  """`params.block_sizes`, else `default_block_sizes`, which also weighs the
-  value head dim."""
-  if params.block_sizes is not None:
-    return params.block_sizes
-  return default_block_sizes(
-      q_len=q.shape[1], kv_len=k.shape[1], head_dim=q.shape[-1],
-      value_head_dim=v.shape[-1], dtype=q.dtype, is_causal=info.is_causal,
-      dropout=info.has_dropout)
-
-
 def _forward(q, k, v, bias, info, params):
-  bs = _block_sizes(params, q, k, v, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   lay = Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
   out, lse = forward_kernel.forward(
       lay.static, fetch_schedule(lay.kinds), tuple(lay.names), lay.operands,
@@ -302,7 +291,7 @@ def _forward(q, k, v, bias, info, params):
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = _block_sizes(params, q, k, v, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   lay = Layout(q, k, v, bias, info, params, bs.block_q_bwd, bs.block_kv_bwd)
   names = tuple(lay.names) + ("do", "lse", "delta")
   operands = lay.operands + [
@@ -345,7 +334,7 @@ def _check(q, k, v, bias, info, params):
   capacity = kernel.metadata_capacity()
   if capacity is None:
     return
-  bs = _block_sizes(params, q, k, v, info)
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
   b, t, s = q.shape[0], q.shape[1], k.shape[1]
   for block_q, block_kv in ((bs.block_q, bs.block_kv),
                             (bs.block_q_bwd, bs.block_kv_bwd)):

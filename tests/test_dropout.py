@@ -128,6 +128,8 @@ def test_same_key_same_result_other_key_other_result_zero_rate_exact():
       fn(dropout_rate=0.0, dropout_rng=jax.random.key(1)), fn())
 
 
+# Slow (every backend and tiling): CI runs it in its slow-test leg.
+@pytest.mark.slow
 def test_fully_masked_rows_stay_zero_and_finite():
   case = Case(b=2, t=16, s=16, n=2, k=2, h=8, causal=True, lengths=True,
               window=(2, 0))

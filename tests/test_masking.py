@@ -4,6 +4,7 @@ import hypothesis
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_fa import masking
 
@@ -16,6 +17,8 @@ def _brute_force_kinds(visible, bq, bk):
   return empty, full
 
 
+# Slow (many compiled examples): CI runs it in its slow-test leg.
+@pytest.mark.slow
 @hypothesis.settings(max_examples=8, deadline=None, derandomize=True,
                      database=None)
 @hypothesis.given(

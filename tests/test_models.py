@@ -83,6 +83,8 @@ def test_shapes_and_parameter_count():
       _VOCAB * d + 2 * per_block + d)
 
 
+# Slow (two model gradients): CI runs it in its slow-test leg.
+@pytest.mark.slow
 def test_chunked_and_xla_give_same_loss_and_gradients():
   """Also against Flax's default attention, the benchmark baseline."""
   tokens = _tokens(2, 25)

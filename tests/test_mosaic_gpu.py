@@ -345,6 +345,8 @@ def test_interpreted_forward_and_backward():
       rng("mosaic_gpu", "fwd-bwd"))
 
 
+# Slow (the Mosaic GPU interpreter): CI runs it in its slow-test leg.
+@pytest.mark.slow
 @needs_interpreter
 def test_interpreted_forward_window_segments():
   case = Case(b=1, t=120, s=200, n=4, k=2, h=64, window=(48, 16),

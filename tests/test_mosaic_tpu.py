@@ -421,6 +421,8 @@ def test_grid_semantics_and_scalar_prefetch(monkeypatch, fresh_caches):
       assert shape[-2] % kernel.NUM_SUBLANES == 0 or shape[-2] == 1, shape
 
 
+# Slow (the TPU interpreter, twice): CI runs it in its slow-test leg.
+@pytest.mark.slow
 def test_parallel_semantics_interpreted(monkeypatch, fresh_caches):
   """The TPU's own grid semantics: the interpreter randomises the order of
   the parallel axes, so this checks the kernels do not depend on it."""

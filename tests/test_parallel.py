@@ -74,6 +74,8 @@ def _free_port():
     return s.getsockname()[1]
 
 
+# Slow (two processes with gloo): CI runs it in its slow-test leg.
+@pytest.mark.slow
 def test_ring_attention_across_two_processes():
   port = str(_free_port())
   procs = [

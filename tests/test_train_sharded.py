@@ -12,11 +12,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_train_sharded_worker.py")
 _TIMEOUT_S = 300
 
 
+# Slow (a fresh 8-device process): CI runs it in its slow-test leg.
+@pytest.mark.slow
 def test_sharded_training_matches_single_device_and_learns(tmp_path):
   env = dict(os.environ)
   # Unoptimised CPU code generation: compiling dominates these tiny steps.

@@ -24,13 +24,11 @@ COMPILE_CHECK = runner.REPO_ROOT / "scripts" / "compile_check.py"
 BENCHMARK = runner.REPO_ROOT / "scripts" / "benchmark.py"
 MIN_STEP_S = 5
 
-# The dry run's tests: a handful of interpreted Triton conformance checks
-# that take about a second each on a CPU.
+# The dry run's tests: two interpreted Triton conformance checks that take
+# a few seconds each on a CPU (the dry run checks the plumbing, not the
+# kernels).
 DRY_RUN_TESTS_K = (
-    "(test_float32 and (B2T64S64N2K2H32 or B1T1S37N2K1H16 or B2T9S1N2K2H8)) "
-    "or test_fully_masked_rows "
-    "or test_unbatched_and_residual "
-    "or (test_low_precision and B2T64S64N2K2H32 and bfloat16)")
+    "(test_float32 and B2T64S64N2K2H32) or test_fully_masked_rows")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
