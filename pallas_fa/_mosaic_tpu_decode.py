@@ -407,8 +407,6 @@ def partials(
 def _check_scalar_memory(words: int) -> None:
   """Raises NotImplementedError when the scalar-prefetched words (lengths,
   run boundaries, block table) exceed this TPU's scalar memory."""
-  if kernel.interpret_params() is not False:
-    return  # The interpreter's scalar memory is unbounded.
   capacity = kernel.metadata_capacity()
   if capacity is not None and words > capacity:
     raise NotImplementedError(

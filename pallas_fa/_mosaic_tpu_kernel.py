@@ -84,8 +84,11 @@ def metadata_capacity() -> int | None:
   """How many per-step metadata words this TPU's SMEM holds, or None.
 
   Half the scalar memory is left to Mosaic (scalar spills, DMA descriptors).
-  None when the device is not a TPU Pallas knows.
+  None when the kernels run interpreted (the interpreter's scalar memory is
+  unbounded) or the device is not a TPU Pallas knows.
   """
+  if interpret_params() is not False:
+    return None
   get_info = getattr(pltpu, "get_tpu_info", None)
   if get_info is None:
     return None

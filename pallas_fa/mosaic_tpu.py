@@ -329,8 +329,6 @@ def _check(q, k, v, bias, info, params):
   `block_sizes` shrink it).
   """
   del bias
-  if kernel.interpret_params() is not False:
-    return  # The interpreter's scalar memory is unbounded.
   capacity = kernel.metadata_capacity()
   if capacity is None:
     return

@@ -71,22 +71,25 @@ LOW_PRECISION_CASES = [
 # subsets (every feature; the shapes whose tiling differs), and every case
 # compiled on their own hardware.
 _FAST = ("xla", "chunked")
-_INTERPRETED_FLOAT32 = [
-    *(SHAPE_CASES[i] for i in (0, 1, 3, 7)),
-    # The last case combines causal, window, lengths, segments and the cap
-    # (so causal and segments need no case of their own here).
-    *(FEATURE_CASES[i] for i in (5, 7, 9, 11)),
-]
-_INTERPRETED_LOW_PRECISION = {
+_INTERPRETED = {
+    "float32": [
+        *(SHAPE_CASES[i] for i in (0, 1, 3, 7)),
+        # The last case combines causal, window, lengths, segments and the
+        # cap (so causal and segments need no case of their own here).
+        *(FEATURE_CASES[i] for i in (5, 7, 9, 11)),
+    ],
     "bfloat16": LOW_PRECISION_CASES[:1] + LOW_PRECISION_CASES[-1:],
     "float16": LOW_PRECISION_CASES[:1],
 }
 # mosaic_tpu's interpreter is the slowest; tests/test_mosaic_tpu.py runs
 # positions, broadcast masks and bfloat16 with features over several tiles,
 # so here it leaves out those cases, and float16 (which it computes in
-# float32, the float32 path plus a conversion).
-_MOSAIC_TPU_ELSEWHERE = [FEATURE_CASES[5], FEATURE_CASES[9],
-                         LOW_PRECISION_CASES[-1]]
+# float32: the float32 path plus a conversion).
+_MOSAIC_TPU_ELSEWHERE = {
+    "float32": [FEATURE_CASES[5], FEATURE_CASES[9]],
+    "bfloat16": LOW_PRECISION_CASES[-1:],
+    "float16": LOW_PRECISION_CASES,
+}
 # float16 repeats the bfloat16 code path with another element type: every
 # backend runs it on a plain case, the soft cap (whose logits float16's
 # range could overflow) and the combined features.
@@ -97,11 +100,12 @@ def _interpreted_on_cpu(implementation) -> bool:
   return implementation not in _FAST and api.platform() == "cpu"
 
 
-def _skip_outside_interpreted_subset(implementation, case, subset):
+def _skip_outside_interpreted_subset(implementation, case, dtype: str):
   if not _interpreted_on_cpu(implementation):
     return
-  if case not in subset or (implementation == "mosaic_tpu"
-                            and case in _MOSAIC_TPU_ELSEWHERE):
+  if case not in _INTERPRETED[dtype] or (
+      implementation == "mosaic_tpu"
+      and case in _MOSAIC_TPU_ELSEWHERE[dtype]):
     pytest.skip("outside the interpreted subset (runs compiled on device)")
 
 
@@ -133,7 +137,7 @@ def _require_float32(implementation):
 
 @pytest.mark.parametrize("case", SHAPE_CASES + FEATURE_CASES, ids=str)
 def test_float32(implementation, case):
-  _skip_outside_interpreted_subset(implementation, case, _INTERPRETED_FLOAT32)
+  _skip_outside_interpreted_subset(implementation, case, "float32")
   _check_or_decline(implementation, case, jnp.float32,
                     rng(implementation, str(case), "f32"))
 
@@ -141,13 +145,9 @@ def test_float32(implementation, case):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("case", LOW_PRECISION_CASES, ids=str)
 def test_low_precision(implementation, case, dtype):
-  _skip_outside_interpreted_subset(
-      implementation, case, _INTERPRETED_LOW_PRECISION[dtype])
-  if dtype == "float16" and (case not in _FLOAT16 or (
-      implementation == "mosaic_tpu" and _interpreted_on_cpu(
-          implementation))):
-    pytest.skip("float16 runs the bfloat16 (mosaic_tpu: float32) code "
-                "path: a subset of cases")
+  _skip_outside_interpreted_subset(implementation, case, dtype)
+  if dtype == "float16" and case not in _FLOAT16:
+    pytest.skip("float16 runs the bfloat16 code path: a subset of cases")
   _check_or_decline(implementation, case, DTYPES[dtype],
                     rng(implementation, str(case), dtype))
 
