@@ -48,7 +48,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     A tuple with the requested of dk [B, Sp, K, Hp] and dv [B, Sp, K, Hvp]
     (Hvp: the padded value head dim), in k.dtype.
   """
-  ops = gpu_ops.Ops(spec.interpret)
+  ops = kernel.ops_for(spec)
   bq, bk, h, stages = spec.block_q, spec.block_kv, spec.head_dim, spec.stages
   nc, g = spec.consumers, spec.group
   want_dk, want_dv = "dk" in outputs, "dv" in outputs

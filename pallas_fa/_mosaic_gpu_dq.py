@@ -45,7 +45,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   Returns:
     dq [B, Tp, N, Hp] in q.dtype.
   """
-  ops = gpu_ops.Ops(spec.interpret)
+  ops = kernel.ops_for(spec)
   bq, h, stages = spec.block_q, spec.head_dim, spec.stages
   nc = spec.consumers
   units = kernel.q_units(spec)

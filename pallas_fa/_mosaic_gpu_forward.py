@@ -45,7 +45,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
   Returns:
     (out [B, Tp, N, Hvp] in q.dtype, lse float32 [B, N, Tp], natural log).
   """
-  ops = gpu_ops.Ops(spec.interpret)
+  ops = kernel.ops_for(spec)
   bq, h, hv, stages = spec.block_q, spec.head_dim, spec.hv, spec.stages
   nc = spec.consumers
   # The output reuses Q's buffer when the two have one head dim.

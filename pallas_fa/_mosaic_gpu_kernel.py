@@ -65,6 +65,11 @@ def _consumer_registers(consumers: int) -> int:
 # --------------------------------------------------------------------------
 
 
+def ops_for(spec: Spec) -> gpu_ops.Ops:
+  """The `Ops` of a launch (its execution mode and SMEM swizzle)."""
+  return gpu_ops.Ops(spec.interpret, swizzle=spec.swizzle)
+
+
 def interpret_params():
   """A Mosaic GPU interpreter parameter object, or None when unavailable."""
   for name in ("InterpretGPUParams", "InterpretParams"):
@@ -173,6 +178,16 @@ class Spec:
   @property
   def masked(self) -> bool:
     return self.need_positions or self.has_segments
+
+  @property
+  def swizzle(self) -> int:
+    """Bytes of the swizzle of the kernel's SMEM tiles: 128, or 64 with a
+    32-row tile. A wgmma contracts over the rows of the tile that is its
+    B operand (P V, dS K, dS^T Q), and must span whole swizzle widths of
+    them; both operands of a wgmma share one swizzle, so it is one value
+    per kernel."""
+    rows = min(self.block_q, self.block_kv)
+    return min(128, rows * jnp.dtype(self.dtype).itemsize)
 
   @property
   def num_meta(self) -> int:
@@ -501,7 +516,7 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
     producer_groups: producer_groups(refs) -> the `groups` of `produce`.
     seed: the uint32 [1] dropout seed, or None without dropout.
   """
-  ops = gpu_ops.Ops(spec.interpret)
+  ops = ops_for(spec)
   nc, num_inputs = spec.consumers, len(operands)
   if seed is not None:
     operands = (*operands, seed)

@@ -37,8 +37,9 @@ class Ops:
   body is shared by both modes.
   """
 
-  def __init__(self, interpret: bool):
+  def __init__(self, interpret: bool, swizzle: int = 128):
     self.interpret = interpret
+    self.swizzle = swizzle
 
   def full(self, shape, value, dtype=_F32):
     """A register array in the wgmma accumulator layout."""
@@ -72,12 +73,13 @@ class Ops:
       plgpu.set_max_registers(n, action=action)
 
   def smem(self, shape, dtype, swizzled: bool):
-    """SMEM scratch; 2-D+ bf16/f16 tiles use the 128-byte-swizzled layout
-    (the interpreter takes plain refs)."""
+    """SMEM scratch; 2-D+ bf16/f16 tiles use the swizzled layout of
+    `self.swizzle` bytes (the interpreter takes plain refs)."""
     if swizzled and not self.interpret:
       transforms = (
-          plgpu.TilingTransform((8, 64)),
-          plgpu.SwizzleTransform(128),
+          plgpu.TilingTransform(
+              (8, self.swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(self.swizzle),
       )
       return plgpu.SMEM(shape, dtype, transforms=transforms)
     return plgpu.SMEM(shape, dtype)

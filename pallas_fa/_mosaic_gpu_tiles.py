@@ -15,8 +15,9 @@ import jax.numpy as jnp
 
 from pallas_fa import layout
 
-# Tiles are multiples of 64 rows (one warpgroup's wgmma M) and are never cut
-# to fit short sequences; head dims are padded to 64 (128-byte TMA rows).
+# Sequences are padded to multiples of 64 rows (one warpgroup's wgmma M) and
+# tiles are never cut to fit short ones; head dims are padded to 64 (128-byte
+# TMA rows).
 ALIGN = layout.Alignment(rows=64, head_dim=64)
 
 # Shared memory per CTA on sm90 (H100 / H200), minus a margin: the estimate
@@ -28,12 +29,22 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 8 * 1024
 LOWERING_SEMANTICS = (None, "lane", "warpgroup")
 
 
+# The tiles that are a wgmma's M (stationary rows per consumer) and those that
+# are the N of the logit tiles (streamed).
+_STATIONARY = ("block_q", "block_q_dq", "block_kv_dkv")
+_STREAMED = ("block_kv", "block_kv_dq", "block_q_dkv")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MosaicGpuBlockSizes:
   """Tiling of the `mosaic_gpu` kernels.
 
-  Every block is a multiple of 64 (the wgmma M granularity of a warpgroup)
-  and at most 256.
+  Each kernel has a stationary tile of rows per consumer warpgroup (the
+  wgmma M: block_q, block_q_dq, block_kv_dkv), a multiple of 64, and a
+  streamed tile (the wgmma N of the logits: block_kv, block_kv_dq,
+  block_q_dkv), a multiple of 32; both at most 256. A 32-row streamed tile
+  halves the float32 logit tiles a thread holds (16 registers each instead
+  of 32), at the price of a 64-byte SMEM swizzle.
 
   Attributes:
     block_q: forward: query rows per consumer warpgroup.
@@ -83,13 +94,13 @@ class MosaicGpuBlockSizes:
     def is_int(x):
       return isinstance(x, int) and not isinstance(x, bool)
 
-    for name in ("block_q", "block_kv", "block_q_dq", "block_kv_dq",
-                 "block_q_dkv", "block_kv_dkv"):
-      value = getattr(self, name)
-      if not is_int(value) or value < 64 or value > 256 or value % 64:
-        raise ValueError(
-            f"{cls}.{name} must be a multiple of 64 in [64, 256], got "
-            f"{value!r}.")
+    for names, step in ((_STATIONARY, 64), (_STREAMED, 32)):
+      for name in names:
+        value = getattr(self, name)
+        if not is_int(value) or value < step or value > 256 or value % step:
+          raise ValueError(
+              f"{cls}.{name} must be a multiple of {step} in [{step}, 256], "
+              f"got {value!r}.")
     for name in ("num_stages", "num_stages_bwd"):
       value = getattr(self, name)
       if not is_int(value) or not 1 <= value <= 8:
@@ -166,15 +177,15 @@ def heuristic_block_sizes(
 ) -> MosaicGpuBlockSizes:
   """The heuristic tiling of a call, ignoring tuned records.
 
-  Forward: two 64-row consumers (ping-pong), 128-key tiles up to head dim
-  128 and 64-key tiles beyond, and as many ring stages (<= 4) as shared
-  memory allows. Backward: 64-row tiles, 128-key dQ tiles only at head dim
-  64 (wider ones spill); past head dim 128 one consumer per CTA (256
-  registers a thread instead of 240) and split dK/dV passes, so that the
-  float32 accumulators fit the registers (the few bytes that still spill
-  are listed in scripts/known_spills.json). Dropout hashes every
-  probability in registers: its calls take 64-key tiles in the forward and
-  dQ kernels and split dK/dV passes past head dim 64.
+  Forward: two 64-row consumers (ping-pong) and as many ring stages (<= 4)
+  as shared memory allows. Backward: 64-row stationary tiles; past head dim
+  128 one consumer per CTA (256 registers a thread instead of 240) and
+  split dK/dV passes, so that the float32 accumulators fit the registers.
+  The streamed tiles are the widest that compile without spilling
+  (`scripts/compile_check.py`; what still spills is listed in
+  scripts/known_spills.json): past head dim 64 the logit tiles of the
+  backward kernels are 32 wide, past 128 those of dQ too, and dropout,
+  which hashes every probability in registers, takes narrower tiles still.
 
   Args:
     q_len: T (the tiling does not depend on it).
@@ -195,15 +206,22 @@ def heuristic_block_sizes(
   itemsize = jnp.dtype(dtype).itemsize
   hv = value_head_dim or head_dim
   hp = layout.padded_head_dim(max(head_dim, hv), ALIGN)
-  wide = hp > 128
+  wide, narrow = hp > 128, hp <= 64
+  if wide:
+    block_kv, block_kv_dq = (32 if dropout else 64), 32
+  elif narrow:
+    block_kv, block_kv_dq = (64, 64) if dropout else (128, 128)
+  else:
+    block_kv, block_kv_dq = (64, 32) if dropout else (128, 64)
   base = MosaicGpuBlockSizes(
       block_q=64,
-      block_kv=64 if wide or dropout else 128,
+      block_kv=block_kv,
       num_stages=2,
-      block_kv_dq=64 if hp > 64 or dropout else 128,
+      block_kv_dq=block_kv_dq,
+      block_q_dkv=64 if narrow else 32,
       num_consumers_dq=1 if wide else 2,
       num_consumers_dkv=1 if wide else 2,
-      split_dkv=wide or (dropout and hp > 64),
+      split_dkv=wide,
   )
   def smem(bs):
     return shared_memory_bytes(bs, head_dim, itemsize, hv)
@@ -214,7 +232,7 @@ def heuristic_block_sizes(
       base = candidate
       break
   if smem(base)["dq"] > SHARED_MEMORY_BYTES:
-    base = dataclasses.replace(base, block_kv_dq=64)
+    base = dataclasses.replace(base, block_kv_dq=min(block_kv_dq, 64))
   return base
 
 
@@ -223,14 +241,14 @@ def heuristic_block_sizes(
 _SEARCH = {
     "forward": [
         dict(block_q=bq, block_kv=bk, num_stages=st, pingpong=pp)
-        for bq in (64, 128) for bk in (64, 128, 192)
+        for bq in (64, 128) for bk in (32, 64, 128, 192)
         for st in (2, 3, 4) for pp in (True, False)
     ],
     "backward": [
-        dict(block_kv_dq=bk, num_consumers_dq=c, num_consumers_dkv=c2,
-             split_dkv=sp)
-        for bk in (64, 128) for c in (1, 2) for c2 in (1, 2)
-        for sp in (False, True)
+        dict(block_kv_dq=bk, block_q_dkv=bq, num_consumers_dq=c,
+             num_consumers_dkv=c2, split_dkv=sp)
+        for bk in (32, 64, 128) for bq in (32, 64) for c in (1, 2)
+        for c2 in (1, 2) for sp in (False, True)
     ],
 }
 

@@ -58,7 +58,8 @@ needs_interpreter = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("field, value", [
-    ("block_q", 32), ("block_kv", 96), ("block_kv_dkv", 320),
+    ("block_q", 32), ("block_kv", 48), ("block_q_dkv", 16),
+    ("block_kv_dkv", 320), ("block_kv_dq", 288),
     ("num_stages", 0), ("num_stages_bwd", 9), ("num_consumers_dq", 3),
     ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
     ("lowering_semantics", "Lane"),
@@ -336,10 +337,12 @@ def test_lowering_enforces_shared_memory_budget():
 @needs_interpreter
 def test_interpreted_forward_and_backward():
   # Ragged T and S with padding lengths, causal, GQA, soft cap, head dim 32
-  # (padded to 64): masked, unmasked and skipped tiles in every kernel.
+  # (padded to 64): masked, unmasked and skipped tiles in every kernel, with
+  # 32-row streamed tiles (the other interpreted tests stream 64 rows).
   case = Case(b=1, t=100, s=150, n=2, k=1, h=32, causal=True, lengths=True,
               soft_cap=3.0)
-  bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(
+      **dict(_SMALL, block_kv=32, block_kv_dq=32, block_q_dkv=32))
   check_against_reference(
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
       rng("mosaic_gpu", "fwd-bwd"))
