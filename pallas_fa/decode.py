@@ -382,7 +382,8 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
   rows = n // num_kv * t
   acc_dtype = online_softmax.stats_dtype(query.dtype)
   lengths = lengths.astype(jnp.int32)
-  q, row_pos, _ = _packed(query, lengths, query_positions, num_kv)
+  q, row_pos, query_positions = _packed(
+      query, lengths, query_positions, num_kv)
 
   # Split p reads blocks p, p + splits, p + 2 splits, ...: interleaving keeps
   # every split equally busy whatever the (ragged) lengths. Step j reads
@@ -420,21 +421,22 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
     logit_scale = scale
   offsets = jnp.arange(block, dtype=jnp.int32)
 
-  def body(step, carry):
+  def body(step, carry, *, masked):
     m_i, l_i, acc = carry
-    blocks = step * splits + jnp.arange(splits, dtype=jnp.int32)  # [P]
     k_blk, v_blk = read(step)  # [B, P, C, K, H]
-    kv_pos = blocks[:, None] * block + offsets[None, :]  # [P, C]
-    valid = kv_pos[None] < lengths[:, None, None]  # [B, P, C]
-    # Rows past a length may hold anything; 0 * NaN would leak into P.V.
-    v_blk = jnp.where(valid[..., None, None], v_blk, 0)
     s = jnp.einsum("bkrh,bpckh->bpkrc", q, k_blk, precision=precision,
                    preferred_element_type=acc_dtype)
     if logit_scale != 1.0:
       s = s * logit_scale
     s = online_softmax.soft_cap(s, logits_soft_cap)
-    s = online_softmax.apply_mask(
-        s, _visible(valid, kv_pos, row_pos, is_causal, local_window_size))
+    if masked:
+      blocks = step * splits + jnp.arange(splits, dtype=jnp.int32)  # [P]
+      kv_pos = blocks[:, None] * block + offsets[None, :]  # [P, C]
+      valid = kv_pos[None] < lengths[:, None, None]  # [B, P, C]
+      # Rows past a length may hold anything; 0 * NaN would leak into P.V.
+      v_blk = jnp.where(valid[..., None, None], v_blk, 0)
+      s = online_softmax.apply_mask(
+          s, _visible(valid, kv_pos, row_pos, is_causal, local_window_size))
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
     acc = acc * alpha[..., None] + jnp.einsum(
         "bpkrc,bpckh->bpkrh", p.astype(value.dtype), v_blk,
@@ -443,10 +445,23 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
 
   carry = online_softmax.init(
       (b, splits, num_kv, rows), (b, splits, num_kv, rows, hv), acc_dtype)
-  # Only the blocks below the longest sequence are visited.
+  # Only the blocks below the longest sequence are visited, and the steps
+  # that every new token of every sequence sees whole (typically all but
+  # the last under causal masking) skip the masking arithmetic.
   last = -(-jnp.max(lengths) // block)
-  m_i, l_i, acc = jax.lax.fori_loop(
-      0, jnp.minimum(steps, -(-last // splits)), body, carry)
+  end = jnp.minimum(steps, -(-last // splits))
+  kinds = masking.decode_block_kinds(
+      lengths, query_positions, num_blocks=steps, block=splits * block,
+      is_causal=is_causal, window=local_window_size)
+  full_lo, full_hi = masking.full_run(
+      jnp.where((kinds == masking.FULL).all(axis=0), masking.FULL,
+                masking.PARTIAL), 0)
+  for lo, hi, masked in ((0, full_lo, True), (full_lo, full_hi, False),
+                         (full_hi, end, True)):
+    carry = jax.lax.fori_loop(
+        lo, jnp.maximum(lo, hi), functools.partial(body, masked=masked),
+        carry)
+  m_i, l_i, acc = carry
   out, lse = online_softmax.merge_parts(
       *online_softmax.finalize(m_i, l_i, acc), axis=1)
   return _unpacked(out, lse, query)

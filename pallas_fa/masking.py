@@ -418,15 +418,41 @@ def full_run(kinds: Array, empty_at: Array) -> tuple[Array, Array]:
           jnp.where(contiguous, hi, empty_at))
 
 
+def decode_block_kinds(lengths: Array, q_positions: Array, *,
+                       num_blocks: int, block: int, is_causal: bool,
+                       window) -> Array:
+  """`classify_blocks` of a decoding step's key blocks, int32 [B,
+  num_blocks]: all the new tokens of a sequence form one query block, keys
+  sit at their cache index and those at or past `lengths` are padding.
+
+  Args:
+    lengths: int [B], valid keys per sequence.
+    q_positions: int32 [B, T_new], the new tokens' positions.
+    num_blocks: key blocks per sequence.
+    block: keys per block.
+    is_causal: causal masking on positions.
+    window: (left, right) window on positions, or None.
+  """
+  b = lengths.shape[0]
+  kv_len = num_blocks * block
+  info = MaskInfo(
+      q_positions=q_positions,
+      kv_positions=jnp.broadcast_to(
+          jnp.arange(kv_len, dtype=jnp.int32), (b, kv_len)),
+      q_segment_ids=jnp.zeros(q_positions.shape, jnp.int32),
+      kv_segment_ids=padding_segments(None, lengths, kv_len, KV_PAD_SEGMENT),
+      is_causal=is_causal, window=window)
+  return classify_blocks(info, q_positions.shape[1], block)[:, 0]
+
+
 def split_runs(lengths: Array, q_positions: Array, *, num_blocks: int,
                block: int, splits: int, is_causal: bool,
                window) -> tuple[Array, Array]:
   """The non-empty key blocks of each decoding sequence, cut into `splits`
   contiguous runs (split-KV).
 
-  Keys sit at their cache index and those at or past `lengths` are padding;
-  `classify_blocks` drops the blocks nothing sees (past the length, after
-  the last query under causal, left of the window), and the remaining
+  `decode_block_kinds` drops the blocks nothing sees (past the length,
+  after the last query under causal, left of the window), and the remaining
   range [lo, hi) is cut into runs of ceil((hi - lo) / splits) blocks.
 
   Args:
@@ -442,16 +468,9 @@ def split_runs(lengths: Array, q_positions: Array, *, num_blocks: int,
     (first, end) int32 [B, splits]: split p reads blocks [first, end); an
     empty split has first == end (at the end of the previous run).
   """
-  b = lengths.shape[0]
-  kv_len = num_blocks * block
-  info = MaskInfo(
-      q_positions=q_positions,
-      kv_positions=jnp.broadcast_to(
-          jnp.arange(kv_len, dtype=jnp.int32), (b, kv_len)),
-      q_segment_ids=jnp.zeros(q_positions.shape, jnp.int32),
-      kv_segment_ids=padding_segments(None, lengths, kv_len, KV_PAD_SEGMENT),
+  kinds = decode_block_kinds(
+      lengths, q_positions, num_blocks=num_blocks, block=block,
       is_causal=is_causal, window=window)
-  kinds = classify_blocks(info, q_positions.shape[1], block)[:, 0]
   lo, hi = block_range(kinds)  # [B]
   per = -(-(hi - lo) // splits)
   first = (lo[:, None]
