@@ -387,20 +387,26 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
 
   # Split p reads blocks p, p + splits, p + 2 splits, ...: interleaving keeps
   # every split equally busy whatever the (ragged) lengths. Step j reads
-  # blocks [j * splits, (j + 1) * splits).
+  # blocks [j * splits, (j + 1) * splits), the keys [j * span, (j + 1) *
+  # span); `read(j)` returns them with the cache index of its first key.
+  span = splits * block
   if block_table is None:
     # Each step's blocks are one contiguous slice of the cache (no gather).
     num_blocks = -(-key.shape[1] // block)
     steps = -(-num_blocks // splits)
-    span = splits * block
-    pad = steps * span - key.shape[1]
-    if pad:
+    if key.shape[1] < span:  # A cache shorter than one step: pad it.
+      pad = span - key.shape[1]
       key, value = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
                     for x in (key, value))
+    s_max = key.shape[1]
 
     def read(step):
-      return tuple(
-          jax.lax.dynamic_slice_in_dim(x, step * span, span, 1).reshape(
+      # A last step that would run past the cache reads its last span
+      # instead of a padded copy of the cache; the masked body drops the
+      # keys the step before read.
+      start = jnp.minimum(step * span, s_max - span)
+      return start, *(
+          jax.lax.dynamic_slice_in_dim(x, start, span, 1).reshape(
               b, splits, block, num_kv, x.shape[3])
           for x in (key, value))
   else:
@@ -412,27 +418,27 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
 
     def read(step):
       pages = jax.lax.dynamic_index_in_dim(table, step, 1, keepdims=False)
-      return key[pages], value[pages]  # [B, P, C, K, H]
+      return step * span, key[pages], value[pages]  # [B, P, C, K, H]
 
   if acc_dtype == query.dtype:
     # Full precision: fold the scale into q once instead of per logit.
     q, logit_scale = q * scale, 1.0
   else:
     logit_scale = scale
-  offsets = jnp.arange(block, dtype=jnp.int32)
+  offsets = jnp.arange(span, dtype=jnp.int32).reshape(splits, block)
 
   def body(step, carry, *, masked):
     m_i, l_i, acc = carry
-    k_blk, v_blk = read(step)  # [B, P, C, K, H]
+    start, k_blk, v_blk = read(step)  # [B, P, C, K, H]
     s = jnp.einsum("bkrh,bpckh->bpkrc", q, k_blk, precision=precision,
                    preferred_element_type=acc_dtype)
     if logit_scale != 1.0:
       s = s * logit_scale
     s = online_softmax.soft_cap(s, logits_soft_cap)
     if masked:
-      blocks = step * splits + jnp.arange(splits, dtype=jnp.int32)  # [P]
-      kv_pos = blocks[:, None] * block + offsets[None, :]  # [P, C]
-      valid = kv_pos[None] < lengths[:, None, None]  # [B, P, C]
+      kv_pos = start + offsets  # [P, C]
+      valid = ((kv_pos >= step * span)[None]
+               & (kv_pos[None] < lengths[:, None, None]))  # [B, P, C]
       # Rows past a length may hold anything; 0 * NaN would leak into P.V.
       v_blk = jnp.where(valid[..., None, None], v_blk, 0)
       s = online_softmax.apply_mask(
