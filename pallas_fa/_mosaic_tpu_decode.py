@@ -35,9 +35,11 @@ Blocks are multiples of 128 keys (the lane width of the [R, block] logits)
 for a contiguous cache, a divisor of the page size (a multiple of 8
 sublanes) for a paged one, and as large as `_STEP_BYTES` and the VMEM
 budget allow; very wide heads (thousands of lanes) take blocks below 128
-keys so that the double-buffered tiles fit. float16 computes in float32
-(the TPU's matrix unit has no float16 mode), at the cost of a converted
-copy of the cache. Forward only.
+keys so that the double-buffered tiles fit. A contiguous cache is read in
+place when its head dims are multiples of 128 (its last block may be
+partial); otherwise it is padded, a copy. float16 computes in float32 (the
+TPU's matrix unit has no float16 mode), at the cost of a converted copy of
+the cache. Forward only.
 """
 
 from __future__ import annotations
@@ -284,10 +286,10 @@ def partials(
     per_page = key.shape[1] // block
     num_blocks = block_table.shape[1] * per_page
   else:
+    # The last block may run past S_max: the pipeline reads it partially
+    # (the rows past the cache are unspecified, and past every length, so
+    # masked and zeroed like any padding) rather than from a padded copy.
     num_blocks = -(-key.shape[1] // block)
-    key, value = (
-      masking.pad_axes(x, {1: num_blocks * block}) for x in (key, value)
-    )
   # [B or pages, rows, K * Hp]: one head's (block, Hp) tile is a lane slice.
   key = masking.pad_axes(key, {3: hp}).reshape(*key.shape[:2], -1)
   value = masking.pad_axes(value, {3: hvp}).reshape(*value.shape[:2], -1)

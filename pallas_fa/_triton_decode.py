@@ -15,7 +15,9 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   `masking.visible` with `key < length` as its dense term, and value rows
   past the length are zeroed (they may hold NaN).
 * **Paging.** A contiguous cache [B, S_max, K, H] is read in blocks of
-  `block` keys (a `pl.ds` slice). A paged cache is read through the block
+  `block` keys (a `pl.ds` slice; when S_max is not a multiple of `block`,
+  the last block is the cache's last `block` rows, its keys already read
+  masked). A paged cache is read through the block
   table: `block` is the largest power of two <= the contiguous default that
   divides `page_size` (so a block never straddles two pages), and block j
   of a sequence is rows [(j % per_page) * block, ...) of page
@@ -33,9 +35,9 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
 
 The grid is (B, K, splits * value chunks); `decode.default_num_splits`
 picks the splits (about two programs per streaming multiprocessor, value
-chunks counted). A cache whose S_max is a multiple
-of `block` and whose head dims need no padding is read in place; otherwise
-the padded copy costs one extra pass over it. Forward only.
+chunks counted). A cache whose head dims need no padding (and that holds at
+least one block) is read in place; otherwise the padded copy costs one
+extra pass over it. Forward only.
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def _dot(a, b, precision):
 
 def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             value_chunk: int, value_chunks: int, per_page: int | None,
-            scale: float, soft_cap, is_causal: bool, window, precision):
+            cache_len: int, scale: float, soft_cap, is_causal: bool, window,
+            precision):
   # Grid indices at the kernel's top level (the interpreter resolves
   # `program_id` there, not inside loop bodies).
   column = pl.program_id(2) % value_chunks
@@ -185,16 +188,21 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   q_whole = refs["q"][...] if head_chunks == 1 else None
 
   def key_rows(j):
-    """(leading index, rows) of block j in the K/V refs."""
+    """(position of the first key read, (leading index, rows) in the K/V
+    refs) of block j."""
     if per_page is None:
-      return (pl.ds(pl.multiple_of(j * block, block), block),)
+      # A last block that would run past the cache reads the cache's last
+      # `block` rows instead (no padded copy); the keys of block j - 1
+      # among them are masked.
+      start = jnp.minimum(j * block, cache_len - block)
+      return start, (pl.ds(start, block),)
     page = refs["table"][j // per_page]
     offset = pl.multiple_of((j % per_page) * block, block)
-    return page, pl.ds(offset, block)
+    return j * block, (page, pl.ds(offset, block))
 
   def step(j, carry):
     m_i, l_i, acc = carry
-    lead = key_rows(j)
+    start, lead = key_rows(j)
     if head_chunks == 1:
       qk = _dot_nt(q_whole, refs["k"][(*lead, slice(None))], precision)
     else:
@@ -206,8 +214,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
       qk = jax.lax.fori_loop(0, head_chunks, chunk,
                              jnp.zeros((rows, block), _F32))
     s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap, base2=True)
-    kv_pos = j * block + jnp.arange(block, dtype=jnp.int32)
-    valid = kv_pos < length
+    kv_pos = start + jnp.arange(block, dtype=jnp.int32)
+    valid = (kv_pos >= j * block) & (kv_pos < length)
     s = online_softmax.apply_mask(s, masking.visible(
         is_causal=is_causal, window=window, q_pos=row_pos,
         kv_pos=kv_pos[None, :], dense=valid[None, :]))
@@ -259,15 +267,17 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
   row_pos = masking.pad_axes(row_pos, {1: rows})
   if block_table is None:
     num_blocks = -(-key.shape[1] // block)
-    key = masking.pad_axes(key, {1: num_blocks * block, 3: hp})
-    value = masking.pad_axes(value, {1: num_blocks * block, 3: hvp})
+    # Only a cache shorter than one block is padded (to one block).
+    cache_len = max(key.shape[1], block)
+    key = masking.pad_axes(key, {1: cache_len, 3: hp})
+    value = masking.pad_axes(value, {1: cache_len, 3: hvp})
     per_page = None
-    cache_block = (None, num_blocks * block, None)
+    cache_block = (None, cache_len, None)
 
     def cache_index(i, k, j):
       return (i, 0, k, 0)
   else:
-    page_size = key.shape[1]
+    page_size = cache_len = key.shape[1]
     per_page = page_size // block
     num_blocks = block_table.shape[1] * per_page
     key = masking.pad_axes(key, {3: hp})
@@ -313,7 +323,8 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
   kernel = functools.partial(
       _kernel, block=block, head_chunk=head_chunk,
       head_chunks=hp // head_chunk, value_chunk=value_chunk,
-      value_chunks=num_value_chunks, per_page=per_page, scale=scale,
+      value_chunks=num_value_chunks, per_page=per_page,
+      cache_len=cache_len, scale=scale,
       soft_cap=logits_soft_cap, is_causal=is_causal,
       window=local_window_size, precision=precision)
   warps, stages = _launch(rows, max(head_chunk, value_chunk))
