@@ -85,7 +85,9 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         dk, dv = carry
         slot = lax.rem(rep_base + i - ulo, stages)
         plgpu.barrier_wait(q_bar.at[slot])
-        qk_t = ops.mm(k_own, q_smem.at[slot], transpose_b=True)  # [bk, bq]
+        w = kernel.stationary_in_step(spec, wg)
+        k_tile, v_tile = k_smem.at[w], v_smem.at[w]
+        qk_t = ops.mm(k_tile, q_smem.at[slot], transpose_b=True)  # [bk, bq]
         s_t, capped_t = kernel.logits(spec, qk_t)
         lse2 = ops.load_vector(lse_smem.at[slot], 1)
         if masked:
@@ -104,7 +106,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
               q_start=i * bq, kv_start=key0, q_axis=1)
 
         plgpu.barrier_wait(do_bar.at[slot])
-        dp_t_fresh = dict(a=v_own, b=do_smem.at[slot], transpose_b=True)
+        dp_t_fresh = dict(a=v_tile, b=do_smem.at[slot], transpose_b=True)
         if want_dv:  # Built only when used: dead code can stall Mosaic.
           dv_update = dict(a=dropped(p_t).astype(spec.dtype),
                            b=do_smem.at[slot], a_in_smem=False, acc=dv)

@@ -81,9 +81,10 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       slot = lax.rem(base + j - ulo, stages)
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
+      w = kernel.stationary_in_step(spec, wg)
       qk, dp = ops.mm_pair(  # [bq, bk] each
-          dict(a=q_own, b=k_smem.at[slot], transpose_b=True),
-          dict(a=do_own, b=v_smem.at[slot], transpose_b=True))
+          dict(a=q_smem.at[w], b=k_smem.at[slot], transpose_b=True),
+          dict(a=do_smem.at[w], b=v_smem.at[slot], transpose_b=True))
       plgpu.barrier_arrive(v_free.at[slot])
       if spec.dropout_rate:  # dP of the dropped probabilities.
         dp = kernel.apply_dropout(

@@ -83,7 +83,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       slot = lax.rem(base + j - ulo, stages)
       plgpu.barrier_wait(k_bar.at[slot])
       qk = ops.mm(
-          qo, k_smem.at[slot], transpose_b=True,
+          qo_smem.at[kernel.stationary_in_step(spec, wg)],
+          k_smem.at[slot], transpose_b=True,
           between=perform_schedule_barrier if spec.pingpong else None,
       )  # [bq, bk]
       k_p = k_s = None

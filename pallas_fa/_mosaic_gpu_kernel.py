@@ -35,6 +35,7 @@ import importlib
 import inspect
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -46,6 +47,8 @@ from pallas_fa import masking
 from pallas_fa import online_softmax
 
 Array = Any
+
+_JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
 
 # Producer register budget (setmaxnreg, the hardware minimum); it only
 # issues TMA copies.
@@ -320,6 +323,26 @@ def produce(*, units, cta, reps, sched_ref, groups, stages):
       plgpu.barrier_wait(consumed.at[slot])
 
   lax.fori_loop(jnp.maximum(total - stages, 0), total, drain, None)
+
+
+def stationary_in_step(spec: Spec, wg):
+  """The index of a consumer's stationary tiles, to address them in a step.
+
+  A stationary tile's address is the same in every step of a unit, so the
+  compiler hoists the wgmma descriptors built from it (one 64-bit descriptor
+  per 16-wide slice of the contraction: 32 registers for a 256-wide head)
+  out of the step loop, where they stay live beside the accumulators; at
+  H = 256 that spilled. Passed through an optimization barrier in each step,
+  the index is opaque there and the descriptors are rebuilt in the step
+  from a few integer operations instead.
+
+  jax 0.10's warpgroup lowering takes no scalar through a barrier; a kernel
+  lowered that way (an explicit `lowering_semantics="warpgroup"` there)
+  keeps the hoisted descriptors.
+  """
+  if spec.lowering_semantics == "warpgroup" and _JAX_VERSION < (0, 11):
+    return wg
+  return lax.optimization_barrier(wg)
 
 
 def phases(sched_ref, b, row, wg, step_fn, carry, masked: bool):

@@ -182,10 +182,10 @@ def heuristic_block_sizes(
   128 one consumer per CTA (256 registers a thread instead of 240) and
   split dK/dV passes, so that the float32 accumulators fit the registers.
   The streamed tiles are the widest that compile without spilling
-  (`scripts/compile_check.py`; what still spills is listed in
-  scripts/known_spills.json): past head dim 64 the logit tiles of the
-  backward kernels are 32 wide, past 128 those of dQ too, and dropout,
-  which hashes every probability in registers, takes narrower tiles still.
+  (`scripts/compile_check.py`): 128 up to head dim 128 and 64 beyond; the
+  dK/dV kernel's are 64, and 32 with dropout at head dims 72..128, where
+  its two accumulators and the hashing of every probability share 240
+  registers.
 
   Args:
     q_len: T (the tiling does not depend on it).
@@ -207,18 +207,13 @@ def heuristic_block_sizes(
   hv = value_head_dim or head_dim
   hp = layout.padded_head_dim(max(head_dim, hv), ALIGN)
   wide, narrow = hp > 128, hp <= 64
-  if wide:
-    block_kv, block_kv_dq = (32 if dropout else 64), 32
-  elif narrow:
-    block_kv, block_kv_dq = (64, 64) if dropout else (128, 128)
-  else:
-    block_kv, block_kv_dq = (64, 32) if dropout else (128, 64)
+  block_kv = 64 if wide else 128
   base = MosaicGpuBlockSizes(
       block_q=64,
       block_kv=block_kv,
       num_stages=2,
-      block_kv_dq=block_kv_dq,
-      block_q_dkv=64 if narrow else 32,
+      block_kv_dq=block_kv,
+      block_q_dkv=32 if dropout and not (wide or narrow) else 64,
       num_consumers_dq=1 if wide else 2,
       num_consumers_dkv=1 if wide else 2,
       split_dkv=wide,
@@ -232,7 +227,7 @@ def heuristic_block_sizes(
       base = candidate
       break
   if smem(base)["dq"] > SHARED_MEMORY_BYTES:
-    base = dataclasses.replace(base, block_kv_dq=min(block_kv_dq, 64))
+    base = dataclasses.replace(base, block_kv_dq=64)
   return base
 
 

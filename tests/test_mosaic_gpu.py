@@ -305,7 +305,8 @@ def _lower_for_hopper(case: Case, dtype, block_sizes=None):
     (Case(b=1, t=200, s=200, n=2, k=2, h=72), jnp.bfloat16,
      mosaic_gpu.MosaicGpuBlockSizes(
          block_q=128, block_kv=64, num_stages=3, pingpong=False,
-         block_kv_dq=128, num_consumers_dkv=1, num_ctas=3), 3),
+         block_kv_dq=128, block_q_dkv=32, num_consumers_dkv=1,
+         num_ctas=3), 3),
 ], ids=["h128-causal-gqa", "h256-window-segments-cap-f16", "h72-custom"])
 def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
   text = _lower_for_hopper(case, dtype, block_sizes)
