@@ -137,6 +137,16 @@ def test_any_split_and_block(num_splits, block_kv):
          name="splits")
 
 
+@pytest.mark.parametrize("t, num_splits, paged", [
+    (4, 1, False), (1, 3, False), (2, 1, True)])
+def test_one_sequence_one_kv_head(t, num_splits, paged):
+  # Every batch axis of the decode einsums is 1, so they run as plain matrix
+  # products (`decode._einsum`); with 3 splits the split axis stays.
+  _check(b=1, t=t, n=8, num_kv=1, num_splits=num_splits,
+         block_kv=None if paged else 32, page_size=16 if paged else None,
+         soft_cap=30.0, name="one sequence")
+
+
 def test_paged_splits_and_features():
   _check(page_size=8, num_splits=5, window=(40, 0), soft_cap=20.0,
          positions=True, t=4, n=8, num_kv=2, hv=48, name="features")
