@@ -48,8 +48,6 @@ from pallas_fa import online_softmax
 
 Array = Any
 
-_JAX_VERSION = tuple(int(x) for x in jax.__version__.split(".")[:2])
-
 # Producer register budget (setmaxnreg, the hardware minimum); it only
 # issues TMA copies.
 _PRODUCER_REGISTERS = 24
@@ -340,7 +338,7 @@ def stationary_in_step(spec: Spec, wg):
   lowered that way (an explicit `lowering_semantics="warpgroup"` there)
   keeps the hoisted descriptors.
   """
-  if spec.lowering_semantics == "warpgroup" and _JAX_VERSION < (0, 11):
+  if spec.lowering_semantics == "warpgroup" and jax.__version_info__ < (0, 11):
     return wg
   return lax.optimization_barrier(wg)
 
