@@ -5,8 +5,9 @@ materialised reference (`pallas_fa.testing.reference`) on the same inputs,
 then timed: the median of `--repeats` runs after warm-up. The table reports
 milliseconds, FLOP/s (GFLOP/s on CPU, TFLOP/s elsewhere), the percentage of the
 machine's own matmul rate measured in the same run, the speed-up against the
-`jax.nn.dot_product_attention(implementation="xla")` peer
-(peer time / this time), and peak memory.
+`jax.nn.dot_product_attention` peers measured in the same run,
+`implementation="cudnn"` (on GPU) and `"xla"` (peer time / this time), and
+peak memory. `--markdown` writes the same results as one Markdown table.
 
 FLOPs follow the FlashAttention convention: forward 4*B*N*T*S*H, halved for
 causal attention when T == S; backward 2.5x forward, so forward+backward is
@@ -27,11 +28,13 @@ Commands (from the repository root):
 
   # GPU, the FlashAttention protocol: bfloat16, B*T = 16k tokens, N*H = 2048,
   # H in {64, 128, 256}, T in 512..16k, causal and not; peers jax.nn xla and
-  # cudnn, JAX's Pallas `mha` and (Hopper) `attention_mgpu`. One head dim per
+  # cudnn, JAX's Pallas `mha` and (Hopper) `attention_mgpu`, and tokamax's
+  # triton and mosaic kernels where tokamax imports. One head dim per
   # command keeps each run short:
   python scripts/benchmark.py --grid=fa --head_dim=64 \
       --json=benchmarks/results/h100_d64.json \
-      --plot=benchmarks/results/h100_d64.png
+      --plot=benchmarks/results/h100_d64.png \
+      --markdown=benchmarks/results/h100_d64.md
 
   # A quick look at a few shapes:
   python scripts/benchmark.py --grid=cpu --seq_lens=256,512 --modes=fwd \
@@ -96,7 +99,8 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
   Returns:
     {"meta": device, versions, command, settings; "matmul": the ceiling;
     "results": one record per cell (see `cells.run_cell`), with the speed-up
-    against jax:xla and the percentage of the matmul rate}.
+    against each `options.BASELINES` peer and the percentage of the matmul
+    rate}.
   """
   platform = api.platform()
   say = _say(verbose)
@@ -169,6 +173,9 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.plot:
     report_lib.plot(report, FLAGS.plot, FLAGS.plot_metric)
     print(f"wrote {FLAGS.plot}")
+  if FLAGS.markdown:
+    report_lib.write_text(report_lib.format_markdown(report), FLAGS.markdown)
+    print(f"wrote {FLAGS.markdown}")
 
 
 if __name__ == "__main__":

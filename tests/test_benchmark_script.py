@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
@@ -72,6 +73,23 @@ def test_sweep_writes_json_table_and_plot(benchmark, tmp_path):
 
   table = benchmark.report_lib.format_table(report)
   assert "chunked" in table and "jax:xla" in table and "GFLOP/s" in table
+  # No cuDNN on a CPU: its ratio is None and has no column.
+  assert all(r["speedup_vs_cudnn"] is None for r in report["results"])
+  assert "vs xla" in table and "vs cudnn" not in table
+
+  markdown = benchmark.report_lib.format_markdown(report)
+  lines = markdown.splitlines()
+  assert lines[2] == "| mode | causal | H | T | chunked | jax:xla |"
+  rows = [line for line in lines if line.startswith("| fwd")]
+  assert len(rows) == 2  # fwd, fwd_bwd (causal only)
+  for row in rows:
+    mode, causal, h, t, ours, peer = (c.strip() for c in row.strip("|")
+                                      .split("|"))
+    r = cells[("chunked", mode, True)]
+    assert (causal, h, t) == ("yes", "16", "64")
+    assert ours == (f"{r['flops_per_s'] / 1e9:.1f} "
+                    f"({r['speedup_vs_xla']:.2f}x)")
+    assert peer.endswith("(1.00x)")
   png = tmp_path / "bench.png"
   benchmark.report_lib.plot(report, str(png))
   assert png.read_bytes()[:4] == b"\x89PNG"
@@ -124,6 +142,60 @@ def test_check_catches_wrong_gradient(benchmark, monkeypatch):
   r = cells[("chunked", "fwd_bwd", False)]
   assert r["status"] == "wrong", r
   assert r["reason"].startswith("dk disagrees"), r["reason"]
+
+
+def _fake_tokamax(calls, *, honour_causal=True):
+  """A stand-in for the `tokamax` package: its `dot_product_attention`
+  records its keyword arguments and computes with `jax.nn`."""
+  module = types.ModuleType("tokamax")
+
+  def dot_product_attention(q, k, v, *, scale, is_causal, implementation):
+    calls.append(dict(scale=scale, is_causal=is_causal,
+                      implementation=implementation))
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=is_causal and honour_causal)
+
+  module.dot_product_attention = dot_product_attention
+  return module
+
+
+def test_tokamax_peer_is_called_as_documented_and_checked(
+    benchmark, monkeypatch):
+  calls = []
+  monkeypatch.setitem(sys.modules, "tokamax", _fake_tokamax(calls))
+  settings = _settings(benchmark, causal="true", impls=[],
+                       peers=["tokamax_xla_chunked", "tokamax_triton"],
+                       matmul_size=0)
+  report = benchmark.run(settings, verbose=False)
+  cells = _by_cell(report)
+  # Triton kernels are not timed in interpret mode: no cell at all.
+  assert set(cells) == {("tokamax:xla_chunked", m, True)
+                        for m in ("fwd", "fwd_bwd")}
+  for r in cells.values():
+    assert r["status"] == "ok" and r["kind"] == "peer", r
+  assert calls and all(
+      c == dict(scale=0.25, is_causal=True, implementation="xla_chunked")
+      for c in calls)
+  assert benchmark.cells.peer_unavailable_reason(
+      "tokamax_mosaic", "cpu") == "a GPU kernel (needs a GPU)"
+
+  # A peer with wrong results is reported as wrong, not timed.
+  monkeypatch.setitem(sys.modules, "tokamax",
+                      _fake_tokamax([], honour_causal=False))
+  report = benchmark.run(settings, verbose=False)
+  for r in report["results"]:
+    assert r["status"] == "wrong" and r["ms"] is None, r
+
+
+def test_missing_tokamax_is_reported_not_raised(benchmark, monkeypatch):
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # import fails
+  reason = benchmark.cells.peer_unavailable_reason(
+      "tokamax_xla_chunked", "cpu")
+  assert reason.startswith("cannot import tokamax"), reason
+  settings = _settings(benchmark, peers=["tokamax_xla_chunked"],
+                       matmul_size=0)
+  report = benchmark.run(settings, verbose=False)
+  assert {r["impl"] for r in report["results"]} == {"chunked"}
 
 
 @pytest.mark.slow

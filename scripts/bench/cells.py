@@ -82,6 +82,10 @@ def peer_unavailable_reason(name: str, platform: str) -> str | None:
     if platform != "tpu":
       return "a TPU kernel (needs a TPU)"
     module = "jax.experimental.pallas.ops.tpu.flash_attention"
+  elif name in options.PEERS and name.startswith(options.TOKAMAX_PREFIX):
+    if _tokamax_implementation(name) != "xla_chunked" and platform != "gpu":
+      return "a GPU kernel (needs a GPU)"
+    module = "tokamax"
   else:
     return f"unknown peer {name!r}"
   try:
@@ -89,6 +93,12 @@ def peer_unavailable_reason(name: str, platform: str) -> str | None:
   except NotImplementedError as e:
     return str(e)
   return None
+
+
+def _tokamax_implementation(name: str) -> str:
+  """tokamax's `implementation=` for peer `name` ("tokamax_triton" ->
+  "triton")."""
+  return name[len(options.TOKAMAX_PREFIX):]
 
 
 def _mgpu_config(module, causal: bool):
@@ -151,6 +161,14 @@ def attention_fn(candidate: options.Candidate,
       return bnth(out)
 
     return tpu
+  if name.startswith(options.TOKAMAX_PREFIX):
+    module = _import("tokamax")
+    implementation = _tokamax_implementation(name)
+    # tokamax picks its own block sizes: its shipped autotuning cache for
+    # this device and shape, else its heuristics (it autotunes nothing).
+    return lambda q, k, v: module.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal,
+        implementation=implementation)
   raise NotImplementedError(f"unknown peer {name!r}")
 
 

@@ -12,18 +12,26 @@ from pallas_fa import testing
 MODES = ("fwd", "fwd_bwd")
 DTYPES = testing.DTYPES
 # Peers: `jax.nn.dot_product_attention` (xla, cudnn), JAX's Pallas Triton
-# `mha`, its Hopper Mosaic GPU `attention_mgpu` and its TPU `flash_attention`.
-PEERS = ("xla", "cudnn", "pallas_mha", "pallas_mgpu", "pallas_tpu")
+# `mha`, its Hopper Mosaic GPU `attention_mgpu` and its TPU `flash_attention`,
+# and tokamax's `dot_product_attention` (its Pallas Triton and Mosaic GPU
+# kernels, and its blockwise XLA one, which also runs on a CPU) where tokamax
+# is installed (it needs jax >= 0.11.1; BUILD.md says how to carry it).
+PEERS = ("xla", "cudnn", "pallas_mha", "pallas_mgpu", "pallas_tpu",
+         "tokamax_triton", "tokamax_mosaic", "tokamax_xla_chunked")
+TOKAMAX_PREFIX = "tokamax_"
 DEFAULT_PEERS = {
     "cpu": ("xla",),
-    "gpu": ("xla", "cudnn", "pallas_mha", "pallas_mgpu"),
+    "gpu": ("xla", "cudnn", "pallas_mha", "pallas_mgpu", "tokamax_triton",
+            "tokamax_mosaic"),
     "tpu": ("xla", "pallas_tpu"),
 }
 # The candidates that materialise the [B, N, T, S] logits: a bare number in
 # --peer_max_seq limits these.
 MATERIALISING = ("jax:xla", "xla")
-# The peer every ratio is taken against.
-BASELINE = "jax:xla"
+# The peers ratios are taken against: record field -> peer label. Each
+# record gets every field (None where that peer has no time for the cell).
+# In order of preference: the Markdown table shows the first with a time.
+BASELINES = {"speedup_vs_cudnn": "jax:cudnn", "speedup_vs_xla": "jax:xla"}
 
 PRESETS = {
     # The foundation's CPU targets.
@@ -109,6 +117,10 @@ OPTIONS = (
     Option("json", "string", "Write the results as JSON here.",
            setting=False),
     Option("plot", "string", "Write a PNG plot here.", setting=False),
+    Option("markdown", "string",
+           "Write a Markdown table here: a row per (mode, causal, H, T), a "
+           "column per candidate, FLOP/s and the ratio against cuDNN (else "
+           "xla).", setting=False),
     Option("plot_metric", "enum", "Plot's y axis.", "flops",
            ("flops", "ms"), setting=False),
     Option("isolate", "bool",
@@ -179,7 +191,11 @@ class Candidate:
 
   @property
   def label(self) -> str:
-    return self.name if self.kind == "impl" else f"jax:{self.name}"
+    if self.kind == "impl":
+      return self.name
+    if self.name.startswith(TOKAMAX_PREFIX):
+      return "tokamax:" + self.name[len(TOKAMAX_PREFIX):]
+    return f"jax:{self.name}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

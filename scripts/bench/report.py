@@ -26,15 +26,16 @@ def _cell_key(r: dict) -> tuple:
 
 
 def add_ratios(results: list[dict], ceiling: dict | None) -> None:
-  """Adds each record's speed-up against the baseline peer and its
-  percentage of the matmul ceiling (None where either is unknown)."""
-  baseline = {}
+  """Adds each record's speed-up against every baseline peer
+  (`options.BASELINES`: peer time / this time) and its percentage of the
+  matmul ceiling (None where either is unknown)."""
+  for field, label in options.BASELINES.items():
+    peer_ms = {_cell_key(r): r["ms"] for r in results
+               if r["impl"] == label and r["ms"]}
+    for r in results:
+      ms = peer_ms.get(_cell_key(r))
+      r[field] = ms / r["ms"] if ms and r["ms"] else None
   for r in results:
-    if r["impl"] == options.BASELINE and r["ms"]:
-      baseline[_cell_key(r)] = r["ms"]
-  for r in results:
-    peer_ms = baseline.get(_cell_key(r))
-    r["speedup_vs_xla"] = peer_ms / r["ms"] if peer_ms and r["ms"] else None
     r["pct_matmul"] = (
         100.0 * r["flops_per_s"] / ceiling["flops_per_s"]
         if ceiling and r.get("flops_per_s") else None)
@@ -115,22 +116,86 @@ def format_table(report: dict) -> str:
   else:
     lines.append("peak MB: ~ = XLA's compiled estimate (arguments + outputs "
                  "+ temporaries); --isolate measures the real peak")
-  lines.append(f"vs xla: {options.BASELINE} time / this time (speed-up)")
+  ratios = _ratio_columns(results)
+  for field in ratios:
+    lines.append(f"{_ratio_title(field)}: {options.BASELINES[field]} time / "
+                 "this time (speed-up)")
   header = (f"{'mode':7} {'causal':6} {'B':>3} {'N':>3} {'H':>3} {'T':>6} "
-            f"{'impl':16} {'ms':>10} {unit:>8} {'%mm':>5} {'vs xla':>7} "
-            f"{'peak MB':>8}  status")
+            f"{'impl':20} {'ms':>10} {unit:>8} {'%mm':>5} "
+            + "".join(f"{_ratio_title(f):>9} " for f in ratios)
+            + f"{'peak MB':>8}  status")
   lines += [header, "-" * len(header)]
   for r in results:
     ms = f"{r['ms']:.3f}" if r["ms"] else "-"
     flops = f"{r['flops_per_s'] / div:.2f}" if r.get("flops_per_s") else "-"
     pct = f"{r['pct_matmul']:.0f}%" if r.get("pct_matmul") else "-"
-    ratio = (f"{r['speedup_vs_xla']:.2f}x" if r.get("speedup_vs_xla")
-             else "-")
     status = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
     lines.append(
         f"{r['mode']:7} {str(r['causal']):6} {r['batch']:>3} {r['heads']:>3} "
-        f"{r['head_dim']:>3} {r['seq_len']:>6} {r['impl']:16} {ms:>10} "
-        f"{flops:>8} {pct:>5} {ratio:>7} {_memory_cell(r):>8}  {status}")
+        f"{r['head_dim']:>3} {r['seq_len']:>6} {r['impl']:20} {ms:>10} "
+        f"{flops:>8} {pct:>5} "
+        + "".join(f"{_ratio(r, f):>9} " for f in ratios)
+        + f"{_memory_cell(r):>8}  {status}")
+  return "\n".join(lines)
+
+
+def _ratio_columns(results: list[dict]) -> list[str]:
+  """The `options.BASELINES` fields that some record has a value for."""
+  return [f for f in options.BASELINES if any(r.get(f) for r in results)]
+
+
+def _ratio_title(field: str) -> str:
+  return field.replace("speedup_", "").replace("_", " ")  # "vs cudnn"
+
+
+def _ratio(r: dict, field: str) -> str:
+  return f"{r[field]:.2f}x" if r.get(field) else "-"
+
+
+def format_markdown(report: dict) -> str:
+  """The results as one Markdown table: a row per (mode, causal, H, T), a
+  column per candidate with its FLOP/s and its speed-up against the first
+  of `options.BASELINES` that has a time for the cell (cuDNN where it ran,
+  else xla).
+
+  Args:
+    report: the value of `benchmark.run`.
+
+  Returns:
+    The table, headed by one line naming the device, versions and units.
+  """
+  meta, results = report["meta"], report["results"]
+  unit, div = _unit(meta["platform"])
+  ratios = _ratio_columns(results)
+  labels = list(dict.fromkeys(r["impl"] for r in results))
+  rows = {}
+  for r in results:
+    key = (options.MODES.index(r["mode"]), r["causal"], r["head_dim"],
+           r["seq_len"])
+    rows.setdefault(key, {})[r["impl"]] = r
+  peers = ", else ".join(options.BASELINES[f] for f in ratios)
+  ratio_note = f"; (ratio) = {peers} time / this time" if ratios else ""
+  lines = [
+      f"{meta['device_kind']}, jax {meta['jax_version']}, "
+      f"{results[0]['dtype'] if results else ''}; {unit}{ratio_note}",
+      "",
+      "| mode | causal | H | T | " + " | ".join(labels) + " |",
+      "|---|---|---|---|" + "---|" * len(labels),
+  ]
+  for (mode, causal, h, t), by_label in sorted(rows.items()):
+    cells = []
+    for label in labels:
+      r = by_label.get(label)
+      if r is None:
+        cells.append("")
+      elif not r["ms"]:
+        cells.append(r["status"])
+      else:
+        field = next((f for f in ratios if r.get(f)), None)
+        ratio = f" ({r[field]:.2f}x)" if field else ""
+        cells.append(f"{r['flops_per_s'] / div:.1f}{ratio}")
+    lines.append(f"| {options.MODES[mode]} | {'yes' if causal else 'no'} | "
+                 f"{h} | {t} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -151,6 +216,13 @@ def write_json(report: dict, path: str) -> None:
   with open(path, "w") as f:
     json.dump(report, f, indent=1, default=str)
     f.write("\n")
+
+
+def write_text(text: str, path: str) -> None:
+  """Writes `text` (and a final newline) to `path`, creating its folder."""
+  _make_parent(path)
+  with open(path, "w") as f:
+    f.write(text + "\n")
 
 
 def plot(report: dict, path: str, metric: str = "flops") -> None:
