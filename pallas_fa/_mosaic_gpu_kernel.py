@@ -298,10 +298,16 @@ def produce(*, units, cta, reps, sched_ref, groups, stages):
         step = base + j - ulo
         slot = lax.rem(step, stages)
         for loaded, consumed, copies in groups:
-          # A slot is refilled only once every consumer released it.
+          # A slot is refilled only once every consumer released it. The
+          # consumers read some of it with plain shared-memory loads (the
+          # generic proxy: positions, segment ids, lse, delta) and the refill
+          # writes it through the TMA (the async proxy): the proxy fence
+          # orders the refill after those reads, which the release barrier
+          # alone orders only within the generic proxy.
           @pl.when(step >= stages)
           def _(consumed=consumed):
             plgpu.barrier_wait(consumed.at[slot])
+            plgpu.commit_smem()
 
           for src, dst in copies(b, head, r, j, slot):
             plgpu.copy_gmem_to_smem(src, dst, loaded.at[slot])

@@ -5,11 +5,14 @@
   head dims 64..256, both dtypes and every mask feature.
 * The same kernel bodies run in the Mosaic GPU interpreter on CPU (warp
   specialisation, barriers, TMA ring, ping-pong, tile schedule and math) and
-  are compared with the float32 reference under the FlashAttention rule.
+  are compared with the float32 reference under the FlashAttention rule,
+  also under the interpreter's race detector.
 * Config validation, the heuristic, the tile schedule and `check` decisions
   are checked directly.
 """
 
+import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -371,12 +374,14 @@ def test_interpreted_forward_window_segments():
       np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=1e-3)
 
 
-def _check_interpreted(q, k, v, kw, gen):
-  """The interpreted kernels' out, lse, dq, dk, dv (small tiles) against
-  the float32 reference under the FlashAttention rule (bfloat16 inputs)."""
+def _check_interpreted(q, k, v, kw, gen, **block_sizes):
+  """The interpreted kernels' out, lse, dq, dk, dv (small tiles, updated by
+  `block_sizes`) against the float32 reference under the FlashAttention
+  rule (bfloat16 inputs)."""
   dout = testing.normal(gen, q.shape[:-1] + v.shape[-1:])
   dlse = testing.normal(gen, q.shape[:-1])
-  fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
+  fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(
+      **{**_SMALL, **block_sizes}))
   got = run(fn, q, k, v, kw, dout, dlse)
   want = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
   same = run(reference_fn(jnp.bfloat16), q, k, v, kw, dout, dlse)
@@ -432,6 +437,75 @@ def test_interpreted_split_dkv_single_consumer_round_robin():
   check_against_reference(
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
       rng("mosaic_gpu", "split"))
+
+
+def _race_detector():
+  """(get_races, reset) of the Mosaic GPU interpreter's happens-before race
+  detector, or a skip where this jax has none."""
+  try:
+    interpreter = importlib.import_module(
+        "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    get_races = interpreter.get_races
+    reset = interpreter.reset_gpu_interpret_mode_state
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"this jax has no Mosaic GPU race detector ({e})")
+  if "detect_races" not in {
+      f.name for f in dataclasses.fields(kernel.interpret_params())}:
+    pytest.skip("this jax's Mosaic GPU interpreter cannot detect races")
+  return get_races, reset
+
+
+@needs_interpreter
+@pytest.mark.parametrize("config, kernels", [
+    (dict(), {"pfa_mgpu_forward", "pfa_mgpu_dq", "pfa_mgpu_dk_dv"}),
+    pytest.param(
+        dict(num_consumers=1, pingpong=False, num_consumers_dq=1,
+             num_consumers_dkv=1, split_dkv=True, num_stages=3,
+             num_stages_bwd=3, dropout=True),
+        {"pfa_mgpu_forward", "pfa_mgpu_dq", "pfa_mgpu_dk", "pfa_mgpu_dv"},
+        marks=pytest.mark.slow),
+], ids=["two-consumers", "one-consumer-split-dropout"])
+def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
+  """Every kernel under the interpreter's happens-before race detector: the
+  producer refills ring slots (more steps than stages, several units and
+  GQA repeats) that the consumers read both as matmul operands and as
+  plain vectors (positions, segment ids, lse, delta). A refill not ordered
+  after every consumer's reads of the slot, a read not ordered after its
+  TMA load, or (jax >= 0.11, which models the two memory proxies) a TMA
+  write not fenced after plain shared-memory reads is a race. The detector
+  keeps one kernel's verdict, so the kernels run eagerly and each verdict
+  is read after its launch; the results are checked against the reference
+  too."""
+  get_races, reset = _race_detector()
+  config = dict(config)
+  dropout = config.pop("dropout", False)
+  real_params, real_launch = kernel.interpret_params, kernel.launch
+  monkeypatch.setattr(
+      kernel, "interpret_params",
+      lambda: dataclasses.replace(real_params(), detect_races=True))
+  verdicts = []
+
+  def launch(spec, *, name, **kwargs):
+    reset()
+    outputs = jax.block_until_ready(real_launch(spec, name=name, **kwargs))
+    verdicts.append((name, get_races().races_found))
+    return outputs
+
+  monkeypatch.setattr(kernel, "launch", launch)
+  case = Case(b=1, t=160, s=256, n=4, k=2, h=32, causal=True, segments=True,
+              lengths=True)
+  gen = rng("mosaic_gpu", "races", *sorted(config))
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  if dropout:
+    kw.update(dropout_rate=0.2, dropout_rng=int(gen.integers(1 << 30)))
+  try:
+    with jax.disable_jit():
+      _check_interpreted(q, k, v, kw, gen, **config)
+  finally:
+    reset()
+  assert {name for name, _ in verdicts} == kernels, verdicts
+  raced = [name for name, found in verdicts if found]
+  assert not raced, f"races reported (printed above) in {raced}"
 
 
 @pytest.mark.slow
