@@ -82,8 +82,8 @@ def peer_unavailable_reason(name: str, platform: str) -> str | None:
     if platform != "tpu":
       return "a TPU kernel (needs a TPU)"
     module = "jax.experimental.pallas.ops.tpu.flash_attention"
-  elif name in options.PEERS and name.startswith(options.TOKAMAX_PREFIX):
-    if _tokamax_implementation(name) != "xla_chunked" and platform != "gpu":
+  elif (tokamax := options.tokamax_implementation(name)) is not None:
+    if tokamax != "xla_chunked" and platform != "gpu":
       return "a GPU kernel (needs a GPU)"
     module = "tokamax"
   else:
@@ -93,12 +93,6 @@ def peer_unavailable_reason(name: str, platform: str) -> str | None:
   except NotImplementedError as e:
     return str(e)
   return None
-
-
-def _tokamax_implementation(name: str) -> str:
-  """tokamax's `implementation=` for peer `name` ("tokamax_triton" ->
-  "triton")."""
-  return name[len(options.TOKAMAX_PREFIX):]
 
 
 def _mgpu_config(module, causal: bool):
@@ -161,9 +155,9 @@ def attention_fn(candidate: options.Candidate,
       return bnth(out)
 
     return tpu
-  if name.startswith(options.TOKAMAX_PREFIX):
+  implementation = options.tokamax_implementation(name)
+  if implementation is not None:
     module = _import("tokamax")
-    implementation = _tokamax_implementation(name)
     # tokamax picks its own block sizes: its shipped autotuning cache for
     # this device and shape, else its heuristics (it autotunes nothing).
     return lambda q, k, v: module.dot_product_attention(

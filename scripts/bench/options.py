@@ -18,7 +18,17 @@ DTYPES = testing.DTYPES
 # is installed (it needs jax >= 0.11.1; BUILD.md says how to carry it).
 PEERS = ("xla", "cudnn", "pallas_mha", "pallas_mgpu", "pallas_tpu",
          "tokamax_triton", "tokamax_mosaic", "tokamax_xla_chunked")
-TOKAMAX_PREFIX = "tokamax_"
+_TOKAMAX_PREFIX = "tokamax_"
+
+
+def tokamax_implementation(peer: str) -> str | None:
+  """tokamax's `implementation=` of a tokamax peer ("tokamax_triton" ->
+  "triton"), or None for any other peer."""
+  if peer not in PEERS or not peer.startswith(_TOKAMAX_PREFIX):
+    return None
+  return peer[len(_TOKAMAX_PREFIX):]
+
+
 DEFAULT_PEERS = {
     "cpu": ("xla",),
     "gpu": ("xla", "cudnn", "pallas_mha", "pallas_mgpu", "tokamax_triton",
@@ -193,8 +203,9 @@ class Candidate:
   def label(self) -> str:
     if self.kind == "impl":
       return self.name
-    if self.name.startswith(TOKAMAX_PREFIX):
-      return "tokamax:" + self.name[len(TOKAMAX_PREFIX):]
+    implementation = tokamax_implementation(self.name)
+    if implementation is not None:
+      return f"tokamax:{implementation}"
     return f"jax:{self.name}"
 
 
