@@ -32,7 +32,7 @@ Three implementations:
 * `chunked` (the default): jax.numpy on any platform and head dim; split p
   reads blocks p, p + splits, ... of every sequence, all splits as one
   vectorised axis.
-* `triton`: a Pallas-Triton kernel (`_triton_decode`), interpreted on CPU.
+* `triton`: a Pallas-Triton kernel (`triton.decode`), interpreted on CPU.
   Grid (B, K, splits x value-head-dim chunks): each program holds the
   packed [G * T_new, H] tile (rows padded to a power of two >= 16) and
   walks one contiguous run of the sequence's visible key blocks (blocks
@@ -45,7 +45,7 @@ Three implementations:
   chunks: Q.K^T loops over them and each program writes one chunk of the
   output, recomputing the logits. float32, bfloat16 and float16;
   `num_splits` counts the value chunks as programs too.
-* `mosaic_tpu`: a Pallas TPU kernel (`_mosaic_tpu_decode`), compiled by
+* `mosaic_tpu`: a Pallas TPU kernel (`mosaic_tpu.decode`), compiled by
   Mosaic on a TPU and run in Pallas's TPU interpret mode elsewhere. Grid
   (B, K, splits, blocks per split), the last axis sequential: the packed
   tile (rows padded to whole sublane tiles) stays in VMEM while the
@@ -61,6 +61,7 @@ Three implementations:
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from typing import Any
 from typing import Sequence
@@ -69,8 +70,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa import _mosaic_tpu_decode
-from pallas_fa import _triton_decode
 from pallas_fa import api
 from pallas_fa import gpu_target
 from pallas_fa import masking
@@ -279,9 +278,16 @@ def decode_attention(
   return (out, lse) if return_residual else out
 
 
+def _decode_kernel(implementation):
+  """The decode module of a backend folder, imported on first use (the core
+  names backends, never imports them: a backend whose compiler stack is
+  missing breaks nothing until it is called)."""
+  return importlib.import_module(f"pallas_fa.{implementation}.decode")
+
+
 def _split_kernel(implementation, query, key, value, lengths, block_table,
                   query_positions, num_splits, block_kv, static):
-  """A Pallas kernel (`_triton_decode` or `_mosaic_tpu_decode`): its block
+  """A Pallas kernel (`triton.decode` or `mosaic_tpu.decode`): its block
   and splits."""
   if query.dtype == jnp.float64:
     raise TypeError(
@@ -294,12 +300,12 @@ def _split_kernel(implementation, query, key, value, lengths, block_table,
                new_tokens=t, page_size=key.shape[1] if paged else None,
                block_kv=block_kv)
   if implementation == "triton":
-    kernel, platform = _triton_decode, None
+    kernel, platform = _decode_kernel("triton"), None
     block = kernel.block_for(**shape)
     # Value head-dim chunks are programs too.
     programs = num_kv * kernel.value_chunks(hv, n // num_kv * t)
   else:
-    kernel, platform = _mosaic_tpu_decode, "tpu"
+    kernel, platform = _decode_kernel("mosaic_tpu"), "tpu"
     block = kernel.block_for(**shape, dtype=query.dtype,
                              cache_len=key.shape[1])
     programs = num_kv

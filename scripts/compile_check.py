@@ -227,13 +227,13 @@ def _decode_call(case: Case, seq: int, spec):
 
 def _decode_tiles(case: Case) -> str:
   """The decode kernel's block and head-dim tiling of a case."""
-  from pallas_fa import _triton_decode  # noqa: PLC0415
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   shape = DECODE_SHAPE
   groups = shape["heads"] // shape["kv_heads"]
-  rows = _triton_decode.packed_rows(groups * shape["new_tokens"])
-  padded, chunk = _triton_decode.key_tiling(case.head_dim, rows)
-  value_padded, value_chunk = _triton_decode.value_tiling(case.head_dim, rows)
-  block = _triton_decode.block_for(
+  rows = triton_decode.packed_rows(groups * shape["new_tokens"])
+  padded, chunk = triton_decode.key_tiling(case.head_dim, rows)
+  value_padded, value_chunk = triton_decode.value_tiling(case.head_dim, rows)
+  block = triton_decode.block_for(
       head_dim=case.head_dim, value_head_dim=case.head_dim, groups=groups,
       new_tokens=shape["new_tokens"], block_kv=None,
       page_size=shape["page_size"] if case.variant == "decode_paged"

@@ -28,7 +28,6 @@ from attention_testing import rng
 from attention_testing import run
 
 import pallas_fa
-from pallas_fa import _mosaic_gpu_kernel as kernel
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
@@ -36,6 +35,7 @@ from pallas_fa import mosaic_gpu
 from pallas_fa import testing
 from pallas_fa import tuning
 from pallas_fa import vjp
+from pallas_fa.mosaic_gpu import kernel
 
 _SMALL = dict(
     block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,

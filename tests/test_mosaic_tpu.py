@@ -27,13 +27,13 @@ from conftest import block_sizes_for
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_fa
-from pallas_fa import _mosaic_tpu_kernel as kernel
 from pallas_fa import api
 from pallas_fa import chunked
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import mosaic_tpu
 from pallas_fa import testing
+from pallas_fa.mosaic_tpu import kernel
 
 TILES = block_sizes_for("mosaic_tpu")
 TILE = 128

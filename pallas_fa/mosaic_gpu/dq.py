@@ -14,9 +14,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_fa import _mosaic_gpu_kernel as kernel
-from pallas_fa import _mosaic_gpu_ops as gpu_ops
 from pallas_fa import online_softmax
+from pallas_fa.mosaic_gpu import kernel
+from pallas_fa.mosaic_gpu import ops as gpu_ops
 
 _F32 = jnp.float32
 _I32 = jnp.int32

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_fa import _mosaic_tpu_kernel as kernel
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa.mosaic_tpu import kernel
 
 _F32 = jnp.float32
 

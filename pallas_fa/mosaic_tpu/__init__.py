@@ -30,13 +30,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa import _mosaic_tpu_backward as backward_kernels
-from pallas_fa import _mosaic_tpu_forward as forward_kernel
-from pallas_fa import _mosaic_tpu_kernel as kernel
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import vjp
+from pallas_fa.mosaic_tpu import backward as backward_kernels
+from pallas_fa.mosaic_tpu import forward as forward_kernel
+from pallas_fa.mosaic_tpu import kernel
 
 Array = Any
 _F32 = jnp.float32

@@ -31,16 +31,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa import _mosaic_gpu_dkv as dkv_kernel
-from pallas_fa import _mosaic_gpu_dq as dq_kernel
-from pallas_fa import _mosaic_gpu_forward as forward_kernel
-from pallas_fa import _mosaic_gpu_kernel as kernel
-from pallas_fa import _mosaic_gpu_tiles as tiles
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import tuning
 from pallas_fa import vjp
+from pallas_fa.mosaic_gpu import dkv as dkv_kernel
+from pallas_fa.mosaic_gpu import dq as dq_kernel
+from pallas_fa.mosaic_gpu import forward as forward_kernel
+from pallas_fa.mosaic_gpu import kernel
+from pallas_fa.mosaic_gpu import tiles
 
 Array = Any
 

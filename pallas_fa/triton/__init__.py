@@ -1,6 +1,6 @@
 """`triton`: flash attention kernels in Pallas, lowered to Triton.
 
-Three kernels (their bodies are in `_triton_kernel`), none using atomics, so
+Three kernels (their bodies are in `kernel`), none using atomics, so
 every result is deterministic:
 
 * forward: grid (query blocks, query heads, batch); each program keeps one
@@ -27,7 +27,7 @@ Any T and S are padded to whole tiles and each head dim (H of q/k, Hv of
 v, the output and dO) to a power of two of at least 16 (`ALIGN`,
 `pallas_fa.layout`). A call without `block_sizes=` gets a tuned record
 (`scripts/tune.py`) or else the heuristic of `heuristic_block_sizes`
-(`_triton_tiles`). On CPU the kernels run in Pallas interpret mode.
+(`tiles`). On CPU the kernels run in Pallas interpret mode.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_fa import _triton_kernel
-from pallas_fa import _triton_tiles
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import tuning
 from pallas_fa import vjp
+from pallas_fa.triton import kernel
+from pallas_fa.triton import tiles
 
 try:  # The Triton-specific Pallas API (`jax.experimental.pallas.gpu` once).
   from jax.experimental.pallas import triton as _plgpu
@@ -66,12 +66,12 @@ _CompilerParams = (
 )
 
 
-MIN_BLOCK, MAX_BLOCK = _triton_tiles.MIN_BLOCK, _triton_tiles.MAX_BLOCK
-ALIGN = _triton_tiles.ALIGN
+MIN_BLOCK, MAX_BLOCK = tiles.MIN_BLOCK, tiles.MAX_BLOCK
+ALIGN = tiles.ALIGN
 # The shared-memory model, for `scripts/tune.py` and the tests.
-HOPPER_KINDS = _triton_tiles.HOPPER_KINDS
-shared_memory_budget = _triton_tiles.shared_memory_budget
-shared_memory_bytes = _triton_tiles.shared_memory_bytes
+HOPPER_KINDS = tiles.HOPPER_KINDS
+shared_memory_budget = tiles.shared_memory_budget
+shared_memory_bytes = tiles.shared_memory_bytes
 
 
 def _is_power_of_2(x: int) -> bool:
@@ -170,8 +170,8 @@ def heuristic_block_sizes(
   hp = layout.padded_head_dim(head_dim, ALIGN)
   hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
   bs = TritonBlockSizes(
-      **_triton_tiles.heuristic(hp, hvp, jnp.dtype(dtype).itemsize, kind))
-  return _triton_tiles.for_dropout(bs, dropout)
+      **tiles.heuristic(hp, hvp, jnp.dtype(dtype).itemsize, kind))
+  return tiles.for_dropout(bs, dropout)
 
 
 def default_block_sizes(
@@ -192,7 +192,7 @@ def default_block_sizes(
       kv_len=kv_len, head_dim=head_dim, dtype=dtype, is_causal=is_causal,
       dropout=dropout, device_kind=device_kind, value_head_dim=value_head_dim)
   # Records are tuned without dropout.
-  return _triton_tiles.for_dropout(bs, dropout)
+  return tiles.for_dropout(bs, dropout)
 
 
 def _interpret() -> bool:
@@ -205,7 +205,7 @@ def _interpret() -> bool:
 
 
 # The kernels' static parameters (`_Padded` builds them).
-_Features = _triton_kernel.Features
+_Features = kernel.Features
 
 
 def _full_axes(x) -> tuple[bool, bool, bool, bool] | None:
@@ -259,10 +259,10 @@ def _grouped(x, num_kv):
   return masking.group_heads(x, num_kv)
 
 
-def pallas_call(kernel, inputs, outputs, grid, warps, stages, name):
+def pallas_call(kernel_fn, inputs, outputs, grid, warps, stages, name):
   """pallas_call over named (array, BlockSpec) inputs and outputs, with
   the Triton compiler parameters and interpret mode of this backend (the
-  decode kernel, `_triton_decode`, launches through it too).
+  decode kernel, `decode`, launches through it too).
 
   The kernel receives one dict of refs, so optional inputs (positions,
   segment ids, mask, bias) are simply absent rather than positional Nones.
@@ -271,7 +271,7 @@ def pallas_call(kernel, inputs, outputs, grid, warps, stages, name):
   out_names = list(outputs)
 
   def body(*refs):
-    kernel(dict(zip(in_names + out_names, refs, strict=True)))
+    kernel_fn(dict(zip(in_names + out_names, refs, strict=True)))
 
   return pl.pallas_call(
       body,
@@ -347,10 +347,10 @@ def _forward(q, k, v, bias, info, params):
               block_spec((None, None, bq), lambda i, h, b: (b, h, row(i)))),
   }
   _add_dropout_seed(inputs, x)
-  kernel = functools.partial(
-      _triton_kernel.forward, feat=feat, block_k=bk, num_tiles=nk,
+  body = functools.partial(
+      kernel.forward, feat=feat, block_k=bk, num_tiles=nk,
       reverse_rows=info.is_causal)
-  out, lse = pallas_call(kernel, inputs, outputs, (nq, n, b),
+  out, lse = pallas_call(body, inputs, outputs, (nq, n, b),
                          bs.num_warps, bs.num_stages, "flash_fwd")
   return out[:, :t, :, :x.hv], lse[:, :, :t].transpose(0, 2, 1)
 
@@ -447,9 +447,9 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
                         lambda j, h, b: (b, j, h, 0))),
   }
   _add_dropout_seed(inputs, x)
-  kernel = functools.partial(
-      _triton_kernel.backward_dkv, feat=feat, block_q=bq_kv, num_tiles=nq)
-  dk, dv = pallas_call(kernel, inputs, outputs, (nk, num_kv, b), warps,
+  body = functools.partial(
+      kernel.backward_dkv, feat=feat, block_q=bq_kv, num_tiles=nq)
+  dk, dv = pallas_call(body, inputs, outputs, (nk, num_kv, b), warps,
                        stages, "flash_bwd_dkv")
 
   # dQ (and dbias): grid (query blocks, query heads, batch).
@@ -488,9 +488,9 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     outputs["dbias"] = (jax.ShapeDtypeStruct(db_shape, _F32),
                         block_spec(db_block, lambda i, h, b: (b, h, i, 0)))
   _add_dropout_seed(inputs, x)
-  kernel = functools.partial(
-      _triton_kernel.backward_dq, feat=feat, block_k=bk_q, num_tiles=nk)
-  results = pallas_call(kernel, inputs, outputs, (nq, n, b), warps, stages,
+  body = functools.partial(
+      kernel.backward_dq, feat=feat, block_k=bk_q, num_tiles=nk)
+  results = pallas_call(body, inputs, outputs, (nq, n, b), warps, stages,
                         "flash_bwd_dq")
   dq = results[0][:, :t, :, :h]
   dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :x.hv]
