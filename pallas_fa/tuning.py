@@ -5,7 +5,7 @@ package data, `pallas_fa/tuned/<kind>.json` (`device_file_name` turns
 `jax.Device.device_kind` into `<kind>`). A tunable backend's
 `default_block_sizes` asks `tuned_block_sizes` for the record nearest to a
 call and falls back to its own heuristic when there is none: the heuristics
-live with their backends (`pallas_fa._triton_tiles`, `pallas_fa.mosaic_gpu`);
+live with their backends (`triton.tiles`, `mosaic_gpu.tiles`);
 this module only stores and finds records.
 
 The JSON file holds, per backend, a list of records

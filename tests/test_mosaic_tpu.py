@@ -482,7 +482,7 @@ def test_dropout_and_value_head_dim_lower_to_mosaic(monkeypatch,
   _assert_lowers_to_mosaic(q, k, v, kw)
 
 
-# --- the decode kernel (`_mosaic_tpu_decode`): DMAs and lowering -------------
+# --- the decode kernel (`mosaic_tpu.decode`): DMAs and lowering --------------
 
 
 def _decode_inputs(gen, *, b, t, n, num_kv, h, lengths, page_size, dtype):

@@ -1,11 +1,11 @@
 """`mosaic_gpu`: FlashAttention-3-style Hopper kernels in Pallas Mosaic GPU.
 
-The kernels live in `_mosaic_gpu_forward`, `_mosaic_gpu_dq` and
-`_mosaic_gpu_dkv`, on the skeleton of `_mosaic_gpu_kernel` (warp-specialised,
-TMA-fed, wgmma, ping-pong softmax); this module is everything around them:
+The kernels live in this folder's `forward`, `dq` and `dkv`, on the
+skeleton of `kernel` (warp-specialised, TMA-fed, wgmma, ping-pong softmax);
+this module is everything around them:
 
 * `MosaicGpuBlockSizes`, the frozen tiling config (from
-  `_mosaic_gpu_tiles`, with the shared-memory model and the heuristic), and
+  `tiles`, with the shared-memory model and the heuristic), and
   `default_block_sizes`: a tuned record (`scripts/tune.py`), else
   `heuristic_block_sizes`, which fits the tiles into the 227 KiB of shared
   memory of an H100/H200;

@@ -1,6 +1,6 @@
 """The dK/dV Mosaic GPU kernel of `mosaic_gpu` (Hopper).
 
-KV-stationary, on the producer/consumer skeleton of `_mosaic_gpu_kernel`:
+KV-stationary, on the producer/consumer skeleton of `kernel`:
 each consumer keeps a [block_kv, H] tile of K and V in shared memory while
 the producer streams Q, dO, logsumexp and delta for every query head of the
 GQA group, so dK and dV come out summed over the group inside the kernel. It
@@ -38,7 +38,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   Args:
     spec: launch parameters (`consumers` tiles of block_kv keys per unit).
     q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos, kv_seg: as for
-      `_mosaic_gpu_dq.backward_dq`.
+      `dq.backward_dq`.
     sched: int32 [B, Sp / (consumers block_kv), 2 + 2 consumers]; ranges of
       query tiles.
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).

@@ -1,6 +1,6 @@
 """The dQ Mosaic GPU kernel of `mosaic_gpu` (Hopper).
 
-Q-stationary, on the producer/consumer skeleton of `_mosaic_gpu_kernel`: each
+Q-stationary, on the producer/consumer skeleton of `kernel`: each
 consumer keeps its query and dO tiles in shared memory while the producer
 streams K and V; it recomputes P from the logsumexp and accumulates
 dQ = dS K in registers. No atomics: each dQ tile has exactly one owner.

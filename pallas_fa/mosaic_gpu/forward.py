@@ -1,6 +1,6 @@
 """The forward Mosaic GPU kernel of `mosaic_gpu` (Hopper).
 
-Q-stationary, on the producer/consumer skeleton of `_mosaic_gpu_kernel`: each
+Q-stationary, on the producer/consumer skeleton of `kernel`: each
 consumer keeps a [block_q, H] query tile in shared memory while the producer
 streams K (+ key positions / segment ids) and V through the ring; the online
 softmax runs in registers in base 2. Two consumers ping-pong through a shared

@@ -1,7 +1,7 @@
 """The shared skeleton of the Mosaic GPU kernels of `mosaic_gpu` (Hopper).
 
-Three persistent kernels (`_mosaic_gpu_forward`, `_mosaic_gpu_dq`,
-`_mosaic_gpu_dkv`) share one producer/consumer skeleton (FlashAttention-3,
+Three persistent kernels (`forward`, `dq`,
+`dkv`) share one producer/consumer skeleton (FlashAttention-3,
 §3.1), built by `launch`:
 
 * a *producer* warpgroup streams tiles with TMA into a `stages`-deep ring of
@@ -22,7 +22,7 @@ an unmasked middle that skips the masking arithmetic and a masked suffix
 never loaded.
 
 The same kernel bodies run in the Mosaic GPU interpreter on CPU:
-`_mosaic_gpu_ops.Ops` swaps the few GPU-only operations (wgmma, register
+`ops.Ops` swaps the few GPU-only operations (wgmma, register
 layouts, layout-aware loads) for plain jax.numpy equivalents; barriers, TMA
 copies, ring slots and the schedule are executed as written.
 """

@@ -1,7 +1,7 @@
 """`mosaic_tpu`: flash attention for TPU, in Pallas, compiled by Mosaic.
 
-Three kernels (`_mosaic_tpu_forward`, `_mosaic_tpu_backward`, on the shared
-pieces of `_mosaic_tpu_kernel`): the forward (FlashAttention-2, Algorithm 1),
+Three kernels (in this folder's `forward` and `backward`, on the shared
+pieces of `kernel`): the forward (FlashAttention-2, Algorithm 1),
 and a backward split into a dK/dV kernel and a dQ kernel that both recompute
 the probabilities from the logsumexp residual. On a TPU they are compiled by
 Mosaic; anywhere else they run in Pallas's TPU interpret mode,

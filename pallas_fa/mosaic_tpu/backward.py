@@ -3,7 +3,7 @@
 Two kernels: dQ -- query tile stationary, keys streamed -- and dK/dV (and
 dbias) -- key tile stationary, the queries of its GQA group streamed, dK/dV
 summed over the group in VMEM. Layouts and metadata words as in
-`_mosaic_tpu_kernel`.
+`kernel`.
 """
 
 from __future__ import annotations

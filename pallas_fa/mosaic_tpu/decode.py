@@ -24,7 +24,7 @@ split, is "arbitrary" and carries the online softmax.
   reshape of [.., K, H] when H is a multiple of 128, so a (block, Hp) tile
   of one K/V head is a lane-aligned slice. The statistics m_i and l_i live
   lane-replicated ([R, 128]) in float32 VMEM scratch next to the [R, Hvp]
-  accumulator (the conventions of `_mosaic_tpu_forward`); each split
+  accumulator (the conventions of `forward`); each split
   writes a normalised partial (out, lse) that `online_softmax.merge_parts`
   merges in plain JAX.
 * **Masking.** Every key of a block is masked by `masking.visible` with

@@ -2,7 +2,7 @@
 
 Query tile stationary, key tiles streamed along the last ("arbitrary") grid
 axis; the running statistics stay lane-replicated in VMEM and the logsumexp
-residual leaves as a compact row (`_mosaic_tpu_kernel` has the layouts).
+residual leaves as a compact row (`kernel` has the layouts).
 """
 
 from __future__ import annotations

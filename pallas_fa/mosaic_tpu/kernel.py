@@ -1,7 +1,7 @@
 """The shared pieces of the Mosaic TPU kernels of `mosaic_tpu`.
 
-The kernels themselves are in `_mosaic_tpu_forward` (forward) and
-`_mosaic_tpu_backward` (dQ, dK/dV).
+The kernels themselves are in `forward` (forward) and
+`backward` (dQ, dK/dV).
 
 Shapes are chosen for the TPU's (8 sublane x 128 lane) vector registers and its
 128-wide matrix unit:
