@@ -8,6 +8,11 @@ machine's own matmul rate measured in the same run, the speed-up against the
 `jax.nn.dot_product_attention` peers measured in the same run,
 `implementation="cudnn"` (on GPU) and `"xla"` (peer time / this time), and
 peak memory. `--markdown` writes the same results as one Markdown table.
+It and `--json` are rewritten after every cell, so a run stopped part-way
+leaves the cells it finished; with `--merge` they also keep the cells of
+earlier runs into the same files (one run per implementation, say, so that a
+crash loses one implementation, not the table), and the ratios cover them
+all.
 
 FLOPs follow the FlashAttention convention: forward 4*B*N*T*S*H, halved for
 causal attention when T == S; backward 2.5x forward, so forward+backward is
@@ -51,8 +56,10 @@ check, timing, isolation) are in `bench/cells.py`, the table, JSON and plot in
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from typing import Callable
 from typing import Sequence
 
 from absl import app
@@ -88,13 +95,18 @@ def _say(verbose: bool):
 
 
 def run(settings: options.Settings, argv: Sequence[str] | None = None,
-        verbose: bool = True) -> dict:
+        verbose: bool = True, earlier: dict | None = None,
+        on_cell: Callable[[dict], None] | None = None) -> dict:
   """Runs the whole sweep.
 
   Args:
     settings: what to run (`options.make_settings`).
     argv: the command line recorded in the metadata (default sys.argv).
     verbose: print progress.
+    earlier: a report of earlier runs to merge into (`--merge`): its cells
+      stay unless this run measures the same one again, and its matmul
+      ceiling serves if this run measures none.
+    on_cell: called with the report so far after every cell.
 
   Returns:
     {"meta": device, versions, command, settings; "matmul": the ceiling;
@@ -121,8 +133,14 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
   if ceiling:
     say(f"matmul ceiling {ceiling['size']}^3 {dtype}: "
         f"{report_lib.rate(ceiling['flops_per_s'], platform)}")
+  report = report_lib.merged(earlier, report_lib.meta(settings, argv),
+                             ceiling)
 
-  results = []
+  def add(record: dict) -> None:
+    report_lib.add_record(report, record)
+    if on_cell is not None:
+      on_cell(report)
+
   grads = "fwd_bwd" in settings.modes
   for shape in settings.shapes:
     inputs = cells.make_inputs(shape, settings.seed)
@@ -133,22 +151,18 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
       say(f"{shape}: reference failed ({reason}); cells skipped")
       for mode in settings.modes:
         for c in candidates:
-          results.append({**cells.base_record(c, shape, mode),
-                          "status": "skipped",
-                          "reason": f"reference: {reason}"})
+          add({**cells.base_record(c, shape, mode), "status": "skipped",
+               "reason": f"reference: {reason}"})
       continue
     for mode in settings.modes:
       for c in candidates:
         record = cells.run_cell(c, shape, mode, inputs, ref, settings)
-        results.append(record)
+        add(record)
         ms = f"{record['ms']:.3f} ms" if record["ms"] else ""
         say(f"{mode:7s} {shape} {c.label:16s} {record['status']} {ms} "
             f"{record['reason']}", flush=True)
     del inputs, ref
-
-  report_lib.add_ratios(results, ceiling)
-  return {"meta": report_lib.meta(settings, argv), "matmul": ceiling,
-          "results": results}
+  return report
 
 
 def main(argv: Sequence[str]) -> None:
@@ -164,18 +178,28 @@ def main(argv: Sequence[str]) -> None:
     os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
   settings = options.make_settings(
       **{name: FLAGS[name].value for name in options.SETTING_NAMES})
-  report = run(settings, argv=sys.argv)
+  earlier = None
+  if FLAGS.merge and FLAGS.json and os.path.exists(FLAGS.json):
+    with open(FLAGS.json) as f:
+      earlier = json.load(f)
+
+  def write(report: dict) -> None:
+    if FLAGS.json:
+      report_lib.write_json(report, FLAGS.json)
+    if FLAGS.markdown:
+      report_lib.write_text(report_lib.format_markdown(report),
+                            FLAGS.markdown)
+
+  report = run(settings, argv=sys.argv, earlier=earlier, on_cell=write)
+  write(report)
   print()
   print(report_lib.format_table(report))
-  if FLAGS.json:
-    report_lib.write_json(report, FLAGS.json)
-    print(f"wrote {FLAGS.json}")
+  for path in (FLAGS.json, FLAGS.markdown):
+    if path:
+      print(f"wrote {path}")
   if FLAGS.plot:
     report_lib.plot(report, FLAGS.plot, FLAGS.plot_metric)
     print(f"wrote {FLAGS.plot}")
-  if FLAGS.markdown:
-    report_lib.write_text(report_lib.format_markdown(report), FLAGS.markdown)
-    print(f"wrote {FLAGS.markdown}")
 
 
 if __name__ == "__main__":

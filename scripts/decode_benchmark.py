@@ -27,7 +27,6 @@ Cells whose cache exceeds --max_cache_gib are listed as skipped.
 from __future__ import annotations
 
 import functools
-import json
 import platform as host_platform
 import sys
 from typing import Sequence
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags
+from bench import report as report_lib
 
 import pallas_fa
 from pallas_fa import api
@@ -63,7 +63,8 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
 _PEERS = flags.DEFINE_list(
     "peers", ["flash_attention", "jax_nn"], "Peers timed in the same run.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
-_JSON = flags.DEFINE_string("json", None, "Write the report here.")
+_JSON = flags.DEFINE_string(
+    "json", None, "Write the report here (rewritten after every cell).")
 
 
 def memory_bandwidth(nbytes: int, dtype, repeats: int) -> dict[str, float]:
@@ -225,6 +226,11 @@ def main(argv: Sequence[str]) -> None:
         f"{bandwidth / 1e9:.1f} GB/s (copy {probes['copy'] / 1e9:.1f}, "
         f"read {probes['read'] / 1e9:.1f})")
   rows = []
+  report = dict(
+      device=jax.devices()[0].device_kind, platform=api.platform(),
+      jax=jax.__version__, python=sys.version.split()[0],
+      host=host_platform.processor() or host_platform.machine(),
+      command=" ".join(sys.argv), memory_bandwidth=probes, rows=rows)
   for b in ints(_BATCH.value):
     for s in ints(_SEQ.value):
       for num_kv in ints(_KV_HEADS.value):
@@ -235,15 +241,12 @@ def main(argv: Sequence[str]) -> None:
                             bandwidth)
             print(format_table(cell, header=False), flush=True)
             rows += cell
+            if _JSON.value:
+              # After every cell: a run stopped part-way keeps its cells.
+              report_lib.write_json(report, _JSON.value)
   print(format_table(rows))
   if _JSON.value:
-    report = dict(
-        device=jax.devices()[0].device_kind, platform=api.platform(),
-        jax=jax.__version__, python=sys.version.split()[0],
-        host=host_platform.processor() or host_platform.machine(),
-        command=" ".join(sys.argv), memory_bandwidth=probes, rows=rows)
-    with open(_JSON.value, "w") as f:
-      json.dump(report, f, indent=1)
+    report_lib.write_json(report, _JSON.value)
 
 
 if __name__ == "__main__":

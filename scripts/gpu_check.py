@@ -1,296 +1,407 @@
-r"""One-command GPU triage: device, compile report, compiled tests, benchmarks.
+r"""The first command on a lent GPU machine: what decides the next month.
 
-Meant for the first session on a GPU machine (H100/H200), where device time
-is scarce: one call records everything needed to triage the GPU backends, and
-no failing, hanging or slow step stops the ones after it. Every step runs as a
-subprocess with its own timeout (its whole process group is stopped on
-timeout), writes its log into the output folder, and is recorded in
-`summary.json`, which is rewritten after every step so that a run killed from
-outside still leaves what it had. The steps:
+A GPU machine is lent for 15 minutes in all, its start and idle time
+included, and a command runs at most 10 minutes, of which at most 8 files
+come back. This script spends one command of 480 s (a 450 s budget) on the
+questions that decide what to work on next, in this order, each within its
+share (`gpu/plan.py`; `--plan` prints it):
 
-  env      device, driver and versions (python, jax, jaxlib, CUDA plugin,
-           nvidia-smi, jax.devices(), git commit) -> env.json
-  compile  scripts/compile_check.py --target=local --quick (the whole matrix
-           with --compile-full) -> compile_check.json/.log
-  tests    the conformance suite compiled for xla, chunked, triton and
-           mosaic_gpu, plus tests/test_triton.py and tests/test_mosaic_gpu.py,
-           with a per-test timeout -> pytest.xml, pytest.log
-  bench    scripts/benchmark.py, one T (4096) per head dim in {64, 128, 256},
-           bf16, fwd and fwd+bwd, causal and not, mosaic_gpu and triton
-           against the cudnn and xla peers -> bench_h<H>.json/.log
+  env      45 s  versions (jax, CUDA runtime, cuDNN, ptxas), nvidia-smi,
+                 devices, PALLAS_FA_COMMIT and the source hash
+  kernels 200 s  compiled correctness of every GPU kernel, mosaic_gpu first
+                 (conformance for mosaic_gpu and triton, the backends' own
+                 tests, the triton decode kernel, dropout), pytest-xdist
+                 with a per-test timeout and no hypothesis shrinking
+  bench   150 s  bf16, H = 128, T in {4096, 16384}, causal and not, fwd and
+                 fwd+bwd: mosaic_gpu, triton, cuDNN, XLA (4096 only), each
+                 implementation in its own process
+  decode   50 s  triton decode_attention, bf16, B in {1, 8}, S = 32768,
+                 K = 8, H = 128, against the plain call, share of HBM
+                 bandwidth
+  extra  the rest: xla/chunked conformance and other tests, H = 64 and 256
+                 in the benchmark, the on-device compile report
 
-A whole-run budget (`--budget`, default 570 s: one command on a lent machine
-may run 10 minutes) caps every step's timeout at the time left. The package
-need not be installed: the repository root is put on PYTHONPATH.
+A step may use the time earlier steps left unused, never a later step's
+share. Every step runs in processes of its own with a deadline (a failing,
+hanging or crashing one never stops the next), and at most 6 files are
+written, all at the top of --out:
 
-Commands (from the repository root):
+  summary.json  every step's status, time and headline numbers; rewritten
+                after every step and every few seconds within one
+  bundle.tgz    every log and per-step report; rewritten after every step
+                and every 30 s
+  junit.xml     the test results (kernels and extra)
+  bench.json, bench.md  the benchmark table, rewritten after every cell
+  decode.json   the decode cells, rewritten after every cell
 
-  # On the GPU machine, everything into gpu_check_out/ (exit 1 if a step
-  # failed; the printed summary says which and why). --workers=4 runs the
-  # tests in 4 pytest-xdist processes (compiling is CPU-bound), where a hung
-  # kernel costs one test rather than the rest of the run:
-  python scripts/gpu_check.py --out=gpu_check_out --workers=4
+A SIGTERM (the command's time limit) stops the running step's processes
+and leaves all of these readable. The package need not be installed.
 
-  # Only the tests, with a longer budget for them, into the same folder
-  # (summary.json keeps the other steps' earlier records):
-  python scripts/gpu_check.py --out=gpu_check_out --steps=tests \
-      --step-timeout=tests=540 --workers=4
+Commands (from the repository root; BUILD.md has the ones to paste):
 
-  # CI / CPU smoke test of the same steps on tiny inputs (under a minute):
-  # interpreted Triton on a few conformance cases, a CPU benchmark cell, and
-  # a two-case deviceless compile only where a CUDA plugin is installed.
-  python scripts/gpu_check.py --dry-run --out=/tmp/gpu_check_dry
+  python3 scripts/gpu_check.py --plan            # the plan and commands
+  PYTHONPATH=. python3 scripts/gpu_check.py --out="$OUT"      # 480 s
+  # A rerun of what failed, with the returned summary.json copied to the
+  # repository root as gpu_summary.json (180 s):
+  PYTHONPATH=. python3 scripts/gpu_check.py --out="$OUT" \
+      --steps=env,kernels --budget=150 --only=@gpu_summary.json
+  # The CPU rehearsal of the same plan (tests/test_gpu_check.py runs it):
+  python3 scripts/gpu_check.py --dry-run --out=/tmp/gpu_check_dry
 
-This file parses the command line and runs the steps in order, keeping
-summary.json current; the parts are in `gpu/`: `runner.py` (a subprocess
-with its log, timeout and process group), `environment.py` (the env step's
-record), `steps.py` (the four steps) and `report.py` (reading the junit XML
-and JSON reports back, and the printed summary).
+This file parses the command line and runs the steps, keeping the files
+current; the parts are in `gpu/`: `plan.py` (steps, shares, files),
+`runner.py` (a subprocess with its log, deadline and process group; atomic
+files and the bundle), `environment.py` (the env record), `steps.py` (the
+steps), `pytest_plugin.py` (test order, selection, results as they finish,
+no shrinking, fresh workers after a CUDA fault) and `report.py` (the
+results read back, the printed summary).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime
 import json
-import os
 import pathlib
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import Any
 from typing import Sequence
-from xml.etree import ElementTree
 
 from gpu import environment
+from gpu import plan
 from gpu import report
 from gpu import runner
 from gpu import steps
 
-STEPS = ("env", "compile", "tests", "bench")
-BENCH_HEAD_DIMS = (64, 128, 256)
-
-# Seconds per step: (GPU run, --dry-run). The whole run is further capped by
-# --budget, so a step gets min(its timeout, the time left).
-STEP_TIMEOUTS = {
-    "env": (60, 60),
-    "compile": (150, 60),
-    "tests": (240, 90),
-    "bench": (240, 60),
-}
-DEFAULT_BUDGET = (570, 110)
-DEFAULT_TEST_TIMEOUT = (90, 60)
+DEFAULT_TEST_TIMEOUT = 60
+# The GPU machines have 16 cores: 8 processes compile while others run.
+# The dry run runs its few tests in one process (CI has 2 cores).
+DEFAULT_WORKERS = {False: 8, True: 0}
+BUNDLE_EVERY_S = 30
 
 
-def _write_json(path: pathlib.Path, value: Any) -> None:
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(value, indent=1, default=str) + "\n")
-  os.replace(tmp, path)
-
-
-def _parse_step_timeouts(text: str | None, dry_run: bool) -> dict[str, float]:
-  timeouts = {k: float(v[1 if dry_run else 0])
-              for k, v in STEP_TIMEOUTS.items()}
-  for entry in (text or "").split(","):
-    entry = entry.strip()
-    if not entry:
+def _only_patterns(values: Sequence[str]) -> tuple[str, ...]:
+  """The test id patterns of --only: each value, or @FILE's lines, or the
+  failed tests of @FILE when it is a gpu_check summary.json."""
+  patterns = []
+  for value in values:
+    if not value.startswith("@"):
+      patterns.append(value)
       continue
-    name, sep, value = entry.rpartition("=")
-    if sep and name not in STEPS:
-      raise ValueError(f"--step-timeout: unknown step {name!r} in {entry!r}; "
-                       f"expected one of {STEPS}.")
-    try:
-      seconds = float(value)
-    except ValueError:
-      raise ValueError(f"--step-timeout entries are SECONDS or STEP=SECONDS, "
-                       f"got {entry!r}.") from None
-    for step in ((name,) if sep else STEPS):
-      timeouts[step] = seconds
-  return timeouts
+    path = pathlib.Path(value[1:])
+    if path.suffix != ".json":
+      patterns += [
+        line.strip()
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+      ]
+      continue
+    patterns += failed_tests(json.loads(path.read_text()).get("steps") or {})
+  return tuple(dict.fromkeys(patterns))
+
+
+def failed_tests(records: dict[str, Any]) -> list[str]:
+  """The ids of the tests that failed in a summary's step records (the
+  kernels step's and the extra step's other tests)."""
+  other = ((records.get("extra") or {}).get("parts") or {}).get("tests")
+  return [
+    test
+    for record in (records.get("kernels"), other)
+    for test in (record or {}).get("failed_ids") or []
+  ]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   """Parses the command line (see the module docstring)."""
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default="gpu_check_out",
-                      help="Output folder (created). Default: %(default)s.")
-  parser.add_argument("--steps", default=",".join(STEPS),
-                      help="Comma list of steps among "
-                           f"{','.join(STEPS)}. Default: all.")
-  parser.add_argument("--dry-run", action="store_true",
-                      help="The same steps, tiny and fast, on a CPU (CI).")
-  parser.add_argument("--test-timeout", type=float, default=None,
-                      help="Seconds per test (pytest-timeout). Default: "
-                           f"{DEFAULT_TEST_TIMEOUT[0]} "
-                           f"({DEFAULT_TEST_TIMEOUT[1]} with --dry-run).")
-  parser.add_argument("--step-timeout", default=None,
-                      help="SECONDS for every step, or STEP=SECONDS,... "
-                           "Defaults: " + ", ".join(
-                               f"{k}={v[0]}" for k, v in
-                               STEP_TIMEOUTS.items()) + ".")
-  parser.add_argument("--budget", type=float, default=None,
-                      help="Seconds for the whole run; each step's timeout "
-                           "is capped at what is left. Default: "
-                           f"{DEFAULT_BUDGET[0]} ({DEFAULT_BUDGET[1]} with "
-                           "--dry-run).")
-  parser.add_argument("--workers", type=int, default=0,
-                      help="pytest-xdist workers for the tests step (0: no "
-                           "xdist). Default: %(default)s.")
-  parser.add_argument("--compile-full", action="store_true",
-                      help="Compile check of the whole matrix rather than "
-                           "--quick (GPU run only).")
-  parser.add_argument("--bench-head-dims", default=None,
-                      help="Head dims of the bench step. Default: "
-                           f"{','.join(map(str, BENCH_HEAD_DIMS))} (64 "
-                           "with --dry-run).")
-  parser.add_argument("--bench-seq-len", type=int, default=None,
-                      help="T = S of the bench step. Default: 4096 (256 "
-                           "with --dry-run).")
-  parser.add_argument("--bench-causal", default="both",
-                      choices=("both", "true", "false"),
-                      help="Causal cells of the bench step (GPU).")
+    description=__doc__.split("\n\n")[0],
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  parser.add_argument(
+    "--out",
+    default="gpu_check_out",
+    help="Output folder (created); only the files of the "
+    "plan are written there. Default: %(default)s.",
+  )
+  parser.add_argument(
+    "--steps",
+    default=",".join(plan.NAMES),
+    help=f"Comma list of steps among {','.join(plan.NAMES)}. Default: all.",
+  )
+  parser.add_argument(
+    "--plan",
+    action="store_true",
+    help="Print the plan (steps, shares, files, the "
+    "commands to run it) as JSON; run nothing.",
+  )
+  parser.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="The same plan, tiny and fast, on a CPU (CI).",
+  )
+  parser.add_argument(
+    "--budget",
+    type=float,
+    default=None,
+    help="Seconds for the whole run. Default: "
+    f"{plan.BUDGET_S} ({plan.DRY_RUN_BUDGET_S} with "
+    "--dry-run).",
+  )
+  parser.add_argument(
+    "--test-timeout",
+    type=float,
+    default=None,
+    help=f"Seconds per test (pytest-timeout). Default: {DEFAULT_TEST_TIMEOUT}.",
+  )
+  parser.add_argument(
+    "--workers",
+    type=int,
+    default=None,
+    help="pytest-xdist workers (0: none). Default: "
+    f"{DEFAULT_WORKERS[False]} "
+    f"({DEFAULT_WORKERS[True]} with --dry-run).",
+  )
+  parser.add_argument(
+    "--only",
+    action="append",
+    default=[],
+    help="Rerun only the tests whose id contains this "
+    "(repeatable); @FILE: one per line, or the failed "
+    "tests of a gpu_check summary.json.",
+  )
+  parser.add_argument(
+    "--work",
+    default=None,
+    help="Folder for the logs and per-step reports (kept); "
+    "default: a temporary one, removed at the end "
+    "(bundle.tgz holds its files).",
+  )
   parser.add_argument("--collect-env", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
-  steps = [s.strip() for s in args.steps.split(",") if s.strip()]
-  unknown = [s for s in steps if s not in STEPS]
-  if unknown or not steps:
-    parser.error(f"--steps must be a non-empty subset of {STEPS}, got "
-                 f"{args.steps!r}.")
-  args.steps = [s for s in STEPS if s in steps]
-  try:
-    args.step_timeouts = _parse_step_timeouts(args.step_timeout,
-                                              args.dry_run)
-  except ValueError as e:
-    parser.error(str(e))
-  i = 1 if args.dry_run else 0
-  if args.test_timeout is None:
-    args.test_timeout = float(DEFAULT_TEST_TIMEOUT[i])
+  if not args.out.strip():
+    # An unset $OUT: the files would land in the working directory.
+    parser.error("--out is empty (is $OUT set?)")
+  names = [s.strip() for s in args.steps.split(",") if s.strip()]
+  unknown = [s for s in names if s not in plan.NAMES]
+  if unknown or not names:
+    parser.error(
+      f"--steps must be a non-empty subset of {plan.NAMES}, got {args.steps!r}."
+    )
+  args.steps = [s for s in plan.NAMES if s in names]
   if args.budget is None:
-    args.budget = float(DEFAULT_BUDGET[i])
-  if args.bench_head_dims is None:
-    args.bench_head_dims = "64" if args.dry_run else ",".join(
-        map(str, BENCH_HEAD_DIMS))
-  args.bench_head_dims = [int(h) for h in args.bench_head_dims.split(",")]
-  if args.bench_seq_len is None:
-    args.bench_seq_len = 256 if args.dry_run else 4096
+    args.budget = float(
+      plan.DRY_RUN_BUDGET_S if args.dry_run else plan.BUDGET_S
+    )
+  if args.test_timeout is None:
+    args.test_timeout = float(DEFAULT_TEST_TIMEOUT)
+  if args.workers is None:
+    args.workers = DEFAULT_WORKERS[args.dry_run]
+  try:
+    only = _only_patterns(args.only)
+  except (OSError, ValueError) as e:
+    parser.error(f"--only: {e}")
+  if args.only and not only:
+    parser.error("--only names no test (no failed test in that summary?)")
+  args.only = only
   return args
 
 
+def _commit_label() -> str:
+  info = environment.commit_info()
+  commit = info.get("commit") or "unknown"
+  return commit + ("+modified" if info.get("modified") else "")
+
+
+def plan_json(args: argparse.Namespace) -> dict[str, Any]:
+  """The plan of this command line, and the commands that run the GPU plan
+  on a lent machine with this checkout's commit."""
+  described = plan.describe(args.steps, args.budget, args.dry_run)
+  return {
+    **described,
+    "source_hash": environment.source_hash(),
+    "commands": plan.commands(_commit_label()),
+  }
+
+
+class _Run:
+  """One run's state: the summary, and the files kept current under out."""
+
+  def __init__(
+    self, args: argparse.Namespace, out: pathlib.Path, work: pathlib.Path
+  ):
+    self.out, self.work = out, work
+    self.start = time.monotonic()
+    self.bundled = 0.0
+    self.records = {
+      name: {"status": "pending", "reason": ""} for name in args.steps
+    }
+    self.summary: dict[str, Any] = {
+      "dry_run": args.dry_run,
+      "out": str(out),
+      "command": shlex.join([sys.executable, *sys.argv]),
+      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"
+      ),
+      "budget_s": args.budget,
+      "plan": plan.describe(args.steps, args.budget, args.dry_run),
+      "steps": self.records,
+    }
+
+  def write_summary(self) -> None:
+    self.summary["total_s"] = round(time.monotonic() - self.start, 1)
+    self.summary["files"] = sorted(
+      p.name for p in self.out.iterdir() if p.name in plan.FILES
+    )
+    runner.write_atomic(
+      self.out / plan.SUMMARY,
+      json.dumps(self.summary, indent=1, default=str) + "\n",
+    )
+
+  def flush(self) -> None:
+    """Rewrites every file that gathers the work folder's (the merged
+    junit XML, the bundle), then the summary."""
+    junit = report.merge_junit(sorted(self.work.glob("junit_*.xml")))
+    if junit is not None:
+      runner.write_atomic(self.out / plan.JUNIT, junit)
+    runner.write_bundle(self.work, self.out / plan.BUNDLE)
+    self.bundled = time.monotonic()
+    self.write_summary()
+
+  def progress(self, name: str, record: dict[str, Any]) -> None:
+    """A running step's numbers so far: into the summary now, into the
+    bundle every `BUNDLE_EVERY_S`."""
+    self.records[name] = {**self.records[name], **record, "status": "running"}
+    if time.monotonic() - self.bundled > BUNDLE_EVERY_S:
+      self.flush()
+    else:
+      self.write_summary()
+
+
+def _interrupt(signum, frame):
+  del frame  # Unused.
+  # One is enough: the second of a burst must not cut the flush short.
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def run_steps(args: argparse.Namespace, run: _Run) -> str | None:
+  """Runs the chosen steps in order, each by its deadline.
+
+  Returns:
+    The name of the signal that stopped the run, or None.
+  """
+  shares = plan.shares(args.steps, args.budget, args.dry_run)
+  end = run.start + args.budget
+  base = steps.Context(
+    out=run.out,
+    work=run.work,
+    dry_run=args.dry_run,
+    test_timeout=args.test_timeout,
+    workers=args.workers,
+    only=args.only,
+  )
+  stopped_by = None
+  for name in args.steps:
+    # A stopped step's processes get their grace after its deadline.
+    deadline = end - plan.reserved_after(name, shares)
+    timeout = deadline - time.monotonic() - sum(runner.STOP_GRACE)
+    step_start = time.monotonic()
+    if stopped_by:
+      record = {"status": "skipped", "reason": f"gpu_check got {stopped_by}"}
+    elif timeout < steps.MIN_STEP_S:
+      record = {
+        "status": "skipped",
+        "reason": f"out of time (--budget={args.budget:.0f} s)",
+      }
+    else:
+      print(
+        f"[gpu_check] {name}: running (timeout {timeout:.0f} s)", flush=True
+      )
+      run.records[name] = {"status": "running", "reason": ""}
+      run.write_summary()
+      ctx = dataclasses.replace(
+        base, progress=lambda r, name=name: run.progress(name, r)
+      )
+      try:
+        record = steps.RUNNERS[name](ctx, timeout)
+      except KeyboardInterrupt as e:
+        stopped_by = str(e) or "SIGINT"
+        # The numbers it had published stay.
+        record = {
+          **run.records[name],
+          "status": "failed",
+          "reason": f"stopped: gpu_check got {stopped_by}",
+        }
+      except Exception as e:  # One broken step must not stop the others.
+        record = {
+          "status": "failed",
+          "reason": f"gpu_check error: {type(e).__name__}: {e}",
+        }
+    record["duration_s"] = round(time.monotonic() - step_start, 1)
+    record["timeout_s"] = round(max(timeout, 0), 1)
+    run.records[name] = record
+    try:
+      run.flush()
+    except KeyboardInterrupt as e:
+      stopped_by = stopped_by or str(e) or "SIGINT"
+    print(
+      f"[gpu_check] {name}: {record['status']} "
+      f"({record['duration_s']:.1f} s) {record.get('reason', '')}"[:400],
+      flush=True,
+    )
+  return stopped_by
+
+
 def main(argv: Sequence[str]) -> int:
-  """Runs the chosen steps and writes DIR/summary.json.
+  """Runs the chosen steps and keeps the files under --out current.
 
   Args:
     argv: the command-line arguments (without the program name).
 
   Returns:
-    The exit status: 0 when no step failed, 1 otherwise.
+    The exit status: 0 when no step failed, 1 otherwise, 128 + the signal
+    when a signal stopped the run.
   """
   args = parse_args(argv)
   if args.collect_env:
     return environment.write_env(args.collect_env, args.dry_run)
-  start = time.monotonic()
+  if args.plan:
+    print(json.dumps(plan_json(args), indent=1))
+    return 0
   out = pathlib.Path(args.out).resolve()
   out.mkdir(parents=True, exist_ok=True)
-  ctx = steps.Context(out=out, dry_run=args.dry_run,
-                      test_timeout=args.test_timeout, workers=args.workers,
-                      compile_full=args.compile_full)
-  summary_path = out / "summary.json"
-  previous = {}
-  if summary_path.exists():
-    # A run of some --steps into the same folder keeps the other steps'
-    # records from the earlier run.
-    try:
-      old = json.loads(summary_path.read_text())
-      if old.get("dry_run") == args.dry_run:
-        previous = old.get("steps") or {}
-    except ValueError:
-      pass
-  records = {}
-  for name in STEPS:
-    if name in args.steps:
-      records[name] = {"status": "pending", "reason": ""}
-    elif name in previous:
-      records[name] = {**previous[name], "from_earlier_run": True}
-    else:
-      records[name] = {"status": "skipped",
-                       "reason": "not requested (--steps)"}
-  summary: dict[str, Any] = {
-      "dry_run": args.dry_run,
-      "out": str(out),
-      "command": shlex.join([sys.executable, *sys.argv]),
-      "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
-          timespec="seconds"),
-      "budget_s": args.budget,
-      "test_timeout_s": args.test_timeout,
-      "steps": records,
-  }
-  runners = {
-      "env": steps.step_env,
-      "compile": steps.step_compile,
-      "tests": steps.step_tests,
-      "bench": lambda ctx, timeout: steps.step_bench(
-          ctx, timeout, head_dims=args.bench_head_dims,
-          seq_len=args.bench_seq_len, causal=args.bench_causal),
-  }
-  _write_json(summary_path, summary)
-  # SIGTERM (a wall-clock limit from outside) unwinds like Ctrl-C, so that
-  # the running step's process group is stopped and the summary written.
-  signal.signal(signal.SIGTERM, _raise_interrupt)
-  interrupted = False
-  for name in args.steps:
-    left = args.budget - (time.monotonic() - start) - sum(runner.STOP_GRACE)
-    timeout = min(args.step_timeouts[name], left)
-    step_start = time.monotonic()
-    if interrupted:
-      record = {"status": "skipped", "reason": "gpu_check was interrupted"}
-    elif timeout < steps.MIN_STEP_S:
-      record = {"status": "skipped",
-                "reason": f"out of time (--budget={args.budget:.0f} s)"}
-    else:
-      print(f"[gpu_check] {name}: running (timeout {timeout:.0f} s)",
-            flush=True)
-      records[name] = {"status": "running", "reason": ""}
-      _write_json(summary_path, summary)
-      try:
-        record = runners[name](ctx, timeout)
-      except KeyboardInterrupt:
-        interrupted = True
-        record = {"status": "failed", "reason": "gpu_check was interrupted"}
-        xml = out / "pytest.xml"
-        if name == "tests" and xml.exists():  # pytest saw SIGINT too.
-          with contextlib.suppress(ElementTree.ParseError):
-            record.update(report.parse_junit(xml.read_text()),
-                          junit=xml.name)
-      except Exception as e:  # One broken step must not stop the others.
-        record = {"status": "failed",
-                  "reason": f"gpu_check error: {type(e).__name__}: {e}"}
-    record["duration_s"] = round(time.monotonic() - step_start, 1)
-    record["timeout_s"] = round(max(timeout, 0), 1)
-    records[name] = record
-    summary["total_s"] = round(time.monotonic() - start, 1)
-    _write_json(summary_path, summary)
-    print(f"[gpu_check] {name}: {record['status']} "
-          f"({record['duration_s']:.1f} s) {record.get('reason', '')}"[:400],
-          flush=True)
-  summary["total_s"] = round(time.monotonic() - start, 1)
-  text = report.format_summary(summary)
-  summary["summary_text"] = text
-  _write_json(summary_path, summary)
+  for name in plan.FILES:  # The folder describes this run only.
+    (out / name).unlink(missing_ok=True)
+  work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="gpu_check_"))
+  work.mkdir(parents=True, exist_ok=True)
+  run = _Run(args, out, work)
+  # SIGTERM (a wall-clock limit from outside) unwinds like Ctrl-C: the
+  # running step's processes are stopped and every file flushed.
+  signal.signal(signal.SIGTERM, _interrupt)
+  run.write_summary()
+  stopped_by = run_steps(args, run)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  failed = [n for n, r in run.records.items() if r["status"] == "failed"]
+  if failed_tests(run.records):
+    # With this summary.json copied to the repository root (see BUILD.md).
+    run.summary["rerun"] = plan.commands(_commit_label())["second"]["command"]
+  text = report.format_summary(run.summary)
+  run.summary["summary_text"] = text
+  run.flush()
+  if not args.work:
+    shutil.rmtree(work, ignore_errors=True)
   print()
   print(text)
-  print(f"\nwrote {summary_path}")
-  if interrupted:
-    return 130
-  return 1 if any(s["status"] == "failed" for s in records.values()) else 0
-
-
-def _raise_interrupt(signum, frame):
-  del signum, frame  # Unused.
-  raise KeyboardInterrupt
+  print(f"\nwrote {', '.join(run.summary['files'])} in {out}")
+  if stopped_by:
+    return 128 + getattr(signal.Signals, stopped_by, signal.SIGINT).value
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""Tests of scripts/gpu_check.py (and scripts/gpu/): its parsers and a whole
---dry-run."""
+"""Tests of scripts/gpu_check.py (and scripts/gpu/): the plan, its parts, the
+pytest plugin, and the CPU rehearsal of the whole plan, whole and stopped
+mid-bench by SIGTERM."""
 
-import importlib.metadata
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
+import time
 
 import pytest
 from conftest import script_module
@@ -22,84 +25,220 @@ def gpu_check():
     yield module
 
 
-_JUNIT = """<?xml version="1.0" encoding="utf-8"?>
-<testsuites name="pytest tests">
- <testsuite name="pytest" errors="1" failures="2" skipped="1" tests="7"
-            time="12.5">
-  <testcase classname="tests.test_a" name="test_ok[xla]" time="0.1"/>
-  <testcase classname="tests.test_a" name="test_ok[triton]" time="0.2"/>
-  <testcase classname="tests.test_a" name="test_skip" time="0.0">
-   <skipped type="pytest.skip" message="needs a GPU">skip</skipped>
-  </testcase>
-  <testcase classname="tests.test_a" name="test_wrong" time="0.3">
-   <failure message="AssertionError: out disagrees">trace</failure>
-  </testcase>
-  <testcase classname="tests.test_b" name="test_hangs" time="90.0">
-   <failure message="Failed: Timeout (&gt;90.0s) from pytest-timeout.">
-   trace</failure>
-  </testcase>
-  <testcase classname="tests.test_b" name="test_crash" time="0.0">
-   <error message="worker 'gw0' crashed while running 'test_crash'">x</error>
-  </testcase>
-  <testcase time="0.000"/>
- </testsuite>
-</testsuites>
-"""
+def _env(**extra):
+  """This environment without the outer pytest-xdist's variables."""
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))
+  }
+  return {**env, **extra}
 
 
-def test_parse_junit(gpu_check):
-  got = gpu_check.report.parse_junit(_JUNIT)
-  assert {k: got[k] for k in (
-      "tests", "passed", "failed", "errors", "skipped", "timeouts",
-      "crashed", "interrupted")} == dict(
-          tests=6, passed=2, failed=2, errors=1, skipped=1, timeouts=1,
-          crashed=1, interrupted=1)
-  assert got["time_s"] == 12.5
-  assert [p["test"] for p in got["problems"]] == [
-      "tests.test_a::test_wrong", "tests.test_b::test_hangs",
-      "tests.test_b::test_crash"]
-  assert got["problems"][0] == {
-      "test": "tests.test_a::test_wrong", "outcome": "failed",
-      "message": "AssertionError: out disagrees"}
-  assert got["problems"][2]["outcome"] == "error"
-  # A bare <testsuite> root (older pytest) parses the same way.
-  suite = _JUNIT.split("<testsuites name=\"pytest tests\">")[1].split(
-      "</testsuites>")[0]
-  assert gpu_check.report.parse_junit(suite)["passed"] == 2
+def _run_script(*args, timeout=60):
+  return subprocess.run(
+    [sys.executable, str(_SCRIPT), *args],
+    cwd=_ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+# --------------------------------------------------------------------------
+# The plan.
+
+
+def test_plan_fits_a_15_minute_window():
+  proc = _run_script("--plan")
+  assert proc.returncode == 0, proc.stderr
+  got = json.loads(proc.stdout)
+  names = [s["name"] for s in got["steps"]]
+  assert names == ["env", "kernels", "bench", "decode", "extra"]
+  assert got["budget_s"] == 450 and got["time_limit_s"] <= 480
+  assert sum(s["budget_s"] for s in got["steps"]) <= got["budget_s"]
+  shares = {s["name"]: s["budget_s"] for s in got["steps"]}
+  assert shares == {
+    "env": 45,
+    "kernels": 200,
+    "bench": 150,
+    "decode": 50,
+    "extra": 5,
+  }
+  assert len(got["files"]) <= 7 and "summary.json" in got["files"]
+  assert "bundle.tgz" in got["files"]
+  assert all("/" not in f for f in got["files"])
+  first, second = got["commands"]["first"], got["commands"]["second"]
+  assert first["timeout_s"] == 480 and second["timeout_s"] <= 180
+  for command in (first["command"], second["command"]):
+    assert len(command) < 2000
+    assert "PYTHONPATH=." in command and '--out="$OUT"' in command
+    assert "PALLAS_FA_COMMIT=" in command
+  assert "--only=@" in second["command"]
+  assert len(got["source_hash"]) == 16
+
+
+def test_build_md_has_the_commands_to_paste(gpu_check):
+  build = (_ROOT / "BUILD.md").read_text()
+  commands = gpu_check.plan.commands("COMMIT")
+  for name, timeout in (("first", 480), ("second", 180)):
+    assert commands[name]["timeout_s"] == timeout
+    assert f"\n{commands[name]['command']}\n" in build, name
+    assert f"`timeout_s={timeout}`" in build
+
+
+def test_plan_of_a_rerun_scales_its_shares(gpu_check):
+  args = gpu_check.parse_args(["--steps=env,kernels", "--budget=150"])
+  got = gpu_check.plan_json(args)
+  assert [s["name"] for s in got["steps"]] == ["env", "kernels"]
+  assert sum(s["budget_s"] for s in got["steps"]) == pytest.approx(150, 0.01)
+  assert got["files"] == ["summary.json", "bundle.tgz", "junit.xml"]
+  plan = gpu_check.plan
+  shares = plan.shares(plan.NAMES, plan.BUDGET_S, dry_run=False)
+  # Each step ends where the later steps' shares begin.
+  assert plan.reserved_after("env", shares) == 405
+  assert plan.reserved_after("decode", shares) == 5
+  assert plan.reserved_after("extra", shares) == 0
+  for bad in (["--steps=env,nope"], ["--out="]):
+    with pytest.raises(SystemExit):
+      gpu_check.parse_args(bad)
+
+
+def test_only_reads_the_failures_of_a_summary(gpu_check, tmp_path):
+  summary = tmp_path / "gpu_summary.json"
+  summary.write_text(
+    json.dumps(
+      {
+        "steps": {
+          "kernels": {"failed_ids": ["tests/a.py::t[x, y]", "tests/b.py::u"]},
+          "extra": {"parts": {"tests": {"failed_ids": ["tests/c.py::v"]}}},
+        }
+      }
+    )
+  )
+  args = gpu_check.parse_args([f"--only=@{summary}", "--only=w"])
+  assert args.only == (
+    "tests/a.py::t[x, y]",
+    "tests/b.py::u",
+    "tests/c.py::v",
+    "w",
+  )
+  lines = tmp_path / "ids.txt"
+  lines.write_text("# failed\ntests/a.py::t\n\n")
+  assert gpu_check.parse_args([f"--only=@{lines}"]).only == ("tests/a.py::t",)
+  summary.write_text(json.dumps({"steps": {"kernels": {"failed_ids": []}}}))
+  with pytest.raises(SystemExit):
+    gpu_check.parse_args([f"--only=@{summary}"])
+
+
+# --------------------------------------------------------------------------
+# Its parts.
+
+
+def test_summarise_tests_counts_each_test_once(gpu_check, tmp_path):
+  lines = [
+    dict(test="t::ok", outcome="passed"),
+    dict(test="t::skip", outcome="skipped", message="needs a GPU"),
+    dict(test="t::wrong", outcome="failed", message="out disagrees"),
+    # A sticky CUDA error: the test failed, then its worker was ended.
+    dict(test="t::fault", outcome="failed", message="CUDA_ERROR_ILLEGAL_ADDR"),
+    dict(test="t::fault", outcome="crashed", message="worker crashed"),
+    dict(test="t::hang", outcome="crashed", message="worker crashed"),
+    dict(test="t::teardown", outcome="passed"),
+    dict(test="t::teardown", outcome="error", message="fixture"),
+  ]
+  path = tmp_path / "results.jsonl"
+  path.write_text(
+    "".join(json.dumps(x) + "\n" for x in lines) + '{"cut sh'  # A kill.
+  )
+  got = gpu_check.report.summarise_tests(path)
+  assert {k: got[k] for k in ("tests", "passed", "failed", "errors")} == dict(
+    tests=6, passed=1, failed=2, errors=1
+  )
+  assert got["crashed"] == 1 and got["skipped"] == 1
+  assert got["failed_ids"] == ["t::wrong", "t::fault", "t::hang", "t::teardown"]
+  assert got["problems"][1] == {
+    "test": "t::fault",
+    "outcome": "failed",
+    "message": "CUDA_ERROR_ILLEGAL_ADDR",
+  }
+  assert gpu_check.report.summarise_tests(tmp_path / "none.jsonl") is None
+
+
+def test_merge_junit(gpu_check, tmp_path):
+  suite = '<testsuites><testsuite name="pytest" tests="1"><testcase name="{}"/>'
+  end = "</testsuite></testsuites>"
+  (tmp_path / "junit_a.xml").write_text(suite.format("a") + end)
+  (tmp_path / "junit_b.xml").write_text(suite.format("b"))  # Cut short.
+  (tmp_path / "junit_c.xml").write_text(
+    '<testsuite name="pytest"><testcase name="c"/></testsuite>'
+  )
+  merged = gpu_check.report.merge_junit(sorted(tmp_path.glob("junit_*.xml")))
+  root = gpu_check.report.ElementTree.fromstring(merged)
+  assert [s.get("name") for s in root] == ["junit_a", "junit_c"]
+  assert [c.get("name") for c in root.iter("testcase")] == ["a", "c"]
+  assert gpu_check.report.merge_junit([tmp_path / "junit_b.xml"]) is None
 
 
 def test_summarise_compile(gpu_check):
-  report = {"versions": {}, "argv": [], "results": [
-      {"backend": "triton", "head_dim": 64, "dtype": "bfloat16",
-       "variant": "plain", "target": "h100", "error": None, "kernels": [
-           {"kernel": "flash_fwd", "problems": [], "spill_stores": 0},
-           {"kernel": "flash_bwd_dq", "problems": ["spills"],
-            "spill_stores": 8, "spill_loads": 8}]},
-      {"backend": "mosaic_gpu", "head_dim": 256, "dtype": "bfloat16",
-       "variant": "causal", "target": "h100",
-       "error": "ValueError: smem\nmore", "kernels": []},
-  ]}
+  report = {
+    "results": [
+      {
+        "backend": "triton",
+        "head_dim": 64,
+        "dtype": "bfloat16",
+        "variant": "plain",
+        "target": "h100",
+        "error": None,
+        "kernels": [
+          {"kernel": "flash_fwd", "problems": [], "spill_stores": 0},
+          {
+            "kernel": "flash_bwd_dq",
+            "problems": ["spills"],
+            "spill_stores": 8,
+            "spill_loads": 8,
+          },
+        ],
+      },
+      {
+        "backend": "mosaic_gpu",
+        "head_dim": 256,
+        "dtype": "bfloat16",
+        "variant": "causal",
+        "target": "h100",
+        "error": "ValueError: smem\nmore",
+        "kernels": [],
+      },
+    ]
+  }
   got = gpu_check.report.summarise_compile(report)
-  assert {k: got[k] for k in ("cases", "kernels", "problems",
-                              "spilling_kernels")} == dict(
-      cases=2, kernels=2, problems=2, spilling_kernels=1)
+  assert {
+    k: got[k] for k in ("cases", "kernels", "problems", "spilling_kernels")
+  } == dict(cases=2, kernels=2, problems=2, spilling_kernels=1)
   assert got["failed"] == [
-      "h100 triton 64 bfloat16 plain flash_bwd_dq: spills",
-      "h100 mosaic_gpu 256 bfloat16 causal: ValueError: smem"]
+    "h100 triton 64 bfloat16 plain flash_bwd_dq: spills",
+    "h100 mosaic_gpu 256 bfloat16 causal: ValueError: smem",
+  ]
   assert gpu_check.report.summarise_compile({"unexpected": 1}) == {}
 
 
-@pytest.mark.parametrize("exit_code, message, status", [
+@pytest.mark.parametrize(
+  "exit_code, message, status",
+  [
     (0, "done", "ok"),
     (1, "1 problem(s)", "failed"),
     (2, "compile_check: cannot run here: no GPU", "skipped"),
     (2, "usage: compile_check.py [-h]", "failed"),  # argparse's exit 2
     (3, "crash", "failed"),
-])
-def test_compile_step_exit_status(gpu_check, monkeypatch, tmp_path,
-                                  exit_code, message, status):
+  ],
+)
+def test_compile_step_exit_status(
+  gpu_check, monkeypatch, tmp_path, exit_code, message, status
+):
   fake = tmp_path / "compile_check.py"
-  fake.write_text(textwrap.dedent(f"""
+  fake.write_text(
+    textwrap.dedent(f"""
       import json, sys
       path = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--json")]
       json.dump({{"results": [{{"error": None, "kernels": [
@@ -107,10 +246,12 @@ def test_compile_step_exit_status(gpu_check, monkeypatch, tmp_path,
           open(path[0], "w"))
       print({message!r})
       sys.exit({exit_code})
-  """))
+  """)
+  )
   monkeypatch.setattr(gpu_check.steps, "COMPILE_CHECK", fake)
-  ctx = gpu_check.steps.Context(out=tmp_path, dry_run=False,
-                                test_timeout=10, workers=0)
+  ctx = gpu_check.steps.Context(
+    out=tmp_path, work=tmp_path, dry_run=False, test_timeout=10, workers=0
+  )
   record = gpu_check.steps.step_compile(ctx, timeout=60)
   assert record["status"] == status, record
   assert record["returncode"] == exit_code
@@ -120,62 +261,254 @@ def test_compile_step_exit_status(gpu_check, monkeypatch, tmp_path,
     assert record["reason"]
 
 
-def test_stopped_at_timeout(gpu_check, tmp_path):
+def test_stopped_at_timeout_and_polled(gpu_check, tmp_path):
   log = tmp_path / "sleep.log"
+  polls = []
   result = gpu_check.runner.run_logged(
-      [sys.executable, "-c", "import time; print('hi', flush=True); "
-       "time.sleep(60)"], log_path=log, timeout=1)
+    [
+      sys.executable,
+      "-c",
+      "import time; print('hi', flush=True); time.sleep(60)",
+    ],
+    log_path=log,
+    timeout=1.5,
+    on_wait=lambda: polls.append(1),
+    poll_s=0.3,
+  )
   assert result.timed_out and result.duration_s < 15
+  assert polls
   text = log.read_text()
-  assert "hi" in text and "timed out after 1 s" in text
+  assert "hi" in text and "timed out after 2 s" in text
 
 
-def test_step_timeout_flag(gpu_check):
-  args = gpu_check.parse_args(["--step-timeout=100,tests=300"])
-  assert args.step_timeouts == {"env": 100, "compile": 100, "tests": 300,
-                                "bench": 100}
-  with pytest.raises(SystemExit):
-    gpu_check.parse_args(["--steps=env,nope"])
+def test_bundle_keeps_every_file_within_its_size(gpu_check, tmp_path):
+  work = tmp_path / "work"
+  work.mkdir()
+  (work / "small.log").write_text("small")
+  big = b"head" + b"x" * (gpu_check.runner.BUNDLE_FILE_BYTES + 100) + b"tail"
+  (work / "big.log").write_bytes(big)
+  bundle = tmp_path / "bundle.tgz"
+  gpu_check.runner.write_bundle(work, bundle)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle.tgz", "work"]
+  with tarfile.open(bundle) as tar:
+    assert tar.getnames() == ["gpu_check/big.log", "gpu_check/small.log"]
+    got = tar.extractfile("gpu_check/big.log").read()
+    assert tar.extractfile("gpu_check/small.log").read() == b"small"
+  assert got.startswith(b"head") and got.endswith(b"tail")
+  assert b"bytes cut here" in got and len(got) < len(big)
 
 
-def test_dry_run(tmp_path):
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
-  # A roomier budget than the dry run's default (110 s): on a loaded 2-core
-  # machine its steps can take twice as long as usual.
+# --------------------------------------------------------------------------
+# The pytest plugin.
+
+_SYNTHETIC = """
+import hypothesis
+import hypothesis.strategies as st
+
+_POISONED = []  # What a sticky CUDA error does to the rest of a process.
+
+def test_a_plain():
+  pass
+
+def test_b_triton():
+  assert not _POISONED
+
+def test_c_mosaic_gpu():
+  _POISONED.append(1)
+  raise RuntimeError("INTERNAL: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal "
+                     "memory access was encountered")
+
+def test_d_mosaic_gpu_after():
+  assert not _POISONED
+
+def test_e_after():
+  assert not _POISONED
+
+@hypothesis.settings(max_examples=50, derandomize=True, database=None)
+@hypothesis.given(st.integers(0, 10**6))
+def test_f_property(x):
+  assert x < 1000
+"""
+
+
+def test_pytest_plugin(gpu_check, tmp_path):
+  """Order, selection, results as they finish, no shrinking, and a fresh
+  worker after a sticky CUDA error (one worker, so that the tests after the
+  fault run where it happened)."""
+  (tmp_path / "test_synthetic.py").write_text(_SYNTHETIC)
+  only = tmp_path / "only.txt"
+  only.write_text("mosaic_gpu\ntest_b\ntest_e\ntest_f\nno_such_test\n")
+  results = tmp_path / "results.jsonl"
+  env = _env(
+    PYTHONPATH=str(_ROOT / "scripts"),
+    PALLAS_FA_TEST_RESULTS=str(results),
+    PALLAS_FA_TEST_ONLY=str(only),
+  )
   proc = subprocess.run(
-      [sys.executable, str(_SCRIPT), "--dry-run", "--budget=200",
-       f"--out={tmp_path}"],
-      cwd=_ROOT, env=env, capture_output=True, text=True, timeout=260)
+    [sys.executable, "-m", "pytest", "-p", "gpu.pytest_plugin", "-n", "1"]
+    + ["-p", "no:cacheprovider", "-q", "test_synthetic.py"],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   output = proc.stdout + proc.stderr
-  summary = json.loads((tmp_path / "summary.json").read_text())
+  lines = [json.loads(x) for x in results.read_text().splitlines()]
+  order = list(dict.fromkeys(x["test"].split("::")[1] for x in lines))
+  # mosaic_gpu, then triton, then the rest; xdist queues the tests that the
+  # ended worker had been sent (test_d) again, last.
+  assert order == [
+    "test_c_mosaic_gpu",
+    "test_b_triton",
+    "test_e_after",
+    "test_f_property",
+    "test_d_mosaic_gpu_after",
+  ], output
+  got = gpu_check.report.summarise_tests(results)
+  assert got["failed_ids"] == [
+    "test_synthetic.py::test_c_mosaic_gpu",
+    "test_synthetic.py::test_f_property",
+  ], output
+  assert (
+    got["passed"] == 3 and "ILLEGAL_ADDRESS" in got["problems"][0]["message"]
+  )
+  # The first failing example, not a shrunk one (which would be 1000).
+  message = got["problems"][1]["message"]
+  assert message.startswith("assert ") and message.endswith(" < 1000")
+  assert message != "assert 1000 < 1000", message
+  assert "match no test: ['no_such_test']" in output
+
+
+# --------------------------------------------------------------------------
+# The CPU rehearsal.
+
+
+def _files(out):
+  return sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.slow  # About a minute on 2 cores; the test below runs most of it.
+def test_dry_run(tmp_path):
+  out, work = tmp_path / "out", tmp_path / "work"
+  # A roomier budget than the dry run's own: on a loaded 2-core machine its
+  # steps can take twice as long as usual.
+  proc = _run_script(
+    "--dry-run", "--budget=400", f"--out={out}", f"--work={work}", timeout=460
+  )
+  output = proc.stdout + proc.stderr
+  summary = json.loads((out / "summary.json").read_text())
   steps = summary["steps"]
-  assert list(steps) == ["env", "compile", "tests", "bench"], output
+  assert list(steps) == ["env", "kernels", "bench", "decode", "extra"]
+  # The same files as the plan, all at the top of --out.
+  assert _files(out) == sorted(summary["plan"]["files"]), output
   for name, step in steps.items():
-    assert step["status"] in ("ok", "failed", "skipped"), (name, step)
-    assert step["status"] == "ok" or step["reason"], (name, step)
+    assert step["status"] == "ok", (name, step, output)
+    assert step["duration_s"] <= step["timeout_s"] + 15, (name, step)
 
-  env_json = json.loads((tmp_path / "env.json").read_text())
-  assert env_json["jax_version"] == importlib.metadata.version("jax")
-  assert steps["env"]["status"] == "ok", output
+  assert (
+    steps["env"]["env"]["source_hash"]
+    == json.loads(_run_script("--plan").stdout)["source_hash"]
+  )
 
-  compile_step = steps["compile"]
-  assert compile_step["status"] in ("ok", "skipped"), output
-  if compile_step["status"] == "skipped":
-    assert compile_step["reason"]
+  kernels = steps["kernels"]
+  assert kernels["passed"] == 3 and not kernels["failed_ids"], kernels
+  # mosaic_gpu first.
+  results = (work / "tests_kernels.jsonl").read_text().splitlines()
+  assert "test_mosaic_gpu.py" in json.loads(results[0])["test"]
+  junit = (out / "junit.xml").read_text()
+  assert junit.count("<testcase") == 4, junit  # 3 kernels + 1 extra.
 
-  tests = steps["tests"]
-  assert tests["status"] == "ok", output
-  assert tests["passed"] > 0 and tests["failed"] == tests["errors"] == 0
-  assert (tmp_path / "pytest.xml").exists()
+  bench = json.loads((out / "bench.json").read_text())
+  cells = {(r["impl"], r["head_dim"], r["seq_len"]) for r in bench["results"]}
+  assert ("chunked", 16, 256) in cells and ("jax:xla", 16, 128) in cells
+  assert ("jax:xla", 16, 256) not in cells  # The peer at the first T only.
+  assert ("chunked", 32, 128) in cells  # The extra step's head dim.
+  assert all(r["status"] == "ok" for r in bench["results"])
+  # Each candidate ran in a process of its own; the ratios span them.
+  assert all(
+    r["speedup_vs_xla"]
+    for r in bench["results"]
+    if r["seq_len"] == 128 and r["head_dim"] == 16
+  )
+  assert "| chunked | jax:xla |" in (out / "bench.md").read_text()
+  rows = steps["bench"]["bench"]["rows"]
+  assert len(rows) == 8 and rows[0]["vs_cudnn"] == {}
 
-  bench = steps["bench"]
-  assert bench["status"] == "ok", output
-  report = json.loads((tmp_path / bench["runs"][0]["json"]).read_text())
-  measured = [r for r in report["results"] if r["status"] == "ok"
-              and r["ms"] and r["flops_per_s"]]
-  assert measured, report["results"]
-  assert bench["measured_cells"] >= len(measured)
+  decode = json.loads((out / "decode.json").read_text())
+  assert {r["impl"] for r in decode["rows"]} == {
+    "decode/chunked",
+    "flash_attention",
+  }
+  assert all(r["share"] > 0 for r in steps["decode"]["decode"]["rows"])
 
+  parts = steps["extra"]["parts"]
+  assert parts["tests"]["passed"] == 1 and parts["bench"]["status"] == "ok"
+  assert parts["compile"]["status"] in ("ok", "skipped")
+
+  with tarfile.open(out / "bundle.tgz") as tar:
+    names = {pathlib.PurePath(n).name for n in tar.getnames()}
+  assert {"env.json", "pytest_kernels.log", "bench_chunked.log"} <= names
+  assert {"decode.log", "bench_xla.log", "tests_kernels.jsonl"} <= names
   assert proc.returncode == 0, output
-  assert "tests" in output and "passed" in output
+  assert "kernels" in output and "3 passed" in output
+
+
+def test_dry_run_stopped_mid_bench_leaves_its_files(tmp_path):
+  """The CPU rehearsal, stopped by SIGTERM (the command's time limit) while
+  the benchmark runs: every file is on disk and readable, with what was
+  done."""
+  out, work = tmp_path / "out", tmp_path / "work"
+  proc = subprocess.Popen(
+    [sys.executable, str(_SCRIPT), "--dry-run", "--budget=400"]
+    + [f"--out={out}", f"--work={work}"],
+    cwd=_ROOT,
+    env=_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  deadline = time.monotonic() + 300
+  try:
+    while time.monotonic() < deadline and proc.poll() is None:
+      try:
+        summary = json.loads((out / "summary.json").read_text())
+        bench = json.loads((out / "bench.json").read_text())
+      except (OSError, ValueError):
+        time.sleep(0.1)
+        continue
+      if summary["steps"]["bench"]["status"] == "running" and bench["results"]:
+        break
+      time.sleep(0.1)
+    assert proc.poll() is None, proc.stdout.read()
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, output
+  summary = json.loads((out / "summary.json").read_text())
+  steps = summary["steps"]
+  assert steps["env"]["status"] == steps["kernels"]["status"] == "ok", output
+  assert steps["kernels"]["passed"] == 3, steps["kernels"]
+  assert steps["bench"]["status"] == "failed"
+  assert "SIGTERM" in steps["bench"]["reason"]
+  for name in ("decode", "extra"):
+    assert steps[name]["status"] == "skipped", steps[name]
+    assert "SIGTERM" in steps[name]["reason"]
+  # No half-written file is left beside them.
+  assert _files(out) == [
+    "bench.json",
+    "bench.md",
+    "bundle.tgz",
+    "junit.xml",
+    "summary.json",
+  ]
+  assert (out / "junit.xml").read_text().count("<testcase") == 3
+  bench = json.loads((out / "bench.json").read_text())
+  assert bench["results"] and bench["results"][0]["impl"] == "chunked"
+  assert steps["bench"]["bench"]["rows"], steps["bench"]
+  with tarfile.open(out / "bundle.tgz") as tar:
+    names = {pathlib.PurePath(n).name for n in tar.getnames()}
+    log = tar.extractfile("gpu_check/bench_chunked.log").read().decode()
+  assert {"env.json", "pytest_kernels.log", "bench_chunked.log"} <= names
+  assert "exit status" in log  # Written after the benchmark was stopped.

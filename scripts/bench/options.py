@@ -124,13 +124,18 @@ OPTIONS = (
     Option("modes", "list", f"Subset of {MODES}."),
     Option("repeats", "integer", "Timed runs per cell (median)."),
     Option("warmup", "integer", "Untimed runs after compilation."),
-    Option("json", "string", "Write the results as JSON here.",
+    Option("json", "string",
+           "Write the results as JSON here (rewritten after every cell).",
            setting=False),
     Option("plot", "string", "Write a PNG plot here.", setting=False),
     Option("markdown", "string",
            "Write a Markdown table here: a row per (mode, causal, H, T), a "
            "column per candidate, FLOP/s and the ratio against cuDNN (else "
-           "xla).", setting=False),
+           "xla); rewritten after every cell.", setting=False),
+    Option("merge", "bool",
+           "Keep the cells already in --json (earlier runs: another "
+           "implementation's, say) and add this run's; the ratios, JSON and "
+           "Markdown cover them all.", False, setting=False),
     Option("plot_metric", "enum", "Plot's y axis.", "flops",
            ("flops", "ms"), setting=False),
     Option("isolate", "bool",

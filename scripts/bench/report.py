@@ -41,6 +41,37 @@ def add_ratios(results: list[dict], ceiling: dict | None) -> None:
         if ceiling and r.get("flops_per_s") else None)
 
 
+def merged(earlier: dict | None, run_meta: dict,
+           ceiling: dict | None) -> dict:
+  """A report for this run that keeps the cells of `earlier` runs.
+
+  Args:
+    earlier: a report written by earlier runs (`--merge`), or None.
+    run_meta: this run's `meta`.
+    ceiling: this run's matmul ceiling; else the earlier one serves.
+
+  Returns:
+    {"meta": this run's, with "merged_commands" naming the earlier runs;
+    "matmul"; "results": the earlier cells, to which `add_record` adds}.
+  """
+  if not earlier:
+    return {"meta": run_meta, "matmul": ceiling, "results": []}
+  before = earlier.get("meta") or {}
+  commands = before.get("merged_commands", []) + [before.get("command")]
+  return {"meta": {**run_meta, "merged_commands": commands},
+          "matmul": ceiling or earlier.get("matmul"),
+          "results": list(earlier.get("results") or [])}
+
+
+def add_record(report: dict, record: dict) -> None:
+  """Adds one cell's record to `report` (replacing an earlier record of the
+  same candidate and cell) and updates every record's ratios."""
+  key = (record["impl"], _cell_key(record))
+  report["results"] = [r for r in report["results"]
+                       if (r["impl"], _cell_key(r)) != key] + [record]
+  add_ratios(report["results"], report["matmul"])
+
+
 def meta(settings: options.Settings, argv: Sequence[str] | None) -> dict:
   """The run's device, versions, command, conventions and settings."""
   device = jax.devices()[0]
@@ -212,17 +243,26 @@ def write_json(report: dict, path: str) -> None:
     report: the value of `benchmark.run`.
     path: the file to write (its folder is created).
   """
-  _make_parent(path)
-  with open(path, "w") as f:
-    json.dump(report, f, indent=1, default=str)
-    f.write("\n")
+  write_text(json.dumps(report, indent=1, default=str), path)
 
 
 def write_text(text: str, path: str) -> None:
-  """Writes `text` (and a final newline) to `path`, creating its folder."""
+  """Writes `text` (and a final newline) to `path`, creating its folder.
+
+  The text goes to a temporary file first, which then replaces `path`: the
+  files are rewritten after every cell, and a run stopped during a write
+  must leave the previous file whole.
+  """
   _make_parent(path)
-  with open(path, "w") as f:
-    f.write(text + "\n")
+  tmp = os.path.join(os.path.dirname(path),
+                     "." + os.path.basename(path) + ".tmp")
+  try:
+    with open(tmp, "w") as f:
+      f.write(text + "\n")
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
 
 
 def plot(report: dict, path: str, metric: str = "flops") -> None:

@@ -1,66 +1,83 @@
-"""The steps' results read back (junit XML, compile_check and benchmark JSON)
-and the run's summary formatted for a person."""
+"""The steps' results read back (the test results of `gpu.pytest_plugin`,
+junit XML, benchmark, decode and compile_check JSON) as the headline
+numbers of summary.json, and the run's summary formatted for a person."""
 
 from __future__ import annotations
 
-import re
+import json
+import pathlib
 from typing import Any
+from typing import Collection
 from xml.etree import ElementTree
 
-# pytest-timeout's failure: "Timeout (>90.0s) from pytest-timeout." (2.x) or
-# "Timeout >90s" (1.x).
-_TIMEOUT_MESSAGE = re.compile(r"Timeout \(?>")
+# A test's outcome from all its reports: the first of these it has. A test
+# that failed and then ended its worker (a sticky CUDA error) is "failed",
+# with its own message; "crashed" alone is a worker that died in the test
+# (a per-test timeout, or a fault).
+_SEVERITY = ("failed", "error", "crashed", "passed", "skipped")
 
 
-def parse_junit(xml_text: str, max_listed: int = 20) -> dict[str, Any]:
-  """Counts the outcomes in a pytest junit XML report.
+def summarise_tests(
+  path: pathlib.Path, max_listed: int = 20
+) -> dict[str, Any] | None:
+  """Counts the outcomes in the results file of `gpu.pytest_plugin`.
 
   Args:
-    xml_text: the report.
-    max_listed: how many failed/errored tests to name.
+    path: the JSON-lines file (one line per test report that decides an
+      outcome).
+    max_listed: how many failures to describe in "problems".
 
   Returns:
-    {"tests", "passed", "failed", "errors", "skipped", "timeouts",
-    "crashed", "interrupted", "time_s", "problems": [{"test", "outcome",
-    "message"}]}. A timeout (pytest-timeout) or a crashed xdist worker is
-    also counted as failed or errors; "interrupted" counts the nameless
-    record pytest writes for a test stopped by SIGINT (not in "tests").
+    {"tests", "passed", "failed", "errors", "crashed", "skipped",
+    "failed_ids": every test id that did not pass or skip, "problems": [{
+    "test", "outcome", "message"}]}, or None when there is no file.
   """
-  root = ElementTree.fromstring(xml_text)
-  counts = dict(tests=0, passed=0, failed=0, errors=0, skipped=0,
-                timeouts=0, crashed=0, interrupted=0)
-  problems = []
-  time_s = 0.0
-  suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
-  for suite in suites:
-    time_s += float(suite.get("time") or 0.0)
-  for case in root.iter("testcase"):
-    if case.get("name") is None:
-      # The test that was running when pytest was interrupted (SIGINT).
-      counts["interrupted"] += 1
+  try:
+    lines = path.read_text().splitlines()
+  except OSError:
+    return None
+  seen: dict[str, dict[str, str]] = {}
+  for line in lines:
+    try:
+      record = json.loads(line)
+    except ValueError:  # A line cut short by a kill.
       continue
-    counts["tests"] += 1
-    failure, error = case.find("failure"), case.find("error")
-    bad = failure if failure is not None else error
-    if bad is None:
-      counts["skipped" if case.find("skipped") is not None else "passed"] += 1
+    outcomes = seen.setdefault(record["test"], {})
+    # The first message of each outcome is the one that says why.
+    outcomes.setdefault(record["outcome"], record.get("message") or "")
+  counts = dict(
+    tests=len(seen), passed=0, failed=0, errors=0, crashed=0, skipped=0
+  )
+  failed_ids, problems = [], []
+  for test, outcomes in seen.items():
+    result = next(o for o in _SEVERITY if o in outcomes)
+    counts["errors" if result == "error" else result] += 1
+    if result in ("passed", "skipped"):
       continue
-    counts["failed" if failure is not None else "errors"] += 1
-    message = (bad.get("message") or "") + "\n" + (bad.text or "")
-    if _TIMEOUT_MESSAGE.search(message):
-      counts["timeouts"] += 1
-    if "crashed while running" in message:
-      counts["crashed"] += 1
+    failed_ids.append(test)
     if len(problems) < max_listed:
-      name = case.get("name", "?")
-      classname = case.get("classname", "")
-      first = next((line.strip() for line in message.splitlines()
-                    if line.strip()), "")
-      problems.append({
-          "test": f"{classname}::{name}" if classname else name,
-          "outcome": "failed" if failure is not None else "error",
-          "message": first[:300]})
-  return {**counts, "time_s": round(time_s, 1), "problems": problems}
+      problems.append(
+        {"test": test, "outcome": result, "message": outcomes[result][:300]}
+      )
+  return {**counts, "failed_ids": failed_ids, "problems": problems}
+
+
+def merge_junit(paths: list[pathlib.Path]) -> str | None:
+  """One junit XML document holding the test suites of every readable file
+  of `paths`, or None when there is none."""
+  root = ElementTree.Element("testsuites", name="gpu_check")
+  for path in paths:
+    try:
+      tree = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+      continue
+    suites = [tree] if tree.tag == "testsuite" else tree.iter("testsuite")
+    for suite in suites:
+      suite.set("name", path.stem)
+      root.append(suite)
+  if not len(root):
+    return None
+  return ElementTree.tostring(root, encoding="unicode") + "\n"
 
 
 def summarise_compile(report: Any) -> dict[str, Any]:
@@ -88,117 +105,239 @@ def summarise_compile(report: Any) -> dict[str, Any]:
   for case in results:
     if not isinstance(case, dict):
       continue
-    label = " ".join(str(case[k]) for k in (
-        "target", "backend", "head_dim", "dtype", "variant") if k in case)
+    label = " ".join(
+      str(case[k])
+      for k in ("target", "backend", "head_dim", "dtype", "variant")
+      if k in case
+    )
     if case.get("error"):
       problems += 1
-      failed.append(f"{label}: {str(case['error']).splitlines()[0][:200]}"
-                    if str(case["error"]).strip() else f"{label}: error")
+      failed.append(
+        f"{label}: {str(case['error']).splitlines()[0][:200]}"
+        if str(case["error"]).strip()
+        else f"{label}: error"
+      )
     for row in case.get("kernels") or ():
       kernels += 1
       if row.get("spill_stores") or row.get("spill_loads"):
         spilling += 1
       if row.get("problems"):
         problems += 1
-        failed.append(f"{label} {row.get('kernel', '?')}: "
-                      f"{', '.join(map(str, row['problems']))}")
-  return {"cases": len(results), "kernels": kernels, "problems": problems,
-          "spilling_kernels": spilling, "failed": failed[:10]}
-
-
-def summarise_bench(report: dict[str, Any]) -> dict[str, Any]:
-  """The per-cell numbers of one scripts/benchmark.py JSON report.
-
-  Args:
-    report: the parsed JSON ({"meta", "matmul", "results"}).
-
-  Returns:
-    {"platform", "device_kind", "unit", "matmul_flops_per_s", "counts":
-    {status: n}, "cells": [{impl, mode, causal, head_dim, seq_len, status,
-    reason, ms, flops_per_s}]}.
-  """
-  meta = report.get("meta") or {}
-  cells, counts = [], {}
-  for r in report.get("results") or []:
-    status = r.get("status", "?")
-    counts[status] = counts.get(status, 0) + 1
-    cells.append({k: r.get(k) for k in (
-        "impl", "kind", "mode", "causal", "head_dim", "seq_len", "batch",
-        "heads", "dtype", "status", "reason", "ms", "flops_per_s")})
-  platform_name = meta.get("platform")
-  matmul = report.get("matmul") or {}
+        failed.append(
+          f"{label} {row.get('kernel', '?')}: "
+          f"{', '.join(map(str, row['problems']))}"
+        )
   return {
-      "platform": platform_name,
-      "device_kind": meta.get("device_kind"),
-      "unit": "GFLOP/s" if platform_name == "cpu" else "TFLOP/s",
-      "matmul_flops_per_s": matmul.get("flops_per_s"),
-      "counts": counts,
-      "cells": cells,
+    "cases": len(results),
+    "kernels": kernels,
+    "problems": problems,
+    "spilling_kernels": spilling,
+    "failed": failed[:10],
   }
 
 
-def _rate(flops_per_s: float | None, unit: str) -> str:
-  if not flops_per_s:
-    return "-"
-  return f"{flops_per_s / (1e9 if unit == 'GFLOP/s' else 1e12):.1f}"
+def _unit(platform: str | None) -> tuple[str, float]:
+  return ("GFLOP/s", 1e9) if platform == "cpu" else ("TFLOP/s", 1e12)
+
+
+def summarise_bench(
+  report: dict[str, Any], head_dims: Collection[int] | None = None
+) -> dict[str, Any]:
+  """The headline of a scripts/benchmark.py JSON report: a row per
+  (H, T, mode, causal) with each candidate's rate and its speed-up against
+  cuDNN, and the cells that did not run.
+
+  Args:
+    report: the parsed JSON ({"meta", "matmul", "results"}).
+    head_dims: only the cells of these H (default: all).
+
+  Returns:
+    {"device_kind", "unit", "matmul", "counts": {candidate: {status: n}},
+    "rows": [{"H", "T", "mode", "causal", "rate": {candidate: FLOP/s in
+    unit}, "vs_cudnn": {candidate: x}}], "problems": [the cells of ours
+    that were wrong or failed, and why]}.
+  """
+  meta = report.get("meta") or {}
+  unit, size = _unit(meta.get("platform"))
+  counts: dict[str, dict[str, int]] = {}
+  rows: dict[tuple, dict[str, Any]] = {}
+  problems = []
+  for r in report.get("results") or []:
+    if head_dims is not None and r.get("head_dim") not in head_dims:
+      continue
+    impl, status = r.get("impl", "?"), r.get("status", "?")
+    by_status = counts.setdefault(impl, {})
+    by_status[status] = by_status.get(status, 0) + 1
+    key = (
+      r.get("head_dim"),
+      r.get("seq_len"),
+      r.get("mode"),
+      bool(r.get("causal")),
+    )
+    row = rows.setdefault(
+      key,
+      {
+        "H": key[0],
+        "T": key[1],
+        "mode": key[2],
+        "causal": key[3],
+        "rate": {},
+        "vs_cudnn": {},
+      },
+    )
+    if r.get("flops_per_s"):
+      row["rate"][impl] = round(r["flops_per_s"] / size, 1)
+    if r.get("speedup_vs_cudnn") and impl != "jax:cudnn":
+      row["vs_cudnn"][impl] = round(r["speedup_vs_cudnn"], 2)
+    if r.get("kind") == "impl" and status in ("wrong", "failed"):
+      problems.append(
+        f"{impl} H={key[0]} T={key[1]} {key[2]} "
+        f"{'causal' if key[3] else 'full'}: {status}: "
+        f"{r.get('reason', '')}"[:300]
+      )
+  matmul = report.get("matmul") or {}
+  return {
+    "device_kind": meta.get("device_kind"),
+    "unit": unit,
+    "matmul": (
+      round(matmul["flops_per_s"] / size, 1)
+      if matmul.get("flops_per_s")
+      else None
+    ),
+    "counts": counts,
+    "rows": [
+      rows[k]
+      for k in sorted(rows, key=lambda k: (k[0] or 0, k[1] or 0, *k[2:]))
+    ],
+    "problems": problems,
+  }
+
+
+def summarise_decode(report: dict[str, Any]) -> dict[str, Any]:
+  """The headline of a scripts/decode_benchmark.py JSON report.
+
+  Args:
+    report: the parsed JSON ({"device", "memory_bandwidth", "rows"}).
+
+  Returns:
+    {"bandwidth_gb_s": the measured peak, "rows": [{"impl", "B", "S", "K",
+    "H", "T_new", "status", "ms", "gb_s", "share", "reason"}]}.
+  """
+  rows = []
+  for r in report.get("rows") or []:
+    rows.append(
+      {
+        "impl": r.get("impl"),
+        "B": r.get("batch"),
+        "S": r.get("seq_len"),
+        "K": r.get("kv_heads"),
+        "H": r.get("head_dim"),
+        "T_new": r.get("new_tokens"),
+        "status": r.get("status"),
+        "ms": round(r["ms"], 4) if r.get("ms") else None,
+        "gb_s": (
+          round(r["bytes_per_s"] / 1e9, 1) if r.get("bytes_per_s") else None
+        ),
+        "share": (
+          round(r["bandwidth_share"], 3) if r.get("bandwidth_share") else None
+        ),
+        "reason": (r.get("reason") or "")[:300],
+      }
+    )
+  peak = (report.get("memory_bandwidth") or {}).get("peak")
+  return {
+    "bandwidth_gb_s": round(peak / 1e9, 1) if peak else None,
+    "rows": rows,
+  }
+
+
+def _test_line(s: dict[str, Any]) -> str:
+  crashed = f", {s['crashed']} crashed" if s.get("crashed") else ""
+  return (
+    f"{s['passed']} passed, {s['failed']} failed, {s['errors']} "
+    f"errors{crashed}, {s['skipped']} skipped"
+  )
+
+
+def _bench_lines(bench: dict[str, Any]) -> list[str]:
+  unit = bench.get("unit", "TFLOP/s")
+  lines = []
+  for row in bench.get("rows") or ():
+    items = []
+    for impl, value in row["rate"].items():
+      ratio = row["vs_cudnn"].get(impl)
+      items.append(f"{impl} {value}" + (f" ({ratio}x)" if ratio else ""))
+    lines.append(
+      f"      H={row['H']} T={row['T']} {row['mode']:7s} "
+      f"{'causal' if row['causal'] else 'full':6s} {unit}: "
+      + (", ".join(items) or "-")
+    )
+  lines += [f"      {p}" for p in (bench.get("problems") or [])[:10]]
+  return lines
+
+
+def _decode_lines(decode: dict[str, Any]) -> list[str]:
+  lines = []
+  for r in decode.get("rows") or ():
+    if r["ms"]:
+      share = f", {r['share']:.0%} of bw" if r["share"] else ""
+      lines.append(
+        f"      {r['impl']} B={r['B']} S={r['S']} K={r['K']}: "
+        f"{r['ms']} ms, {r['gb_s']} GB/s{share}"
+      )
+    else:
+      lines.append(f"      {r['impl']} B={r['B']}: {r['status']} {r['reason']}")
+  return lines
+
+
+def _step_lines(name: str, s: dict[str, Any]) -> list[str]:
+  duration = s.get("duration_s")
+  duration = f"{duration:6.1f}s" if duration is not None else "      -"
+  detail = s.get("reason") or ""
+  if name == "env" and s.get("brief"):
+    detail = s["brief"] + (f" [{detail}]" if detail else "")
+  elif "tests" in s:
+    detail = _test_line(s) + (f" [{detail}]" if detail else "")
+  elif s.get("problems") is not None and "kernels" in s:
+    detail = (
+      f"{s['problems']} problem(s), {s['spilling_kernels']} "
+      f"spilling, in {s['kernels']} kernel(s) of {s['cases']} "
+      "case(s)" + (f" [{detail}]" if detail else "")
+    )
+  lines = [f"  {name:14s} {s['status']:8s} {duration}  {detail}".rstrip()]
+  for w in s.get("warnings") or ():
+    lines.append(f"      warning: {w}")
+  for p in (s.get("problems") if isinstance(s.get("problems"), list) else [])[
+    :10
+  ]:
+    lines.append(f"      {p['outcome']}: {p['test']}: {p['message']}")
+  for line in s.get("failed") or ():
+    lines.append(f"      {line}")
+  if s.get("bench"):
+    lines += _bench_lines(s["bench"])
+  if s.get("decode"):
+    lines += _decode_lines(s["decode"])
+  for part, record in (s.get("parts") or {}).items():
+    lines += _step_lines(f"{name}.{part}", record)
+  return lines
 
 
 def format_summary(summary: dict[str, Any]) -> str:
   """A short human summary of summary.json's content.
 
   Args:
-    summary: the summary record (see `main`).
+    summary: the summary record (see gpu_check.py's `main`).
 
   Returns:
-    A few lines: one per step, with its key numbers.
+    A few lines: one per step, with its headline numbers.
   """
-  lines = [f"gpu_check{' --dry-run' if summary['dry_run'] else ''}: "
-           f"{summary['out']} ({summary.get('total_s', 0):.0f} s)"]
+  lines = [
+    f"gpu_check{' --dry-run' if summary['dry_run'] else ''}: "
+    f"{summary['out']} ({summary.get('total_s', 0):.0f} s of "
+    f"{summary['budget_s']:.0f})"
+  ]
   for name, s in summary["steps"].items():
-    duration = s.get("duration_s")
-    duration = f"{duration:6.1f}s" if duration is not None else "      -"
-    head = f"  {name:8s} {s['status']:8s} {duration}"
-    detail = s.get("reason") or ""
-    if name == "env" and s.get("brief"):
-      detail = s["brief"] + (f" [{detail}]" if detail else "")
-    elif name == "compile" and s.get("problems") is not None:
-      detail = (f"{s['problems']} problem(s), {s['spilling_kernels']} "
-                f"spilling, in {s['kernels']} kernel(s) of {s['cases']} "
-                "case(s)" + (f" [{detail}]" if detail else ""))
-    elif name == "tests" and "tests" in s:
-      crashed = f", {s['crashed']} crashed" if s.get("crashed") else ""
-      detail = (f"{s['passed']} passed, {s['failed']} failed, "
-                f"{s['errors']} errors, {s['timeouts']} timeouts{crashed}, "
-                f"{s['skipped']} skipped" + (f" [{detail}]" if detail else ""))
-    lines.append(f"{head}  {detail}".rstrip())
-    for w in s.get("warnings") or ():
-      lines.append(f"      warning: {w}")
-    if name == "tests" and isinstance(s.get("problems"), list):
-      for p in s["problems"][:10]:
-        lines.append(f"      {p['outcome']}: {p['test']}: {p['message']}")
-    if name == "compile":
-      for line in s.get("failed") or ():
-        lines.append(f"      {line}")
-    if name == "bench":
-      for run in s.get("runs") or ():
-        lines.extend(_bench_lines(run))
+    lines += _step_lines(name, s)
+  if summary.get("rerun"):
+    lines.append(f"  rerun what failed: {summary['rerun']}")
   return "\n".join(lines)
-
-
-def _bench_lines(run: dict[str, Any]) -> list[str]:
-  if not run.get("cells"):
-    return [f"      H={run['head_dim']}: {run['status']} {run['reason']}"]
-  unit = run.get("unit", "TFLOP/s")
-  groups: dict[tuple, list[str]] = {}
-  for c in run["cells"]:
-    key = (c["seq_len"], c["mode"], c["causal"])
-    value = _rate(c.get("flops_per_s"), unit) if c.get("ms") else c["status"]
-    groups.setdefault(key, []).append(f"{c['impl']} {value}")
-  lines = []
-  for (t, mode, causal), items in groups.items():
-    lines.append(f"      H={run['head_dim']} T={t} {mode:7s} "
-                 f"{'causal' if causal else 'full':6s} {unit}: "
-                 + ", ".join(items))
-  if run.get("reason"):
-    lines.append(f"      H={run['head_dim']}: {run['reason']}")
-  return lines

@@ -1,10 +1,12 @@
-"""The steps of scripts/gpu_check.py. Each returns its record: status "ok" |
-"failed" | "skipped", reason, and its own numbers; the caller adds the
-duration."""
+"""The steps of scripts/gpu_check.py (see `gpu.plan`). Each returns its
+record: status "ok" | "failed" | "skipped", reason, and its headline
+numbers; the caller adds the duration. A step publishes its numbers so far
+through `Context.progress` while it runs."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import pathlib
 import re
@@ -12,66 +14,544 @@ import shlex
 import sys
 import time
 from typing import Any
+from typing import Callable
 from typing import Sequence
-from xml.etree import ElementTree
 
 from gpu import environment
+from gpu import plan
 from gpu import report
 from gpu import runner
 
-GPU_CHECK = runner.REPO_ROOT / "scripts" / "gpu_check.py"
-COMPILE_CHECK = runner.REPO_ROOT / "scripts" / "compile_check.py"
-BENCHMARK = runner.REPO_ROOT / "scripts" / "benchmark.py"
+GPU_CHECK = runner.SCRIPTS / "gpu_check.py"
+COMPILE_CHECK = runner.SCRIPTS / "compile_check.py"
+BENCHMARK = runner.SCRIPTS / "benchmark.py"
+DECODE_BENCHMARK = runner.SCRIPTS / "decode_benchmark.py"
+# Less time than this is not worth starting a process for.
 MIN_STEP_S = 5
-
-# The dry run's tests: two interpreted Triton conformance checks that take
-# a few seconds each on a CPU (the dry run checks the plumbing, not the
-# kernels).
-DRY_RUN_TESTS_K = (
-    "(test_float32 and B2T64S64N2K2H32) or test_fully_masked_rows")
+MIN_PART_S = {False: 20, True: 5}  # By dry_run.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Context:
-  """What every step needs."""
+  """What every step needs.
+
+  Attributes:
+    out: the folder whose files come back (`plan.FILES` only).
+    work: the folder of everything else (logs, per-run reports), which
+      `bundle.tgz` packs.
+    dry_run: the CPU rehearsal: the same steps on tiny shapes.
+    test_timeout: seconds per test.
+    workers: pytest-xdist workers (0: none).
+    only: test id patterns for a rerun (the kernels step runs only these).
+    progress: called with a step's record so far while it runs.
+  """
 
   out: pathlib.Path
+  work: pathlib.Path
   dry_run: bool
   test_timeout: float
   workers: int
-  compile_full: bool = False
+  only: tuple[str, ...] = ()
+  progress: Callable[[dict[str, Any]], None] = lambda record: None
 
 
 def _proc_fields(proc: runner.ProcResult) -> dict[str, Any]:
   return {"returncode": proc.returncode, "timed_out": proc.timed_out}
 
 
-def step_env(ctx: Context, timeout: float) -> dict[str, Any]:
-  path = ctx.out / "env.json"
-  log = ctx.out / "env.log"
-  cmd = [sys.executable, str(GPU_CHECK),
-         f"--collect-env={path}"] + (["--dry-run"] if ctx.dry_run else [])
-  proc = runner.run_logged(cmd, log_path=log, timeout=timeout,
-                           env=runner.child_env())
-  record = {"command": shlex.join(cmd), "log": log.name,
-            **_proc_fields(proc)}
-  try:
-    info = json.loads(path.read_text())
-  except (OSError, ValueError):
-    info = {"problems": ["env collection wrote no env.json: "
-                         f"{runner.log_tail(log)}"]}
-    path.write_text(json.dumps(info, indent=1) + "\n")
-  record["json"] = path.name
-  record["brief"] = environment.env_brief(info)
-  record["jax_version"] = info.get("jax_version")
+def _proc_problem(
+  proc: runner.ProcResult, timeout: float, log: pathlib.Path
+) -> str:
+  """Why a process's run failed ("" if it exited 0)."""
   if proc.timed_out:
-    return {**record, "status": "failed",
-            "reason": f"timed out after {timeout:.0f} s"}
-  if info.get("problems") or proc.returncode != 0:
-    reason = "; ".join(info.get("problems") or []) or (
-        f"exit status {proc.returncode}: {runner.log_tail(log)}")
-    return {**record, "status": "failed", "reason": reason}
+    return f"timed out after {timeout:.0f} s"
+  if proc.returncode != 0:
+    return f"exit status {proc.returncode}: {runner.log_tail(log, 2)}"
+  return ""
+
+
+def _read_json(path: pathlib.Path) -> Any:
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+
+
+# ---------------------------------------------------------------------------
+# env
+
+
+def step_env(ctx: Context, timeout: float) -> dict[str, Any]:
+  path = ctx.work / "env.json"
+  log = ctx.work / "env.log"
+  cmd = [sys.executable, str(GPU_CHECK), f"--collect-env={path}"] + (
+    ["--dry-run"] if ctx.dry_run else []
+  )
+  proc = runner.run_logged(
+    cmd, log_path=log, timeout=timeout, env=runner.child_env()
+  )
+  record = {"command": shlex.join(cmd), **_proc_fields(proc)}
+  info = _read_json(path)
+  if not isinstance(info, dict):
+    info = {
+      "problems": [f"env collection wrote no env.json: {runner.log_tail(log)}"]
+    }
+  record["brief"] = environment.env_brief(info)
+  record["env"] = environment.headline(info)
+  problem = "; ".join(info.get("problems") or []) or _proc_problem(
+    proc, timeout, log
+  )
+  return {**record, "status": "failed" if problem else "ok", "reason": problem}
+
+
+# ---------------------------------------------------------------------------
+# Tests (kernels, and extra's other tests)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tests:
+  """What one pytest run runs.
+
+  Attributes:
+    files: the test files it collects.
+    implementations: PALLAS_FA_TEST_IMPLEMENTATIONS (the conformance
+      suite's).
+    patterns: run only the tests whose id contains one of these (none: all).
+    select: more pytest arguments (-k ...).
+  """
+
+  files: tuple[str, ...]
+  implementations: str
+  patterns: tuple[str, ...] = ()
+  select: tuple[str, ...] = ()
+
+
+def files_of(patterns: Sequence[str]) -> tuple[str, ...]:
+  """The test files that test ids ("tests/x.py::test_y[...]") name."""
+  return tuple(dict.fromkeys(p.split("::")[0] for p in patterns))
+
+
+# mosaic_tpu runs interpreted off a TPU: slow, and no GPU kernel.
+_NOT_TPU = ("-k", "not mosaic_tpu")
+_KERNEL_IMPLEMENTATIONS = "mosaic_gpu,triton"
+# The dry run's tests: one cheap test of each kind (a mosaic_gpu one that
+# runs no kernel, an interpreted triton conformance case, the interpreted
+# triton decode kernel; an xla conformance case), selected as a rerun
+# selects (`Context.only`).
+_DRY_RUN_KERNELS = (
+  "tests/test_mosaic_gpu.py::test_block_sizes_frozen_and_hashable",
+  "tests/test_conformance.py::test_float32[triton-B2T64S64N2K2H32]",
+  "tests/test_decode.py::test_triton_window_softcap_positions",
+)
+_DRY_RUN_OTHERS = (
+  "tests/test_conformance.py::test_float32[xla-B2T64S64N2K2H32]",
+)
+# By --dry-run: the compiled correctness of every GPU kernel (the kernels
+# step), and the rest of the suite that runs on a GPU (the extra step).
+KERNEL_TESTS = {
+  False: Tests(
+    files=(
+      "tests/test_mosaic_gpu.py",
+      "tests/test_conformance.py",
+      "tests/test_triton.py",
+      "tests/test_decode.py",
+      "tests/test_dropout.py",
+    ),
+    implementations=_KERNEL_IMPLEMENTATIONS,
+    select=_NOT_TPU,
+  ),
+  True: Tests(
+    files=files_of(_DRY_RUN_KERNELS),
+    implementations="triton",
+    patterns=_DRY_RUN_KERNELS,
+  ),
+}
+OTHER_TESTS = {
+  False: Tests(
+    files=(
+      "tests/test_conformance.py",
+      "tests/test_precision.py",
+      "tests/test_api.py",
+      "tests/test_chunked.py",
+    ),
+    implementations="xla,chunked",
+    select=_NOT_TPU,
+  ),
+  True: Tests(
+    files=files_of(_DRY_RUN_OTHERS),
+    implementations="xla",
+    patterns=_DRY_RUN_OTHERS,
+  ),
+}
+
+
+def rerun_tests(patterns: Sequence[str]) -> Tests:
+  """The tests of a rerun (--only): those whose id contains one of
+  `patterns`, in the files they name if each names its file, else in every
+  file of both GPU selections."""
+  files = files_of(patterns)
+  if not all(
+    f.endswith(".py") and (runner.REPO_ROOT / f).is_file() for f in files
+  ):
+    gpu = (KERNEL_TESTS[False], OTHER_TESTS[False])
+    files = tuple(dict.fromkeys(f for t in gpu for f in t.files))
+  return Tests(
+    files=files,
+    implementations=",".join(
+      (KERNEL_TESTS[False].implementations, OTHER_TESTS[False].implementations)
+    ),
+    patterns=tuple(patterns),
+  )
+
+
+def _xdist_args(workers: int) -> tuple[list[str], list[str]]:
+  """(pytest arguments, warnings) for `workers` pytest-xdist processes."""
+  if workers <= 0:
+    return [], []
+  if not runner.has_module("xdist"):
+    return [], ["pytest-xdist is not installed: no workers"]
+  args = ["-n", str(workers)]
+  try:
+    version = importlib.metadata.version("pytest-xdist")
+    major, minor = (int(x) for x in version.split(".")[:2])
+  except (importlib.metadata.PackageNotFoundError, ValueError):
+    major, minor = 0, 0
+  if (major, minor) >= (3, 2):  # Where --maxschedchunk came in.
+    # Two tests at a time per worker: the first tests (mosaic_gpu's) spread
+    # over every worker, rather than a long run of them going to one.
+    args.append("--maxschedchunk=2")
+  return args, []
+
+
+def run_tests(
+  ctx: Context, name: str, timeout: float, tests: Tests
+) -> dict[str, Any]:
+  """Runs pytest once, with `gpu.pytest_plugin`; its record.
+
+  Args:
+    ctx: the run's context.
+    name: names the files in ctx.work (log, junit XML, results).
+    timeout: seconds for the whole pytest run.
+    tests: what it runs.
+
+  Returns:
+    The record: the counts and failures (`report.summarise_tests`), the
+    command, status and reason.
+  """
+  xml = ctx.work / f"junit_{name}.xml"
+  log = ctx.work / f"pytest_{name}.log"
+  results = ctx.work / f"tests_{name}.jsonl"
+  for path in (xml, results):
+    path.unlink(missing_ok=True)
+  cmd = [sys.executable, "-m", "pytest", *tests.files, *tests.select]
+  cmd += ["-q", "-rfE"]
+  cmd += ["--tb=short", "-p", "no:cacheprovider", "-p", "gpu.pytest_plugin"]
+  cmd += [f"--junitxml={xml}"]
+  xdist, warnings = _xdist_args(ctx.workers)
+  cmd += xdist
+  if runner.has_module("pytest_timeout"):
+    # It dumps every thread's stack at the timeout, and stops the test.
+    cmd.append(f"--timeout={ctx.test_timeout:.0f}")
+    if xdist:
+      # A timed-out test ends its worker, which xdist replaces: a hung
+      # kernel costs one test, not the run. (The ini name works in every
+      # pytest-timeout version; the flag's spelling changed in 2.2.)
+      cmd += ["-o", "timeout_method=thread"]
+  else:
+    # pytest's own watchdog at least dumps every thread's stack when a test
+    # runs this long, even while it is blocked in C (a hung kernel).
+    cmd += ["-o", f"faulthandler_timeout={ctx.test_timeout:.0f}"]
+    warnings.append(
+      "pytest-timeout is not installed: no per-test timeout "
+      "(a hanging test ends the step at its timeout)"
+    )
+  extra_env = {
+    "PALLAS_FA_TEST_IMPLEMENTATIONS": tests.implementations,
+    "PALLAS_FA_TEST_RESULTS": str(results),
+    "PALLAS_FA_TEST_FIRST": _KERNEL_IMPLEMENTATIONS,
+  }
+  if tests.patterns:
+    only = ctx.work / f"only_{name}.txt"
+    only.write_text("\n".join(tests.patterns) + "\n")
+    extra_env["PALLAS_FA_TEST_ONLY"] = str(only)
+  if xdist:
+    # Several processes share the GPU: each takes memory as it needs it.
+    extra_env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  base = {
+    "command": shlex.join(cmd),
+    "implementations": tests.implementations,
+    "warnings": warnings,
+  }
+
+  def progress():
+    ctx.progress({**base, **(report.summarise_tests(results) or {})})
+
+  proc = runner.run_logged(
+    cmd,
+    log_path=log,
+    timeout=timeout,
+    env=runner.child_env(scripts_on_path=True, **extra_env),
+    on_wait=progress,
+  )
+  record = {**base, **_proc_fields(proc)}
+  counts = report.summarise_tests(results)
+  if counts is None:
+    return {
+      **record,
+      "status": "failed",
+      "reason": "no test finished: "
+      + (_proc_problem(proc, timeout, log) or runner.log_tail(log, 2)),
+    }
+  record.update(counts)
+  problem = _proc_problem(proc, timeout, log)
+  if proc.timed_out:
+    problem += " (the counts are of the tests that finished)"
+  elif not problem and not counts["passed"]:
+    problem = "no test passed"
+  if counts["failed_ids"]:
+    problem = problem or f"{len(counts['failed_ids'])} test(s) failed"
+  return {**record, "status": "failed" if problem else "ok", "reason": problem}
+
+
+def step_kernels(ctx: Context, timeout: float) -> dict[str, Any]:
+  tests = rerun_tests(ctx.only) if ctx.only else KERNEL_TESTS[ctx.dry_run]
+  return run_tests(ctx, "kernels", timeout, tests)
+
+
+# ---------------------------------------------------------------------------
+# Benchmarks (bench, decode, and extra's other head dims)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchRun:
+  """One scripts/benchmark.py process of a step: one candidate.
+
+  Attributes:
+    label: names the run and its log.
+    weight: its share of the step's time, relative to the step's others.
+    impl: the pallas_fa implementation, or None for a peer.
+    peer: the jax.nn peer (`--peers`), or None.
+    head_dims: H values.
+    seq_lens: T = S values.
+    matmul_size: of the matmul ceiling (0: none; the first run measures it).
+  """
+
+  label: str
+  weight: float
+  impl: str | None = None
+  peer: str | None = None
+  head_dims: tuple[int, ...]
+  seq_lens: tuple[int, ...]
+  matmul_size: int = 0
+
+  def args(self) -> list[str]:
+    join = lambda values: ",".join(map(str, values))  # noqa: E731
+    return [
+      f"--impls={self.impl or ''}",
+      f"--peers={self.peer or 'none'}",
+      f"--head_dim={join(self.head_dims)}",
+      f"--seq_lens={join(self.seq_lens)}",
+      f"--matmul_size={self.matmul_size}",
+    ]
+
+
+# By --dry-run: the flags every benchmark run shares, the headline's runs
+# (bench) and the other head dims' (extra). The headline: H = 128, T in
+# {4096, 16384}, causal and not, fwd and fwd+bwd, bf16, the FlashAttention
+# protocol (B*T = 16k tokens, N*H = 2048). The first run also measures the
+# matmul ceiling; XLA materialises the logits, so it runs at T = 4096 only.
+# The dry run: chunked stands for our implementations, xla for the peers;
+# float32 on a CPU, tiny.
+_BENCH_COMMON = (
+  "--causal=both",
+  "--modes=fwd,fwd_bwd",
+  "--warmup=1",
+  "--noisolate",
+)
+BENCH_FLAGS = {
+  False: ("--grid=fa", "--dtype=bfloat16", "--repeats=5", *_BENCH_COMMON),
+  True: (
+    *("--grid=cpu", "--dtype=float32", "--repeats=2", *_BENCH_COMMON),
+    *("--batch=1", "--heads=2", "--check_rows=32"),
+  ),
+}
+_T = (4096, 16384)
+BENCH_RUNS = {
+  False: (
+    BenchRun(label="mosaic_gpu", weight=50, impl="mosaic_gpu",
+             head_dims=(128,), seq_lens=_T, matmul_size=8192),
+    BenchRun(label="triton", weight=45, impl="triton",
+             head_dims=(128,), seq_lens=_T),
+    BenchRun(label="cudnn", weight=30, peer="cudnn",
+             head_dims=(128,), seq_lens=_T),
+    BenchRun(label="xla", weight=25, peer="xla",
+             head_dims=(128,), seq_lens=(4096,)),
+  ),
+  True: (
+    BenchRun(label="chunked", weight=60, impl="chunked",
+             head_dims=(16,), seq_lens=(128, 256), matmul_size=128),
+    BenchRun(label="xla", weight=40, peer="xla",
+             head_dims=(16,), seq_lens=(128,)),
+  ),
+}  # fmt: skip
+OTHER_BENCH_RUNS = {
+  False: (
+    BenchRun(label="mosaic_gpu_h64_h256", weight=40, impl="mosaic_gpu",
+             head_dims=(64, 256), seq_lens=_T),
+    BenchRun(label="triton_h64_h256", weight=35, impl="triton",
+             head_dims=(64, 256), seq_lens=_T),
+    BenchRun(label="cudnn_h64_h256", weight=25, peer="cudnn",
+             head_dims=(64, 256), seq_lens=_T),
+  ),
+  True: (
+    BenchRun(label="chunked_h32", weight=1, impl="chunked",
+             head_dims=(32,), seq_lens=(128,)),
+  ),
+}  # fmt: skip
+
+
+def run_benchmarks(
+  ctx: Context, timeout: float, runs: Sequence[BenchRun]
+) -> dict[str, Any]:
+  """Runs scripts/benchmark.py once per run of `runs`, each within its
+  share of `timeout` (a run may use what the ones before it left), all
+  merging their cells into bench.json and bench.md under ctx.out.
+
+  Args:
+    ctx: the run's context.
+    timeout: seconds for all of `runs`.
+    runs: the processes, in order.
+
+  Returns:
+    The record: each run's status, the headline of the table's rows at the
+    runs' head dims (`report.summarise_bench`), status and reason. Only our
+    implementations' failures fail it; a peer's are warnings.
+  """
+  deadline = time.monotonic() + timeout
+  json_path = ctx.out / plan.BENCH_JSON
+  common = BENCH_FLAGS[ctx.dry_run] + _BENCH_COMMON
+  head_dims = {h for run in runs for h in run.head_dims}
+  done, failures, warnings = [], [], []
+
+  def record_so_far() -> dict[str, Any]:
+    bench = _read_json(json_path)
+    return {
+      "runs": list(done),
+      "warnings": list(warnings),
+      "bench": report.summarise_bench(bench, head_dims) if bench else None,
+    }
+
+  for i, run in enumerate(runs):
+    left = deadline - time.monotonic()
+    share = left * run.weight / sum(r.weight for r in runs[i:])
+    log = ctx.work / f"bench_{run.label}.log"
+    cmd = [
+      sys.executable,
+      str(BENCHMARK),
+      *common,
+      *run.args(),
+      f"--json={json_path}",
+      f"--markdown={ctx.out / plan.BENCH_MD}",
+      "--merge",
+    ]
+    if share < MIN_STEP_S:
+      entry = {"label": run.label, "status": "skipped", "reason": "out of time"}
+    else:
+      proc = runner.run_logged(
+        cmd,
+        log_path=log,
+        timeout=share,
+        env=runner.child_env(),
+        on_wait=lambda: ctx.progress(record_so_far()),
+      )
+      problem = _proc_problem(proc, share, log)
+      entry = {
+        "label": run.label,
+        "command": shlex.join(cmd),
+        "status": "failed" if problem else "ok",
+        "reason": problem,
+        "duration_s": round(proc.duration_s, 1),
+        "timeout_s": round(share, 1),
+      }
+    done.append(entry)
+    if entry["status"] != "ok":
+      (failures if run.impl else warnings).append(
+        f"{run.label}: {entry['reason']}"
+      )
+  record = record_so_far()
+  bench = record["bench"] or {}
+  failures += bench.get("problems") or []
+  if failures:
+    return {**record, "status": "failed", "reason": "; ".join(failures)}
+  if not any(row["rate"] for row in bench.get("rows") or ()):
+    return {**record, "status": "failed", "reason": "no cell was measured"}
   return {**record, "status": "ok", "reason": ""}
+
+
+def step_bench(ctx: Context, timeout: float) -> dict[str, Any]:
+  # A fresh table: the extra step's cells are merged into it later.
+  for name in (plan.BENCH_JSON, plan.BENCH_MD):
+    (ctx.out / name).unlink(missing_ok=True)
+  return run_benchmarks(ctx, timeout, BENCH_RUNS[ctx.dry_run])
+
+
+# By --dry-run: triton decode_attention at the GQA shape of a large model's
+# decoding against the plain call; the dry run's chunked one, tiny.
+DECODE_FLAGS = {
+  False: (
+    "--implementations=triton", "--peers=flash_attention", "--batch=1,8",
+    "--seq_lens=32768", "--kv_heads=8", "--heads=32", "--head_dims=128",
+    "--new_tokens=1", "--dtype=bfloat16", "--max_cache_gib=4",
+    "--repeats=10",
+  ),
+  True: (
+    "--implementations=chunked", "--peers=flash_attention", "--batch=1,2",
+    "--seq_lens=256", "--kv_heads=2", "--heads=4", "--head_dims=16",
+    "--new_tokens=1", "--dtype=float32", "--repeats=2",
+  ),
+}  # fmt: skip
+
+
+def step_decode(ctx: Context, timeout: float) -> dict[str, Any]:
+  path = ctx.out / plan.DECODE_JSON
+  path.unlink(missing_ok=True)
+  log = ctx.work / "decode.log"
+  cmd = [
+    sys.executable,
+    str(DECODE_BENCHMARK),
+    *DECODE_FLAGS[ctx.dry_run],
+    f"--json={path}",
+  ]
+
+  def record_so_far() -> dict[str, Any]:
+    decode = _read_json(path)
+    return {
+      "command": shlex.join(cmd),
+      "decode": report.summarise_decode(decode) if decode else None,
+    }
+
+  proc = runner.run_logged(
+    cmd,
+    log_path=log,
+    timeout=timeout,
+    env=runner.child_env(),
+    on_wait=lambda: ctx.progress(record_so_far()),
+  )
+  record = {**record_so_far(), **_proc_fields(proc)}
+  rows = (record["decode"] or {}).get("rows") or []
+  bad = [
+    f"{r['impl']} B={r['B']}: {r['status']} {r['reason']}"
+    for r in rows
+    if r["status"] != "ok"
+  ]
+  problem = "; ".join(filter(None, [_proc_problem(proc, timeout, log), *bad]))
+  if not problem and not rows:
+    problem = "no decode cell was measured"
+  return {**record, "status": "failed" if problem else "ok", "reason": problem}
+
+
+# ---------------------------------------------------------------------------
+# extra: with the time the others leave
 
 
 # argparse's exit status is 2 as well: a usage error is a failure.
@@ -79,191 +559,119 @@ _USAGE_ERROR = re.compile(r"^usage: |: error: ", re.MULTILINE)
 
 
 def step_compile(ctx: Context, timeout: float) -> dict[str, Any]:
-  script = COMPILE_CHECK
-  if not script.exists():
-    return {"status": "skipped",
-            "reason": "scripts/compile_check.py not found"}
+  """The on-device compile report (scripts/compile_check.py)."""
   plugin = runner.cuda_plugin()
   if ctx.dry_run and plugin is None:
-    return {"status": "skipped",
-            "reason": "no CUDA plugin (none of "
-                      f"{', '.join(runner.CUDA_PLUGINS)} importable)"}
-  path = ctx.out / "compile_check.json"
-  log = ctx.out / "compile_check.log"
+    return {
+      "status": "skipped",
+      "reason": "no CUDA plugin (none of "
+      f"{', '.join(runner.CUDA_PLUGINS)} importable)",
+    }
+  path = ctx.work / "compile_check.json"
+  log = ctx.work / "compile_check.log"
   if ctx.dry_run:
     # Deviceless, as compile_check.py documents: no CUDA backend is started.
     # One case per backend (--quick's 12 take over a minute on 2 cores).
-    args = ["--target=h100", "--backends=triton,mosaic_gpu",
-            "--head-dims=64", "--variants=plain", "--dtypes=bfloat16"]
+    args = [
+      "--target=h100",
+      "--backends=triton,mosaic_gpu",
+      "--head-dims=64",
+      "--variants=plain",
+      "--dtypes=bfloat16",
+    ]
     env = runner.child_env(JAX_PLATFORMS="cpu")
   else:
-    # --quick (H 64/128/256, plain and causal, bf16; under a minute) unless
-    # --compile-full asks for the whole matrix (~60 cases, minutes).
-    args = ["--target=local"] + ([] if ctx.compile_full else ["--quick"])
+    # H 64/128/256, plain and causal, bf16, on this GPU: the registers,
+    # spills and shared memory that CI's deviceless check predicts.
+    args = ["--target=local", "--quick"]
     env = runner.child_env()
-  cmd = [sys.executable, str(script), *args, f"--json={path}"]
+  cmd = [sys.executable, str(COMPILE_CHECK), *args, f"--json={path}"]
   proc = runner.run_logged(cmd, log_path=log, timeout=timeout, env=env)
-  record = {"command": shlex.join(cmd), "log": log.name,
-            **_proc_fields(proc)}
-  if path.exists():
-    record["json"] = path.name
-    try:
-      record.update(report.summarise_compile(json.loads(path.read_text())))
-    except ValueError as e:
-      record["json_error"] = str(e)
+  record = {"command": shlex.join(cmd), **_proc_fields(proc)}
+  result = _read_json(path)
+  if result is not None:
+    record.update(report.summarise_compile(result))
   if proc.timed_out:
-    return {**record, "status": "failed",
-            "reason": f"timed out after {timeout:.0f} s"}
+    return {
+      **record,
+      "status": "failed",
+      "reason": f"timed out after {timeout:.0f} s",
+    }
   if proc.returncode == 0:
     return {**record, "status": "ok", "reason": ""}
   if proc.returncode == 2 and not _USAGE_ERROR.search(
-      log.read_text(errors="replace")):
-    return {**record, "status": "skipped",
-            "reason": f"cannot run here (exit 2): {runner.log_tail(log, 1)}"}
-  what = ("compile problems" if proc.returncode == 1
-          else f"exit status {proc.returncode}")
-  return {**record, "status": "failed",
-          "reason": f"{what}: {runner.log_tail(log, 2)}"}
+    log.read_text(errors="replace")
+  ):
+    return {
+      **record,
+      "status": "skipped",
+      "reason": f"cannot run here (exit 2): {runner.log_tail(log, 1)}",
+    }
+  what = (
+    "compile problems"
+    if proc.returncode == 1
+    else f"exit status {proc.returncode}"
+  )
+  return {
+    **record,
+    "status": "failed",
+    "reason": f"{what}: {runner.log_tail(log, 2)}",
+  }
 
 
-def step_tests(ctx: Context, timeout: float) -> dict[str, Any]:
-  xml = ctx.out / "pytest.xml"
-  log = ctx.out / "pytest.log"
-  xml.unlink(missing_ok=True)
-  if ctx.dry_run:
-    impls = "triton"
-    files = ["tests/test_conformance.py"]
-    select = ["-k", DRY_RUN_TESTS_K]
-  else:
-    impls = "xla,chunked,triton,mosaic_gpu"
-    files = ["tests/test_conformance.py", "tests/test_triton.py",
-             "tests/test_mosaic_gpu.py"]
-    select = []
-  cmd = [sys.executable, "-m", "pytest", *files, *select, "-q", "-rfE",
-         "-p", "no:cacheprovider", f"--junitxml={xml}",
-         # pytest's own watchdog: dumps every thread's stack when a test runs
-         # this long, even while it is blocked in C (a hung kernel).
-         "-o", f"faulthandler_timeout={ctx.test_timeout:.0f}"]
-  warnings = []
-  if runner.has_module("pytest_timeout"):
-    cmd.append(f"--timeout={ctx.test_timeout:.0f}")
-  else:
-    warnings.append("pytest-timeout is not installed: no per-test timeout "
-                    "(a hanging test ends the step at its timeout)")
-  extra_env = {"PALLAS_FA_TEST_IMPLEMENTATIONS": impls}
-  if ctx.workers > 0:
-    if runner.has_module("xdist"):
-      cmd += ["-n", str(ctx.workers)]
-      if runner.has_module("pytest_timeout"):
-        # A timed-out test kills its worker, which xdist replaces: a hung
-        # kernel costs one test, not the run. (The ini name works in every
-        # pytest-timeout version; the flag's spelling changed in 2.2.)
-        cmd += ["-o", "timeout_method=thread"]
-      # Several processes share the GPU.
-      extra_env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    else:
-      warnings.append("pytest-xdist is not installed: --workers ignored")
-  proc = runner.run_logged(cmd, log_path=log, timeout=timeout,
-                           env=runner.child_env(**extra_env))
-  record = {"command": shlex.join(cmd),
-            "implementations": impls, "log": log.name,
-            "warnings": warnings, **_proc_fields(proc)}
-  counts = None
-  if xml.exists():
-    record["junit"] = xml.name
-    try:
-      counts = report.parse_junit(xml.read_text())
-    except ElementTree.ParseError as e:
-      record["junit_error"] = str(e)
-  if counts is not None:
-    record.update(counts)
-  if proc.timed_out:
-    reason = f"timed out after {timeout:.0f} s"
-    if counts is not None:
-      reason += " (the counts are of the tests that finished)"
-    else:
-      reason += f" (no junit XML; log ends: {runner.log_tail(log, 2)})"
-    return {**record, "status": "failed", "reason": reason}
-  if counts is None:
-    return {**record, "status": "failed",
-            "reason": f"no junit XML (exit status {proc.returncode}): "
-                      f"{runner.log_tail(log, 2)}"}
-  if proc.returncode != 0 or counts["failed"] or counts["errors"]:
-    return {**record, "status": "failed",
-            "reason": f"pytest exit status {proc.returncode}"}
-  if not counts["passed"]:
-    return {**record, "status": "failed", "reason": "no test passed"}
-  return {**record, "status": "ok", "reason": ""}
+def _other_tests(ctx: Context, timeout: float) -> dict[str, Any]:
+  return run_tests(ctx, "other", timeout, OTHER_TESTS[ctx.dry_run])
 
 
-def _bench_args(ctx: Context, head_dim: int, seq_len: int,
-                causal: str) -> list[str]:
-  if ctx.dry_run:
-    return ["--grid=cpu", "--impls=chunked,xla", "--peers=xla",
-            f"--seq_lens={seq_len}", f"--head_dim={head_dim}", "--heads=2",
-            "--batch=1", "--causal=false", "--modes=fwd,fwd_bwd",
-            "--dtype=float32", "--repeats=2", "--warmup=1", "--noisolate",
-            "--matmul_size=0"]
-  # The FlashAttention protocol (B*T = 16k tokens, N*H = 2048) at one T.
-  return ["--grid=fa", "--impls=mosaic_gpu,triton", "--peers=cudnn,xla",
-          f"--seq_lens={seq_len}", f"--head_dim={head_dim}",
-          f"--causal={causal}", "--modes=fwd,fwd_bwd", "--dtype=bfloat16",
-          "--repeats=5", "--warmup=1", "--noisolate"]
+def _other_head_dims(ctx: Context, timeout: float) -> dict[str, Any]:
+  return run_benchmarks(ctx, timeout, OTHER_BENCH_RUNS[ctx.dry_run])
 
 
-def step_bench(ctx: Context, timeout: float, *, head_dims: Sequence[int],
-               seq_len: int, causal: str) -> dict[str, Any]:
+# The extra step's parts in order, with their relative shares.
+EXTRA_PARTS = (
+  ("tests", 3, _other_tests),
+  ("bench", 2, _other_head_dims),
+  ("compile", 1, step_compile),
+)
+
+
+def step_extra(ctx: Context, timeout: float) -> dict[str, Any]:
   deadline = time.monotonic() + timeout
-  runs, failures = [], []
-  for i, head_dim in enumerate(head_dims):
+  parts: dict[str, dict[str, Any]] = {}
+  for i, (name, weight, run) in enumerate(EXTRA_PARTS):
     left = deadline - time.monotonic()
-    # An equal share of what is left (less the grace a stopped run may take
-    # past its timeout), so one slow head dim cannot starve the others.
-    runs_left = len(head_dims) - i
-    share = (left - sum(runner.STOP_GRACE) * (runs_left - 1)) / runs_left
-    name = f"bench_h{head_dim}"
-    path, log = ctx.out / f"{name}.json", ctx.out / f"{name}.log"
-    path.unlink(missing_ok=True)
-    if share < MIN_STEP_S:
-      runs.append({"head_dim": head_dim, "status": "skipped",
-                   "reason": "out of time"})
-      failures.append(f"H={head_dim}: out of time")
+    share = left * weight / sum(p[1] for p in EXTRA_PARTS[i:])
+    if share < MIN_PART_S[ctx.dry_run]:
+      parts[name] = {"status": "skipped", "reason": "out of time"}
       continue
-    cmd = [sys.executable, str(BENCHMARK),
-           *_bench_args(ctx, head_dim, seq_len, causal), f"--json={path}"]
-    proc = runner.run_logged(cmd, log_path=log, timeout=share,
-                             env=runner.child_env())
-    run = {"head_dim": head_dim, "command": shlex.join(cmd),
-           "log": log.name, "duration_s": round(proc.duration_s, 1),
-           **_proc_fields(proc)}
-    if path.exists():
-      run["json"] = path.name
-      run.update(report.summarise_bench(json.loads(path.read_text())))
-    # Only our implementations' cells decide; a peer's failure is shown.
-    bad = {}
-    for c in run.get("cells") or ():
-      if c["kind"] == "impl" and c["status"] in ("wrong", "failed"):
-        bad[c["status"]] = bad.get(c["status"], 0) + 1
-    if proc.timed_out:
-      problem = f"timed out after {share:.0f} s"
-    elif proc.returncode != 0:
-      problem = f"exit status {proc.returncode}: {runner.log_tail(log, 1)}"
-    elif "json" not in run:
-      problem = "wrote no JSON"
-    elif bad:
-      problem = ", ".join(f"{v} cell(s) {k}" for k, v in bad.items())
-    else:
-      problem = ""
-    run["status"] = "failed" if problem else "ok"
-    run["reason"] = problem
-    if problem:
-      failures.append(f"H={head_dim}: {problem}")
-    runs.append(run)
-  measured = sum(1 for r in runs for c in r.get("cells") or ()
-                 if c.get("ms"))
-  record = {"runs": runs, "measured_cells": measured}
-  if failures:
-    return {**record, "status": "failed", "reason": "; ".join(failures)}
-  if not measured:
-    return {**record, "status": "failed", "reason": "no cell was measured"}
-  return {**record, "status": "ok", "reason": ""}
+    start = time.monotonic()
+    step_ctx = dataclasses.replace(
+      ctx,
+      progress=lambda r, name=name: ctx.progress(
+        {"parts": {**parts, name: {**r, "status": "running"}}}
+      ),
+    )
+    parts[name] = {
+      **run(step_ctx, share),
+      "duration_s": round(time.monotonic() - start, 1),
+      "timeout_s": round(share, 1),
+    }
+    ctx.progress({"parts": dict(parts)})
+  failed = [
+    f"{n}: {p['reason']}" for n, p in parts.items() if p["status"] == "failed"
+  ]
+  ran = [n for n, p in parts.items() if p["status"] != "skipped"]
+  if failed:
+    return {"parts": parts, "status": "failed", "reason": "; ".join(failed)}
+  if not ran:
+    return {"parts": parts, "status": "skipped", "reason": "out of time"}
+  return {"parts": parts, "status": "ok", "reason": ""}
+
+
+RUNNERS = {
+  "env": step_env,
+  "kernels": step_kernels,
+  "bench": step_bench,
+  "decode": step_decode,
+  "extra": step_extra,
+}
