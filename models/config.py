@@ -33,6 +33,8 @@ class TransformerConfig:
     dtype: activation dtype name.
     param_dtype: parameter dtype name.
     remat: rematerialise each block in the backward pass.
+    use_sinks: every attention layer learns a sink logit per query head
+      (`pallas_fa.MultiHeadAttention(use_sinks=True)`).
   """
 
   vocab_size: int
@@ -50,6 +52,7 @@ class TransformerConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  use_sinks: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "embed_dim", "num_heads",

@@ -30,6 +30,7 @@ def flax_attention(
     scale: float | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
+    sinks: Array | None = None,
 ) -> Array:
   """Baseline: Flax's default attention behind `flash_attention`'s interface.
 
@@ -38,11 +39,11 @@ def flax_attention(
   turned into the dense mask that Flax needs.
 
   Raises:
-    NotImplementedError: window, soft cap or a custom scale.
+    NotImplementedError: window, soft cap, sinks or a custom scale.
   """
   del implementation, block_sizes
   if (local_window_size is not None or logits_soft_cap is not None
-      or scale is not None):
+      or scale is not None or sinks is not None):
     raise NotImplementedError(
         "the Flax baseline supports only causal, positions, segments and "
         "lengths."
@@ -108,7 +109,7 @@ class Block(nnx.Module):
     self.attn = modules.MultiHeadAttention(
         cfg.num_heads, cfg.embed_dim, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.resolved_head_dim, is_causal=True,
-        rope=modules.Rope(cfg.rope_base),
+        rope=modules.Rope(cfg.rope_base), use_sinks=cfg.use_sinks,
         implementation=None if impl == "flax" else impl,
         block_sizes=cfg.attention_block_sizes,
         attention_fn=attention_fn or (

@@ -77,6 +77,8 @@ class Options:
   dtype: str = option(
       "float32", "Activation dtype.", ("float32", "bfloat16"))
   remat: bool = option(False, "Rematerialise blocks.")
+  use_sinks: bool = option(
+      False, "Attention sinks: a learnable sink logit per head (gpt-oss).")
   batch_size: int = option(64, "Sequences per step.")
   num_steps: int = option(600, "Training steps.")
   learning_rate: float = option(3e-3, "Peak AdamW lr.")
@@ -184,7 +186,7 @@ def make_config(opts: Options, dataset) -> config_lib.TransformerConfig:
   kw = dict(
       vocab_size=dataset.vocab_size,
       attention_impl=None if impl in (None, "auto") else impl,
-      dtype=opts.dtype, remat=opts.remat,
+      dtype=opts.dtype, remat=opts.remat, use_sinks=opts.use_sinks,
       max_len=max(256, dataset.seq_len + 1),
   )
   kw.update(dict(opts.model_overrides))

@@ -30,6 +30,7 @@ import numpy as np
 from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
+from pallas_fa import online_softmax
 from pallas_fa import vjp
 
 # The argument checks live in `pallas_fa.checks`; the public ones are also
@@ -40,6 +41,7 @@ from pallas_fa.checks import check_lengths
 from pallas_fa.checks import check_non_negative
 from pallas_fa.checks import check_per_token
 from pallas_fa.checks import check_precision
+from pallas_fa.checks import check_sinks
 from pallas_fa.checks import check_static_float
 from pallas_fa.checks import check_window
 
@@ -120,6 +122,8 @@ class Call:
     info: every mask argument, as one `masking.MaskInfo`.
     params: the static settings (`vjp.Params`).
     batch_shape: the public call's batch dims, to unfold results with.
+    sinks: [N] sink logits in the stats dtype of q, or None (not a backend
+      argument: `vjp.attention` adds them).
   """
 
   q: Array
@@ -129,6 +133,7 @@ class Call:
   info: masking.MaskInfo
   params: vjp.Params
   batch_shape: tuple[int, ...]
+  sinks: Array | None = None
 
   @property
   def arrays(self):
@@ -148,7 +153,7 @@ def canonicalize(
     local_window_size=None, segment_ids=None, query_positions=None,
     key_positions=None, logits_soft_cap=None, dropout_rate=0.0,
     dropout_rng=None, block_sizes=None, precision=None,
-    bias_key_length=None,
+    bias_key_length=None, sinks=None,
 ) -> Call:
   """Validates the arguments of `flash_attention` (same names, same
   meaning) and returns the canonical `Call`.
@@ -271,8 +276,9 @@ def canonicalize(
   )
   params = vjp.Params(scale=scale, soft_cap=soft_cap, block_sizes=block_sizes,
                       precision=check_precision(precision))
+  sinks = check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
   return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
-              batch_shape=batch_shape)
+              batch_shape=batch_shape, sinks=sinks)
 
 
 def _accepts_block_sizes(backend, block_sizes) -> bool:
@@ -363,6 +369,7 @@ def flash_attention(
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: Any = None,
+    sinks: Array | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
@@ -404,6 +411,18 @@ def flash_attention(
       (`pallas_fa.dropout`). Every backend implements it.
     dropout_rng: a JAX PRNG key or an integer seed; needed when
       dropout_rate > 0.
+    sinks: float [N] (or [1], shared), any float dtype, computed in float32
+      (float64 for float64 inputs); differentiable. Attention sinks
+      (gpt-oss): query head n's row t gets one more logit, `sinks[n]`, that
+      joins the softmax denominator and carries no value,
+      `p_ts = exp(l_ts - m) / (exp(sinks[n] - m) + sum_s' exp(l_ts' - m))`
+      over the visible keys s (l the final logits), so the row's weights
+      sum to less than one; the max m includes the sink, so a huge sink
+      gives a zero row without overflow. Dropout never drops the sink (it
+      has no value). A row with no visible key still returns zeros and
+      lse -inf, and its sink gets gradient 0. The logsumexp residual
+      includes the sink term, so results merged by logsumexp (split-KV
+      decoding, ring attention) stay exact. Every backend runs them.
     implementation: None (fastest that supports the call on this platform),
       or one of `pallas_fa.implementations()`.
     block_sizes: the chosen backend's frozen tiling config, or None.
@@ -415,7 +434,7 @@ def flash_attention(
       TensorFloat-32 on recent GPUs). None follows
       `jax.default_matmul_precision` at the time of the call.
     return_residual: also return the logsumexp [*B, T, N] (float32, natural
-      log).
+      log; with `sinks`, the sink term included).
 
   Returns:
     out [*B, T, N, Hv] typed like query, or (out, lse) with
@@ -440,7 +459,7 @@ def flash_attention(
   out, lse = _flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
-      rng, **static)
+      rng, sinks, **static)
   return (out, lse) if return_residual else out
 
 
@@ -463,7 +482,7 @@ def clear_cache() -> None:
 )
 def _flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-    segment_ids, query_positions, key_positions, dropout_rng, *, scale,
+    segment_ids, query_positions, key_positions, dropout_rng, sinks, *, scale,
     is_causal, local_window_size, logits_soft_cap, dropout_rate,
     implementation, block_sizes, precision, target,
 ):
@@ -478,7 +497,9 @@ def _flash_attention(
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, block_sizes=block_sizes, precision=precision,
+      sinks=sinks,
   )
   backend = choose_backend(implementation, call)
   return call.unfold(*vjp.attention(
-      backend, call.params, call.q, call.k, call.v, call.bias, call.info))
+      backend, call.params, call.q, call.k, call.v, call.bias, call.info,
+      call.sinks))

@@ -151,6 +151,21 @@ def check_precision(precision) -> jax.lax.Precision:
     ) from None
 
 
+def check_sinks(sinks, num_heads, dtype):
+  """float [N] or [1] -> [N] in `dtype` (the stats dtype: float32, or
+  float64 for float64 inputs), or None."""
+  if sinks is None:
+    return None
+  sinks = jnp.asarray(sinks)
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must be a float array, got {sinks.dtype=}.")
+  if sinks.ndim != 1 or sinks.shape[0] not in (1, num_heads):
+    raise ValueError(
+        f"sinks must have shape [N]=({num_heads},) (one per query head) or "
+        f"(1,), got {sinks.shape=}.")
+  return jnp.broadcast_to(sinks.astype(dtype), (num_heads,))
+
+
 def _check_dense(name, x, batch_shape, nts):
   """bias/mask broadcastable to [*B, N, T, S] -> 4-D [1 or prod(B), ...]."""
   if x is None:

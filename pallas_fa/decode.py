@@ -25,7 +25,8 @@ read into a result (they may hold anything, NaN included).
 Semantics are `flash_attention`'s on the gathered cache: the new tokens sit at
 positions `lengths - T_new + arange(T_new)` unless `query_positions` says
 otherwise; keys are at their cache index; causal, sliding window and soft cap
-act on those positions. Forward only.
+act on those positions; attention sinks join once, after the splits merge.
+Forward only.
 
 Three implementations:
 
@@ -137,6 +138,7 @@ def decode_attention(
     is_causal: bool = True,
     local_window_size: int | Sequence[int | None] | None = None,
     logits_soft_cap: float | None = None,
+    sinks: Array | None = None,
     num_splits: int | None = None,
     block_kv: int | None = None,
     implementation: str | None = None,
@@ -167,6 +169,8 @@ def decode_attention(
       a new token sees itself and everything before it).
     local_window_size: as in `flash_attention`.
     logits_soft_cap: as in `flash_attention`.
+    sinks: float [N] (or [1]) sink logits, as in `flash_attention`: added
+      once to the merged result of the splits.
     num_splits: parts the key axis is split into; default from the shape
       and platform (`default_num_splits`).
     block_kv: keys per block of a contiguous cache (a power of two >= 16
@@ -181,7 +185,8 @@ def decode_attention(
       of 8). Other backends have no decode kernel and raise
       NotImplementedError.
     precision: as in `flash_attention`.
-    return_residual: also return the logsumexp [B, T_new, N].
+    return_residual: also return the logsumexp [B, T_new, N] (with
+      `sinks`, the sink term included).
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse).
@@ -260,9 +265,10 @@ def decode_attention(
       logits_soft_cap=logits_soft_cap, precision=precision)
   if static["scale"] is None:
     static["scale"] = 1.0 / math.sqrt(h)
+  sinks = api.check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
   if implementation in ("triton", "mosaic_tpu"):
     out, lse = _split_kernel(implementation, query, key, value, lengths,
-                             block_table, query_positions, num_splits,
+                             block_table, query_positions, sinks, num_splits,
                              block_kv, static)
     return (out, lse) if return_residual else out
   if block_table is None:
@@ -273,7 +279,7 @@ def decode_attention(
     block, num_blocks = key.shape[1], block_table.shape[1]
   splits = num_splits or default_num_splits(b, num_kv, num_blocks)
   out, lse = _decode(
-      query, key, value, lengths, block_table, query_positions,
+      query, key, value, lengths, block_table, query_positions, sinks,
       block=int(block), splits=int(min(splits, num_blocks)), **static)
   return (out, lse) if return_residual else out
 
@@ -286,7 +292,7 @@ def _decode_kernel(implementation):
 
 
 def _split_kernel(implementation, query, key, value, lengths, block_table,
-                  query_positions, num_splits, block_kv, static):
+                  query_positions, sinks, num_splits, block_kv, static):
   """A Pallas kernel (`triton.decode` or `mosaic_tpu.decode`): its block
   and splits."""
   if query.dtype == jnp.float64:
@@ -316,7 +322,7 @@ def _split_kernel(implementation, query, key, value, lengths, block_table,
   if num_splits is None:
     num_splits = default_num_splits(b, programs, num_blocks, platform)
   return _decode_split_kernel(
-      query, key, value, lengths, block_table, query_positions,
+      query, key, value, lengths, block_table, query_positions, sinks,
       partials=kernel.partials, block=block,
       splits=int(min(num_splits, num_blocks)), **static)
 
@@ -342,6 +348,19 @@ def _packed(query, lengths, query_positions, num_kv):
           jnp.tile(query_positions, (1, g)), query_positions)
 
 
+def _merged(out, lse, sinks, axis, new_tokens):
+  """The splits' partial results (splits on `axis`) merged exactly
+  (`online_softmax.merge_parts`) into [B, K, G * T, Hv] and [B, K, G * T],
+  then the sinks added once (`online_softmax.add_sink`)."""
+  out, lse = online_softmax.merge_parts(out, lse, axis=axis)
+  if sinks is None:
+    return out, lse
+  # Packed row r of K/V head k belongs to query head k * G + r // T.
+  num_kv = out.shape[1]
+  packed = jnp.repeat(sinks.reshape(num_kv, -1), new_tokens, axis=1)
+  return online_softmax.add_sink(out, lse, packed)
+
+
 def _unpacked(out, lse, query):
   """[B, K, G * T, Hv] and [B, K, G * T] back to the query's [B, T, N, Hv]
   (typed like it) and [B, T, N]."""
@@ -359,7 +378,7 @@ _STATIC = ("block", "splits", "scale", "is_causal", "local_window_size",
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("partials",))
 def _decode_split_kernel(query, key, value, lengths, block_table,
-                         query_positions, *, partials, block, splits,
+                         query_positions, sinks, *, partials, block, splits,
                          **static):
   """Packs the queries, runs a kernel's `partials` and merges its splits.
 
@@ -376,12 +395,12 @@ def _decode_split_kernel(query, key, value, lengths, block_table,
   out, lse = partials(
       q, row_pos, query_positions, key, value, lengths, block_table,
       block=block, splits=splits, **static)
-  return _unpacked(*online_softmax.merge_parts(out, lse, axis=2), query)
+  return _unpacked(*_merged(out, lse, sinks, 2, query.shape[1]), query)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _decode(query, key, value, lengths, block_table, query_positions, *,
-            block, splits, scale, is_causal, local_window_size,
+def _decode(query, key, value, lengths, block_table, query_positions, sinks,
+            *, block, splits, scale, is_causal, local_window_size,
             logits_soft_cap, precision):
   b, t, n, h = query.shape
   num_kv, hv = key.shape[2], value.shape[3]
@@ -474,8 +493,7 @@ def _decode(query, key, value, lengths, block_table, query_positions, *,
         lo, jnp.maximum(lo, hi), functools.partial(body, masked=masked),
         carry)
   m_i, l_i, acc = carry
-  out, lse = online_softmax.merge_parts(
-      *online_softmax.finalize(m_i, l_i, acc), axis=1)
+  out, lse = _merged(*online_softmax.finalize(m_i, l_i, acc), sinks, 1, t)
   return _unpacked(out, lse, query)
 
 

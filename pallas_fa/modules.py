@@ -123,6 +123,7 @@ class MultiHeadAttention(nnx.Module):
       scale: float | None = None,
       dropout_rate: float = 0.0,
       deterministic: bool = False,
+      use_sinks: bool = False,
       implementation: str | None = None,
       block_sizes: Any = None,
       precision: str | jax.lax.Precision | None = None,
@@ -154,6 +155,10 @@ class MultiHeadAttention(nnx.Module):
         applied in calls that are not `deterministic`, with keys from the
         "dropout" stream of `rngs`.
       deterministic: the default of the call's `deterministic`.
+      use_sinks: learn an attention sink per query head (gpt-oss): an
+        `nnx.Param` `sinks` [num_heads], initialised to zeros, passed as
+        `flash_attention`'s (and `decode_attention`'s) `sinks` (and to a
+        custom `attention_fn` as `sinks=`).
       implementation: `flash_attention`'s implementation (None = automatic).
       block_sizes: that implementation's tiling config, or None.
       precision: matmul precision of the projections and the attention, as
@@ -197,6 +202,10 @@ class MultiHeadAttention(nnx.Module):
     self.deterministic = deterministic
     self.dropout_rngs = (
         rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None))
+    # Zeros: at initialisation each sink weighs as much as a key with logit
+    # 0; training moves it.
+    self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype))
+                  if use_sinks else nnx.data(None))
     self.implementation = implementation
     self.block_sizes = block_sizes
     if precision is not None:
@@ -427,7 +436,7 @@ class MultiHeadAttention(nnx.Module):
           query_positions=positions, scale=self.scale,
           is_causal=self.is_causal, local_window_size=self.local_window_size,
           logits_soft_cap=self.logits_soft_cap, precision=self.precision,
-          implementation=self.implementation)
+          implementation=self.implementation, **self._sinks())
     else:
       out = self._attend(q, keys, values, query_positions=positions,
                          key_value_seq_lengths=lengths)
@@ -441,9 +450,14 @@ class MultiHeadAttention(nnx.Module):
             and self.block_sizes is None
             and self.implementation in (None, "chunked"))
 
+  def _sinks(self) -> dict[str, Array]:
+    """`sinks=` for the attention call, if this layer learns sinks."""
+    return {} if self.sinks is None else {"sinks": self.sinks[...]}
+
   def _attend(self, q, k, v, **kwargs):
     if self.precision is not None:
       kwargs["precision"] = self.precision
+    kwargs.update(self._sinks())
     return self.attention_fn(
         q, k, v, is_causal=self.is_causal,
         local_window_size=self.local_window_size,
@@ -499,7 +513,9 @@ def make_attention_fn(
   `triton`), a mask drawn per batch row and head even when Flax would
   broadcast one (`broadcast_dropout`). One documented difference: a query
   row that sees no key returns zeros, where Flax returns the mean of the
-  values.
+  values. No attention sinks: Flax's modules hold no sink parameter for an
+  `attention_fn` to learn (`pallas_fa.MultiHeadAttention(use_sinks=True)`
+  has one).
 
   Args:
     implementation: `flash_attention`'s implementation (None = automatic).

@@ -413,3 +413,94 @@ def _merge_bwd(residuals, cotangents):
 
 
 merge.defvjp(_merge_fwd, _merge_bwd)
+
+
+# --------------------------------------------------------------------------
+# Attention sinks.
+
+
+def _sink_weights(lse: Array, sinks: Array) -> tuple[Array, Array]:
+  """(lse with the sink, exp(lse - that)): lse [..., rows] stays -inf where
+  it is -inf (a row that sees no key gets no sink either)."""
+  sinks = jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)
+  seen = lse != MASK_VALUE
+  with_sink = jnp.where(seen, jnp.logaddexp(lse, sinks), MASK_VALUE)
+  # exp(-inf - -inf) would be NaN: an unseen row keeps weight 0 (its out
+  # is 0 already).
+  w = jnp.where(seen, jnp.exp(lse - jnp.where(seen, with_sink, 0.0)), 0.0)
+  return with_sink, w
+
+
+@jax.custom_vjp
+def add_sink(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
+  """Adds a sink -- one value-less logit per row -- to finished attention.
+
+  A sink is a virtual key with logit `sinks` and value 0: it joins the
+  softmax denominator and adds nothing to the output, so a head can attend
+  "nowhere" (gpt-oss). It is `merge` with a part (out 0, lse `sinks`), done
+  once after every key has been seen, so a row's running max never needs
+  it: `lse' = logaddexp(lse, sink)` and `out' = out * exp(lse - lse')`,
+  which a huge sink takes to 0 without overflow. A row that sees no key
+  (lse = -inf) keeps out 0 and lse -inf, and its sink gets no gradient.
+
+  Args:
+    out: normalised attention over the keys [..., rows, H], any float dtype
+      (rescaled in the stats dtype, returned in its own).
+    lse: its logsumexp [..., rows], natural log, -inf for a row that saw no
+      key.
+    sinks: the sink logits, broadcastable to lse (e.g. [N] against
+      [B, T, N]).
+
+  Returns:
+    (out, lse) of the attention with the sink. Reverse-mode differentiable
+    in all three (`sink_grad`).
+  """
+  lse, w = _sink_weights(lse, sinks)
+  rescaled = out.astype(stats_dtype(out.dtype)) * w[..., None]
+  return rescaled.astype(out.dtype), lse
+
+
+def sink_grad(lse: Array, sinks: Array, delta: Array) -> Array:
+  """d/dsinks of attention with a sink, from its final lse and delta.
+
+  With p_sink = exp(sinks - lse) the sink's probability and v_sink = 0, the
+  softmax Jacobian gives `dsinks = -sum p_sink * delta`, delta = rowsum(out
+  * dout) - dlse (`delta`) being that of the result *with* the sink; rows
+  with lse = -inf add nothing. Every other gradient is the plain
+  FlashAttention backward run with that same lse and delta: the sink only
+  lowers each probability p = exp(s - lse).
+
+  Args:
+    lse: the logsumexp with the sink [..., rows].
+    sinks: the sink logits, broadcast along lse's leading axes.
+    delta: `delta(out, dout, dlse)` of the result with the sink.
+
+  Returns:
+    dsinks, shaped and typed like `sinks`, summed over the axes it was
+    broadcast along.
+  """
+  dtype = stats_dtype(lse.dtype)
+  seen = lse != MASK_VALUE
+  s = jnp.broadcast_to(sinks.astype(dtype), lse.shape)
+  p_sink = jnp.where(seen, jnp.exp(s - jnp.where(seen, lse, 0.0)), 0.0)
+  d = -p_sink * delta.astype(dtype)
+  d = d.sum(axis=tuple(range(d.ndim - sinks.ndim)))
+  d = d.sum(axis=tuple(i for i, n in enumerate(sinks.shape) if n == 1),
+            keepdims=True)
+  return d.astype(sinks.dtype)
+
+
+def _add_sink_fwd(out, lse, sinks):
+  result = add_sink(out, lse, sinks)
+  return result, (out, lse, sinks) + result
+
+
+def _add_sink_bwd(residuals, cotangents):
+  out_part, lse_part, sinks, out, lse = residuals
+  dout, dlse = cotangents
+  d = delta(out, dout, dlse)
+  return (*merge_grad(out_part, lse_part, lse, dout, d),
+          sink_grad(lse, sinks, d))
+
+
+add_sink.defvjp(_add_sink_fwd, _add_sink_bwd)

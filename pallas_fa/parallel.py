@@ -233,7 +233,7 @@ def _specs(plan, bias, info):
           plan.dense_spec(bias), plan.info_spec(info))
 
 
-def _sharded(plan: _Plan, q, k, v, bias, info):
+def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
   t, s = q.shape[1], k.shape[1]
   ring = plan.sequence is not None
   relayout = ring and (plan.zigzag or t % plan.ring_size
@@ -243,20 +243,23 @@ def _sharded(plan: _Plan, q, k, v, bias, info):
     args = _reshard(plan, (q, k, v, bias, info), _specs(gathered, bias, info))
     q, k, v, bias, info = _sequence_layout(plan, *args)
 
-  def body(q, k, v, bias, info):
+  def body(q, k, v, bias, info, sinks):
     if plan.kv_replicated:
       k, v = _select_kv_heads(plan, q, k, v)
     if not ring:
       backend = api.choose_backend(plan.implementation, api.Call(
           q=q, k=k, v=v, bias=bias, info=info, params=plan.params,
           batch_shape=q.shape[:1]))
-      return vjp.attention(backend, plan.params, q, k, v, bias, info)
+      return vjp.attention(backend, plan.params, q, k, v, bias, info, sinks)
     return ring_lib.ring_local(plan.implementation, plan.params, plan.sequence,
-                       q, k, v, bias, info)
+                       q, k, v, bias, info, sinks)
 
-  in_specs = _specs(plan, bias, info)
+  # The sinks [N] go with their query heads; replicated over the batch and
+  # ring axes, whose shares of dsinks shard_map's transpose sums.
+  in_specs = _specs(plan, bias, info) + (
+      None if sinks is None else _P(spec_entry(plan.heads)),)
   out_specs = (plan.q_spec(), plan.lse_spec())
-  args = _reshard(plan, (q, k, v, bias, info), in_specs)
+  args = _reshard(plan, (q, k, v, bias, info, sinks), in_specs)
   out, lse = mesh_lib.shard_map(
       body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
   if relayout:
@@ -290,6 +293,7 @@ def sharded_flash_attention(
     query_positions: Array | None = None,
     key_positions: Array | None = None,
     logits_soft_cap: float | None = None,
+    sinks: Array | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
@@ -336,6 +340,8 @@ def sharded_flash_attention(
     query_positions: see `pallas_fa.flash_attention`.
     key_positions: see `pallas_fa.flash_attention`.
     logits_soft_cap: see `pallas_fa.flash_attention`.
+    sinks: see `pallas_fa.flash_attention`; split with the query heads,
+      added once per row (after the ring's last step).
     implementation: see `pallas_fa.flash_attention`.
     block_sizes: see `pallas_fa.flash_attention`.
     precision: see `pallas_fa.flash_attention`.
@@ -372,7 +378,7 @@ def sharded_flash_attention(
   out, lse = _sharded_flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
-      **static)
+      sinks, **static)
   return (out, lse) if return_residual else out
 
 
@@ -385,7 +391,7 @@ def sharded_flash_attention(
 )
 def _sharded_flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-    segment_ids, query_positions, key_positions, *, mesh, batch_axes,
+    segment_ids, query_positions, key_positions, sinks, *, mesh, batch_axes,
     head_axes, sequence_axis, load_balance, scale, is_causal,
     local_window_size, logits_soft_cap, implementation, block_sizes,
     precision,
@@ -400,8 +406,8 @@ def _sharded_flash_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
-      precision=precision,
+      precision=precision, sinks=sinks,
   )
   plan = _make_plan(mesh, batch_axes, head_axes, sequence_axis, load_balance,
                     call.q.shape, call.k.shape, implementation, call.params)
-  return call.unfold(*_sharded(plan, *call.arrays[:5]))
+  return call.unfold(*_sharded(plan, *call.arrays[:5], call.sinks))

@@ -33,6 +33,7 @@ def attention(
     soft_cap: float | None,
     compute_dtype=jnp.float32,
     precision=jax.lax.Precision.HIGHEST,
+    sinks: Array | None = None,
 ) -> tuple[Array, Array]:
   """Materialised attention: returns (out [B,T,N,Hv], lse [B,T,N] float32).
 
@@ -45,6 +46,11 @@ def attention(
     compute_dtype: dtype of every intermediate (float32, float64, or the input
       dtype for the same-dtype reference).
     precision: matmul precision of q.k and p.v (HIGHEST: the oracle).
+    sinks: [N] sink logits, or None: the spec of attention sinks, a column
+      appended to the materialised logits and dropped after the softmax
+      (masked too in a row that sees no key). The `xla` backend does not
+      use it: like every backend it gets sinks from `vjp.attention`
+      (`online_softmax.add_sink`), which this column checks.
   """
   b, t, n, h = q.shape
   num_kv = k.shape[2]
@@ -63,7 +69,14 @@ def attention(
     bias = masking.group_heads(bias, num_kv)
   s, _ = online_softmax.logits(s, scale=scale, cap=soft_cap, bias=bias)
   s = online_softmax.apply_mask(s, masking.tile_visibility(info, num_kv))
+  if sinks is not None:
+    sink = sinks.astype(s.dtype).reshape(1, num_kv, g, 1, 1)
+    seen = jnp.any(s != online_softmax.MASK_VALUE, axis=-1, keepdims=True)
+    sink = jnp.where(seen, sink, online_softmax.MASK_VALUE)
+    s = jnp.concatenate([s, sink], axis=-1)
   p, lse = online_softmax.softmax(s)
+  if sinks is not None:
+    p = p[..., :-1]  # The sink's value is 0.
   if info.has_dropout:
     p = p * dropout.grouped_factor(
         info.dropout_seed, info.dropout_rate, p.shape, p.dtype)

@@ -5,7 +5,8 @@ Each device keeps its query shard; its key/value shard -- with the key
 positions and segment ids, into which padding is folded -- travels around
 the ring with `ppermute`, issued before each step's compute so the transfer
 overlaps it. The partial results of the steps are merged exactly through
-their logsumexp (`online_softmax.merge`). The backward pass is a second trip
+their logsumexp (`online_softmax.merge`), and attention sinks join once, after
+the last step (`online_softmax.add_sink`). The backward pass is a second trip
 around the ring: it recomputes every step from the final logsumexp (nothing
 per step is stored) and carries the dK/dV accumulators with K/V, so after
 the last rotation they are back on the device that owns those keys.
@@ -150,7 +151,7 @@ def _add_columns(acc, d, src, s_local):
   return jax.lax.dynamic_update_slice_in_dim(acc, cur + d, start, 3)
 
 
-def _ring_forward(backend, params, axis_name, q, k, v, bias, info):
+def _ring_forward(backend, params, axis_name, q, k, v, bias, info, sinks):
   size = axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
   if q.dtype == jnp.float64:
@@ -181,22 +182,26 @@ def _ring_forward(backend, params, axis_name, q, k, v, bias, info):
       (k, v, info.kv_positions, info.kv_segment_ids),
   )
   (out, lse, _), _ = jax.lax.scan(body, carry, jnp.arange(size))
+  if sinks is not None:  # Once per row, not once per shard.
+    out, lse = online_softmax.add_sink(out, lse, sinks)
   return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(backend, params, axis_name, q, k, v, bias, info):
-  return _ring_forward(backend, params, axis_name, q, k, v, bias, info)
+def _ring(backend, params, axis_name, q, k, v, bias, info, sinks):
+  return _ring_forward(backend, params, axis_name, q, k, v, bias, info,
+                       sinks)
 
 
-def _ring_fwd(backend, params, axis_name, q, k, v, bias, info):
-  out, lse = _ring_forward(backend, params, axis_name, q, k, v, bias, info)
+def _ring_fwd(backend, params, axis_name, q, k, v, bias, info, sinks):
+  out, lse = _ring_forward(backend, params, axis_name, q, k, v, bias, info,
+                           sinks)
   # Only the inputs and (out, lse): every step is recomputed backwards.
-  return (out, lse), (q, k, v, bias, info, out, lse)
+  return (out, lse), (q, k, v, bias, info, sinks, out, lse)
 
 
 def _ring_bwd(backend, params, axis_name, residuals, cotangents):
-  q, k, v, bias, info, out, lse = residuals
+  q, k, v, bias, info, sinks, out, lse = residuals
   dout, dlse = cotangents
   size = axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
@@ -228,15 +233,20 @@ def _ring_bwd(backend, params, axis_name, residuals, cotangents):
   (dq, dbias, _, (dk, dv)), _ = jax.lax.scan(body, carry, jnp.arange(size))
   if dbias is not None:
     dbias = dbias.astype(bias.dtype)
+  # The steps ran with the final lse and delta, the sink's included; this
+  # device's rows give its share of dsinks (shard_map sums the shares).
+  dsinks = None if sinks is None else online_softmax.sink_grad(
+      lse, sinks, delta)
   info_ct = jax.tree.map(lambda _: None, info)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias,
-          info_ct)
+          info_ct, dsinks)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_local(implementation, params, axis_name, q, k, v, bias, info):
+def ring_local(implementation, params, axis_name, q, k, v, bias, info,
+               sinks=None):
   """Chooses the implementation for one ring step and runs the ring."""
   s_local = k.shape[1]
   bias_0, info_0 = _step_inputs(
@@ -245,7 +255,7 @@ def ring_local(implementation, params, axis_name, q, k, v, bias, info):
   backend = api.choose_backend(implementation, api.Call(
       q=q, k=k, v=v, bias=bias_0, info=info_0, params=params,
       batch_shape=q.shape[:1]))
-  return _ring(backend, params, axis_name, q, k, v, bias, info)
+  return _ring(backend, params, axis_name, q, k, v, bias, info, sinks)
 
 
 def ring_attention(
@@ -263,6 +273,7 @@ def ring_attention(
     query_positions: Array | None = None,
     key_positions: Array | None = None,
     logits_soft_cap: float | None = None,
+    sinks: Array | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
@@ -295,6 +306,11 @@ def ring_attention(
       `axis_index * T + arange(T)` (contiguous shards).
     key_positions: int [B, S], default `axis_index * S + arange(S)`.
     logits_soft_cap: see `pallas_fa.flash_attention`.
+    sinks: float [N] (or [1]), the local query heads' sinks, the same on
+      every device of the ring (see `pallas_fa.flash_attention`); each
+      row's sink joins once, after the last ring step. Its gradient is
+      this device's share: replicate it into the `shard_map` (whose
+      transpose sums the shares).
     implementation: see `pallas_fa.flash_attention`.
     block_sizes: see `pallas_fa.flash_attention`.
     precision: see `pallas_fa.flash_attention` (None follows
@@ -335,9 +351,9 @@ def ring_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
-      precision=precision, bias_key_length=s * size,
+      precision=precision, bias_key_length=s * size, sinks=sinks,
   )
   q, k, v, bias, info, params = call.arrays
   out, lse = ring_local(implementation, params, axis_name, q, k, v, bias,
-                         info)
+                        info, call.sinks)
   return (out, lse) if return_residual else out

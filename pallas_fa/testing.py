@@ -111,6 +111,8 @@ class Case:
     soft_cap: `logits_soft_cap`, or None.
     bias: None | "full" ([B, N, T, S]) | "heads" (broadcast over B).
     mask: None | "full" ([B, N, T, S]) | "broadcast" (over N).
+    sinks: random sink logits [N], large enough to take a good share of
+      each row's probability.
   """
 
   b: int = 2
@@ -127,11 +129,13 @@ class Case:
   soft_cap: float | None = None
   bias: str | None = None
   mask: str | None = None
+  sinks: bool = False
 
   def __str__(self):
     base = f"B{self.b}T{self.t}S{self.s}N{self.n}K{self.k}H{self.h}"
     extras = [
-        name for name in ("causal", "lengths", "segments", "positions")
+        name for name in ("causal", "lengths", "segments", "positions",
+                          "sinks")
         if getattr(self, name)
     ]
     if self.window is not None:
@@ -192,6 +196,10 @@ def make_inputs(case: Case, dtype, gen: np.random.Generator):
     kw["mask"] = jnp.asarray(gen.random((case.b, case.n, case.t, case.s)) < .8)
   elif case.mask == "broadcast":
     kw["mask"] = jnp.asarray(gen.random((case.b, 1, case.t, case.s)) < .8)
+  if case.sinks:
+    # About the size of a row's logsumexp over O(10-100) keys: the sink
+    # takes a share of each row comparable to its keys'.
+    kw["sinks"] = 2.0 + 1.5 * normal(gen, (case.n,))
   return q, k, v, kw
 
 
@@ -211,16 +219,18 @@ def reference(query, key, value, bias=None, mask=None, *,
   The arguments go through `api.canonicalize` exactly as those of
   `flash_attention` do, then through `pallas_fa.reference.attention` with
   HIGHEST matmul precision: the oracle every implementation is checked
-  against. Differentiable (plain autodiff) in query, key, value and bias.
+  against. Differentiable (plain autodiff) in query, key, value, bias and
+  sinks.
 
   Args:
     query, key, value, bias, mask: as for `flash_attention`.
     compute_dtype: dtype of every intermediate: float32 (the reference),
       float64 (to check the reference itself; needs x64) or the inputs'
       dtype (the same-dtype reference of the FlashAttention rule).
-    **kwargs: `flash_attention`'s mask, scale, soft-cap and dropout keyword
-      arguments (not implementation, block_sizes, precision or
-      return_residual, which do not change the math).
+    **kwargs: `flash_attention`'s mask, scale, soft-cap, dropout and sinks
+      keyword arguments (not implementation, block_sizes, precision or
+      return_residual, which do not change the math). Sinks are the
+      appended logit column of `pallas_fa.reference.attention`.
 
   Returns:
     (out [*B, T, N, Hv] typed like query, lse [*B, T, N] float32 (float64
@@ -246,7 +256,8 @@ def _reference(query, key, value, bias, mask, arrays, *, compute_dtype,
                           **arrays)
   out, lse = reference_lib.attention(
       call.q, call.k, call.v, call.bias, call.info, scale=call.params.scale,
-      soft_cap=call.params.soft_cap, compute_dtype=compute_dtype)
+      soft_cap=call.params.soft_cap, compute_dtype=compute_dtype,
+      sinks=call.sinks)
   return call.unfold(out, lse)
 
 

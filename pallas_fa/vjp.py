@@ -51,6 +51,14 @@ conformance suite (`tests/test_conformance.py`) then runs the backend.
 `attention` below wires forward and backward into one `jax.custom_vjp`.
 Residuals are (out, lse) only -- never the T x S probabilities -- so memory
 stays linear in sequence length.
+
+Attention sinks (`flash_attention(sinks=...)`) never reach a backend:
+`attention` adds them to the backend's (out, lse) once
+(`online_softmax.add_sink`), and the backward hands the backend the final
+lse and delta, with which its own recomputation P = exp(s - lse) is exactly
+the softmax with the sink column; dsinks comes from the same lse and delta
+(`online_softmax.sink_grad`). So every backend has sinks with no kernel
+change, and a call without them runs no extra operand or op.
 """
 
 from __future__ import annotations
@@ -165,25 +173,37 @@ def attention(
     v: Array,
     bias: Array | None,
     info: masking.MaskInfo,
+    sinks: Array | None = None,
 ) -> tuple[Array, Array]:
-  """Runs `backend` with its backward wired in as a custom_vjp."""
+  """Runs `backend` with its backward wired in as a custom_vjp.
+
+  `sinks`: float [N] (in the stats dtype of q), one sink logit per query
+  head, added to the backend's result (see the module docstring); or None.
+  """
   if backend.backward is None:
-    return backend.forward(q, k, v, bias, info, params)
-  return _attention(backend, params, q, k, v, bias, info)
+    return _forward(backend, params, q, k, v, bias, info, sinks)
+  return _attention(backend, params, q, k, v, bias, info, sinks)
+
+
+def _forward(backend, params, q, k, v, bias, info, sinks):
+  out, lse = backend.forward(q, k, v, bias, info, params)
+  if sinks is None:
+    return out, lse
+  return online_softmax.add_sink(out, lse, sinks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(backend, params, q, k, v, bias, info):
-  return backend.forward(q, k, v, bias, info, params)
+def _attention(backend, params, q, k, v, bias, info, sinks):
+  return _forward(backend, params, q, k, v, bias, info, sinks)
 
 
-def _attention_fwd(backend, params, q, k, v, bias, info):
-  out, lse = backend.forward(q, k, v, bias, info, params)
-  return (out, lse), (q, k, v, bias, info, out, lse)
+def _attention_fwd(backend, params, q, k, v, bias, info, sinks):
+  out, lse = _forward(backend, params, q, k, v, bias, info, sinks)
+  return (out, lse), (q, k, v, bias, info, sinks, out, lse)
 
 
 def _attention_bwd(backend, params, residuals, cotangents):
-  q, k, v, bias, info, out, lse = residuals
+  q, k, v, bias, info, sinks, out, lse = residuals
   dout, dlse = cotangents
   delta = online_softmax.delta(out, dout, dlse)
   q_pad = masking.is_padding(info.q_segment_ids, masking.Q_PAD_SEGMENT)
@@ -191,11 +211,15 @@ def _attention_bwd(backend, params, residuals, cotangents):
     # A padded row's probabilities are 0, but 0 * NaN is NaN: a NaN
     # cotangent there must not reach dS = P * (dP - delta).
     delta = jnp.where(q_pad[:, :, None], jnp.zeros((), delta.dtype), delta)
+  # With sinks, lse and delta are those of the result with the sink: the
+  # backend's backward is then exact as it stands (`online_softmax.sink_grad`).
   dq, dk, dv, dbias = backend.backward(
       q, k, v, bias, info, params, lse, dout, delta
   )
+  dsinks = None if sinks is None else online_softmax.sink_grad(
+      lse, sinks, delta)
   info_ct = jax.tree.map(lambda _: None, info)
-  return dq, dk, dv, dbias, info_ct
+  return dq, dk, dv, dbias, info_ct, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

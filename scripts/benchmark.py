@@ -47,7 +47,8 @@ Commands (from the repository root):
 
 Every preset value can be overridden by its flag (`--seq_lens`, `--impls`,
 `--peers`, `--dtype`, `--batch`, `--heads`, `--head_dim`, `--causal`,
-`--modes`, `--repeats`, ...). `--peers=none` times no peer.
+`--modes`, `--repeats`, ...). `--peers=none` times no peer. `--sinks` also
+times each implementation with attention sinks, as `<impl>+sinks`.
 
 The options are declared once, in `bench/options.py`; the cells (candidates,
 check, timing, isolation) are in `bench/cells.py`, the table, JSON and plot in
@@ -145,7 +146,11 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
   for shape in settings.shapes:
     inputs = cells.make_inputs(shape, settings.seed)
     try:
-      ref = cells.make_reference(shape, inputs, settings.check_rows, grads)
+      # One reference with sinks (`--sinks`), one without.
+      refs = {
+          sinks: cells.make_reference(shape, inputs, settings.check_rows,
+                                      grads, sinks)
+          for sinks in {c.sinks for c in candidates}}
     except Exception as e:  # The reference itself did not fit.
       status, reason = cells.classify(e)
       say(f"{shape}: reference failed ({reason}); cells skipped")
@@ -156,12 +161,13 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
       continue
     for mode in settings.modes:
       for c in candidates:
-        record = cells.run_cell(c, shape, mode, inputs, ref, settings)
+        record = cells.run_cell(c, shape, mode, inputs, refs[c.sinks],
+                                settings)
         add(record)
         ms = f"{record['ms']:.3f} ms" if record["ms"] else ""
         say(f"{mode:7s} {shape} {c.label:16s} {record['status']} {ms} "
             f"{record['reason']}", flush=True)
-    del inputs, ref
+    del inputs, refs
   return report
 
 

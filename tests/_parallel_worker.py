@@ -58,36 +58,50 @@ def _inputs(seed, b, t, s, n, k, h, dtype=jnp.float32):
   return q, kk, v
 
 
+def _sinks(seed, n):
+  """Sink logits [N] near a row's logsumexp, so they matter."""
+  return 2.0 + 1.5 * jax.random.normal(jax.random.PRNGKey(seed), (n,))
+
+
 def _segments(seed, b, length, num=3):
   rng = np.random.RandomState(seed)
   return jnp.asarray(np.sort(rng.randint(0, num, (b, length)), axis=1))
 
 
 def _value_and_grads(fn, q, k, v, bias, static, traced):
-  """(out, lse, dq, dk, dv[, dbias]) of a loss touching out and lse."""
-  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  """{"out", "lse", "dq", "dk", "dv"[, "dbias"][, "dsinks"]} of a loss
+  touching out and lse (sinks, if given, among the traced arguments)."""
+  traced = dict(traced)
+  sinks = traced.pop("sinks", None)
+  names = ["dq", "dk", "dv"]
+  argnums = [0, 1, 2]
+  for i, name, x in ((3, "dbias", bias), (4, "dsinks", sinks)):
+    if x is not None:
+      names.append(name)
+      argnums.append(i)
 
-  def loss(q, k, v, bias, traced):
+  def loss(q, k, v, bias, sinks, traced):
+    if sinks is not None:
+      traced = dict(traced, sinks=sinks)
     out, lse = fn(q, k, v, bias, return_residual=True, **static, **traced)
     finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
     value = jnp.sum(out * jnp.cos(out)) + 0.3 * jnp.sum(finite)
     return value, (out, lse)
 
-  grad = jax.value_and_grad(loss, argnums=argnums, has_aux=True)
-  (_, (out, lse)), grads = jax.jit(grad)(q, k, v, bias, traced)
-  return (out, lse) + tuple(grads)
-
-
-_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
+  grad = jax.value_and_grad(loss, argnums=tuple(argnums), has_aux=True)
+  (_, (out, lse)), grads = jax.jit(grad)(q, k, v, bias, sinks, traced)
+  return dict(out=out, lse=lse, **dict(zip(names, grads, strict=True)))
 
 
 def _compare(label, got, want):
-  for name, g, w in zip(_NAMES[: len(got)], got, want, strict=True):
+  assert got.keys() == want.keys(), (label, got.keys(), want.keys())
+  for name in got:
+    g, w = got[name], want[name]
     g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
     np.testing.assert_allclose(
         g, w, rtol=_TOL, atol=_TOL, err_msg=f"{label}: {name}")
   finite = [np.abs(np.nan_to_num(np.asarray(g, np.float32), neginf=0)).max()
-            for g in got]
+            for g in got.values()]
   print(f"ok {label} (max |x| {max(finite):.2f}) t={time.time() - _START:.0f}s",
         flush=True)
 
@@ -100,7 +114,7 @@ def _implementations():
 def _split(kwargs):
   """Static (hashable) keyword arguments vs array ones passed to jit."""
   arrays = ("segment_ids", "query_positions", "key_positions", "mask",
-            "query_seq_lengths", "key_value_seq_lengths")
+            "query_seq_lengths", "key_value_seq_lengths", "sinks")
   static = {a: x for a, x in kwargs.items() if a not in arrays}
   traced = {a: x for a, x in kwargs.items() if a in arrays}
   return static, traced
@@ -127,17 +141,21 @@ def sharded():
       is_causal=True, local_window_size=(6, 2), logits_soft_cap=5.0,
       segment_ids=pallas_fa.SegmentIds(seg, seg),
       key_value_seq_lengths=jnp.array([40, 17, 1, 33])))
-  layouts = [
-      # K=2 heads split with their query groups over 2 devices.
-      ("data4xheads2", parallel.make_mesh(data=4, heads=2),
-       dict(batch_axes="data", head_axes="heads")),
-      # K=2 < 4 head shards (MQA-like): K/V replicated, sliced per device.
-      ("data2xheads4", parallel.make_mesh(data=2, heads=4),
-       dict(batch_axes="data", head_axes="heads")),
-  ]
+  q, k, v, bias, kwargs = case
+  with_sinks = (q, k, v, bias, dict(kwargs, sinks=_sinks(11, n)))
   for impl, block_sizes in _implementations():
-    _check_against_single("causal+window+segments+lengths+softcap", case,
-                          layouts, impl, block_sizes)
+    # K=2 heads split with their query groups over 2 devices.
+    _check_against_single("causal+window+segments+lengths+softcap", case, [
+        ("data4xheads2", parallel.make_mesh(data=4, heads=2),
+         dict(batch_axes="data", head_axes="heads")),
+    ], impl, block_sizes)
+    # K=2 < 4 head shards (MQA-like): K/V replicated, sliced per device;
+    # the sinks split with their query heads.
+    _check_against_single("causal+window+segments+lengths+softcap+sinks",
+                          with_sinks, [
+        ("data2xheads4", parallel.make_mesh(data=2, heads=4),
+         dict(batch_axes="data", head_axes="heads")),
+    ], impl, block_sizes)
 
 
 def ring():
@@ -147,6 +165,7 @@ def ring():
   seg = _segments(3, b, t)
   causal = (q, k, v, None, dict(
       is_causal=True, segment_ids=pallas_fa.SegmentIds(seg, seg)))
+  causal_sinks = causal[:4] + (dict(causal[4], sinks=_sinks(12, n)),)
   # Cross attention with lengths that do not divide the ring (padded),
   # a dense bias and mask, a window and padding.
   qx, kx, vx = _inputs(5, b, 36, 52, n, kv, h)
@@ -156,16 +175,19 @@ def ring():
   window = (qx, kx, vx, bias, dict(
       mask=mask, logits_soft_cap=4.0, local_window_size=(9, 3),
       query_seq_lengths=jnp.array([36, 21]),
-      key_value_seq_lengths=jnp.array([30, 52])))
+      key_value_seq_lengths=jnp.array([30, 52]), sinks=_sinks(13, n)))
   for impl, block_sizes in _implementations():
     _check_against_single("causal+segments", causal, [
         # Contiguous shards: steps entirely in a shard's future are skipped.
         ("data2xring4", parallel.make_mesh(data=2, sequence=4),
          dict(batch_axes="data", sequence_axis="sequence")),
+    ], impl, block_sizes)
+    # Each row's sink joins once, after the ring's last step.
+    _check_against_single("causal+segments+sinks", causal_sinks, [
         ("ring8-zigzag", parallel.make_mesh(sequence=8),
          dict(sequence_axis="sequence", load_balance=True)),
     ], impl, block_sizes)
-    _check_against_single("cross+window+bias+mask+lengths", window, [
+    _check_against_single("cross+window+bias+mask+lengths+sinks", window, [
         # GQA: K=2 split over 2 head shards, times a ring of 4.
         ("heads2xring4", parallel.make_mesh(heads=2, sequence=4),
          dict(head_axes="heads", sequence_axis="sequence")),
@@ -188,7 +210,8 @@ def _check_low_precision(case, impl, block_sizes):
                           traced)
   got = _value_and_grads(parallel.sharded_flash_attention, *low, None, ring,
                          traced)
-  for name, g, s, w in zip(_NAMES, got, same, want, strict=False):
+  for name in got:
+    g, s, w = got[name], same[name], want[name]
     w = np.nan_to_num(np.asarray(w, np.float32), neginf=0)
     err = lambda x, w=w: np.abs(
         np.nan_to_num(np.asarray(x, np.float32), neginf=0) - w).max()
@@ -266,7 +289,30 @@ def hlo():
   got = f(q, k, v)
   want = jax.jit(functools.partial(pallas_fa.flash_attention,
                                    return_residual=True, **kwargs))(q, k, v)
-  _compare(f"{impl} ring_attention in shard_map", got, want)
+  _compare(f"{impl} ring_attention in shard_map",
+           dict(zip(("out", "lse"), got)), dict(zip(("out", "lse"), want)))
+  # Sinks replicated into the caller's shard_map: each device's share of
+  # dsinks is summed by the shard_map's transpose.
+  sinks = _sinks(14, n)
+  sharded = parallel.shard_map(
+      lambda q, k, v, sinks: ring(q, k, v, sinks=sinks), mesh=mesh,
+      in_specs=(qspec,) * 3 + (jax.sharding.PartitionSpec(),),
+      out_specs=(qspec, lspec))
+  single = lambda q, k, v, sinks: pallas_fa.flash_attention(  # noqa: E731
+      q, k, v, sinks=sinks, return_residual=True, **kwargs)
+
+  def sink_loss(fn, sinks):
+    out, lse = fn(q, k, v, sinks)
+    return jnp.sum(out * jnp.cos(out)) + 0.3 * jnp.sum(
+        jnp.where(jnp.isfinite(lse), lse, 0.0)), out
+
+  got = jax.jit(jax.grad(functools.partial(sink_loss, sharded),
+                         has_aux=True))(sinks)
+  want = jax.jit(jax.grad(functools.partial(sink_loss, single),
+                          has_aux=True))(sinks)
+  _compare(f"{impl} ring_attention in shard_map, sinks",
+           dict(zip(("dsinks", "out"), got)),
+           dict(zip(("dsinks", "out"), want)))
 
   # A mesh with explicit axes (jax.make_mesh's default): inputs are laid
   # out as shard_map requires, padding and the zig-zag permutation run with

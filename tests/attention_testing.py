@@ -15,19 +15,26 @@ make_inputs = testing.make_inputs
 rng = testing.rng
 
 
-def run(fn, q, k, v, kw, dout, dlse):
-  """(out, lse, grads) of fn(q, k, v, **kw); grads include bias if given."""
-  bias = kw.get("bias")
-  rest = {name: x for name, x in kw.items() if name != "bias"}
+def grad_names(kw) -> list[str]:
+  """Names of `run`'s gradients for keyword arguments `kw`."""
+  return ["dq", "dk", "dv"] + [
+      "d" + name for name in ("bias", "sinks") if kw.get(name) is not None]
 
-  def f(q, k, v, bias):
+
+def run(fn, q, k, v, kw, dout, dlse):
+  """(out, lse, grads) of fn(q, k, v, **kw); grads include bias and sinks
+  if given (`grad_names`)."""
+  bias, sinks = kw.get("bias"), kw.get("sinks")
+  rest = {name: x for name, x in kw.items() if name not in ("bias", "sinks")}
+
+  def f(q, k, v, bias, sinks):
+    if sinks is not None:  # Not passed otherwise: sinks=None is the default.
+      return fn(q, k, v, bias=bias, sinks=sinks, **rest)
     return fn(q, k, v, bias=bias, **rest)
 
-  (out, lse), pullback = jax.vjp(f, q, k, v, bias)
+  (out, lse), pullback = jax.vjp(f, q, k, v, bias, sinks)
   grads = pullback((dout.astype(out.dtype), dlse.astype(lse.dtype)))
-  if bias is None:
-    grads = grads[:3]
-  return out, lse, grads
+  return out, lse, tuple(g for g in grads if g is not None)
 
 
 def flash(implementation, block_sizes=None):
@@ -96,7 +103,7 @@ def check_against_reference(fn, case: Case, dtype, gen):
   same = None
   if dtype != jnp.float32:
     same = run(reference_fn(dtype), q, k, v, kw, dout, dlse)
-  names = ["out", "lse", "dq", "dk", "dv", "dbias"]
+  names = ["out", "lse", *grad_names(kw)]
   got = [out, lse, *grads]
   want = [ref[0], ref[1], *ref[2]]
   want_same = [None] * len(got) if same is None else [

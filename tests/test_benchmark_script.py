@@ -39,6 +39,24 @@ def _by_cell(report):
   return {(r["impl"], r["mode"], r["causal"]): r for r in report["results"]}
 
 
+def test_sinks_time_each_implementation_with_sinks_too(benchmark):
+  """--sinks adds '<impl>+sinks', checked against the reference with the
+  same sinks (a wrong one would be reported "wrong", not "ok")."""
+  settings = _settings(benchmark, causal="true", peers=["none"],
+                       modes=["fwd_bwd"], sinks=True, matmul_size=0)
+  cells = _by_cell(benchmark.run(settings, verbose=False))
+  assert set(cells) == {("chunked", "fwd_bwd", True),
+                        ("chunked+sinks", "fwd_bwd", True)}
+  for r in cells.values():
+    assert r["status"] == "ok", r["reason"]
+  # The sinks matter: without them the check would fail.
+  shape = settings.shapes[0]
+  inputs = benchmark.cells.make_inputs(shape, settings.seed)
+  plain = benchmark.cells.make_reference(shape, inputs, 16, False)
+  sunk = benchmark.cells.make_reference(shape, inputs, 16, False, True)
+  assert abs(plain.f32[0] - sunk.f32[0]).max() > 0.1
+
+
 def test_sweep_writes_json_table_and_plot(benchmark, tmp_path):
   settings = _settings(benchmark, causal="true")
   report = benchmark.run(settings, argv=["benchmark.py"], verbose=False)

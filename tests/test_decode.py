@@ -41,11 +41,11 @@ def _cache(gen, b, s_max, num_kv, h, hv, dtype, *, page_size=None):
 def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
            dtype=jnp.float32, page_size=None, window=None, soft_cap=None,
            positions=False, num_splits=None, block_kv=None,
-           implementation=None, name=""):
+           implementation=None, sinks=False, name=""):
   hv = hv or h
   gen = rng("decode", name, b, t, n, num_kv, h, hv, s_max, str(dtype),
             page_size, window, soft_cap, positions, num_splits, block_kv,
-            implementation)
+            implementation, sinks)
   q = gen.standard_normal((b, t, n, h)).astype(np.float32)
   k, v, table, k_flat, v_flat = _cache(
       gen, b, s_max, num_kv, h, hv, dtype, page_size=page_size)
@@ -53,6 +53,8 @@ def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
   lengths[0] = s_max  # one full sequence
   kw = dict(is_causal=True, local_window_size=window,
             logits_soft_cap=soft_cap)
+  if sinks:
+    kw["sinks"] = jnp.asarray(2.0 + 1.5 * gen.standard_normal(n), jnp.float32)
   q_pos = lengths[:, None] - t + np.arange(t, dtype=np.int32)[None]
   if positions:  # e.g. speculative tokens not at the end of the cache
     q_pos = q_pos - gen.integers(0, 3, (b, 1)).astype(np.int32)
@@ -180,6 +182,20 @@ def test_triton_window_softcap_positions():
          block_kv=16, name="triton features")
 
 
+@pytest.mark.parametrize("implementation, change", [
+    (None, dict(page_size=8, num_splits=5, t=4, positions=True)),
+    (None, dict(dtype=jnp.bfloat16, num_splits=3, t=1, soft_cap=5.0)),
+    ("triton", dict(h=64, s_max=70, page_size=16, num_splits=3, t=2)),
+    ("mosaic_tpu", dict(h=32, s_max=60, page_size=8, num_splits=2, t=2)),
+])
+def test_sinks_join_once_after_the_merge(implementation, change):
+  """With sinks, decode equals flash_attention with sinks on the gathered
+  cache: the splits' sink-free partials merge, then the sink joins once
+  (per packed row, so every query head gets its own)."""
+  _check(implementation=implementation, sinks=True, n=8, num_kv=2,
+         name="sinks", **change)
+
+
 @pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu"])
 def test_kernels_decline_float64(implementation):
   with jax.enable_x64(True):
@@ -283,6 +299,7 @@ def test_jit_and_vmap_compose():
      "value"),
     (dict(query=jnp.zeros((2, 4, 16))), ValueError, "query"),
     (dict(local_window_size=-1), ValueError, "local_window_size"),
+    (dict(sinks=jnp.zeros((3,))), ValueError, "sinks"),
 ])
 def test_bad_arguments_are_named(change, error, match):
   args = dict(query=jnp.ones((2, 1, 4, 16)), key=jnp.ones((2, 30, 1, 16)),

@@ -12,6 +12,7 @@ from flax import nnx
 from models import config
 from models import data
 from models import generate
+from models import layers
 from models import transformer
 from pallas_fa import chunked
 
@@ -81,6 +82,18 @@ def test_shapes_and_parameter_count():
   per_block = d * n * h + 2 * d * k * h + n * h * d + 3 * d * m + 2 * d
   assert transformer.count_params(model) == (
       _VOCAB * d + 2 * per_block + d)
+
+
+def test_use_sinks_adds_a_sink_per_head_and_layer():
+  cfg = _cfg(use_sinks=True)
+  model = nnx.eval_shape(lambda: _model(cfg, 0))
+  assert all(block.attn.sinks.shape == (cfg.num_heads,)
+             for block in model.blocks)
+  assert transformer.count_params(model) == transformer.count_params(
+      nnx.eval_shape(lambda: _model(_cfg(), 0))) + 2 * cfg.num_heads
+  with pytest.raises(NotImplementedError, match="Flax baseline"):
+    layers.flax_attention(*(jnp.ones((1, 3, 4, 8)),) * 3,
+                          sinks=jnp.zeros(4))
 
 
 # Slow (two model gradients): CI runs it in its slow-test leg.

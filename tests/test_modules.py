@@ -38,8 +38,9 @@ def _assert_trees_close(a, b, **tol):
       lambda x, y: np.testing.assert_allclose(x, y, **(tol or _TOL)), a, b)
 
 
-def _np_attention(q, k, v, bias=None, mask=None):
-  """float64 numpy attention, [..., T, N, H] x [..., S, K, H]; GQA repeats."""
+def _np_attention(q, k, v, bias=None, mask=None, sinks=None):
+  """float64 numpy attention, [..., T, N, H] x [..., S, K, H]; GQA repeats;
+  sinks [N]: a logit column, dropped after the softmax."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   g = q.shape[-2] // k.shape[-2]
   k, v = np.repeat(k, g, axis=-2), np.repeat(v, g, axis=-2)
@@ -48,8 +49,14 @@ def _np_attention(q, k, v, bias=None, mask=None):
     s = s + np.asarray(bias)
   if mask is not None:
     s = np.where(mask, s, -np.inf)
+  if sinks is not None:
+    column = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None],
+                             s.shape[:-1] + (1,))
+    s = np.concatenate([s, column], axis=-1)
   p = np.exp(s - s.max(axis=-1, keepdims=True))
   p /= p.sum(axis=-1, keepdims=True)
+  if sinks is not None:
+    p = p[..., :-1]
   return np.einsum("...nts,...snh->...tnh", p, v)
 
 
@@ -70,9 +77,10 @@ def _np_mha(layer, x):
   proj = lambda p: np.einsum("btd,dnh->btnh", x, np.asarray(p.kernel[...]))
   pos = np.broadcast_to(np.arange(t), (b, t))
   causal = np.tril(np.ones((t, t), bool))
+  sinks = None if layer.sinks is None else layer.sinks[...]
   o = _np_attention(_np_rope(proj(layer.query), pos),
                     _np_rope(proj(layer.key), pos), proj(layer.value),
-                    mask=causal)
+                    mask=causal, sinks=sinks)
   return np.einsum("btnh,nhd->btd", o, np.asarray(layer.out.kernel[...]))
 
 
@@ -292,6 +300,31 @@ def test_mha_matches_numpy_reference():
   layer = _mha(seed=_seed())
   np.testing.assert_allclose(
       nnx.jit(lambda m, x: m(x))(layer, x), _np_mha(layer, x), **_TOL)
+
+
+def test_mha_sinks_are_a_zero_initialised_param_per_head():
+  """use_sinks=True learns `sinks` [num_heads] (zeros at first), used by
+  the full forward and by decoding through `decode_attention`, and given
+  a gradient; without it the layer has no such parameter."""
+  assert _mha().sinks is None
+  assert "sinks" not in nnx.state(_mha(), nnx.Param)
+  layer = _mha(seed=_seed(), use_sinks=True, implementation="chunked")
+  assert isinstance(layer.sinks, nnx.Param)
+  np.testing.assert_array_equal(layer.sinks[...], np.zeros(4, np.float32))
+  layer.sinks[...] = _normal((4,)) + 1.0
+  b, t, prefill = 2, 9, 4
+  x = _normal((b, t, 32))
+  want = _np_mha(layer, x)
+  np.testing.assert_allclose(
+      nnx.jit(lambda m, x: m(x))(layer, x), want, **_TOL)
+  layer.init_cache(b, t)
+  step = nnx.jit(lambda m, x: m(x, decode=True))
+  steps = [step(layer, x[:, :prefill])]
+  steps += [step(layer, x[:, i:i + 1]) for i in range(prefill, t)]
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, **_TOL)
+  grads = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x))))(layer)
+  assert grads["sinks"][...].shape == (4,)
+  assert np.all(np.abs(np.asarray(grads["sinks"][...])) > 0)
 
 
 def test_mha_packed_segments_equal_separate_sequences():

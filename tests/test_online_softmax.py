@@ -377,3 +377,46 @@ def test_merge_grad_is_the_vjp_of_merging():
     _assert_finite(dout_ref, dlse_ref)
     np.testing.assert_allclose(dout_s, dout_ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dlse_s, dlse_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_add_sink_is_a_value_less_logit_column():
+  """`add_sink` (and its `sink_grad`) give the softmax over the logits plus
+  a column of sinks whose value is 0: outputs, lse and the gradients in
+  the logits, values and sinks. A row that sees no key keeps out 0 and lse
+  -inf and gives its sink no gradient (row 0; the column is masked there).
+  A huge sink gives 0 without overflow, a tiny one changes nothing."""
+  gen = rng("sinks")
+  s, v, _ = _split_problem(gen, [10])
+  sinks = _normal(gen, ROWS, scale=2.0) + 1.0
+  dout, dlse = _normal(gen, ROWS, H), _normal(gen, ROWS)
+
+  def loss(out, lse):
+    return jnp.sum(out * dout) + jnp.sum(_finite(lse) * dlse)
+
+  def ours(s, v, sinks):
+    return online_softmax.add_sink(*_partial(s, v), sinks)
+
+  def column(s, v, sinks):
+    seen = jnp.any(s != MASK, axis=-1)
+    sink = jnp.where(seen, sinks, MASK)[:, None]
+    return _partial(jnp.concatenate([s, sink], axis=-1),
+                    jnp.concatenate([v, jnp.zeros((1, H))]))
+
+  out, lse = ours(s, v, sinks)
+  out_ref, lse_ref = column(s, v, sinks)
+  np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(lse, lse_ref, rtol=1e-6)
+  assert np.all(np.asarray(out[0]) == 0) and lse[0] == -np.inf
+  grads = jax.grad(lambda *a: loss(*ours(*a)), argnums=(0, 1, 2))(s, v, sinks)
+  ref = jax.grad(lambda *a: loss(*column(*a)), argnums=(0, 1, 2))(
+      s, v, sinks)
+  _assert_finite(grads)
+  assert grads[2][0] == 0
+  for a, b in zip(grads, ref, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  out, lse = ours(s, v, jnp.full((ROWS,), 1e30))
+  _assert_finite(out)
+  assert np.all(np.asarray(out) == 0)
+  plain = _partial(s, v)
+  for a, b in zip(ours(s, v, jnp.full((ROWS,), -1e30)), plain, strict=True):
+    np.testing.assert_array_equal(a, b)

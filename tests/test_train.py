@@ -179,10 +179,10 @@ def test_flags_are_the_options():
   assert train_lib.default_workdir(opts) == os.path.join("runs", "sort")
   opts = _parse("--num_steps=7", "--remat", "--learning_rate=0.5",
                 "--attention_impl=xla", "--model=small",
-                "--text=/data/notes.txt")
+                "--text=/data/notes.txt", "--use_sinks")
   assert opts == train_lib.Options(
       num_steps=7, remat=True, learning_rate=0.5, attention_impl="xla",
-      model="small", task="text", text="/data/notes.txt")
+      model="small", task="text", text="/data/notes.txt", use_sinks=True)
   assert train_lib.default_workdir(opts) == os.path.join(
       "runs", "text-notes")
   with pytest.raises(flags.IllegalFlagValueError):

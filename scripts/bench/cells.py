@@ -121,11 +121,12 @@ def attention_fn(candidate: options.Candidate,
   scale = 1.0 / math.sqrt(shape.head_dim)
   if candidate.kind == "impl":
     name = candidate.name
+    extra = {"sinks": sinks_for(shape)} if candidate.sinks else {}
 
     def ours(q, k, v):
       # Looked up at call time so tests can substitute the entry point.
       return pallas_fa.flash_attention(
-          q, k, v, is_causal=causal, implementation=name)
+          q, k, v, is_causal=causal, implementation=name, **extra)
 
     return ours
 
@@ -191,6 +192,12 @@ def build(candidate: options.Candidate, shape: options.Shape,
   return jax.jit(fwd_bwd)
 
 
+def sinks_for(shape: options.Shape) -> Array:
+  """The sink logits of a `+sinks` candidate: one per head, spread over
+  [0, 4], about a row's logsumexp (so each takes a real share)."""
+  return jnp.linspace(0.0, 4.0, shape.heads, dtype=jnp.float32)
+
+
 def make_inputs(shape: options.Shape, seed: int) -> tuple[Array, ...]:
   """Random inputs of one shape (`testing.make_inputs`).
 
@@ -226,7 +233,8 @@ def check_rows(seq_len: int, rows: int) -> np.ndarray:
   return np.concatenate([np.arange(rows), np.arange(seq_len - rows, seq_len)])
 
 
-def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype):
+def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype,
+                      sinks=None):
   """Reference (out, dq, dk, dv) on the query rows `rows` only.
 
   Slicing the queries (with their true positions) keeps the materialised
@@ -241,6 +249,7 @@ def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype):
     rows: query row indices.
     grads: also compute the gradients.
     compute_dtype: dtype of the reference's arithmetic.
+    sinks: the sink logits [N], or None.
 
   Returns:
     (out [B, R, N, H], dq [B, T, N, H] or None, dk, dv), float32.
@@ -253,7 +262,7 @@ def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype):
     def f(qs, k, v):
       return testing.reference(
           qs, k, v, is_causal=shape.causal, query_positions=positions,
-          compute_dtype=compute_dtype)[0]
+          compute_dtype=compute_dtype, sinks=sinks)[0]
 
     cast = lambda x: x.astype(compute_dtype)
     if not grads:
@@ -277,7 +286,8 @@ class Reference:
   same: tuple | None  # the same in the input dtype (low precision only)
 
 
-def make_reference(shape, inputs, rows: int, grads: bool) -> Reference:
+def make_reference(shape, inputs, rows: int, grads: bool,
+                   sinks: bool = False) -> Reference:
   """Computes the float32 (and same-dtype) reference for `shape`.
 
   Args:
@@ -285,6 +295,7 @@ def make_reference(shape, inputs, rows: int, grads: bool) -> Reference:
     inputs: (q, k, v, dout) from `make_inputs`.
     rows: see `check_rows`.
     grads: also compute the reference gradients.
+    sinks: with the sinks of `sinks_for(shape)`.
 
   Returns:
     The shape's `Reference`.
@@ -292,11 +303,13 @@ def make_reference(shape, inputs, rows: int, grads: bool) -> Reference:
   q, k, v, dout = inputs
   idx = check_rows(shape.seq_len, rows)
   masked = jnp.zeros_like(dout).at[:, idx].set(dout[:, idx])
-  f32 = reference_results(shape, q, k, v, masked, idx, grads, jnp.float32)
+  extra = {"sinks": sinks_for(shape)} if sinks else {}
+  f32 = reference_results(shape, q, k, v, masked, idx, grads, jnp.float32,
+                          **extra)
   same = None
   if shape.dtype != "float32":
     same = reference_results(shape, q, k, v, masked, idx, grads,
-                             options.DTYPES[shape.dtype])
+                             options.DTYPES[shape.dtype], **extra)
   return Reference(rows=idx, dout_masked=masked, f32=f32, same=same)
 
 

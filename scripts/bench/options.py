@@ -122,6 +122,10 @@ OPTIONS = (
     Option("causal", "enum", "Causal masking.",
            choices=("both", "true", "false")),
     Option("modes", "list", f"Subset of {MODES}."),
+    Option("sinks", "bool",
+           "Also time every pallas_fa implementation with attention sinks, "
+           "as '<impl>+sinks' (checked against the reference with the same "
+           "sinks).", False),
     Option("repeats", "integer", "Timed runs per cell (median)."),
     Option("warmup", "integer", "Untimed runs after compilation."),
     Option("json", "string",
@@ -203,11 +207,12 @@ class Candidate:
 
   kind: str  # "impl" | "peer"
   name: str
+  sinks: bool = False  # An implementation called with `sinks=`.
 
   @property
   def label(self) -> str:
     if self.kind == "impl":
-      return self.name
+      return self.name + ("+sinks" if self.sinks else "")
     implementation = tokamax_implementation(self.name)
     if implementation is not None:
       return f"tokamax:{implementation}"
@@ -293,7 +298,7 @@ def _shapes(value) -> list[Shape]:
   return shapes
 
 
-def _candidates(impls, peers) -> list[Candidate]:
+def _candidates(impls, peers, sinks=False) -> list[Candidate]:
   for name in impls:
     if name not in api.REGISTRY:
       raise ValueError(f"Unknown implementation {name!r}; expected one of "
@@ -303,6 +308,8 @@ def _candidates(impls, peers) -> list[Candidate]:
     if name not in PEERS:
       raise ValueError(f"Unknown peer {name!r}; expected one of {PEERS}.")
   return ([Candidate(kind="impl", name=n) for n in impls]
+          + [Candidate(kind="impl", name=n, sinks=True)
+             for n in (impls if sinks else ())]
           + [Candidate(kind="peer", name=n) for n in peers])
 
 
@@ -349,7 +356,7 @@ def make_settings(*, platform: str | None = None, **values) -> Settings:
   return Settings(
       grid=grid,
       shapes=tuple(_shapes(value)),
-      candidates=tuple(_candidates(impls, peers)),
+      candidates=tuple(_candidates(impls, peers, bool(value("sinks")))),
       modes=modes,
       repeats=int(value("repeats")),
       warmup=int(value("warmup")),
