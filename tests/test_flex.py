@@ -23,6 +23,7 @@ import pytest
 from attention_testing import assert_close
 from attention_testing import rng
 from conftest import block_sizes_for
+from conftest import script_module
 
 import pallas_fa
 from pallas_fa import api
@@ -784,3 +785,13 @@ def test_alibi_slopes():
   np.testing.assert_allclose(flex.alibi_slopes(8),
                              [2.0 ** -(i + 1) for i in range(8)])
   assert flex.alibi_slopes(12).shape == (12,)
+
+
+@pytest.mark.slow
+def test_flex_benchmark_script_runs():
+  with script_module("flex_benchmark") as script:
+    report = script.run(seq_len=64, batch=1, heads=2, head_dim=8,
+                        documents=3, repeats=1, modes=["fwd"])
+  assert {r["candidate"] for r in report["results"]} >= {
+      "segment_ids", "jax.nn dense mask", "plain causal"}
+  assert "| document | fwd |" in script.markdown(report)
