@@ -4,15 +4,19 @@
 (`chunked`, `triton`, `mosaic_gpu`, `mosaic_tpu`, `reference` for "xla")
 with a tiling config exported here (`TritonBlockSizes`, ...) and a
 `default_block_sizes` of one signature. To add a backend, see the contract
-in `pallas_fa.vjp`.
+in `pallas_fa.vjp`. Flex attention (`score_mod=`, `mask_mod=`) takes a
+`BlockMask` from `create_block_mask`; `pallas_fa.flex` has examples.
 """
 
 import importlib
 
 from pallas_fa import dropout
+from pallas_fa import flex
 from pallas_fa import gpu_target
 from pallas_fa.api import flash_attention
 from pallas_fa.api import implementations
+from pallas_fa.block_mask import BlockMask
+from pallas_fa.block_mask import create_block_mask
 from pallas_fa.masking import SegmentIds
 
 __all__ = [
@@ -20,6 +24,9 @@ __all__ = [
     "decode_attention",
     "implementations",
     "SegmentIds",
+    "BlockMask",
+    "create_block_mask",
+    "flex",
     "dropout",
     "gpu_target",
     "ChunkedBlockSizes",

@@ -21,15 +21,18 @@ import functools
 import importlib
 import math
 from typing import Any
+from typing import Callable
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import block_mask as block_mask_lib
 from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
+from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import vjp
 
@@ -153,7 +156,8 @@ def canonicalize(
     local_window_size=None, segment_ids=None, query_positions=None,
     key_positions=None, logits_soft_cap=None, dropout_rate=0.0,
     dropout_rng=None, block_sizes=None, precision=None,
-    bias_key_length=None, sinks=None,
+    bias_key_length=None, sinks=None, score_mod=None, score_mod_args=(),
+    mask_mod=None, mask_mod_args=(), block_mask=None,
 ) -> Call:
   """Validates the arguments of `flash_attention` (same names, same
   meaning) and returns the canonical `Call`.
@@ -262,6 +266,9 @@ def canonicalize(
     else:
       kv_seg = jnp.zeros((b, s), jnp.int32)
 
+  flex = check_flex(
+      score_mod, score_mod_args, mask_mod, mask_mod_args, block_mask,
+      batch=b, heads=n, q_len=t, kv_len=s)
   info = masking.MaskInfo(
       q_positions=q_pos,
       kv_positions=kv_pos,
@@ -273,12 +280,43 @@ def canonicalize(
       dropout_seed=(None if dropout_rng is None
                     else dropout.seed_from(dropout_rng)),
       dropout_rate=dropout_rate,
+      **flex,
   )
   params = vjp.Params(scale=scale, soft_cap=soft_cap, block_sizes=block_sizes,
                       precision=check_precision(precision))
   sinks = check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
   return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
               batch_shape=batch_shape, sinks=sinks)
+
+
+def check_flex(score_mod, score_mod_args, mask_mod, mask_mod_args,
+               block_mask, *, batch, heads, q_len, kv_len) -> dict[str, Any]:
+  """Validates the flex-attention arguments of a traced call (`mods`,
+  `block_mask`) and returns them as `masking.MaskInfo` fields.
+
+  A block mask supplies the mask_mod (and its arguments) when the call
+  gives none.
+
+  Raises:
+    ValueError / TypeError: invalid arguments (the message names them).
+  """
+  score_mod_args = mods.as_args("score_mod_args", score_mod_args)
+  mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
+  block_mask = block_mask_lib.check_block_mask(
+      block_mask, mask_mod, batch=batch, heads=heads, q_len=q_len,
+      kv_len=kv_len)
+  if block_mask is not None and mask_mod is None:
+    if block_mask.mask_mod is None:
+      raise ValueError(
+          "block_mask carries no mask_mod; pass mask_mod= with it.")
+    mask_mod = block_mask.mask_mod
+    mask_mod_args = mask_mod_args or block_mask.mask_mod_args
+  mods.check_functions(score_mod, score_mod_args, mask_mod, mask_mod_args)
+  return dict(
+      score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
+      # The mask is not differentiated (its arrays may be floats).
+      mask_mod_args=tuple(jax.lax.stop_gradient(x) for x in mask_mod_args),
+      block_mask=block_mask)
 
 
 def _accepts_block_sizes(backend, block_sizes) -> bool:
@@ -374,14 +412,19 @@ def flash_attention(
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
+    score_mod: Callable | None = None,
+    score_mod_args: Sequence[Array] = (),
+    mask_mod: Callable | None = None,
+    mask_mod_args: Sequence[Array] = (),
+    block_mask: block_mask_lib.BlockMask | None = None,
 ):
   """Exact scaled dot-product attention, memory-linear in sequence length.
 
   A drop-in superset of `jax.nn.dot_product_attention`: every argument the two
   share means the same. Logits are
-  `soft_cap(scale * q.k) + bias`, masked by the intersection of every mask
-  argument; a query row with no visible key returns zeros (logsumexp -inf)
-  with zero gradients.
+  `score_mod(soft_cap(scale * q.k) + bias)`, masked by the intersection of
+  every mask argument and `mask_mod`; a query row with no visible key
+  returns zeros (logsumexp -inf) with zero gradients.
 
   Args:
     query: [*B, T, N, H]: any number of leading batch dims B (none
@@ -435,6 +478,27 @@ def flash_attention(
       `jax.default_matmul_precision` at the time of the call.
     return_residual: also return the logsumexp [*B, T, N] (float32, natural
       log; with `sinks`, the sink term included).
+    score_mod: flex attention's score function, `(score, batch, head,
+      q_idx, kv_idx, *score_mod_args) -> score`, applied to the float32
+      logits after soft cap and bias. Written as for one element and
+      broadcast-safe: `batch` (the flattened batch index) and `head` (the
+      query head) are int32 scalars, `q_idx`/`kv_idx` (token indices from
+      0) int32 arrays broadcasting against the tile. Differentiable (to
+      q, k, bias and `score_mod_args`); see `pallas_fa.flex` for examples.
+      Arrays it reads must come through `score_mod_args` (a closure over
+      one is an error). A new function object retraces the call: make it
+      once.
+    score_mod_args: the arrays score_mod reads (ALiBi slopes, a relative
+      bias table), differentiable.
+    mask_mod: `(batch, head, q_idx, kv_idx, *mask_mod_args) -> bool`,
+      True = may attend; intersects every other mask. Evaluated exactly,
+      tile by tile: tiles it leaves empty are skipped and it runs only on
+      partial ones (`pallas_fa.BlockMask`).
+    mask_mod_args: the arrays mask_mod reads (document ids, prefix
+      lengths); not differentiated.
+    block_mask: a `pallas_fa.create_block_mask` of the same mask_mod for
+      these T and S, reused across calls (without one, each call classifies
+      its tiles itself); it also supplies the mask_mod when none is given.
 
   Returns:
     out [*B, T, N, Hv] typed like query, or (out, lse) with
@@ -450,16 +514,20 @@ def flash_attention(
       logits_soft_cap=logits_soft_cap, precision=precision,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths)
+  score_mod_args = mods.as_args("score_mod_args", score_mod_args)
+  mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
+  mods.check_callable(mods.SCORE_MOD, score_mod, len(score_mod_args))
+  mods.check_callable(mods.MASK_MOD, mask_mod, len(mask_mod_args))
   static.update(
       dropout_rate=rate, implementation=implementation,
-      block_sizes=block_sizes,
+      block_sizes=block_sizes, score_mod=score_mod, mask_mod=mask_mod,
       # Keys the trace cache: kernels built for an ahead-of-time GPU target
       # differ from those built for this machine.
       target=gpu_target.ahead_of_time())
   out, lse = _flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
-      rng, sinks, **static)
+      rng, sinks, score_mod_args, mask_mod_args, block_mask, **static)
   return (out, lse) if return_residual else out
 
 
@@ -478,13 +546,15 @@ def clear_cache() -> None:
     jax.jit,
     static_argnames=("scale", "is_causal", "local_window_size",
                      "logits_soft_cap", "dropout_rate", "implementation",
-                     "block_sizes", "precision", "target"),
+                     "block_sizes", "precision", "target", "score_mod",
+                     "mask_mod"),
 )
 def _flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-    segment_ids, query_positions, key_positions, dropout_rng, sinks, *, scale,
-    is_causal, local_window_size, logits_soft_cap, dropout_rate,
-    implementation, block_sizes, precision, target,
+    segment_ids, query_positions, key_positions, dropout_rng, sinks,
+    score_mod_args, mask_mod_args, block_mask, *, scale, is_causal,
+    local_window_size, logits_soft_cap, dropout_rate, implementation,
+    block_sizes, precision, target, score_mod, mask_mod,
 ):
   del target  # Read by the backends through `gpu_target.current()`.
   # Everything from here on is traced once per shape/static configuration:
@@ -497,7 +567,8 @@ def _flash_attention(
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, block_sizes=block_sizes, precision=precision,
-      sinks=sinks,
+      sinks=sinks, score_mod=score_mod, score_mod_args=score_mod_args,
+      mask_mod=mask_mod, mask_mod_args=mask_mod_args, block_mask=block_mask,
   )
   backend = choose_backend(implementation, call)
   return call.unfold(*vjp.attention(

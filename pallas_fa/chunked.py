@@ -9,8 +9,15 @@ logits per head: memory is O(T + S).
 Both passes visit only the tiles `masking.classify_blocks` marks non-empty,
 with loop bounds taken from that classification (causal, window, padding and
 sorted segments all shrink the loops), and skip the masking arithmetic on
-FULL tiles. GQA is computed in the grouped layout [B, K, G, T, H], so K/V are
-never repeated and dK/dV come out summed over the group by the matmul itself.
+FULL tiles. A user mask_mod (flex attention) is classified the same way
+(`block_mask.tile_kinds`: the call's BlockMask, on whole multiples of its
+tiles, or an exact classification made here): tiles it leaves empty are
+skipped, and it is evaluated only on the tiles where it is partial. A
+score_mod applies to every visited tile; the backward chains dS through its
+elementwise derivative and accumulates its arrays' gradients tile by tile
+(`online_softmax.ScoreMod.vjp`). GQA is computed in the grouped layout
+[B, K, G, T, H], so K/V are never repeated and dK/dV come out summed over
+the group by the matmul itself.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import block_mask
 from pallas_fa import dropout
 from pallas_fa import layout
 from pallas_fa import masking
+from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import vjp
 
@@ -90,8 +99,11 @@ class _Layout(layout.Padded):
   """Inputs padded to whole tiles, in the grouped head-major layout."""
 
   def __init__(self, q, k, v, bias, info, params, block_q, block_kv):
-    self.bq, tp = layout.tile(block_q, q.shape[1], ALIGN)
-    self.bk, sp = layout.tile(block_kv, k.shape[1], ALIGN)
+    mask_tiles = (None, None)
+    if info.block_mask is not None:
+      mask_tiles = (info.block_mask.block_q, info.block_mask.block_kv)
+    self.bq, tp = _tile(block_q, q.shape[1], mask_tiles[0])
+    self.bk, sp = _tile(block_kv, k.shape[1], mask_tiles[1])
     # Softmax statistics and accumulators: float32 (float64 inputs: float64).
     self.acc = online_softmax.stats_dtype(q.dtype)
     # In full precision the logit scale is folded into q once, saving a
@@ -122,6 +134,32 @@ class _Layout(layout.Padded):
         or self.info.has_segments
         or self.info.mask is not None
     )
+    self.mod = self.info.mask_mod is not None
+    partial_builtin = self.kinds == masking.PARTIAL
+    partial_mod = False
+    if self.mod:
+      mod_kinds = block_mask.tile_kinds(
+          info, batch=self.b, heads=self.n, q_len=self.t, kv_len=self.s,
+          block_q=self.bq, block_kv=self.bk)  # [Bm, Hm, nq, nk]
+      mod_empty = jnp.all(mod_kinds == masking.EMPTY, axis=(0, 1))
+      mod_full = jnp.all(mod_kinds == masking.FULL, axis=(0, 1))
+      partial_mod = ~mod_empty & ~mod_full
+      self.kinds = jnp.where(
+          mod_empty, masking.EMPTY,
+          jnp.where(mod_full, self.kinds,
+                    jnp.minimum(self.kinds, masking.PARTIAL)))
+    # The masking each visited tile needs, (builtin, mask_mod), as a branch
+    # of `tile_loop`: only the combinations this call can meet are traced.
+    self.branches = [(b, m) for b in (False, True)[:1 + self.masked]
+                     for m in (False, True)[:1 + self.mod]]
+    code = (partial_builtin.astype(jnp.int32) * (1 + self.mod)
+            if self.masked else 0) + jnp.asarray(partial_mod, jnp.int32)
+    self.branch = jnp.where(
+        self.kinds == masking.EMPTY, 0, 1 + code).astype(jnp.int32)
+    self.score_uses = None
+    if self.info.score_mod is not None:
+      self.score_uses = mods.uses_batch_and_head(
+          mods.SCORE_MOD, self.info.score_mod, self.info.score_mod_args)
 
   def queries(self, x):
     """[B, T, N, H] -> [B, K, G, Tp, H], padded rows zeroed (any H)."""
@@ -151,8 +189,9 @@ class _Layout(layout.Padded):
     """[B, K, Sp, H] -> [B, S, K, H]."""
     return x.transpose(0, 2, 1, 3)[:, : self.s]
 
-  def logits(self, qi, kj, i, j, params):
-    """(s_capped, s) of tile (i, j), unmasked (`online_softmax.logits`)."""
+  def logits(self, qi, kj, i, j, params, with_score_mod=True):
+    """(s_capped, s) of tile (i, j), unmasked (`online_softmax.logits`);
+    without the score_mod when `with_score_mod` is False."""
     s = _unfold(jnp.einsum(
         "bkqh,bksh->bkqs", _fold(qi), kj, preferred_element_type=self.acc,
         precision=params.precision), self.g)
@@ -160,9 +199,23 @@ class _Layout(layout.Padded):
     if self.bias is not None:
       bias = masking.slice_in_dim(self.bias, i * self.bq, self.bq, 3)
       bias = masking.slice_in_dim(bias, j * self.bk, self.bk, 4)
+    score_mod = self.score_mod(i, j) if with_score_mod else None
     s, s_capped = online_softmax.logits(
-        s, scale=self.logit_scale, cap=params.soft_cap, bias=bias)
+        s, scale=self.logit_scale, cap=params.soft_cap, bias=bias,
+        score_mod=score_mod)
     return s_capped, s
+
+  def score_mod(self, i, j):
+    """The call's score_mod bound to tile (i, j), or None."""
+    if self.info.score_mod is None:
+      return None
+    indices = masking.tile_indices(
+        self.b, self.n, self.num_kv, i * self.bq, self.bq, j * self.bk,
+        self.bk)
+    return online_softmax.ScoreMod(
+        fn=self.info.score_mod, args=self.info.score_mod_args,
+        batch=indices[0], head=indices[1], q_idx=indices[2],
+        kv_idx=indices[3], uses=self.score_uses)
 
   def dropout_factor(self, i, j):
     """[B, K, G, bq, bk] factor of attention dropout for tile (i, j): 0 or
@@ -175,28 +228,46 @@ class _Layout(layout.Padded):
         (self.b, self.num_kv, self.g, self.bq, self.bk), self.acc,
         q_start=i * self.bq, kv_start=j * self.bk)
 
-  def visibility(self, i, j):
+  def visibility(self, i, j, masked):
+    """The visibility of tile (i, j) under the masks `masked` = (builtin,
+    mask_mod) names (`masking.tile_visibility`)."""
+    builtin, mod = masked
     return masking.tile_visibility(
-        self.info, self.num_kv, i * self.bq, self.bq, j * self.bk, self.bk
-    )
+        self.info, self.num_kv, i * self.bq, self.bq, j * self.bk, self.bk,
+        num_heads=self.n, builtin=builtin, mod=mod)
 
-  def tile_loop(self, kinds_row, lo, hi, step, carry):
-    """Runs step(j, carry, visible_or_None) over the non-empty tiles."""
-    if not self.masked:
-      return jax.lax.fori_loop(lo, hi, lambda j, c: step(j, c, False), carry)
+  def tile_loop(self, branch_row, lo, hi, step, carry):
+    """Runs step(j, carry, masked) over the non-empty tiles of a row of
+    `self.branch`; `masked` = (builtin, mask_mod): which masks the tile
+    needs (a FULL tile needs none: no masking arithmetic)."""
+    if len(self.branches) == 1:
+      masked = self.branches[0]
+      return jax.lax.fori_loop(lo, hi, lambda j, c: step(j, c, masked),
+                               carry)
 
     def body(j, c):
       return jax.lax.switch(
-          kinds_row[j],
-          [
-              lambda c: c,  # EMPTY: unsorted segments leave holes in range.
-              lambda c: step(j, c, True),  # PARTIAL
-              lambda c: step(j, c, False),  # FULL: no masking arithmetic.
-          ],
+          branch_row[j],
+          # EMPTY (unsorted segments, a mask_mod leave holes in the range),
+          # then one branch per masking combination.
+          [lambda c: c] + [
+              lambda c, masked=masked: step(j, c, masked)
+              for masked in self.branches],
           c,
       )
 
     return jax.lax.fori_loop(lo, hi, body, carry)
+
+
+def _tile(block: int, length: int, mask_block: int | None):
+  """(tile, padded length): balanced tiles, or with a block mask the
+  largest whole multiple of its tile that is at most `block` (at least the
+  mask's tile), so that retiling it is exact."""
+  if mask_block is None:
+    return layout.tile(block, length, ALIGN)
+  tile = min(mask_block * max(1, block // mask_block),
+             layout.round_up(length, mask_block))
+  return tile, layout.round_up(length, tile)
 
 
 def _fold(x):
@@ -228,8 +299,8 @@ def _forward(q, k, v, bias, info, params):
       kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
       vj = jax.lax.dynamic_slice_in_dim(lay.v, j * lay.bk, lay.bk, 2)
       _, s = lay.logits(qi, kj, i, j, params)  # [B, K, G, bq, bk]
-      if masked:
-        s = online_softmax.apply_mask(s, lay.visibility(i, j))
+      if any(masked):
+        s = online_softmax.apply_mask(s, lay.visibility(i, j, masked))
       m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
       # Dropout acts on the normalised probabilities: the denominator l_i
       # sums the undropped ones.
@@ -242,7 +313,7 @@ def _forward(q, k, v, bias, info, params):
       ), lay.g)
       return m_i, l_i, online_softmax.rescale(acc, alpha) + pv
 
-    m_i, l_i, acc = lay.tile_loop(lay.kinds[i], lo[i], hi[i], step, carry)
+    m_i, l_i, acc = lay.tile_loop(lay.branch[i], lo[i], hi[i], step, carry)
     out, lse = online_softmax.finalize(m_i, l_i, acc)
     return out.astype(q.dtype), lse
 
@@ -262,7 +333,13 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   lse = lay.rows(lse, online_softmax.MASK_VALUE)
   delta = lay.rows(delta, 0.0)
   kinds_t = lay.kinds.T  # [nk, nq]: per key tile, which query tiles to visit.
+  branch_t = lay.branch.T
   lo, hi = masking.block_range(kinds_t)
+  args = lay.info.score_mod_args
+  # Gradients of score_mod's floating-point arrays, summed over the tiles.
+  dargs = tuple(
+      jnp.zeros(x.shape, online_softmax.stats_dtype(x.dtype))
+      if jnp.issubdtype(x.dtype, jnp.inexact) else None for x in args)
   dbias = None
   if lay.bias is not None:
     dbias = jnp.zeros(lay.bias.shape, lay.acc)
@@ -272,22 +349,25 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   )
 
   def kv_tile(carry, j):
-    dq, dbias = carry
+    dq, dbias, dargs = carry
     kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
     vj = jax.lax.dynamic_slice_in_dim(lay.v, j * lay.bk, lay.bk, 2)
     dk_j = jnp.zeros(kj.shape, lay.acc)
     dv_j = jnp.zeros(vj.shape, lay.acc)
 
     def step(i, carry, masked):
-      dk_j, dv_j, dq, dbias = carry
+      dk_j, dv_j, dq, dbias, dargs = carry
       q0 = i * lay.bq
       qi = jax.lax.dynamic_slice_in_dim(lay.q, q0, lay.bq, 3)
       doi = jax.lax.dynamic_slice_in_dim(do, q0, lay.bq, 3)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, q0, lay.bq, 3)
       delta_i = jax.lax.dynamic_slice_in_dim(delta, q0, lay.bq, 3)
-      s_capped, s = lay.logits(qi, kj, i, j, params)
-      if masked:
-        s = online_softmax.apply_mask(s, lay.visibility(i, j))
+      s_capped, s = lay.logits(qi, kj, i, j, params, with_score_mod=False)
+      score_mod = lay.score_mod(i, j)
+      if score_mod is not None:
+        s, score_mod_pullback = score_mod.vjp(s)
+      if any(masked):
+        s = online_softmax.apply_mask(s, lay.visibility(i, j, masked))
       p = online_softmax.probs_from_lse(s, lse_i)  # [B, K, G, bq, bk]
       # With dropout (FlashAttention-2 §B): dV takes the dropped
       # probabilities, dP the same mask, and dS = P * (dP - delta) with delta
@@ -304,6 +384,11 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       if z is not None:
         dp = dp * z
       ds = online_softmax.softmax_grad(p, dp, delta_i)
+      if score_mod is not None:
+        # dS w.r.t. the logits before score_mod, which is also the bias
+        # gradient; and this tile's share of the arrays' gradients.
+        ds, d = score_mod_pullback(ds)
+        dargs = tuple(None if a is None else a + b for a, b in zip(dargs, d))
       if dbias is not None:
         d = ds.sum(axis=bias_sum_axes, keepdims=True)
         starts = [0, 0, 0, 0, 0]
@@ -326,17 +411,17 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
           "bkqs,bkqh->bksh", _fold(ds.astype(qi.dtype)), _fold(qi),
           preferred_element_type=lay.acc, precision=params.precision,
       )
-      return dk_j, dv_j, dq, dbias
+      return dk_j, dv_j, dq, dbias, dargs
 
-    dk_j, dv_j, dq, dbias = lay.tile_loop(
-        kinds_t[j], lo[j], hi[j], step, (dk_j, dv_j, dq, dbias))
+    dk_j, dv_j, dq, dbias, dargs = lay.tile_loop(
+        branch_t[j], lo[j], hi[j], step, (dk_j, dv_j, dq, dbias, dargs))
     if not lay.scale_folded:  # q already carries the scale when folded.
       dk_j = dk_j * params.scale
-    return (dq, dbias), (dk_j, dv_j)
+    return (dq, dbias, dargs), (dk_j, dv_j)
 
   dq0 = jnp.zeros(lay.q.shape, lay.acc)
-  (dq, dbias), (dk, dv) = jax.lax.scan(
-      kv_tile, (dq0, dbias), jnp.arange(lay.nk))
+  (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
+      kv_tile, (dq0, dbias, dargs), jnp.arange(lay.nk))
   # [nk, B, K, bk, H] -> [B, K, Sp, H]
   dk = jnp.moveaxis(dk, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.h)
   dv = jnp.moveaxis(dv, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.hv)
@@ -348,6 +433,10 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     db, dkh, dg, dt, dsl = dbias.shape
     dbias = dbias.reshape(db, dkh * dg, dt, dsl)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
+  if info.score_mod is not None:
+    dargs = tuple(None if d is None else d.astype(x.dtype)
+                  for d, x in zip(dargs, args))
+    return dq, dk, dv, dbias, dargs
   return dq, dk, dv, dbias
 
 

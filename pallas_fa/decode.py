@@ -33,6 +33,8 @@ Three implementations:
 * `chunked` (the default): jax.numpy on any platform and head dim; split p
   reads blocks p, p + splits, ... of every sequence, all splits as one
   vectorised axis.
+  It alone takes a flex `score_mod`/`mask_mod` (`q_idx` is the new
+  token's position), evaluated on every block it reads.
 * `triton`: a Pallas-Triton kernel (`triton.decode`), interpreted on CPU.
   Grid (B, K, splits x value-head-dim chunks): each program holds the
   packed [G * T_new, H] tile (rows padded to a power of two >= 16) and
@@ -65,6 +67,7 @@ import functools
 import importlib
 import math
 from typing import Any
+from typing import Callable
 from typing import Sequence
 
 import jax
@@ -74,6 +77,7 @@ import numpy as np
 from pallas_fa import api
 from pallas_fa import gpu_target
 from pallas_fa import masking
+from pallas_fa import mods
 from pallas_fa import online_softmax
 
 Array = Any
@@ -144,6 +148,10 @@ def decode_attention(
     implementation: str | None = None,
     precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
+    score_mod: Callable | None = None,
+    score_mod_args: Sequence[Array] = (),
+    mask_mod: Callable | None = None,
+    mask_mod_args: Sequence[Array] = (),
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -187,6 +195,13 @@ def decode_attention(
     precision: as in `flash_attention`.
     return_residual: also return the logsumexp [B, T_new, N] (with
       `sinks`, the sink term included).
+    score_mod: as in `flash_attention`, with `q_idx` the new token's
+      position and `kv_idx` the cache index; applied after the soft cap.
+      "chunked" only.
+    score_mod_args: the arrays score_mod reads.
+    mask_mod: as in `flash_attention` (same indices); intersects the other
+      masks, evaluated on every key block read. "chunked" only.
+    mask_mod_args: the arrays mask_mod reads.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse).
@@ -194,7 +209,8 @@ def decode_attention(
   Raises:
     ValueError / TypeError: invalid arguments (the message names them).
     NotImplementedError: `implementation` has no decode path, or "triton"
-      ("mosaic_tpu") with a page size that is not a multiple of 16 (8).
+      ("mosaic_tpu") with a page size that is not a multiple of 16 (8) or
+      with a score_mod/mask_mod.
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
@@ -266,6 +282,15 @@ def decode_attention(
   if static["scale"] is None:
     static["scale"] = 1.0 / math.sqrt(h)
   sinks = api.check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
+  score_mod_args = mods.as_args("score_mod_args", score_mod_args)
+  mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
+  mods.check_functions(score_mod, score_mod_args, mask_mod, mask_mod_args)
+  if implementation in ("triton", "mosaic_tpu") and (
+      score_mod is not None or mask_mod is not None):
+    raise NotImplementedError(
+        f"implementation={implementation!r}: its decode kernel does not "
+        "fuse a score_mod/mask_mod (flex attention) yet; \"chunked\" runs "
+        "them.")
   if implementation in ("triton", "mosaic_tpu"):
     out, lse = _split_kernel(implementation, query, key, value, lengths,
                              block_table, query_positions, sinks, num_splits,
@@ -280,7 +305,9 @@ def decode_attention(
   splits = num_splits or default_num_splits(b, num_kv, num_blocks)
   out, lse = _decode(
       query, key, value, lengths, block_table, query_positions, sinks,
-      block=int(block), splits=int(min(splits, num_blocks)), **static)
+      score_mod_args, mask_mod_args, block=int(block),
+      splits=int(min(splits, num_blocks)), score_mod=score_mod,
+      mask_mod=mask_mod, **static)
   return (out, lse) if return_residual else out
 
 
@@ -398,10 +425,12 @@ def _decode_split_kernel(query, key, value, lengths, block_table,
   return _unpacked(*_merged(out, lse, sinks, 2, query.shape[1]), query)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(
+    jax.jit, static_argnames=_STATIC + ("score_mod", "mask_mod"))
 def _decode(query, key, value, lengths, block_table, query_positions, sinks,
-            *, block, splits, scale, is_causal, local_window_size,
-            logits_soft_cap, precision):
+            score_mod_args, mask_mod_args, *, block, splits, scale,
+            is_causal, local_window_size, logits_soft_cap, precision,
+            score_mod, mask_mod):
   b, t, n, h = query.shape
   num_kv, hv = key.shape[2], value.shape[3]
   rows = n // num_kv * t
@@ -451,6 +480,17 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
   else:
     logit_scale = scale
   offsets = jnp.arange(span, dtype=jnp.int32).reshape(splits, block)
+  g = n // num_kv
+
+  def flex_indices(kv_pos):
+    """(batch, head, q_idx, kv_idx) of a step's [B, P, K, G, T, C] tile:
+    packed row r of K/V head k is query head k * G + r // T, the new token
+    r % T at its position."""
+    i32 = jnp.int32
+    return (jnp.arange(b, dtype=i32).reshape(b, 1, 1, 1, 1, 1),
+            jnp.arange(n, dtype=i32).reshape(1, 1, num_kv, g, 1, 1),
+            query_positions.reshape(b, 1, 1, 1, t, 1),
+            kv_pos.reshape(1, splits, 1, 1, 1, block))
 
   def body(step, carry, *, masked):
     m_i, l_i, acc = carry
@@ -460,14 +500,27 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
     if logit_scale != 1.0:
       s = s * logit_scale
     s = online_softmax.soft_cap(s, logits_soft_cap)
+    kv_pos = start + offsets  # [P, C]
+    tile = (b, splits, num_kv, g, t, block)
+    if score_mod is not None:
+      indices = flex_indices(kv_pos)
+      s = online_softmax.ScoreMod(
+          fn=score_mod, args=score_mod_args, batch=indices[0],
+          head=indices[1], q_idx=indices[2], kv_idx=indices[3],
+      )(s.reshape(tile)).reshape(s.shape)
     if masked:
-      kv_pos = start + offsets  # [P, C]
       valid = ((kv_pos >= step * span)[None]
                & (kv_pos[None] < lengths[:, None, None]))  # [B, P, C]
       # Rows past a length may hold anything; 0 * NaN would leak into P.V.
       v_blk = jnp.where(valid[..., None, None], v_blk, 0)
-      s = online_softmax.apply_mask(
-          s, _visible(valid, kv_pos, row_pos, is_causal, local_window_size))
+      vis = _visible(valid, kv_pos, row_pos, is_causal, local_window_size)
+      if mask_mod is not None:
+        indices = flex_indices(kv_pos)
+        vis = vis & mods.evaluate(
+            mask_mod, tile, batch=indices[0], head=indices[1],
+            q_idx=indices[2], kv_idx=indices[3], args=mask_mod_args,
+        ).reshape(b, splits, num_kv, g * t, block)
+      s = online_softmax.apply_mask(s, vis)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
     acc = acc * alpha[..., None] + _einsum(
         "bpkrc,bpckh->bpkrh", p.astype(value.dtype), v_blk,
@@ -487,6 +540,8 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
   full_lo, full_hi = masking.full_run(
       jnp.where((kinds == masking.FULL).all(axis=0), masking.FULL,
                 masking.PARTIAL), 0)
+  if mask_mod is not None:  # Evaluated on every block read.
+    full_lo = full_hi = jnp.zeros((), jnp.int32)
   for lo, hi, masked in ((0, full_lo, True), (full_lo, full_hi, False),
                          (full_hi, end, True)):
     carry = jax.lax.fori_loop(

@@ -12,6 +12,10 @@ semantics cannot drift between backends:
   PARTIAL; computed on device from per-block min/max of positions and segment
   ids, so it works for traced, data-dependent layouts.
 
+A user `mask_mod` (flex attention, `pallas_fa.mods`) intersects all of these:
+`tile_visibility` evaluates it with the tile's indices (`tile_indices`), and
+its own per-tile classification is the `pallas_fa.block_mask.BlockMask`.
+
 Causal and window are measured on positions (top-left aligned by default):
 
     is_causal, T = S = 4             local_window_size = (1, 0)
@@ -34,10 +38,13 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_fa import mods
 
 # Segment ids reserved for padding. Real segment ids must be greater than both.
 Q_PAD_SEGMENT = int(np.iinfo(np.int32).min)
@@ -85,6 +92,14 @@ class MaskInfo:
       None is unbounded.
     dropout_seed: uint32 scalar, or None without dropout.
     dropout_rate: attention dropout rate (`pallas_fa.dropout`); 0 = none.
+    score_mod: the user's score function (flex attention, `pallas_fa.mods`),
+      applied to the logits after soft cap and bias, or None.
+    score_mod_args: the arrays score_mod reads (differentiable).
+    mask_mod: the user's mask predicate, intersecting every other mask, or
+      None.
+    mask_mod_args: the arrays mask_mod reads (not differentiated).
+    block_mask: a `pallas_fa.block_mask.BlockMask` of mask_mod made by the
+      caller, or None (each backend then classifies its own tiles).
   """
 
   q_positions: Array
@@ -96,10 +111,20 @@ class MaskInfo:
   window: tuple[int | None, int | None] | None = None
   dropout_seed: Array | None = None
   dropout_rate: float = 0.0
+  score_mod: Callable | None = None
+  score_mod_args: tuple[Array, ...] = ()
+  mask_mod: Callable | None = None
+  mask_mod_args: tuple[Array, ...] = ()
+  block_mask: Any = None
 
   @property
   def has_dropout(self) -> bool:
     return self.dropout_rate > 0.0
+
+  @property
+  def has_flex(self) -> bool:
+    """Whether the call carries a user score_mod or mask_mod."""
+    return self.score_mod is not None or self.mask_mod is not None
 
   @property
   def has_segments(self) -> bool:
@@ -123,8 +148,12 @@ jax.tree_util.register_dataclass(
         "kv_segment_ids",
         "mask",
         "dropout_seed",
+        "score_mod_args",
+        "mask_mod_args",
+        "block_mask",
     ],
-    meta_fields=["is_causal", "window", "dropout_rate"],
+    meta_fields=["is_causal", "window", "dropout_rate", "score_mod",
+                 "mask_mod"],
 )
 
 
@@ -249,6 +278,50 @@ def slice_in_dim(x: Array, start, size: int, axis: int) -> Array:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+def tile_indices(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    q_start=0,
+    block_q: int = 1,
+    kv_start=0,
+    block_kv: int = 1,
+) -> tuple[Array, Array, Array, Array]:
+  """(batch, head, q_idx, kv_idx) of a tile in the grouped [B, K, G, bq, bk]
+  layout, each int32 of rank 5 broadcasting against it: what a score_mod or
+  mask_mod is evaluated with (`mods.evaluate`).
+
+  Query head n = k * G + g reads key/value head k (GQA). Indices are token
+  indices within the (padded) sequences; starts may be traced.
+  """
+  g = num_heads // num_kv_heads
+  i32 = jnp.int32
+  b = jnp.arange(batch, dtype=i32).reshape(batch, 1, 1, 1, 1)
+  head = jnp.arange(num_heads, dtype=i32).reshape(1, num_kv_heads, g, 1, 1)
+  q_idx = q_start + jnp.arange(block_q, dtype=i32).reshape(1, 1, 1, -1, 1)
+  kv_idx = kv_start + jnp.arange(block_kv, dtype=i32).reshape(1, 1, 1, 1, -1)
+  return b, head, q_idx, kv_idx
+
+
+def mask_mod_visibility(info: MaskInfo, tile: tuple[int, ...], indices,
+                        uses=None) -> Array:
+  """`info.mask_mod` on a tile of any layout (`mods.evaluate`), bool.
+
+  Args:
+    info: the call's mask description (with a mask_mod).
+    tile: the tile's shape [*lead, rows, cols].
+    indices: (batch, head, q_idx, kv_idx) broadcasting against it.
+    uses: whether mask_mod reads (batch, head); None: find out.
+  """
+  if uses is None:
+    uses = mods.uses_batch_and_head(
+        mods.MASK_MOD, info.mask_mod, info.mask_mod_args)
+  batch, head, q_idx, kv_idx = indices
+  return mods.evaluate(
+      info.mask_mod, tile, batch=batch, head=head, q_idx=q_idx,
+      kv_idx=kv_idx, args=info.mask_mod_args, uses=uses)
+
+
 def tile_visibility(
     info: MaskInfo,
     num_kv_heads: int,
@@ -256,11 +329,25 @@ def tile_visibility(
     block_q: int | None = None,
     kv_start=0,
     block_kv: int | None = None,
+    *,
+    num_heads: int | None = None,
+    builtin: bool = True,
+    mod: bool = True,
 ) -> Array | None:
   """`visible` for one tile in the grouped [B, K, G, bq, bk] layout.
 
   Starts may be traced; block sizes default to the whole sequence. Returns
   None when nothing is masked.
+
+  Args:
+    info: the call's mask description.
+    num_kv_heads: K.
+    q_start, block_q, kv_start, block_kv: the tile.
+    num_heads: N, needed with a mask_mod (its `head` argument).
+    builtin: include the masks of the public arguments (causal, window,
+      segments and padding, dense mask).
+    mod: include `info.mask_mod` (a tile its block mask marks FULL skips
+      it).
   """
   block_q = block_q or info.q_positions.shape[1]
   block_kv = block_kv or info.kv_positions.shape[1]
@@ -271,23 +358,36 @@ def tile_visibility(
   def cols(x, start, size):  # [B, L] -> [B, 1, 1, 1, size]
     return slice_in_dim(x, start, size, 1)[:, None, None, None, :]
 
-  q_seg = kv_seg = dense = None
-  if info.has_segments:
-    q_seg = rows(info.q_segment_ids, q_start, block_q)
-    kv_seg = cols(info.kv_segment_ids, kv_start, block_kv)
-  if info.mask is not None:
-    dense = slice_in_dim(info.mask, q_start, block_q, 2)
-    dense = slice_in_dim(dense, kv_start, block_kv, 3)
-    dense = group_heads(dense, num_kv_heads)
-  return visible(
-      is_causal=info.is_causal,
-      window=info.window,
-      q_pos=rows(info.q_positions, q_start, block_q),
-      kv_pos=cols(info.kv_positions, kv_start, block_kv),
-      q_seg=q_seg,
-      kv_seg=kv_seg,
-      dense=dense,
-  )
+  out = None
+  if builtin:
+    q_seg = kv_seg = dense = None
+    if info.has_segments:
+      q_seg = rows(info.q_segment_ids, q_start, block_q)
+      kv_seg = cols(info.kv_segment_ids, kv_start, block_kv)
+    if info.mask is not None:
+      dense = slice_in_dim(info.mask, q_start, block_q, 2)
+      dense = slice_in_dim(dense, kv_start, block_kv, 3)
+      dense = group_heads(dense, num_kv_heads)
+    out = visible(
+        is_causal=info.is_causal,
+        window=info.window,
+        q_pos=rows(info.q_positions, q_start, block_q),
+        kv_pos=cols(info.kv_positions, kv_start, block_kv),
+        q_seg=q_seg,
+        kv_seg=kv_seg,
+        dense=dense,
+    )
+  if mod and info.mask_mod is not None:
+    if num_heads is None:
+      raise ValueError("tile_visibility needs num_heads with a mask_mod.")
+    batch = info.q_positions.shape[0]
+    tile = (batch, num_kv_heads, num_heads // num_kv_heads, block_q,
+            block_kv)
+    flex = mask_mod_visibility(info, tile, tile_indices(
+        batch, num_heads, num_kv_heads, q_start, block_q, kv_start,
+        block_kv))
+    out = flex if out is None else jnp.logical_and(out, flex)
+  return out
 
 
 def is_padding(segment_ids: Array | None, pad_id: int) -> Array | None:

@@ -4,9 +4,11 @@ This module is the one home of that math (FlashAttention-2 §3.1); a kernel
 body calls these functions rather than re-deriving them. Conventions,
 identical in every backend:
 
-* logits are `soft_cap(scale * q.k) + bias` (`logits`), then masked; the soft
-  cap comes first so that an additive bias (ALiBi, relative positions) is not
-  squashed;
+* logits are `soft_cap(scale * q.k) + bias` (`logits`), then the user's
+  `score_mod` (flex attention: `ScoreMod`), then masked; the soft cap comes
+  first so that an additive bias (ALiBi, relative positions) is not
+  squashed; the backward chains dS through score_mod's elementwise
+  derivative (`ScoreMod.vjp`), which also gives its arrays' gradients;
 * masked logits are -inf (`MASK_VALUE`); a row whose keys are all masked has
   running max m = -inf, and every formula below guards that case so it gives
   probability 0, output 0 and logsumexp -inf -- never NaN;
@@ -26,6 +28,7 @@ Two hooks let the kernels keep their own code generation:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -34,6 +37,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pallas_fa import mods
 
 Array = Any
 # (vector [..., q], tile shape) -> the vector, broadcastable to the tile.
@@ -95,6 +100,72 @@ def soft_cap_grad(ds: Array, s_capped: Array, cap: float | None) -> Array:
   return ds * (1.0 - t * t)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScoreMod:
+  """A user score_mod bound to one tile of logits (flex attention).
+
+  The tile is [*lead, rows, cols] in the caller's layout; the indices
+  broadcast against it (`masking.tile_indices` for the grouped layout).
+
+  Attributes:
+    fn: score_mod(score, batch, head, q_idx, kv_idx, *args) -> score.
+    args: its extra arrays (`score_mod_args`).
+    batch: int32 batch indices.
+    head: int32 query-head indices.
+    q_idx: int32 query token indices.
+    kv_idx: int32 key token indices.
+    uses: whether fn reads (batch, head) (`mods.uses_batch_and_head`).
+  """
+
+  fn: Callable
+  args: tuple[Array, ...]
+  batch: Array
+  head: Array
+  q_idx: Array
+  kv_idx: Array
+  uses: tuple[bool, bool] = (True, True)
+
+  def _apply(self, s: Array, args) -> Array:
+    return mods.evaluate(
+        self.fn, s.shape, batch=self.batch, head=self.head,
+        q_idx=self.q_idx, kv_idx=self.kv_idx, score=s, args=tuple(args),
+        uses=self.uses)
+
+  def __call__(self, s: Array) -> Array:
+    """score_mod of the tile s, in s's dtype."""
+    return self._apply(s, self.args)
+
+  def vjp(self, s: Array) -> tuple[Array, Callable]:
+    """(score_mod(s), pullback) for the backward recomputation.
+
+    pullback(ds) -> (ds_in, dargs): ds chained through score_mod's
+    elementwise derivative (the gradient w.r.t. the logits before it, and
+    so the bias gradient), and the tile's contribution to each array of
+    `args` in float32 (float64 for float64 arrays), None for an integer
+    array. The transpose of an elementwise gather (`table[head, kv_idx -
+    q_idx]`) is a scatter-add, of a per-head read (`slopes[head]`) a sum.
+    """
+    diff = [i for i, x in enumerate(self.args)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+    def f(s, *dargs):
+      args = list(self.args)
+      for i, x in zip(diff, dargs):
+        args[i] = x
+      return self._apply(s, args)
+
+    out, pull = jax.vjp(f, s, *(self.args[i] for i in diff))
+
+    def pullback(ds):
+      ds_in, *dargs = pull(ds.astype(out.dtype))
+      grads = [None] * len(self.args)
+      for i, d in zip(diff, dargs):
+        grads[i] = d.astype(stats_dtype(d.dtype))
+      return ds_in, tuple(grads)
+
+    return out, pullback
+
+
 def logits(
     qk: Array,
     *,
@@ -102,8 +173,10 @@ def logits(
     cap: float | None = None,
     bias: Array | None = None,
     base2: bool = False,
+    score_mod: ScoreMod | None = None,
 ) -> tuple[Array, Array | None]:
-  """The logits `soft_cap(scale * qk) + bias` of a tile of q.k products.
+  """The logits `score_mod(soft_cap(scale * qk) + bias)` of a tile of q.k
+  products.
 
   With `base2` they come multiplied by log2(e), for `exp2`; when there is
   neither cap nor bias that factor is folded into the scale, which leaves a
@@ -116,16 +189,20 @@ def logits(
     cap: the soft cap, or None.
     bias: additive bias broadcastable to `qk`, or None; cast to qk's dtype.
     base2: return the logits in base 2.
+    score_mod: the user's score_mod bound to this tile, or None. A backward
+      pass leaves it out here and chains its `ScoreMod.vjp` instead.
 
   Returns:
     (s, s_capped): the logits, unmasked, and the capped logits before bias
     and base change that `logits_grad` needs (None without a soft cap).
   """
-  if base2 and cap is None and bias is None:
+  if base2 and cap is None and bias is None and score_mod is None:
     return qk * (scale * LOG2_E), None
   s = qk if scale == 1.0 else qk * scale
   s_capped = soft_cap(s, cap)
   s = s_capped if bias is None else s_capped + bias.astype(qk.dtype)
+  if score_mod is not None:
+    s = score_mod(s)
   if base2:
     s = s * LOG2_E
   return s, None if cap is None else s_capped
@@ -140,9 +217,10 @@ def logits_grad(
 ) -> Array:
   """Chains dS (w.r.t. the natural logits) back to the q.k products.
 
-  The bias gradient is dS itself; this is d/dqk of `logits`: the soft-cap
-  derivative, then the scale. Kernels that accumulate dQ / dK over many
-  tiles may leave `scale` at 1 and apply it once to the sum.
+  The bias gradient is dS itself (after a score_mod's `ScoreMod.vjp`); this
+  is d/dqk of `logits`: the soft-cap derivative, then the scale. Kernels
+  that accumulate dQ / dK over many tiles may leave `scale` at 1 and apply
+  it once to the sum.
 
   Args:
     ds: gradient w.r.t. the logits (`softmax_grad`).

@@ -67,8 +67,16 @@ def attention(
   )
   if bias is not None:
     bias = masking.group_heads(bias, num_kv)
-  s, _ = online_softmax.logits(s, scale=scale, cap=soft_cap, bias=bias)
-  s = online_softmax.apply_mask(s, masking.tile_visibility(info, num_kv))
+  score_mod = None
+  if info.score_mod is not None:
+    indices = masking.tile_indices(b, n, num_kv, 0, t, 0, k.shape[1])
+    score_mod = online_softmax.ScoreMod(
+        fn=info.score_mod, args=info.score_mod_args, batch=indices[0],
+        head=indices[1], q_idx=indices[2], kv_idx=indices[3])
+  s, _ = online_softmax.logits(
+      s, scale=scale, cap=soft_cap, bias=bias, score_mod=score_mod)
+  s = online_softmax.apply_mask(
+      s, masking.tile_visibility(info, num_kv, num_heads=n))
   if sinks is not None:
     sink = sinks.astype(s.dtype).reshape(1, num_kv, g, 1, 1)
     seen = jnp.any(s != online_softmax.MASK_VALUE, axis=-1, keepdims=True)

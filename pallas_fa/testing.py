@@ -209,7 +209,7 @@ def make_inputs(case: Case, dtype, gen: np.random.Generator):
 # Arguments that shape the computation rather than feed it: they are static
 # under jit (and must be hashable).
 _STATIC = ("scale", "is_causal", "local_window_size", "logits_soft_cap",
-           "dropout_rate")
+           "dropout_rate", "score_mod", "mask_mod")
 
 
 def reference(query, key, value, bias=None, mask=None, *,
@@ -220,15 +220,16 @@ def reference(query, key, value, bias=None, mask=None, *,
   `flash_attention` do, then through `pallas_fa.reference.attention` with
   HIGHEST matmul precision: the oracle every implementation is checked
   against. Differentiable (plain autodiff) in query, key, value, bias and
-  sinks.
+  sinks and score_mod_args.
 
   Args:
     query, key, value, bias, mask: as for `flash_attention`.
     compute_dtype: dtype of every intermediate: float32 (the reference),
       float64 (to check the reference itself; needs x64) or the inputs'
       dtype (the same-dtype reference of the FlashAttention rule).
-    **kwargs: `flash_attention`'s mask, scale, soft-cap, dropout and sinks
-      keyword arguments (not implementation, block_sizes, precision or
+    **kwargs: `flash_attention`'s mask, scale, soft-cap, dropout, sinks
+      and flex (score_mod, mask_mod, their args, block_mask) keyword
+      arguments (not implementation, block_sizes, precision or
       return_residual, which do not change the math). Sinks are the
       appended logit column of `pallas_fa.reference.attention`.
 

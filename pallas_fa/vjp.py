@@ -28,7 +28,10 @@ It provides:
   dbias)`: the gradients in the dtypes of their inputs (dbias None without a
   bias). `delta = rowsum(out * dout) - dlse` [B, T, N] arrives computed here
   once for all backends (FlashAttention-2 §3.2), zero on padded query rows;
-  `backward=None` differentiates `forward` instead;
+  `backward=None` differentiates `forward` instead. A backend that
+  accepts a score_mod (`info.score_mod`) returns a fifth result, the
+  gradients of `info.score_mod_args` (a tuple like it, None for an
+  integer array);
 * `check(q, k, v, bias, info, params) -> None`: raises NotImplementedError
   naming the reason when the backend cannot honour the call, so the
   automatic choice moves on (dtype, value head dim and dropout support are
@@ -213,12 +216,14 @@ def _attention_bwd(backend, params, residuals, cotangents):
     delta = jnp.where(q_pad[:, :, None], jnp.zeros((), delta.dtype), delta)
   # With sinks, lse and delta are those of the result with the sink: the
   # backend's backward is then exact as it stands (`online_softmax.sink_grad`).
-  dq, dk, dv, dbias = backend.backward(
+  dq, dk, dv, dbias, *dargs = backend.backward(
       q, k, v, bias, info, params, lse, dout, delta
   )
   dsinks = None if sinks is None else online_softmax.sink_grad(
       lse, sinks, delta)
   info_ct = jax.tree.map(lambda _: None, info)
+  if dargs:  # score_mod's arrays are the only differentiable part of info.
+    info_ct = info_ct.replace(score_mod_args=dargs[0])
   return dq, dk, dv, dbias, info_ct, dsinks
 
 

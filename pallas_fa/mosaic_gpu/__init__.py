@@ -148,6 +148,10 @@ def _needs_masking(q, k, info, bs: MosaicGpuBlockSizes) -> bool:
 def _check(q, k, v, bias, info, params):
   """Raises NotImplementedError for calls these kernels cannot honour."""
   mask = info.mask  # Every other part of the mask description is supported.
+  if info.has_flex:
+    raise NotImplementedError(
+        "mosaic_gpu does not fuse score_mod/mask_mod/block_mask (flex "
+        "attention) into its kernels yet; \"chunked\" and \"xla\" run them.")
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu runs bfloat16/float16 (wgmma) only, got {q.dtype=}.")

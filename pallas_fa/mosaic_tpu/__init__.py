@@ -326,9 +326,14 @@ def _check(q, k, v, bias, info, params):
   computes in float32 (the TPU's matrix unit has no float16 mode). The
   grid's metadata -- one int32 per (batch row, query tile, key tile) --
   lives in scalar memory; past its capacity the call is declined (larger
-  `block_sizes` shrink it).
+  `block_sizes` shrink it). Flex attention (score_mod, mask_mod) is not
+  fused yet.
   """
   del bias
+  if info.has_flex:
+    raise NotImplementedError(
+        "mosaic_tpu does not fuse score_mod/mask_mod/block_mask (flex "
+        "attention) into its kernels yet; \"chunked\" and \"xla\" run them.")
   capacity = kernel.metadata_capacity()
   if capacity is None:
     return

@@ -509,12 +509,16 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
 def _check(q, k, v, bias, info, params):
   """Declines calls the Triton lowering cannot run here."""
-  del q, k, v, bias, info, params
+  del q, k, v, bias, params
   platform = jax.default_backend()
   if platform not in ("cpu", "gpu", "cuda", "rocm"):
     raise NotImplementedError(
         f"the triton implementation needs a GPU (or CPU interpret mode), "
         f"not {platform=}.")
+  if info.has_flex:
+    raise NotImplementedError(
+        "triton does not fuse score_mod/mask_mod/block_mask (flex "
+        "attention) into its kernels yet; \"chunked\" and \"xla\" run them.")
 
 
 BACKEND = vjp.Backend(

@@ -1,0 +1,797 @@
+"""Flex attention: score_mod, mask_mod and block masks.
+
+Every example of `pallas_fa.flex` runs on the implementations that support
+flex attention (`xla`, `chunked`; the Pallas backends decline it for now),
+forward, logsumexp and every gradient -- q, k, v and the score_mod's arrays
+-- against a dense float32 oracle written here, which is itself checked
+against `jax.nn.dot_product_attention` with the equivalent dense bias and
+mask. Block masks are checked element by element against a dense
+evaluation, and the chunked backend's tile visits against the block mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_testing import assert_close
+from attention_testing import rng
+from conftest import block_sizes_for
+from conftest import script_module
+
+import pallas_fa
+from pallas_fa import api
+from pallas_fa import block_mask as block_mask_lib
+from pallas_fa import chunked
+from pallas_fa import flex
+from pallas_fa import masking
+from pallas_fa import testing
+
+FLEX_IMPLEMENTATIONS = ("xla", "chunked")
+
+
+def _normal(gen, shape, dtype=jnp.float32):
+  return testing.normal(gen, shape, dtype)
+
+
+def _grid(t, s):
+  return (jnp.arange(t, dtype=jnp.int32)[:, None],
+          jnp.arange(s, dtype=jnp.int32)[None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One example with its dense equivalent.
+
+  Attributes:
+    name: test id.
+    score_mod, mask_mod: the functions under test (or None).
+    inputs: (gen, b, t, s, n) -> (score_mod_args, mask_mod_args).
+    dense_logits: (s [B, N, T, S], *score_mod_args) -> logits, or None.
+    dense_bias: (*score_mod_args, t, s) -> bias [1, N, T, S] when the
+      score_mod is additive (jax.nn takes it), or None.
+    dense_mask: (*mask_mod_args, b, t, s) -> bool [B|1, 1, T, S], or None.
+  """
+
+  name: str
+  score_mod: Callable | None
+  mask_mod: Callable | None
+  inputs: Callable
+  dense_logits: Callable | None = None
+  dense_bias: Callable | None = None
+  dense_mask: Callable | None = None
+
+  def __str__(self):
+    return self.name
+
+
+def _alibi_bias(slopes, t, s):
+  qi, ki = _grid(t, s)
+  return -slopes[None, :, None, None] * jnp.abs(qi - ki)[None, None]
+
+
+def _t5_bias(table, t, s):
+  qi, ki = _grid(t, s)
+  return table[:, flex.t5_bucket(ki - qi, table.shape[1])][None]
+
+
+def _causal(t, s):
+  qi, ki = _grid(t, s)
+  return (ki <= qi)[None, None]
+
+
+def _prefix_mask(prefix, b, t, s):
+  qi, ki = _grid(t, s)
+  return ((ki <= qi)[None] | (ki[None] < prefix[:, None, None]))[:, None]
+
+
+def _document_mask(ids, b, t, s):
+  return (ids[:, :, None] == ids[:, None, :])[:, None]
+
+
+def _chunked_causal_mask(chunk, b, t, s):
+  qi, ki = _grid(t, s)
+  return ((ki <= qi) & (qi // chunk == ki // chunk))[None, None]
+
+
+def _sinks_mask(window, sinks, b, t, s):
+  qi, ki = _grid(t, s)
+  return ((ki <= qi) & ((qi - ki < window) | (ki < sinks)))[None, None]
+
+
+def _offset_mask(offsets, b, t, s):
+  qi, ki = _grid(t, s)
+  return (ki[None] <= qi[None] + offsets[:, None, None])[:, None]
+
+
+EXAMPLES = [
+    Example(
+        "alibi", flex.alibi, None,
+        lambda gen, b, t, s, n: ((flex.alibi_slopes(n) * (
+            1 + jnp.asarray(gen.random(n), jnp.float32)),), ()),
+        dense_logits=lambda x, slopes: x + _alibi_bias(
+            slopes, x.shape[2], x.shape[3]),
+        dense_bias=_alibi_bias),
+    Example(
+        "t5", flex.t5_relative_bias, None,
+        lambda gen, b, t, s, n: ((_normal(gen, (n, 8)),), ()),
+        dense_logits=lambda x, table: x + _t5_bias(
+            table, x.shape[2], x.shape[3]),
+        dense_bias=_t5_bias),
+    Example(
+        "tanh_soft_cap", flex.tanh_soft_cap, None,
+        lambda gen, b, t, s, n: ((jnp.float32(1.5 + gen.random()),), ()),
+        dense_logits=lambda x, cap: cap * jnp.tanh(x / cap)),
+    Example(
+        "prefix_lm", None, flex.prefix_lm,
+        lambda gen, b, t, s, n: ((), (jnp.asarray(
+            gen.integers(0, t, b), jnp.int32),)),
+        dense_mask=_prefix_mask),
+    Example(
+        "document", None, flex.document,
+        lambda gen, b, t, s, n: ((), (jnp.asarray(np.sort(
+            gen.integers(0, 4, (b, t)), axis=1), jnp.int32),)),
+        dense_mask=_document_mask),
+    Example(
+        "chunked_causal", None, flex.chunked_causal,
+        lambda gen, b, t, s, n: ((), (jnp.int32(gen.integers(5, 13)),)),
+        dense_mask=_chunked_causal_mask),
+    Example(
+        "sliding_window_with_sinks", None, flex.sliding_window_with_sinks,
+        lambda gen, b, t, s, n: ((), (jnp.int32(gen.integers(4, 12)),
+                                      jnp.int32(gen.integers(1, 4)))),
+        dense_mask=_sinks_mask),
+    Example(
+        "causal_with_offset", None, flex.causal_with_offset,
+        lambda gen, b, t, s, n: ((), (jnp.asarray(
+            gen.integers(0, max(1, s - t) + 3, b), jnp.int32),)),
+        dense_mask=_offset_mask),
+]
+EXAMPLE = {e.name: e for e in EXAMPLES}
+
+
+def _dense(q, k, v, *score_args, example, mask, scale):
+  """The oracle: materialised float32 attention, (out, lse) [B, T, N]."""
+  g = q.shape[2] // k.shape[2]
+  k, v = (jnp.repeat(x, g, axis=2) for x in (k, v))
+  s = jnp.einsum("btnh,bsnh->bnts", q, k,
+                 precision=jax.lax.Precision.HIGHEST) * scale
+  if example.dense_logits is not None:
+    s = example.dense_logits(s, *score_args)
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  e = jnp.exp(s - m)
+  total = e.sum(axis=-1, keepdims=True)
+  seen = total > 0
+  p = e / jnp.where(seen, total, 1.0)
+  out = jnp.einsum("bnts,bsnh->btnh", p, v,
+                   precision=jax.lax.Precision.HIGHEST)
+  lse = jnp.where(seen, jnp.log(jnp.where(seen, total, 1.0)) + m, -jnp.inf)
+  return out, lse[..., 0].transpose(0, 2, 1)
+
+
+@dataclasses.dataclass
+class Problem:
+  """Random inputs of one example call."""
+
+  q: Any
+  k: Any
+  v: Any
+  score_args: tuple
+  mask_args: tuple
+  kv_lengths: Any
+  mask: Any  # bool [B, 1, T, S]: the dense equivalent with the padding.
+  dout: Any
+  dlse: Any
+
+
+def _problem(example, gen, dtype, *, b=2, t=45, s=45, n=4, k=2, h=16,
+             causal=False, padding=False):
+  q = _normal(gen, (b, t, n, h), dtype)
+  kk = _normal(gen, (b, s, k, h), dtype)
+  v = _normal(gen, (b, s, k, h), dtype)
+  score_args, mask_args = example.inputs(gen, b, t, s, n)
+  kv_lengths = None
+  mask = jnp.ones((1, 1, 1, s), bool)
+  if padding:
+    kv_lengths = jnp.asarray(gen.integers(s // 2, s, b), jnp.int32)
+    mask = (jnp.arange(s)[None, None, None, :]
+            < kv_lengths[:, None, None, None])
+  if example.dense_mask is not None:
+    mask = mask & example.dense_mask(*mask_args, b, t, s)
+  if causal:
+    mask = mask & _causal(t, s)
+  mask = jnp.broadcast_to(mask, (b, 1, t, s))
+  # Rows that see no key: zeros here, the mean of V in jax.nn; their
+  # output cotangent is zero so the two agree on every gradient.
+  seen = mask.any(axis=-1)[:, 0, :, None, None]  # [B, T, 1, 1]
+  dout = _normal(gen, (b, t, n, h)) * seen
+  dlse = _normal(gen, (b, t, n)) * seen[..., 0]
+  return Problem(q, kk, v, score_args, mask_args, kv_lengths, mask, dout,
+                 dlse)
+
+
+def _flash(implementation, example, p, **kw):
+  """(out, lse) and the gradients of q, k, v and the score_mod arrays."""
+  def f(q, k, v, *score_args):
+    return pallas_fa.flash_attention(
+        q, k, v, score_mod=example.score_mod, score_mod_args=score_args,
+        mask_mod=example.mask_mod, mask_mod_args=p.mask_args,
+        key_value_seq_lengths=p.kv_lengths, implementation=implementation,
+        block_sizes=block_sizes_for(implementation), return_residual=True,
+        **kw)
+
+  (out, lse), pullback = jax.vjp(f, p.q, p.k, p.v, *p.score_args)
+  return out, lse, pullback((p.dout.astype(out.dtype), p.dlse))
+
+
+def _oracle(example, p, **kw):
+  scale = 1 / np.sqrt(p.q.shape[-1])
+  f32 = [x.astype(jnp.float32) for x in (p.q, p.k, p.v)]
+  mask = p.mask & _causal(p.q.shape[1], p.k.shape[1]) if kw.get(
+      "is_causal") else p.mask
+  f = functools.partial(_dense, example=example, mask=mask, scale=scale)
+  (out, lse), pullback = jax.vjp(f, *f32, *p.score_args)
+  return out, lse, pullback((p.dout, p.dlse))
+
+
+def _same_dtype_reference(example, p, **kw):
+  """`testing.reference` in the inputs' dtype (the FlashAttention rule)."""
+  def f(q, k, v, *score_args):
+    return testing.reference(
+        q, k, v, compute_dtype=p.q.dtype, score_mod=example.score_mod,
+        score_mod_args=score_args, mask_mod=example.mask_mod,
+        mask_mod_args=p.mask_args, key_value_seq_lengths=p.kv_lengths, **kw)
+
+  (out, lse), pullback = jax.vjp(f, p.q, p.k, p.v, *p.score_args)
+  return out, lse, pullback((p.dout.astype(out.dtype), p.dlse))
+
+
+def _compare(got, ref, same=None, dtype=jnp.float32):
+  names = ["out", "lse", "dq", "dk", "dv"] + [
+      f"dscore_mod_args[{i}]" for i in range(len(got[2]) - 3)]
+  values = [got[0], got[1], *got[2]]
+  refs = [ref[0], ref[1], *ref[2]]
+  sames = [None] * len(values) if same is None else [
+      same[0], same[1], *same[2]]
+  for name, x, r, rs in zip(names, values, refs, sames):
+    assert x.shape == r.shape, (name, x.shape, r.shape)
+    assert_close(name, x, r, rs, dtype)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_oracle_matches_jax_nn(example):
+  """The dense oracle is jax.nn's attention with the dense bias and mask,
+  where those express the example (all but the soft cap)."""
+  if example.dense_logits is not None and example.dense_bias is None:
+    pytest.skip("not an additive bias: jax.nn cannot express it")
+  gen = rng("flex-oracle", example.name)
+  p = _problem(example, gen, jnp.float32, padding=True)
+  p.dlse = jnp.zeros_like(p.dlse)  # jax.nn has no logsumexp output.
+  t, s = p.q.shape[1], p.k.shape[1]
+
+  def nn(q, k, v, *score_args):
+    bias = None if example.dense_bias is None else example.dense_bias(
+        *score_args, t, s)
+    return jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=p.mask, implementation="xla",
+        key_value_seq_lengths=p.kv_lengths)
+
+  out, pullback = jax.vjp(nn, p.q, p.k, p.v, *p.score_args)
+  want = (out, None, pullback(p.dout))
+  got = _oracle(example, p)
+  seen = p.mask.any(axis=-1)[:, 0, :, None, None]  # jax.nn: mean of V.
+  for name, x, r in zip(["out", "dq", "dk", "dv", "dargs"],
+                        [got[0] * seen, *got[2]],
+                        [want[0] * seen, *want[2]]):
+    assert_close(name, x, r)
+
+
+@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_example_float32(implementation, example):
+  """GQA, T = S = 45 (ragged against the test tiles 16 x 32)."""
+  gen = rng("flex-f32", implementation, example.name)
+  p = _problem(example, gen, jnp.float32)
+  _compare(_flash(implementation, example, p), _oracle(example, p))
+
+
+def _check_bfloat16(implementation, name):
+  """bfloat16 with key padding, by the FlashAttention rule."""
+  example = EXAMPLE[name]
+  gen = rng("flex-bf16", implementation, name)
+  p = _problem(example, gen, jnp.bfloat16, padding=True)
+  _compare(_flash(implementation, example, p), _oracle(example, p),
+           _same_dtype_reference(example, p), jnp.bfloat16)
+
+
+# A score_mod with an elementwise gather and a mask_mod per batch row run
+# by default; the others in the slow leg.
+_BF16_FAST = [("chunked", "t5"), ("chunked", "document"), ("xla", "alibi")]
+
+
+@pytest.mark.parametrize("implementation,name", _BF16_FAST)
+def test_example_bfloat16(implementation, name):
+  _check_bfloat16(implementation, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_example_bfloat16_all(implementation, example):
+  if (implementation, example.name) in _BF16_FAST:
+    pytest.skip("runs by default")
+  _check_bfloat16(implementation, example.name)
+
+
+def _check_ragged(implementation, name):
+  """T != S (neither a multiple of the tiles), MQA, with is_causal and
+  key padding intersecting the mask_mod."""
+  example = EXAMPLE[name]
+  gen = rng("flex-ragged", implementation, name)
+  p = _problem(example, gen, jnp.float32, b=2, t=23, s=50, n=3, k=1, h=8,
+               causal=True, padding=True)
+  _compare(_flash(implementation, example, p, is_causal=True),
+           _oracle(example, p, is_causal=True))
+
+
+def test_ragged_lengths_and_causal():
+  _check_ragged("chunked", "causal_with_offset")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_ragged_lengths_and_causal_all(implementation, example):
+  if example.name == "document":
+    pytest.skip("document ids index keys by query index: T == S only")
+  if (implementation, example.name) == ("chunked", "causal_with_offset"):
+    pytest.skip("runs by default")
+  _check_ragged(implementation, example.name)
+
+
+def test_query_padding_and_bias_gradient():
+  """query_seq_lengths and a dense bias combine with score_mod and
+  mask_mod; chunked equals xla in every gradient, the bias included."""
+  gen = rng("flex-padding")
+  b, t, n, h = 2, 37, 4, 8
+  q, k, v = (_normal(gen, (b, t, n, h)) for _ in range(3))
+  bias = _normal(gen, (b, n, t, t))
+  table = _normal(gen, (n, 2 * t))
+  ids = jnp.asarray(np.sort(gen.integers(0, 3, (b, t)), axis=1), jnp.int32)
+
+  def rel(score, batch, head, q_idx, kv_idx, table):
+    return score + table[head, kv_idx - q_idx + t]
+
+  def run(implementation):
+    def f(q, k, v, bias, table):
+      return pallas_fa.flash_attention(
+          q, k, v, bias, score_mod=rel, score_mod_args=(table,),
+          mask_mod=flex.document, mask_mod_args=(ids,),
+          query_seq_lengths=jnp.array([t, 20]), is_causal=True,
+          implementation=implementation,
+          block_sizes=block_sizes_for(implementation), return_residual=True)
+
+    (out, lse), pullback = jax.vjp(f, q, k, v, bias, table)
+    return out, lse, pullback((_normal(rng("dout"), out.shape),
+                               _normal(rng("dlse"), lse.shape)))
+
+  got, want = run("chunked"), run("xla")
+  _compare(got, want)
+
+
+def test_jit_vmap_and_batched_arguments():
+  """vmap over a leading axis batches q/k/v and both functions' arrays;
+  jit changes nothing."""
+  gen = rng("flex-vmap")
+  e, b, t, n, h = 3, 1, 40, 2, 8
+  q, k, v = (_normal(gen, (e, b, t, n, h)) for _ in range(3))
+  slopes = jnp.asarray(gen.random((e, n)), jnp.float32)
+  ids = jnp.asarray(np.sort(gen.integers(0, 3, (e, b, t)), axis=-1),
+                    jnp.int32)
+
+  def loss(q, k, v, slopes, ids, implementation="chunked"):
+    out = pallas_fa.flash_attention(
+        q, k, v, score_mod=flex.alibi, score_mod_args=(slopes,),
+        mask_mod=flex.document, mask_mod_args=(ids,), is_causal=True,
+        implementation=implementation,
+        block_sizes=block_sizes_for(implementation))
+    return jnp.sum(jnp.sin(out))
+
+  grad = jax.grad(loss, argnums=(0, 3))
+  batched = jax.jit(jax.vmap(grad))(q, k, v, slopes, ids)
+  for i in range(e):
+    want = jax.grad(loss, argnums=(0, 3))(
+        q[i], k[i], v[i], slopes[i], ids[i], "xla")
+    for x, r in zip(batched, want):
+      assert_close("grad", x[i], r)
+
+
+def test_grad_of_grad_on_xla():
+  """The reference differentiates twice through score_mod (chunked's
+  backward loops have traced bounds, which reverse mode cannot cross)."""
+  gen = rng("flex-grad2")
+  q, k, v = (_normal(gen, (1, 12, 2, 8)) for _ in range(3))
+  slopes = jnp.asarray(gen.random(2), jnp.float32)
+
+  def flash(q, slopes):
+    return pallas_fa.flash_attention(
+        q, k, v, score_mod=flex.alibi, score_mod_args=(slopes,),
+        implementation="xla")
+
+  def dense(q, slopes):
+    return jax.nn.dot_product_attention(
+        q, k, v, bias=_alibi_bias(slopes, 12, 12))
+
+  def grad_of_grad(attention):
+    def inner(q, slopes):
+      return jnp.sum(jnp.sin(attention(q, slopes)))
+    return jax.grad(lambda q, slopes: jnp.sum(
+        jax.grad(inner)(q, slopes) ** 2), argnums=(0, 1))(q, slopes)
+
+  for name, x, r in zip(("dq", "dslopes"), grad_of_grad(flash),
+                        grad_of_grad(dense)):
+    assert_close(name, x, r)
+
+
+# --------------------------------------------------------------------------
+# Block masks.
+# --------------------------------------------------------------------------
+
+
+def _brute_force_kinds(dense, block_q, block_kv):
+  """EMPTY/PARTIAL/FULL of dense bool [Bm, Hm, T, S] per tile; elements
+  past T or S do not count."""
+  bm, hm, t, s = dense.shape
+  nq, nk = -(-t // block_q), -(-s // block_kv)
+  kinds = np.zeros((bm, hm, nq, nk), np.int32)
+  for i in range(nq):
+    for j in range(nk):
+      tile = dense[:, :, i * block_q:(i + 1) * block_q,
+                   j * block_kv:(j + 1) * block_kv]
+      seen, whole = tile.any(axis=(2, 3)), tile.all(axis=(2, 3))
+      kinds[:, :, i, j] = np.where(
+          ~seen, masking.EMPTY, np.where(whole, masking.FULL,
+                                         masking.PARTIAL))
+  return kinds
+
+
+def _random_dense_mask(gen, b, h, t, s):
+  """A random mask with empty, full and partial tiles at tilings up to 16:
+  a solid block top left, noise in the middle, random rectangles (solid or
+  noisy), and the bottom right 16 x 16 corner empty."""
+  dense = np.zeros((b, h, t, s), bool)
+  dense[:, :, :33, :33] = True
+  dense[:, :, 10:t - 10, 10:s - 10] |= gen.random(
+      (b, h, t - 20, s - 20)) < 0.3
+  for _ in range(4):
+    r0, c0 = gen.integers(0, t), gen.integers(0, s)
+    r1, c1 = r0 + gen.integers(1, t // 2), c0 + gen.integers(1, s // 2)
+    patch = dense[:, :, r0:r1, c0:c1]
+    patch |= gen.random(patch.shape) < (1.0 if gen.random() < 0.5 else 0.3)
+  dense[:, :, t - 16:, s - 16:] = False
+  return dense
+
+
+def _table_mask(batch, head, q_idx, kv_idx, table):
+  return table[batch, head, q_idx, kv_idx]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_create_block_mask_is_exact(seed):
+  gen = rng("block-mask", seed)
+  b, h = 2, 3
+  t, s = gen.integers(40, 70, 2)
+  bq, bk = (int(x) for x in gen.choice([4, 8, 16], 2))
+  dense = _random_dense_mask(gen, b, h, t, s)
+  bm = pallas_fa.create_block_mask(
+      _table_mask, (jnp.asarray(dense),), batch=b, heads=h, q_len=int(t),
+      kv_len=int(s), block_q=bq, block_kv=bk)
+  want = _brute_force_kinds(dense, bq, bk)
+  np.testing.assert_array_equal(np.asarray(bm.kinds()), want)
+  assert {masking.EMPTY, masking.FULL, masking.PARTIAL} <= set(want.flat)
+  # The lists: non-empty key tiles ascending, flags, and the transpose.
+  count = np.asarray(bm.kv_num_blocks)
+  indices, full = np.asarray(bm.kv_indices), np.asarray(bm.kv_full)
+  for (i, j, r), n in np.ndenumerate(count):
+    listed = indices[i, j, r, :n]
+    np.testing.assert_array_equal(listed, np.flatnonzero(
+        want[i, j, r] != masking.EMPTY))
+    np.testing.assert_array_equal(full[i, j, r, :n],
+                                  want[i, j, r, listed] == masking.FULL)
+  transposed = block_mask_lib._kinds_from_lists(
+      bm.q_num_blocks, bm.q_indices, bm.q_full)
+  np.testing.assert_array_equal(np.swapaxes(np.asarray(transposed), 2, 3),
+                                want)
+
+
+def test_block_mask_under_jit_and_broadcast_dims():
+  """Made under jit from traced arguments; a mask that reads neither batch
+  nor head is stored once (Bm = Hm = 1)."""
+  gen = rng("block-mask-jit")
+  ids = jnp.asarray(np.sort(gen.integers(0, 5, (2, 50)), axis=1), jnp.int32)
+
+  @jax.jit
+  def make(ids):
+    return pallas_fa.create_block_mask(
+        flex.document, (ids,), batch=2, heads=4, q_len=50, kv_len=50,
+        block_q=8, block_kv=16)
+
+  bm = make(ids)
+  assert bm.kv_indices.shape == (2, 1, 7, 4)
+  dense = np.asarray(ids)[:, None, :, None] == np.asarray(ids)[:, None,
+                                                               None, :]
+  np.testing.assert_array_equal(np.asarray(bm.kinds()),
+                                _brute_force_kinds(dense, 8, 16))
+  shared = pallas_fa.create_block_mask(
+      flex.chunked_causal, (jnp.int32(7),), batch=2, heads=4, q_len=50,
+      kv_len=50, block_q=8, block_kv=8)
+  assert shared.kv_indices.shape == (1, 1, 7, 7)
+
+
+def test_retile_nested_tilings():
+  gen = rng("retile")
+  dense = _random_dense_mask(gen, 1, 2, 45, 61)
+  fine = _brute_force_kinds(dense, 8, 4)
+  # Coarser, whole multiples: exactly the classification at those tiles.
+  coarse = block_mask_lib.retile(jnp.asarray(fine), old=(8, 4),
+                                 new=(16, 12), q_len=45, kv_len=61)
+  np.testing.assert_array_equal(np.asarray(coarse),
+                                _brute_force_kinds(dense, 16, 12))
+  # Finer: EMPTY and FULL stay exact, parts of PARTIAL tiles stay PARTIAL.
+  finer = np.asarray(block_mask_lib.retile(
+      jnp.asarray(fine), old=(8, 4), new=(4, 2), q_len=45, kv_len=61))
+  exact = _brute_force_kinds(dense, 4, 2)
+  parent = np.repeat(np.repeat(fine, 2, axis=2), 2, axis=3)[
+      :, :, :exact.shape[2], :exact.shape[3]]
+  np.testing.assert_array_equal(
+      finer, np.where(parent == masking.PARTIAL, masking.PARTIAL, exact))
+  with pytest.raises(ValueError, match="block_q=8.*block_q=12"):
+    block_mask_lib.retile(jnp.asarray(fine), old=(8, 4), new=(12, 4),
+                          q_len=45, kv_len=61)
+
+
+def _document_problem(gen, b=1, t=64, n=2, h=8):
+  q, k, v = (_normal(gen, (b, t, n, h)) for _ in range(3))
+  ids = jnp.asarray(np.sort(gen.integers(0, 4, (b, t)), axis=1), jnp.int32)
+  return q, k, v, ids
+
+
+def test_block_mask_is_reused_and_supplies_the_mask_mod():
+  gen = rng("block-mask-reuse")
+  q, k, v, ids = _document_problem(gen, b=2, t=50)
+  want = pallas_fa.flash_attention(q, k, v, mask_mod=flex.document,
+                                   mask_mod_args=(ids,), implementation="xla")
+  # Tiles the chunked tiles (16 x 32, 32 x 16) are multiples of, and odd
+  # ones they are not (the chunked backend then runs on the mask's tiles).
+  for tiles, kw in (((8, 16), {}),
+                    ((5, 7), dict(mask_mod=flex.document,
+                                  mask_mod_args=(ids,)))):
+    bm = pallas_fa.create_block_mask(
+        flex.document, (ids,), batch=2, heads=None, q_len=50, kv_len=50,
+        block_q=tiles[0], block_kv=tiles[1])
+    got = pallas_fa.flash_attention(
+        q, k, v, block_mask=bm, implementation="chunked",
+        block_sizes=block_sizes_for("chunked"), **kw)
+    assert_close("out", got, want)
+
+
+def test_block_mask_mutation_is_caught():
+  """Marking a partial tile full skips its mask: the result is wrong, and
+  the exactness check sees it. (This is what the tests above guard.)"""
+  gen = rng("block-mask-mutation")
+  q, k, v, ids = _document_problem(gen)
+  bm = pallas_fa.create_block_mask(
+      flex.document, (ids,), batch=1, heads=None, q_len=64, kv_len=64,
+      block_q=16, block_kv=16)
+  kinds = np.asarray(bm.kinds())
+  dense = np.asarray(ids)[:, None, :, None] == np.asarray(ids)[:, None,
+                                                               None, :]
+  np.testing.assert_array_equal(kinds, _brute_force_kinds(dense, 16, 16))
+  partial = np.argwhere(kinds == masking.PARTIAL)
+  assert len(partial)
+  mutated = kinds.copy()
+  mutated[tuple(partial[0])] = masking.FULL
+  assert not np.array_equal(mutated, _brute_force_kinds(dense, 16, 16))
+  bad = block_mask_lib.from_kinds(
+      mutated, block_q=16, block_kv=16, q_len=64, kv_len=64,
+      mask_mod=flex.document, mask_mod_args=(ids,))
+  want = pallas_fa.flash_attention(q, k, v, mask_mod=flex.document,
+                                   mask_mod_args=(ids,), implementation="xla")
+  got = pallas_fa.flash_attention(
+      q, k, v, block_mask=bad, implementation="chunked",
+      block_sizes=chunked.ChunkedBlockSizes(
+          block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16))
+  with pytest.raises(testing.Mismatch):
+    assert_close("out", got, want)
+
+
+def test_chunked_visits_only_the_block_masks_tiles(monkeypatch):
+  """Count the tiles the chunked passes compute (a callback in the logit
+  tile) and those they evaluate the mask_mod on: exactly the non-empty
+  and the partial tiles of the block mask, forward and backward."""
+  gen = rng("skipping")
+  t = 64
+  q, k, v, ids = _document_problem(gen, t=t)
+  config = chunked.ChunkedBlockSizes(block_q=16, block_kv=32,
+                                     block_q_bwd=32, block_kv_bwd=16)
+  bm = pallas_fa.create_block_mask(
+      flex.document, (ids,), batch=1, heads=None, q_len=t, kv_len=t,
+      block_q=16, block_kv=16)
+  visits = {"logits": [], "mask_mod": []}
+
+  def record(kind, i, j, bq, bk):
+    visits[kind].append((int(i), int(j), bq, bk))
+
+  logits, visibility = chunked._Layout.logits, chunked._Layout.visibility
+
+  def counted_logits(self, qi, kj, i, j, *args, **kw):
+    jax.debug.callback(functools.partial(
+        record, "logits", bq=self.bq, bk=self.bk), i, j)
+    return logits(self, qi, kj, i, j, *args, **kw)
+
+  def counted_visibility(self, i, j, masked):
+    if masked[1]:
+      jax.debug.callback(functools.partial(
+          record, "mask_mod", bq=self.bq, bk=self.bk), i, j)
+    return visibility(self, i, j, masked)
+
+  monkeypatch.setattr(chunked._Layout, "logits", counted_logits)
+  monkeypatch.setattr(chunked._Layout, "visibility", counted_visibility)
+  api.clear_cache()
+  try:
+    jax.grad(lambda q: pallas_fa.flash_attention(
+        q, k, v, block_mask=bm, implementation="chunked",
+        block_sizes=config).sum())(q)
+  finally:
+    api.clear_cache()
+  kinds = np.asarray(bm.kinds())[0, 0]  # [4, 4] tiles of 16 x 16.
+  for tiles in ((16, 32), (32, 16)):  # The forward's, the backward's.
+    want = np.asarray(block_mask_lib.retile(
+        jnp.asarray(kinds), old=(16, 16), new=tiles, q_len=t, kv_len=t))
+    got_logits = {(i, j) for i, j, bq, bk in visits["logits"]
+                  if (bq, bk) == tiles}
+    got_mod = {(i, j) for i, j, bq, bk in visits["mask_mod"]
+               if (bq, bk) == tiles}
+    assert got_logits == {tuple(x) for x in np.argwhere(
+        want != masking.EMPTY)}, tiles
+    assert got_mod == {tuple(x) for x in np.argwhere(
+        want == masking.PARTIAL)}, tiles
+    # Each visited tile once per pass.
+    assert len([1 for *_, bq, bk in visits["logits"]
+                if (bq, bk) == tiles]) == len(got_logits)
+  assert (kinds == masking.EMPTY).any() and (kinds == masking.FULL).any()
+
+
+# --------------------------------------------------------------------------
+# Decode, the Pallas backends, argument checks.
+# --------------------------------------------------------------------------
+
+
+def test_decode_attention():
+  """q_idx is the new token's position: decode equals flash_attention on
+  the cache with those positions."""
+  gen = rng("flex-decode")
+  b, t, s, n, kh, h = 2, 3, 90, 4, 2, 16
+  q = _normal(gen, (b, t, n, h))
+  k, v = (_normal(gen, (b, s, kh, h)) for _ in range(2))
+  lengths = jnp.array([50, 87])
+  slopes = flex.alibi_slopes(n)
+  window, sinks = jnp.int32(20), jnp.int32(3)
+  out = pallas_fa.decode_attention(
+      q, k, v, lengths, score_mod=flex.alibi, score_mod_args=(slopes,),
+      mask_mod=flex.sliding_window_with_sinks,
+      mask_mod_args=(window, sinks), block_kv=16, num_splits=2)
+  positions = lengths[:, None] - t + jnp.arange(t)[None, :]
+  qi = positions[:, None, :, None]
+  ki = jnp.arange(s)[None, None, None, :]
+  dense_bias = -slopes[None, :, None, None] * jnp.abs(qi - ki)
+  dense_mask = (ki <= qi) & ((qi - ki < window) | (ki < sinks))
+  want = jax.nn.dot_product_attention(
+      q, k, v, bias=dense_bias, mask=dense_mask,
+      key_value_seq_lengths=lengths)
+  assert_close("out", out, want)
+  with pytest.raises(NotImplementedError, match="flex"):
+    pallas_fa.decode_attention(q, k, v, lengths, score_mod=flex.alibi,
+                               score_mod_args=(slopes,),
+                               implementation="triton")
+
+
+_PALLAS = [name for name in ("triton", "mosaic_gpu", "mosaic_tpu")
+           if name in pallas_fa.implementations()]
+
+
+def test_pallas_backends_decline_and_automatic_choice_falls_back(
+    monkeypatch):
+  gen = rng("flex-decline")
+  # bfloat16: a dtype every backend computes in, so flex is what declines.
+  q, k, v, ids = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
+                  for x in _document_problem(gen, t=32))
+  slopes = flex.alibi_slopes(2)
+  calls = (dict(score_mod=flex.alibi, score_mod_args=(slopes,)),
+           dict(mask_mod=flex.document, mask_mod_args=(ids,)))
+  for implementation in _PALLAS:
+    for kw in calls:
+      with pytest.raises(NotImplementedError, match="flex attention"):
+        pallas_fa.flash_attention(q, k, v, implementation=implementation,
+                                  **kw)
+  if not _PALLAS:
+    pytest.skip("no Pallas backend imports here")
+  monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
+                      tuple(_PALLAS) + ("chunked",))
+  api.clear_cache()
+  try:
+    got = pallas_fa.flash_attention(q, k, v, **calls[0])
+  finally:
+    api.clear_cache()
+  np.testing.assert_array_equal(got, pallas_fa.flash_attention(
+      q, k, v, implementation="chunked", **calls[0]))
+
+
+def test_argument_errors():
+  gen = rng("flex-errors")
+  q, k, v, ids = _document_problem(gen, t=16)
+  slopes = jnp.ones(2)
+  fa = functools.partial(pallas_fa.flash_attention, q, k, v)
+  with pytest.raises(TypeError, match="score_mod must be callable"):
+    fa(score_mod=3)
+  with pytest.raises(TypeError, match="mask_mod must take 4 positional"):
+    fa(mask_mod=flex.document)  # Its document ids are missing.
+  with pytest.raises(TypeError, match="score_mod_args must be a tuple"):
+    fa(score_mod=flex.alibi, score_mod_args=slopes)
+  with pytest.raises(ValueError, match="mask_mod_args given without"):
+    fa(mask_mod_args=(ids,))
+  with pytest.raises(TypeError, match="mask_mod must return bool"):
+    fa(mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx)
+  with pytest.raises(ValueError, match="broadcasts against the tile"):
+    fa(score_mod=lambda s, b, h, q_idx, kv_idx: jnp.zeros(5))
+  # Closures: a float array (no gradient would reach it), a traced value.
+  with pytest.raises(ValueError, match="pass it through score_mod_args"):
+    fa(score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h])
+  with pytest.raises(ValueError, match="pass it through score_mod_args"):
+    jax.grad(lambda sl: fa(
+        score_mod=lambda s, b, h, q_idx, kv_idx: s + sl[h]).sum())(slopes)
+  with pytest.raises(ValueError, match="pass it through mask_mod_args"):
+    jax.jit(lambda ids: fa(
+        mask_mod=lambda b, h, q_idx, kv_idx: ids[b, q_idx] >= 0))(ids)
+  # Constants the function makes itself and Python numbers are fine.
+  fa(score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.5 + jnp.array(
+      [1.0, 2.0])[h])
+  bm = pallas_fa.create_block_mask(flex.document, (ids,), batch=1,
+                                   heads=None, q_len=16, kv_len=16)
+  with pytest.raises(ValueError, match="block_mask was made for q_len=16"):
+    pallas_fa.flash_attention(q[:, :8], k, v, block_mask=bm)
+  with pytest.raises(ValueError, match="block_mask covers batch=1, but"):
+    pallas_fa.flash_attention(*(jnp.concatenate([x] * 3) for x in (q, k, v)),
+                              block_mask=bm)
+  with pytest.raises(ValueError, match="block_mask was made from mask_mod"):
+    fa(block_mask=bm, mask_mod=flex.prefix_lm,
+       mask_mod_args=(jnp.ones(1, jnp.int32),))
+  with pytest.raises(TypeError, match="block_mask must be a pallas_fa"):
+    fa(block_mask=np.ones((1, 1, 1, 1)))
+  with pytest.raises(ValueError, match="block_q must be a positive int"):
+    pallas_fa.create_block_mask(flex.document, (ids,), batch=1, heads=1,
+                                q_len=16, kv_len=16, block_q=0)
+
+
+def test_alibi_slopes():
+  np.testing.assert_allclose(flex.alibi_slopes(8),
+                             [2.0 ** -(i + 1) for i in range(8)])
+  assert flex.alibi_slopes(12).shape == (12,)
+
+
+@pytest.mark.slow
+def test_flex_benchmark_script_runs():
+  with script_module("flex_benchmark") as script:
+    report = script.run(seq_len=64, batch=1, heads=2, head_dim=8,
+                        documents=3, repeats=1, modes=["fwd"])
+  assert {r["candidate"] for r in report["results"]} >= {
+      "segment_ids", "jax.nn dense mask", "plain causal"}
+  assert "| document | fwd |" in script.markdown(report)
