@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -246,18 +247,22 @@ def test_merge_parts_equals_one_softmax():
   np.testing.assert_allclose(lse, jax.nn.logsumexp(s, axis=-1), atol=1e-6)
 
 
-def test_jit_and_vmap_compose():
-  gen = rng("decode", "jit")
-  q = jnp.asarray(gen.standard_normal((3, 2, 1, 4, 16)), jnp.float32)
-  k = jnp.asarray(gen.standard_normal((3, 2, 30, 2, 16)), jnp.float32)
-  lengths = jnp.asarray(gen.integers(1, 31, (3, 2)), jnp.int32)
-  fn = jax.jit(jax.vmap(
-      lambda q, k, n: pallas_fa.decode_attention(q, k, k, n, num_splits=2)))
-  out = fn(q, k, lengths)
-  for i in range(3):
-    np.testing.assert_allclose(
-        out[i], pallas_fa.decode_attention(q[i], k[i], k[i], lengths[i]),
-        atol=1e-6)
+class ComposesWithTransformsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_vmap(self):
+    gen = rng("decode", "jit")
+    q = jnp.asarray(gen.standard_normal((3, 2, 1, 4, 16)), jnp.float32)
+    k = jnp.asarray(gen.standard_normal((3, 2, 30, 2, 16)), jnp.float32)
+    lengths = jnp.asarray(gen.integers(1, 31, (3, 2)), jnp.int32)
+    fn = self.variant(jax.vmap(
+        lambda q, k, n: pallas_fa.decode_attention(q, k, k, n, num_splits=2)))
+    out = fn(q, k, lengths)
+    chex.assert_shape(out, q.shape)
+    chex.assert_trees_all_close(
+        out, jnp.stack([pallas_fa.decode_attention(q[i], k[i], k[i],
+                                                   lengths[i])
+                        for i in range(3)]), atol=1e-6)
 
 
 @pytest.mark.parametrize("change, error, match", [

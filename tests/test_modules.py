@@ -3,6 +3,7 @@
 import functools
 import inspect
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,6 @@ def _normal(shape):
 
 def _seed():
   return int(_RNG.integers(1 << 20))
-
-
-def _assert_trees_close(a, b, **tol):
-  jax.tree.map(
-      lambda x, y: np.testing.assert_allclose(x, y, **(tol or _TOL)), a, b)
 
 
 def _np_attention(q, k, v, bias=None, mask=None):
@@ -151,7 +147,7 @@ def test_nnx_attention_fn_matches_flax(masking, num_kv_heads, implementation):
   np.testing.assert_allclose(
       y_ours * rows[..., None], y_ref * rows[..., None], **_TOL)
   np.testing.assert_allclose(v_ours, v_ref, **_TOL)
-  _assert_trees_close(g_ours, g_ref)
+  chex.assert_trees_all_close(g_ours, g_ref, **_TOL)
 
 
 def test_nnx_decode_mode_matches_flax():
@@ -260,7 +256,7 @@ def test_linen_attention_fn_matches_flax():
   (_, y_ours), g_ours = grad(ours)
   np.testing.assert_allclose(
       y_ours * rows[..., None], y_ref * rows[..., None], **_TOL)
-  _assert_trees_close(g_ours, g_ref)
+  chex.assert_trees_all_close(g_ours, g_ref, **_TOL)
 
 
 # --------------------------------------------------------------------------
