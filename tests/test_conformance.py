@@ -6,6 +6,7 @@ float32 materialised reference on fresh random inputs, with the
 FlashAttention 2x rule for bfloat16/float16.
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -154,6 +155,33 @@ def test_low_precision(implementation, case, dtype):
     pytest.skip("float16 runs the bfloat16 code path: a subset of cases")
   _check_or_decline(implementation, case, DTYPES[dtype],
                     rng(implementation, str(case), dtype))
+
+
+# Every feature the logits, masks and statistics take (the bias is float32
+# whatever the inputs' dtype), for the run under strict promotion.
+_STRICT_CASE = Case(**_BASE, causal=True, lengths=True, segments=True,
+                    soft_cap=5.0, window=(20, None), bias="heads")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_strict_promotion(implementation, strict_promotion, dtype):
+  """The conformance check of every feature under strict dtype promotion
+  and rank promotion "raise": no TypePromotionError, the same results."""
+  del strict_promotion  # Active for the whole test.
+  if _interpreted_on_cpu(implementation) and dtype != "bfloat16":
+    # The kernels' dtype logic is one for 16-bit inputs and trivial for
+    # float32; compiled on their hardware every dtype runs.
+    pytest.skip("interpreted: bfloat16 only")
+  gen = rng(implementation, "strict", dtype)
+  fn = _fn(implementation)
+  try:
+    check_against_reference(fn, _STRICT_CASE, DTYPES[dtype], gen)
+  except NotImplementedError as e:
+    if DTYPES[dtype] not in api.get_backend(implementation).dtypes:
+      pytest.skip(f"{implementation} declines {dtype}: {e}")
+    # A backend without a bias (mosaic_gpu) runs everything else.
+    check_against_reference(
+        fn, dataclasses.replace(_STRICT_CASE, bias=None), DTYPES[dtype], gen)
 
 
 @st.composite

@@ -233,6 +233,16 @@ def test_zero_length_rows_are_zero_not_nan(implementation):
   assert np.all(np.isfinite(np.asarray(out[1])))
 
 
+@pytest.mark.parametrize("implementation", [None, "triton", "mosaic_tpu"])
+def test_strict_promotion(implementation, strict_promotion):
+  """bfloat16 with every feature on a paged cache, under strict dtype
+  promotion and rank promotion "raise"."""
+  del strict_promotion  # Active for the whole test.
+  _check(t=2, dtype=jnp.bfloat16, page_size=16, s_max=70, window=(40, 0),
+         soft_cap=10.0, positions=True, implementation=implementation,
+         name="strict")
+
+
 def test_merge_parts_equals_one_softmax():
   """Merging per-part (out, lse) equals attention over all keys at once."""
   gen = rng("decode", "merge")
