@@ -282,6 +282,55 @@ def _accepts_block_sizes(backend, block_sizes) -> bool:
   return kind is not None and isinstance(block_sizes, kind)
 
 
+def _block_sizes_error(implementation, backend, block_sizes) -> TypeError:
+  kind = backend.block_sizes_type
+  if kind is None:
+    want = "None (it takes no tiling config)"
+  else:
+    want = (f"None or its config class pallas_fa.{kind.__name__}, e.g. "
+            f"pallas_fa.{kind.__name__}(block_q=64)")
+  return TypeError(
+      f"block_sizes for implementation={implementation!r} must be {want}, "
+      f"got {block_sizes=} (a {type(block_sizes).__name__}).")
+
+
+def check_implementation(implementation, block_sizes) -> None:
+  """Checks `implementation=` and `block_sizes=` before they key a jit cache
+  (where an unhashable value, such as a dict, would fail with jit's own
+  error, naming neither).
+
+  Raises:
+    TypeError: implementation is not a str or None; block_sizes is not the
+      named backend's config class (with implementation=None: not a config
+      class at all).
+    ValueError: an unknown implementation.
+    NotImplementedError: the named backend cannot be imported here.
+  """
+  if implementation is not None and not isinstance(implementation, str):
+    raise TypeError(
+        f"implementation must be a str or None, got {implementation=}.")
+  if block_sizes is None:
+    return
+  if implementation is not None:
+    backend = get_backend(implementation)
+    if not _accepts_block_sizes(backend, block_sizes):
+      raise _block_sizes_error(implementation, backend, block_sizes)
+    return
+  # Every config class is a frozen dataclass; which one fits is the
+  # automatic choice's business (a backend whose class does not match
+  # declines and the choice moves on). The backends are imported only to
+  # name their classes in the error.
+  if dataclasses.is_dataclass(block_sizes) and not isinstance(
+      block_sizes, type):
+    return
+  kinds = (get_backend(name).block_sizes_type for name in implementations())
+  names = ", ".join(f"pallas_fa.{kind.__name__}" for kind in kinds if kind)
+  raise TypeError(
+      "block_sizes must be None or the tiling config of the backend that "
+      f"runs the call (one of {names}; name it with implementation=), got "
+      f"{block_sizes=} (a {type(block_sizes).__name__}).")
+
+
 def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
   """The backend to run `call`: the named one (which must support it), or
   the first of `AUTO_ORDER` for this platform that does.
@@ -297,11 +346,7 @@ def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
                       f"{implementation=}.")
     backend = get_backend(implementation)
     if not _accepts_block_sizes(backend, params.block_sizes):
-      raise TypeError(
-          f"block_sizes for implementation={implementation!r} must be "
-          f"{getattr(backend.block_sizes_type, '__name__', 'None')}, got "
-          f"{type(params.block_sizes).__name__}."
-      )
+      raise _block_sizes_error(implementation, backend, params.block_sizes)
     backend.check_call(*call.arrays)
     return backend
   reasons = []
@@ -426,6 +471,7 @@ def flash_attention(
     NotImplementedError: the named implementation cannot honour this call.
   """
   rate, rng = check_dropout(dropout_rate, dropout_rng)
+  check_implementation(implementation, block_sizes)
   static = static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,

@@ -355,6 +355,7 @@ def sharded_flash_attention(
   if sequence_axis is not None and not isinstance(sequence_axis, str):
     raise TypeError(
         f"sequence_axis must be one mesh axis name, got {sequence_axis=}.")
+  api.check_implementation(implementation, block_sizes)
   static = api.static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,

@@ -87,6 +87,16 @@ BAD = [
     (dict(implementation=3), TypeError, "implementation"),
     (dict(implementation="chunked", block_sizes=(64, 64)), TypeError,
      "block_sizes"),
+    (dict(implementation=["chunked"]), TypeError, "implementation"),
+    # Unhashable: checked before it keys jit's cache, naming the class.
+    (dict(implementation="chunked", block_sizes={"block_q": 7}), TypeError,
+     "pallas_fa.ChunkedBlockSizes.*got block_sizes="),
+    (dict(implementation="triton", block_sizes=chunked.ChunkedBlockSizes()),
+     TypeError, "pallas_fa.TritonBlockSizes.*got block_sizes="),
+    (dict(implementation="xla", block_sizes=chunked.ChunkedBlockSizes()),
+     TypeError, "takes no tiling config.*got block_sizes="),
+    (dict(block_sizes={"block_q": 7}), TypeError,
+     "pallas_fa.ChunkedBlockSizes.*got block_sizes="),
 ]
 
 

@@ -183,6 +183,15 @@ def test_one_device_mesh_batch_dims_and_value_head_dim(sequence_axis):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_sharded_block_sizes_of_the_wrong_type_are_named():
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  q = jnp.ones((2, 8, 2, 8))
+  with pytest.raises(TypeError, match="ChunkedBlockSizes.*got block_sizes="):
+    parallel.sharded_flash_attention(
+        q, q, q, mesh=mesh, implementation="chunked",
+        block_sizes={"block_q": 7})
+
+
 def test_ring_steps_with_no_visible_key_are_skipped():
   pos = jnp.arange(16)[None]
   info = masking.MaskInfo(q_positions=pos, kv_positions=pos + 16,
