@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import pallas_fa
+from pallas_fa import decode
 from pallas_fa import online_softmax
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
@@ -243,6 +245,51 @@ def test_strict_promotion(implementation, strict_promotion):
          name="strict")
 
 
+@pytest.mark.parametrize("implementation", [None, "triton", "mosaic_tpu"])
+def test_traced_out_of_range_indices_are_clamped(implementation):
+  """Traced (unchecked) lengths past the cache and pages outside the pool
+  are clamped, alike on every implementation: a length past S_max attends
+  to the whole cache, its tokens keeping the positions of the given
+  length; a page index reads the nearest page in [0, P)."""
+  gen = rng("decode", "clamped", implementation)
+  b, t, n, page_size, num_pages = 2, 2, 4, 16, 6
+  q = jnp.asarray(gen.standard_normal((b, t, n, 16)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((num_pages, page_size, 2, 16)),
+                      jnp.float32) for _ in range(2))
+  run = jax.jit(lambda lengths, table, pos=None: pallas_fa.decode_attention(
+      q, k, v, lengths, block_table=table, query_positions=pos,
+      local_window_size=(20, 0), implementation=implementation))
+  lengths = jnp.array([40, 20])  # S_max = 2 pages = 32
+  got = run(lengths, jnp.array([[0, 9], [-1, 3]]))
+  want = run(jnp.array([32, 20]), jnp.array([[0, 5], [0, 3]]),
+             lengths[:, None] - t + jnp.arange(t)[None])
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_check_cache_indices_under_checkify():
+  """The opt-in checks of traced indices: silent on good ones, a checkify
+  error naming the argument on bad ones."""
+  q = jnp.ones((2, 1, 2, 16))
+  pages = jnp.ones((4, 16, 1, 16))
+
+  @jax.jit
+  @checkify.checkify
+  def step(lengths, table):
+    decode.check_cache_indices(pages, lengths, table)
+    return pallas_fa.decode_attention(q, pages, pages, lengths,
+                                      block_table=table)
+
+  good = jnp.array([[0, 1], [2, 3]])
+  err, out = step(jnp.array([5, 32]), good)
+  assert err.get() is None
+  chex.assert_trees_all_close(out, pallas_fa.decode_attention(
+      q, pages, pages, jnp.array([5, 32]), block_table=good))
+  err, _ = step(jnp.array([5, 33]), good)
+  assert "lengths must be in [0, S_max=32]" in err.get()
+  err, _ = step(jnp.array([5, 32]), jnp.array([[0, 1], [2, 4]]))
+  assert "block_table entries must be pages in [0, num_pages=4)" in err.get()
+
+
 def test_merge_parts_equals_one_softmax():
   """Merging per-part (out, lse) equals attention over all keys at once."""
   gen = rng("decode", "merge")
@@ -290,6 +337,16 @@ class ComposesWithTransformsTest(chex.TestCase):
     (dict(implementation="nope"), ValueError, "implementation"),
     (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths"),
     (dict(lengths=jnp.array([-1, 2])), ValueError, "lengths"),
+    (dict(lengths=jnp.array([3, 31])), ValueError, "lengths.*s_max=30"),
+    (dict(key=jnp.ones((4, 16, 1, 16)), value=jnp.ones((4, 16, 1, 16)),
+          block_table=jnp.array([[0, 1], [2, 3]]), lengths=jnp.array([3, 33])),
+     ValueError, "lengths.*s_max=32"),
+    (dict(key=jnp.ones((4, 16, 1, 16)), value=jnp.ones((4, 16, 1, 16)),
+          block_table=jnp.array([[0, 1], [2, 9]])),
+     ValueError, r"num_pages=4\), got block_table\[1, 1\]=9"),
+    (dict(key=jnp.ones((4, 16, 1, 16)), value=jnp.ones((4, 16, 1, 16)),
+          block_table=jnp.array([[0, -1], [2, 3]])),
+     ValueError, "block_table.*num_pages=4"),
     (dict(block_table=jnp.zeros((2,), jnp.int32)), ValueError, "block_table"),
     (dict(num_splits=0), ValueError, "num_splits"),
     (dict(key=jnp.zeros((2, 30, 3, 16)), value=jnp.zeros((2, 30, 3, 16))),
