@@ -30,6 +30,7 @@ import numpy as np
 from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
+from pallas_fa import online_softmax
 from pallas_fa import vjp
 
 # The argument checks live in `pallas_fa.checks`; the public ones are also
@@ -141,6 +142,24 @@ class Call:
     return (out.reshape(self.batch_shape + out.shape[1:]),
             lse.reshape(self.batch_shape + lse.shape[1:]))
 
+  @property
+  def empty(self) -> bool:
+    """No batch rows, no queries or no keys (B, T or S = 0)."""
+    return 0 in (self.q.shape[0], self.q.shape[1], self.k.shape[1])
+
+  def empty_result(self) -> tuple[Array, Array]:
+    """(out, lse) of an `empty` call, before `unfold`, without a backend.
+
+    With no keys every query row sees none: zeros and lse -inf, the rule
+    for fully masked rows (and `jax.nn`'s empty output when there are no
+    rows). Constants, so every gradient is zero.
+    """
+    b, t, n, _ = self.q.shape
+    out = jnp.zeros((b, t, n, self.v.shape[-1]), self.q.dtype)
+    lse = jnp.full((b, t, n), online_softmax.MASK_VALUE,
+                   online_softmax.stats_dtype(self.q.dtype))
+    return out, lse
+
 
 def canonicalize(
     query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -180,8 +199,10 @@ def canonicalize(
           f"{name} must be [*B, S, K, H] with the query's batch dims, got "
           f"{x.shape=} and {query.shape=}."
       )
+  # Explicit sizes: with an empty dim a -1 would be ambiguous (0 / 0).
   query, key, value = (
-      x.reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
+      x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+      for x in (query, key, value))
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not any(x.dtype == d for d in _FLOAT_DTYPES):
       raise TypeError(
@@ -205,8 +226,12 @@ def canonicalize(
         "key/value must be [B, S, K, H] with B and H equal to the query's, "
         f"got {query.shape=}, {key.shape=}."
     )
-  if 0 in (b, t, n, h, s, num_kv, hv):
-    raise ValueError(f"empty dimension in {query.shape=} or {key.shape=}.")
+  # No batch rows, queries or keys is a valid call (`Call.empty`); no heads
+  # or an empty head dim is not.
+  if 0 in (n, h, num_kv, hv):
+    raise ValueError(
+        f"heads and head dims must be non-empty, got {query.shape=}, "
+        f"{key.shape=}, {value.shape=}.")
   if n % num_kv:
     raise ValueError(
         "query heads N must be a multiple of key/value heads K, got "
@@ -419,7 +444,9 @@ def flash_attention(
   share means the same. Logits are
   `soft_cap(scale * q.k) + bias`, masked by the intersection of every mask
   argument; a query row with no visible key returns zeros (logsumexp -inf)
-  with zero gradients.
+  with zero gradients. Empty calls are valid on every implementation: no
+  batch rows or queries (B or T = 0) give empty results, no keys (S = 0)
+  zeros with logsumexp -inf, and every gradient is zero.
 
   Args:
     query: [*B, T, N, H]: any number of leading batch dims B (none
@@ -525,6 +552,10 @@ def _flash_attention(
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, block_sizes=block_sizes, precision=precision,
   )
+  if call.empty:
+    if implementation is not None:
+      get_backend(implementation)  # An unknown name is still an error.
+    return call.unfold(*call.empty_result())
   backend = choose_backend(implementation, call)
   return call.unfold(*vjp.attention(
       backend, call.params, call.q, call.k, call.v, call.bias, call.info))

@@ -403,6 +403,8 @@ def _sharded_flash_attention(
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
       precision=precision,
   )
+  if call.empty:  # Nothing to split: as `flash_attention`.
+    return call.unfold(*call.empty_result())
   plan = _make_plan(mesh, batch_axes, head_axes, sequence_axis, load_balance,
                     call.q.shape, call.k.shape, implementation, call.params)
   return call.unfold(*_sharded(plan, *call.arrays[:5]))

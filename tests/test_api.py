@@ -88,6 +88,10 @@ BAD = [
     (dict(implementation="chunked", block_sizes=(64, 64)), TypeError,
      "block_sizes"),
     (dict(implementation=["chunked"]), TypeError, "implementation"),
+    (dict(key=jnp.zeros((B, S, 0, H)), value=jnp.zeros((B, S, 0, H))),
+     ValueError, "heads and head dims must be non-empty"),
+    (dict(query=jnp.zeros((B, 0, N, H)), implementation="flash9000"),
+     ValueError, "implementation"),
     # Unhashable: checked before it keys jit's cache, naming the class.
     (dict(implementation="chunked", block_sizes={"block_q": 7}), TypeError,
      "pallas_fa.ChunkedBlockSizes.*got block_sizes="),

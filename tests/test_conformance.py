@@ -349,6 +349,33 @@ def test_unbatched_and_residual(implementation):
   assert_close("out", scaled, expect)
 
 
+@pytest.mark.parametrize("b, t, s", [(2, 0, 37), (2, 21, 0), (0, 21, 37)],
+                         ids=["T=0", "S=0", "B=0"])
+def test_empty_calls(implementation, b, t, s):
+  """No queries or no batch rows: the empty output, as jax.nn gives. No
+  keys: every row is fully masked, so zeros with lse -inf. Gradients are
+  zero (dbias too), never an error."""
+  gen = rng(implementation, "empty", b, t, s)
+  n, kh, h = 4, 2, 8
+  normal = lambda *shape: jnp.asarray(  # noqa: E731
+      gen.standard_normal(shape), jnp.float32)
+  q, k, v = normal(b, t, n, h), normal(b, s, kh, h), normal(b, s, kh, h)
+  kw = dict(bias=normal(b, n, t, s), is_causal=True,
+            key_value_seq_lengths=jnp.full((b,), s, jnp.int32),
+            segment_ids=pallas_fa.SegmentIds(q=jnp.zeros((b, t), jnp.int32),
+                                             kv=jnp.zeros((b, s), jnp.int32)))
+  results = named(run(_fn(implementation), q, k, v, kw, normal(b, t, n, h),
+                      normal(b, t, n)))
+  chex.assert_shape(results["out"], q.shape)
+  chex.assert_type(results["out"], q.dtype)
+  chex.assert_shape(results["lse"], q.shape[:-1])
+  chex.assert_type(results["lse"], jnp.float32)
+  want = {"out": jnp.zeros(q.shape), "lse": jnp.full(q.shape[:-1], -jnp.inf),
+          "dq": jnp.zeros(q.shape), "dk": jnp.zeros(k.shape),
+          "dv": jnp.zeros(v.shape), "dbias": jnp.zeros(kw["bias"].shape)}
+  chex.assert_trees_all_equal(results, want)
+
+
 # The batch dims are folded in `api`, before any backend: two suffice.
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
 def test_any_number_of_batch_dims(implementation):

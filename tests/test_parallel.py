@@ -183,6 +183,18 @@ def test_one_device_mesh_batch_dims_and_value_head_dim(sequence_axis):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("b, t, s", [(2, 0, 8), (2, 8, 0), (0, 8, 8)])
+def test_one_device_mesh_empty_calls(b, t, s):
+  """As flash_attention: empty results, or zeros and lse -inf (S = 0)."""
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  q, k = jnp.ones((b, t, 4, 8)), jnp.ones((b, s, 2, 8))
+  out, lse = parallel.sharded_flash_attention(
+      q, k, k, mesh=mesh, batch_axes="data", sequence_axis="sequence",
+      return_residual=True)
+  np.testing.assert_array_equal(out, jnp.zeros(q.shape))
+  np.testing.assert_array_equal(lse, jnp.full(q.shape[:-1], -jnp.inf))
+
+
 def test_sharded_block_sizes_of_the_wrong_type_are_named():
   mesh = parallel.make_mesh(devices=jax.devices()[:1])
   q = jnp.ones((2, 8, 2, 8))
