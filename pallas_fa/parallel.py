@@ -319,7 +319,11 @@ def sharded_flash_attention(
     value: [*B, S, K, H].
     bias: see `pallas_fa.flash_attention`.
     mask: see `pallas_fa.flash_attention`.
-    mesh: the device mesh.
+    mesh: the device mesh. Each call runs on its own mesh: inputs laid
+      out on another mesh (an earlier call's, say) are moved onto this one
+      first (`pallas_fa.mesh.onto_mesh`). Within one `jit` of yours, calls
+      over meshes of different shapes need that jit's `out_shardings`: JAX
+      gives a jit's results the mesh of one of them.
     batch_axes: mesh axis name(s) splitting B, or None.
     head_axes: mesh axis name(s) splitting the heads, or None.
     sequence_axis: mesh axis name of the ring, or None.
@@ -370,10 +374,13 @@ def sharded_flash_attention(
       implementation=implementation,
       block_sizes=block_sizes,
   )
-  out, lse = _sharded_flash_attention(
-      query, key, value, bias, mask, query_seq_lengths,
-      key_value_seq_lengths, segment_ids, query_positions, key_positions,
-      **static)
+  # Inputs laid out on another mesh (an earlier call's, say) move onto this
+  # one: jit would otherwise give the results their mesh (`onto_mesh`).
+  args = mesh_lib.onto_mesh(
+      (query, key, value, bias, mask, query_seq_lengths,
+       key_value_seq_lengths, segment_ids, query_positions, key_positions),
+      mesh)
+  out, lse = _sharded_flash_attention(*args, **static)
   return (out, lse) if return_residual else out
 
 
