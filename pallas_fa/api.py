@@ -149,6 +149,24 @@ class Call:
     return (out.reshape(self.batch_shape + out.shape[1:]),
             lse.reshape(self.batch_shape + lse.shape[1:]))
 
+  @property
+  def empty(self) -> bool:
+    """No batch rows, no queries or no keys (B, T or S = 0)."""
+    return 0 in (self.q.shape[0], self.q.shape[1], self.k.shape[1])
+
+  def empty_result(self) -> tuple[Array, Array]:
+    """(out, lse) of an `empty` call, before `unfold`, without a backend.
+
+    With no keys every query row sees none: zeros and lse -inf, the rule
+    for fully masked rows (and `jax.nn`'s empty output when there are no
+    rows). Constants, so every gradient is zero.
+    """
+    b, t, n, _ = self.q.shape
+    out = jnp.zeros((b, t, n, self.v.shape[-1]), self.q.dtype)
+    lse = jnp.full((b, t, n), online_softmax.MASK_VALUE,
+                   online_softmax.stats_dtype(self.q.dtype))
+    return out, lse
+
 
 def canonicalize(
     query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -189,8 +207,10 @@ def canonicalize(
           f"{name} must be [*B, S, K, H] with the query's batch dims, got "
           f"{x.shape=} and {query.shape=}."
       )
+  # Explicit sizes: with an empty dim a -1 would be ambiguous (0 / 0).
   query, key, value = (
-      x.reshape((-1,) + x.shape[-3:]) for x in (query, key, value))
+      x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+      for x in (query, key, value))
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not any(x.dtype == d for d in _FLOAT_DTYPES):
       raise TypeError(
@@ -214,8 +234,12 @@ def canonicalize(
         "key/value must be [B, S, K, H] with B and H equal to the query's, "
         f"got {query.shape=}, {key.shape=}."
     )
-  if 0 in (b, t, n, h, s, num_kv, hv):
-    raise ValueError(f"empty dimension in {query.shape=} or {key.shape=}.")
+  # No batch rows, queries or keys is a valid call (`Call.empty`); no heads
+  # or an empty head dim is not.
+  if 0 in (n, h, num_kv, hv):
+    raise ValueError(
+        f"heads and head dims must be non-empty, got {query.shape=}, "
+        f"{key.shape=}, {value.shape=}.")
   if n % num_kv:
     raise ValueError(
         "query heads N must be a multiple of key/value heads K, got "
@@ -326,6 +350,55 @@ def _accepts_block_sizes(backend, block_sizes) -> bool:
   return kind is not None and isinstance(block_sizes, kind)
 
 
+def _block_sizes_error(implementation, backend, block_sizes) -> TypeError:
+  kind = backend.block_sizes_type
+  if kind is None:
+    want = "None (it takes no tiling config)"
+  else:
+    want = (f"None or its config class pallas_fa.{kind.__name__}, e.g. "
+            f"pallas_fa.{kind.__name__}(block_q=64)")
+  return TypeError(
+      f"block_sizes for implementation={implementation!r} must be {want}, "
+      f"got {block_sizes=} (a {type(block_sizes).__name__}).")
+
+
+def check_implementation(implementation, block_sizes) -> None:
+  """Checks `implementation=` and `block_sizes=` before they key a jit cache
+  (where an unhashable value, such as a dict, would fail with jit's own
+  error, naming neither).
+
+  Raises:
+    TypeError: implementation is not a str or None; block_sizes is not the
+      named backend's config class (with implementation=None: not a config
+      class at all).
+    ValueError: an unknown implementation.
+    NotImplementedError: the named backend cannot be imported here.
+  """
+  if implementation is not None and not isinstance(implementation, str):
+    raise TypeError(
+        f"implementation must be a str or None, got {implementation=}.")
+  if block_sizes is None:
+    return
+  if implementation is not None:
+    backend = get_backend(implementation)
+    if not _accepts_block_sizes(backend, block_sizes):
+      raise _block_sizes_error(implementation, backend, block_sizes)
+    return
+  # Every config class is a frozen dataclass; which one fits is the
+  # automatic choice's business (a backend whose class does not match
+  # declines and the choice moves on). The backends are imported only to
+  # name their classes in the error.
+  if dataclasses.is_dataclass(block_sizes) and not isinstance(
+      block_sizes, type):
+    return
+  kinds = (get_backend(name).block_sizes_type for name in implementations())
+  names = ", ".join(f"pallas_fa.{kind.__name__}" for kind in kinds if kind)
+  raise TypeError(
+      "block_sizes must be None or the tiling config of the backend that "
+      f"runs the call (one of {names}; name it with implementation=), got "
+      f"{block_sizes=} (a {type(block_sizes).__name__}).")
+
+
 def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
   """The backend to run `call`: the named one (which must support it), or
   the first of `AUTO_ORDER` for this platform that does.
@@ -341,11 +414,7 @@ def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
                       f"{implementation=}.")
     backend = get_backend(implementation)
     if not _accepts_block_sizes(backend, params.block_sizes):
-      raise TypeError(
-          f"block_sizes for implementation={implementation!r} must be "
-          f"{getattr(backend.block_sizes_type, '__name__', 'None')}, got "
-          f"{type(params.block_sizes).__name__}."
-      )
+      raise _block_sizes_error(implementation, backend, params.block_sizes)
     backend.check_call(*call.arrays)
     return backend
   reasons = []
@@ -424,7 +493,10 @@ def flash_attention(
   share means the same. Logits are
   `score_mod(soft_cap(scale * q.k) + bias)`, masked by the intersection of
   every mask argument and `mask_mod`; a query row with no visible key
-  returns zeros (logsumexp -inf) with zero gradients.
+  returns zeros (logsumexp -inf) with zero gradients. Empty calls are valid
+  on every implementation: no batch rows or queries (B or T = 0) give empty
+  results, no keys (S = 0) zeros with logsumexp -inf, and every gradient is
+  zero.
 
   Args:
     query: [*B, T, N, H]: any number of leading batch dims B (none
@@ -509,6 +581,7 @@ def flash_attention(
     NotImplementedError: the named implementation cannot honour this call.
   """
   rate, rng = check_dropout(dropout_rate, dropout_rng)
+  check_implementation(implementation, block_sizes)
   static = static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
@@ -570,6 +643,10 @@ def _flash_attention(
       sinks=sinks, score_mod=score_mod, score_mod_args=score_mod_args,
       mask_mod=mask_mod, mask_mod_args=mask_mod_args, block_mask=block_mask,
   )
+  if call.empty:
+    if implementation is not None:
+      get_backend(implementation)  # An unknown name is still an error.
+    return call.unfold(*call.empty_result())
   backend = choose_backend(implementation, call)
   return call.unfold(*vjp.attention(
       backend, call.params, call.q, call.k, call.v, call.bias, call.info,

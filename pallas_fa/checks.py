@@ -39,7 +39,9 @@ def check_lengths(name, x, batch_shape):
 
 def check_per_token(name, x, batch_shape, length):
   """int [*B, length] -> int32 [prod(B), length]."""
-  return _check_int_array(name, x, batch_shape + (length,)).reshape(-1, length)
+  # Explicit sizes: with an empty dim a -1 would be ambiguous (0 / 0).
+  return _check_int_array(name, x, batch_shape + (length,)).reshape(
+      math.prod(batch_shape), length)
 
 
 def check_non_negative(name, x):
@@ -187,7 +189,7 @@ def _check_dense(name, x, batch_shape, nts):
   if math.prod(rows) == 1:  # Shared by the whole batch: keep it so.
     return x.reshape((1,) + x.shape[len(batch_shape):])
   x = jnp.broadcast_to(x, batch_shape + x.shape[len(batch_shape):])
-  return x.reshape((-1,) + x.shape[len(batch_shape):])
+  return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
 
 
 def check_bias_and_mask(bias, mask, batch_shape, nts):

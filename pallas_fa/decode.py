@@ -73,9 +73,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from pallas_fa import api
 from pallas_fa import gpu_target
+from pallas_fa import kv_cache
 from pallas_fa import masking
 from pallas_fa import mods
 from pallas_fa import online_softmax
@@ -166,10 +168,21 @@ def decode_attention(
       `block_table`. N % K == 0.
     value: like key, with its own head dim Hv.
     lengths: int [B], valid cache entries per sequence, the new tokens
-      included (they have been written to the cache already).
+      included (they have been written to the cache already); in [0, S_max]
+      (S_max = max_pages * page_size for a paged cache). Concrete values
+      outside raise ValueError. Traced ones (a jitted serving loop) cannot
+      be checked and are clamped into [0, S_max]: a row whose length is past
+      the cache attends to the whole cache, its new tokens keeping their
+      positions `lengths - T_new + arange(T_new)`, and a negative length
+      attends to nothing (zeros, lse -inf). `check_cache_indices` checks
+      traced values under `jax.experimental.checkify`.
     block_table: int [B, max_pages] for a paged cache: page
       `block_table[b, i]` holds keys [i * page_size, (i + 1) * page_size) of
-      sequence b. None for a contiguous cache.
+      sequence b. None for a contiguous cache. Entries must be pages in
+      [0, P): concrete ones outside raise ValueError; traced ones are
+      clamped into [0, P), so the row reads another page -- a wrong answer,
+      but never memory outside the pool (`check_cache_indices` catches them
+      under checkify).
     query_positions: int [B, T_new], default `lengths - T_new +
       arange(T_new)`.
     scale: logit scale, default 1/sqrt(H).
@@ -207,7 +220,9 @@ def decode_attention(
     out [B, T_new, N, Hv] typed like query, or (out, lse).
 
   Raises:
-    ValueError / TypeError: invalid arguments (the message names them).
+    ValueError / TypeError: invalid arguments (the message names them),
+      concrete lengths past the cache or block-table entries outside the
+      pool included.
     NotImplementedError: `implementation` has no decode path, or "triton"
       ("mosaic_tpu") with a page size that is not a multiple of 16 (8) or
       with a score_mod/mask_mod.
@@ -265,6 +280,9 @@ def decode_attention(
         f"lengths must be an int [B={b}] array, got {lengths.shape=}, "
         f"{lengths.dtype=}.")
   api.check_non_negative("lengths", lengths)
+  _check_lengths_fit(lengths, _capacity(key, block_table))
+  if block_table is not None:
+    kv_cache.check_page_indices(block_table, key.shape[0])
   if query_positions is not None:
     query_positions = jnp.asarray(query_positions)
     if (query_positions.shape != (b, t)
@@ -309,6 +327,70 @@ def decode_attention(
       splits=int(min(splits, num_blocks)), score_mod=score_mod,
       mask_mod=mask_mod, **static)
   return (out, lse) if return_residual else out
+
+
+def _capacity(key, block_table) -> int:
+  """S_max: the entries a row of the cache holds."""
+  if block_table is None:
+    return key.shape[1]
+  return block_table.shape[1] * key.shape[1]
+
+
+def _check_lengths_fit(lengths, s_max: int) -> None:
+  if isinstance(lengths, jax.core.Tracer):
+    return  # Clamped by `_in_range`; `check_cache_indices` checks it.
+  values = np.asarray(lengths)
+  if np.any(values > s_max):
+    raise ValueError(
+        f"lengths must be at most the cache's {s_max=} entries per row "
+        f"(max_pages * page_size for a paged cache), got lengths={values}.")
+
+
+def _in_range(lengths, block_table, key):
+  """Traced lengths and pages clamped into the cache (concrete ones were
+  checked by `decode_attention`), so that every implementation gives the
+  same, documented answer and no kernel reads outside the cache."""
+  lengths = jnp.clip(lengths, 0, _capacity(key, block_table))
+  if block_table is not None:
+    block_table = jnp.clip(block_table, 0, key.shape[0] - 1)
+  return lengths, block_table
+
+
+def check_cache_indices(key: Array, lengths: Array,
+                        block_table: Array | None = None) -> None:
+  """Opt-in run-time checks of traced decode indices, with checkify.
+
+  `decode_attention` raises on lengths past the cache and on block-table
+  entries outside the pool when they are concrete, and clamps traced ones
+  (see its `lengths` and `block_table`). In a jitted serving loop, call
+  this before it, inside a function transformed by
+  `jax.experimental.checkify.checkify`, to turn them into a checkify error:
+
+    def step(q, k, v, lengths, table):
+      decode.check_cache_indices(k, lengths, table)
+      return decode.decode_attention(q, k, v, lengths, block_table=table)
+
+    err, out = jax.jit(checkify.checkify(step))(q, k, v, lengths, table)
+    err.throw()
+
+  Opt-in because a `checkify.check` that no `checkify.checkify` transforms
+  fails to trace under jit.
+
+  Args:
+    key: the key cache as passed to `decode_attention` (its shape gives
+      S_max, or the page count P).
+    lengths: int [B].
+    block_table: int [B, max_pages] for a paged cache, else None.
+  """
+  s_max = _capacity(key, block_table)
+  checkify.check(
+      jnp.all((lengths >= 0) & (lengths <= s_max)),
+      f"lengths must be in [0, S_max={s_max}], got lengths={{}}", lengths)
+  if block_table is not None:
+    checkify.check(
+        jnp.all((block_table >= 0) & (block_table < key.shape[0])),
+        f"block_table entries must be pages in [0, num_pages={key.shape[0]}"
+        "), got block_table={}", block_table)
 
 
 def _decode_kernel(implementation):
@@ -419,6 +501,7 @@ def _decode_split_kernel(query, key, value, lengths, block_table,
   lengths = lengths.astype(jnp.int32)
   q, row_pos, query_positions = _packed(
       query, lengths, query_positions, key.shape[2])
+  lengths, block_table = _in_range(lengths, block_table, key)
   out, lse = partials(
       q, row_pos, query_positions, key, value, lengths, block_table,
       block=block, splits=splits, **static)
@@ -438,6 +521,7 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
   lengths = lengths.astype(jnp.int32)
   q, row_pos, query_positions = _packed(
       query, lengths, query_positions, num_kv)
+  lengths, block_table = _in_range(lengths, block_table, key)
 
   # Split p reads blocks p, p + splits, p + 2 splits, ...: interleaving keeps
   # every split equally busy whatever the (ragged) lengths. Step j reads

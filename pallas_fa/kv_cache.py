@@ -45,6 +45,26 @@ def default_block_table(batch_size: int, max_pages: int) -> Array:
   return jnp.asarray(slots * batch_size + rows)
 
 
+def check_page_indices(block_table: Array, num_pages: int) -> None:
+  """Rejects block-table entries outside [0, num_pages) when the table is
+  concrete (a traced one cannot be read at trace time).
+
+  Raises:
+    ValueError: an entry out of range (the message names block_table and
+      num_pages).
+  """
+  if isinstance(block_table, jax.core.Tracer):
+    return
+  pages = np.asarray(block_table)
+  bad = np.argwhere((pages < 0) | (pages >= num_pages))
+  if len(bad):
+    first = tuple(int(i) for i in bad[0])
+    raise ValueError(
+        f"block_table entries must be pages in [0, {num_pages=}), got "
+        f"block_table[{', '.join(map(str, first))}]={pages[first]} "
+        f"({len(bad)} of {pages.size} entries out of range).")
+
+
 def check_paged_config(
     batch_size: int,
     max_length: int,
@@ -98,12 +118,9 @@ def check_paged_config(
         f"block_table must be an int [batch_size, ceil(max_length / "
         f"page_size)]={(batch_size, max_pages)} array, got "
         f"{block_table.shape=}, {block_table.dtype=}.")
+  check_page_indices(block_table, num_pages)
   if not isinstance(block_table, jax.core.Tracer):
     pages = np.asarray(block_table)
-    if pages.min() < 0 or pages.max() >= num_pages:
-      raise ValueError(
-          f"block_table entries must be pages in [0, {num_pages=}), got "
-          f"values in [{pages.min()}, {pages.max()}].")
     if len(np.unique(pages)) != pages.size:
       raise ValueError(
           "block_table must name every page at most once (a page written "

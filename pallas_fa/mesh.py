@@ -5,6 +5,8 @@ plans its splits on; `shard_batch` and `replicate` place host data on it;
 `zigzag` is the load-balanced token order of causal ring attention (device
 r holds sequence chunks r and 2P-1-r of 2P); `shard_map` is the one wrapper
 over jax's two spellings of it. `pallas_fa.parallel` re-exports all of them.
+`onto_mesh` moves arrays laid out on another mesh onto the one a call runs
+on.
 """
 
 from __future__ import annotations
@@ -106,6 +108,44 @@ def spec_entry(names: tuple[str, ...]):
   if not names:
     return None
   return names[0] if len(names) == 1 else names
+
+
+def onto_mesh(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """Moves the arrays of `tree` that are laid out on another mesh onto
+  `mesh`, each dim split as before where `mesh` has the axes for it (else
+  not split).
+
+  `jax.jit` gives its results the mesh of its first input that is laid out
+  on a mesh; a call over `mesh` whose inputs sit on another mesh (say, the
+  one an earlier call used) would have its results converted to that mesh,
+  which fails (IndivisibleError) when the two meshes' shapes differ. Arrays
+  already on `mesh` and uncommitted ones are returned as they are, and so
+  are tracers, except under eager autodiff (`jax.grad` without `jit`),
+  whose tracers carry a concrete array: that one's layout decides, and the
+  tracer moves by `jax.device_put` (which autodiff transposes). Inside a
+  `jit` the layout of the jitted function's own inputs is what counts.
+  """
+
+  def entry_on(entry, size):
+    names = axis_names(entry)
+    if names and all(a in mesh.shape for a in names) and not (
+        size % mesh_size(mesh, names)):
+      return entry
+    return None
+
+  def move(x):
+    concrete = x
+    if isinstance(x, jax.core.Tracer):
+      # JAX's accessor of a tracer's concrete value (None inside a jit).
+      concrete = getattr(x, "to_concrete_value", lambda: None)()
+    sharding = getattr(concrete, "sharding", None)
+    if (not isinstance(sharding, jax.sharding.NamedSharding)
+        or sharding.mesh == mesh):
+      return x
+    spec = [entry_on(e, n) for e, n in zip(sharding.spec, x.shape)]
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, _P(*spec)))
+
+  return jax.tree.map(move, tree)
 
 
 def zigzag_indices(length: int, num_shards: int) -> np.ndarray:

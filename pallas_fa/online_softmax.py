@@ -254,7 +254,11 @@ def _finite_or_zero(m: Array) -> Array:
 def stats_dtype(dtype) -> jnp.dtype:
   """The dtype of the softmax statistics, accumulators and logsumexp of
   inputs of `dtype`: float32, or float64 for float64 inputs."""
-  return jnp.promote_types(dtype, jnp.float32)
+  # Not `jnp.promote_types(dtype, float32)`: that obeys the caller's
+  # `jax_numpy_dtype_promotion`, and under "strict" has no bfloat16/float16
+  # to float32 path. The library's own dtype choices must not depend on it.
+  return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64
+                   else jnp.float32)
 
 
 def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],

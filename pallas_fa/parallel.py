@@ -323,7 +323,11 @@ def sharded_flash_attention(
     value: [*B, S, K, H].
     bias: see `pallas_fa.flash_attention`.
     mask: see `pallas_fa.flash_attention`.
-    mesh: the device mesh.
+    mesh: the device mesh. Each call runs on its own mesh: inputs laid
+      out on another mesh (an earlier call's, say) are moved onto this one
+      first (`pallas_fa.mesh.onto_mesh`). Within one `jit` of yours, calls
+      over meshes of different shapes need that jit's `out_shardings`: JAX
+      gives a jit's results the mesh of one of them.
     batch_axes: mesh axis name(s) splitting B, or None.
     head_axes: mesh axis name(s) splitting the heads, or None.
     sequence_axis: mesh axis name of the ring, or None.
@@ -361,6 +365,7 @@ def sharded_flash_attention(
   if sequence_axis is not None and not isinstance(sequence_axis, str):
     raise TypeError(
         f"sequence_axis must be one mesh axis name, got {sequence_axis=}.")
+  api.check_implementation(implementation, block_sizes)
   static = api.static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
@@ -375,10 +380,14 @@ def sharded_flash_attention(
       implementation=implementation,
       block_sizes=block_sizes,
   )
-  out, lse = _sharded_flash_attention(
-      query, key, value, bias, mask, query_seq_lengths,
-      key_value_seq_lengths, segment_ids, query_positions, key_positions,
-      sinks, **static)
+  # Inputs laid out on another mesh (an earlier call's, say) move onto this
+  # one: jit would otherwise give the results their mesh (`onto_mesh`).
+  args = mesh_lib.onto_mesh(
+      (query, key, value, bias, mask, query_seq_lengths,
+       key_value_seq_lengths, segment_ids, query_positions, key_positions,
+       sinks),
+      mesh)
+  out, lse = _sharded_flash_attention(*args, **static)
   return (out, lse) if return_residual else out
 
 
@@ -408,6 +417,8 @@ def _sharded_flash_attention(
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
       precision=precision, sinks=sinks,
   )
+  if call.empty:  # Nothing to split: as `flash_attention`.
+    return call.unfold(*call.empty_result())
   plan = _make_plan(mesh, batch_axes, head_axes, sequence_axis, load_balance,
                     call.q.shape, call.k.shape, implementation, call.params)
   return call.unfold(*_sharded(plan, *call.arrays[:5], call.sinks))

@@ -96,7 +96,7 @@ def attention(
   )
   out = out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
   lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)
-  return out, lse.astype(jnp.promote_types(compute_dtype, jnp.float32))
+  return out, lse.astype(online_softmax.stats_dtype(compute_dtype))
 
 
 def _forward(q, k, v, bias, info, params):

@@ -156,6 +156,44 @@ def sharded():
         ("data2xheads4", parallel.make_mesh(data=2, heads=4),
          dict(batch_axes="data", head_axes="heads")),
     ], impl, block_sizes)
+    _check_two_meshes(impl, block_sizes)
+
+
+def _check_two_meshes(impl, block_sizes):
+  """One mesh, then one of another shape, then the first again, in one
+  process, on the same inputs (laid out for the first mesh): each call runs
+  on its own mesh, forward and backward (eager autodiff, no jit of ours
+  around the call)."""
+  b, t, n, kv, h = 2, 64, 4, 2, 16
+  inputs = _inputs(11, b, t, t, n, kv, h)
+  kwargs = dict(is_causal=True, key_value_seq_lengths=jnp.array([40, 64]),
+                implementation=impl, block_sizes=block_sizes)
+
+  def value_and_grads(fn, q, k, v):
+    def loss(q, k, v):
+      out, lse = fn(q, k, v, return_residual=True, **kwargs)
+      finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+      return jnp.sum(out * jnp.cos(out)) + 0.3 * jnp.sum(finite), (out, lse)
+
+    (_, (out, lse)), grads = jax.value_and_grad(
+        loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (out, lse) + tuple(grads)
+
+  want = value_and_grads(pallas_fa.flash_attention, *inputs)
+  devices = np.asarray(jax.devices())
+  seq = jax.sharding.Mesh(devices.reshape(8), ("seq",))
+  data_seq = jax.sharding.Mesh(devices.reshape(2, 4), ("data", "seq"))
+  on_seq = jax.sharding.NamedSharding(
+      seq, jax.sharding.PartitionSpec(None, "seq"))
+  placed = [jax.device_put(x, on_seq) for x in inputs]
+  for name, mesh, axes in (("seq8", seq, {}),
+                           ("data2xseq4", data_seq, dict(batch_axes="data")),
+                           ("seq8 again", seq, {})):
+    fn = functools.partial(parallel.sharded_flash_attention, mesh=mesh,
+                           sequence_axis="seq", load_balance=True, **axes)
+    got = value_and_grads(fn, *placed)
+    assert got[0].sharding.mesh == mesh, (name, got[0].sharding)
+    _compare(f"{impl} two meshes: {name}", got, want)
 
 
 def ring():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -35,6 +36,15 @@ def run(fn, q, k, v, kw, dout, dlse):
   (out, lse), pullback = jax.vjp(f, q, k, v, bias, sinks)
   grads = pullback((dout.astype(out.dtype), dlse.astype(lse.dtype)))
   return out, lse, tuple(g for g in grads if g is not None)
+
+
+def named(results):
+  """`run`'s (out, lse, grads) as a dict: {"out", "lse", "dq", "dk", "dv"
+  and "dbias" if bias was given}, so that a failed tree assertion names the
+  result."""
+  out, lse, grads = results
+  return dict(zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                  (out, lse, *grads)))
 
 
 def flash(implementation, block_sizes=None):
@@ -97,8 +107,10 @@ def check_against_reference(fn, case: Case, dtype, gen):
   dout = testing.normal(gen, q.shape)
   dlse = testing.normal(gen, q.shape[:-1])
   out, lse, grads = run(fn, q, k, v, kw, dout, dlse)
-  assert out.dtype == q.dtype and out.shape == q.shape
-  assert lse.dtype == jnp.float32 and lse.shape == q.shape[:-1]
+  chex.assert_shape(out, q.shape)
+  chex.assert_type(out, q.dtype)
+  chex.assert_shape(lse, q.shape[:-1])
+  chex.assert_type(lse, jnp.float32)
   ref = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
   same = None
   if dtype != jnp.float32:
@@ -108,8 +120,8 @@ def check_against_reference(fn, case: Case, dtype, gen):
   want = [ref[0], ref[1], *ref[2]]
   want_same = [None] * len(got) if same is None else [
       same[0], same[1], *same[2]]
+  chex.assert_trees_all_equal_shapes(got, want)
+  # Gradients are typed like their primals (the lse is float32 throughout).
+  chex.assert_trees_all_equal_dtypes(got[2:], want[2:])
   for name, x, r, rs in zip(names, got, want, want_same):
-    assert x.shape == r.shape, (name, x.shape, r.shape)
-    if name.startswith("d"):
-      assert x.dtype == r.dtype, (name, x.dtype, r.dtype)
     assert_close(name, x, r, rs, dtype)

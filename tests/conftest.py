@@ -86,6 +86,17 @@ def implementation(request):
   return request.param
 
 
+@pytest.fixture
+def strict_promotion():
+  """JAX's strictest numpy modes, which JAX's own test harness uses: no
+  implicit dtype promotion ("strict": bfloat16 + float32 is an error) and no
+  implicit rank promotion (the suite's default already, set here as well so
+  that the fixture stands alone). The library's internal dtype choices must
+  not depend on the caller's promotion settings."""
+  with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+    yield
+
+
 @contextlib.contextmanager
 def script_module(name):
   """scripts/<name>.py imported as a module, registered in sys.modules while

@@ -5,6 +5,7 @@ import inspect
 import subprocess
 import sys
 
+import chex
 import conftest
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,20 @@ BAD = [
     (dict(implementation=3), TypeError, "implementation"),
     (dict(implementation="chunked", block_sizes=(64, 64)), TypeError,
      "block_sizes"),
+    (dict(implementation=["chunked"]), TypeError, "implementation"),
+    (dict(key=jnp.zeros((B, S, 0, H)), value=jnp.zeros((B, S, 0, H))),
+     ValueError, "heads and head dims must be non-empty"),
+    (dict(query=jnp.zeros((B, 0, N, H)), implementation="flash9000"),
+     ValueError, "implementation"),
+    # Unhashable: checked before it keys jit's cache, naming the class.
+    (dict(implementation="chunked", block_sizes={"block_q": 7}), TypeError,
+     "pallas_fa.ChunkedBlockSizes.*got block_sizes="),
+    (dict(implementation="triton", block_sizes=chunked.ChunkedBlockSizes()),
+     TypeError, "pallas_fa.TritonBlockSizes.*got block_sizes="),
+    (dict(implementation="xla", block_sizes=chunked.ChunkedBlockSizes()),
+     TypeError, "takes no tiling config.*got block_sizes="),
+    (dict(block_sizes={"block_q": 7}), TypeError,
+     "pallas_fa.ChunkedBlockSizes.*got block_sizes="),
 ]
 
 
@@ -213,8 +228,7 @@ def test_nan_cotangent_on_padded_rows_does_not_leak(implementation):
                 jnp.where(pad, 0.0, dlse))
   dirty = grads(jnp.where(pad[..., None], jnp.nan, dout),
                 jnp.where(pad, jnp.nan, dlse))
-  for a, b in zip(clean, dirty, strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(clean, dirty)
 
 
 def test_block_sizes_are_hashable_and_frozen():

@@ -6,20 +6,25 @@ float32 materialised reference on fresh random inputs, with the
 FlashAttention 2x rule for bfloat16/float16.
 """
 
+import dataclasses
 import functools
 
+import chex
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import flagsaver
+from absl.testing import parameterized
 from attention_testing import DTYPES
 from attention_testing import Case
 from attention_testing import assert_close
 from attention_testing import check_against_reference
 from attention_testing import flash
 from attention_testing import make_inputs
+from attention_testing import named
 from attention_testing import reference_fn
 from attention_testing import rng
 from attention_testing import run
@@ -152,6 +157,33 @@ def test_low_precision(implementation, case, dtype):
                     rng(implementation, str(case), dtype))
 
 
+# Every feature the logits, masks and statistics take (the bias is float32
+# whatever the inputs' dtype), for the run under strict promotion.
+_STRICT_CASE = Case(**_BASE, causal=True, lengths=True, segments=True,
+                    soft_cap=5.0, window=(20, None), bias="heads")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_strict_promotion(implementation, strict_promotion, dtype):
+  """The conformance check of every feature under strict dtype promotion
+  and rank promotion "raise": no TypePromotionError, the same results."""
+  del strict_promotion  # Active for the whole test.
+  if _interpreted_on_cpu(implementation) and dtype != "bfloat16":
+    # The kernels' dtype logic is one for 16-bit inputs and trivial for
+    # float32; compiled on their hardware every dtype runs.
+    pytest.skip("interpreted: bfloat16 only")
+  gen = rng(implementation, "strict", dtype)
+  fn = _fn(implementation)
+  try:
+    check_against_reference(fn, _STRICT_CASE, DTYPES[dtype], gen)
+  except NotImplementedError as e:
+    if DTYPES[dtype] not in api.get_backend(implementation).dtypes:
+      pytest.skip(f"{implementation} declines {dtype}: {e}")
+    # A backend without a bias (mosaic_gpu) runs everything else.
+    check_against_reference(
+        fn, dataclasses.replace(_STRICT_CASE, bias=None), DTYPES[dtype], gen)
+
+
 @st.composite
 def _cases(draw):
   k = draw(st.sampled_from([1, 2]))
@@ -206,15 +238,14 @@ def test_padding_never_leaks(implementation):
   dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
   dlse = jnp.zeros(q.shape[:-1])
   fn = _fn(implementation)
-  clean = run(fn, q, k, v, kw, dout, dlse)
-  dirty = run(fn, q_bad, k_bad, v_bad, kw, dout, dlse)
-  for name, a, b in zip(["out", "lse", "dq", "dk", "dv"],
-                        [clean[0], clean[1], *clean[2]],
-                        [dirty[0], dirty[1], *dirty[2]]):
-    assert not np.any(np.isnan(np.asarray(b))), f"{name} has NaN"
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), name)
+  clean = named(run(fn, q, k, v, kw, dout, dlse))
+  dirty = named(run(fn, q_bad, k_bad, v_bad, kw, dout, dlse))
+  for name, x in dirty.items():
+    # Not assert_tree_all_finite: padded rows' lse is -inf by design.
+    assert not np.any(np.isnan(np.asarray(x))), f"{name} has NaN"
+  chex.assert_trees_all_equal(clean, dirty)
   # Padded query rows are zero, with lse -inf.
-  assert np.all(np.asarray(dirty[0])[np.asarray(q_pad[..., 0, 0])] == 0)
+  assert np.all(np.asarray(dirty["out"])[np.asarray(q_pad[..., 0, 0])] == 0)
 
 
 def test_fully_masked_rows(implementation):
@@ -234,44 +265,58 @@ def test_fully_masked_rows(implementation):
   assert np.all(np.isneginf(np.asarray(lse[:, :10])))
   assert np.all(np.isfinite(np.asarray(lse[:, 10:])))
   assert np.all(np.asarray(dq[:, :10]) == 0)
-  for g in (dq, dk, dv):
-    assert np.all(np.isfinite(np.asarray(g)))
+  chex.assert_tree_all_finite((dq, dk, dv))
   ref = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
   for name, x, r in zip(["out", "lse", "dq", "dk", "dv"],
                         [out, lse, dq, dk, dv], [ref[0], ref[1], *ref[2]]):
     assert_close(name, x, r)
 
 
-def test_composes_with_jit_vmap_grad_remat(implementation):
-  _require_float32(implementation)
-  case = Case(b=2, t=33, s=41, n=4, k=2, h=16, causal=True)
-  gen = rng(implementation, "compose")
-  q, k, v, _ = make_inputs(case, jnp.float32, gen)
-  extra = 3
-  qs = jnp.stack([q * (i + 1) for i in range(extra)])
-  fn = functools.partial(
-      pallas_fa.flash_attention, is_causal=True,
-      implementation=implementation,
-      block_sizes=block_sizes_for(implementation))
+class ComposesWithTransformsTest(chex.TestCase):
+  """vmap of grad of remat, with and without jit around it, and under pmap,
+  equals per-example grads: every implementation's custom_vjp composes."""
 
-  def loss(q, k, v):
-    return jnp.sum(jnp.sin(fn(q, k, v)))
+  def setUp(self):
+    super().setUp()
+    # The test process has one device; pmap over it still traces the op in
+    # a mapped axis context, which is what this checks.
+    self.enter_context(flagsaver.flagsaver(
+        chex_skip_pmap_variant_if_single_device=False))
 
-  remat = jax.checkpoint
-  if implementation == "mosaic_tpu" and api.platform() != "tpu":
-    # The TPU interpreter simulates memory with ordered io_callbacks, which
-    # jax.checkpoint cannot partially evaluate; compiled kernels have none.
-    remat = lambda f: f  # noqa: E731
-  vmapped = jax.jit(jax.vmap(jax.grad(remat(loss)),
-                             in_axes=(0, None, None)))(qs, k, v)
-  looped = [jax.grad(loss)(qs[i], k, v) for i in range(extra)]
-  ref = [jax.grad(lambda q, k, v: jnp.sum(jnp.sin(
-      pallas_fa.flash_attention(q, k, v, is_causal=True,
-                                implementation="xla"))))(qs[i], k, v)
-         for i in range(extra)]
-  for i in range(extra):
-    np.testing.assert_allclose(vmapped[i], looped[i], atol=1e-5, rtol=1e-5)
-    assert_close("dq", vmapped[i], ref[i])
+  @chex.variants(with_jit=True, without_jit=True, with_pmap=True)
+  @parameterized.named_parameters((name, name) for name in IMPLEMENTATIONS)
+  def test_vmap_grad_remat(self, implementation):
+    if jnp.float32 not in api.get_backend(implementation).dtypes:
+      self.skipTest(f"{implementation} computes in 16-bit only")
+    case = Case(b=2, t=33, s=41, n=4, k=2, h=16, causal=True)
+    gen = rng(implementation, "compose")
+    q, k, v, _ = make_inputs(case, jnp.float32, gen)
+    extra = 3
+    qs = jnp.stack([q * (i + 1) for i in range(extra)])
+    fn = functools.partial(
+        pallas_fa.flash_attention, is_causal=True,
+        implementation=implementation,
+        block_sizes=block_sizes_for(implementation))
+
+    def loss(q, k, v):
+      return jnp.sum(jnp.sin(fn(q, k, v)))
+
+    remat = jax.checkpoint
+    if implementation == "mosaic_tpu" and api.platform() != "tpu":
+      # The TPU interpreter simulates memory with ordered io_callbacks,
+      # which jax.checkpoint cannot partially evaluate; compiled kernels
+      # have none.
+      remat = lambda f: f  # noqa: E731
+    vmapped = self.variant(jax.vmap(jax.grad(remat(loss)),
+                                    in_axes=(0, None, None)))(qs, k, v)
+    chex.assert_shape(vmapped, qs.shape)
+    looped = jnp.stack([jax.grad(loss)(qs[i], k, v) for i in range(extra)])
+    chex.assert_trees_all_close(vmapped, looped, atol=1e-5, rtol=1e-5)
+    for i in range(extra):
+      ref = jax.grad(lambda q, k, v: jnp.sum(jnp.sin(
+          pallas_fa.flash_attention(q, k, v, is_causal=True,
+                                    implementation="xla"))))(qs[i], k, v)
+      assert_close("dq", vmapped[i], ref)
 
 
 def test_deterministic(implementation):
@@ -282,8 +327,7 @@ def test_deterministic(implementation):
   dlse = jnp.zeros(q.shape[:-1])
   a = run(_fn(implementation), q, k, v, kw, dout, dlse)
   b = run(_fn(implementation), q, k, v, kw, dout, dlse)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  chex.assert_trees_all_equal(named(a), named(b))
 
 
 def test_unbatched_and_residual(implementation):
@@ -295,14 +339,41 @@ def test_unbatched_and_residual(implementation):
       pallas_fa.flash_attention, implementation=implementation,
       block_sizes=block_sizes_for(implementation), is_causal=True)
   out, lse = fn(q[0], k[0], v[0], return_residual=True)
-  assert out.shape == q.shape[1:] and lse.shape == q.shape[1:-1]
+  chex.assert_shape(out, q.shape[1:])
+  chex.assert_shape(lse, q.shape[1:-1])
   out_b, lse_b = fn(q, k, v, return_residual=True)
-  np.testing.assert_allclose(out, out_b[0], atol=1e-6)
-  np.testing.assert_allclose(lse, lse_b[0], atol=1e-6)
+  chex.assert_trees_all_close((out, lse), (out_b[0], lse_b[0]), atol=1e-6)
   # A custom scale means what it means in jax.nn.
   scaled = fn(q, k, v, scale=0.3)
   expect = jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
   assert_close("out", scaled, expect)
+
+
+@pytest.mark.parametrize("b, t, s", [(2, 0, 37), (2, 21, 0), (0, 21, 37)],
+                         ids=["T=0", "S=0", "B=0"])
+def test_empty_calls(implementation, b, t, s):
+  """No queries or no batch rows: the empty output, as jax.nn gives. No
+  keys: every row is fully masked, so zeros with lse -inf. Gradients are
+  zero (dbias too), never an error."""
+  gen = rng(implementation, "empty", b, t, s)
+  n, kh, h = 4, 2, 8
+  normal = lambda *shape: jnp.asarray(  # noqa: E731
+      gen.standard_normal(shape), jnp.float32)
+  q, k, v = normal(b, t, n, h), normal(b, s, kh, h), normal(b, s, kh, h)
+  kw = dict(bias=normal(b, n, t, s), is_causal=True,
+            key_value_seq_lengths=jnp.full((b,), s, jnp.int32),
+            segment_ids=pallas_fa.SegmentIds(q=jnp.zeros((b, t), jnp.int32),
+                                             kv=jnp.zeros((b, s), jnp.int32)))
+  results = named(run(_fn(implementation), q, k, v, kw, normal(b, t, n, h),
+                      normal(b, t, n)))
+  chex.assert_shape(results["out"], q.shape)
+  chex.assert_type(results["out"], q.dtype)
+  chex.assert_shape(results["lse"], q.shape[:-1])
+  chex.assert_type(results["lse"], jnp.float32)
+  want = {"out": jnp.zeros(q.shape), "lse": jnp.full(q.shape[:-1], -jnp.inf),
+          "dq": jnp.zeros(q.shape), "dk": jnp.zeros(k.shape),
+          "dv": jnp.zeros(v.shape), "dbias": jnp.zeros(kw["bias"].shape)}
+  chex.assert_trees_all_equal(results, want)
 
 
 # The batch dims are folded in `api`, before any backend: two suffice.
@@ -343,11 +414,11 @@ def test_any_number_of_batch_dims(implementation):
                  static_argnums=4)
   (g_ours, (out, lse)), (g_ref, (out_ref, lse_ref)) = (
       grad(q, k, v, bias, False), grad(q, k, v, bias, True))
-  assert out.shape == q.shape and lse.shape == q.shape[:-1]
-  np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
-  for name, a, b in zip("qkvb", g_ours, g_ref):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+  chex.assert_shape(out, q.shape)
+  chex.assert_shape(lse, q.shape[:-1])
+  chex.assert_trees_all_close((out, lse), (out_ref, lse_ref), rtol=1e-5,
+                              atol=1e-5)
+  chex.assert_trees_all_close(g_ours, g_ref, rtol=1e-4, atol=1e-5)
 
 
 def test_batch_dims_must_match():
@@ -387,14 +458,12 @@ def test_float64(implementation):
 
     (out, lse), grads = fn(q, k, v), jax.grad(
         functools.partial(loss, fn), argnums=(0, 1, 2))(q, k, v)
-    assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
-    assert all(g.dtype == jnp.float64 for g in grads)
+    chex.assert_type([out, lse, *grads], jnp.float64)
     (out_r, lse_r), grads_r = ref(q, k, v), jax.grad(
         functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(out, out_r, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(lse, lse_r, rtol=1e-10, atol=1e-12)
-    for g, g_r in zip(grads, grads_r):
-      np.testing.assert_allclose(g, g_r, rtol=1e-9, atol=1e-11)
+    chex.assert_trees_all_close((out, lse), (out_r, lse_r), rtol=1e-10,
+                                atol=1e-12)
+    chex.assert_trees_all_close(grads, grads_r, rtol=1e-9, atol=1e-11)
     # float32 could not get this close: the computation really is float64.
     out32 = pallas_fa.flash_attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
@@ -457,10 +526,9 @@ def test_value_head_dim(implementation, hv):
                  static_argnums=3)
   (grads, out), (grads_ref, out_ref) = grad(q, k, v, False), grad(
       q, k, v, True)
-  assert out.shape == (b, t, n, hv)
-  np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
-  for name, g, g_ref in zip("qkv", grads, grads_ref):
-    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=name)
+  chex.assert_shape(out, (b, t, n, hv))
+  chex.assert_trees_all_close(out, out_ref, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-4, atol=1e-5)
 
 
 def test_automatic_choice_runs_value_head_dim():

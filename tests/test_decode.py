@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import pallas_fa
+from pallas_fa import decode
 from pallas_fa import online_softmax
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
@@ -248,6 +251,61 @@ def test_zero_length_rows_are_zero_not_nan(implementation):
   assert np.all(np.isfinite(np.asarray(out[1])))
 
 
+@pytest.mark.parametrize("implementation", [None, "triton", "mosaic_tpu"])
+def test_strict_promotion(implementation, strict_promotion):
+  """bfloat16 with every feature on a paged cache, under strict dtype
+  promotion and rank promotion "raise"."""
+  del strict_promotion  # Active for the whole test.
+  _check(t=2, dtype=jnp.bfloat16, page_size=16, s_max=70, window=(40, 0),
+         soft_cap=10.0, positions=True, implementation=implementation,
+         name="strict")
+
+
+@pytest.mark.parametrize("implementation", [None, "triton", "mosaic_tpu"])
+def test_traced_out_of_range_indices_are_clamped(implementation):
+  """Traced (unchecked) lengths past the cache and pages outside the pool
+  are clamped, alike on every implementation: a length past S_max attends
+  to the whole cache, its tokens keeping the positions of the given
+  length; a page index reads the nearest page in [0, P)."""
+  gen = rng("decode", "clamped", implementation)
+  b, t, n, page_size, num_pages = 2, 2, 4, 16, 6
+  q = jnp.asarray(gen.standard_normal((b, t, n, 16)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((num_pages, page_size, 2, 16)),
+                      jnp.float32) for _ in range(2))
+  run = jax.jit(lambda lengths, table, pos=None: pallas_fa.decode_attention(
+      q, k, v, lengths, block_table=table, query_positions=pos,
+      local_window_size=(20, 0), implementation=implementation))
+  lengths = jnp.array([40, 20])  # S_max = 2 pages = 32
+  got = run(lengths, jnp.array([[0, 9], [-1, 3]]))
+  want = run(jnp.array([32, 20]), jnp.array([[0, 5], [0, 3]]),
+             lengths[:, None] - t + jnp.arange(t)[None])
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_check_cache_indices_under_checkify():
+  """The opt-in checks of traced indices: silent on good ones, a checkify
+  error naming the argument on bad ones."""
+  q = jnp.ones((2, 1, 2, 16))
+  pages = jnp.ones((4, 16, 1, 16))
+
+  @jax.jit
+  @checkify.checkify
+  def step(lengths, table):
+    decode.check_cache_indices(pages, lengths, table)
+    return pallas_fa.decode_attention(q, pages, pages, lengths,
+                                      block_table=table)
+
+  good = jnp.array([[0, 1], [2, 3]])
+  err, out = step(jnp.array([5, 32]), good)
+  assert err.get() is None
+  chex.assert_trees_all_close(out, pallas_fa.decode_attention(
+      q, pages, pages, jnp.array([5, 32]), block_table=good))
+  err, _ = step(jnp.array([5, 33]), good)
+  assert "lengths must be in [0, S_max=32]" in err.get()
+  err, _ = step(jnp.array([5, 32]), jnp.array([[0, 1], [2, 4]]))
+  assert "block_table entries must be pages in [0, num_pages=4)" in err.get()
+
+
 def test_merge_parts_equals_one_softmax():
   """Merging per-part (out, lse) equals attention over all keys at once."""
   gen = rng("decode", "merge")
@@ -262,18 +320,22 @@ def test_merge_parts_equals_one_softmax():
   np.testing.assert_allclose(lse, jax.nn.logsumexp(s, axis=-1), atol=1e-6)
 
 
-def test_jit_and_vmap_compose():
-  gen = rng("decode", "jit")
-  q = jnp.asarray(gen.standard_normal((3, 2, 1, 4, 16)), jnp.float32)
-  k = jnp.asarray(gen.standard_normal((3, 2, 30, 2, 16)), jnp.float32)
-  lengths = jnp.asarray(gen.integers(1, 31, (3, 2)), jnp.int32)
-  fn = jax.jit(jax.vmap(
-      lambda q, k, n: pallas_fa.decode_attention(q, k, k, n, num_splits=2)))
-  out = fn(q, k, lengths)
-  for i in range(3):
-    np.testing.assert_allclose(
-        out[i], pallas_fa.decode_attention(q[i], k[i], k[i], lengths[i]),
-        atol=1e-6)
+class ComposesWithTransformsTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_vmap(self):
+    gen = rng("decode", "jit")
+    q = jnp.asarray(gen.standard_normal((3, 2, 1, 4, 16)), jnp.float32)
+    k = jnp.asarray(gen.standard_normal((3, 2, 30, 2, 16)), jnp.float32)
+    lengths = jnp.asarray(gen.integers(1, 31, (3, 2)), jnp.int32)
+    fn = self.variant(jax.vmap(
+        lambda q, k, n: pallas_fa.decode_attention(q, k, k, n, num_splits=2)))
+    out = fn(q, k, lengths)
+    chex.assert_shape(out, q.shape)
+    chex.assert_trees_all_close(
+        out, jnp.stack([pallas_fa.decode_attention(q[i], k[i], k[i],
+                                                   lengths[i])
+                        for i in range(3)]), atol=1e-6)
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -291,6 +353,16 @@ def test_jit_and_vmap_compose():
     (dict(implementation="nope"), ValueError, "implementation"),
     (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths"),
     (dict(lengths=jnp.array([-1, 2])), ValueError, "lengths"),
+    (dict(lengths=jnp.array([3, 31])), ValueError, "lengths.*s_max=30"),
+    (dict(key=jnp.ones((4, 16, 1, 16)), value=jnp.ones((4, 16, 1, 16)),
+          block_table=jnp.array([[0, 1], [2, 3]]), lengths=jnp.array([3, 33])),
+     ValueError, "lengths.*s_max=32"),
+    (dict(key=jnp.ones((4, 16, 1, 16)), value=jnp.ones((4, 16, 1, 16)),
+          block_table=jnp.array([[0, 1], [2, 9]])),
+     ValueError, r"num_pages=4\), got block_table\[1, 1\]=9"),
+    (dict(key=jnp.ones((4, 16, 1, 16)), value=jnp.ones((4, 16, 1, 16)),
+          block_table=jnp.array([[0, -1], [2, 3]])),
+     ValueError, "block_table.*num_pages=4"),
     (dict(block_table=jnp.zeros((2,), jnp.int32)), ValueError, "block_table"),
     (dict(num_splits=0), ValueError, "num_splits"),
     (dict(key=jnp.zeros((2, 30, 3, 16)), value=jnp.zeros((2, 30, 3, 16))),

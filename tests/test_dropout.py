@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,16 +62,16 @@ def test_every_backend_and_tiling_draws_the_same_mask():
   q, k, v, kw = make_inputs(case, jnp.float32, gen)
   kw.update(dropout_rate=0.3, dropout_rng=jax.random.key(gen.integers(99)))
   dout = jnp.asarray(gen.standard_normal(q.shape), jnp.float32)
-  results = {name: _run(name, q, k, v, kw, dout) for name in _TILINGS}
+  results = {name: dict(zip(("out", "lse", "dq", "dk", "dv"),
+                            _run(name, q, k, v, kw, dout)))
+             for name in _TILINGS}
   for name in [name for name in _TILINGS if name != "xla"]:
-    for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[name],
-                          results["xla"]):
-      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5,
-                                 err_msg=f"{name} {what}")
+    chex.assert_trees_all_close(results[name], results["xla"], rtol=2e-5,
+                                atol=2e-5, custom_message=name)
   # Dropout did something.
   no_dropout = pallas_fa.flash_attention(
       q, k, v, **{n: x for n, x in kw.items() if "dropout" not in n})
-  assert np.abs(results["xla"][0] - no_dropout).max() > 0.1
+  assert np.abs(results["xla"]["out"] - no_dropout).max() > 0.1
 
 
 def test_output_is_the_masked_softmax_in_numpy():
@@ -145,7 +146,7 @@ def test_fully_masked_rows_stay_zero_and_finite():
     grads = jax.grad(lambda *a, fn=fn: fn(*a).sum(), argnums=(0, 1, 2))(
         q, k, v)
     assert np.all(np.asarray(out)[:, :4] == 0)  # rows with no visible key
-    assert all(np.all(np.isfinite(g)) for g in (out, *grads))
+    chex.assert_tree_all_finite((out, grads))
 
 
 def test_unbiased_on_average():

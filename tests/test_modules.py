@@ -3,6 +3,7 @@
 import functools
 import inspect
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,11 +32,6 @@ def _normal(shape):
 
 def _seed():
   return int(_RNG.integers(1 << 20))
-
-
-def _assert_trees_close(a, b, **tol):
-  jax.tree.map(
-      lambda x, y: np.testing.assert_allclose(x, y, **(tol or _TOL)), a, b)
 
 
 def _np_attention(q, k, v, bias=None, mask=None, sinks=None):
@@ -159,7 +155,7 @@ def test_nnx_attention_fn_matches_flax(masking, num_kv_heads, implementation):
   np.testing.assert_allclose(
       y_ours * rows[..., None], y_ref * rows[..., None], **_TOL)
   np.testing.assert_allclose(v_ours, v_ref, **_TOL)
-  _assert_trees_close(g_ours, g_ref)
+  chex.assert_trees_all_close(g_ours, g_ref, **_TOL)
 
 
 def test_nnx_decode_mode_matches_flax():
@@ -268,7 +264,7 @@ def test_linen_attention_fn_matches_flax():
   (_, y_ours), g_ours = grad(ours)
   np.testing.assert_allclose(
       y_ours * rows[..., None], y_ref * rows[..., None], **_TOL)
-  _assert_trees_close(g_ours, g_ref)
+  chex.assert_trees_all_close(g_ours, g_ref, **_TOL)
 
 
 # --------------------------------------------------------------------------
@@ -420,6 +416,27 @@ def test_mha_paged_decode_equals_contiguous_and_full_forward(tiles):
   assert np.isnan(pages[spare]).all()
   with pytest.raises(ValueError, match="overflow"):
     paged(x[:, :2], decode=True)
+
+
+def test_mha_bfloat16_under_strict_promotion(strict_promotion):
+  """bfloat16 computation with float32 parameters, prefilling a paged
+  cache (projections, RoPE, the cache write, decode_attention), under
+  strict dtype promotion: the numbers of the default promotion. (The
+  forward's flash_attention runs strict in the conformance suite.)"""
+  del strict_promotion  # Active for the whole test, except where reset.
+  b, t = 2, 7
+  x = _normal((b, t, 32)).astype(jnp.bfloat16)
+
+  def run():
+    layer = _mha(seed=1, implementation=None, dtype=jnp.bfloat16)
+    layer.init_cache(b, t, page_size=4)
+    return nnx.jit(lambda m, x: m(x, decode=True))(layer, x[:, :4])
+
+  strict = run()
+  with jax.numpy_dtype_promotion("standard"):
+    standard = run()
+  chex.assert_type(strict, jnp.bfloat16)
+  chex.assert_trees_all_equal(strict, standard)
 
 
 def test_mha_paged_cache_default_table_and_validation():

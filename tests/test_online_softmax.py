@@ -7,6 +7,7 @@ whose keys are all masked (-inf) among them: those give probability 0, output
 the plain formulas.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,9 +192,8 @@ def test_hooks_give_the_plain_formulas():
   for name in plain:
     for other in (explicit, transposed):
       if name in other:
-        for a, b in zip(jax.tree.leaves(plain[name]),
-                        jax.tree.leaves(other[name]), strict=True):
-          np.testing.assert_allclose(a, b, rtol=1e-6, atol=0, err_msg=name)
+        chex.assert_trees_all_close(plain[name], other[name], rtol=1e-6,
+                                    atol=0, custom_message=name)
 
 
 # --------------------------------------------------------------------------
@@ -317,8 +317,7 @@ def test_merge_gradient_matches_full_softmax():
   ours = jax.grad(merged, argnums=(0, 1))(s, v)
   ref = jax.grad(full, argnums=(0, 1))(s, v)
   _assert_finite(ours, ref)
-  for a, b in zip(ours, ref, strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  chex.assert_trees_all_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_merge_grad_gives_each_parts_cotangents():
@@ -375,8 +374,8 @@ def test_merge_grad_is_the_vjp_of_merging():
   for (out_s, lse_s), (dout_ref, dlse_ref) in zip(partials, ref, strict=True):
     dout_s, dlse_s = online_softmax.merge_grad(out_s, lse_s, lse, dout, delta)
     _assert_finite(dout_ref, dlse_ref)
-    np.testing.assert_allclose(dout_s, dout_ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dlse_s, dlse_ref, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close((dout_s, dlse_s), (dout_ref, dlse_ref),
+                                rtol=1e-5, atol=1e-6)
 
 
 def test_add_sink_is_a_value_less_logit_column():

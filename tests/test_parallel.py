@@ -18,6 +18,7 @@ import pytest
 
 import pallas_fa
 from pallas_fa import masking
+from pallas_fa import mesh as mesh_lib
 from pallas_fa import parallel
 from pallas_fa import ring
 
@@ -181,6 +182,43 @@ def test_one_device_mesh_batch_dims_and_value_head_dim(sequence_axis):
       sequence_axis=sequence_axis, **kwargs)
   assert got.shape == (2, 3, 24, 4, 12)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b, t, s", [(2, 0, 8), (2, 8, 0), (0, 8, 8)])
+def test_one_device_mesh_empty_calls(b, t, s):
+  """As flash_attention: empty results, or zeros and lse -inf (S = 0)."""
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  q, k = jnp.ones((b, t, 4, 8)), jnp.ones((b, s, 2, 8))
+  out, lse = parallel.sharded_flash_attention(
+      q, k, k, mesh=mesh, batch_axes="data", sequence_axis="sequence",
+      return_residual=True)
+  np.testing.assert_array_equal(out, jnp.zeros(q.shape))
+  np.testing.assert_array_equal(lse, jnp.full(q.shape[:-1], -jnp.inf))
+
+
+def test_onto_mesh_keeps_the_splits_the_new_mesh_has():
+  device = np.asarray(jax.devices()[:1])
+  old = jax.sharding.Mesh(device.reshape(1, 1), ("data", "old"))
+  new = jax.sharding.Mesh(device.reshape(1, 1), ("data", "seq"))
+  spec = jax.sharding.PartitionSpec
+  x = jax.device_put(jnp.ones((2, 4)), jax.sharding.NamedSharding(
+      old, spec("data", "old")))
+  on_new = jax.device_put(jnp.ones(3), jax.sharding.NamedSharding(new, spec()))
+  moved = mesh_lib.onto_mesh(
+      {"x": x, "on_new": on_new, "host": np.ones(2), "none": None}, new)
+  assert moved["x"].sharding == jax.sharding.NamedSharding(
+      new, spec("data", None))
+  assert moved["on_new"] is on_new and moved["none"] is None
+  assert isinstance(moved["host"], np.ndarray)
+
+
+def test_sharded_block_sizes_of_the_wrong_type_are_named():
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  q = jnp.ones((2, 8, 2, 8))
+  with pytest.raises(TypeError, match="ChunkedBlockSizes.*got block_sizes="):
+    parallel.sharded_flash_attention(
+        q, q, q, mesh=mesh, implementation="chunked",
+        block_sizes={"block_q": 7})
 
 
 def test_ring_steps_with_no_visible_key_are_skipped():
