@@ -177,7 +177,7 @@ def _check_two_meshes(impl, block_sizes):
 
     (_, (out, lse)), grads = jax.value_and_grad(
         loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    return (out, lse) + tuple(grads)
+    return dict(out=out, lse=lse, **dict(zip(("dq", "dk", "dv"), grads)))
 
   want = value_and_grads(pallas_fa.flash_attention, *inputs)
   devices = np.asarray(jax.devices())
@@ -192,7 +192,7 @@ def _check_two_meshes(impl, block_sizes):
     fn = functools.partial(parallel.sharded_flash_attention, mesh=mesh,
                            sequence_axis="seq", load_balance=True, **axes)
     got = value_and_grads(fn, *placed)
-    assert got[0].sharding.mesh == mesh, (name, got[0].sharding)
+    assert got["out"].sharding.mesh == mesh, (name, got["out"].sharding)
     _compare(f"{impl} two meshes: {name}", got, want)
 
 
