@@ -61,6 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 from compile import ptxas as ptxas_lib  # noqa: E402
 
 import pallas_fa  # noqa: E402
+from pallas_fa import flex  # noqa: E402
 from pallas_fa import gpu_target  # noqa: E402
 
 # GpuTargetConfigProto text of each target, trimmed from XLA's public specs
@@ -116,11 +117,12 @@ BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
-            "value_dim")
+            "value_dim", "flex_alibi", "flex_document")
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
-                    "value_dim": ("triton", "mosaic_gpu")}
+                    "value_dim": ("triton", "mosaic_gpu"),
+                    "flex_alibi": ("triton",), "flex_document": ("triton",)}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 HEAD_DIMS = (64, 72, 128, 256)
@@ -143,7 +145,9 @@ class Case:
       values narrower than queries/keys), or 2 H at H <= 64: there H // 2
       pads to H's width on mosaic_gpu, the kernels of the causal case,
       which Mosaic's in-process cache would then not compile (no ptxas
-      report).
+      report); "flex_alibi" / "flex_document" = causal with ALiBi as a
+      score_mod (its slopes' gradient included) / a document mask_mod
+      (flex attention, `pallas_fa.flex`).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -290,15 +294,27 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
       kwargs["local_window_size"] = (seq // 4, 0)
     if case.variant == "dropout":
       kwargs.update(dropout_rate=0.1, dropout_rng=12345)
+    if case.variant == "flex_alibi":
+      args.append(spec((heads,), jnp.float32))
+    if case.variant == "flex_document":
+      args.append(spec((1, seq), jnp.int32))
 
-    def loss(q, k, v, segment_ids=None):
+    def loss(q, k, v, extra=None):
+      kw = dict(kwargs)
+      if case.variant == "masked":
+        kw["segment_ids"] = extra
+      if case.variant == "flex_alibi":
+        kw.update(score_mod=flex.alibi, score_mod_args=(extra,))
+      if case.variant == "flex_document":
+        kw.update(mask_mod=flex.document, mask_mod_args=(extra,))
       out = pallas_fa.flash_attention(
           q, k, v, is_causal=case.variant != "plain",
-          segment_ids=segment_ids, implementation=case.backend,
-          block_sizes=block_sizes, **kwargs)
+          implementation=case.backend, block_sizes=block_sizes, **kw)
       return out.astype(jnp.float32).sum()
 
-    call = jax.grad(loss, argnums=(0, 1, 2))
+    # The float arguments: q, k, v and ALiBi's slopes.
+    call = jax.grad(loss, argnums=(0, 1, 2, 3)[:3 + (
+        case.variant == "flex_alibi")])
     if decode:
       args, call = _decode_call(case, seq, spec)
 

@@ -1,12 +1,14 @@
 """Flex attention: score_mod, mask_mod and block masks.
 
 Every example of `pallas_fa.flex` runs on the implementations that support
-flex attention (`xla`, `chunked`; the Pallas backends decline it for now),
+flex attention (`xla`, `chunked`, `triton` -- which declines T5's gather;
+the Mosaic backends decline flex for now),
 forward, logsumexp and every gradient -- q, k, v and the score_mod's arrays
 -- against a dense float32 oracle written here, which is itself checked
 against `jax.nn.dot_product_attention` with the equivalent dense bias and
 mask. Block masks are checked element by element against a dense
-evaluation, and the chunked backend's tile visits against the block mask.
+evaluation, and the chunked and triton backends' tile visits against the
+block mask.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ from pallas_fa import flex
 from pallas_fa import masking
 from pallas_fa import testing
 
-FLEX_IMPLEMENTATIONS = ("xla", "chunked")
+FLEX_IMPLEMENTATIONS = ("xla", "chunked") + tuple(
+    name for name in ("triton",) if name in pallas_fa.implementations())
+# Examples a backend cannot fuse into its kernels (it declines them: the
+# automatic choice moves on): T5's table is gathered at q_idx - kv_idx.
+DECLINED = {("triton", "t5")}
 
 
 def _normal(gen, shape, dtype=jnp.float32):
@@ -154,6 +160,9 @@ EXAMPLES = [
         dense_mask=_offset_mask),
 ]
 EXAMPLE = {e.name: e for e in EXAMPLES}
+# (implementation, example) of every example a backend runs.
+RUNS = [pytest.param(i, e, id=f"{e.name}-{i}") for i in FLEX_IMPLEMENTATIONS
+        for e in EXAMPLES if (i, e.name) not in DECLINED]
 
 
 def _dense(q, k, v, *score_args, example, mask, scale):
@@ -294,8 +303,7 @@ def test_oracle_matches_jax_nn(example):
     assert_close(name, x, r)
 
 
-@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
-@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+@pytest.mark.parametrize("implementation,example", RUNS)
 def test_example_float32(implementation, example):
   """GQA, T = S = 45 (ragged against the test tiles 16 x 32)."""
   gen = rng("flex-f32", implementation, example.name)
@@ -314,7 +322,9 @@ def _check_bfloat16(implementation, name):
 
 # A score_mod with an elementwise gather and a mask_mod per batch row run
 # by default; the others in the slow leg.
-_BF16_FAST = [("chunked", "t5"), ("chunked", "document"), ("xla", "alibi")]
+_BF16_FAST = [("chunked", "t5"), ("chunked", "document"), ("xla", "alibi"),
+              ("triton", "alibi")]
+_BF16_FAST = [x for x in _BF16_FAST if x[0] in FLEX_IMPLEMENTATIONS]
 
 
 @pytest.mark.parametrize("implementation,name", _BF16_FAST)
@@ -323,8 +333,7 @@ def test_example_bfloat16(implementation, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
-@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+@pytest.mark.parametrize("implementation,example", RUNS)
 def test_example_bfloat16_all(implementation, example):
   if (implementation, example.name) in _BF16_FAST:
     pytest.skip("runs by default")
@@ -342,17 +351,22 @@ def _check_ragged(implementation, name):
            _oracle(example, p, is_causal=True))
 
 
-def test_ragged_lengths_and_causal():
-  _check_ragged("chunked", "causal_with_offset")
+_RAGGED_FAST = [("chunked", "causal_with_offset"),
+                ("triton", "sliding_window_with_sinks")]
+_RAGGED_FAST = [x for x in _RAGGED_FAST if x[0] in FLEX_IMPLEMENTATIONS]
+
+
+@pytest.mark.parametrize("implementation,name", _RAGGED_FAST)
+def test_ragged_lengths_and_causal(implementation, name):
+  _check_ragged(implementation, name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
-@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+@pytest.mark.parametrize("implementation,example", RUNS)
 def test_ragged_lengths_and_causal_all(implementation, example):
   if example.name == "document":
     pytest.skip("document ids index keys by query index: T == S only")
-  if (implementation, example.name) == ("chunked", "causal_with_offset"):
+  if (implementation, example.name) in _RAGGED_FAST:
     pytest.skip("runs by default")
   _check_ragged(implementation, example.name)
 
@@ -670,6 +684,72 @@ def test_chunked_visits_only_the_block_masks_tiles(monkeypatch):
   assert (kinds == masking.EMPTY).any() and (kinds == masking.FULL).any()
 
 
+@pytest.mark.skipif("triton" not in FLEX_IMPLEMENTATIONS,
+                    reason="the triton backend does not import here")
+def test_triton_visits_only_the_block_masks_tiles(monkeypatch):
+  """The triton kernels (interpreted) compute exactly the non-empty tiles
+  of the block mask intersected with causal masking, and evaluate the
+  mask_mod on exactly the partial ones, in each of the three kernels."""
+  from pallas_fa import triton  # noqa: PLC0415
+  from pallas_fa.triton import kernel  # noqa: PLC0415
+
+  gen = rng("triton-skipping")
+  t = 64
+  q, k, v, _ = _document_problem(gen, t=t)
+  # Two documents: EMPTY, PARTIAL and FULL tiles under causal masking.
+  ids = jnp.asarray([[0] * 40 + [1] * 24], jnp.int32)
+  config = triton.TritonBlockSizes(
+      block_q=16, block_kv=32, block_q_dkv=32, block_kv_dkv=16,
+      block_q_dq=16, block_kv_dq=16)
+  bm = pallas_fa.create_block_mask(
+      flex.document, (ids,), batch=1, heads=None, q_len=t, kv_len=t,
+      block_q=16, block_kv=16)
+  visits = {"logits": [], "mask_mod": []}
+
+  def record(kind, tile):
+    # The tile's first query and key, and its shape (the kernel's tiles).
+    rows, cols = (tile.q_idx.size, tile.kv_idx.size)
+    jax.debug.callback(
+        lambda i, j: visits[kind].append((int(i), int(j), rows, cols)),
+        tile.q_idx.min(), tile.kv_idx.min())
+
+  logits, with_mod = kernel._modded_logits, kernel._with_mask_mod
+
+  def counted_logits(refs, feat, qk, bias, tile, grad):
+    record("logits", tile)
+    return logits(refs, feat, qk, bias, tile, grad)
+
+  def counted_mod(refs, feat, visible, tile):
+    record("mask_mod", tile)
+    return with_mod(refs, feat, visible, tile)
+
+  monkeypatch.setattr(kernel, "_modded_logits", counted_logits)
+  monkeypatch.setattr(kernel, "_with_mask_mod", counted_mod)
+  api.clear_cache()
+  try:
+    jax.grad(lambda q: pallas_fa.flash_attention(
+        q, k, v, block_mask=bm, is_causal=True, implementation="triton",
+        block_sizes=config).sum())(q)
+  finally:
+    api.clear_cache()
+  n = q.shape[2]
+  causal = _brute_force_kinds(np.tril(np.ones((1, 1, t, t), bool)),
+                              16, 16)[0, 0]
+  kinds = np.minimum(np.asarray(bm.kinds())[0, 0], causal)
+  for tiles in ((16, 32), (32, 16), (16, 16)):  # fwd, dK/dV, dQ.
+    want = np.asarray(block_mask_lib.retile(
+        jnp.asarray(kinds), old=(16, 16), new=tiles, q_len=t, kv_len=t))
+    got = {kind: [(i // tiles[0], j // tiles[1])
+                  for i, j, rows, cols in visits[kind]
+                  if (rows, cols) == tiles] for kind in visits}
+    nonempty = [tuple(x) for x in np.argwhere(want != masking.EMPTY)]
+    partial = [tuple(x) for x in np.argwhere(want == masking.PARTIAL)]
+    # Each tile once per query head and kernel.
+    assert sorted(got["logits"]) == sorted(nonempty * n), tiles
+    assert sorted(got["mask_mod"]) == sorted(partial * n), tiles
+  assert (kinds == masking.EMPTY).any() and (kinds == masking.FULL).any()
+
+
 # --------------------------------------------------------------------------
 # Decode, the Pallas backends, argument checks.
 # --------------------------------------------------------------------------
@@ -706,6 +786,8 @@ def test_decode_attention():
 
 _PALLAS = [name for name in ("triton", "mosaic_gpu", "mosaic_tpu")
            if name in pallas_fa.implementations()]
+# The Pallas backends that do not fuse flex attention at all yet.
+_NO_FLEX = [name for name in _PALLAS if name != "triton"]
 
 
 def test_pallas_backends_decline_and_automatic_choice_falls_back(
@@ -715,24 +797,33 @@ def test_pallas_backends_decline_and_automatic_choice_falls_back(
   q, k, v, ids = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
                   for x in _document_problem(gen, t=32))
   slopes = flex.alibi_slopes(2)
+  table = jnp.asarray(gen.normal(size=(2, 8)), jnp.float32)
   calls = (dict(score_mod=flex.alibi, score_mod_args=(slopes,)),
            dict(mask_mod=flex.document, mask_mod_args=(ids,)))
-  for implementation in _PALLAS:
+  t5 = dict(score_mod=flex.t5_relative_bias, score_mod_args=(table,))
+  for implementation in _NO_FLEX:
     for kw in calls:
       with pytest.raises(NotImplementedError, match="flex attention"):
         pallas_fa.flash_attention(q, k, v, implementation=implementation,
                                   **kw)
+  if "triton" in _PALLAS:
+    # A gather at q_idx - kv_idx cannot run in a kernel: named, declined.
+    with pytest.raises(NotImplementedError,
+                       match="cannot fuse this score_mod.*dynamic_slice"):
+      pallas_fa.flash_attention(q, k, v, implementation="triton", **t5)
   if not _PALLAS:
     pytest.skip("no Pallas backend imports here")
   monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
                       tuple(_PALLAS) + ("chunked",))
   api.clear_cache()
   try:
-    got = pallas_fa.flash_attention(q, k, v, **calls[0])
+    for kw in (*calls, t5):
+      first = "triton" if "triton" in _PALLAS and kw is not t5 else "chunked"
+      np.testing.assert_array_equal(
+          pallas_fa.flash_attention(q, k, v, **kw),
+          pallas_fa.flash_attention(q, k, v, implementation=first, **kw))
   finally:
     api.clear_cache()
-  np.testing.assert_array_equal(got, pallas_fa.flash_attention(
-      q, k, v, implementation="chunked", **calls[0]))
 
 
 def test_argument_errors():

@@ -23,6 +23,11 @@ segment ids (so causal, windows, padding and sorted segments shrink the
 loops), and is split into a masked head, an unmasked middle of FULL tiles and
 a masked tail, so the masking arithmetic runs only on PARTIAL tiles.
 
+Flex attention (`score_mod`, `mask_mod`) is fused: `fused_mods` splits the
+functions, the kernels read the per-program, per-query and per-key values
+they need as inputs, and a mask_mod call walks per-program lists of its
+FULL and PARTIAL tiles (`tile_lists`) instead of a range.
+
 Any T and S are padded to whole tiles and each head dim (H of q/k, Hv of
 v, the output and dO) to a power of two of at least 16 (`ALIGN`,
 `pallas_fa.layout`). A call without `block_sizes=` gets a tuned record
@@ -40,9 +45,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_fa import block_mask as block_mask_lib
+from pallas_fa import fused_mods
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
+from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import tuning
 from pallas_fa import vjp
@@ -224,6 +232,41 @@ def tile_bounds(kinds: Array) -> Array:
   return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
 
 
+def intersect_kinds(a: Array, b: Array) -> Array:
+  """The kinds of tiles under two masks at once: EMPTY if either is, FULL
+  if both are, else PARTIAL (EMPTY < PARTIAL < FULL)."""
+  return jnp.minimum(a, b)
+
+
+def tile_lists(kinds: Array) -> Array:
+  """Per row of tile kinds [..., n], the tiles a program visits, int32
+  [..., w] (w the power of two >= 2 + 2n, for Triton's block shapes):
+  (number FULL, number PARTIAL, the FULL tiles ascending, padding to n, the
+  PARTIAL tiles ascending, padding)."""
+  n = kinds.shape[-1]
+  width = 1 << (2 + 2 * n - 1).bit_length()
+
+  def listed(kind):
+    hit = kinds == kind
+    # A stable sort on "is not this kind" lists those tiles first, in order.
+    order = jnp.argsort(~hit, axis=-1, stable=True).astype(jnp.int32)
+    return hit.sum(axis=-1, dtype=jnp.int32)[..., None], order
+
+  n_full, full = listed(masking.FULL)
+  n_part, part = listed(masking.PARTIAL)
+  out = jnp.concatenate([n_full, n_part, full, part], axis=-1)
+  pad = [(0, 0)] * (kinds.ndim - 1) + [(0, width - out.shape[-1])]
+  return jnp.pad(out, pad)
+
+
+def _mask_reads_head(info) -> bool:
+  """Whether a mask_mod's tiles can differ between query heads."""
+  if info.block_mask is not None:
+    return info.block_mask.heads > 1
+  return mods.uses_batch_and_head(
+      mods.MASK_MOD, info.mask_mod, info.mask_mod_args)[1]
+
+
 # ----------------------------------------------------------------------------
 # Inputs padded to whole tiles.
 
@@ -237,6 +280,12 @@ class _Padded(layout.Padded):
     if self.info.mask is not None:
       # Triton loads bytes, not i1: keep the mask as int8 in memory.
       self.mask = self.info.mask.astype(jnp.int8)
+    score_mod, mask_mod = fused_mods.split_call(info, "triton")
+    self.mod_kinds = None
+    if mask_mod is not None:
+      self.mod_kinds = functools.partial(
+          block_mask_lib.tile_kinds, info, batch=self.b, heads=self.n,
+          q_len=self.t, kv_len=self.s)
     self.feat = _Features(
         scale=float(params.scale),
         soft_cap=params.soft_cap,
@@ -248,10 +297,34 @@ class _Padded(layout.Padded):
         groups=self.g,
         precision=params.precision,
         dropout_rate=self.info.dropout_rate,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        lists_per_head=mask_mod is not None and _mask_reads_head(info),
     )
 
   def kinds(self, block_q, block_kv):
-    return masking.classify_blocks(self.info, block_q, block_kv)
+    """Tile kinds [B, nq, nk] of the built-in masks; with a mask_mod,
+    [B, N|1, nq, nk] of their intersection with it."""
+    kinds = masking.classify_blocks(self.info, block_q, block_kv)
+    if self.mod_kinds is None:
+      return kinds
+    mod = self.mod_kinds(block_q=block_q, block_kv=block_kv)
+    nq, nk = kinds.shape[1:]
+    # The mask's tiles cover [T, S]; the padded tail tiles are EMPTY.
+    mod = jnp.pad(mod, [(0, 0), (0, 0), (0, nq - mod.shape[2]),
+                        (0, nk - mod.shape[3])],
+                  constant_values=masking.EMPTY)
+    if not self.feat.builtin_mask:
+      return mod
+    return intersect_kinds(kinds[:, None], mod)
+
+  def lists(self, block_q, block_kv, *, transpose=False):
+    """`tile_lists` of a mask_mod call, [B, N|1, rows, width]."""
+    kinds = self.kinds(block_q, block_kv)
+    if transpose:
+      kinds = jnp.swapaxes(kinds, -1, -2)
+    return tile_lists(jnp.broadcast_to(
+        kinds, (self.b,) + kinds.shape[1:]))
 
 
 def _grouped(x, num_kv):
@@ -301,12 +374,21 @@ def _dense_index(full, b, n, i, j):
           i if full[2] else 0, j if full[3] else 0)
 
 
+def _block_sizes(params, q, k, v, info) -> TritonBlockSizes:
+  """The call's tiling (`vjp.Backend.block_sizes`); a default one adapted
+  to flex attention (`tiles.for_flex`)."""
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  if params.block_sizes is None:
+    bs = tiles.for_flex(bs, info.has_flex)
+  return bs
+
+
 # ----------------------------------------------------------------------------
 # Forward.
 
 
 def _forward(q, k, v, bias, info, params):
-  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  bs = _block_sizes(params, q, k, v, info)
   b, t, n, h = q.shape
   s = k.shape[1]
   bq, tp = layout.tile(bs.block_q, t, ALIGN)
@@ -333,12 +415,10 @@ def _forward(q, k, v, bias, info, params):
       "q_pos": None, "kv_pos": None, "q_seg": None, "kv_seg": None,
       "mask": None, "bias": None,
   }
-  if feat.masked:
-    inputs["bounds"] = (
-        tile_bounds(x.kinds(bq, bk)),
-        block_spec((None, None, 4), lambda i, h, b: (b, row(i), 0)))
+  _add_tile_inputs(inputs, x, feat, bq, bk, row)
   _add_row_col_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   _add_dense_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
+  _add_mod_inputs(inputs, x, feat, bq, row)
   outputs = {
       "out": (jax.ShapeDtypeStruct((b, x.tp, n, hvp), q.dtype),
               block_spec((None, bq, None, hvp),
@@ -386,12 +466,79 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
         lambda r, h, b, full=full: _dense_index(full, b, h, row(r), col(r))))
 
 
+def _residuals(x, mod):
+  """The residuals of a split score_mod/mask_mod (`fused_mods`) for the
+  padded call, in order; bool ones as int8 (Triton loads bytes)."""
+  args = (x.info.score_mod_args if mod.is_score_mod
+          else x.info.mask_mod_args)
+  arrays = mod.residual_arrays(
+      args, batch=x.b, heads=x.n, q_len=x.t, kv_len=x.s, q_padded=x.tp,
+      kv_padded=x.sp)
+  return [a.astype(jnp.int8) if a.dtype == jnp.bool_ else a for a in arrays]
+
+
+def _mods(feat):
+  return [m for m in (feat.score_mod, feat.mask_mod) if m is not None]
+
+
+def _add_mod_inputs(inputs, x, feat, rows, row):
+  """Flex residuals for the query-major grids (row block, head, batch):
+  per program [1], per query the program's [rows], per key all of them."""
+  level = fused_mods.Level
+  for mod in _mods(feat):
+    for i, (r, arr) in enumerate(zip(mod.residuals, _residuals(x, mod))):
+      if r.level == level.PROGRAM:
+        arr, block, at = arr[..., None], 1, lambda q: 0
+      elif r.level == level.ROW:
+        block, at = rows, row
+      else:
+        block, at = x.sp, lambda q: 0
+      inputs[kernel.residual_name(mod, i)] = (arr, block_spec(
+          (None, None, block), lambda q, h, b, r=r, at=at: (
+              b if r.batch else 0, h if r.head else 0, at(q))))
+
+
+def _add_mod_inputs_dkv(inputs, x, feat, cols):
+  """Flex residuals for the dK/dV grid (key block, kv head, batch), for
+  every query head of the group: [G|1, 1], [G|1, Tp] or [G|1, cols]."""
+  level = fused_mods.Level
+  for mod in _mods(feat):
+    for i, (r, arr) in enumerate(zip(mod.residuals, _residuals(x, mod))):
+      if r.level == level.PROGRAM:
+        arr = arr[..., None]
+      # [Bm, Hm, L] -> [Bm, K|1, G|1, L]
+      arr = arr.reshape(arr.shape[:1] + ((x.num_kv, x.g) if r.head
+                                         else (1, 1)) + arr.shape[2:])
+      width = {level.PROGRAM: 1, level.ROW: x.tp, level.COLUMN: cols}[r.level]
+      column = r.level == level.COLUMN
+      inputs[kernel.residual_name(mod, i)] = (arr, block_spec(
+          (None, None, arr.shape[2], width),
+          lambda j, h, b, r=r, column=column: (
+              b if r.batch else 0, h if r.head else 0, 0,
+              j if column else 0)))
+
+
+def _add_tile_inputs(inputs, x, feat, bq, bk, row):
+  """The tiles a query-major program visits: "lists" with a mask_mod
+  (`tile_lists`), else "bounds" when anything is masked."""
+  if feat.mask_mod is not None:
+    lists = x.lists(bq, bk)  # [B, N|1, nq, w]
+    inputs["lists"] = (lists, block_spec(
+        (None, None, None, lists.shape[-1]),
+        lambda i, h, b, per_head=lists.shape[1] > 1: (
+            b, h if per_head else 0, row(i), 0)))
+  elif feat.masked:
+    inputs["bounds"] = (
+        tile_bounds(x.kinds(bq, bk)),
+        block_spec((None, None, 4), lambda i, h, b: (b, row(i), 0)))
+
+
 # ----------------------------------------------------------------------------
 # Backward.
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  bs = _block_sizes(params, q, k, v, info)
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
   bq_kv, _ = layout.tile(bs.block_q_dkv, t, ALIGN)
@@ -421,13 +568,22 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       "delta": (delta, block_spec((None, g, x.tp), lambda j, h, b: (b, h, 0))),
       "bounds": None,
   }
-  if feat.masked:
+  if feat.mask_mod is not None:
+    lists = x.lists(bq_kv, bk_kv, transpose=True)  # [B, N|1, nk, w]
+    lists = lists.reshape(lists.shape[:1] + (
+        (num_kv, g) if lists.shape[1] > 1 else (1, 1)) + lists.shape[2:])
+    inputs["lists"] = (lists, block_spec(
+        (None, None, lists.shape[2], None, lists.shape[-1]),
+        lambda j, h, b, per_head=lists.shape[1] > 1: (
+            b, h if per_head else 0, 0, j, 0)))
+  elif feat.masked:
     kinds = jnp.swapaxes(x.kinds(bq_kv, bk_kv), 1, 2)  # [B, nk, nq]
     inputs["bounds"] = (
         tile_bounds(kinds),
         block_spec((None, None, 4), lambda j, h, b: (b, j, 0)))
   _add_row_col_inputs(inputs, x, feat, x.tp, bk_kv, lambda j: 0,
                       lambda j: j)
+  _add_mod_inputs_dkv(inputs, x, feat, bk_kv)
   for name, arr, full in (("mask", x.mask, feat.mask),
                           ("bias", x.bias, feat.bias)):
     if arr is None:
@@ -468,13 +624,11 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
                             lambda i, h, b: (b, 0, h // g, 0))),
       "bounds": None,
   }
-  if feat.masked:
-    inputs["bounds"] = (
-        tile_bounds(x.kinds(bq_q, bk_q)),
-        block_spec((None, None, 4), lambda i, h, b: (b, i, 0)))
+  _add_tile_inputs(inputs, x, feat, bq_q, bk_q, lambda i: i)
   _add_row_col_inputs(inputs, x, feat, bq_q, x.sp, lambda i: i,
                       lambda i: 0)
   _add_dense_inputs(inputs, x, feat, bq_q, x.sp, lambda i: i, lambda i: 0)
+  _add_mod_inputs(inputs, x, feat, bq_q, lambda i: i)
   outputs = {
       "dq": (jax.ShapeDtypeStruct((b, x.tp, n, hp), q.dtype),
              block_spec((None, bq_q, None, hp), lambda i, h, b: (b, i, h, 0))),
@@ -487,11 +641,31 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     db_block = (None, None, bq_q if db[2] else 1, x.sp if db[3] else 1)
     outputs["dbias"] = (jax.ShapeDtypeStruct(db_shape, _F32),
                         block_spec(db_block, lambda i, h, b: (b, h, i, 0)))
+  score_mod = feat.score_mod
+  differentiable = [] if score_mod is None else [
+      r for r in score_mod.residuals if r.differentiable]
+  for i, _ in enumerate(differentiable):
+    # Per program, one partial sum: reduced outside, no atomics.
+    outputs[f"d{score_mod.name}.{i}"] = (
+        jax.ShapeDtypeStruct((b, n, nq), _F32),
+        block_spec((None, None, 1), lambda i, h, b: (b, h, i)))
   _add_dropout_seed(inputs, x)
   body = functools.partial(
       kernel.backward_dq, feat=feat, block_k=bk_q, num_tiles=nk)
   results = pallas_call(body, inputs, outputs, (nq, n, b), warps, stages,
                         "flash_bwd_dq")
+  dargs = None
+  if score_mod is not None:
+    partial = results[len(results) - len(differentiable):]
+    # [B, N, nq] -> [Bm, Hm], as the residual is stored.
+    cotangents = [
+        d.sum(axis=2).sum(axis=(0,) * (not r.batch) + (1,) * (not r.head),
+                          keepdims=True)
+        for d, r in zip(partial, differentiable)]
+    dargs = score_mod.args_grad(x.info.score_mod_args, cotangents,
+                                batch=b, heads=n)
+    dargs = tuple(None if d is None else d.astype(a.dtype)
+                  for d, a in zip(dargs, x.info.score_mod_args))
   dq = results[0][:, :t, :, :h]
   dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :x.hv]
   dbias = None
@@ -504,6 +678,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     if not db[1]:
       dbias = dbias.sum(axis=1, keepdims=True)
     dbias = dbias.astype(bias.dtype)
+  if score_mod is not None:
+    return dq, dk, dv, dbias, dargs
   return dq, dk, dv, dbias
 
 
@@ -515,10 +691,7 @@ def _check(q, k, v, bias, info, params):
     raise NotImplementedError(
         f"the triton implementation needs a GPU (or CPU interpret mode), "
         f"not {platform=}.")
-  if info.has_flex:
-    raise NotImplementedError(
-        "triton does not fuse score_mod/mask_mod/block_mask (flex "
-        "attention) into its kernels yet; \"chunked\" and \"xla\" run them.")
+  fused_mods.split_call(info, "triton")  # Declines what it cannot fuse.
 
 
 BACKEND = vjp.Backend(

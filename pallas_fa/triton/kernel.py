@@ -5,6 +5,12 @@ programs it launches (FlashAttention-2, Algorithm 1 and §3.2), written against
 one dict of refs each (`triton.pallas_call`): the forward, the dK/dV kernel
 (transposed orientation, the GQA group summed inside) and the dQ kernel (with
 dbias). They work in base 2, with log2(e) folded into the logits.
+
+Flex attention arrives split (`pallas_fa.fused_mods`): the kernels read a
+score_mod's and a mask_mod's per-program, per-query and per-key values as
+inputs and run their tile parts on each tile; with a mask_mod, a program
+walks the lists of its FULL and PARTIAL tiles (`refs["lists"]`) instead of
+a range.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fa import dropout
+from pallas_fa import fused_mods
 from pallas_fa import masking
 from pallas_fa import online_softmax
 
@@ -42,14 +49,85 @@ class Features:
   groups: int
   precision: Any = None
   dropout_rate: float = 0.0
+  score_mod: fused_mods.FusedMod | None = None
+  mask_mod: fused_mods.FusedMod | None = None
+  # Whether the tile lists of a mask_mod differ between query heads.
+  lists_per_head: bool = False
 
   @property
   def positions(self) -> bool:
     return self.is_causal or self.window is not None
 
   @property
-  def masked(self) -> bool:
+  def builtin_mask(self) -> bool:
+    """Whether positions, segments or a dense mask can mask an element."""
     return self.positions or self.segments or self.mask is not None
+
+  @property
+  def masked(self) -> bool:
+    return self.builtin_mask or self.mask_mod is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+  """Where a tile lies, for a flex function's indices and values.
+
+  Attributes:
+    q_idx, kv_idx: int32 token indices broadcasting against the tile.
+    rows: the ref index of its queries in the per-query inputs of the
+      dK/dV kernel (None: the program's own block).
+    cols: likewise for its keys in the query-major kernels.
+    group: the query head's index within its GQA group (dK/dV kernel),
+      None in the query-major kernels.
+  """
+
+  q_idx: Any
+  kv_idx: Any
+  rows: Any = None
+  cols: Any = None
+  group: Any = None
+
+  @property
+  def queries_last(self) -> bool:
+    return self.group is not None
+
+
+def query_major_tile(row0, rows: int, col0, cols: int, col_slice) -> Tile:
+  """The Tile of queries [row0, row0 + rows) x keys [col0, col0 + cols)."""
+  return Tile(q_idx=row0 + jnp.arange(rows, dtype=jnp.int32)[:, None],
+              kv_idx=col0 + jnp.arange(cols, dtype=jnp.int32)[None, :],
+              cols=col_slice)
+
+
+def mod_values(refs, mod: fused_mods.FusedMod, tile: Tile) -> list:
+  """The residuals of `mod` (`fused_mods.FusedMod.residuals`) for a tile,
+  shaped to broadcast against it; bool ones arrive as int8."""
+  level = fused_mods.Level
+  values = []
+  for i, r in enumerate(mod.residuals):
+    ref = refs[residual_name(mod, i)]
+    if not tile.queries_last:  # [1], the program's [rows], all [Sp].
+      if r.level == level.PROGRAM:
+        v = ref[...][None, :]
+      elif r.level == level.ROW:
+        v = ref[...][:, None]
+      else:
+        v = ref[tile.cols][None, :]
+    else:  # [G|1, 1], [G|1, Tp], the program's [G|1, cols].
+      g = tile.group if r.head else 0
+      if r.level == level.PROGRAM:
+        v = ref[g, :][None, :]
+      elif r.level == level.ROW:
+        v = ref[g, tile.rows][None, :]
+      else:
+        v = ref[g, :][:, None]
+    values.append(v != 0 if r.dtype == jnp.bool_ else v)
+  return values
+
+
+def residual_name(mod: fused_mods.FusedMod, i: int) -> str:
+  """The kernel input holding residual i of `mod`."""
+  return f"{mod.name}.{i}"
 
 
 def _dot(a, b, feat: Features):
@@ -118,14 +196,36 @@ def _visible(feat: Features, row_pos, col_pos, row_seg, col_seg, dense, *,
   )
 
 
-def _visit(refs, tile, carry, masked: bool, num_tiles: int):
+def _visit(refs, tile, carry, feat: Features, num_tiles: int, group=None):
   """Runs tile(j, carry, masked) over the non-empty tiles of this program.
 
   `refs["bounds"]` holds (lo, full_lo, full_hi, hi): tiles in
   [full_lo, full_hi) are FULL and skip the masking arithmetic; the others in
   [lo, hi) are masked; everything outside [lo, hi) is EMPTY and not visited.
+  With a mask_mod, whose non-empty tiles need not be contiguous,
+  `refs["lists"]` holds (number FULL, number PARTIAL, the FULL tiles, the
+  PARTIAL tiles) instead (`tile_lists`), per query head of the GQA group
+  `group` in the dK/dV kernel.
   """
-  if not masked:
+  if feat.mask_mod is not None:
+    lists = refs["lists"]
+    if group is not None:
+      g = group if feat.lists_per_head else 0
+
+      def at(i):
+        return lists[g, i]
+    else:
+      def at(i):
+        return lists[i]
+
+    def listed(start, masked):
+      def body(step, carry):
+        return tile(at(start + step), carry, masked=masked)
+      return body
+
+    carry = jax.lax.fori_loop(0, at(0), listed(2, False), carry)
+    return jax.lax.fori_loop(0, at(1), listed(2 + num_tiles, True), carry)
+  if not feat.masked:
     return jax.lax.fori_loop(
         0, num_tiles, functools.partial(tile, masked=False), carry)
   bounds = refs["bounds"]
@@ -149,21 +249,57 @@ def _dense_tile(ref, full, lead, rows, cols):
               cols if full[3] else slice(None))]
 
 
-def _tile_logits(refs, feat: Features, q, k, cols, q_pos, q_seg, masked):
-  """(s, s_capped) of the [block_q, block_k] tile of the keys `cols` in the
-  query-major kernels (forward, dQ), masked when `masked` (base 2)."""
+def _modded_logits(refs, feat: Features, qk, bias, tile: Tile, grad: bool):
+  """(base-2 logits, capped logits, score_mod pullback or None) of a tile:
+  `_logits`, with the score_mod applied to the natural logits (and its
+  pullback kept when `grad`, `fused_mods.FusedMod.tile_vjp`)."""
+  if feat.score_mod is None:
+    return (*_logits(feat, qk, bias), None)
+  s, s_capped = online_softmax.logits(
+      qk, scale=feat.scale, cap=feat.soft_cap, bias=bias)
+  values = mod_values(refs, feat.score_mod, tile)
+  pullback = None
+  if grad:
+    s, pullback = feat.score_mod.tile_vjp(
+        values, q_idx=tile.q_idx, kv_idx=tile.kv_idx, score=s)
+  else:
+    s = feat.score_mod.tile(values, q_idx=tile.q_idx, kv_idx=tile.kv_idx,
+                            score=s)
+  return s * online_softmax.LOG2_E, s_capped, pullback
+
+
+def _with_mask_mod(refs, feat: Features, visible, tile: Tile):
+  """`visible` (None: all) intersected with the mask_mod on the tile."""
+  if feat.mask_mod is None:
+    return visible
+  mod = feat.mask_mod.tile(mod_values(refs, feat.mask_mod, tile),
+                           q_idx=tile.q_idx, kv_idx=tile.kv_idx)
+  return mod if visible is None else jnp.logical_and(visible, mod)
+
+
+def _tile_logits(refs, feat: Features, q, k, tile: Tile, q_pos, q_seg,
+                 masked, grad=False):
+  """(s, s_capped, score_mod pullback) of the [block_q, block_k] tile of
+  the keys `tile.cols` in the query-major kernels (forward, dQ), masked
+  when `masked` (base 2)."""
+  cols = tile.cols
   bias = None
   if feat.bias is not None:
     bias = _dense_tile(refs["bias"], feat.bias, (), slice(None), cols)
-  s, s_capped = _logits(feat, _dot_nt(q, k, feat), bias)
+  s, s_capped, pullback = _modded_logits(
+      refs, feat, _dot_nt(q, k, feat), bias, tile, grad)
   if masked:
-    dense = None
-    if feat.mask is not None:
-      dense = _dense_tile(refs["mask"], feat.mask, (), slice(None), cols)
-    s = online_softmax.apply_mask(s, _visible(
-        feat, q_pos, refs["kv_pos"][cols] if feat.positions else None,
-        q_seg, refs["kv_seg"][cols] if feat.segments else None, dense))
-  return s, s_capped
+    visible = None
+    if feat.builtin_mask:
+      dense = None
+      if feat.mask is not None:
+        dense = _dense_tile(refs["mask"], feat.mask, (), slice(None), cols)
+      visible = _visible(
+          feat, q_pos, refs["kv_pos"][cols] if feat.positions else None,
+          q_seg, refs["kv_seg"][cols] if feat.segments else None, dense)
+    s = online_softmax.apply_mask(
+        s, _with_mask_mod(refs, feat, visible, tile))
+  return s, s_capped, pullback
 
 
 # ----------------------------------------------------------------------------
@@ -186,7 +322,10 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = refs["k"][cols, :]  # [block_k, Hp]
     v = refs["v"][cols, :]  # [block_k, Hvp]
-    s, _ = _tile_logits(refs, feat, q, k, cols, q_pos, q_seg, masked)
+    s, _, _ = _tile_logits(
+        refs, feat, q, k, query_major_tile(row * block_q, block_q,
+                                           j * block_k, block_k, cols),
+        q_pos, q_seg, masked)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
     if feat.dropout_rate:
       # On the normalised probabilities: l_i sums the undropped ones.
@@ -196,7 +335,7 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     return m_i, l_i, acc
 
   carry = online_softmax.init((block_q,), (block_q, hvp))
-  m_i, l_i, acc = _visit(refs, tile, carry, feat.masked, num_tiles)
+  m_i, l_i, acc = _visit(refs, tile, carry, feat, num_tiles)
   out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
   refs["out"][...] = out.astype(refs["out"].dtype)
   refs["lse"][...] = lse
@@ -229,18 +368,28 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
       if feat.bias is not None:
         bias = _dense_tile(refs["bias"], feat.bias,
                            (g if feat.bias[1] else 0,), rows, slice(None)).T
+      flex_tile = Tile(
+          q_idx=i * block_q + jnp.arange(block_q, dtype=jnp.int32)[None, :],
+          kv_idx=kv_block * block_kv + jnp.arange(
+              block_kv, dtype=jnp.int32)[:, None],
+          rows=rows, group=g)
       # [block_kv, block_q]
-      s, s_capped = _logits(feat, _dot_nt(k, q, feat), bias)
+      s, s_capped, score_mod_pullback = _modded_logits(
+          refs, feat, _dot_nt(k, q, feat), bias, flex_tile, grad=True)
       if masked:
-        dense = None
-        if feat.mask is not None:
-          dense = _dense_tile(refs["mask"], feat.mask,
-                              (g if feat.mask[1] else 0,), rows,
-                              slice(None)).T
-        s = online_softmax.apply_mask(s, _visible(
-            feat, kv_pos, refs["q_pos"][rows] if feat.positions else None,
-            kv_seg, refs["q_seg"][rows] if feat.segments else None, dense,
-            queries_last=True))
+        visible = None
+        if feat.builtin_mask:
+          dense = None
+          if feat.mask is not None:
+            dense = _dense_tile(refs["mask"], feat.mask,
+                                (g if feat.mask[1] else 0,), rows,
+                                slice(None)).T
+          visible = _visible(
+              feat, kv_pos, refs["q_pos"][rows] if feat.positions else None,
+              kv_seg, refs["q_seg"][rows] if feat.segments else None, dense,
+              queries_last=True)
+        s = online_softmax.apply_mask(
+            s, _with_mask_mod(refs, feat, visible, flex_tile))
       p = online_softmax.probs_from_lse(
           s, lse, base2=True, per_query=online_softmax.queries_last)
       dp = _dot_nt(v, do, feat)  # [block_kv, block_q]
@@ -255,11 +404,13 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
       dv = dv + _dot(p_used.astype(do.dtype), do, feat)  # [block_kv, Hvp]
       ds = online_softmax.softmax_grad(
           p, dp, delta, per_query=online_softmax.queries_last)
+      if score_mod_pullback is not None:
+        ds, _ = score_mod_pullback(ds)  # Its arrays' gradients: in dQ.
       ds = online_softmax.logits_grad(ds, s_capped, cap=feat.soft_cap)
       dk = dk + _dot(ds.astype(q.dtype), q, feat)  # unscaled, see below
       return dk, dv
 
-    return _visit(refs, tile, carry, feat.masked, num_tiles)
+    return _visit(refs, tile, carry, feat, num_tiles, group=g)
 
   carry = (jnp.zeros((block_kv, hp), _F32),
            jnp.zeros((block_kv, v.shape[1]), _F32))
@@ -290,17 +441,25 @@ def backward_dq(refs, *, feat: Features, block_k: int, num_tiles: int):
   db_carry = db is not None and not db[3]
 
   def tile(j, carry, masked):
-    dq, db_acc = carry
+    dq, db_acc, dmod = carry
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = refs["k"][cols, :]  # [block_k, Hp]
     v = refs["v"][cols, :]  # [block_k, Hvp]
-    s, s_capped = _tile_logits(refs, feat, q, k, cols, q_pos, q_seg, masked)
+    s, s_capped, score_mod_pullback = _tile_logits(
+        refs, feat, q, k, query_major_tile(q_block * block_q, block_q,
+                                           j * block_k, block_k, cols),
+        q_pos, q_seg, masked, grad=True)
     p = online_softmax.probs_from_lse(s, lse, base2=True)
     dp = _dot_nt(do, v, feat)  # [block_q, block_k]
     if feat.dropout_rate:
       dp = dp * _dropout_factor(refs, feat, batch, head, q_block * block_q,
                                 block_q, j * block_k, block_k)
     ds = online_softmax.softmax_grad(p, dp, delta)
+    if score_mod_pullback is not None:
+      # dS w.r.t. the logits before score_mod (also the bias gradient), and
+      # this tile's share of each per-program value's gradient.
+      ds, d = score_mod_pullback(ds)
+      dmod = tuple(a + b for a, b in zip(dmod, d))
     if db is not None:
       d = ds if db[2] else ds.sum(axis=0, keepdims=True)
       if db[3]:
@@ -309,21 +468,30 @@ def backward_dq(refs, *, feat: Features, block_k: int, num_tiles: int):
         db_acc = db_acc + d.sum(axis=1, keepdims=True)
     ds = online_softmax.logits_grad(ds, s_capped, cap=feat.soft_cap)
     dq = dq + _dot(ds.astype(k.dtype), k, feat)  # unscaled, see below
-    return dq, db_acc
+    return dq, db_acc, dmod
 
   if db is not None and db[3] and feat.masked:
-    # Tiles outside the visited range have zero gradient; write it.
+    # Tiles outside the visited ones have zero gradient; write it.
     def zero(j, c):
       cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
       refs["dbias"][:, cols] = jnp.zeros((db_rows, block_k), _F32)
       return c
 
-    bounds = refs["bounds"]
-    jax.lax.fori_loop(0, bounds[0], zero, 0)
-    jax.lax.fori_loop(bounds[3], num_tiles, zero, 0)
+    if feat.mask_mod is not None:  # Visited tiles overwrite theirs.
+      jax.lax.fori_loop(0, num_tiles, zero, 0)
+    else:
+      bounds = refs["bounds"]
+      jax.lax.fori_loop(0, bounds[0], zero, 0)
+      jax.lax.fori_loop(bounds[3], num_tiles, zero, 0)
+  dmod = ()
+  if feat.score_mod is not None:
+    dmod = tuple(jnp.zeros((), _F32) for r in feat.score_mod.residuals
+                 if r.differentiable)
   carry = (jnp.zeros((block_q, hp), _F32),
-           jnp.zeros((db_rows, 1), _F32) if db_carry else None)
-  dq, db_acc = _visit(refs, tile, carry, feat.masked, num_tiles)
+           jnp.zeros((db_rows, 1), _F32) if db_carry else None, dmod)
+  dq, db_acc, dmod = _visit(refs, tile, carry, feat, num_tiles)
+  for i, d in enumerate(dmod):
+    refs[f"d{feat.score_mod.name}.{i}"][...] = jnp.broadcast_to(d, (1,))
   if db_carry:
     refs["dbias"][...] = db_acc
   refs["dq"][...] = (dq * feat.scale).astype(refs["dq"].dtype)

@@ -1,0 +1,431 @@
+"""A score_mod or mask_mod split for a Pallas kernel (flex attention).
+
+A kernel can run elementwise arithmetic on a tile, but cannot gather from
+an array at data-dependent indices (Triton and Mosaic have no register
+gather). Most user functions (`pallas_fa.mods`) only gather with indices
+that are known before the tile loop: `slopes[head]` needs the program's
+head, `document_ids[batch, q_idx]` one value per query row. `split` traces
+the function once on scalars, inlines its calls, and sorts each operation
+by what its result depends on:
+
+    PROGRAM  batch, head, the arrays    one value per (batch, head)
+    ROW      ... and q_idx              one value per query
+    COLUMN   ... and kv_idx             one value per key
+    TILE     the score, or both         computed in the kernel
+
+The first three levels run outside the kernel, in plain XLA, vectorised
+over every batch row, head and token (`FusedMod.residual_arrays`); the kernel
+receives the values that tile operations read ("residuals") as small arrays
+blocked like its positions, and evaluates the tile operations on its tile
+(`FusedMod.tile`). Those must be elementwise (`_ELEMENTWISE`): a call whose
+tile part gathers (`table[head, kv_idx - q_idx]`) is declined with a
+NotImplementedError naming the operation, so the automatic choice moves on.
+
+Gradients (score_mod): the kernel chains dS through the tile part with
+`jax.vjp` (`FusedMod.tile_vjp`), summing each PROGRAM residual's cotangent
+over its tiles (a per-program partial sum); `FusedMod.args_grad` chains
+those sums through the outside part. A float ROW or COLUMN residual that
+depends on the arrays (a learned per-token bias) would need a cotangent per
+token and is declined for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+from typing import Callable
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+from pallas_fa import mods
+
+Array = Any
+_Literal = jax.extend.core.Literal
+
+
+class Level(enum.IntEnum):
+  PROGRAM = 0
+  ROW = 1
+  COLUMN = 2
+  TILE = 3
+
+
+# What a value depends on (bit flags).
+_SCORE, _BATCH, _HEAD, _Q, _KV, _ARGS, _DIFF = (1 << i for i in range(7))
+
+# Tile operations a kernel can lower: elementwise on operands broadcast to
+# a common shape. Shape-only operations on scalars pass their operand on.
+_ELEMENTWISE = frozenset("""
+    abs add and atan2 cbrt ceil clamp convert_element_type cos div eq erf
+    exp exp2 expm1 floor ge gt integer_pow is_finite le log log1p logistic
+    lt max min mul ne neg not or pow reduce_precision rem round rsqrt
+    select_n shift_left shift_right_arithmetic shift_right_logical sign sin
+    sqrt square stop_gradient sub tan tanh xor copy copy_p
+""".split())
+_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze",
+                         "expand_dims"})
+# Parameters holding the body of a call that `_flatten` inlines (jit,
+# custom_jvp_call, custom_vjp_call across jax versions).
+_CALL_BODIES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _level(deps: int) -> Level:
+  if deps & _SCORE or (deps & _Q and deps & _KV):
+    return Level.TILE
+  if deps & _Q:
+    return Level.ROW
+  if deps & _KV:
+    return Level.COLUMN
+  return Level.PROGRAM
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Step:
+  """One primitive application: inputs and outputs are keys of an
+  environment (a `_Literal` stands for itself)."""
+
+  primitive: Any
+  params: dict
+  ins: tuple
+  outs: tuple
+  out_avals: tuple
+  level: Level
+
+
+def _flatten(jaxpr, names: dict, steps: list) -> None:
+  """Appends the equations of `jaxpr` to `steps`, inlining calls.
+
+  `names` maps the jaxpr's input (and constant) variables to keys.
+  """
+  def key(atom):
+    return atom if isinstance(atom, _Literal) else names[atom]
+
+  for eqn in jaxpr.eqns:
+    body = next((eqn.params[p] for p in _CALL_BODIES if p in eqn.params),
+                None)
+    inner = getattr(body, "jaxpr", body)
+    if inner is not None and hasattr(inner, "eqns") and len(
+        inner.invars) == len(eqn.invars):
+      sub = {v: key(a) for v, a in zip(inner.invars, eqn.invars)}
+      for v, c in zip(inner.constvars, getattr(body, "consts", ())):
+        sub[v] = _Literal(c, v.aval)
+      _flatten(inner, sub, steps)
+      for v, out in zip(eqn.outvars, inner.outvars):
+        names[v] = key(out) if isinstance(out, _Literal) else sub[out]
+      continue
+    outs = tuple(object() for _ in eqn.outvars)
+    names.update(zip(eqn.outvars, outs))
+    steps.append(_Step(eqn.primitive, dict(eqn.params),
+                       tuple(key(a) for a in eqn.invars), outs,
+                       tuple(v.aval for v in eqn.outvars), Level.TILE))
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  """A value computed outside the kernel and read by its tile operations.
+
+  Attributes:
+    key: its key in the environment.
+    level: PROGRAM (one per batch row and head), ROW or COLUMN (also one
+      per query or key).
+    dtype: its dtype.
+    batch, head: whether it depends on the batch row / the head (else it
+      is stored broadcast, size 1).
+    differentiable: a float value that depends on a float array of the
+      function's arguments.
+  """
+
+  key: Any
+  level: Level
+  dtype: Any
+  batch: bool
+  head: bool
+  differentiable: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusedMod:
+  """A score_mod or mask_mod split into an outside and a tile part.
+
+  Made by `split`. Hashable by identity, so it can parameterise kernels.
+  """
+
+  name: str
+  fn: Callable
+  inputs: tuple  # keys of (score?), batch, head, q_idx, kv_idx, *args
+  outside: tuple[_Step, ...]
+  tile_steps: tuple[_Step, ...]
+  output: Any
+  residuals: tuple[Residual, ...]
+
+  @property
+  def is_score_mod(self) -> bool:
+    return self.name == mods.SCORE_MOD
+
+  def _index_keys(self):
+    offset = int(self.is_score_mod)
+    return self.inputs[offset:offset + 4]
+
+  def _arg_keys(self):
+    return self.inputs[int(self.is_score_mod) + 4:]
+
+  # -- outside the kernel ---------------------------------------------------
+
+  def _outside_values(self, batch, head, q_idx, kv_idx, args):
+    """The residuals for scalar indices (vmapped by `residuals`)."""
+    env = dict(zip(self._index_keys(), (batch, head, q_idx, kv_idx)))
+    env.update(zip(self._arg_keys(), args))
+    for step in self.outside:
+      _run(step, env, tile=False)
+    return [env[r.key] for r in self.residuals]
+
+  def residual_arrays(self, args, *, batch: int, heads: int, q_len: int,
+                      kv_len: int, q_padded: int, kv_padded: int,
+                      levels=tuple(Level)) -> list[Array]:
+    """The residuals (of `levels`, in `residuals` order): [Bm, Hm] for
+    PROGRAM, [Bm, Hm, q_padded] for ROW, [Bm, Hm, kv_padded] for COLUMN;
+    Bm = batch if the value depends on the batch row, else 1, Hm likewise.
+    Padded positions repeat the last real one (they are never visible)."""
+    zero = jnp.zeros((), jnp.int32)
+    out = []
+    for i, r in enumerate(self.residuals):
+      if r.level not in levels:
+        continue
+      length, padded = {Level.ROW: (q_len, q_padded),
+                        Level.COLUMN: (kv_len, kv_padded)}.get(
+                            r.level, (1, 1))
+      pos = jnp.minimum(jnp.arange(padded, dtype=jnp.int32), length - 1)
+
+      def one(b, h, p, i=i, level=r.level):
+        q = p if level == Level.ROW else zero
+        kv = p if level == Level.COLUMN else zero
+        return self._outside_values(b, h, q, kv, args)[i]
+
+      f = one
+      if r.level != Level.PROGRAM:
+        f = jax.vmap(f, in_axes=(None, None, 0))
+      f = jax.vmap(jax.vmap(f, in_axes=(None, 0, None)),
+                   in_axes=(0, None, None))
+      bs = jnp.arange(batch if r.batch else 1, dtype=jnp.int32)
+      hs = jnp.arange(heads if r.head else 1, dtype=jnp.int32)
+      out.append(f(bs, hs, pos if r.level != Level.PROGRAM else zero))
+    return out
+
+  def args_grad(self, args, cotangents: list[Array], *, batch: int,
+                heads: int) -> tuple:
+    """Gradients of `args` from the summed cotangents of the
+    differentiable PROGRAM residuals ([Bm, Hm] each, in `residuals`
+    order); None for integer arrays."""
+    diff = [i for i, x in enumerate(args)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+    def program(*dargs):
+      full = list(args)
+      for i, x in zip(diff, dargs):
+        full[i] = x
+      values = self.residual_arrays(
+          tuple(full), batch=batch, heads=heads, q_len=1, kv_len=1,
+          q_padded=1, kv_padded=1, levels=(Level.PROGRAM,))
+      program_residuals = [r for r in self.residuals
+                           if r.level == Level.PROGRAM]
+      return [v for v, r in zip(values, program_residuals)
+              if r.differentiable]
+
+    _, pull = jax.vjp(program, *(args[i] for i in diff))
+    grads = pull([c.astype(v.dtype) for c, v in zip(
+        cotangents, jax.eval_shape(program, *(args[i] for i in diff)))])
+    out = [None] * len(args)
+    for i, g in zip(diff, grads):
+      out[i] = g
+    return tuple(out)
+
+  # -- in the kernel --------------------------------------------------------
+
+  def tile(self, values: list[Array], *, q_idx: Array, kv_idx: Array,
+           score: Array | None = None) -> Array:
+    """The function on a tile: `values` are the residuals (in `residuals`
+    order) shaped to broadcast against it, `q_idx` / `kv_idx` the token
+    indices likewise. Returns the tile (score's dtype, or bool)."""
+    env = dict(zip(self._index_keys()[2:], (q_idx, kv_idx)))
+    if self.is_score_mod:
+      env[self.inputs[0]] = score
+    env.update((r.key, v) for r, v in zip(self.residuals, values))
+    for step in self.tile_steps:
+      _run(step, env, tile=True)
+    out = _value(self.output, env)
+    shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
+    if score is not None:
+      shape = score.shape
+      return jnp.broadcast_to(out, shape).astype(score.dtype)
+    return jnp.broadcast_to(out, shape)
+
+  def tile_vjp(self, values: list[Array], *, q_idx: Array, kv_idx: Array,
+               score: Array):
+    """(score_mod(score), pullback): pullback(ds) -> (ds w.r.t. the score,
+    [the cotangent of each differentiable residual, summed over the tile,
+    float32])."""
+    diff = [i for i, r in enumerate(self.residuals) if r.differentiable]
+
+    def f(s, *dvals):
+      vals = list(values)
+      for i, x in zip(diff, dvals):
+        vals[i] = x
+      return self.tile(vals, q_idx=q_idx, kv_idx=kv_idx, score=s)
+
+    out, pull = jax.vjp(f, score, *(values[i] for i in diff))
+
+    def pullback(ds):
+      ds_in, *dvals = pull(ds.astype(out.dtype))
+      return ds_in, [jnp.sum(d).astype(jnp.float32) for d in dvals]
+
+    return out, pullback
+
+
+def _value(k, env):
+  return k.val if isinstance(k, _Literal) else env[k]
+
+
+def _run(step: _Step, env: dict, *, tile: bool) -> None:
+  """Evaluates one step; on a tile, operands are broadcast to their common
+  shape first (the trace was on scalars)."""
+  vals = [_value(k, env) for k in step.ins]
+  name = step.primitive.name
+  if tile and name in _SHAPE_ONLY:
+    env[step.outs[0]] = vals[0]
+    return
+  if tile:
+    shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in vals))
+    vals = [v if jnp.shape(v) == shape else jnp.broadcast_to(v, shape)
+            for v in vals]
+    out = step.primitive.bind(*vals, **step.params)
+  else:
+    out = step.primitive.bind(*vals, **_bind_params(step))
+  outs = out if step.primitive.multiple_results else [out]
+  env.update(zip(step.outs, outs))
+
+
+def _bind_params(step: _Step) -> dict:
+  """The parameters to bind a step's primitive with (jax < 0.10 returned
+  (subfuns, params) here; every primitive left after `_flatten` has no
+  subfuns)."""
+  params = step.primitive.get_bind_params(step.params)
+  if isinstance(params, tuple):  # pragma: no cover - older jax.
+    subfuns, params = params
+    if subfuns:
+      raise NotImplementedError(f"cannot rebind {step.primitive.name}")
+  return params
+
+
+def split(name: str, fn: Callable, args: tuple[Array, ...],
+          backend: str) -> FusedMod:
+  """Splits a checked score_mod / mask_mod (`mods.check`) for a kernel.
+
+  Args:
+    name: "score_mod" or "mask_mod".
+    fn: the function.
+    args: its arrays (only their shapes and dtypes are read).
+    backend: named in the errors.
+
+  Raises:
+    NotImplementedError: the tile part has an operation a kernel cannot
+      run, or a residual a kernel cannot take (the message says which).
+  """
+  i32 = jax.ShapeDtypeStruct((), jnp.int32)
+  abstract = ((jax.ShapeDtypeStruct((), jnp.float32),) if name == (
+      mods.SCORE_MOD) else ()) + (i32,) * 4 + tuple(
+          jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args)
+  try:
+    closed = jax.make_jaxpr(fn)(*abstract)
+  except Exception as e:  # A function that needs its tile shapes.
+    raise NotImplementedError(
+        f"{backend} runs {name} on scalar indices to fuse it into its "
+        f"kernels, and {name} failed on them ({type(e).__name__}: {e}); "
+        "\"chunked\" and \"xla\" run it.") from None
+  jaxpr = closed.jaxpr
+  inputs = tuple(object() for _ in jaxpr.invars)
+  names = dict(zip(jaxpr.invars, inputs))
+  for v, c in zip(jaxpr.constvars, closed.consts):
+    names[v] = _Literal(c, v.aval)
+  steps: list[_Step] = []
+  _flatten(jaxpr, names, steps)
+  out = jaxpr.outvars[0]
+  output = out if isinstance(out, _Literal) else names[out]
+
+  offset = int(name == mods.SCORE_MOD)
+  deps = {k: 0 for k in inputs}
+  if offset:
+    deps[inputs[0]] = _SCORE
+  for k, flag in zip(inputs[offset:offset + 4], (_BATCH, _HEAD, _Q, _KV)):
+    deps[k] = flag
+  for k, x in zip(inputs[offset + 4:], args):
+    deps[k] = _ARGS | (_DIFF if jnp.issubdtype(x.dtype, jnp.inexact) else 0)
+  for i, step in enumerate(steps):
+    d = 0
+    for k in step.ins:
+      d |= 0 if isinstance(k, _Literal) else deps[k]
+    floating = all(jnp.issubdtype(v.dtype, jnp.inexact)
+                   for v in step.out_avals)
+    d = d if floating else d & ~_DIFF
+    deps.update((o, d) for o in step.outs)
+    steps[i] = dataclasses.replace(step, level=_level(d))
+
+  outside = tuple(s for s in steps if s.level != Level.TILE)
+  tile_steps = tuple(s for s in steps if s.level == Level.TILE)
+  for s in tile_steps:
+    if s.primitive.name not in _ELEMENTWISE | _SHAPE_ONLY:
+      raise NotImplementedError(
+          f"{backend} cannot fuse this {name}: it applies "
+          f"`{s.primitive.name}` to values that depend on both q_idx and "
+          "kv_idx (or on the score), e.g. a gather such as "
+          "table[head, kv_idx - q_idx], which its kernels cannot run; "
+          "\"chunked\" and \"xla\" run it.")
+
+  # Residuals: values made outside and read in the tile (q_idx and kv_idx
+  # themselves the kernel knows), and the output when it is made outside.
+  read = [k for s in tile_steps for k in s.ins
+          if not isinstance(k, _Literal)]
+  if not isinstance(output, _Literal) and _level(deps[output]) != Level.TILE:
+    read.append(output)
+  avals = {k: a for k, a in zip(inputs, abstract)}
+  for s in steps:
+    avals.update(zip(s.outs, s.out_avals))
+  residuals, seen = [], set()
+  index_keys = set(inputs[offset + 2:offset + 4])
+  for k in read:
+    if k in seen or k in index_keys or _level(deps[k]) == Level.TILE:
+      continue
+    seen.add(k)
+    level = _level(deps[k])
+    aval = avals[k]
+    if aval.shape != ():
+      raise NotImplementedError(
+          f"{backend} cannot fuse this {name}: its per-tile part reads an "
+          f"array of shape {aval.shape} (a kernel takes one value per "
+          "program, query or key); \"chunked\" and \"xla\" run it.")
+    diff = bool(deps[k] & _DIFF)
+    if diff and level != Level.PROGRAM:
+      raise NotImplementedError(
+          f"{backend} cannot fuse this {name}: a per-"
+          f"{'query' if level == Level.ROW else 'key'} value it computes "
+          "from its float arrays needs a gradient per token, which its "
+          "kernels do not produce; \"chunked\" and \"xla\" run it.")
+    residuals.append(Residual(
+        key=k, level=level, dtype=aval.dtype, batch=bool(deps[k] & _BATCH),
+        head=bool(deps[k] & _HEAD), differentiable=diff))
+  return FusedMod(name=name, fn=fn, inputs=inputs, outside=outside,
+                  tile_steps=tile_steps, output=output,
+                  residuals=tuple(residuals))
+
+
+def split_call(info, backend: str) -> tuple[FusedMod | None,
+                                             FusedMod | None]:
+  """(score_mod, mask_mod) of a call's `masking.MaskInfo`, split; None for
+  an absent one. Raises NotImplementedError as `split`."""
+  return tuple(
+      None if fn is None else split(name, fn, args, backend)
+      for name, fn, args in (
+          (mods.SCORE_MOD, info.score_mod, info.score_mod_args),
+          (mods.MASK_MOD, info.mask_mod, info.mask_mod_args)))

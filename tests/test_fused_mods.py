@@ -1,0 +1,170 @@
+"""`pallas_fa.fused_mods`: a score_mod/mask_mod split for the kernels.
+
+The split must be exact: its residuals (computed outside a kernel) fed to
+its tile part give what `mods.evaluate` gives on the dense [B, N, T, S]
+grid, for every example of `pallas_fa.flex` it accepts, on fresh random
+inputs; its gradients (per-tile partial sums chained through the outside
+part) what `jax.grad` gives; and what a kernel cannot run is declined with
+a message naming the reason.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_testing import rng
+
+from pallas_fa import flex
+from pallas_fa import fused_mods
+from pallas_fa import mods
+
+Level = fused_mods.Level
+B, N, T, S = 2, 3, 12, 20
+
+
+def _examples(gen):
+  doc = jnp.asarray(np.sort(gen.integers(0, 3, (B, S)), axis=1), jnp.int32)
+  return {
+      "alibi": (mods.SCORE_MOD, flex.alibi, (jnp.asarray(
+          gen.uniform(0.1, 1.0, N), jnp.float32),)),
+      "tanh_soft_cap": (mods.SCORE_MOD, flex.tanh_soft_cap,
+                        (jnp.float32(gen.uniform(2, 5)),)),
+      "document": (mods.MASK_MOD, flex.document, (doc,)),
+      "chunked_causal": (mods.MASK_MOD, flex.chunked_causal,
+                         (jnp.int32(4),)),
+      "prefix_lm": (mods.MASK_MOD, flex.prefix_lm, (jnp.asarray(
+          gen.integers(0, T, B), jnp.int32),)),
+      "sliding_window_with_sinks": (mods.MASK_MOD,
+                                    flex.sliding_window_with_sinks,
+                                    (jnp.int32(5), jnp.int32(2))),
+      "causal_with_offset": (mods.MASK_MOD, flex.causal_with_offset,
+                             (jnp.asarray(gen.integers(0, 6, B),
+                                          jnp.int32),)),
+  }
+
+
+# What each example's tile reads: (level, depends on batch, on head).
+LEVELS = {
+    "alibi": [(Level.PROGRAM, False, True)],
+    "tanh_soft_cap": [(Level.PROGRAM, False, False)],
+    "document": [(Level.ROW, True, False), (Level.COLUMN, True, False)],
+    "chunked_causal": [(Level.ROW, False, False),
+                       (Level.COLUMN, False, False)],
+    "prefix_lm": [(Level.COLUMN, True, False)],
+    "sliding_window_with_sinks": [(Level.PROGRAM, False, False),
+                                  (Level.COLUMN, False, False)],
+    "causal_with_offset": [(Level.ROW, True, False)],
+}
+
+
+def _dense(fn, name, args, score):
+  return mods.evaluate(
+      fn, (B, N, T, S), batch=jnp.arange(B).reshape(B, 1, 1, 1),
+      head=jnp.arange(N).reshape(1, N, 1, 1),
+      q_idx=jnp.arange(T).reshape(1, 1, T, 1),
+      kv_idx=jnp.arange(S).reshape(1, 1, 1, S),
+      score=score if name == mods.SCORE_MOD else None, args=args)
+
+
+def _tile_values(mod, arrays, b, h):
+  """Each residual for program (b, h), shaped against a [T, S] tile."""
+  out = []
+  for r, a in zip(mod.residuals, arrays):
+    a = a[b if r.batch else 0, h if r.head else 0]
+    if r.level == Level.ROW:
+      a = a[:T, None]
+    elif r.level == Level.COLUMN:
+      a = a[None, :S]
+    out.append(a)
+  return out
+
+
+def _split_grid(mod, args, score):
+  # Padded lengths as a kernel pads them: the tails are never visible.
+  arrays = mod.residual_arrays(args, batch=B, heads=N, q_len=T, kv_len=S,
+                               q_padded=T + 4, kv_padded=S + 4)
+  return jnp.stack([jnp.stack([
+      mod.tile(_tile_values(mod, arrays, b, h),
+               q_idx=jnp.arange(T)[:, None], kv_idx=jnp.arange(S)[None, :],
+               score=None if score is None else score[b, h])
+      for h in range(N)]) for b in range(B)])
+
+
+@pytest.mark.parametrize("example", sorted(LEVELS))
+def test_split_is_exact(example):
+  gen = rng("fused-mods", example)
+  name, fn, args = _examples(gen)[example]
+  mod = fused_mods.split(name, fn, args, "test")
+  assert [(r.level, r.batch, r.head) for r in mod.residuals] == (
+      LEVELS[example])
+  score = jnp.asarray(gen.normal(size=(B, N, T, S)), jnp.float32)
+  got = _split_grid(mod, args, score if name == mods.SCORE_MOD else None)
+  want = _dense(fn, name, args, score)
+  if name == mods.MASK_MOD:
+    assert want.any() and not want.all()
+    np.testing.assert_array_equal(got, want)
+  else:
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("example", ["alibi", "tanh_soft_cap"])
+def test_gradients_are_exact(example):
+  """Per-(batch, head) sums of the tile cotangents, chained outside, give
+  jax.grad of the dense evaluation; and dS through the tile part."""
+  gen = rng("fused-mods-grad", example)
+  name, fn, args = _examples(gen)[example]
+  mod = fused_mods.split(name, fn, args, "test")
+  score = jnp.asarray(gen.normal(size=(B, N, T, S)), jnp.float32)
+  ds = jnp.asarray(gen.normal(size=(B, N, T, S)), jnp.float32)
+  want_args, want_score = jax.grad(
+      lambda a, s: (_dense(fn, name, a, s) * ds).sum(), argnums=(0, 1))(
+          args, score)
+  arrays = mod.residual_arrays(args, batch=B, heads=N, q_len=T, kv_len=S,
+                               q_padded=T, kv_padded=S)
+  diff = [r for r in mod.residuals if r.differentiable]
+  assert diff
+  cotangents = [jnp.zeros((B if r.batch else 1, N if r.head else 1))
+                for r in diff]
+  got_score = []
+  for b in range(B):
+    for h in range(N):
+      _, pull = mod.tile_vjp(_tile_values(mod, arrays, b, h),
+                             q_idx=jnp.arange(T)[:, None],
+                             kv_idx=jnp.arange(S)[None, :], score=score[b, h])
+      d_score, d_values = pull(ds[b, h])
+      got_score.append(d_score)
+      cotangents = [c.at[b if r.batch else 0, h if r.head else 0].add(d)
+                    for c, r, d in zip(cotangents, diff, d_values)]
+  got_args = mod.args_grad(args, cotangents, batch=B, heads=N)
+  np.testing.assert_allclose(jnp.stack(got_score).reshape(score.shape),
+                             want_score, rtol=1e-5, atol=1e-5)
+  for g, w in zip(got_args, want_args):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_declines_what_a_kernel_cannot_run():
+  gen = rng("fused-mods-decline")
+  table = jnp.asarray(gen.normal(size=(N, 8)), jnp.float32)
+  with pytest.raises(NotImplementedError,
+                     match="cannot fuse this score_mod.*dynamic_slice"):
+    fused_mods.split(mods.SCORE_MOD, flex.t5_relative_bias, (table,), "k")
+
+  def key_bias(score, batch, head, q_idx, kv_idx, bias):
+    return score + bias[kv_idx]
+
+  # A learned per-key bias: a per-token gradient, which kernels lack ...
+  with pytest.raises(NotImplementedError, match="gradient per token"):
+    fused_mods.split(mods.SCORE_MOD, key_bias,
+                     (jnp.zeros((S,), jnp.float32),), "k")
+  # ... but an integer one (no gradient) is a per-key value.
+  mod = fused_mods.split(mods.SCORE_MOD, key_bias,
+                         (jnp.zeros((S,), jnp.int32),), "k")
+  assert [r.level for r in mod.residuals] == [Level.COLUMN]
+
+  def needs_a_tile(score, batch, head, q_idx, kv_idx):
+    return score + q_idx[0, 0] * 0
+
+  with pytest.raises(NotImplementedError, match="failed on them"):
+    fused_mods.split(mods.SCORE_MOD, needs_a_tile, (), "k")
