@@ -559,9 +559,10 @@ def flash_attention(
       q, k, bias and `score_mod_args`); see `pallas_fa.flex` for examples.
       Arrays it reads must come through `score_mod_args` (a closure over
       one is an error). A new function object retraces the call: make it
-      once. Runs on "xla" and "chunked" and fused into the "triton"
-      kernels (`pallas_fa.fused_mods`), which decline a function whose
-      per-tile part gathers (see README, "Flex attention").
+      once. Runs on "xla" and "chunked" and fused into the "triton" and
+      (per-head score_mods only) "mosaic_gpu" kernels
+      (`pallas_fa.fused_mods`), which decline a function whose per-tile
+      part gathers (see README, "Flex attention").
     score_mod_args: the arrays score_mod reads (ALiBi slopes, a relative
       bias table), differentiable.
     mask_mod: `(batch, head, q_idx, kv_idx, *mask_mod_args) -> bool`,

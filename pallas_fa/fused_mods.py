@@ -242,6 +242,21 @@ class FusedMod:
       out[i] = g
     return tuple(out)
 
+  def args_grad_from_partials(self, args, partials: list[Array], *,
+                              batch: int, heads: int) -> tuple:
+    """`args_grad` from a kernel's partial sums: per differentiable
+    PROGRAM residual, float32 [B, N, ...] (per program, per query, ...),
+    summed here to the residual's [Bm, Hm]; cast to the arrays' dtypes."""
+    differentiable = [r for r in self.residuals if r.differentiable]
+    cotangents = []
+    for d, r in zip(partials, differentiable):
+      d = d.reshape(d.shape[:2] + (-1,)).sum(axis=2)
+      cotangents.append(d.sum(axis=(0,) * (not r.batch) + (1,) * (
+          not r.head), keepdims=True))
+    grads = self.args_grad(args, cotangents, batch=batch, heads=heads)
+    return tuple(None if g is None else g.astype(a.dtype)
+                 for g, a in zip(grads, args))
+
   # -- in the kernel --------------------------------------------------------
 
   def tile(self, values: list[Array], *, q_idx: Array, kv_idx: Array,
@@ -263,11 +278,16 @@ class FusedMod:
     return jnp.broadcast_to(out, shape)
 
   def tile_vjp(self, values: list[Array], *, q_idx: Array, kv_idx: Array,
-               score: Array):
+               score: Array, reduce: Callable = jnp.sum, args: bool = True):
     """(score_mod(score), pullback): pullback(ds) -> (ds w.r.t. the score,
-    [the cotangent of each differentiable residual, summed over the tile,
-    float32])."""
-    diff = [i for i, r in enumerate(self.residuals) if r.differentiable]
+    [the cotangent of each differentiable residual, float32, `reduce`d:
+    summed over the tile by default]).
+
+    Values passed broadcast to the tile get a tile of cotangents, which
+    `reduce` may sum along one axis only (a kernel that cannot reduce to a
+    scalar). Without `args` only the score's cotangent is computed."""
+    diff = [i for i, r in enumerate(self.residuals)
+            if r.differentiable and args]
 
     def f(s, *dvals):
       vals = list(values)
@@ -279,7 +299,7 @@ class FusedMod:
 
     def pullback(ds):
       ds_in, *dvals = pull(ds.astype(out.dtype))
-      return ds_in, [jnp.sum(d).astype(jnp.float32) for d in dvals]
+      return ds_in, [reduce(d.astype(jnp.float32)) for d in dvals]
 
     return out, pullback
 

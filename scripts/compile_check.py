@@ -122,7 +122,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
                     "value_dim": ("triton", "mosaic_gpu"),
-                    "flex_alibi": ("triton",), "flex_document": ("triton",)}
+                    "flex_alibi": ("triton", "mosaic_gpu"),
+                    "flex_document": ("triton",)}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 HEAD_DIMS = (64, 72, 128, 256)

@@ -340,6 +340,20 @@ def test_example_bfloat16_all(implementation, example):
   _check_bfloat16(implementation, example.name)
 
 
+# Score_mods the mosaic_gpu kernels fuse (per-head values only), in the
+# Mosaic GPU interpreter (about a minute each on a CPU: the slow leg; a GPU
+# runs them compiled).
+_MOSAIC_GPU_RUNS = ["alibi", "tanh_soft_cap"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("mosaic_gpu" not in pallas_fa.implementations(),
+                    reason="the mosaic_gpu backend does not import here")
+@pytest.mark.parametrize("name", _MOSAIC_GPU_RUNS)
+def test_mosaic_gpu_score_mod(name):
+  _check_bfloat16("mosaic_gpu", name)
+
+
 def _check_ragged(implementation, name):
   """T != S (neither a multiple of the tiles), MQA, with is_causal and
   key padding intersecting the mask_mod."""
@@ -786,8 +800,13 @@ def test_decode_attention():
 
 _PALLAS = [name for name in ("triton", "mosaic_gpu", "mosaic_tpu")
            if name in pallas_fa.implementations()]
-# The Pallas backends that do not fuse flex attention at all yet.
-_NO_FLEX = [name for name in _PALLAS if name != "triton"]
+
+
+
+def _query_shift(score, batch, head, q_idx, kv_idx, offsets):
+  """A score_mod that reads a value per query (q_idx + offsets[batch])."""
+  del head, kv_idx
+  return score + 0.01 * (q_idx + offsets[batch]).astype(score.dtype)
 
 
 def test_pallas_backends_decline_and_automatic_choice_falls_back(
@@ -801,16 +820,23 @@ def test_pallas_backends_decline_and_automatic_choice_falls_back(
   calls = (dict(score_mod=flex.alibi, score_mod_args=(slopes,)),
            dict(mask_mod=flex.document, mask_mod_args=(ids,)))
   t5 = dict(score_mod=flex.t5_relative_bias, score_mod_args=(table,))
-  for implementation in _NO_FLEX:
-    for kw in calls:
-      with pytest.raises(NotImplementedError, match="flex attention"):
+  per_query = dict(score_mod=_query_shift,
+                   score_mod_args=(jnp.arange(q.shape[0], dtype=jnp.int32),))
+  # (implementation, call, the reason it declines).
+  declined = [
+      ("mosaic_tpu", calls[0], "flex attention"),
+      ("mosaic_tpu", calls[1], "flex attention"),
+      ("mosaic_gpu", calls[1], "mask_mod"),
+      ("mosaic_gpu", per_query, "per query or key"),
+      # A gather at q_idx - kv_idx cannot run in a kernel: named, declined.
+      ("mosaic_gpu", t5, "cannot fuse this score_mod.*dynamic_slice"),
+      ("triton", t5, "cannot fuse this score_mod.*dynamic_slice"),
+  ]
+  for implementation, kw, reason in declined:
+    if implementation in _PALLAS:
+      with pytest.raises(NotImplementedError, match=reason):
         pallas_fa.flash_attention(q, k, v, implementation=implementation,
                                   **kw)
-  if "triton" in _PALLAS:
-    # A gather at q_idx - kv_idx cannot run in a kernel: named, declined.
-    with pytest.raises(NotImplementedError,
-                       match="cannot fuse this score_mod.*dynamic_slice"):
-      pallas_fa.flash_attention(q, k, v, implementation="triton", **t5)
   if not _PALLAS:
     pytest.skip("no Pallas backend imports here")
   monkeypatch.setitem(api.AUTO_ORDER, api.platform(),

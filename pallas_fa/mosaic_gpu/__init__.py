@@ -9,9 +9,13 @@ this module is everything around them:
   `default_block_sizes`: a tuned record (`scripts/tune.py`), else
   `heuristic_block_sizes`, which fits the tiles into the 227 KiB of shared
   memory of an H100/H200;
-* `check`: bfloat16/float16 only, head dim <= 256, no bias or dense mask, and
-  an sm90 GPU -- or, without a GPU, the Mosaic GPU interpreter. Anything else
-  raises NotImplementedError so the automatic choice moves on to "triton";
+* `check`: bfloat16/float16 only, head dim <= 256, no bias or dense mask, no
+  mask_mod, a score_mod only if it reads its arrays per (batch, head)
+  (`fused_mods`: the kernels take those values, one per program, and run
+  the rest of the function on each tile; `dq` also sums their gradients per
+  query), and an sm90 GPU -- or, without a GPU, the Mosaic GPU interpreter.
+  Anything else raises NotImplementedError so the automatic choice moves on
+  to "triton";
 * the layout work: padding T and S to whole tiles and the head dim to a
   multiple of 64 (`pallas_fa.layout`, which also zeroes padded rows so NaN
   cannot leak); and the per-tile schedule, derived from
@@ -31,9 +35,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import fused_mods
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
+from pallas_fa import mods
 from pallas_fa import tuning
 from pallas_fa import vjp
 from pallas_fa.mosaic_gpu import dkv as dkv_kernel
@@ -148,10 +154,12 @@ def _needs_masking(q, k, info, bs: MosaicGpuBlockSizes) -> bool:
 def _check(q, k, v, bias, info, params):
   """Raises NotImplementedError for calls these kernels cannot honour."""
   mask = info.mask  # Every other part of the mask description is supported.
-  if info.has_flex:
+  if info.mask_mod is not None:
     raise NotImplementedError(
-        "mosaic_gpu does not fuse score_mod/mask_mod/block_mask (flex "
-        "attention) into its kernels yet; \"chunked\" and \"xla\" run them.")
+        "mosaic_gpu does not fuse a mask_mod/block_mask (flex attention) "
+        "into its kernels yet; \"triton\", \"chunked\" and \"xla\" run "
+        "them.")
+  _score_mod(info)  # Declines what it cannot fuse.
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu runs bfloat16/float16 (wgmma) only, got {q.dtype=}.")
@@ -170,7 +178,7 @@ def _check(q, k, v, bias, info, params):
   if not runs_interpreted(params.block_sizes):
     version = cuda_runtime_version()
     lo, hi = _MISCOMPILING_CUDA
-    bs = BACKEND.block_sizes(params, q, k, info, v=v)
+    bs = _block_sizes(params, q, k, v, info)
     if version is not None and lo <= version < hi and _needs_masking(
         q, k, info, bs):
       raise NotImplementedError(
@@ -230,7 +238,8 @@ def schedule(kinds: Array, consumers: int) -> Array:
 
 
 def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
-          consumers, pingpong, units_per_head, heads, num_heads):
+          consumers, pingpong, units_per_head, heads, num_heads,
+          score_mod=None):
   q_len, kv_len = x.q.shape[1], x.k.shape[1]
   units = x.q.shape[0] * heads * units_per_head
   return kernel.Spec(
@@ -256,7 +265,46 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       interpret=interpret,
       lowering_semantics=bs.lowering_semantics if bs is not None else None,
       dropout_rate=x.info.dropout_rate,
+      score_mod=score_mod,
   )
+
+
+def _block_sizes(params, q, k, v, info) -> MosaicGpuBlockSizes:
+  """The call's tiling (`vjp.Backend.block_sizes`); a default one adapted
+  to a score_mod (`tiles.for_score_mod`)."""
+  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  if params.block_sizes is None:
+    bs = tiles.for_score_mod(bs, info.score_mod is not None)
+  return bs
+
+
+def _score_mod(info):
+  """The call's score_mod split for the kernels (`fused_mods`), or None.
+
+  Raises:
+    NotImplementedError: it cannot be fused here: a tile part a kernel
+      cannot run, or values per query or key (this backend streams keys
+      through a warp-specialised ring that has no room for them yet).
+  """
+  if info.score_mod is None:
+    return None
+  mod = fused_mods.split(mods.SCORE_MOD, info.score_mod,
+                         info.score_mod_args, "mosaic_gpu")
+  if any(r.level != fused_mods.Level.PROGRAM for r in mod.residuals):
+    raise NotImplementedError(
+        "mosaic_gpu fuses a score_mod whose arrays it reads per (batch, "
+        "head) only (e.g. slopes[head]); this one reads values per query "
+        "or key; \"triton\", \"chunked\" and \"xla\" run it.")
+  return mod
+
+
+def _residuals(x: layout.Padded, mod) -> tuple:
+  """The score_mod's per-(batch, head) values, [Bm, Hm] each."""
+  if mod is None:
+    return ()
+  return tuple(mod.residual_arrays(
+      x.info.score_mod_args, batch=x.b, heads=x.n, q_len=x.t, kv_len=x.s,
+      q_padded=x.tp, kv_padded=x.sp))
 
 
 def _seed(x: layout.Padded) -> Array | None:
@@ -273,7 +321,7 @@ def _seed(x: layout.Padded) -> Array | None:
 
 def _forward(q, k, v, bias, info, params):
   del bias  # Refused by _check.
-  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  bs = _block_sizes(params, q, k, v, info)
   return forward_impl(q, k, v, info, params, interpret=runs_interpreted(bs))
 
 
@@ -288,7 +336,7 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   """
   b, t, n, _ = q.shape
   s = k.shape[1]
-  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  bs = _block_sizes(params, q, k, v, info)
   rows = bs.num_consumers * bs.block_q
   x = layout.Padded(
       q, k, v, None, info, q_len=layout.padded_length(t, rows),
@@ -296,18 +344,20 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   sched = schedule(
       masking.classify_blocks(x.info, bs.block_q, bs.block_kv),
       bs.num_consumers)
+  score_mod = _score_mod(info)
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
       stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
-      units_per_head=x.tp // rows, heads=n, num_heads=n)
+      units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod)
   out, lse = forward_kernel.forward(
-      spec, x.q, x.k, x.v, *_meta(x), sched, _seed(x))
+      spec, x.q, x.k, x.v, *_meta(x), sched, _seed(x),
+      _residuals(x, score_mod))
   return out[:, :t, :, :x.hv], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
   del bias  # Refused by _check.
-  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  bs = _block_sizes(params, q, k, v, info)
   return backward_impl(
       q, k, v, info, params, lse, dout, delta, interpret=runs_interpreted(bs))
 
@@ -321,7 +371,7 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   """
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
-  bs = BACKEND.block_sizes(params, q, k, info, v=v)
+  bs = _block_sizes(params, q, k, v, info)
   q_rows = bs.num_consumers_dq * bs.block_q_dq
   kv_rows = bs.num_consumers_dkv * bs.block_kv_dkv
   q_len = layout.padded_length(t, q_rows, bs.block_q_dkv)
@@ -333,6 +383,8 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   lse2 = x.rows(kernel.lse_for_kernel(lse).astype(jnp.float32), jnp.inf)
   delta = x.rows(delta.astype(jnp.float32), 0.0)
   operands = (x.q, x.k, x.v, do, lse2, delta, *_meta(x))
+  score_mod = _score_mod(info)
+  residuals = _residuals(x, score_mod)
 
   sched = schedule(
       masking.classify_blocks(x.info, bs.block_q_dq, bs.block_kv_dq),
@@ -341,8 +393,10 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
       x, params, bs, interpret, block_q=bs.block_q_dq,
       block_kv=bs.block_kv_dq, stages=bs.num_stages_bwd,
       consumers=bs.num_consumers_dq, pingpong=False,
-      units_per_head=q_len // q_rows, heads=n, num_heads=n)
-  dq = dq_kernel.backward_dq(spec, *operands, sched, _seed(x))
+      units_per_head=q_len // q_rows, heads=n, num_heads=n,
+      score_mod=score_mod)
+  dq, *dmod = dq_kernel.backward_dq(spec, *operands, sched, _seed(x),
+                                    residuals)
 
   kinds = masking.classify_blocks(x.info, bs.block_q_dkv, bs.block_kv_dkv)
   sched = schedule(jnp.swapaxes(kinds, 1, 2), bs.num_consumers_dkv)
@@ -350,22 +404,28 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
       x, params, bs, interpret, block_q=bs.block_q_dkv,
       block_kv=bs.block_kv_dkv, stages=bs.num_stages_bwd,
       consumers=bs.num_consumers_dkv, pingpong=False,
-      units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n)
+      units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n,
+      score_mod=score_mod)
   seed = _seed(x)
   if bs.split_dkv:
     (dv,) = dkv_kernel.backward_dkv(
-        spec, *operands, sched, seed, outputs=("dv",))
+        spec, *operands, sched, seed, residuals, outputs=("dv",))
     (dk,) = dkv_kernel.backward_dkv(
-        spec, *operands, sched, seed, outputs=("dk",))
+        spec, *operands, sched, seed, residuals, outputs=("dk",))
   else:
-    dk, dv = dkv_kernel.backward_dkv(spec, *operands, sched, seed)
-  del b
-  return (
+    dk, dv = dkv_kernel.backward_dkv(spec, *operands, sched, seed,
+                                     residuals)
+  grads = (
       dq[:, :t, :, :h],
       dk[:, :s, :, :h].astype(k.dtype),
       dv[:, :s, :, :x.hv].astype(v.dtype),
       None,
   )
+  if score_mod is None:
+    return grads
+  # Per query, [B, N, Tp] (padded rows have zero cotangent).
+  return (*grads, score_mod.args_grad_from_partials(
+      info.score_mod_args, dmod, batch=b, heads=n))
 
 
 BACKEND = vjp.Backend(

@@ -27,7 +27,8 @@ _COLUMNS = online_softmax.queries_along(1)
 
 
 def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
-                 kv_pos, kv_seg, sched, seed=None, *, outputs=("dk", "dv")):
+                 kv_pos, kv_seg, sched, seed=None, residuals=(), *,
+                 outputs=("dk", "dv")):
   """The dK/dV kernel (KV-stationary; GQA group summed inside).
 
   Works on S^T = K Q^T so that P^T and dS^T are register operands of the
@@ -42,6 +43,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     sched: int32 [B, Sp / (consumers block_kv), 2 + 2 consumers]; ranges of
       query tiles.
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
+    residuals: the score_mod's per-(batch, head) values (`Spec.score_mod`).
     outputs: which of "dk", "dv" to compute.
 
   Returns:
@@ -88,7 +90,9 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         w = kernel.stationary_in_step(spec, wg)
         k_tile, v_tile = k_smem.at[w], v_smem.at[w]
         qk_t = ops.mm(k_tile, q_smem.at[slot], transpose_b=True)  # [bk, bq]
-        s_t, capped_t = kernel.logits(spec, qk_t)
+        s_t, capped_t, score_mod_pullback = kernel.flex_logits(
+            spec, ops, qk_t, r, batch=b, head=kh * g + rep, q0=i * bq,
+            kv0=key0, q_axis=1, grad=want_dk, args=False)
         lse2 = ops.load_vector(lse_smem.at[slot], 1)
         if masked:
           q_p, q_s = kernel.load_meta(
@@ -122,6 +126,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         if want_dk:
           ds_t = online_softmax.softmax_grad(  # dP^T of the dropped P^T.
               p_t, dropped(dp_t), delta, per_query=_COLUMNS)
+          if score_mod_pullback is not None:  # Its values': in dQ.
+            ds_t, _ = score_mod_pullback(ds_t)
           ds_t = kernel.logits_grad(spec, ds_t, capped_t)
           dk = ops.mm(
               ds_t.astype(spec.dtype), q_smem.at[slot], a_in_smem=False,
@@ -201,4 +207,4 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           jax.ShapeDtypeStruct((v if name == "dv" else k).shape, spec.dtype)
           for name in outputs),
       smem_types=smem, barrier_types=barriers, unit=unit,
-      producer_groups=producer_groups, seed=seed)
+      producer_groups=producer_groups, seed=seed, residuals=residuals)

@@ -24,7 +24,7 @@ _ROWS = online_softmax.queries_along(0)
 
 
 def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
-                kv_pos, kv_seg, sched, seed=None):
+                kv_pos, kv_seg, sched, seed=None, residuals=()):
   """The dQ kernel (Q-stationary; no atomics).
 
   Args:
@@ -41,21 +41,25 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     kv_seg: int32 [B, Sp].
     sched: int32 [B, Tp / (consumers block_q), 2 + 2 consumers].
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
+    residuals: the score_mod's per-(batch, head) values (`Spec.score_mod`).
 
   Returns:
-    dq [B, Tp, N, Hp] in q.dtype.
+    dq [B, Tp, N, Hp] in q.dtype, then for each differentiable residual of
+    the score_mod its cotangent summed over the keys, float32 [B, N, Tp].
   """
   ops = kernel.ops_for(spec)
   bq, h, stages = spec.block_q, spec.head_dim, spec.stages
   nc = spec.consumers
   units = kernel.q_units(spec)
+  num_d = 0 if spec.score_mod is None else sum(
+      res.differentiable for res in spec.score_mod.residuals)
 
   def unit(r: kernel.Refs, t, base):
     (q_ref, _, _, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, _, _,
      sched_ref) = r.inputs
-    (dq_ref,) = r.outputs
-    (q_smem, do_smem, lse_smem, delta_smem, qpos_smem, qseg_smem, k_smem,
-     v_smem, kpos_smem, kseg_smem) = r.smem
+    dq_ref, *dmod_refs = r.outputs
+    (q_smem, do_smem, lse_smem, delta_smem, qpos_smem, qseg_smem,
+     *dmod_smem, k_smem, v_smem, kpos_smem, kseg_smem) = r.smem
     q_bar, k_bar, v_bar, k_free, v_free = r.barriers
     wg = r.wg
     q_own, do_own = q_smem.at[wg], do_smem.at[wg]  # Q, then dQ.
@@ -77,7 +81,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     q_p, q_s = kernel.load_meta(
         spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
 
-    def step(j, dq, *, masked):
+    def step(j, carry, *, masked):
+      dq, dmod = carry
       slot = lax.rem(base + j - ulo, stages)
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
@@ -90,23 +95,35 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         dp = kernel.apply_dropout(
             spec, ops, dp, r.seed, batch=b, head=n, q_start=row0,
             kv_start=j * spec.block_kv, q_axis=0)
-      s, capped = kernel.logits(spec, qk)
+      s, capped, score_mod_pullback = kernel.flex_logits(
+          spec, ops, qk, r, batch=b, head=n, q0=row0,
+          kv0=j * spec.block_kv, q_axis=0, grad=True)
       if masked:
         k_p, k_s = kernel.load_meta(
             spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
       p = online_softmax.probs(s, lse2, base2=True, per_query=_ROWS)
       ds = online_softmax.softmax_grad(p, dp, delta, per_query=_ROWS)
+      if score_mod_pullback is not None:
+        # dS before the score_mod; per query, its values' cotangents.
+        ds, d = score_mod_pullback(ds)
+        dmod = tuple(a + x for a, x in zip(dmod, d))
       ds = kernel.logits_grad(spec, ds, capped)
       dq = ops.mm(
           ds.astype(spec.dtype), k_smem.at[slot], a_in_smem=False, acc=dq)
       plgpu.barrier_arrive(k_free.at[slot])
-      return dq
+      return dq, dmod
 
-    dq = kernel.phases(
-        sched_ref, b, row, wg, step, ops.full((bq, h), 0.0), spec.masked)
+    dmod = tuple(ops.full_vector(bq, 0.0, 0) for _ in range(num_d))
+    dq, dmod = kernel.phases(
+        sched_ref, b, row, wg, step, (ops.full((bq, h), 0.0), dmod),
+        spec.masked)
     q_own[...] = dq.astype(spec.dtype)
-    kernel.store([(q_own, dq_ref.at[b, rows, n])])
+    for x, ref in zip(dmod, dmod_smem):
+      ref.at[wg][...] = x
+    kernel.store([(q_own, dq_ref.at[b, rows, n]),
+                  *((ref.at[wg], out.at[b, n, rows])
+                    for ref, out in zip(dmod_smem, dmod_refs))])
     return base + sched_ref[b, row, 1] - ulo
 
   smem = (
@@ -116,18 +133,20 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       plgpu.SMEM((nc, bq), _F32),  # delta
       plgpu.SMEM((nc, bq), _I32),  # query positions
       plgpu.SMEM((nc, bq), _I32),  # query segment ids
-      *kernel.kv_rings(spec, ops),
+      *(plgpu.SMEM((nc, bq), _F32) for _ in range(num_d)),  # score_mod
+      *kernel.kv_rings(spec, ops),  # Last: `kv_producer` reads them there.
   )
   barriers = (
       # Q, dO, lse, delta (+ metadata) loaded, per consumer.
       gpu_ops.barrier(nc, 4 + spec.num_meta),
       *kernel.kv_barriers(spec),
   )
-  (dq,) = kernel.launch(
+  return kernel.launch(
       spec, name="pfa_mgpu_dq", units=units, reps=1,
       operands=(q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos, kv_seg,
                 sched),
-      out_types=(jax.ShapeDtypeStruct(q.shape, spec.dtype),),
+      out_types=(jax.ShapeDtypeStruct(q.shape, spec.dtype),) + (
+          jax.ShapeDtypeStruct(lse2.shape, _F32),) * num_d,
       smem_types=smem, barrier_types=barriers, unit=unit,
-      producer_groups=kernel.kv_producer(spec), seed=seed)
-  return dq
+      producer_groups=kernel.kv_producer(spec), seed=seed,
+      residuals=residuals)

@@ -26,7 +26,7 @@ _ROWS = online_softmax.queries_along(0)
 
 
 def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
-            seed=None):
+            seed=None, residuals=()):
   """The forward kernel.
 
   Args:
@@ -41,6 +41,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
     sched: int32 [B, Tp / (2 block_q), 6], see `kernel.produce` and
       `kernel.phases`.
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
+    residuals: the score_mod's per-(batch, head) values (`Spec.score_mod`).
 
   Returns:
     (out [B, Tp, N, Hvp] in q.dtype, lse float32 [B, N, Tp], natural log).
@@ -92,7 +93,9 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
         k_p, k_s = kernel.load_meta(
             spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
       plgpu.barrier_arrive(k_free.at[slot])
-      s, _ = kernel.logits(spec, qk)
+      s, _, _ = kernel.flex_logits(
+          spec, ops, qk, r, batch=b, head=n, q0=row0,
+          kv0=j * spec.block_kv, q_axis=0)
       if masked:
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
       m_i, l_i, p, alpha = online_softmax.update(
@@ -155,4 +158,5 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       spec, name="pfa_mgpu_forward", units=units, reps=1,
       operands=(q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched),
       out_types=out_types, smem_types=smem, barrier_types=barriers,
-      unit=unit, producer_groups=kernel.kv_producer(spec), seed=seed)
+      unit=unit, producer_groups=kernel.kv_producer(spec), seed=seed,
+      residuals=residuals)

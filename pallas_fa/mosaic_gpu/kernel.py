@@ -137,6 +137,8 @@ class Spec:
     soft_cap: logit soft cap or None.
     interpret: run in the Mosaic GPU interpreter (CPU).
     lowering_semantics: "lane", "warpgroup" or None (jax's default).
+    score_mod: the call's score_mod split by `fused_mods` (its residuals
+      are per (batch, head) only: `Refs.residuals`), or None.
   """
 
   batch: int
@@ -161,6 +163,7 @@ class Spec:
   lowering_semantics: str | None = None
   value_head_dim: int | None = None
   dropout_rate: float = 0.0
+  score_mod: Any = None
 
   @property
   def hv(self) -> int:
@@ -213,6 +216,39 @@ def logits(spec: Spec, qk):
   """(s in base 2, soft-capped natural logits or None) of a qk tile."""
   return online_softmax.logits(
       qk, scale=spec.scale, cap=spec.soft_cap, base2=True)
+
+
+def flex_logits(spec: Spec, ops, qk, r, *, batch, head, q0, kv0, q_axis,
+                grad=False, args=True):
+  """(s in base 2, capped logits, score_mod pullback or None) of a qk
+  tile: `logits` with the call's score_mod (`fused_mods`) applied to the
+  natural logits, its pullback kept when `grad`.
+
+  The tile's queries start at q0 along `q_axis` (1 in the transposed dK/dV
+  tile), its keys at kv0. The per-(batch, head) values arrive broadcast to
+  the tile in the wgmma layout, so their cotangents come back as tiles and
+  are summed along the keys only (a [rows] vector per query).
+  """
+  mod = spec.score_mod
+  if mod is None:
+    return (*logits(spec, qk), None)
+  s, capped = online_softmax.logits(qk, scale=spec.scale, cap=spec.soft_cap)
+  shape, kv_axis = s.shape, 1 - q_axis
+  q_idx = lax.broadcast_in_dim(
+      q0 + ops.iota_vector(shape[q_axis], q_axis), shape, (q_axis,))
+  kv_idx = lax.broadcast_in_dim(
+      kv0 + ops.iota_vector(shape[kv_axis], kv_axis), shape, (kv_axis,))
+  values = [ops.full(shape, ref[batch if res.batch else 0,
+                                head if res.head else 0], res.dtype)
+            for res, ref in zip(mod.residuals, r.residuals)]
+  pullback = None
+  if grad:
+    s, pullback = mod.tile_vjp(
+        values, q_idx=q_idx, kv_idx=kv_idx, score=s, args=args,
+        reduce=lambda d: d.sum(axis=kv_axis))
+  else:
+    s = mod.tile(values, q_idx=q_idx, kv_idx=kv_idx, score=s)
+  return s * online_softmax.LOG2_E, capped, pullback
 
 
 def logits_grad(spec: Spec, ds, capped):
@@ -491,7 +527,8 @@ class Refs:
   """What a kernel body sees: GMEM input refs (in operand order, the
   schedule last), GMEM output refs, SMEM and barrier refs (in the order the
   kernel declared them), this CTA's index and this warpgroup's, and the
-  uint32 [1] dropout seed (None without dropout)."""
+  uint32 [1] dropout seed (None without dropout), and the score_mod's
+  per-(batch, head) values [Bm, Hm] (`Spec.score_mod`)."""
 
   inputs: tuple
   outputs: tuple
@@ -500,6 +537,7 @@ class Refs:
   cta: Any
   wg: Any
   seed: Any = None
+  residuals: tuple = ()
 
 
 def load_stationary(copies, bar):
@@ -521,7 +559,7 @@ def store(copies):
 
 
 def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
-           barrier_types, unit, producer_groups, seed=None):
+           barrier_types, unit, producer_groups, seed=None, residuals=()):
   """Builds and runs a persistent warp-specialised kernel.
 
   Warpgroups 0 .. consumers - 1 each run `unit` over this CTA's units of
@@ -542,18 +580,20 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
       the ring steps consumed so far.
     producer_groups: producer_groups(refs) -> the `groups` of `produce`.
     seed: the uint32 [1] dropout seed, or None without dropout.
+    residuals: the score_mod's [Bm, Hm] values (`Spec.score_mod`).
   """
   ops = ops_for(spec)
   nc, num_inputs = spec.consumers, len(operands)
-  if seed is not None:
-    operands = (*operands, seed)
+  seeds = () if seed is None else (seed,)
+  operands = (*operands, *seeds, *residuals)
 
   def body(*refs):
     r = Refs(
         inputs=refs[:num_inputs], outputs=refs[len(operands):-2],
         smem=refs[-2], barriers=refs[-1],
         cta=lax.axis_index("cta"), wg=lax.axis_index("wg"),
-        seed=None if seed is None else refs[num_inputs])
+        seed=None if seed is None else refs[num_inputs],
+        residuals=refs[num_inputs + len(seeds):len(operands)])
 
     @pl.when(r.wg < nc)
     def _consumer():

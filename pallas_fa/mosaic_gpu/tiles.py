@@ -231,6 +231,15 @@ def heuristic_block_sizes(
   return base
 
 
+def for_score_mod(bs: MosaicGpuBlockSizes, score_mod: bool):
+  """`bs` adapted to a call with a score_mod: its per-head values'
+  cotangents are a [block_q_dq, block_kv_dq] tile in the dQ kernel, which
+  spills at 128 keys (ptxas, H = 128, jax 0.11); 64 keys do not."""
+  if score_mod and bs.block_kv_dq > 64:
+    return dataclasses.replace(bs, block_kv_dq=64)
+  return bs
+
+
 # What autotuning varies, per pass: the forward fields, then (with the
 # forward fixed) the backward ones.
 _SEARCH = {

@@ -655,17 +655,10 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   results = pallas_call(body, inputs, outputs, (nq, n, b), warps, stages,
                         "flash_bwd_dq")
   dargs = None
-  if score_mod is not None:
-    partial = results[len(results) - len(differentiable):]
-    # [B, N, nq] -> [Bm, Hm], as the residual is stored.
-    cotangents = [
-        d.sum(axis=2).sum(axis=(0,) * (not r.batch) + (1,) * (not r.head),
-                          keepdims=True)
-        for d, r in zip(partial, differentiable)]
-    dargs = score_mod.args_grad(x.info.score_mod_args, cotangents,
-                                batch=b, heads=n)
-    dargs = tuple(None if d is None else d.astype(a.dtype)
-                  for d, a in zip(dargs, x.info.score_mod_args))
+  if score_mod is not None:  # Per program, [B, N, nq].
+    dargs = score_mod.args_grad_from_partials(
+        x.info.score_mod_args, results[len(results) - len(differentiable):],
+        batch=b, heads=n)
   dq = results[0][:, :t, :, :h]
   dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :x.hv]
   dbias = None

@@ -260,8 +260,13 @@ def _modded_logits(refs, feat: Features, qk, bias, tile: Tile, grad: bool):
   values = mod_values(refs, feat.score_mod, tile)
   pullback = None
   if grad:
+    # Broadcast to the tile, so that the cotangents come back as tiles and
+    # are summed one axis at a time (Triton's lowering of a two-axis
+    # reduction fails under jax 0.11's explicit meshes).
+    values = [jnp.broadcast_to(v, s.shape) for v in values]
     s, pullback = feat.score_mod.tile_vjp(
-        values, q_idx=tile.q_idx, kv_idx=tile.kv_idx, score=s)
+        values, q_idx=tile.q_idx, kv_idx=tile.kv_idx, score=s,
+        reduce=lambda d: d.sum(axis=1).sum(axis=0))
   else:
     s = feat.score_mod.tile(values, q_idx=tile.q_idx, kv_idx=tile.kv_idx,
                             score=s)
