@@ -31,6 +31,7 @@ Cells whose cache exceeds --max_cache_gib are listed as skipped.
 from __future__ import annotations
 
 import functools
+import os
 import platform as host_platform
 import sys
 from typing import Sequence
@@ -264,6 +265,8 @@ def main(argv: Sequence[str]) -> None:
       jax=jax.__version__, python=sys.version.split()[0],
       host=host_platform.processor() or host_platform.machine(),
       commit=environment.commit_info(),
+      # A shared machine's other work slows every cell and probe alike.
+      load_average=dict(zip(("1m", "5m", "15m"), os.getloadavg())),
       command=" ".join(sys.argv), memory_bandwidth=probes, matmul=matmul,
       rows=rows)
   for b in ints(_BATCH.value):
