@@ -3,7 +3,11 @@ r"""Benchmarks `decode_attention` against the plain calls it replaces.
 Decoding is memory-bound, so each cell reports the K/V bytes it must read,
 the achieved rate, and that rate's share of the machine's memory bandwidth,
 measured in the same run (the faster of a large on-device copy and a large
-read-only reduction, `memory_bandwidth`). Each
+read-only reduction, `memory_bandwidth`). With several new tokens and few
+K/V heads the matmuls can outweigh the reads, so each cell also reports its
+roofline, max(K/V bytes / bandwidth, FLOPs / matmul rate), the matmul rate a
+large square product measured in the same run (`cells.matmul_ceiling`), and
+the share of it that the call reached (roofline time / measured time). Each
 `decode_attention` implementation of --implementations is one candidate
 (`decode/chunked`, `decode/triton`, `decode/mosaic_tpu`; the kernels run
 interpreted off their platform, so keep shapes tiny there); "decode x" is
@@ -27,6 +31,7 @@ Cells whose cache exceeds --max_cache_gib are listed as skipped.
 from __future__ import annotations
 
 import functools
+import os
 import platform as host_platform
 import sys
 from typing import Sequence
@@ -36,7 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app
 from absl import flags
+from bench import cells
 from bench import report as report_lib
+from gpu import environment
 
 import pallas_fa
 from pallas_fa import api
@@ -63,6 +70,9 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
 _PEERS = flags.DEFINE_list(
     "peers", ["flash_attention", "jax_nn"], "Peers timed in the same run.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
+_MATMUL_SIZE = flags.DEFINE_integer(
+    "matmul_size", 2048, "M = N = K of the matmul-rate probe of the roofline "
+    "(0: memory-only roofline).")
 _JSON = flags.DEFINE_string(
     "json", None, "Write the report here (rewritten after every cell).")
 
@@ -87,6 +97,20 @@ def memory_bandwidth(nbytes: int, dtype, repeats: int) -> dict[str, float]:
            # Row sums over 64 rows: a reduction XLA splits across threads.
            "read": rate(lambda x: x.reshape(64, -1).sum(1), x.nbytes)}
   return rates | {"peak": max(rates.values())}
+
+
+def attention_flops(b, s, n, h, t) -> int:
+  """FLOPs of one call: Q.K^T and P.V over all S keys, 2 * N * T * S * H
+  each (the causal triangle among the T new tokens is negligible)."""
+  return 4 * b * n * t * s * h
+
+
+def roofline_s(kv_bytes: int, flops: int, bandwidth: float,
+               matmul_rate: float | None) -> float:
+  """The fastest a call can run: its reads at the memory bandwidth or its
+  FLOPs at the matmul rate, whichever takes longer."""
+  compute = flops / matmul_rate if matmul_rate else 0.0
+  return max(kv_bytes / bandwidth, compute)
 
 
 def _inputs(b, s, n, num_kv, h, t, dtype, seed=0):
@@ -148,13 +172,16 @@ def _candidates(t, s, page_size, impls):
 
 
 def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
-             bandwidth):
+             bandwidth, matmul_rate):
   """Times every candidate on one shape; returns one row per candidate."""
   itemsize = jnp.dtype(dtype).itemsize
   kv_bytes = 2 * b * s * num_kv * h * itemsize
+  flops = attention_flops(b, s, n, h, t)
+  roofline = roofline_s(kv_bytes, flops, bandwidth, matmul_rate)
   base = dict(batch=b, seq_len=s, heads=n, kv_heads=num_kv, head_dim=h,
               new_tokens=t, dtype=jnp.dtype(dtype).name,
-              page_size=page_size, kv_bytes=kv_bytes)
+              page_size=page_size, kv_bytes=kv_bytes, flops=flops,
+              roofline_ms=roofline * 1e3)
   if kv_bytes > _MAX_GIB.value * 2**30:
     return [dict(base, impl="*", status="skipped",
                  reason=f"cache {kv_bytes / 2**30:.1f} GiB > "
@@ -193,6 +220,7 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
     rate = kv_bytes / timing.median_s
     rows.append(dict(base, impl=name, status="ok", ms=timing.ms,
                      bytes_per_s=rate, bandwidth_share=rate / bandwidth,
+                     roofline_share=roofline / timing.median_s,
                      max_error=check.error, tolerance=check.tolerance))
   for row in rows:
     if first in times and row.get("status") == "ok":
@@ -201,9 +229,10 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
 
 
 def format_table(rows, header: bool = True) -> str:
-  lines = [f"{'B':>3} {'S':>7} {'K':>3} {'H':>5} {'T':>2} "
-           f"{'impl':<17} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
-           f"{'decode x':>8}"] if header else []
+  lines = ([f"{'B':>3} {'S':>7} {'K':>3} {'H':>5} {'T':>2} "
+            f"{'impl':<17} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
+            f"{'roof ms':>8} {'of roof':>7} {'decode x':>8}"]
+           if header else [])
   for r in rows:
     head = (f"{r['batch']:>3} {r['seq_len']:>7} {r['kv_heads']:>3} "
             f"{r['head_dim']:>5} {r['new_tokens']:>2} {r['impl']:<17}")
@@ -212,7 +241,8 @@ def format_table(rows, header: bool = True) -> str:
       continue
     lines.append(
         f"{head} {r['ms']:>9.3f} {r['bytes_per_s'] / 1e9:>7.2f} "
-        f"{r['bandwidth_share']:>6.0%} {r.get('decode_speedup', 0):>8.2f}")
+        f"{r['bandwidth_share']:>6.0%} {r['roofline_ms']:>8.3f} "
+        f"{r['roofline_share']:>7.0%} {r.get('decode_speedup', 0):>8.2f}")
   return "\n".join(lines)
 
 
@@ -222,15 +252,23 @@ def main(argv: Sequence[str]) -> None:
   ints = lambda values: [int(x) for x in values]  # noqa: E731
   probes = memory_bandwidth(1 << 28, dtype, _REPEATS.value)
   bandwidth = probes["peak"]
+  matmul = cells.matmul_ceiling(_MATMUL_SIZE.value, _DTYPE.value,
+                                repeats=_REPEATS.value, warmup=1)
+  matmul_rate = matmul["flops_per_s"] if matmul else None
   print(f"device: {jax.devices()[0].device_kind}; memory bandwidth "
         f"{bandwidth / 1e9:.1f} GB/s (copy {probes['copy'] / 1e9:.1f}, "
-        f"read {probes['read'] / 1e9:.1f})")
+        f"read {probes['read'] / 1e9:.1f})"
+        + (f"; matmul {matmul_rate / 1e9:.1f} GFLOP/s" if matmul else ""))
   rows = []
   report = dict(
       device=jax.devices()[0].device_kind, platform=api.platform(),
       jax=jax.__version__, python=sys.version.split()[0],
       host=host_platform.processor() or host_platform.machine(),
-      command=" ".join(sys.argv), memory_bandwidth=probes, rows=rows)
+      commit=environment.commit_info(),
+      # A shared machine's other work slows every cell and probe alike.
+      load_average=dict(zip(("1m", "5m", "15m"), os.getloadavg())),
+      command=" ".join(sys.argv), memory_bandwidth=probes, matmul=matmul,
+      rows=rows)
   for b in ints(_BATCH.value):
     for s in ints(_SEQ.value):
       for num_kv in ints(_KV_HEADS.value):
@@ -238,7 +276,7 @@ def main(argv: Sequence[str]) -> None:
           for t in ints(_NEW.value):
             cell = run_cell(b, s, _HEADS.value, num_kv, h, t, dtype,
                             _PAGE.value, _PEERS.value, _REPEATS.value,
-                            bandwidth)
+                            bandwidth, matmul_rate)
             print(format_table(cell, header=False), flush=True)
             rows += cell
             if _JSON.value:

@@ -239,7 +239,7 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
       [sys.executable, str(script), "--batch=2", "--seq_lens=128",
        "--heads=4", "--kv_heads=2", "--head_dims=16", "--new_tokens=2",
        "--page_size=32", "--dtype=bfloat16", "--repeats=1",
-       f"--json={out}"],
+       "--matmul_size=128", f"--json={out}"],
       capture_output=True, text=True, timeout=240, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
   report = json.loads(out.read_text())
@@ -249,3 +249,11 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
   assert row["impl"] == "decode/chunked" and row["status"] == "ok", row
   assert 0 <= row["max_error"] <= row["tolerance"], row
   assert row["bytes_per_s"] > 0 and row["page_size"] == 32
+  # The roofline: the slower of the reads at the bandwidth and the FLOPs at
+  # the matmul rate, both measured in the run.
+  roofline_ms = 1e3 * max(
+      row["kv_bytes"] / report["memory_bandwidth"]["peak"],
+      row["flops"] / report["matmul"]["flops_per_s"])
+  assert row["roofline_ms"] == pytest.approx(roofline_ms), row
+  assert row["roofline_share"] == pytest.approx(
+      row["roofline_ms"] / row["ms"]), row
