@@ -156,6 +156,7 @@ KERNEL_TESTS = {
       "tests/test_triton.py",
       "tests/test_decode.py",
       "tests/test_dropout.py",
+      "tests/test_flex.py",
     ),
     implementations=_KERNEL_IMPLEMENTATIONS,
     select=_NOT_TPU,
