@@ -210,10 +210,11 @@ def decode_attention(
       `sinks`, the sink term included).
     score_mod: as in `flash_attention`, with `q_idx` the new token's
       position and `kv_idx` the cache index; applied after the soft cap.
-      "chunked" only.
+      "chunked" and "triton" (fused as in `flash_attention`; a value the
+      function computes per key must not depend on the head there).
     score_mod_args: the arrays score_mod reads.
     mask_mod: as in `flash_attention` (same indices); intersects the other
-      masks, evaluated on every key block read. "chunked" only.
+      masks, evaluated on every key block read. "chunked" and "triton".
     mask_mod_args: the arrays mask_mod reads.
 
   Returns:
@@ -224,8 +225,9 @@ def decode_attention(
       concrete lengths past the cache or block-table entries outside the
       pool included.
     NotImplementedError: `implementation` has no decode path, or "triton"
-      ("mosaic_tpu") with a page size that is not a multiple of 16 (8) or
-      with a score_mod/mask_mod.
+      ("mosaic_tpu") with a page size that is not a multiple of 16 (8);
+      "mosaic_tpu" with a score_mod/mask_mod, "triton" with one it cannot
+      fuse (`pallas_fa.fused_mods`).
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
@@ -303,16 +305,19 @@ def decode_attention(
   score_mod_args = mods.as_args("score_mod_args", score_mod_args)
   mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
   mods.check_functions(score_mod, score_mod_args, mask_mod, mask_mod_args)
-  if implementation in ("triton", "mosaic_tpu") and (
-      score_mod is not None or mask_mod is not None):
-    raise NotImplementedError(
-        f"implementation={implementation!r}: its decode kernel does not "
-        "fuse a score_mod/mask_mod (flex attention) yet; \"chunked\" runs "
-        "them.")
+  flex = {}
+  if score_mod is not None or mask_mod is not None:
+    if implementation == "mosaic_tpu":
+      raise NotImplementedError(
+          "implementation='mosaic_tpu': its decode kernel does not fuse a "
+          "score_mod/mask_mod (flex attention) yet; \"chunked\" and "
+          "\"triton\" run them.")
+    flex = dict(score_mod=score_mod, score_mod_args=score_mod_args,
+                mask_mod=mask_mod, mask_mod_args=mask_mod_args)
   if implementation in ("triton", "mosaic_tpu"):
     out, lse = _split_kernel(implementation, query, key, value, lengths,
                              block_table, query_positions, sinks, num_splits,
-                             block_kv, static)
+                             block_kv, dict(static, **flex))
     return (out, lse) if return_residual else out
   if block_table is None:
     block = block_kv or _default_block(key.shape[1], num_kv, h,
@@ -485,7 +490,8 @@ _STATIC = ("block", "splits", "scale", "is_causal", "local_window_size",
            "logits_soft_cap", "precision")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("partials",))
+@functools.partial(jax.jit, static_argnames=_STATIC + (
+    "partials", "score_mod", "mask_mod"))
 def _decode_split_kernel(query, key, value, lengths, block_table,
                          query_positions, sinks, *, partials, block, splits,
                          **static):

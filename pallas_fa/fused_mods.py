@@ -182,6 +182,19 @@ class FusedMod:
       _run(step, env, tile=False)
     return [env[r.key] for r in self.residuals]
 
+  def values_at(self, i: int, args, *, batch, head, q_idx,
+                kv_idx) -> Array:
+    """Residual i at index arrays that broadcast together (vectorised over
+    their broadcast shape, which the result has)."""
+    index = [jnp.asarray(x, jnp.int32) for x in (batch, head, q_idx, kv_idx)]
+    shape = jnp.broadcast_shapes(*(x.shape for x in index))
+    flat = [jnp.broadcast_to(x, shape).reshape(-1) for x in index]
+
+    def one(b, h, q, kv):
+      return self._outside_values(b, h, q, kv, args)[i]
+
+    return jax.vmap(one)(*flat).reshape(shape)
+
   def residual_arrays(self, args, *, batch: int, heads: int, q_len: int,
                       kv_len: int, q_padded: int, kv_padded: int,
                       levels=tuple(Level)) -> list[Array]:
@@ -189,7 +202,7 @@ class FusedMod:
     PROGRAM, [Bm, Hm, q_padded] for ROW, [Bm, Hm, kv_padded] for COLUMN;
     Bm = batch if the value depends on the batch row, else 1, Hm likewise.
     Padded positions repeat the last real one (they are never visible)."""
-    zero = jnp.zeros((), jnp.int32)
+    i32 = jnp.int32
     out = []
     for i, r in enumerate(self.residuals):
       if r.level not in levels:
@@ -197,21 +210,14 @@ class FusedMod:
       length, padded = {Level.ROW: (q_len, q_padded),
                         Level.COLUMN: (kv_len, kv_padded)}.get(
                             r.level, (1, 1))
-      pos = jnp.minimum(jnp.arange(padded, dtype=jnp.int32), length - 1)
-
-      def one(b, h, p, i=i, level=r.level):
-        q = p if level == Level.ROW else zero
-        kv = p if level == Level.COLUMN else zero
-        return self._outside_values(b, h, q, kv, args)[i]
-
-      f = one
-      if r.level != Level.PROGRAM:
-        f = jax.vmap(f, in_axes=(None, None, 0))
-      f = jax.vmap(jax.vmap(f, in_axes=(None, 0, None)),
-                   in_axes=(0, None, None))
-      bs = jnp.arange(batch if r.batch else 1, dtype=jnp.int32)
-      hs = jnp.arange(heads if r.head else 1, dtype=jnp.int32)
-      out.append(f(bs, hs, pos if r.level != Level.PROGRAM else zero))
+      pos = jnp.minimum(jnp.arange(padded, dtype=i32), length - 1)
+      value = self.values_at(
+          i, args,
+          batch=jnp.arange(batch if r.batch else 1, dtype=i32)[:, None, None],
+          head=jnp.arange(heads if r.head else 1, dtype=i32)[None, :, None],
+          q_idx=pos if r.level == Level.ROW else 0,
+          kv_idx=pos if r.level == Level.COLUMN else 0)
+      out.append(value[..., 0] if r.level == Level.PROGRAM else value)
     return out
 
   def args_grad(self, args, cotangents: list[Array], *, batch: int,

@@ -117,13 +117,13 @@ BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
-            "value_dim", "flex_alibi", "flex_document")
+            "value_dim", "flex_alibi", "flex_document", "decode_flex")
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
-                    "flex_document": ("triton",)}
+                    "flex_document": ("triton",), "decode_flex": ("triton",)}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 HEAD_DIMS = (64, 72, 128, 256)
@@ -148,7 +148,8 @@ class Case:
       which Mosaic's in-process cache would then not compile (no ptxas
       report); "flex_alibi" / "flex_document" = causal with ALiBi as a
       score_mod (its slopes' gradient included) / a document mask_mod
-      (flex attention, `pallas_fa.flex`).
+      (flex attention, `pallas_fa.flex`); "decode_flex" = "decode" with
+      ALiBi and a prefix-LM mask_mod.
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -222,10 +223,18 @@ def _decode_call(case: Case, seq: int, spec):
   else:
     args += [spec((b, seq, kv, h)), spec((b, seq, kv, h)),
              spec((b,), jnp.int32), None]
+  flex_call = case.variant == "decode_flex"
+  if flex_call:  # ALiBi's slopes, prefix-LM's prefix lengths.
+    args += [spec((shape["heads"],), jnp.float32), spec((b,), jnp.int32)]
 
-  def call(q, k, v, lengths, table):
+  def call(q, k, v, lengths, table, slopes=None, prefix=None):
+    kw = {}
+    if flex_call:
+      kw = dict(score_mod=flex.alibi, score_mod_args=(slopes,),
+                mask_mod=flex.prefix_lm, mask_mod_args=(prefix,))
     return pallas_fa.decode_attention(
-        q, k, v, lengths, block_table=table, implementation=case.backend)
+        q, k, v, lengths, block_table=table, implementation=case.backend,
+        **kw)
 
   return args, call
 

@@ -769,20 +769,33 @@ def test_triton_visits_only_the_block_masks_tiles(monkeypatch):
 # --------------------------------------------------------------------------
 
 
-def test_decode_attention():
-  """q_idx is the new token's position: decode equals flash_attention on
-  the cache with those positions."""
-  gen = rng("flex-decode")
-  b, t, s, n, kh, h = 2, 3, 90, 4, 2, 16
+_DECODE_FLEX = [name for name in ("chunked", "triton")
+                if name == "chunked" or name in pallas_fa.implementations()]
+
+
+def _decode_problem(gen, s=90):
+  b, t, n, kh, h = 2, 3, 4, 2, 16
   q = _normal(gen, (b, t, n, h))
   k, v = (_normal(gen, (b, s, kh, h)) for _ in range(2))
-  lengths = jnp.array([50, 87])
+  return q, k, v, jnp.array([50, 87])
+
+
+@pytest.mark.parametrize("implementation", _DECODE_FLEX)
+def test_decode_attention(implementation):
+  """q_idx is the new token's position: decode equals jax.nn's attention
+  on the cache with the dense bias and mask of those positions (ALiBi, a
+  sliding window with sink tokens: per-head, per-query and per-key values
+  of the fused triton kernel)."""
+  gen = rng("flex-decode")
+  q, k, v, lengths = _decode_problem(gen)
+  t, n, s = q.shape[1], q.shape[2], k.shape[1]
   slopes = flex.alibi_slopes(n)
   window, sinks = jnp.int32(20), jnp.int32(3)
   out = pallas_fa.decode_attention(
       q, k, v, lengths, score_mod=flex.alibi, score_mod_args=(slopes,),
       mask_mod=flex.sliding_window_with_sinks,
-      mask_mod_args=(window, sinks), block_kv=16, num_splits=2)
+      mask_mod_args=(window, sinks), block_kv=16, num_splits=2,
+      implementation=implementation)
   positions = lengths[:, None] - t + jnp.arange(t)[None, :]
   qi = positions[:, None, :, None]
   ki = jnp.arange(s)[None, None, None, :]
@@ -792,10 +805,42 @@ def test_decode_attention():
       q, k, v, bias=dense_bias, mask=dense_mask,
       key_value_seq_lengths=lengths)
   assert_close("out", out, want)
-  with pytest.raises(NotImplementedError, match="flex"):
-    pallas_fa.decode_attention(q, k, v, lengths, score_mod=flex.alibi,
-                               score_mod_args=(slopes,),
+
+
+@pytest.mark.skipif("triton" not in _DECODE_FLEX,
+                    reason="the triton backend does not import here")
+def test_decode_attention_triton_paged_and_declines():
+  """A paged cache (shuffled pages): the per-key values are read at the
+  logical positions; prefix-LM (a per-batch-row value per key) with a
+  learned soft cap. A per-key value that depends on the head cannot be
+  fused (one column serves every head of a row tile): declined."""
+  gen = rng("flex-decode-paged")
+  q, k, v, lengths = _decode_problem(gen, s=96)
+  page, b = 16, q.shape[0]
+  per_row = k.shape[1] // page
+  table = jnp.asarray(gen.permutation(b * per_row).reshape(b, per_row),
+                      jnp.int32)
+  # Page table[row, j] holds keys [j * page, (j + 1) * page) of the row.
+  order = np.argsort(np.asarray(table).reshape(-1))
+  pool = [x.reshape((b * per_row, page) + x.shape[2:])[order]
+          for x in (k, v)]
+  kw = dict(score_mod=flex.tanh_soft_cap, score_mod_args=(jnp.float32(2.5),),
+            mask_mod=flex.prefix_lm, mask_mod_args=(jnp.array([10, 30]),))
+  got = pallas_fa.decode_attention(q, *pool, lengths, block_table=table,
+                                   implementation="triton", **kw)
+  want = pallas_fa.decode_attention(q, k, v, lengths, **kw)
+  assert_close("out", got, want)
+
+  def striped(batch, head, q_idx, kv_idx):
+    return (kv_idx + head) % 3 != 0
+
+  with pytest.raises(NotImplementedError, match="depends on the head"):
+    pallas_fa.decode_attention(q, k, v, lengths, mask_mod=striped,
                                implementation="triton")
+  if "mosaic_tpu" in pallas_fa.implementations():
+    with pytest.raises(NotImplementedError, match="flex"):
+      pallas_fa.decode_attention(q, k, v, lengths, mask_mod=striped,
+                                 implementation="mosaic_tpu")
 
 
 _PALLAS = [name for name in ("triton", "mosaic_gpu", "mosaic_tpu")

@@ -33,6 +33,13 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   Tiles shrink with R so that a [R, chunk] float32 tile stays within the
   register budget (`_TILE_ELEMENTS`).
 
+* **Flex attention.** A score_mod / mask_mod is split by `fused_mods`:
+  in the packed layout each row is one (query head, new token), so the
+  values a function computes per (batch, head) or per query are one per
+  row ([B, K, R], computed outside), those per key one per cache position
+  ([B, S], which must not depend on the head), and the kernel runs the
+  rest on each [R, block] tile of logits.
+
 The grid is (B, K, splits * value chunks); `decode.default_num_splits`
 picks the splits (about two programs per streaming multiprocessor, value
 chunks counted). A cache whose head dims need no padding (and that holds at
@@ -49,10 +56,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_fa import fused_mods
 from pallas_fa import layout
 from pallas_fa import masking
+from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import triton
+from pallas_fa.triton import kernel as triton_kernel
 
 Array = Any
 _F32 = jnp.float32
@@ -172,10 +182,22 @@ def _dot(a, b, precision):
                              precision=precision, preferred_element_type=_F32)
 
 
+def _flex_values(refs, mod, cols):
+  """The residuals of a split score_mod/mask_mod for an [R, block] tile:
+  per row [R, 1] (the program's block), per key [1, block] (`cols`)."""
+  values = []
+  for i, r in enumerate(mod.residuals):
+    ref = refs[triton_kernel.residual_name(mod, i)]
+    v = ref[cols][None, :] if r.level == fused_mods.Level.COLUMN else (
+        ref[...][:, None])
+    values.append(v != 0 if r.dtype == jnp.bool_ else v)
+  return values
+
+
 def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             value_chunk: int, value_chunks: int, per_page: int | None,
             cache_len: int, scale: float, soft_cap, is_causal: bool, window,
-            precision):
+            precision, score_mod=None, mask_mod=None):
   # Grid indices at the kernel's top level (the interpreter resolves
   # `program_id` there, not inside loop bodies).
   column = pl.program_id(2) % value_chunks
@@ -213,12 +235,26 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
 
       qk = jax.lax.fori_loop(0, head_chunks, chunk,
                              jnp.zeros((rows, block), _F32))
-    s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap, base2=True)
     kv_pos = start + jnp.arange(block, dtype=jnp.int32)
+    # The cache positions' per-key flex values (paged: logical positions).
+    cols = pl.ds(start, block)
+    if score_mod is None:
+      s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap,
+                                   base2=True)
+    else:
+      s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap)
+      s = score_mod.tile(_flex_values(refs, score_mod, cols),
+                         q_idx=row_pos, kv_idx=kv_pos[None, :], score=s)
+      s = s * online_softmax.LOG2_E
     valid = (kv_pos >= j * block) & (kv_pos < length)
-    s = online_softmax.apply_mask(s, masking.visible(
+    visible = masking.visible(
         is_causal=is_causal, window=window, q_pos=row_pos,
-        kv_pos=kv_pos[None, :], dense=valid[None, :]))
+        kv_pos=kv_pos[None, :], dense=valid[None, :])
+    if mask_mod is not None:
+      visible = visible & mask_mod.tile(
+          _flex_values(refs, mask_mod, cols), q_idx=row_pos,
+          kv_idx=kv_pos[None, :])
+    s = online_softmax.apply_mask(s, visible)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
     v = refs["v"][(*lead, values)]  # [block, value_chunk]
     # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
@@ -236,7 +272,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
 
 def partials(q, row_pos, query_positions, key, value, lengths, block_table,
              *, block: int, splits: int, scale: float, is_causal: bool,
-             local_window_size, logits_soft_cap, precision):
+             local_window_size, logits_soft_cap, precision, score_mod=None,
+             score_mod_args=(), mask_mod=None, mask_mod_args=()):
   """The kernel's per-split results on the packed layout of `decode`.
 
   Args:
@@ -250,6 +287,8 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
     splits: parts of each sequence's visible keys (at most one per block).
     scale, is_causal, local_window_size, logits_soft_cap, precision: the
       call's validated static arguments.
+    score_mod, score_mod_args, mask_mod, mask_mod_args: flex attention
+      (checked), fused into the kernel (see the module docstring).
 
   Returns:
     (out float32 [B, K, splits, R, Hv], lse float32 [B, K, splits, R]):
@@ -320,8 +359,14 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
               triton.block_spec((None, None, None, rows),
                                 lambda i, k, j: (i, k, split_of(j), 0))),
   }
+  fused = _add_flex_inputs(
+      inputs, row_pos, b=b, num_kv=num_kv, rows=rows, r=r,
+      new_tokens=query_positions.shape[1],
+      kv_positions=num_blocks * block if per_page else cache_len,
+      flex=((mods.SCORE_MOD, score_mod, score_mod_args),
+            (mods.MASK_MOD, mask_mod, mask_mod_args)))
   kernel = functools.partial(
-      _kernel, block=block, head_chunk=head_chunk,
+      _kernel, **fused, block=block, head_chunk=head_chunk,
       head_chunks=hp // head_chunk, value_chunk=value_chunk,
       value_chunks=num_value_chunks, per_page=per_page,
       cache_len=cache_len, scale=scale,
@@ -332,6 +377,52 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
       stages, "flash_decode")
   return out[..., :r, :hv], lse[..., :r]
+
+
+def _add_flex_inputs(inputs, row_pos, *, b, num_kv, rows, r, new_tokens,
+                     kv_positions, flex) -> dict:
+  """Splits the call's score_mod / mask_mod (`fused_mods`), adds their
+  values to `inputs` (per packed row: [B, K, rows]; per cache position:
+  [B, kv_positions]) and returns them as `_kernel`'s arguments.
+
+  Raises:
+    NotImplementedError: a function the kernel cannot fuse, or one that
+      computes a per-key value from the head (a row holds one head, a key
+      column serves all of them).
+  """
+  i32 = jnp.int32
+  # Row r of K/V head k is query head k * G + r // T_new (`decode._packed`).
+  groups = r // new_tokens
+  heads = (jnp.arange(num_kv, dtype=i32)[:, None] * groups
+           + jnp.arange(r, dtype=i32)[None, :] // new_tokens)  # [K, R]
+  out = {}
+  for name, fn, args in flex:
+    if fn is None:
+      continue
+    mod = fused_mods.split(name, fn, args, "triton decode")
+    for i, res in enumerate(mod.residuals):
+      if res.level == fused_mods.Level.COLUMN:
+        if res.head:
+          raise NotImplementedError(
+              f"triton decode cannot fuse this {name}: it computes a value "
+              "per key that depends on the head; \"chunked\" runs it.")
+        value = mod.values_at(
+            i, args, batch=jnp.arange(b, dtype=i32)[:, None], head=0,
+            q_idx=0, kv_idx=jnp.arange(kv_positions, dtype=i32)[None, :])
+        spec = triton.block_spec((None, kv_positions),
+                                 lambda i, k, j: (i, 0))
+      else:
+        value = mod.values_at(
+            i, args, batch=jnp.arange(b, dtype=i32)[:, None, None],
+            head=heads[None], q_idx=row_pos[:, None, :r], kv_idx=0)
+        value = masking.pad_axes(value, {2: rows})  # [B, K, rows]
+        spec = triton.block_spec((None, None, rows),
+                                 lambda i, k, j: (i, k, 0))
+      if value.dtype == jnp.bool_:  # Triton loads bytes.
+        value = value.astype(jnp.int8)
+      inputs[triton_kernel.residual_name(mod, i)] = (value, spec)
+    out[name] = mod
+  return out
 
 
 def _launch(rows: int, chunk: int) -> tuple[int, int]:

@@ -78,8 +78,8 @@ _MAIN = (
     "256), tests/test_mosaic_gpu.py, test_triton.py, test_decode.py "
     "(the triton decode kernel, contiguous and paged), "
     "test_dropout.py and test_flex.py (score_mod/mask_mod fused "
-    "into triton, score_mods into mosaic_gpu); pytest-xdist, a per-test timeout, --tb=short, "
-    "no hypothesis shrinking",
+    "into triton, score_mods into mosaic_gpu); pytest-xdist, a "
+    "per-test timeout, --tb=short, no hypothesis shrinking",
   ),
   Step(
     name="bench",
