@@ -559,8 +559,8 @@ def flash_attention(
       q, k, bias and `score_mod_args`); see `pallas_fa.flex` for examples.
       Arrays it reads must come through `score_mod_args` (a closure over
       one is an error). A new function object retraces the call: make it
-      once. Runs on "xla" and "chunked" and fused into the "triton" and
-      (per-head score_mods only) "mosaic_gpu" kernels
+      once. Runs on "xla" and "chunked" and fused into the "triton",
+      "mosaic_tpu" and (per-head score_mods only) "mosaic_gpu" kernels
       (`pallas_fa.fused_mods`), which decline a function whose per-tile
       part gathers (see README, "Flex attention").
     score_mod_args: the arrays score_mod reads (ALiBi slopes, a relative

@@ -36,10 +36,16 @@ from pallas_fa import masking
 from pallas_fa import testing
 
 FLEX_IMPLEMENTATIONS = ("xla", "chunked") + tuple(
-    name for name in ("triton",) if name in pallas_fa.implementations())
+    name for name in ("triton", "mosaic_tpu")
+    if name in pallas_fa.implementations())
 # Examples a backend cannot fuse into its kernels (it declines them: the
 # automatic choice moves on): T5's table is gathered at q_idx - kv_idx.
-DECLINED = {("triton", "t5")}
+DECLINED = {("triton", "t5"), ("mosaic_tpu", "t5")}
+# The TPU interpreter is slow: two examples by default, the others in the
+# slow leg.
+_SLOW_RUNS = {("mosaic_tpu", name) for name in (
+    "tanh_soft_cap", "prefix_lm", "chunked_causal",
+    "sliding_window_with_sinks", "causal_with_offset")}
 
 
 def _normal(gen, shape, dtype=jnp.float32):
@@ -163,6 +169,12 @@ EXAMPLE = {e.name: e for e in EXAMPLES}
 # (implementation, example) of every example a backend runs.
 RUNS = [pytest.param(i, e, id=f"{e.name}-{i}") for i in FLEX_IMPLEMENTATIONS
         for e in EXAMPLES if (i, e.name) not in DECLINED]
+FAST_RUNS = [pytest.param(i, e, id=f"{e.name}-{i}")
+             for i in FLEX_IMPLEMENTATIONS for e in EXAMPLES
+             if (i, e.name) not in DECLINED | _SLOW_RUNS]
+SLOW_RUNS = [pytest.param(i, e, id=f"{e.name}-{i}")
+             for i, e in ((i, EXAMPLE[n]) for i, n in sorted(_SLOW_RUNS))
+             if i in FLEX_IMPLEMENTATIONS]
 
 
 def _dense(q, k, v, *score_args, example, mask, scale):
@@ -303,9 +315,19 @@ def test_oracle_matches_jax_nn(example):
     assert_close(name, x, r)
 
 
-@pytest.mark.parametrize("implementation,example", RUNS)
+@pytest.mark.parametrize("implementation,example", FAST_RUNS)
 def test_example_float32(implementation, example):
   """GQA, T = S = 45 (ragged against the test tiles 16 x 32)."""
+  _check_float32(implementation, example)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation,example", SLOW_RUNS)
+def test_example_float32_slow(implementation, example):
+  _check_float32(implementation, example)
+
+
+def _check_float32(implementation, example):
   gen = rng("flex-f32", implementation, example.name)
   p = _problem(example, gen, jnp.float32)
   _compare(_flash(implementation, example, p), _oracle(example, p))
@@ -831,21 +853,24 @@ def test_decode_attention_triton_paged_and_declines():
   want = pallas_fa.decode_attention(q, k, v, lengths, **kw)
   assert_close("out", got, want)
 
-  def striped(batch, head, q_idx, kv_idx):
-    return (kv_idx + head) % 3 != 0
-
   with pytest.raises(NotImplementedError, match="depends on the head"):
-    pallas_fa.decode_attention(q, k, v, lengths, mask_mod=striped,
+    pallas_fa.decode_attention(q, k, v, lengths, mask_mod=_striped,
                                implementation="triton")
   if "mosaic_tpu" in pallas_fa.implementations():
     with pytest.raises(NotImplementedError, match="flex"):
-      pallas_fa.decode_attention(q, k, v, lengths, mask_mod=striped,
+      pallas_fa.decode_attention(q, k, v, lengths, mask_mod=_striped,
                                  implementation="mosaic_tpu")
 
 
 _PALLAS = [name for name in ("triton", "mosaic_gpu", "mosaic_tpu")
            if name in pallas_fa.implementations()]
 
+
+
+def _striped(batch, head, q_idx, kv_idx):
+  """A mask_mod whose per-key value depends on the head."""
+  del batch, q_idx
+  return (kv_idx + head) % 3 != 0
 
 
 def _query_shift(score, batch, head, q_idx, kv_idx, offsets):
@@ -868,9 +893,10 @@ def test_pallas_backends_decline_and_automatic_choice_falls_back(
   per_query = dict(score_mod=_query_shift,
                    score_mod_args=(jnp.arange(q.shape[0], dtype=jnp.int32),))
   # (implementation, call, the reason it declines).
+  striped = dict(mask_mod=_striped)
   declined = [
-      ("mosaic_tpu", calls[0], "flex attention"),
-      ("mosaic_tpu", calls[1], "flex attention"),
+      ("mosaic_tpu", t5, "cannot fuse this score_mod.*dynamic_slice"),
+      ("mosaic_tpu", striped, "depends on the head"),
       ("mosaic_gpu", calls[1], "mask_mod"),
       ("mosaic_gpu", per_query, "per query or key"),
       # A gather at q_idx - kv_idx cannot run in a kernel: named, declined.

@@ -19,7 +19,11 @@ This module prepares the kernels' inputs on device:
   into one int32 per grid step -- the tile kind and the block the step fetches
   -- passed to the kernels by scalar prefetch. An empty step fetches the block
   needed next (or the one already resident), so it costs no DMA and no
-  compute.
+  compute;
+* fuses flex attention: a score_mod / mask_mod split by `fused_mods` brings
+  its per-(batch, head) values in SMEM and its per-query (per-key) ones
+  lane- (sublane-) replicated like positions, and a mask_mod's tile kinds,
+  taken over all heads, join the metadata.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import block_mask
+from pallas_fa import fused_mods
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
@@ -192,6 +198,12 @@ class Layout(layout.Padded):
     self.kinds = masking.classify_blocks(padded, self.bq, self.bk)
     self.names = ["q", "k", "v"]
     self.operands = [self.q, self.k, self.v]
+    self.score_mod, self.mask_mod = flex_mods(info)
+    if self.mask_mod is not None:
+      self.kinds = self._with_mask_mod(info)
+    for mod in (self.score_mod, self.mask_mod):
+      if mod is not None:
+        self._add_residuals(mod)
     if padded.has_dropout:
       # int32 in scalar memory (the kernel hashes it as uint32).
       seed = jnp.asarray(padded.dropout_seed, jnp.uint32).reshape(1)
@@ -236,11 +248,50 @@ class Layout(layout.Padded):
         precision=kernel_precision(params.precision, q.dtype),
         interpret=interpret,
         parallel=kernel.parallel_grid(interpret),
+        score_mod=self.score_mod,
+        mask_mod=self.mask_mod,
     )
 
   def _add(self, name, x):
     self.names.append(name)
     self.operands.append(x)
+
+  def _with_mask_mod(self, info):
+    """The tile kinds [B, nq, nk] intersected with the mask_mod's, which
+    are reduced over heads (the metadata has one word per batch row and
+    tile): a tile is EMPTY (FULL) only if it is for every head."""
+    mod = block_mask.tile_kinds(
+        info, batch=self.b, heads=self.n, q_len=self.t, kv_len=self.s,
+        block_q=self.bq, block_kv=self.bk)  # [Bm, Hm, nq', nk']
+    mod = jnp.where((mod == masking.EMPTY).all(axis=1), masking.EMPTY,
+                    jnp.where((mod == masking.FULL).all(axis=1),
+                              masking.FULL, masking.PARTIAL))
+    nq, nk = self.kinds.shape[1:]
+    # The tiles past T or S hold padding only: EMPTY.
+    mod = jnp.pad(mod, [(0, 0), (0, nq - mod.shape[1]),
+                        (0, nk - mod.shape[2])],
+                  constant_values=masking.EMPTY)
+    return jnp.minimum(self.kinds, mod)
+
+  def _add_residuals(self, mod):
+    """A split score_mod/mask_mod's values as kernel inputs (see
+    `kernel.Static`): [Bm * Hm] scalars, [Bm, Tp, 128] per query,
+    [Bm, 8, Sp] per key; bool as int32 (no bool memrefs)."""
+    args = (self.info.score_mod_args if mod.is_score_mod
+            else self.info.mask_mod_args)
+    arrays = mod.residual_arrays(
+        args, batch=self.b, heads=self.n, q_len=self.t, kv_len=self.s,
+        q_padded=self.tp, kv_padded=self.sp)
+    for i, (res, x) in enumerate(zip(mod.residuals, arrays)):
+      if x.dtype == jnp.bool_:
+        x = x.astype(jnp.int32)
+      if res.level == fused_mods.Level.PROGRAM:
+        x = x.reshape(-1)
+      elif res.level == fused_mods.Level.ROW:
+        x = _lanes_of(x[:, 0])
+      else:
+        x = _sublanes_of(x[:, 0])
+      self._add(f"{mod.name}.{i}", x)
 
   def queries(self, x):
     """[B, T, N, H] -> [B, Tp, N * Hp], padded rows zeroed (any H)."""
@@ -270,15 +321,46 @@ class Layout(layout.Padded):
 
 
 def lane_rows(x):
-  """[B, L] -> [B, L, 128]: one value per sublane row, replicated on lanes."""
-  return jnp.broadcast_to(x.astype(jnp.int32)[:, :, None], x.shape + (_LANES,))
+  """[B, L] -> int32 [B, L, 128]: one value per sublane row, replicated on
+  lanes."""
+  return _lanes_of(x.astype(jnp.int32))
+
+
+def _lanes_of(x):
+  """[B, L] -> [B, L, 128] of x's dtype (`lane_rows`)."""
+  return jnp.broadcast_to(x[:, :, None], x.shape + (_LANES,))
 
 
 def _sublane_rows(x):
-  """[B, L] -> [B, 8, L]: one value per lane, replicated on sublanes."""
+  """[B, L] -> int32 [B, 8, L]: one value per lane, replicated on
+  sublanes."""
+  return _sublanes_of(x.astype(jnp.int32))
+
+
+def _sublanes_of(x):
+  """[B, L] -> [B, 8, L] of x's dtype (`_sublane_rows`)."""
   b, length = x.shape
-  return jnp.broadcast_to(x.astype(jnp.int32)[:, None, :],
-                          (b, _SUBLANES, length))
+  return jnp.broadcast_to(x[:, None, :], (b, _SUBLANES, length))
+
+
+def flex_mods(info):
+  """(score_mod, mask_mod) of a call split for the kernels (`fused_mods`),
+  None where absent.
+
+  Raises:
+    NotImplementedError: one the kernels cannot fuse, or one that computes
+      a value per query or per key that depends on the head (those travel
+      lane- or sublane-replicated per batch row, as positions do).
+  """
+  fused = fused_mods.split_call(info, "mosaic_tpu")
+  for mod in fused:
+    for res in () if mod is None else mod.residuals:
+      if res.level != fused_mods.Level.PROGRAM and res.head:
+        raise NotImplementedError(
+            f"mosaic_tpu cannot fuse this {mod.name}: it computes a value "
+            f"per {'query' if res.level == fused_mods.Level.ROW else 'key'}"
+            " that depends on the head; \"chunked\" and \"xla\" run it.")
+  return fused
 
 
 def _forward(q, k, v, bias, info, params):
@@ -299,7 +381,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       lay.rows(lse, online_softmax.MASK_VALUE),
       lay.rows(delta, 0.0),
   ]
-  dq = backward_kernels.backward_dq(
+  dq, *dmod = backward_kernels.backward_dq(
       lay.static, fetch_schedule(lay.kinds), names, operands, lay.dtype)
   # The dK/dV sweep runs over query tiles per key tile: transposed kinds.
   outs = backward_kernels.backward_dkv(
@@ -314,7 +396,11 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     axes = tuple(a for a in range(4) if bias.shape[a] == 1)
     dbias = dbias.sum(axis=axes, keepdims=True)
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
-  return dq, dk, dv, dbias
+  if lay.score_mod is None:
+    return dq, dk, dv, dbias
+  # Per query, [B, N, 1, Tp] (padded rows have zero cotangent).
+  return dq, dk, dv, dbias, lay.score_mod.args_grad_from_partials(
+      info.score_mod_args, dmod, batch=lay.b, heads=lay.n)
 
 
 def _check(q, k, v, bias, info, params):
@@ -326,14 +412,12 @@ def _check(q, k, v, bias, info, params):
   computes in float32 (the TPU's matrix unit has no float16 mode). The
   grid's metadata -- one int32 per (batch row, query tile, key tile) --
   lives in scalar memory; past its capacity the call is declined (larger
-  `block_sizes` shrink it). Flex attention (score_mod, mask_mod) is not
-  fused yet.
+  `block_sizes` shrink it). Flex attention is fused (`flex_mods`), except
+  a function whose per-tile part a kernel cannot run or whose per-query or
+  per-key values depend on the head.
   """
   del bias
-  if info.has_flex:
-    raise NotImplementedError(
-        "mosaic_tpu does not fuse score_mod/mask_mod/block_mask (flex "
-        "attention) into its kernels yet; \"chunked\" and \"xla\" run them.")
+  flex_mods(info)
   capacity = kernel.metadata_capacity()
   if capacity is None:
     return

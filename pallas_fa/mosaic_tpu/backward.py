@@ -31,14 +31,19 @@ def _dq_kernel(meta_ref, *refs, st: kernel.Static, names):
   nq, nk = st.num_q_blocks, st.num_kv_blocks
   kind = kernel.step_kind(meta_ref[(b * nq + i) * nk + j])
   dq_ref = r["dq_acc"]
+  # The score_mod's per-(batch, head) values: cotangents per query row.
+  dmod_refs = [r[name] for name in names if name.startswith("dmod_acc")]
 
   @pl.when(j == 0)
   def _init():
     dq_ref[...] = jnp.zeros(dq_ref.shape, _F32)
+    for ref in dmod_refs:
+      ref[...] = jnp.zeros(ref.shape, _F32)
 
   def step(masked):
     k = r["k"][...]
-    s_capped, s = kernel.masked_logits(st, r, r["q"][...], k, masked)
+    s_capped, s, score_mod_pullback = kernel.masked_logits(
+        st, r, r["q"][...], k, masked, kernel.Tile(b, n, i, j), grad=True)
     p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
     dp = kernel.dot(
         r["do"][...], r["v"][...], kernel.NT, st.precision)  # [bq, bk]
@@ -46,6 +51,10 @@ def _dq_kernel(meta_ref, *refs, st: kernel.Static, names):
       # dS = P * (dP * factor - delta), FlashAttention-2's dropout backward.
       dp = dp * kernel.dropout_factor(st, r, b, n, i, j)
     ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
+    if score_mod_pullback is not None:
+      ds, d = score_mod_pullback(ds)
+      for ref, x in zip(dmod_refs, d):
+        kernel.store_column(ref, kernel.column(ref) + x)
     ds = online_softmax.logits_grad(
         ds, s_capped, scale=st.scale, cap=st.soft_cap)
     dq_ref[...] += kernel.dot(
@@ -56,30 +65,40 @@ def _dq_kernel(meta_ref, *refs, st: kernel.Static, names):
   @pl.when(j == nk - 1)
   def _finalize():
     r["dq"][...] = dq_ref[...].astype(r["dq"].dtype)
+    for k, ref in enumerate(dmod_refs):  # Column -> row, as the lse.
+      r[f"dmod{k}"][...] = ref[...].T[:1, :]
 
 
 def backward_dq(st: kernel.Static, meta, names, operands, out_dtype):
-  """Runs the dQ kernel; metadata as for `forward`. Returns [B, Tp, N * Hp]."""
+  """Runs the dQ kernel; metadata as for `forward`. Returns [B, Tp, N * Hp]
+  and, for each differentiable per-(batch, head) value of the score_mod,
+  its cotangent summed per query, float32 [B, N, 1, Tp]."""
   b, n, hp, hvp = st.batch, st.num_heads, st.head_dim, st.value_head_dim
   bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
-  out_shapes = (jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),)
+  num_d = 0 if st.score_mod is None else sum(
+      res.differentiable for res in st.score_mod.residuals)
+  out_shapes = (jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),) + (
+      jax.ShapeDtypeStruct((b, n, 1, st.q_len), _F32),) * num_d
   out_specs = (
       pl.BlockSpec((kernel.SQUEEZED, bq, hp), lambda b, n, i, j, m: (b, i, n)),
-  )
-  scratch = [pltpu.VMEM((bq, hp), _F32)]
-  all_names = tuple(names) + ("dq", "dq_acc")
+  ) + (pl.BlockSpec((kernel.SQUEEZED, kernel.SQUEEZED, 1, bq),
+                    lambda b, n, i, j, m: (b, n, 0, i)),) * num_d
+  scratch = [pltpu.VMEM((bq, hp), _F32)] + [
+      pltpu.VMEM((bq, kernel.NUM_LANES), _F32)] * num_d
+  all_names = tuple(names) + ("dq",) + tuple(
+      f"dmod{k}" for k in range(num_d)) + ("dq_acc",) + tuple(
+          f"dmod_acc{k}" for k in range(num_d))
   tiles = b * n * nq * nk
   cost = kernel.cost_estimate(
       2 * tiles * bq * st.block_kv * (2 * hp + hvp),
       tiles * bq * st.block_kv,
       operands, out_shapes)
-  (dq,) = kernel.launch(
+  return kernel.launch(
       functools.partial(_dq_kernel, st=st, names=all_names),
       st, (b, n, nq, nk), kernel.row_major_coords(st), names, operands,
       out_specs, out_shapes, scratch, 3,
       meta, cost,
   )
-  return dq
 
 
 # --- dK, dV (and dbias) ------------------------------------------------------
@@ -99,7 +118,9 @@ def _dkv_kernel(meta_ref, *refs, st: kernel.Static, names):
 
   def step(masked):
     q, do = r["q"][...], r["do"][...]
-    s_capped, s = kernel.masked_logits(st, r, q, r["k"][...], masked)
+    s_capped, s, score_mod_pullback = kernel.masked_logits(
+        st, r, q, r["k"][...], masked, kernel.Tile(b, h * st.group + g, i, j),
+        grad=True, args=False)
     p = online_softmax.probs_from_lse(s, r["lse"][0])  # [bq, bk]
     dp = kernel.dot(do, r["v"][...], kernel.NT, st.precision)  # [bq, bk]
     p_used = p
@@ -111,6 +132,8 @@ def _dkv_kernel(meta_ref, *refs, st: kernel.Static, names):
     dv_ref[...] += kernel.dot(
         p_used.astype(do.dtype), do, kernel.TN, st.precision)  # [bk, Hvp]
     ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
+    if score_mod_pullback is not None:  # Its values' cotangents: in dQ.
+      ds, _ = score_mod_pullback(ds)
     if "dbias" in r:
       r["dbias"][...] = ds
     ds = online_softmax.logits_grad(

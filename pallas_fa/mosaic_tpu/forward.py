@@ -30,7 +30,8 @@ def _forward_kernel(meta_ref, *refs, st: kernel.Static, names):
   pl.when(j == 0)(lambda: kernel.init_softmax(m_ref, l_ref, acc_ref))
 
   def step(masked):
-    _, s = kernel.masked_logits(st, r, r["q"][...], r["k"][...], masked)
+    _, s, _ = kernel.masked_logits(st, r, r["q"][...], r["k"][...], masked,
+                                   kernel.Tile(b, n, i, j))
     m_i, l_i, p, alpha = online_softmax.update(
         kernel.column(m_ref), kernel.column(l_ref), s)  # p: [bq, bk]
     if st.dropout_rate:

@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_fa import dropout
+from pallas_fa import fused_mods
 from pallas_fa import masking
 from pallas_fa import online_softmax
 
@@ -140,6 +141,9 @@ class Static:
     interpret: the `interpret=` argument of pallas_call.
     parallel: declare the non-reduction grid axes "parallel" (see
       `parallel_grid`); otherwise every axis is "arbitrary".
+    score_mod, mask_mod: flex attention split by `fused_mods` (inputs
+      "score_mod.i" / "mask_mod.i": per (batch, head) values in SMEM, per
+      query lane-replicated, per key sublane-replicated), or None.
   """
 
   scale: float
@@ -163,6 +167,8 @@ class Static:
   precision: Any
   interpret: Any
   parallel: bool
+  score_mod: Any = None
+  mask_mod: Any = None
 
   @property
   def group(self) -> int:
@@ -179,7 +185,15 @@ class Static:
   @property
   def masked(self) -> bool:
     """Whether any element can be masked (else every tile is FULL)."""
-    return self.positions or self.segments or self.mask_shape is not None
+    return (self.positions or self.segments or self.mask_shape is not None
+            or self.mask_mod is not None)
+
+  def residual(self, name: str):
+    """The `fused_mods.Residual` an input "score_mod.i" / "mask_mod.i"
+    holds, or None for another input."""
+    mod_name, _, index = name.partition(".")
+    mod = getattr(self, mod_name, None) if index else None
+    return None if mod is None else mod.residuals[int(index)]
 
 
 class _Coords:
@@ -234,6 +248,15 @@ def _in_spec(st: Static, name: str, coords) -> pl.BlockSpec:
     return spec((sq, bk, hvp), lambda c: (c.b, c.kv_block, c.kv_head))
   if name == "seed":  # int32 [1], whole in scalar memory
     return pl.BlockSpec(memory_space=pltpu.SMEM)
+  res = st.residual(name)
+  if res is not None:  # Flex values, laid out like positions (see Static).
+    if res.level == fused_mods.Level.PROGRAM:
+      return pl.BlockSpec(memory_space=pltpu.SMEM)
+    if res.level == fused_mods.Level.ROW:
+      return spec((sq, bq, NUM_LANES),
+                  lambda c: (c.b if res.batch else 0, c.q_block, 0))
+    return spec((sq, NUM_SUBLANES, bk),
+                lambda c: (c.b if res.batch else 0, 0, c.kv_block))
   if name in ("lse", "delta"):
     return spec((sq, sq, 1, bq), lambda c: (c.b, c.head, 0, c.q_block))
   if name in ("q_pos", "q_seg"):
@@ -326,6 +349,43 @@ def _logits(st: Static, r, q, k):
   return s_capped, s
 
 
+@dataclasses.dataclass(frozen=True)
+class Tile:
+  """Where the current [bq, bk] tile lies: batch row, query head, query
+  and key block (for a flex function's indices and values)."""
+
+  b: Any
+  head: Any
+  q_block: Any
+  kv_block: Any
+
+
+def _flex_values(st: Static, r, mod, tile: Tile, shape):
+  """The residuals of `mod` for the tile, broadcast to it."""
+  level = fused_mods.Level
+  values = []
+  for i, res in enumerate(mod.residuals):
+    ref = r[f"{mod.name}.{i}"]
+    if res.level == level.PROGRAM:  # [Bm * Hm] in SMEM
+      heads = st.num_heads if res.head else 1
+      v = ref[(tile.b if res.batch else 0) * heads
+              + (tile.head if res.head else 0)]
+      v = jnp.full(shape, v, ref.dtype)
+    elif res.level == level.ROW:
+      v = _lanes(ref[...], st.block_kv)  # [bq, bk]
+    else:
+      v = jnp.broadcast_to(ref[:1, :], shape)  # [1, bk] -> [bq, bk]
+    values.append(v != 0 if res.dtype == jnp.bool_ else v)
+  return values
+
+
+def _flex_indices(st: Static, tile: Tile, shape):
+  """(q_idx, kv_idx) int32 tiles of the token indices."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  return tile.q_block * st.block_q + rows, tile.kv_block * st.block_kv + cols
+
+
 def _visibility(st: Static, r):
   """`masking.visible` for the current [bq, bk] tile."""
   q_pos = kv_pos = q_seg = kv_seg = dense = None
@@ -348,12 +408,33 @@ def _visibility(st: Static, r):
   )
 
 
-def masked_logits(st: Static, r, q, k, masked: bool):
-  """(s_capped, s) of the current tile, s masked when `masked`."""
+def masked_logits(st: Static, r, q, k, masked: bool, tile: Tile | None = None,
+                  grad: bool = False, args: bool = True):
+  """(s_capped, s, score_mod pullback or None) of the current tile: the
+  score_mod applied (its pullback kept when `grad`; with `args` also its
+  per-(batch, head) values' cotangents, summed per query row), s masked
+  when `masked` (by the mask_mod too). `tile` is needed with flex."""
   s_capped, s = _logits(st, r, q, k)
+  pullback = None
+  if st.score_mod is not None:
+    q_idx, kv_idx = _flex_indices(st, tile, s.shape)
+    values = _flex_values(st, r, st.score_mod, tile, s.shape)
+    if grad:
+      s, pullback = st.score_mod.tile_vjp(
+          values, q_idx=q_idx, kv_idx=kv_idx, score=s, args=args,
+          reduce=lambda d: d.sum(axis=1))
+    else:
+      s = st.score_mod.tile(values, q_idx=q_idx, kv_idx=kv_idx, score=s)
   if masked:
-    s = online_softmax.apply_mask(s, _visibility(st, r))
-  return s_capped, s
+    visible = _visibility(st, r)
+    if st.mask_mod is not None:
+      q_idx, kv_idx = _flex_indices(st, tile, s.shape)
+      mod = st.mask_mod.tile(
+          _flex_values(st, r, st.mask_mod, tile, s.shape), q_idx=q_idx,
+          kv_idx=kv_idx)
+      visible = mod if visible is None else visible & mod
+    s = online_softmax.apply_mask(s, visible)
+  return s_capped, s, pullback
 
 
 def dropout_factor(st: Static, r, b, head, q_block, kv_block):
