@@ -210,11 +210,12 @@ def decode_attention(
       `sinks`, the sink term included).
     score_mod: as in `flash_attention`, with `q_idx` the new token's
       position and `kv_idx` the cache index; applied after the soft cap.
-      "chunked" and "triton" (fused as in `flash_attention`; a value the
-      function computes per key must not depend on the head there).
+      Every implementation; the kernels fuse it as `flash_attention`'s
+      do, and a value it computes per key must not depend on the head
+      there (`fused_mods.packed_values`).
     score_mod_args: the arrays score_mod reads.
     mask_mod: as in `flash_attention` (same indices); intersects the other
-      masks, evaluated on every key block read. "chunked" and "triton".
+      masks, evaluated on every key block read. Every implementation.
     mask_mod_args: the arrays mask_mod reads.
 
   Returns:
@@ -225,9 +226,8 @@ def decode_attention(
       concrete lengths past the cache or block-table entries outside the
       pool included.
     NotImplementedError: `implementation` has no decode path, or "triton"
-      ("mosaic_tpu") with a page size that is not a multiple of 16 (8);
-      "mosaic_tpu" with a score_mod/mask_mod, "triton" with one it cannot
-      fuse (`pallas_fa.fused_mods`).
+      ("mosaic_tpu") with a page size that is not a multiple of 16 (8), or
+      with a score_mod/mask_mod it cannot fuse (`pallas_fa.fused_mods`).
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
@@ -307,11 +307,6 @@ def decode_attention(
   mods.check_functions(score_mod, score_mod_args, mask_mod, mask_mod_args)
   flex = {}
   if score_mod is not None or mask_mod is not None:
-    if implementation == "mosaic_tpu":
-      raise NotImplementedError(
-          "implementation='mosaic_tpu': its decode kernel does not fuse a "
-          "score_mod/mask_mod (flex attention) yet; \"chunked\" and "
-          "\"triton\" run them.")
     flex = dict(score_mod=score_mod, score_mod_args=score_mod_args,
                 mask_mod=mask_mod, mask_mod_args=mask_mod_args)
   if implementation in ("triton", "mosaic_tpu"):

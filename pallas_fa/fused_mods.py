@@ -446,6 +446,54 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
                   residuals=tuple(residuals))
 
 
+def packed_values(mod: FusedMod, args, row_pos: Array, *, num_kv: int,
+                  new_tokens: int, kv_positions: int,
+                  backend: str) -> list[Array]:
+  """A split function's residuals for a decode kernel's packed rows.
+
+  A decode program holds the packed query tile of one K/V head: row r is
+  query head k * G + r // T_new at position row_pos[b, r]. Values per
+  (batch, head) or per query are then one per row, values per key one per
+  cache position -- served to every row, so they must not depend on the
+  head.
+
+  Args:
+    mod: the split score_mod / mask_mod.
+    args: its arrays.
+    row_pos: int32 [B, R], each packed row's query position.
+    num_kv: K.
+    new_tokens: T_new (R = G * T_new).
+    kv_positions: how many cache positions the kernel reads values for.
+    backend: named in the error.
+
+  Returns:
+    Per residual: [B, K, R] (PROGRAM, ROW) or [B, kv_positions] (COLUMN).
+
+  Raises:
+    NotImplementedError: a per-key value that depends on the head.
+  """
+  i32 = jnp.int32
+  b, r = row_pos.shape
+  heads = (jnp.arange(num_kv, dtype=i32)[:, None] * (r // new_tokens)
+           + jnp.arange(r, dtype=i32)[None, :] // new_tokens)  # [K, R]
+  out = []
+  for i, res in enumerate(mod.residuals):
+    if res.level == Level.COLUMN:
+      if res.head:
+        raise NotImplementedError(
+            f"{backend} cannot fuse this {mod.name}: it computes a value per "
+            "key that depends on the head (a decode tile's rows hold several "
+            "heads); \"chunked\" runs it.")
+      out.append(mod.values_at(
+          i, args, batch=jnp.arange(b, dtype=i32)[:, None], head=0,
+          q_idx=0, kv_idx=jnp.arange(kv_positions, dtype=i32)[None, :]))
+    else:
+      out.append(mod.values_at(
+          i, args, batch=jnp.arange(b, dtype=i32)[:, None, None],
+          head=heads[None], q_idx=row_pos[:, None, :], kv_idx=0))
+  return out
+
+
 def split_call(info, backend: str) -> tuple[FusedMod | None,
                                              FusedMod | None]:
   """(score_mod, mask_mod) of a call's `masking.MaskInfo`, split; None for

@@ -791,7 +791,7 @@ def test_triton_visits_only_the_block_masks_tiles(monkeypatch):
 # --------------------------------------------------------------------------
 
 
-_DECODE_FLEX = [name for name in ("chunked", "triton")
+_DECODE_FLEX = [name for name in ("chunked", "triton", "mosaic_tpu")
                 if name == "chunked" or name in pallas_fa.implementations()]
 
 
@@ -829,12 +829,14 @@ def test_decode_attention(implementation):
   assert_close("out", out, want)
 
 
-@pytest.mark.skipif("triton" not in _DECODE_FLEX,
-                    reason="the triton backend does not import here")
-def test_decode_attention_triton_paged_and_declines():
-  """A paged cache (shuffled pages): the per-key values are read at the
-  logical positions; prefix-LM (a per-batch-row value per key) with a
-  learned soft cap. A per-key value that depends on the head cannot be
+_DECODE_KERNELS = [name for name in _DECODE_FLEX if name != "chunked"]
+
+
+@pytest.mark.parametrize("implementation", _DECODE_KERNELS)
+def test_decode_attention_paged_and_declines(implementation):
+  """A paged cache (shuffled pages): the kernels read the per-key values
+  at the logical positions; prefix-LM (a per-batch-row value per key) with
+  a learned soft cap. A per-key value that depends on the head cannot be
   fused (one column serves every head of a row tile): declined."""
   gen = rng("flex-decode-paged")
   q, k, v, lengths = _decode_problem(gen, s=96)
@@ -849,17 +851,12 @@ def test_decode_attention_triton_paged_and_declines():
   kw = dict(score_mod=flex.tanh_soft_cap, score_mod_args=(jnp.float32(2.5),),
             mask_mod=flex.prefix_lm, mask_mod_args=(jnp.array([10, 30]),))
   got = pallas_fa.decode_attention(q, *pool, lengths, block_table=table,
-                                   implementation="triton", **kw)
+                                   implementation=implementation, **kw)
   want = pallas_fa.decode_attention(q, k, v, lengths, **kw)
   assert_close("out", got, want)
-
   with pytest.raises(NotImplementedError, match="depends on the head"):
     pallas_fa.decode_attention(q, k, v, lengths, mask_mod=_striped,
-                               implementation="triton")
-  if "mosaic_tpu" in pallas_fa.implementations():
-    with pytest.raises(NotImplementedError, match="flex"):
-      pallas_fa.decode_attention(q, k, v, lengths, mask_mod=_striped,
-                                 implementation="mosaic_tpu")
+                               implementation=implementation)
 
 
 _PALLAS = [name for name in ("triton", "mosaic_gpu", "mosaic_tpu")

@@ -39,7 +39,9 @@ keys so that the double-buffered tiles fit. A contiguous cache is read in
 place when its head dims are multiples of 128 (its last block may be
 partial); otherwise it is padded, a copy. float16 computes in float32 (the
 TPU's matrix unit has no float16 mode), at the cost of a converted copy of
-the cache. Forward only.
+the cache. A score_mod / mask_mod is fused: its per-row values travel
+lane-replicated, its per-key ones sublane-replicated per cache position
+(`fused_mods.packed_values`). Forward only.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_fa import fused_mods
 from pallas_fa import layout
 from pallas_fa import masking
+from pallas_fa import mods as mods_lib
 from pallas_fa import mosaic_tpu
 from pallas_fa import online_softmax
 from pallas_fa.mosaic_tpu import kernel
@@ -182,6 +186,17 @@ def block_for(
   return min(block, layout.round_up(cache_len, _LANES))
 
 
+def _flex_values(mod, refs):
+  """A split score_mod/mask_mod's values for an [R, block] tile: per row
+  [R, 1] (lane-replicated refs), per key [1, block] (sublane-replicated)."""
+  values = []
+  for res, ref in zip(mod.residuals, refs):
+    v = ref[:1, :] if res.level == fused_mods.Level.COLUMN else (
+      kernel.column(ref)[:, None])
+    values.append(v != 0 if res.dtype == jnp.bool_ else v)
+  return values
+
+
 def _kernel(
   lengths_ref,
   runs_ref,
@@ -195,11 +210,17 @@ def _kernel(
   is_causal: bool,
   window,
   precision,
+  score_mod=None,
+  mask_mod=None,
 ):
   # The block table (paged) is read by the index maps only.
-  q_ref, pos_ref, k_ref, v_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref = (
-    refs[1:] if paged else refs
-  )
+  q_ref, pos_ref, k_ref, v_ref, *rest = refs[1:] if paged else refs
+  mods = [m for m in (score_mod, mask_mod) if m is not None]
+  flex_refs = []
+  for mod in mods:
+    flex_refs.append(rest[:len(mod.residuals)])
+    rest = rest[len(mod.residuals):]
+  out_ref, lse_ref, m_ref, l_ref, acc_ref = rest
   b, p, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   run = 2 * (b * splits + p)
   key_block = runs_ref[run] + j
@@ -213,16 +234,22 @@ def _kernel(
     s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap)
     start = key_block * block
     kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-    s = online_softmax.apply_mask(
-      s,
-      masking.visible(
-        is_causal=is_causal,
-        window=window,
-        q_pos=kernel.column(pos_ref)[:, None],
-        kv_pos=kv_pos,
-        dense=kv_pos < length,
-      ),
+    q_pos = kernel.column(pos_ref)[:, None]
+    flex = dict(zip(mods, flex_refs))
+    if score_mod is not None:
+      s = score_mod.tile(_flex_values(score_mod, flex[score_mod]),
+                         q_idx=q_pos, kv_idx=kv_pos, score=s)
+    visible = masking.visible(
+      is_causal=is_causal,
+      window=window,
+      q_pos=q_pos,
+      kv_pos=kv_pos,
+      dense=kv_pos < length,
     )
+    if mask_mod is not None:
+      visible = visible & mask_mod.tile(
+        _flex_values(mask_mod, flex[mask_mod]), q_idx=q_pos, kv_idx=kv_pos)
+    s = online_softmax.apply_mask(s, visible)
     m_i, l_i, probs, alpha = online_softmax.update(
       kernel.column(m_ref), kernel.column(l_ref), s
     )
@@ -260,15 +287,21 @@ def partials(
   local_window_size,
   logits_soft_cap,
   precision,
+  score_mod=None,
+  score_mod_args=(),
+  mask_mod=None,
+  mask_mod_args=(),
 ):
   """Runs the kernel: the normalised (out, lse) of every split, float32
   [B, K, splits, R, Hv] and [B, K, splits, R], for `decode` to merge (the
   arguments and results of `decode._decode_split_kernel`'s `partials`;
-  `block` from `block_for`).
+  `block` from `block_for`). A score_mod / mask_mod is fused
+  (`fused_mods.packed_values`: per-row values lane-replicated [B, K, rows,
+  128], per-key ones sublane-replicated [B, 8, cache positions]).
 
   Raises:
     NotImplementedError: on a TPU, the block table and run boundaries do
-      not fit its scalar memory.
+      not fit its scalar memory; a score_mod / mask_mod it cannot fuse.
   """
   b, num_kv, r, h = q.shape
   hv = value.shape[3]
@@ -330,6 +363,13 @@ def partials(
     ]
     return page, jax.lax.rem(blk, jnp.int32(per_page)), k
 
+  def key_index(i, k, p, j, lengths_ref, runs_ref, *table_ref):
+    # Per-key flex values: the cache positions of the step's block.
+    del k, lengths_ref, table_ref
+    run = 2 * (i * splits + p)
+    blk = jnp.maximum(jnp.minimum(runs_ref[run] + j, runs_ref[run + 1] - 1), 0)
+    return i, 0, blk
+
   sq = kernel.SQUEEZED
   in_specs = [
     pl.BlockSpec((sq, sq, rows, hp), lambda i, k, p, j, *_: (i, k, 0, 0)),
@@ -337,6 +377,29 @@ def partials(
     pl.BlockSpec((sq, block, hp), cache_index),
     pl.BlockSpec((sq, block, hvp), cache_index),
   ]
+  fused, flex_operands = {}, []
+  for name, fn, args in ((mods_lib.SCORE_MOD, score_mod, score_mod_args),
+                         (mods_lib.MASK_MOD, mask_mod, mask_mod_args)):
+    if fn is None:
+      continue
+    mod = fused_mods.split(name, fn, args, "mosaic_tpu decode")
+    values = fused_mods.packed_values(
+      mod, args, row_pos, num_kv=num_kv,
+      new_tokens=query_positions.shape[1], kv_positions=num_blocks * block,
+      backend="mosaic_tpu decode")
+    for res, x in zip(mod.residuals, values):
+      if x.dtype == jnp.bool_:  # No bool memrefs.
+        x = x.astype(jnp.int32)
+      if res.level == fused_mods.Level.COLUMN:
+        x = jnp.broadcast_to(x[:, None, :], (b, _SUBLANES, x.shape[1]))
+        in_specs.append(pl.BlockSpec((sq, _SUBLANES, block), key_index))
+      else:
+        x = masking.pad_axes(x, {2: rows})
+        x = jnp.broadcast_to(x[..., None], x.shape + (_LANES,))
+        in_specs.append(pl.BlockSpec(
+          (sq, sq, rows, _LANES), lambda i, k, p, j, *_: (i, k, 0, 0)))
+      flex_operands.append(x)
+    fused[name] = mod
   out_shapes = (
     jax.ShapeDtypeStruct((b, num_kv, splits, rows, hvp), _F32),
     jax.ShapeDtypeStruct((b, num_kv, splits, rows, _LANES), _F32),
@@ -395,6 +458,7 @@ def partials(
       is_causal=is_causal,
       window=local_window_size,
       precision=precision,
+      **fused,
     ),
     grid_spec=grid_spec,
     out_shape=out_shapes,
@@ -402,7 +466,7 @@ def partials(
     interpret=interpret,
     name="flash_decode",
     **kwargs,
-  )(*prefetch, q, positions, key, value)
+  )(*prefetch, q, positions, key, value, *flex_operands)
   return out[..., :r, :hv], lse[..., :r, 0]
 
 

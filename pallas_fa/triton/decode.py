@@ -383,38 +383,26 @@ def _add_flex_inputs(inputs, row_pos, *, b, num_kv, rows, r, new_tokens,
                      kv_positions, flex) -> dict:
   """Splits the call's score_mod / mask_mod (`fused_mods`), adds their
   values to `inputs` (per packed row: [B, K, rows]; per cache position:
-  [B, kv_positions]) and returns them as `_kernel`'s arguments.
+  [B, kv_positions]; `fused_mods.packed_values`) and returns them as
+  `_kernel`'s arguments.
 
   Raises:
-    NotImplementedError: a function the kernel cannot fuse, or one that
-      computes a per-key value from the head (a row holds one head, a key
-      column serves all of them).
+    NotImplementedError: a function the kernel cannot fuse.
   """
-  i32 = jnp.int32
-  # Row r of K/V head k is query head k * G + r // T_new (`decode._packed`).
-  groups = r // new_tokens
-  heads = (jnp.arange(num_kv, dtype=i32)[:, None] * groups
-           + jnp.arange(r, dtype=i32)[None, :] // new_tokens)  # [K, R]
+  del b
   out = {}
   for name, fn, args in flex:
     if fn is None:
       continue
     mod = fused_mods.split(name, fn, args, "triton decode")
-    for i, res in enumerate(mod.residuals):
+    values = fused_mods.packed_values(
+        mod, args, row_pos[:, :r], num_kv=num_kv, new_tokens=new_tokens,
+        kv_positions=kv_positions, backend="triton decode")
+    for i, (res, value) in enumerate(zip(mod.residuals, values)):
       if res.level == fused_mods.Level.COLUMN:
-        if res.head:
-          raise NotImplementedError(
-              f"triton decode cannot fuse this {name}: it computes a value "
-              "per key that depends on the head; \"chunked\" runs it.")
-        value = mod.values_at(
-            i, args, batch=jnp.arange(b, dtype=i32)[:, None], head=0,
-            q_idx=0, kv_idx=jnp.arange(kv_positions, dtype=i32)[None, :])
         spec = triton.block_spec((None, kv_positions),
                                  lambda i, k, j: (i, 0))
       else:
-        value = mod.values_at(
-            i, args, batch=jnp.arange(b, dtype=i32)[:, None, None],
-            head=heads[None], q_idx=row_pos[:, None, :r], kv_idx=0)
         value = masking.pad_axes(value, {2: rows})  # [B, K, rows]
         spec = triton.block_spec((None, None, rows),
                                  lambda i, k, j: (i, k, 0))
