@@ -32,6 +32,7 @@ from typing import Any
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
 from pallas_fa import api
 from pallas_fa import masking
@@ -102,12 +103,15 @@ class _Plan:
 
   def info_spec(self, info):
     seg = None if info.q_segment_ids is None else self.rows_spec()
+    # Flex arrays are read whole by every shard (`_GlobalIndices`).
     return info.replace(
         q_positions=self.rows_spec(),
         kv_positions=self.rows_spec(),
         q_segment_ids=seg,
         kv_segment_ids=seg,
         mask=self.dense_spec(info.mask),
+        score_mod_args=tuple(_P() for _ in info.score_mod_args),
+        mask_mod_args=tuple(_P() for _ in info.mask_mod_args),
     )
 
 
@@ -167,6 +171,47 @@ def _permute_axis(x, axis, num_shards):
   if x is None or x.shape[axis] == 1:
     return x
   return zigzag(x, num_shards, axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalIndices:
+  """A score_mod / mask_mod as a shard calls it: the shard's local batch
+  row and head arrive offset to the global ones, the offsets being the
+  function's last two arguments (so they are traced data, not closures).
+  Frozen and compared by value, so equal shards' calls share one trace."""
+
+  fn: Any
+  score: bool  # Whether fn takes a score first (a score_mod).
+
+  def __call__(self, *xs):
+    lead = int(self.score)
+    *args, batch0, head0 = xs[lead + 4:]
+    score = xs[:lead]
+    batch, head, q_idx, kv_idx = xs[lead:lead + 4]
+    return self.fn(*score, batch + batch0, head + head0, q_idx, kv_idx,
+                   *args)
+
+
+def _axis_offset(axes, local: int):
+  """The first global index of this shard along dims split over `axes`."""
+  if not axes:
+    return jnp.zeros((), jnp.int32)
+  index = jax.lax.axis_index(axes if len(axes) > 1 else axes[0])
+  return (index * local).astype(jnp.int32)
+
+
+def _with_global_indices(plan, info, q):
+  """The shard's `info` with its flex functions seeing global indices."""
+  offsets = (_axis_offset(plan.batch, q.shape[0]),
+             _axis_offset(plan.heads, q.shape[2]))
+  changes = {}
+  if info.score_mod is not None:
+    changes.update(score_mod=_GlobalIndices(info.score_mod, True),
+                   score_mod_args=info.score_mod_args + offsets)
+  if info.mask_mod is not None:
+    changes.update(mask_mod=_GlobalIndices(info.mask_mod, False),
+                   mask_mod_args=info.mask_mod_args + offsets)
+  return info.replace(**changes)
 
 
 def _select_kv_heads(plan, q, k, v):
@@ -236,6 +281,15 @@ def _specs(plan, bias, info):
 def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
   t, s = q.shape[1], k.shape[1]
   ring = plan.sequence is not None
+  if info.has_flex:
+    if ring:
+      raise NotImplementedError(
+          "sharded_flash_attention runs flex attention (score_mod / "
+          "mask_mod) with batch and head sharding; not over a "
+          "sequence_axis (ring attention) yet.")
+    # Each shard classifies its own tiles (its rows and heads) from the
+    # mask_mod; a global block mask does not describe them.
+    info = info.replace(block_mask=None)
   relayout = ring and (plan.zigzag or t % plan.ring_size
                        or s % plan.ring_size)
   gathered = dataclasses.replace(plan, sequence=None)
@@ -246,6 +300,8 @@ def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
   def body(q, k, v, bias, info, sinks):
     if plan.kv_replicated:
       k, v = _select_kv_heads(plan, q, k, v)
+    if info.has_flex:
+      info = _with_global_indices(plan, info, q)
     if not ring:
       backend = api.choose_backend(plan.implementation, api.Call(
           q=q, k=k, v=v, bias=bias, info=info, params=plan.params,
@@ -298,6 +354,11 @@ def sharded_flash_attention(
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
+    score_mod: Any = None,
+    score_mod_args: Sequence[Array] = (),
+    mask_mod: Any = None,
+    mask_mod_args: Sequence[Array] = (),
+    block_mask: Any = None,
 ):
   """`pallas_fa.flash_attention` on global arrays sharded over `mesh`.
 
@@ -350,6 +411,11 @@ def sharded_flash_attention(
     block_sizes: see `pallas_fa.flash_attention`.
     precision: see `pallas_fa.flash_attention`.
     return_residual: also return the logsumexp [B, T, N].
+    score_mod, score_mod_args, mask_mod, mask_mod_args, block_mask: flex
+      attention, see `pallas_fa.flash_attention`; with batch and head
+      sharding (not a sequence_axis yet). Every shard reads the arrays
+      whole and its functions see global batch and head indices; each
+      shard classifies its own tiles (a block_mask supplies its mask_mod).
 
   Returns:
     out shaped and typed like query (sharded like it), or (out, lse).
@@ -382,10 +448,11 @@ def sharded_flash_attention(
   )
   # Inputs laid out on another mesh (an earlier call's, say) move onto this
   # one: jit would otherwise give the results their mesh (`onto_mesh`).
+  static.update(score_mod=score_mod, mask_mod=mask_mod)
   args = mesh_lib.onto_mesh(
       (query, key, value, bias, mask, query_seq_lengths,
        key_value_seq_lengths, segment_ids, query_positions, key_positions,
-       sinks),
+       sinks, tuple(score_mod_args), tuple(mask_mod_args), block_mask),
       mesh)
   out, lse = _sharded_flash_attention(*args, **static)
   return (out, lse) if return_residual else out
@@ -396,14 +463,16 @@ def sharded_flash_attention(
     static_argnames=("mesh", "batch_axes", "head_axes", "sequence_axis",
                      "load_balance", "scale", "is_causal",
                      "local_window_size", "logits_soft_cap",
-                     "implementation", "block_sizes", "precision"),
+                     "implementation", "block_sizes", "precision",
+                     "score_mod", "mask_mod"),
 )
 def _sharded_flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
-    segment_ids, query_positions, key_positions, sinks, *, mesh, batch_axes,
-    head_axes, sequence_axis, load_balance, scale, is_causal,
-    local_window_size, logits_soft_cap, implementation, block_sizes,
-    precision,
+    segment_ids, query_positions, key_positions, sinks, score_mod_args,
+    mask_mod_args, block_mask, *, mesh, batch_axes, head_axes,
+    sequence_axis, load_balance, scale, is_causal, local_window_size,
+    logits_soft_cap, implementation, block_sizes, precision, score_mod,
+    mask_mod,
 ):
   # Canonicalised once per trace, like `pallas_fa.flash_attention`: the
   # global mask description (padding folded into segment ids) is built
@@ -415,7 +484,9 @@ def _sharded_flash_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
-      precision=precision, sinks=sinks,
+      precision=precision, sinks=sinks, score_mod=score_mod,
+      score_mod_args=score_mod_args, mask_mod=mask_mod,
+      mask_mod_args=mask_mod_args, block_mask=block_mask,
   )
   if call.empty:  # Nothing to split: as `flash_attention`.
     return call.unfold(*call.empty_result())

@@ -157,6 +157,51 @@ def sharded():
          dict(batch_axes="data", head_axes="heads")),
     ], impl, block_sizes)
     _check_two_meshes(impl, block_sizes)
+    _check_flex(impl, block_sizes)
+
+
+def _check_flex(impl, block_sizes):
+  """Flex attention sharded over batch rows and heads: every shard's
+  functions see global indices (ALiBi reads the head, the document mask the
+  batch row), forward and every gradient, the ALiBi slopes' included (each
+  shard's share summed); a global block mask supplies its mask_mod; ring
+  attention declines flex calls, naming them."""
+  b, t, n, kv, h = 4, 40, 8, 2, 16
+  q, k, v = _inputs(21, b, t, t, n, kv, h)
+  doc = _segments(22, b, t)
+  slopes = pallas_fa.flex.alibi_slopes(n) * jnp.linspace(0.5, 1.5, n)
+  block_mask = pallas_fa.create_block_mask(
+      pallas_fa.flex.document, (doc,), batch=b, heads=None, q_len=t,
+      kv_len=t)
+  kwargs = dict(is_causal=True, implementation=impl, block_sizes=block_sizes,
+                score_mod=pallas_fa.flex.alibi)
+
+  def value_and_grads(fn, **mesh_kwargs):
+    def loss(q, k, v, slopes):
+      out, lse = fn(q, k, v, score_mod_args=(slopes,), block_mask=block_mask,
+                    return_residual=True, **kwargs, **mesh_kwargs)
+      finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+      return jnp.sum(out * jnp.cos(out)) + 0.3 * jnp.sum(finite), (out, lse)
+
+    (_, (out, lse)), grads = jax.jit(jax.value_and_grad(
+        loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, slopes)
+    return dict(out=out, lse=lse,
+                **dict(zip(("dq", "dk", "dv", "dslopes"), grads)))
+
+  want = value_and_grads(pallas_fa.flash_attention)
+  mesh = parallel.make_mesh(data=2, heads=4)
+  got = value_and_grads(parallel.sharded_flash_attention, mesh=mesh,
+                        batch_axes="data", head_axes="heads")
+  _compare(f"{impl} flex: alibi+document data2xheads4", got, want)
+  try:
+    parallel.sharded_flash_attention(
+        q, k, v, mesh=parallel.make_mesh(sequence=8),
+        sequence_axis=parallel.SEQUENCE_AXIS,
+        mask_mod=pallas_fa.flex.document, mask_mod_args=(doc,))
+  except NotImplementedError as e:
+    assert "sequence_axis" in str(e), e
+  else:
+    raise AssertionError("ring attention ran a flex call")
 
 
 def _check_two_meshes(impl, block_sizes):
