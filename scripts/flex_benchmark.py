@@ -1,6 +1,6 @@
 r"""Times flex attention (score_mod, mask_mod) against the same work done
-otherwise, on the `chunked` backend (the one that runs flex attention on a
-CPU).
+otherwise, on one implementation (`--implementation`; by default the
+automatic choice: `chunked` on a CPU).
 
 Cells, each checked before it is timed:
 
@@ -18,10 +18,17 @@ Command (from the repository root; the CPU table of issue 28):
   python scripts/flex_benchmark.py --seq_len=8192 \
       --json=benchmarks/results/flex_cpu.json \
       --markdown=benchmarks/results/flex_cpu.md
+
+On a GPU, the fused kernels against their own plain calls (the jax.nn
+cells then run cuDNN or XLA's dense attention, whatever jax picks):
+
+  python scripts/flex_benchmark.py --implementation=triton \
+      --dtype=bfloat16 --seq_len=16384 --heads=16 --head_dim=128
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from typing import Sequence
@@ -47,6 +54,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("head_dim", 64, "H.")
   flags.DEFINE_integer("documents", 8, "Documents per sequence.")
   flags.DEFINE_integer("repeats", 3, "Timed runs per cell (the median).")
+  flags.DEFINE_string("implementation", None,
+                      "The pallas_fa implementation timed (default: the "
+                      "automatic choice).")
+  flags.DEFINE_enum("dtype", "float32", list(testing.DTYPES),
+                    "The inputs' dtype.")
   flags.DEFINE_list("modes", ["fwd", "fwd_bwd"], "fwd and/or fwd_bwd.")
   flags.DEFINE_string("json", None, "Write the results here.")
   flags.DEFINE_string("markdown", None, "Write the table here.")
@@ -64,18 +76,26 @@ def _loss_grad(attention):
   return f
 
 
-def _check(name, got, want, tol=2e-4):
-  err = float(jnp.max(jnp.abs(got - want)))
+def _check(name, got, want, tol):
+  err = float(jnp.max(jnp.abs(got.astype(jnp.float32)
+                              - want.astype(jnp.float32))))
   if not err <= tol:
     raise AssertionError(f"{name}: max|err|={err:.3g} > {tol}")
   return err
 
 
-def run(seq_len, batch, heads, head_dim, documents, repeats, modes):
+def run(seq_len, batch, heads, head_dim, documents, repeats, modes,
+        implementation=None, dtype="float32"):
   """Returns {"meta": ..., "results": [one record per cell]}."""
   gen = np.random.default_rng(0)
   shape = (batch, seq_len, heads, head_dim)
-  q, k, v, dout = (testing.normal(gen, shape) for _ in range(4))
+  q, k, v, dout = (testing.normal(gen, shape, testing.DTYPES[dtype])
+                   for _ in range(4))
+  # Candidates compute the same result: float32 agrees to rounding, low
+  # precision to its own.
+  tol = 2e-4 if dtype == "float32" else 5e-2
+  attend = functools.partial(pallas_fa.flash_attention,
+                             implementation=implementation)
   cuts = np.sort(gen.choice(np.arange(1, seq_len), documents - 1, False))
   ids = np.zeros((batch, seq_len), np.int32)
   for c in cuts:
@@ -92,19 +112,17 @@ def run(seq_len, batch, heads, head_dim, documents, repeats, modes):
   cells = {
       "document": {
           "flex mask_mod + BlockMask": lambda q, k, v: (
-              pallas_fa.flash_attention(q, k, v, block_mask=block_mask)),
-          "segment_ids": lambda q, k, v: pallas_fa.flash_attention(
+              attend(q, k, v, block_mask=block_mask)),
+          "segment_ids": lambda q, k, v: attend(
               q, k, v, segment_ids=segments),
           "jax.nn dense mask": lambda q, k, v: jax.nn.dot_product_attention(
-              q, k, v, mask=dense, implementation="xla"),
+              q, k, v, mask=dense),
       },
       "alibi": {
-          "flex score_mod (causal)": lambda q, k, v: (
-              pallas_fa.flash_attention(
-                  q, k, v, is_causal=True, score_mod=flex.alibi,
-                  score_mod_args=(slopes,))),
-          "plain causal": lambda q, k, v: pallas_fa.flash_attention(
-              q, k, v, is_causal=True),
+          "flex score_mod (causal)": lambda q, k, v: attend(
+              q, k, v, is_causal=True, score_mod=flex.alibi,
+              score_mod_args=(slopes,)),
+          "plain causal": lambda q, k, v: attend(q, k, v, is_causal=True),
       },
   }
   results = []
@@ -118,7 +136,7 @@ def run(seq_len, batch, heads, head_dim, documents, repeats, modes):
     first = next(iter(outputs))
     for name, out in outputs.items():
       if name != first and name != "plain causal":
-        _check(f"{problem}: {name}", outputs[first], out)
+        _check(f"{problem}: {name}", outputs[first], out, tol)
     for mode in modes:
       for name, fn in candidates.items():
         if mode == "fwd":
@@ -139,7 +157,8 @@ def run(seq_len, batch, heads, head_dim, documents, repeats, modes):
       platform=jax.default_backend(), jax=jax.__version__,
       jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else None,
       batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim,
-      documents=documents, dtype="float32", repeats=repeats,
+      documents=documents, dtype=dtype, repeats=repeats,
+      implementation=implementation or "automatic",
       note=("Median of repeated runs on a shared 2-core machine: timings "
             "are noisy."))
   return {"meta": meta, "results": results}
@@ -151,7 +170,8 @@ def markdown(report) -> str:
   lines = [
       f"Flex attention on {m['device']} ({m['platform']}), jax "
       f"{m['jax']}: B={m['batch']}, T=S={m['seq_len']}, N={m['heads']}, "
-      f"H={m['head_dim']}, float32, {m['documents']} documents. "
+      f"H={m['head_dim']}, {m['dtype']}, {m['documents']} documents, "
+      f"implementation {m.get('implementation', 'automatic')}. "
       f"{m['note']}",
       "",
       f"`{m['command']}`",
@@ -170,7 +190,8 @@ def markdown(report) -> str:
 def main(argv: Sequence[str]) -> None:
   del argv
   report = run(FLAGS.seq_len, FLAGS.batch, FLAGS.heads, FLAGS.head_dim,
-               FLAGS.documents, FLAGS.repeats, FLAGS.modes)
+               FLAGS.documents, FLAGS.repeats, FLAGS.modes,
+               FLAGS.implementation, FLAGS.dtype)
   table = markdown(report)
   print(table)
   if FLAGS.json:

@@ -980,3 +980,9 @@ def test_flex_benchmark_script_runs():
   assert {r["candidate"] for r in report["results"]} >= {
       "segment_ids", "jax.nn dense mask", "plain causal"}
   assert "| document | fwd |" in script.markdown(report)
+  if "triton" in pallas_fa.implementations():  # The fused kernels, timed.
+    with script_module("flex_benchmark") as script:
+      report = script.run(seq_len=64, batch=1, heads=2, head_dim=16,
+                          documents=3, repeats=1, modes=["fwd"],
+                          implementation="triton", dtype="bfloat16")
+    assert report["meta"]["implementation"] == "triton"
