@@ -282,13 +282,8 @@ def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
   t, s = q.shape[1], k.shape[1]
   ring = plan.sequence is not None
   if info.has_flex:
-    if ring:
-      raise NotImplementedError(
-          "sharded_flash_attention runs flex attention (score_mod / "
-          "mask_mod) with batch and head sharding; not over a "
-          "sequence_axis (ring attention) yet.")
-    # Each shard classifies its own tiles (its rows and heads) from the
-    # mask_mod; a global block mask does not describe them.
+    # Each shard classifies its own tiles (its rows, heads and tokens) from
+    # the mask_mod; a global block mask does not describe them.
     info = info.replace(block_mask=None)
   relayout = ring and (plan.zigzag or t % plan.ring_size
                        or s % plan.ring_size)
@@ -308,7 +303,7 @@ def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
           batch_shape=q.shape[:1]))
       return vjp.attention(backend, plan.params, q, k, v, bias, info, sinks)
     return ring_lib.ring_local(plan.implementation, plan.params, plan.sequence,
-                       q, k, v, bias, info, sinks)
+                       q, k, v, bias, info, sinks, zigzag=plan.zigzag)
 
   # The sinks [N] go with their query heads; replicated over the batch and
   # ring axes, whose shares of dsinks shard_map's transpose sums.
@@ -412,10 +407,10 @@ def sharded_flash_attention(
     precision: see `pallas_fa.flash_attention`.
     return_residual: also return the logsumexp [B, T, N].
     score_mod, score_mod_args, mask_mod, mask_mod_args, block_mask: flex
-      attention, see `pallas_fa.flash_attention`; with batch and head
-      sharding (not a sequence_axis yet). Every shard reads the arrays
-      whole and its functions see global batch and head indices; each
-      shard classifies its own tiles (a block_mask supplies its mask_mod).
+      attention, see `pallas_fa.flash_attention`. Every shard reads the
+      arrays whole and its functions see global batch, head and token
+      indices (ring steps and the zig-zag layout included); each shard
+      classifies its own tiles (a block_mask supplies its mask_mod).
 
   Returns:
     out shaped and typed like query (sharded like it), or (out, lse).

@@ -12,7 +12,10 @@ per step is stored) and carries the dK/dV accumulators with K/V, so after
 the last rotation they are back on the device that owns those keys.
 
 Steps in which no query may see any key (causal, window or segments, decided
-from the per-shard min/max of positions and segment ids) are skipped.
+from the per-shard min/max of positions and segment ids) are skipped. Flex
+functions (score_mod, mask_mod) see global token indices on every step
+(`_RingIndices`: contiguous shards or the zig-zag layout's chunks), and the
+score_mod's array gradients are summed over the steps.
 Masking is always computed from the true token positions, which travel with
 the tokens, so any token order (e.g. `parallel.zigzag`) is exact.
 
@@ -31,6 +34,7 @@ Ring layout over P devices (K/V shard held by device r at step s):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 from typing import Sequence
@@ -68,13 +72,68 @@ def _kv_columns(x, src, s_local):
   return jax.lax.dynamic_slice_in_dim(x, src * s_local, s_local, 3)
 
 
-def _step_inputs(bias, info, kv_pos, kv_seg, src, s_local):
+@dataclasses.dataclass(frozen=True)
+class _RingIndices:
+  """A score_mod / mask_mod as one ring step calls it: the local query and
+  key indices arrive mapped to global token indices, from the query's and
+  the visiting key's shards, which are the function's last two arguments
+  (traced data, not closures). Frozen and compared by value, so the steps
+  share one trace.
+
+  Shards hold consecutive tokens, or with `zigzag` the chunks r and
+  2P - 1 - r of 2P (`parallel.zigzag`).
+  """
+
+  fn: Any
+  score: bool  # Whether fn takes a score first (a score_mod).
+  q_len: int  # Local T.
+  kv_len: int  # Local S.
+  ring_size: int
+  zigzag: bool
+
+  def _global(self, index, shard, length):
+    if not self.zigzag:
+      return shard * length + index
+    half = length // 2
+    return jnp.where(index < half, shard * half + index,
+                     (2 * self.ring_size - 1 - shard) * half + index - half)
+
+  def __call__(self, *xs):
+    lead = int(self.score)
+    *args, q_shard, kv_shard = xs[lead + 4:]
+    batch, head, q_idx, kv_idx = xs[lead:lead + 4]
+    return self.fn(*xs[:lead], batch, head,
+                   self._global(q_idx, q_shard, self.q_len),
+                   self._global(kv_idx, kv_shard, self.kv_len), *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Where this device sits in the ring, for flex functions' indices."""
+
+  me: Any
+  size: int
+  q_len: int
+  kv_len: int
+  zigzag: bool
+
+
+def _step_inputs(bias, info, kv_pos, kv_seg, src, layout: _Layout):
   """Bias and MaskInfo of one ring step (the keys of shard `src`)."""
+  s_local = layout.kv_len
   step_info = info.replace(
       kv_positions=kv_pos,
       kv_segment_ids=kv_seg,
       mask=_kv_columns(info.mask, src, s_local),
   )
+  shards = (jnp.asarray(layout.me, jnp.int32), jnp.asarray(src, jnp.int32))
+  for name in ("score_mod", "mask_mod"):
+    fn = getattr(info, name)
+    if fn is not None:
+      step_info = step_info.replace(**{
+          name: _RingIndices(fn, name == "score_mod", layout.q_len,
+                             layout.kv_len, layout.size, layout.zigzag),
+          f"{name}_args": getattr(info, f"{name}_args") + shards})
   return _kv_columns(bias, src, s_local), step_info
 
 
@@ -114,7 +173,10 @@ def _step_forward(backend, params, q, k, v, bias, info):
 
 
 def _step_backward(backend, params, q, k, v, bias, info, lse, dout, delta):
-  """(dq, dk, dv, dbias) of one step, in float32, from the final lse/delta."""
+  """(dq, dk, dv, dbias, dscore_mod_args) of one step, in float32, from the
+  final lse/delta (the last None without a score_mod; its entries None for
+  integer arrays)."""
+  score_args = info.score_mod_args if info.score_mod is not None else None
 
   def run():
     if backend.backward is not None:
@@ -125,17 +187,26 @@ def _step_backward(backend, params, q, k, v, bias, info, lse, dout, delta):
     else:
       # Plain-autodiff backend: pull the step's share of the merged
       # cotangents back through its forward.
-      def f(q, k, v, bias):
-        return backend.forward(q, k, v, bias, info, params)
+      def f(q, k, v, bias, args):
+        step = info if args is None else info.replace(score_mod_args=args)
+        return backend.forward(q, k, v, bias, step, params)
 
-      (out_s, lse_s), pullback = jax.vjp(f, q, k, v, bias)
+      (out_s, lse_s), pullback = jax.vjp(f, q, k, v, bias, score_args)
       grads = pullback(
           online_softmax.merge_grad(out_s, lse_s, lse, dout, delta))
+    grads = tuple(grads) + (None,) * (5 - len(grads))
+    if score_args is not None:  # Integer arrays (and shard ids): None.
+      grads = grads[:4] + (tuple(
+          None if not jnp.issubdtype(x.dtype, jnp.inexact) else g
+          for g, x in zip(grads[4], score_args)),)
     return jax.tree.map(lambda g: g.astype(_F32), grads)
 
   def skip():
     zeros = lambda x: None if x is None else jnp.zeros(x.shape, _F32)
-    return zeros(q), zeros(k), zeros(v), zeros(bias)
+    dargs = None if score_args is None else tuple(
+        zeros(x) if jnp.issubdtype(x.dtype, jnp.inexact) else None
+        for x in score_args)
+    return zeros(q), zeros(k), zeros(v), zeros(bias), dargs
 
   return _cond(step_is_empty(info), skip, run)
 
@@ -151,7 +222,8 @@ def _add_columns(acc, d, src, s_local):
   return jax.lax.dynamic_update_slice_in_dim(acc, cur + d, start, 3)
 
 
-def _ring_forward(backend, params, axis_name, q, k, v, bias, info, sinks):
+def _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias, info,
+                  sinks):
   size = axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
   if q.dtype == jnp.float64:
@@ -161,7 +233,7 @@ def _ring_forward(backend, params, axis_name, q, k, v, bias, info, sinks):
         "not supported over a sequence axis.")
   b, t, n, _ = q.shape
   h = v.shape[-1]
-  s_local = k.shape[1]
+  layout = _Layout(me, size, t, k.shape[1], zigzag)
 
   def body(carry, step):
     out, lse, kv = carry
@@ -171,7 +243,7 @@ def _ring_forward(backend, params, axis_name, q, k, v, bias, info, sinks):
     kv_next = _rotate(kv, axis_name, size)
     k_s, v_s, kv_pos, kv_seg = kv
     src = (me - step) % size
-    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, s_local)
+    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, layout)
     out_s, lse_s = _step_forward(backend, params, q, k_s, v_s, bias_s, info_s)
     out, lse = online_softmax.merge(out, lse, out_s, lse_s)
     return (out, lse, kv_next), None
@@ -187,34 +259,35 @@ def _ring_forward(backend, params, axis_name, q, k, v, bias, info, sinks):
   return out.astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(backend, params, axis_name, q, k, v, bias, info, sinks):
-  return _ring_forward(backend, params, axis_name, q, k, v, bias, info,
-                       sinks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ring(backend, params, axis_name, zigzag, q, k, v, bias, info, sinks):
+  return _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias,
+                       info, sinks)
 
 
-def _ring_fwd(backend, params, axis_name, q, k, v, bias, info, sinks):
-  out, lse = _ring_forward(backend, params, axis_name, q, k, v, bias, info,
-                           sinks)
+def _ring_fwd(backend, params, axis_name, zigzag, q, k, v, bias, info, sinks):
+  out, lse = _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias,
+                           info, sinks)
   # Only the inputs and (out, lse): every step is recomputed backwards.
   return (out, lse), (q, k, v, bias, info, sinks, out, lse)
 
 
-def _ring_bwd(backend, params, axis_name, residuals, cotangents):
+def _ring_bwd(backend, params, axis_name, zigzag, residuals, cotangents):
   q, k, v, bias, info, sinks, out, lse = residuals
   dout, dlse = cotangents
   size = axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
   s_local = k.shape[1]
+  layout = _Layout(me, size, q.shape[1], s_local, zigzag)
   delta = online_softmax.delta(out, dout, dlse)
 
   def body(carry, step):
-    dq, dbias, kv, dkv = carry
+    dq, dbias, dargs, kv, dkv = carry
     kv_next = _rotate(kv, axis_name, size)  # overlaps this step's compute
     k_s, v_s, kv_pos, kv_seg = kv
     src = (me - step) % size
-    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, s_local)
-    dq_s, dk_s, dv_s, dbias_s = _step_backward(
+    bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, layout)
+    dq_s, dk_s, dv_s, dbias_s, dargs_s = _step_backward(
         backend, params, q, k_s, v_s, bias_s, info_s, lse, dout, delta
     )
     dk, dv = dkv
@@ -222,15 +295,24 @@ def _ring_bwd(backend, params, axis_name, residuals, cotangents):
     # rotations they are back on its owner.
     dkv_next = _rotate((dk + dk_s, dv + dv_s), axis_name, size)
     dbias = _add_columns(dbias, dbias_s, src, s_local)
-    return (dq + dq_s, dbias, kv_next, dkv_next), None
+    if dargs is not None:  # The score_mod's arrays: summed over the steps.
+      dargs = jax.tree.map(jnp.add, dargs, dargs_s[:len(dargs)])
+    return (dq + dq_s, dbias, dargs, kv_next, dkv_next), None
 
+  dargs = None
+  if info.score_mod is not None:
+    dargs = tuple(jnp.zeros(x.shape, _F32)
+                  if jnp.issubdtype(x.dtype, jnp.inexact) else None
+                  for x in info.score_mod_args)
   carry = (
       jnp.zeros(q.shape, _F32),
       None if bias is None else jnp.zeros(bias.shape, _F32),
+      dargs,
       (k, v, info.kv_positions, info.kv_segment_ids),
       (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)),
   )
-  (dq, dbias, _, (dk, dv)), _ = jax.lax.scan(body, carry, jnp.arange(size))
+  (dq, dbias, dargs, _, (dk, dv)), _ = jax.lax.scan(
+      body, carry, jnp.arange(size))
   if dbias is not None:
     dbias = dbias.astype(bias.dtype)
   # The steps ran with the final lse and delta, the sink's included; this
@@ -238,6 +320,10 @@ def _ring_bwd(backend, params, axis_name, residuals, cotangents):
   dsinks = None if sinks is None else online_softmax.sink_grad(
       lse, sinks, delta)
   info_ct = jax.tree.map(lambda _: None, info)
+  if dargs is not None:  # This device's share (shard_map sums the shares).
+    info_ct = info_ct.replace(score_mod_args=tuple(
+        None if d is None else d.astype(x.dtype)
+        for d, x in zip(dargs, info.score_mod_args)))
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias,
           info_ct, dsinks)
 
@@ -246,16 +332,19 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_local(implementation, params, axis_name, q, k, v, bias, info,
-               sinks=None):
-  """Chooses the implementation for one ring step and runs the ring."""
-  s_local = k.shape[1]
+               sinks=None, zigzag=False):
+  """Chooses the implementation for one ring step and runs the ring
+  (`zigzag`: the shards hold the zig-zag layout's chunks, which flex
+  functions' global indices follow)."""
+  layout = _Layout(0, axis_size(axis_name), q.shape[1], k.shape[1], zigzag)
   bias_0, info_0 = _step_inputs(
-      bias, info, info.kv_positions, info.kv_segment_ids, 0, s_local
+      bias, info, info.kv_positions, info.kv_segment_ids, 0, layout
   )
   backend = api.choose_backend(implementation, api.Call(
       q=q, k=k, v=v, bias=bias_0, info=info_0, params=params,
       batch_shape=q.shape[:1]))
-  return _ring(backend, params, axis_name, q, k, v, bias, info, sinks)
+  return _ring(backend, params, axis_name, bool(zigzag), q, k, v, bias, info,
+               sinks)
 
 
 def ring_attention(
@@ -278,6 +367,10 @@ def ring_attention(
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
+    score_mod: Any = None,
+    score_mod_args: Sequence[Array] = (),
+    mask_mod: Any = None,
+    mask_mod_args: Sequence[Array] = (),
 ):
   """Ring attention over mesh axis `axis_name`, called inside `shard_map`.
 
@@ -316,6 +409,11 @@ def ring_attention(
     precision: see `pallas_fa.flash_attention` (None follows
       `jax.default_matmul_precision` where this is traced).
     return_residual: also return the local logsumexp [B, T, N].
+    score_mod, score_mod_args, mask_mod, mask_mod_args: flex attention (see
+      `pallas_fa.flash_attention`): q_idx and kv_idx are global token
+      indices (shard r holds tokens [r * T, (r + 1) * T) of the caller's
+      order), batch and head this device's own; pass the arrays whole
+      (their gradients are this device's share, as for sinks).
 
   Returns:
     The local output shard [B, T, N, H], or (out, lse) with return_residual.
@@ -352,6 +450,8 @@ def ring_attention(
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
       precision=precision, bias_key_length=s * size, sinks=sinks,
+      score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
+      mask_mod_args=mask_mod_args,
   )
   q, k, v, bias, info, params = call.arrays
   out, lse = ring_local(implementation, params, axis_name, q, k, v, bias,

@@ -157,16 +157,19 @@ def sharded():
          dict(batch_axes="data", head_axes="heads")),
     ], impl, block_sizes)
     _check_two_meshes(impl, block_sizes)
-    _check_flex(impl, block_sizes)
+    _check_flex(impl, block_sizes, [
+        ("data2xheads4", parallel.make_mesh(data=2, heads=4),
+         dict(batch_axes="data", head_axes="heads")),
+    ])
 
 
-def _check_flex(impl, block_sizes):
-  """Flex attention sharded over batch rows and heads: every shard's
-  functions see global indices (ALiBi reads the head, the document mask the
-  batch row), forward and every gradient, the ALiBi slopes' included (each
-  shard's share summed); a global block mask supplies its mask_mod; ring
-  attention declines flex calls, naming them."""
-  b, t, n, kv, h = 4, 40, 8, 2, 16
+def _check_flex(impl, block_sizes, layouts, t=40):
+  """Flex attention sharded over `layouts` [(name, mesh, axes)]: every
+  shard's functions see global indices (ALiBi reads the head and both token
+  indices, the document mask the batch row and both token indices), forward
+  and every gradient, the ALiBi slopes' included (each shard's share
+  summed); a global block mask supplies its mask_mod."""
+  b, n, kv, h = 4, 8, 2, 16
   q, k, v = _inputs(21, b, t, t, n, kv, h)
   doc = _segments(22, b, t)
   slopes = pallas_fa.flex.alibi_slopes(n) * jnp.linspace(0.5, 1.5, n)
@@ -189,20 +192,10 @@ def _check_flex(impl, block_sizes):
                 **dict(zip(("dq", "dk", "dv", "dslopes"), grads)))
 
   want = value_and_grads(pallas_fa.flash_attention)
-  mesh = parallel.make_mesh(data=2, heads=4)
-  got = value_and_grads(parallel.sharded_flash_attention, mesh=mesh,
-                        batch_axes="data", head_axes="heads")
-  _compare(f"{impl} flex: alibi+document data2xheads4", got, want)
-  try:
-    parallel.sharded_flash_attention(
-        q, k, v, mesh=parallel.make_mesh(sequence=8),
-        sequence_axis=parallel.SEQUENCE_AXIS,
-        mask_mod=pallas_fa.flex.document, mask_mod_args=(doc,))
-  except NotImplementedError as e:
-    assert "sequence_axis" in str(e), e
-  else:
-    raise AssertionError("ring attention ran a flex call")
-
+  for name, mesh, axes in layouts:
+    got = value_and_grads(parallel.sharded_flash_attention, mesh=mesh,
+                          **axes)
+    _compare(f"{impl} flex alibi+document {name}", got, want)
 
 def _check_two_meshes(impl, block_sizes):
   """One mesh, then one of another shape, then the first again, in one
@@ -277,6 +270,16 @@ def ring():
     ], impl, block_sizes)
     if impl == "chunked":
       _check_low_precision(causal, impl, block_sizes)
+    # Global token indices on every ring step: contiguous shards and the
+    # zig-zag layout, T = 40 and T = 38 (padded to the ring's multiple).
+    for t in (40, 38):
+      _check_flex(impl, block_sizes, [
+          ("data2xring4", parallel.make_mesh(data=2, sequence=4),
+           dict(batch_axes="data", sequence_axis="sequence")),
+          ("heads2xring4-zigzag", parallel.make_mesh(heads=2, sequence=4),
+           dict(head_axes="heads", sequence_axis="sequence",
+                load_balance=True)),
+      ], t=t)
 
 
 def _check_low_precision(case, impl, block_sizes):
