@@ -210,6 +210,10 @@ def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:
         f"{data} and {seq}.")
   if data * seq == 1:
     return None
+  if opts.position_bias != "rope":
+    raise app.UsageError(
+        f"--position_bias={opts.position_bias} runs on one device: sharded "
+        "attention takes no score_mod.")
   if data * seq > jax.device_count():
     raise app.UsageError(
         f"--data_parallel={data} x --sequence_parallel={seq} needs "
@@ -230,10 +234,6 @@ def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:
     raise app.UsageError(
         "--attention_impl=flax cannot be sharded; choose a flash_attention "
         "implementation.")
-  if opts.position_bias != "rope":
-    raise app.UsageError(
-        f"--position_bias={opts.position_bias} runs on one device: sharded "
-        "attention takes no score_mod.")
   return sharding.make_mesh(data, seq)
 
 

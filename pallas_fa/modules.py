@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_fa import api
+from pallas_fa import block_mask as block_mask_lib
 from pallas_fa import decode as decode_lib
 from pallas_fa import kv_cache
 from pallas_fa import masking
@@ -365,7 +366,7 @@ class MultiHeadAttention(nnx.Module):
       deterministic: bool | None = None,
       rngs: nnx.Rngs | None = None,
       mask_mod_args: Sequence[Array] = (),
-      block_mask: Any = None,
+      block_mask: block_mask_lib.BlockMask | None = None,
   ) -> Array:
     """Attends from `inputs_q` to `inputs_kv` (default: self-attention).
 
@@ -594,12 +595,13 @@ def _score_mod_variables(score_mod, score_mod_args) -> list[nnx.Variable]:
   Raises:
     ValueError / TypeError: as `mods.as_args` and `mods.check_functions`.
   """
+  if not isinstance(score_mod_args, (tuple, list)):
+    raise TypeError(
+        "score_mod_args must be a tuple of arrays or nnx.Variables, got "
+        f"{type(score_mod_args).__name__}.")
   is_variable = lambda x: isinstance(x, nnx.Variable)
-  if isinstance(score_mod_args, (tuple, list)):
-    arrays = mods.as_args("score_mod_args", [
-        x[...] if is_variable(x) else x for x in score_mod_args])
-  else:
-    arrays = mods.as_args("score_mod_args", score_mod_args)  # Raises.
+  arrays = mods.as_args("score_mod_args", [
+      x[...] if is_variable(x) else x for x in score_mod_args])
   mods.check_functions(score_mod, arrays, None, ())
   return [x if is_variable(x) else Constant(a)
           for x, a in zip(score_mod_args, arrays)]
