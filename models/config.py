@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 _DTYPES = ("float32", "bfloat16", "float16")
+POSITION_BIASES = ("rope", "alibi")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,7 +26,7 @@ class TransformerConfig:
     mlp_dim: hidden width of the SwiGLU MLP.
     max_len: the longest sequence the model is meant for (the default cache
       length when generating).
-    rope_base: RoPE maximum wavelength.
+    rope_base: RoPE maximum wavelength (position_bias "rope").
     norm_eps: RMSNorm epsilon.
     attention_impl: `flash_attention`'s implementation; None = automatic.
       "flax" is the baseline: Flax's default attention, materialising T x S.
@@ -35,6 +36,9 @@ class TransformerConfig:
     remat: rematerialise each block in the backward pass.
     use_sinks: every attention layer learns a sink logit per query head
       (`pallas_fa.MultiHeadAttention(use_sinks=True)`).
+    position_bias: how attention sees token positions: "rope" (rotary
+      embeddings of queries and keys) or "alibi" (no RoPE; the fixed
+      per-head distance penalty `pallas_fa.flex.alibi` as a score_mod).
   """
 
   vocab_size: int
@@ -53,6 +57,7 @@ class TransformerConfig:
   param_dtype: str = "float32"
   remat: bool = False
   use_sinks: bool = False
+  position_bias: str = "rope"
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "embed_dim", "num_heads",
@@ -73,7 +78,12 @@ class TransformerConfig:
           f"head_dim is None, got embed_dim={self.embed_dim}, "
           f"num_heads={self.num_heads}."
       )
-    if self.resolved_head_dim % 2:
+    if self.position_bias not in POSITION_BIASES:
+      raise ValueError(
+          f"TransformerConfig.position_bias must be one of {POSITION_BIASES}, "
+          f"got {self.position_bias!r}."
+      )
+    if self.position_bias == "rope" and self.resolved_head_dim % 2:
       raise ValueError(
           "TransformerConfig.head_dim must be even (RoPE rotates halves), got "
           f"{self.resolved_head_dim}."

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import config as config_lib
+from pallas_fa import flex
 from pallas_fa import modules
 
 Array = Any
@@ -31,6 +32,8 @@ def flax_attention(
     implementation: str | None = None,
     block_sizes: Any = None,
     sinks: Array | None = None,
+    score_mod: Any = None,
+    score_mod_args: Any = (),
 ) -> Array:
   """Baseline: Flax's default attention behind `flash_attention`'s interface.
 
@@ -39,11 +42,12 @@ def flax_attention(
   turned into the dense mask that Flax needs.
 
   Raises:
-    NotImplementedError: window, soft cap, sinks or a custom scale.
+    NotImplementedError: window, soft cap, sinks, a score_mod or a custom
+      scale.
   """
-  del implementation, block_sizes
+  del implementation, block_sizes, score_mod_args
   if (local_window_size is not None or logits_soft_cap is not None
-      or scale is not None or sinks is not None):
+      or scale is not None or sinks is not None or score_mod is not None):
     raise NotImplementedError(
         "the Flax baseline supports only causal, positions, segments and "
         "lengths."
@@ -67,6 +71,15 @@ def flax_attention(
     mask &= (jnp.arange(s)[None, None, None, :]
              < key_value_seq_lengths[:, None, None, None])
   return nnx.dot_product_attention(query, key, value, mask=mask)
+
+
+def _position_bias(cfg: config_lib.TransformerConfig) -> dict[str, Any]:
+  """The attention layer's arguments for cfg.position_bias: RoPE, or ALiBi
+  with the paper's fixed slopes (constants, not learned)."""
+  if cfg.position_bias == "alibi":
+    return dict(rope=None, score_mod=flex.alibi,
+                score_mod_args=(flex.alibi_slopes(cfg.num_heads),))
+  return dict(rope=modules.Rope(cfg.rope_base))
 
 
 class SwiGLU(nnx.Module):
@@ -109,7 +122,7 @@ class Block(nnx.Module):
     self.attn = modules.MultiHeadAttention(
         cfg.num_heads, cfg.embed_dim, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.resolved_head_dim, is_causal=True,
-        rope=modules.Rope(cfg.rope_base), use_sinks=cfg.use_sinks,
+        use_sinks=cfg.use_sinks, **_position_bias(cfg),
         implementation=None if impl == "flax" else impl,
         block_sizes=cfg.attention_block_sizes,
         attention_fn=attention_fn or (

@@ -79,6 +79,10 @@ class Options:
   remat: bool = option(False, "Rematerialise blocks.")
   use_sinks: bool = option(
       False, "Attention sinks: a learnable sink logit per head (gpt-oss).")
+  position_bias: str = option(
+      "rope", "Token positions: rotary embeddings, or ALiBi's fixed per-head "
+      "distance penalty (a flex attention score_mod; one device only).",
+      config_lib.POSITION_BIASES)
   batch_size: int = option(64, "Sequences per step.")
   num_steps: int = option(600, "Training steps.")
   learning_rate: float = option(3e-3, "Peak AdamW lr.")
@@ -187,7 +191,7 @@ def make_config(opts: Options, dataset) -> config_lib.TransformerConfig:
       vocab_size=dataset.vocab_size,
       attention_impl=None if impl in (None, "auto") else impl,
       dtype=opts.dtype, remat=opts.remat, use_sinks=opts.use_sinks,
-      max_len=max(256, dataset.seq_len + 1),
+      position_bias=opts.position_bias, max_len=max(256, dataset.seq_len + 1),
   )
   kw.update(dict(opts.model_overrides))
   return preset(**kw)
@@ -206,6 +210,10 @@ def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:
         f"{data} and {seq}.")
   if data * seq == 1:
     return None
+  if opts.position_bias != "rope":
+    raise app.UsageError(
+        f"--position_bias={opts.position_bias} runs on one device: sharded "
+        "attention takes no score_mod.")
   if data * seq > jax.device_count():
     raise app.UsageError(
         f"--data_parallel={data} x --sequence_parallel={seq} needs "
@@ -287,12 +295,21 @@ def init_state(opts: Options, cfg: config_lib.TransformerConfig,
 
   With a mesh the model's attention runs sharded over it
   (`sharding.ShardedAttention`); the parameters are the same either way.
+  "params" is the whole model state (what a checkpoint holds); the
+  optimiser state covers its `nnx.Param`s (`learned`).
   """
   attention_fn = None if mesh is None else sharding.ShardedAttention(mesh)
   model = transformer.Transformer(
       cfg, rngs=nnx.Rngs(opts.seed), attention_fn=attention_fn)
   graphdef, params = nnx.split(model)
-  return graphdef, {"params": params, "opt_state": optim.make().init(params)}
+  opt_state = optim.make().init(learned(params)[0])
+  return graphdef, {"params": params, "opt_state": opt_state}
+
+
+def learned(params):
+  """(the `nnx.Param`s, the rest) of a model state: the optimiser updates
+  the first; the rest (ALiBi's slopes) stays fixed."""
+  return nnx.split_state(params, nnx.Param, ...)
 
 
 def plain_graphdef(cfg: config_lib.TransformerConfig):
@@ -336,12 +353,14 @@ def loss_fn(graphdef, params, batch):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def train_step(graphdef, optim: OptimizerSpec, state, batch):
   """One AdamW step; returns (new state, {"loss", "grad_norm"})."""
-  (loss, _), grads = jax.value_and_grad(loss_fn, argnums=1, has_aux=True)(
-      graphdef, state["params"], batch)
+  params, fixed = learned(state["params"])
+  loss_of = lambda params: loss_fn(
+      graphdef, nnx.merge_state(params, fixed), batch)
+  (loss, _), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
   updates, opt_state = optim.make().update(
-      grads, state["opt_state"], state["params"])
-  params = optax.apply_updates(state["params"], updates)
-  return ({"params": params, "opt_state": opt_state},
+      grads, state["opt_state"], params)
+  params = optax.apply_updates(params, updates)
+  return ({"params": nnx.merge_state(params, fixed), "opt_state": opt_state},
           {"loss": loss, "grad_norm": optax.global_norm(grads)})
 
 

@@ -1,8 +1,9 @@
 """A decoder-only transformer whose attention is `pallas_fa.flash_attention`.
 
-RMSNorm, RoPE, SwiGLU MLP, grouped-query attention and tied input/output
-embeddings. Packed sequences are described by segment ids and positions, never
-by a dense mask. `init_cache` + `decode=True` decodes with a key/value cache
+RMSNorm, RoPE (or ALiBi, a flex attention score_mod), SwiGLU MLP,
+grouped-query attention and tied input/output embeddings. Packed sequences
+are described by segment ids and positions, never by a dense mask.
+`init_cache` + `decode=True` decodes with a key/value cache
 and gives the same logits as the full forward.
 """
 

@@ -21,11 +21,19 @@ through `pallas_fa.decode_attention` (split-KV, GQA-packed) when the default
 attention function runs there; longer ones (the prompt) through
 `flash_attention`. The cache is contiguous or, with
 `init_cache(..., page_size=...)`, paged (`pallas_fa.kv_cache`).
+
+Flex attention: the layer holds a `score_mod` with its arrays (learned
+`nnx.Param`s or fixed `Constant`s, module state either way) and a
+`mask_mod` whose arrays (document ids, prefix lengths) come with each call.
+They see `flash_attention`'s token indices: `q_idx`/`kv_idx` count the
+call's query and key tokens from 0, and when decoding both are cache
+indices (the new tokens' positions), on every path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 from typing import Callable
 from typing import Sequence
@@ -35,9 +43,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_fa import api
+from pallas_fa import block_mask as block_mask_lib
 from pallas_fa import decode as decode_lib
 from pallas_fa import kv_cache
 from pallas_fa import masking
+from pallas_fa import mods
 
 Array = Any
 # rope(x [B, T, N, H], positions int [B, T]) -> x rotated.
@@ -93,6 +103,34 @@ class Rope:
     return rope(x, positions, max_wavelength=self.max_wavelength)
 
 
+class Constant(nnx.Variable):
+  """A fixed array of a layer's `score_mod_args` (e.g. ALiBi slopes).
+
+  Module state like an `nnx.Param` (split, merged and checkpointed with the
+  layer), but not one: `nnx.grad`, and optimisers given the `nnx.Param`
+  state, leave it alone.
+  """
+
+
+@functools.cache
+def _at_cache_indices(fn: Callable, name: str) -> Callable:
+  """`fn` (a score_mod or mask_mod) called with `q_idx + offsets[batch]`,
+  `offsets` int [B] its first extra argument.
+
+  A decoding call through `flash_attention` counts its queries from 0 while
+  its keys are the whole cache; shifted by each row's cache index, `fn`
+  sees cache indices as `decode_attention` gives them. Cached, so one
+  function object (one trace) per `fn`.
+  """
+  if name == mods.SCORE_MOD:
+    def shifted(score, batch, head, q_idx, kv_idx, offsets, *args):
+      return fn(score, batch, head, q_idx + offsets[batch], kv_idx, *args)
+  else:
+    def shifted(batch, head, q_idx, kv_idx, offsets, *args):
+      return fn(batch, head, q_idx + offsets[batch], kv_idx, *args)
+  return shifted
+
+
 class MultiHeadAttention(nnx.Module):
   """Multi-head (grouped-query) attention computed by `flash_attention`.
 
@@ -104,6 +142,11 @@ class MultiHeadAttention(nnx.Module):
     >>> y = layer(prompt, decode=True)           # prefill, then
     >>> y = layer(next_token, decode=True)       # one token at a time
     >>> layer.init_cache(batch_size, max_length, page_size=16)  # paged
+    >>> alibi = MultiHeadAttention(                # flex attention
+    ...     4, 64, is_causal=True, score_mod=flex.alibi,
+    ...     score_mod_args=(nnx.Param(flex.alibi_slopes(4)),),  # learned
+    ...     mask_mod=flex.document, rngs=nnx.Rngs(0))
+    >>> y = alibi(x, mask_mod_args=(doc_ids,))
   """
 
   def __init__(
@@ -124,6 +167,9 @@ class MultiHeadAttention(nnx.Module):
       dropout_rate: float = 0.0,
       deterministic: bool = False,
       use_sinks: bool = False,
+      score_mod: Callable[..., Array] | None = None,
+      score_mod_args: Sequence[Array | nnx.Variable] = (),
+      mask_mod: Callable[..., Array] | None = None,
       implementation: str | None = None,
       block_sizes: Any = None,
       precision: str | jax.lax.Precision | None = None,
@@ -159,6 +205,16 @@ class MultiHeadAttention(nnx.Module):
         `nnx.Param` `sinks` [num_heads], initialised to zeros, passed as
         `flash_attention`'s (and `decode_attention`'s) `sinks` (and to a
         custom `attention_fn` as `sinks=`).
+      score_mod: flex attention's score function (`flash_attention`'s
+        `score_mod`, e.g. `pallas_fa.flex.alibi`), on every attention path
+        of the layer (the full forward, decoding, a custom `attention_fn`).
+      score_mod_args: the arrays score_mod reads. An `nnx.Variable` entry
+        is kept as it is: an `nnx.Param` is learned (gradients reach it
+        through the attention). Any other array is fixed: stored as a
+        `Constant`. Either way it is module state (`score_mod_args[i]`).
+      mask_mod: flex attention's mask function (`flash_attention`'s
+        `mask_mod`, e.g. `pallas_fa.flex.document`); its arrays come with
+        each call (`mask_mod_args=`).
       implementation: `flash_attention`'s implementation (None = automatic).
       block_sizes: that implementation's tiling config, or None.
       precision: matmul precision of the projections and the attention, as
@@ -173,7 +229,10 @@ class MultiHeadAttention(nnx.Module):
       rngs: parameter initialisation keys (and dropout keys).
 
     Raises:
-      ValueError: inconsistent head counts or sizes, or a bad precision.
+      ValueError: inconsistent head counts or sizes, a bad precision, or
+        score_mod_args without a score_mod.
+      TypeError: a score_mod or mask_mod that is not a function of the
+        right arity, or score_mod_args that are not arrays.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -206,6 +265,12 @@ class MultiHeadAttention(nnx.Module):
     # 0; training moves it.
     self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype))
                   if use_sinks else nnx.data(None))
+    self.score_mod = score_mod
+    self.score_mod_args = nnx.List(
+        _score_mod_variables(score_mod, score_mod_args))
+    if mask_mod is not None and not callable(mask_mod):
+      raise TypeError(f"mask_mod must be callable or None, got {mask_mod=}.")
+    self.mask_mod = mask_mod
     self.implementation = implementation
     self.block_sizes = block_sizes
     if precision is not None:
@@ -300,6 +365,8 @@ class MultiHeadAttention(nnx.Module):
       decode_lengths: Array | None = None,
       deterministic: bool | None = None,
       rngs: nnx.Rngs | None = None,
+      mask_mod_args: Sequence[Array] = (),
+      block_mask: block_mask_lib.BlockMask | None = None,
   ) -> Array:
     """Attends from `inputs_q` to `inputs_kv` (default: self-attention).
 
@@ -322,13 +389,21 @@ class MultiHeadAttention(nnx.Module):
       deterministic: no attention dropout; default the constructor's.
       rngs: dropout keys for this call (its "dropout" stream); default the
         stream forked at construction.
+      mask_mod_args: the arrays of the layer's mask_mod for this call (per
+        batch data such as document ids [B, T]; with decode, indexed by
+        cache index: [B, max_length]).
+      block_mask: a `pallas_fa.create_block_mask` of the layer's mask_mod
+        for this call's shapes (full-sequence calls only; it may carry the
+        mask_mod_args).
 
     Returns:
       [B, T, out_features].
 
     Raises:
       ValueError: bad arguments, or decoding without a cache.
+      TypeError: mask_mod_args that are not arrays.
     """
+    mask_mod_args = self._check_mask_args(mask_mod_args, block_mask)
     if decode:
       if inputs_kv is not None or any(
           a is not None
@@ -338,7 +413,11 @@ class MultiHeadAttention(nnx.Module):
             "decode=True is self-attention at the cache's positions: "
             "inputs_kv, positions and segment ids must be None."
         )
-      return self._decode(inputs_q, decode_lengths)
+      if block_mask is not None:
+        raise ValueError(
+            "block_mask is for full-sequence calls: decode=True classifies "
+            "the cache's blocks itself.")
+      return self._decode(inputs_q, decode_lengths, mask_mod_args)
     if decode_lengths is not None:
       raise ValueError("decode_lengths needs decode=True.")
     self_attention = inputs_kv is None
@@ -371,11 +450,24 @@ class MultiHeadAttention(nnx.Module):
       kwargs = dict(dropout_rate=self.dropout_rate, dropout_rng=stream())
     out = self._attend(
         q, k, v, segment_ids=segments, query_positions=positions,
-        key_positions=kv_positions, **kwargs,
+        key_positions=kv_positions,
+        **self._flex(mask_mod_args, block_mask=block_mask), **kwargs,
     )
     return self.out(out)
 
-  def _decode(self, inputs: Array, new_lengths: Array | None) -> Array:
+  def _check_mask_args(self, mask_mod_args, block_mask) -> tuple[Array, ...]:
+    """A call's mask_mod_args as arrays; they and block_mask need the
+    layer's mask_mod."""
+    mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
+    if self.mask_mod is None and (mask_mod_args or block_mask is not None):
+      raise ValueError(
+          "mask_mod_args and block_mask need a mask_mod: this layer has "
+          f"none (got {len(mask_mod_args)} mask_mod_args, "
+          f"{block_mask is not None=}).")
+    return mask_mod_args
+
+  def _decode(self, inputs: Array, new_lengths: Array | None,
+              mask_mod_args: tuple[Array, ...]) -> Array:
     if self.cached_key is None:
       raise ValueError("decode=True needs a cache: call init_cache first.")
     q = self.query(inputs)
@@ -436,10 +528,13 @@ class MultiHeadAttention(nnx.Module):
           query_positions=positions, scale=self.scale,
           is_causal=self.is_causal, local_window_size=self.local_window_size,
           logits_soft_cap=self.logits_soft_cap, precision=self.precision,
-          implementation=self.implementation, **self._sinks())
+          implementation=self.implementation, **self._sinks(),
+          **self._flex(mask_mod_args))
     else:
-      out = self._attend(q, keys, values, query_positions=positions,
-                         key_value_seq_lengths=lengths)
+      out = self._attend(
+          q, keys, values, query_positions=positions,
+          key_value_seq_lengths=lengths,
+          **self._flex(mask_mod_args, query_offsets=index))
     return self.out(out)
 
   def _uses_decode_attention(self, new_tokens: int) -> bool:
@@ -454,6 +549,31 @@ class MultiHeadAttention(nnx.Module):
     """`sinks=` for the attention call, if this layer learns sinks."""
     return {} if self.sinks is None else {"sinks": self.sinks[...]}
 
+  def _flex(self, mask_mod_args: tuple[Array, ...], *, block_mask=None,
+            query_offsets: Array | None = None) -> dict[str, Any]:
+    """The flex attention keywords of an attention call (none unset).
+
+    Args:
+      mask_mod_args: the call's (checked) mask_mod_args.
+      block_mask: the call's block mask, or None.
+      query_offsets: int [B], the cache index of each row's first query in
+        a decoding call through `flash_attention`, whose q_idx counts the
+        call's tokens from 0; the functions see cache indices all the same.
+    """
+    kwargs = {}
+    for name, fn, args in (
+        (mods.SCORE_MOD, self.score_mod,
+         tuple(x[...] for x in self.score_mod_args)),
+        (mods.MASK_MOD, self.mask_mod, mask_mod_args)):
+      if fn is None:
+        continue
+      if query_offsets is not None:
+        fn, args = _at_cache_indices(fn, name), (query_offsets, *args)
+      kwargs[name], kwargs[f"{name}_args"] = fn, args
+    if block_mask is not None:
+      kwargs["block_mask"] = block_mask
+    return kwargs
+
   def _attend(self, q, k, v, **kwargs):
     if self.precision is not None:
       kwargs["precision"] = self.precision
@@ -465,6 +585,26 @@ class MultiHeadAttention(nnx.Module):
         implementation=self.implementation, block_sizes=self.block_sizes,
         **kwargs,
     )
+
+
+def _score_mod_variables(score_mod, score_mod_args) -> list[nnx.Variable]:
+  """A layer's score_mod_args as variables: `nnx.Variable`s as given (an
+  `nnx.Param` is learned), other arrays as `Constant`s. Checks the
+  score_mod against them once, eagerly.
+
+  Raises:
+    ValueError / TypeError: as `mods.as_args` and `mods.check_functions`.
+  """
+  if not isinstance(score_mod_args, (tuple, list)):
+    raise TypeError(
+        "score_mod_args must be a tuple of arrays or nnx.Variables, got "
+        f"{type(score_mod_args).__name__}.")
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  arrays = mods.as_args("score_mod_args", [
+      x[...] if is_variable(x) else x for x in score_mod_args])
+  mods.check_functions(score_mod, arrays, None, ())
+  return [x if is_variable(x) else Constant(a)
+          for x, a in zip(score_mod_args, arrays)]
 
 
 def _default_positions(positions, b, t):
@@ -495,6 +635,10 @@ def make_attention_fn(
     block_sizes: Any = None,
     logits_soft_cap: float | None = None,
     local_window_size: int | Sequence[int | None] | None = None,
+    score_mod: Callable[..., Array] | None = None,
+    score_mod_args: Sequence[Array] = (),
+    mask_mod: Callable[..., Array] | None = None,
+    mask_mod_args: Sequence[Array] = (),
 ) -> Callable[..., Array]:
   """An `attention_fn` for Flax's attention modules, using flash attention.
 
@@ -515,17 +659,35 @@ def make_attention_fn(
   row that sees no key returns zeros, where Flax returns the mean of the
   values. No attention sinks: Flax's modules hold no sink parameter for an
   `attention_fn` to learn (`pallas_fa.MultiHeadAttention(use_sinks=True)`
-  has one).
+  has one). Flex attention functions are fixed with their arrays here, for
+  the same reason: Flax's modules hold no place to learn `score_mod_args`,
+  so they are constants (`pallas_fa.MultiHeadAttention(score_mod_args=
+  (nnx.Param(...),))` learns them), and the `mask_mod_args` (document ids)
+  are those of every call.
 
   Args:
     implementation: `flash_attention`'s implementation (None = automatic).
     block_sizes: that implementation's tiling config, or None.
     logits_soft_cap: optional logit soft cap.
     local_window_size: optional sliding window, as in `flash_attention`.
+    score_mod: flex attention's score function, as in `flash_attention`
+      (e.g. `pallas_fa.flex.alibi`), applied after Flax's `bias`.
+    score_mod_args: the (constant) arrays score_mod reads.
+    mask_mod: flex attention's mask function, as in `flash_attention`,
+      intersected with Flax's `mask` and `is_causal`.
+    mask_mod_args: the arrays mask_mod reads.
 
   Returns:
     attention_fn(query, key, value, bias=None, mask=None, **flax_kwargs).
+
+  Raises:
+    ValueError / TypeError: bad flex arguments (as `flash_attention`).
   """
+  flex = dict(score_mod=score_mod,
+              score_mod_args=mods.as_args("score_mod_args", score_mod_args),
+              mask_mod=mask_mod,
+              mask_mod_args=mods.as_args("mask_mod_args", mask_mod_args))
+  mods.check_functions(**flex)
 
   def attention_fn(
       query: Array,
@@ -581,7 +743,7 @@ def make_attention_fn(
         logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         implementation=implementation, block_sizes=block_sizes,
-        precision=_flax_precision(precision),
+        precision=_flax_precision(precision), **flex,
     )
 
   return attention_fn

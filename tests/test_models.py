@@ -15,6 +15,8 @@ from models import generate
 from models import layers
 from models import transformer
 from pallas_fa import chunked
+from pallas_fa import flex
+from pallas_fa import modules
 
 _TILES = chunked.ChunkedBlockSizes(
     block_q=8, block_kv=8, block_q_bwd=8, block_kv_bwd=8)
@@ -67,6 +69,11 @@ def test_config_validation_and_round_trip():
     _cfg(dtype="int8")
   with pytest.raises(ValueError, match="vocab_size"):
     config.TransformerConfig(vocab_size=0)
+  with pytest.raises(ValueError, match="position_bias"):
+    _cfg(position_bias="t5")
+  with pytest.raises(ValueError, match="head_dim"):
+    _cfg(head_dim=7)
+  assert _cfg(head_dim=7, position_bias="alibi").resolved_head_dim == 7
   assert config.TransformerConfig.small().num_layers == 6
 
 
@@ -125,9 +132,26 @@ def test_chunked_and_xla_give_same_loss_and_gradients():
   assert float(results["xla"][0]) > 1.0  # A real loss, not a degenerate one.
 
 
-def test_decode_and_generate_match_full_forward():
+def test_alibi_replaces_rope_with_constant_slopes():
+  """position_bias="alibi": no RoPE, `flex.alibi` with the paper's slopes
+  as constants (module state, not parameters)."""
+  model = nnx.eval_shape(lambda: _model(_cfg(position_bias="alibi"), 0))
+  for block in model.blocks:
+    attn = block.attn
+    assert attn.rope is None and attn.score_mod is flex.alibi
+    assert isinstance(attn.score_mod_args[0], modules.Constant)
+  assert transformer.count_params(model) == transformer.count_params(
+      nnx.eval_shape(lambda: _model(_cfg(), 0)))
+  with pytest.raises(NotImplementedError, match="Flax baseline"):
+    layers.flax_attention(*(jnp.ones((1, 3, 4, 8)),) * 3,
+                          score_mod=flex.alibi)
+
+
+@pytest.mark.parametrize("position_bias", ["rope", "alibi"])
+def test_decode_and_generate_match_full_forward(position_bias):
   b, t, prefill = 2, 21, 5
-  cfg = _cfg(attention_impl="chunked", attention_block_sizes=_TILES)
+  cfg = _cfg(attention_impl="chunked", attention_block_sizes=_TILES,
+             position_bias=position_bias)
   model = _model(cfg, _seed())
   prompt = _tokens(b, prefill)
   # Prefill, then one token per step through the cache (greedy).

@@ -12,6 +12,8 @@ import pytest
 from flax import nnx
 
 from pallas_fa import chunked
+from pallas_fa import flash_attention
+from pallas_fa import flex
 from pallas_fa import modules
 
 # Small tiles so short sequences cross several tile boundaries.
@@ -488,3 +490,143 @@ def test_rope_is_relative():
   assert abs(float(dot(5, 2)) - float(dot(5, 4))) > 1e-4
   with pytest.raises(ValueError, match="even"):
     modules.rope(jnp.ones((1, 2, 1, 3)), jnp.zeros((1, 2), jnp.int32))
+
+
+# --------------------------------------------------------------------------
+# Flex attention in the layer: score_mod (learned or constant arrays) and
+# mask_mod (per-call arrays).
+
+
+def _alibi_layer(slopes, **kw):
+  kw = dict(rope=None, score_mod=flex.alibi, score_mod_args=(slopes,),
+            mask_mod=flex.document, implementation="chunked",
+            block_sizes=_TILES) | kw
+  return _mha(seed=_seed(), **kw)
+
+
+def _documents(b, t):
+  """int32 [B, t] ids of packed documents, fresh: a new one starts at each
+  position with probability 1/4."""
+  return jnp.asarray(np.cumsum(_RNG.random((b, t)) < 0.25, axis=1), jnp.int32)
+
+
+def _dense_alibi_layer(layer, slopes, x, documents):
+  """The causal ALiBi + document-masked layer with
+  `jax.nn.dot_product_attention` and the dense bias -slopes[n] |i - j|."""
+  t = x.shape[1]
+  distance = jnp.abs(jnp.arange(t)[:, None] - jnp.arange(t)[None, :])
+  bias = -slopes[:, None, None] * distance[None]  # [N, T, T]
+  mask = (documents[:, None, :, None] == documents[:, None, None, :]) & (
+      jnp.tril(jnp.ones((1, 1, t, t), bool)))
+  o = jax.nn.dot_product_attention(
+      layer.query(x), layer.key(x), layer.value(x), bias=bias[None],
+      mask=mask)
+  return layer.out(o)
+
+
+def test_mha_alibi_score_mod_with_document_mask_matches_dense():
+  """A learned nnx.Param of slopes (fresh values) and per-call document
+  ids: the forward and the slopes' gradient are the dense computation's."""
+  b, t = 2, 19
+  x, documents = _normal((b, t, 32)), _documents(b, t)
+  slopes = jnp.asarray(_RNG.uniform(0.05, 1.0, 4), jnp.float32)
+  layer = _alibi_layer(nnx.Param(slopes))
+  loss = lambda y: jnp.sum(jnp.sin(y))
+
+  @nnx.jit
+  def run(layer, x, documents):
+    ours = lambda m: loss(m(x, mask_mod_args=(documents,)))
+    dense = lambda s: loss(_dense_alibi_layer(layer, s, x, documents))
+    return (layer(x, mask_mod_args=(documents,)), nnx.grad(ours)(layer),
+            _dense_alibi_layer(layer, slopes, x, documents),
+            jax.grad(dense)(slopes))
+
+  y, grads, want_y, want_grad = run(layer, x, documents)
+  np.testing.assert_allclose(y, want_y, **_TOL)
+  np.testing.assert_allclose(grads["score_mod_args"][0][...], want_grad,
+                             **_TOL)
+  assert np.all(np.abs(np.asarray(want_grad)) > 0)
+
+
+def test_mha_score_mod_args_are_learned_params_or_constants():
+  """Plain arrays become `Constant`s: module state (split and merged with
+  the layer) that is neither an nnx.Param nor given a gradient."""
+  slopes = flex.alibi_slopes(4)
+  layer = _alibi_layer(slopes)
+  (constant,) = layer.score_mod_args
+  assert isinstance(constant, modules.Constant)
+  np.testing.assert_array_equal(constant[...], slopes)
+  assert "score_mod_args" not in nnx.state(layer, nnx.Param)
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  again = nnx.merge(graphdef, params, rest)
+  np.testing.assert_array_equal(again.score_mod_args[0][...], slopes)
+  assert isinstance(_alibi_layer(nnx.Param(slopes)).score_mod_args[0],
+                    nnx.Param)
+
+
+# A 3-token prefill through decode_attention, 17 tokens through
+# flash_attention (whose q_idx counts from 0: the layer shifts it to the
+# cache index), then single tokens: all equal the full forward.
+def test_mha_flex_decode_equals_full_forward():
+  b, t, cut = 2, 22, (3, 20)
+  x, documents = _normal((b, t, 32)), _documents(b, t + 2)
+  layer = _alibi_layer(flex.alibi_slopes(4), block_sizes=None)
+  step = nnx.jit(lambda m, x, d: m(x, decode=True, mask_mod_args=(d,)))
+  want = nnx.jit(lambda m, x, d: m(x, mask_mod_args=(d,)))(
+      layer, x, documents[:, :t])
+  layer.init_cache(b, t + 2)
+  steps = [step(layer, x[:, :cut[0]], documents),
+           step(layer, x[:, cut[0]:cut[1]], documents)]
+  steps += [step(layer, x[:, i:i + 1], documents) for i in range(cut[1], t)]
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, **_TOL)
+
+
+def test_nnx_attention_fn_with_flex_equals_direct_call():
+  """Flax's MultiHeadAttention with make_attention_fn(score_mod=...,
+  mask_mod=...) is flash_attention with them on its projections."""
+  b, t, d = 2, 13, 32
+  x, documents = _normal((b, t, d)), _documents(b, t)
+  flex_args = dict(score_mod=flex.alibi,
+                   score_mod_args=(flex.alibi_slopes(4),),
+                   mask_mod=flex.document, mask_mod_args=(documents,))
+  module = nnx.MultiHeadAttention(
+      num_heads=4, in_features=d, decode=False, rngs=nnx.Rngs(_seed()),
+      attention_fn=modules.make_attention_fn(implementation="xla",
+                                             **flex_args))
+
+  @nnx.jit
+  def run(module, x):
+    direct = flash_attention(
+        module.query(x), module.key(x), module.value(x), is_causal=True,
+        implementation="xla", **flex_args)
+    return module(x, is_causal=True), module.out(direct)
+
+  got, want = run(module, x)
+  np.testing.assert_allclose(got, want, **_TOL)
+
+
+def test_flex_argument_errors():
+  slopes = flex.alibi_slopes(4)
+  with pytest.raises(ValueError, match="score_mod_args"):
+    _mha(score_mod_args=(slopes,))
+  with pytest.raises(TypeError, match="score_mod_args"):
+    _mha(score_mod=flex.alibi, score_mod_args=slopes)
+  with pytest.raises(TypeError, match="score_mod"):
+    _mha(score_mod=flex.alibi)  # Its slopes missing: the wrong arity.
+  with pytest.raises(TypeError, match="mask_mod"):
+    _mha(mask_mod="document")
+  x = jnp.ones((1, 3, 32))
+  with pytest.raises(ValueError, match="mask_mod_args"):
+    _mha()(x, mask_mod_args=(jnp.zeros((1, 3), jnp.int32),))
+  with pytest.raises(ValueError, match="block_mask"):
+    _mha()(x, block_mask=object())
+  with pytest.raises(TypeError, match="mask_mod_args"):
+    _mha(mask_mod=flex.document)(x, mask_mod_args=jnp.zeros((1, 3)))
+  layer = _mha(mask_mod=flex.document)
+  layer.init_cache(1, 4)
+  with pytest.raises(ValueError, match="block_mask"):
+    layer(x, decode=True, block_mask=object())
+  with pytest.raises(ValueError, match="mask_mod_args"):
+    modules.make_attention_fn(mask_mod_args=(jnp.zeros(3),))
+  with pytest.raises(TypeError, match="score_mod"):
+    modules.make_attention_fn(score_mod=flex.alibi)

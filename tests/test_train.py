@@ -10,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from absl import app
 from absl import flags
 from conftest import script_module
 from flax import nnx
@@ -179,14 +180,18 @@ def test_flags_are_the_options():
   assert train_lib.default_workdir(opts) == os.path.join("runs", "sort")
   opts = _parse("--num_steps=7", "--remat", "--learning_rate=0.5",
                 "--attention_impl=xla", "--model=small",
-                "--text=/data/notes.txt", "--use_sinks")
+                "--text=/data/notes.txt", "--use_sinks",
+                "--position_bias=alibi")
   assert opts == train_lib.Options(
       num_steps=7, remat=True, learning_rate=0.5, attention_impl="xla",
-      model="small", task="text", text="/data/notes.txt", use_sinks=True)
+      model="small", task="text", text="/data/notes.txt", use_sinks=True,
+      position_bias="alibi")
   assert train_lib.default_workdir(opts) == os.path.join(
       "runs", "text-notes")
   with pytest.raises(flags.IllegalFlagValueError):
     _parse("--model=huge")
+  with pytest.raises(flags.IllegalFlagValueError):
+    _parse("--position_bias=t5")
   # Every option but the two test-only ones is a flag.
   names = {f.name for f in train_lib.flag_fields(train_lib.Options)}
   assert names == set(train_lib.Options.__dataclass_fields__) - {
@@ -204,3 +209,28 @@ def test_train_script_help_lists_every_option():
     name = field.name
     assert f"--{name}:" in proc.stdout or f"--[no]{name}:" in proc.stdout, (
         name, proc.stdout)
+
+
+def test_alibi_trains_its_params_and_keeps_its_slopes(tmp_path):
+  """A train step with position_bias="alibi" updates the nnx.Params and
+  leaves the ALiBi slopes (Constants) as they are; it runs on one device
+  only."""
+  opts = _opts(tmp_path, "alibi", position_bias="alibi")
+  run = train_lib.make_run(opts)
+  graphdef, state = train_lib.init_state(opts, run.cfg, run.optim)
+  new = state
+  for step in range(2):  # The warmup's first step has a zero lr.
+    new, _ = train_lib.train_step(
+        graphdef, run.optim, new, run.dataset.batch(step, opts.batch_size))
+  params, slopes = train_lib.learned(state["params"])
+  new_params, new_slopes = train_lib.learned(new["params"])
+  assert len(jax.tree.leaves(slopes)) == 1  # One layer.
+  for a, b in zip(jax.tree.leaves(slopes), jax.tree.leaves(new_slopes),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert not all(np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(params), jax.tree.leaves(new_params), strict=True))
+  with pytest.raises(app.UsageError, match="position_bias"):
+    train_lib.make_mesh(
+        train_lib.Options(position_bias="alibi", data_parallel=2),
+        run.dataset)
