@@ -81,7 +81,8 @@ class Options:
       False, "Attention sinks: a learnable sink logit per head (gpt-oss).")
   position_bias: str = option(
       "rope", "Token positions: rotary embeddings, or ALiBi's fixed per-head "
-      "distance penalty (a flex attention score_mod; one device only).",
+      "distance penalty (a flex attention score_mod; not with "
+      "--sequence_parallel).",
       config_lib.POSITION_BIASES)
   batch_size: int = option(64, "Sequences per step.")
   num_steps: int = option(600, "Training steps.")
@@ -210,10 +211,13 @@ def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:
         f"{data} and {seq}.")
   if data * seq == 1:
     return None
-  if opts.position_bias != "rope":
+  if opts.position_bias != "rope" and seq > 1:
+    # Ring attention runs on the tokens in the zig-zag order, where a
+    # score_mod's q_idx / kv_idx are token indices, not positions.
     raise app.UsageError(
-        f"--position_bias={opts.position_bias} runs on one device: sharded "
-        "attention takes no score_mod.")
+        f"--position_bias={opts.position_bias} runs with --data_parallel "
+        "only: with --sequence_parallel the tokens are in the zig-zag "
+        "order, where ALiBi's token indices are not positions.")
   if data * seq > jax.device_count():
     raise app.UsageError(
         f"--data_parallel={data} x --sequence_parallel={seq} needs "

@@ -213,8 +213,8 @@ def test_train_script_help_lists_every_option():
 
 def test_alibi_trains_its_params_and_keeps_its_slopes(tmp_path):
   """A train step with position_bias="alibi" updates the nnx.Params and
-  leaves the ALiBi slopes (Constants) as they are; it runs on one device
-  only."""
+  leaves the ALiBi slopes (Constants) as they are; it refuses the ring
+  (sequence_parallel), whose tokens are in the zig-zag order."""
   opts = _opts(tmp_path, "alibi", position_bias="alibi")
   run = train_lib.make_run(opts)
   graphdef, state = train_lib.init_state(opts, run.cfg, run.optim)
@@ -232,5 +232,5 @@ def test_alibi_trains_its_params_and_keeps_its_slopes(tmp_path):
       jax.tree.leaves(params), jax.tree.leaves(new_params), strict=True))
   with pytest.raises(app.UsageError, match="position_bias"):
     train_lib.make_mesh(
-        train_lib.Options(position_bias="alibi", data_parallel=2),
+        train_lib.Options(position_bias="alibi", sequence_parallel=2),
         run.dataset)
