@@ -41,11 +41,15 @@ FLEX_IMPLEMENTATIONS = ("xla", "chunked") + tuple(
 # Examples a backend cannot fuse into its kernels (it declines them: the
 # automatic choice moves on): T5's table is gathered at q_idx - kv_idx.
 DECLINED = {("triton", "t5"), ("mosaic_tpu", "t5")}
-# The TPU interpreter is slow: two examples by default, the others in the
-# slow leg.
-_SLOW_RUNS = {("mosaic_tpu", name) for name in (
-    "tanh_soft_cap", "prefix_lm", "chunked_causal",
-    "sliding_window_with_sinks", "causal_with_offset")}
+# The interpreted kernels are slow: three examples on triton (a per-head
+# score_mod, a per-query/key mask_mod, a per-batch one) and two on the TPU
+# interpreter by default, the others in the slow leg.
+_SLOW_RUNS = {(impl, name) for impl, names in (
+    ("mosaic_tpu", ("tanh_soft_cap", "prefix_lm", "chunked_causal",
+                    "sliding_window_with_sinks", "causal_with_offset")),
+    ("triton", ("tanh_soft_cap", "chunked_causal",
+                "sliding_window_with_sinks", "causal_with_offset")),
+) for name in names}
 
 
 def _normal(gen, shape, dtype=jnp.float32):
