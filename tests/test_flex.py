@@ -868,6 +868,54 @@ _PALLAS = [name for name in ("triton", "mosaic_gpu", "mosaic_tpu")
 
 
 
+def _per_head_window(batch, head, q_idx, kv_idx, widths):
+  """Causal within a window whose width is the head's own: its tiles differ
+  between heads (per-head tile lists in the triton kernels)."""
+  del batch
+  return (kv_idx <= q_idx) & (q_idx - kv_idx < widths[head])
+
+
+def _whole_rows(batch, head, q_idx, kv_idx, keep):
+  """A per-batch-row value only: row 1's queries see nothing (zeros, lse
+  -inf, zero gradients)."""
+  del head, q_idx, kv_idx
+  return keep[batch] > 0
+
+
+_MASK_CASES = {
+    "per_head_window": dict(mask_mod=_per_head_window,
+                            mask_mod_args=(jnp.array([3, 60, 9, 17]),)),
+    "whole_rows": dict(mask_mod=_whole_rows,
+                       mask_mod_args=(jnp.array([1, 0]),)),
+}
+_MASK_RUNS = [
+    pytest.param(impl, name, id=f"{name}-{impl}",
+                 marks=() if (impl, name) == ("triton", "per_head_window")
+                 else pytest.mark.slow)
+    for impl in _PALLAS if impl != "mosaic_gpu" for name in _MASK_CASES]
+
+
+@pytest.mark.parametrize("implementation,name", _MASK_RUNS)
+def test_mask_mods_by_head_and_by_batch_row(implementation, name):
+  """Tiles that differ between the heads of a GQA group, and a mask_mod
+  that is one value per (batch, head): forward, lse and gradients against
+  xla."""
+  gen = rng("flex-mask-cases", implementation, name)
+  q = _normal(gen, (2, 50, 4, 16))
+  k, v = (_normal(gen, (2, 50, 2, 16)) for _ in range(2))
+  dout = _normal(gen, q.shape)
+
+  def run(impl):
+    def f(q, k, v):
+      return pallas_fa.flash_attention(
+          q, k, v, implementation=impl, block_sizes=block_sizes_for(impl),
+          return_residual=True, **_MASK_CASES[name])
+    (out, lse), pullback = jax.vjp(f, q, k, v)
+    return out, lse, pullback((dout, jnp.zeros_like(lse)))
+
+  _compare(run(implementation), run("xla"))
+
+
 def _striped(batch, head, q_idx, kv_idx):
   """A mask_mod whose per-key value depends on the head."""
   del batch, q_idx
