@@ -404,9 +404,9 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
     if s.primitive.name not in _ELEMENTWISE | _SHAPE_ONLY:
       raise NotImplementedError(
           f"{backend} cannot fuse this {name}: it applies "
-          f"`{s.primitive.name}` to values that depend on both q_idx and "
-          "kv_idx (or on the score), e.g. a gather such as "
-          "table[head, kv_idx - q_idx], which its kernels cannot run; "
+          f"`{s.primitive.name}` to values its kernels compute per element "
+          "(from the score or the token indices), e.g. a gather such as "
+          "table[head, kv_idx - q_idx], which a kernel cannot run; "
           "\"chunked\" and \"xla\" run it.")
 
   # Residuals: values made outside and read in the tile (q_idx and kv_idx
