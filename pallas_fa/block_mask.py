@@ -267,8 +267,8 @@ def retile(kinds: Array, *, old: tuple[int, int], new: tuple[int, int],
 
 
 def tile_kinds(info: masking.MaskInfo, *, batch: int, heads: int,
-               q_len: int, kv_len: int, block_q: int,
-               block_kv: int) -> Array:
+               q_len: int, kv_len: int, block_q: int, block_kv: int,
+               num_blocks: tuple[int, int] | None = None) -> Array:
   """The kinds of a backend's tiles under `info.mask_mod`, [Bm, Hm, nq,
   nk]: the call's block mask retiled, or the mask_mod classified here.
 
@@ -277,14 +277,23 @@ def tile_kinds(info: masking.MaskInfo, *, batch: int, heads: int,
     batch, heads: B and N.
     q_len, kv_len: T and S (unpadded).
     block_q, block_kv: the backend's tiles.
+    num_blocks: (nq, nk) of the backend's padded sequences, or None: the
+      tiles past T or S hold padding only and are EMPTY.
   """
   bm = info.block_mask
   if bm is None:
-    return classify(info.mask_mod, info.mask_mod_args, batch=batch,
-                    heads=heads, q_len=q_len, kv_len=kv_len,
-                    block_q=block_q, block_kv=block_kv)
-  return retile(bm.kinds(), old=(bm.block_q, bm.block_kv),
-                new=(block_q, block_kv), q_len=q_len, kv_len=kv_len)
+    kinds = classify(info.mask_mod, info.mask_mod_args, batch=batch,
+                     heads=heads, q_len=q_len, kv_len=kv_len,
+                     block_q=block_q, block_kv=block_kv)
+  else:
+    kinds = retile(bm.kinds(), old=(bm.block_q, bm.block_kv),
+                   new=(block_q, block_kv), q_len=q_len, kv_len=kv_len)
+  if num_blocks is None:
+    return kinds
+  nq, nk = num_blocks
+  return jnp.pad(kinds, [(0, 0), (0, 0), (0, nq - kinds.shape[2]),
+                         (0, nk - kinds.shape[3])],
+                 constant_values=masking.EMPTY)
 
 
 def _check_size(name, x, optional=False):

@@ -114,18 +114,11 @@ class _Layout(layout.Padded):
       q = q * params.scale
     super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN)
     self.nq, self.nk = self.tp // self.bq, self.sp // self.bk
-    kinds = masking.classify_blocks(self.info, self.bq, self.bk)
     # Tiles span the whole batch here, so a tile is empty (full) only if it
     # is empty (full) for every batch row.
-    self.kinds = jnp.where(
-        jnp.all(kinds == masking.EMPTY, axis=0),
-        masking.EMPTY,
-        jnp.where(
-            jnp.all(kinds == masking.FULL, axis=0),
-            masking.FULL,
-            masking.PARTIAL,
-        ),
-    )  # [nq, nk]
+    self.kinds = masking.shared_kinds(
+        masking.classify_blocks(self.info, self.bq, self.bk), axis=0)
+    # [nq, nk]
     if self.bias is not None:  # -> [B|1, K|1, G|1, Tp|1, Sp|1]
       self.bias = masking.group_heads(self.bias, self.num_kv)
     # Masking arithmetic is needed at all only if something can be masked.
@@ -138,16 +131,12 @@ class _Layout(layout.Padded):
     partial_builtin = self.kinds == masking.PARTIAL
     partial_mod = False
     if self.mod:
-      mod_kinds = block_mask.tile_kinds(
+      mod_kinds = masking.shared_kinds(block_mask.tile_kinds(
           info, batch=self.b, heads=self.n, q_len=self.t, kv_len=self.s,
-          block_q=self.bq, block_kv=self.bk)  # [Bm, Hm, nq, nk]
-      mod_empty = jnp.all(mod_kinds == masking.EMPTY, axis=(0, 1))
-      mod_full = jnp.all(mod_kinds == masking.FULL, axis=(0, 1))
-      partial_mod = ~mod_empty & ~mod_full
-      self.kinds = jnp.where(
-          mod_empty, masking.EMPTY,
-          jnp.where(mod_full, self.kinds,
-                    jnp.minimum(self.kinds, masking.PARTIAL)))
+          block_q=self.bq, block_kv=self.bk, num_blocks=(self.nq, self.nk)),
+          axis=(0, 1))  # [nq, nk]
+      partial_mod = mod_kinds == masking.PARTIAL
+      self.kinds = masking.intersect_kinds(self.kinds, mod_kinds)
     # The masking each visited tile needs, (builtin, mask_mod), as a branch
     # of `tile_loop`: only the combinations this call can meet are traced.
     self.branches = [(b, m) for b in (False, True)[:1 + self.masked]

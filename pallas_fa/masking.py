@@ -485,6 +485,20 @@ def classify_blocks(info: MaskInfo, block_q: int, block_kv: int) -> Array:
   return kinds.astype(jnp.int32)
 
 
+def shared_kinds(kinds: Array, axis) -> Array:
+  """The kinds of tiles shared by the rows along `axis` (reduced away): a
+  tile is EMPTY (FULL) only if it is for every row, else PARTIAL."""
+  return jnp.where(
+      jnp.all(kinds == EMPTY, axis=axis), EMPTY,
+      jnp.where(jnp.all(kinds == FULL, axis=axis), FULL, PARTIAL))
+
+
+def intersect_kinds(a: Array, b: Array) -> Array:
+  """The kinds of tiles under two masks at once: EMPTY if either is, FULL
+  if both are, else PARTIAL (EMPTY < PARTIAL < FULL)."""
+  return jnp.minimum(a, b)
+
+
 def block_range(kinds: Array) -> tuple[Array, Array]:
   """[lo, hi) of the non-empty tiles along the last axis of `kinds`.
 

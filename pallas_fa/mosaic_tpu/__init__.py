@@ -262,16 +262,10 @@ class Layout(layout.Padded):
     tile): a tile is EMPTY (FULL) only if it is for every head."""
     mod = block_mask.tile_kinds(
         info, batch=self.b, heads=self.n, q_len=self.t, kv_len=self.s,
-        block_q=self.bq, block_kv=self.bk)  # [Bm, Hm, nq', nk']
-    mod = jnp.where((mod == masking.EMPTY).all(axis=1), masking.EMPTY,
-                    jnp.where((mod == masking.FULL).all(axis=1),
-                              masking.FULL, masking.PARTIAL))
-    nq, nk = self.kinds.shape[1:]
-    # The tiles past T or S hold padding only: EMPTY.
-    mod = jnp.pad(mod, [(0, 0), (0, nq - mod.shape[1]),
-                        (0, nk - mod.shape[2])],
-                  constant_values=masking.EMPTY)
-    return jnp.minimum(self.kinds, mod)
+        block_q=self.bq, block_kv=self.bk,
+        num_blocks=self.kinds.shape[1:])  # [Bm, Hm, nq, nk]
+    return masking.intersect_kinds(self.kinds,
+                                   masking.shared_kinds(mod, axis=1))
 
   def _add_residuals(self, mod):
     """A split score_mod/mask_mod's values as kernel inputs (see

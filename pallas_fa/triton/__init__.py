@@ -232,12 +232,6 @@ def tile_bounds(kinds: Array) -> Array:
   return jnp.stack([lo, full_lo, full_hi, hi], axis=-1).astype(jnp.int32)
 
 
-def intersect_kinds(a: Array, b: Array) -> Array:
-  """The kinds of tiles under two masks at once: EMPTY if either is, FULL
-  if both are, else PARTIAL (EMPTY < PARTIAL < FULL)."""
-  return jnp.minimum(a, b)
-
-
 def tile_lists(kinds: Array) -> Array:
   """Per row of tile kinds [..., n], the tiles a program visits, int32
   [..., w] (w the power of two >= 2 + 2n, for Triton's block shapes):
@@ -308,15 +302,11 @@ class _Padded(layout.Padded):
     kinds = masking.classify_blocks(self.info, block_q, block_kv)
     if self.mod_kinds is None:
       return kinds
-    mod = self.mod_kinds(block_q=block_q, block_kv=block_kv)
-    nq, nk = kinds.shape[1:]
-    # The mask's tiles cover [T, S]; the padded tail tiles are EMPTY.
-    mod = jnp.pad(mod, [(0, 0), (0, 0), (0, nq - mod.shape[2]),
-                        (0, nk - mod.shape[3])],
-                  constant_values=masking.EMPTY)
+    mod = self.mod_kinds(block_q=block_q, block_kv=block_kv,
+                         num_blocks=kinds.shape[1:])
     if not self.feat.builtin_mask:
       return mod
-    return intersect_kinds(kinds[:, None], mod)
+    return masking.intersect_kinds(kinds[:, None], mod)
 
   def lists(self, block_q, block_kv, *, transpose=False):
     """`tile_lists` of a mask_mod call, [B, N|1, rows, width]."""

@@ -360,7 +360,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
                                 lambda i, k, j: (i, k, split_of(j), 0))),
   }
   fused = _add_flex_inputs(
-      inputs, row_pos, b=b, num_kv=num_kv, rows=rows, r=r,
+      inputs, row_pos, num_kv=num_kv, rows=rows, r=r,
       new_tokens=query_positions.shape[1],
       kv_positions=num_blocks * block if per_page else cache_len,
       flex=((mods.SCORE_MOD, score_mod, score_mod_args),
@@ -379,7 +379,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
   return out[..., :r, :hv], lse[..., :r]
 
 
-def _add_flex_inputs(inputs, row_pos, *, b, num_kv, rows, r, new_tokens,
+def _add_flex_inputs(inputs, row_pos, *, num_kv, rows, r, new_tokens,
                      kv_positions, flex) -> dict:
   """Splits the call's score_mod / mask_mod (`fused_mods`), adds their
   values to `inputs` (per packed row: [B, K, rows]; per cache position:
@@ -389,7 +389,6 @@ def _add_flex_inputs(inputs, row_pos, *, b, num_kv, rows, r, new_tokens,
   Raises:
     NotImplementedError: a function the kernel cannot fuse.
   """
-  del b
   out = {}
   for name, fn, args in flex:
     if fn is None:
