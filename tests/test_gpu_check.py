@@ -166,6 +166,18 @@ def test_summarise_tests_counts_each_test_once(gpu_check, tmp_path):
   assert gpu_check.report.summarise_tests(tmp_path / "none.jsonl") is None
 
 
+def test_format_summary_of_a_real_run(gpu_check):
+  """The summary an H200 run wrote (failing, crashed and timed-out steps
+  included) formats: every problem and headline cell is in the text."""
+  path = _ROOT / "benchmarks" / "results" / "h200_gpu_check_summary.json"
+  summary = json.loads(path.read_text())
+  text = gpu_check.report.format_summary(summary)
+  assert "334 passed, 3 failed, 0 errors, 3 crashed" in text
+  assert text.count("crashed: tests/") == 3
+  assert "mosaic_gpu 592.2 (1.02x)" in text
+  assert "decode/triton B=8 S=32768 K=8" in text
+
+
 def test_merge_junit(gpu_check, tmp_path):
   suite = '<testsuites><testsuite name="pytest" tests="1"><testcase name="{}"/>'
   end = "</testsuite></testsuites>"

@@ -86,7 +86,7 @@ _MAIN = (
     budget_s=150,
     dry_run_budget_s=45,
     files=(BENCH_JSON, BENCH_MD),
-    what="bf16, H = 128, T in {4096, 16384}, causal and not, fwd and "
+    what="bf16, H = 128, T in (16384, 4096), causal and not, fwd and "
     "fwd+bwd: mosaic_gpu, triton, cuDNN and XLA through jax.nn "
     "(XLA at 4096 only), each implementation in its own process; "
     "the JSON and Markdown rewritten after every cell",

@@ -311,8 +311,10 @@ def _step_lines(name: str, s: dict[str, Any]) -> list[str]:
     :10
   ]:
     lines.append(f"      {p['outcome']}: {p['test']}: {p['message']}")
-  for line in s.get("failed") or ():
-    lines.append(f"      {line}")
+  # The compile step lists its failing kernels under "failed"; the test
+  # steps count them there.
+  if isinstance(s.get("failed"), list):
+    lines += [f"      {line}" for line in s["failed"]]
   if s.get("bench"):
     lines += _bench_lines(s["bench"])
   if s.get("decode"):
