@@ -472,14 +472,16 @@ class Timing:
 
 
 def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1,
-              min_run_s: float = 0.0) -> Timing:
+              min_run_s: float = 0.05) -> Timing:
   """Times `fn(*args)` on its device: the median of `repeats` runs.
 
   The first call (which may compile) and `warmup` more are untimed. Every
   run ends with `jax.block_until_ready` on the result, so the time is the
   device's, not the asynchronous dispatch's. A call shorter than
   `min_run_s` is repeated back to back within a run (up to 100 times) so
-  that launch and synchronisation overhead do not dominate.
+  that launch and synchronisation overhead do not dominate: one call of a
+  decode step on a GPU (tens of microseconds) would otherwise time the
+  host's dispatch, not the kernels.
 
   Args:
     fn: a function of JAX arrays (best jitted or compiled).

@@ -90,7 +90,7 @@ def memory_bandwidth(nbytes: int, dtype, repeats: int) -> dict[str, float]:
 
   def rate(fn, moved):
     timing = testing.time_call(
-        jax.jit(fn), x, repeats=repeats, min_run_s=0.05)
+        jax.jit(fn), x, repeats=repeats)
     return moved / timing.median_s
 
   rates = {"copy": rate(lambda x: x * 2, 2 * x.nbytes),

@@ -126,12 +126,13 @@ def test_inputs_are_fresh_random_and_reproducible():
 def test_timer_returns_positive_times():
   x = testing.normal(testing.rng("timer"), (64, 64))
   fn = jax.jit(lambda x: x @ x)
-  timing = testing.time_call(fn, x, repeats=3, warmup=1)
+  timing = testing.time_call(fn, x, repeats=3, warmup=1, min_run_s=0.0)
   assert timing.median_s > 0 and timing.ms == timing.median_s * 1e3
   assert len(timing.times_s) == 3 and all(t > 0 for t in timing.times_s)
   assert timing.calls_per_run == 1
-  # Calls shorter than min_run_s are batched, at most 100 to a run.
-  batched = testing.time_call(fn, x, repeats=2, warmup=1, min_run_s=1.0)
+  # Calls shorter than min_run_s (by default 50 ms) are batched, at most
+  # 100 to a run.
+  batched = testing.time_call(fn, x, repeats=2, warmup=1)
   assert 1 < batched.calls_per_run <= 100
 
 
