@@ -468,6 +468,7 @@ def test_jit_vmap_and_batched_arguments():
       assert_close("grad", x[i], r)
 
 
+@pytest.mark.slow
 def test_grad_of_grad_on_xla():
   """The reference differentiates twice through score_mod (chunked's
   backward loops have traced bounds, which reverse mode cannot cross)."""

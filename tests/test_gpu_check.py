@@ -466,6 +466,7 @@ def test_dry_run(tmp_path):
   assert "kernels" in output and "3 passed" in output
 
 
+@pytest.mark.slow
 def test_dry_run_stopped_mid_bench_leaves_its_files(tmp_path):
   """The CPU rehearsal, stopped by SIGTERM (the command's time limit) while
   the benchmark runs: every file is on disk and readable, with what was

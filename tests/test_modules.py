@@ -300,6 +300,7 @@ def test_mha_matches_numpy_reference():
       nnx.jit(lambda m, x: m(x))(layer, x), _np_mha(layer, x), **_TOL)
 
 
+@pytest.mark.slow
 def test_mha_sinks_are_a_zero_initialised_param_per_head():
   """use_sinks=True learns `sinks` [num_heads] (zeros at first), used by
   the full forward and by decoding through `decode_attention`, and given

@@ -326,6 +326,57 @@ def test_both_lowering_semantics_lower(semantics):
   assert text.count("custom_call @mosaic_gpu") == 3
 
 
+def _dealt(units):
+  """(cta, b, head, row) of every unit the CTAs of `units` visit."""
+  n = units.num_ctas
+  cta = np.arange(n)[:, None]
+  counts = np.asarray(units.count(cta))[:, 0]
+  t = np.arange(counts.max())[None, :]
+  b, head, row = (np.asarray(x) for x in units.decode(cta, t))
+  visited = t < counts[:, None]
+  ctas = np.broadcast_to(cta, visited.shape)
+  return ctas[visited], b[visited], head[visited], row[visited]
+
+
+@pytest.mark.parametrize("balance,reverse", [(False, False), (False, True),
+                                             (True, True), (True, False)])
+@pytest.mark.parametrize("batch,heads,rows,ctas", [
+    (1, 16, 128, 132), (4, 16, 32, 132), (3, 5, 7, 11), (2, 40, 3, 132),
+    (1, 1, 5, 5), (2, 3, 4, 24)])
+def test_units_visit_each_unit_once(balance, reverse, batch, heads, rows,
+                                    ctas):
+  units = kernel.Units(batch, heads, rows, ctas, balance=balance,
+                       reverse=reverse)
+  _, b, head, row = _dealt(units)
+  got = sorted(zip(b.tolist(), head.tolist(), row.tolist(), strict=True))
+  assert got == [(i, j, r) for i in range(batch) for j in range(heads)
+                 for r in range(rows)]
+
+
+@pytest.mark.parametrize("batch,heads,rows", [(1, 16, 128), (4, 16, 32),
+                                              (8, 32, 32), (2, 8, 64)])
+def test_balanced_schedule(batch, heads, rows):
+  """Causal units (forward/dQ: row tile i has i + 1 key tiles; dK/dV: the
+  reverse) dealt to 132 persistent CTAs: the busiest CTA's work is within
+  6% of the mean, where the plain (batch, head)-major order left it up to
+  1.6x (T = 16384: 128 row tiles, a stride of 132 CTAs)."""
+
+  def busiest_over_mean(units, work):
+    cta, _, _, row = _dealt(units)
+    per_cta = np.bincount(cta, weights=work(row), minlength=132)
+    return per_cta.max() / per_cta.mean()
+
+  growing = lambda row: row + 1  # noqa: E731
+  shrinking = lambda row: rows - row  # noqa: E731
+  forward = kernel.Units(batch, heads, rows, 132, balance=True, reverse=True)
+  dkv = kernel.Units(batch, heads, rows, 132, balance=True)
+  assert busiest_over_mean(forward, growing) < 1.06
+  assert busiest_over_mean(dkv, shrinking) < 1.06
+  if (batch, heads, rows) == (1, 16, 128):
+    plain = kernel.Units(batch, heads, rows, 132, reverse=True)
+    assert busiest_over_mean(plain, growing) > 1.5
+
+
 def test_lowering_enforces_shared_memory_budget():
   too_big = mosaic_gpu.MosaicGpuBlockSizes(block_kv=256, num_stages=4)
   with pytest.raises(ValueError, match="shared memory"):
@@ -457,7 +508,10 @@ def _race_detector():
 
 @needs_interpreter
 @pytest.mark.parametrize("config, kernels", [
-    (dict(), {"pfa_mgpu_forward", "pfa_mgpu_dq", "pfa_mgpu_dk_dv"}),
+    # Three persistent CTAs: the causal units are dealt by the balanced
+    # schedule (`kernel.Units`), partial last waves included.
+    (dict(num_ctas=3), {"pfa_mgpu_forward", "pfa_mgpu_dq",
+                        "pfa_mgpu_dk_dv"}),
     pytest.param(
         dict(num_consumers=1, pingpong=False, num_consumers_dq=1,
              num_consumers_dkv=1, split_dkv=True, num_stages=3,
@@ -468,7 +522,7 @@ def _race_detector():
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
   producer refills ring slots (more steps than stages, several units and
-  GQA repeats) that the consumers read both as matmul operands and as
+  CTAs, GQA repeats) that the consumers read both as matmul operands and as
   plain vectors (positions, segment ids, lse, delta). A refill not ordered
   after every consumer's reads of the slot, a read not ordered after its
   TMA load, or (jax >= 0.11, which models the two memory proxies) a TMA

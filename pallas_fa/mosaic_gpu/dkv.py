@@ -56,7 +56,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
   units = kernel.Units(
       spec.batch, spec.num_kv_heads, spec.kv_len // (nc * bk),
-      spec.num_ctas, reverse=False)
+      spec.num_ctas, balance=spec.is_causal)
 
   def unit(r: kernel.Refs, t, base):
     _, k_ref, v_ref, _, _, _, _, _, kpos_ref, kseg_ref, sched_ref = r.inputs

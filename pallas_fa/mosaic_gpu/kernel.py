@@ -11,7 +11,8 @@ Three persistent kernels (`forward`, `dq`,
 * one or two *consumer* warpgroups each own a tile of rows that stays in
   shared memory for the whole unit of work (`load_stationary`), run the
   matmuls on wgmma and keep the softmax state in registers;
-* every CTA walks a static round-robin list of units of work (`Units`), so
+* every CTA walks a static list of units of work (`Units`; causal ones
+  dealt longest first and balanced across CTAs), so
   the grid is at most one CTA per SM and the prologue of one unit overlaps
   the tail of the previous one (the producer runs ahead across unit
   boundaries).
@@ -37,6 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -279,29 +281,87 @@ def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg):
 # --------------------------------------------------------------------------
 
 
-class Units:
-  """Static round-robin assignment of units of work to persistent CTAs.
+# Candidate head-group sizes of a balanced `Units` schedule.
+_GROUPS = (8, 12, 16, 20, 24, 28, 32, 40, 48)
 
-  A unit is (batch, head, row tile) with `rows` row tiles per batch x head;
-  `reverse` visits row tiles last-first so that (for causal attention) the
-  longest units start first.
+
+def _busiest_over_mean(pairs, rows, num_ctas, group) -> float:
+  """The busiest CTA's work over the mean under `Units(balance=True)`'s
+  dealing (rounded, so that near ties go to the smaller group), for units
+  whose k-th visited row tile has rows - k tiles of work (causal)."""
+  u = np.arange(pairs * rows)
+  per_group = group * rows
+  g, w = u // per_group, u % per_group
+  size = np.minimum(group, pairs - g * group)
+  work = rows - w // size
+  wave, pos = u // num_ctas, u % num_ctas
+  cta = np.where(wave % 2 == 1, num_ctas - 1 - pos, pos)
+  per_cta = np.bincount(cta, weights=work, minlength=num_ctas)
+  return round(float(per_cta.max() / per_cta.mean()), 3)
+
+
+class Units:
+  """Static assignment of units of work to persistent CTAs.
+
+  A unit is (batch, head, row tile) with `rows` row tiles per batch x head.
+  Units of equal length (no causal masking) go round-robin in (batch, head)
+  major order: the CTAs running at once share a few heads' K/V in L2.
+
+  Causal units grow (forward, dQ: row tile i sees i + 1 key tiles) or shrink
+  (dK/dV) with the row tile, and in that order a CTA whose stride through
+  the list is nearly a multiple of `rows` draws mostly long or mostly short
+  units: with 132 CTAs and 128 row tiles (T = 16384) the busiest CTA has
+  1.6x the mean work, and the kernel waits for it. `balance` orders them
+  longest first instead, row tile major within groups of heads, and deals
+  every other wave in reverse CTA order (boustrophedon), pairing a CTA's
+  longer units with shorter ones. The group size (at most 48 heads, so that
+  the CTAs running at once still share each head's K/V stream several
+  times over) is the one whose dealing, simulated here on the causal work
+  model, is most even: the busiest CTA within 6% of the mean on large
+  problems (tests/test_mosaic_gpu.py::test_balanced_schedule).
   """
 
-  def __init__(self, batch, heads, rows, num_ctas, reverse):
+  def __init__(self, batch, heads, rows, num_ctas, *, balance=False,
+               reverse=False):
+    """`reverse`: row tiles last-first (the longest first when they grow)."""
     self.batch, self.heads, self.rows = batch, heads, rows
     self.total = batch * heads * rows
     self.num_ctas = num_ctas
+    self.balance = balance
     self.reverse = reverse
+    pairs = batch * heads
+    self.group = min(
+        sorted({min(pairs, g) for g in _GROUPS}),
+        key=lambda g: (_busiest_over_mean(pairs, rows, num_ctas, g), g))
 
   def count(self, cta):
     """Units handled by `cta` (traced)."""
-    return (self.total - cta + self.num_ctas - 1) // self.num_ctas
+    n = self.num_ctas
+    if not self.balance:
+      return (self.total - cta + n - 1) // n
+    waves, rest = divmod(self.total, n)
+    # The last, partial wave is dealt forward after an even number of full
+    # waves, else backward.
+    last = (cta < rest) if waves % 2 == 0 else (cta >= n - rest)
+    return waves + jnp.asarray(last, jnp.int32)
 
   def decode(self, cta, t):
     """(b, head, row tile) of this CTA's t-th unit."""
-    u = cta + t * self.num_ctas
-    row = lax.rem(u, self.rows)
-    bh = lax.div(u, self.rows)
+    n = self.num_ctas
+    if not self.balance:
+      u = cta + t * n
+      row = lax.rem(u, self.rows)
+      bh = lax.div(u, self.rows)
+    else:
+      backward = lax.rem(t, 2) == 1
+      u = t * n + jnp.where(backward, n - 1 - cta, cta)
+      per_group = self.group * self.rows
+      g = lax.div(u, per_group)
+      w = lax.rem(u, per_group)
+      # The last group may hold fewer heads.
+      size = jnp.minimum(self.group, self.batch * self.heads - g * self.group)
+      row = lax.div(w, size)
+      bh = g * self.group + lax.rem(w, size)
     head = lax.rem(bh, self.heads)
     b = lax.div(bh, self.heads)
     if self.reverse:
@@ -412,7 +472,7 @@ def q_units(spec: Spec) -> Units:
   a tile of `consumers` x block_q rows; causal visits the longest first."""
   return Units(
       spec.batch, spec.num_heads, spec.q_len // (spec.consumers * spec.block_q),
-      spec.num_ctas, reverse=spec.is_causal)
+      spec.num_ctas, balance=spec.is_causal, reverse=spec.is_causal)
 
 
 def kv_producer(spec: Spec):
