@@ -39,6 +39,7 @@ from typing import Callable
 import jax
 import jax.extend
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_fa import mods
 
@@ -265,25 +266,47 @@ class FusedMod:
 
   # -- in the kernel --------------------------------------------------------
 
-  def tile(self, values: list[Array], *, q_idx: Array, kv_idx: Array,
-           score: Array | None = None) -> Array:
+  @property
+  def tile_primitives(self) -> frozenset[str]:
+    """The names of the primitives the tile part applies."""
+    return frozenset(step.primitive.name for step in self.tile_steps)
+
+  @property
+  def tile_indices(self) -> frozenset[str]:
+    """Which token indices ("q_idx", "kv_idx") the tile part reads. A
+    kernel builds only those: Mosaic GPU's layout inference fails on an
+    index tile nothing consumes."""
+    read = {k for step in self.tile_steps for k in step.ins}
+    read.add(self.output)
+    return frozenset(name for k, name in zip(self._index_keys()[2:],
+                                             ("q_idx", "kv_idx"))
+                     if k in read)
+
+  def tile(self, values: list[Array], *, q_idx: Array | None,
+           kv_idx: Array | None, score: Array | None = None,
+           shape: tuple[int, ...] | None = None, _grad: bool = False
+           ) -> Array:
     """The function on a tile: `values` are the residuals (in `residuals`
     order) shaped to broadcast against it, `q_idx` / `kv_idx` the token
-    indices likewise. Returns the tile (score's dtype, or bool)."""
-    env = dict(zip(self._index_keys()[2:], (q_idx, kv_idx)))
+    indices likewise (None for one `tile_indices` leaves out). Returns the
+    tile (score's dtype, or bool), of the score's shape, else `shape`, else
+    the indices' broadcast shape."""
+    env = {k: x for k, x in zip(self._index_keys()[2:], (q_idx, kv_idx))
+           if x is not None}
     if self.is_score_mod:
       env[self.inputs[0]] = score
     env.update((r.key, v) for r, v in zip(self.residuals, values))
     for step in self.tile_steps:
-      _run(step, env, tile=True)
+      _run(step, env, tile=True, grad=_grad)
     out = _value(self.output, env)
-    shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
     if score is not None:
-      shape = score.shape
-      return jnp.broadcast_to(out, shape).astype(score.dtype)
+      return jnp.broadcast_to(out, score.shape).astype(score.dtype)
+    if shape is None:
+      shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx))
     return jnp.broadcast_to(out, shape)
 
-  def tile_vjp(self, values: list[Array], *, q_idx: Array, kv_idx: Array,
+  def tile_vjp(self, values: list[Array], *, q_idx: Array | None,
+               kv_idx: Array | None,
                score: Array, reduce: Callable = jnp.sum, args: bool = True):
     """(score_mod(score), pullback): pullback(ds) -> (ds w.r.t. the score,
     [the cotangent of each differentiable residual, float32, `reduce`d:
@@ -299,12 +322,13 @@ class FusedMod:
       vals = list(values)
       for i, x in zip(diff, dvals):
         vals[i] = x
-      return self.tile(vals, q_idx=q_idx, kv_idx=kv_idx, score=s)
+      return self.tile(vals, q_idx=q_idx, kv_idx=kv_idx, score=s,
+                       _grad=True)
 
     out, pull = jax.vjp(f, score, *(values[i] for i in diff))
 
     def pullback(ds):
-      ds_in, *dvals = pull(ds.astype(out.dtype))
+      ds_in, *dvals = _evaluate_in_kernel(pull, ds.astype(out.dtype))
       return ds_in, [reduce(d.astype(jnp.float32)) for d in dvals]
 
     return out, pullback
@@ -314,9 +338,39 @@ def _value(k, env):
   return k.val if isinstance(k, _Literal) else env[k]
 
 
-def _run(step: _Step, env: dict, *, tile: bool) -> None:
+@jax.custom_jvp
+def _divide(x, y):
+  return lax.div(x, y)
+
+
+@_divide.defjvp
+def _divide_jvp(primals, tangents):
+  # JAX's own rule for the denominator squares it with integer_pow(y, -2),
+  # which Mosaic GPU cannot lower; this one divides twice instead.
+  (x, y), (dx, dy) = primals, tangents
+  out = lax.div(x, y)
+  return out, lax.div(dx - out * dy, y)
+
+
+def _integer_pow(x, n: int, grad: bool):
+  """x ** n in products and at most one division: Mosaic GPU lowers
+  integer_pow for n >= 2 and n == -1 only, and its derivative needs
+  n - 1."""
+  if n == 0:
+    return jnp.ones_like(x)
+  out = x
+  for _ in range(abs(n) - 1):
+    out = lax.mul(out, x)
+  if n > 0:
+    return out
+  return (_divide if grad else lax.div)(jnp.ones_like(x), out)
+
+
+def _run(step: _Step, env: dict, *, tile: bool, grad: bool = False) -> None:
   """Evaluates one step; on a tile, operands are broadcast to their common
-  shape first (the trace was on scalars)."""
+  shape first (the trace was on scalars), and with `grad` (under jax.vjp
+  in a kernel) float division and integer powers take rules every kernel
+  compiler lowers (`_divide`, `_integer_pow`)."""
   vals = [_value(k, env) for k in step.ins]
   name = step.primitive.name
   if tile and name in _SHAPE_ONLY:
@@ -326,11 +380,41 @@ def _run(step: _Step, env: dict, *, tile: bool) -> None:
     shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in vals))
     vals = [v if jnp.shape(v) == shape else jnp.broadcast_to(v, shape)
             for v in vals]
-    out = step.primitive.bind(*vals, **step.params)
+    floats = jnp.issubdtype(step.out_avals[0].dtype, jnp.floating)
+    if name == "integer_pow":
+      out = _integer_pow(vals[0], step.params["y"], grad)
+    elif name == "div" and grad and floats:
+      out = _divide(*vals)
+    else:
+      out = step.primitive.bind(*vals, **step.params)
   else:
     out = step.primitive.bind(*vals, **_bind_params(step))
   outs = out if step.primitive.multiple_results else [out]
   env.update(zip(step.outs, outs))
+
+
+def _evaluate_in_kernel(fn: Callable, *args) -> list:
+  """fn(*args), its primitives bound one by one with `add_any` (how
+  transposition sums the cotangents of a value used twice) as `add`: Mosaic
+  GPU lowers no add_any."""
+  closed = jax.make_jaxpr(fn)(*args)
+  jaxpr, env, names = closed.jaxpr, {}, {}
+  for v, x in (*zip(jaxpr.invars, args), *zip(jaxpr.constvars,
+                                              closed.consts)):
+    names[v] = object()
+    env[names[v]] = x
+  steps: list[_Step] = []
+  _flatten(jaxpr, names, steps)
+  for step in steps:
+    vals = [_value(k, env) for k in step.ins]
+    if step.primitive.name == "add_any":
+      out = lax.add(*vals)
+    else:
+      out = step.primitive.bind(*vals, **_bind_params(step))
+    env.update(zip(step.outs, out if step.primitive.multiple_results
+                   else [out]))
+  return [v.val if isinstance(v, _Literal) else env[names[v]]
+          for v in jaxpr.outvars]
 
 
 def _bind_params(step: _Step) -> dict:

@@ -117,13 +117,16 @@ BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
-            "value_dim", "flex_alibi", "flex_document", "decode_flex")
+            "value_dim", "flex_alibi", "flex_softcap", "flex_document",
+            "decode_flex")
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
-                    "flex_document": ("triton",), "decode_flex": ("triton",)}
+                    "flex_softcap": ("triton", "mosaic_gpu"),
+                    "flex_document": ("triton", "mosaic_gpu"),
+                    "decode_flex": ("triton",)}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 HEAD_DIMS = (64, 72, 128, 256)
@@ -146,9 +149,10 @@ class Case:
       values narrower than queries/keys), or 2 H at H <= 64: there H // 2
       pads to H's width on mosaic_gpu, the kernels of the causal case,
       which Mosaic's in-process cache would then not compile (no ptxas
-      report); "flex_alibi" / "flex_document" = causal with ALiBi as a
-      score_mod (its slopes' gradient included) / a document mask_mod
-      (flex attention, `pallas_fa.flex`); "decode_flex" = "decode" with
+      report); "flex_alibi" / "flex_softcap" / "flex_document" = causal
+      with ALiBi / a learned tanh soft cap as a score_mod (the gradient of
+      its slopes / cap included) / a document mask_mod (flex attention,
+      `pallas_fa.flex`); "decode_flex" = "decode" with
       ALiBi and a prefix-LM mask_mod.
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
@@ -306,6 +310,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
       kwargs.update(dropout_rate=0.1, dropout_rng=12345)
     if case.variant == "flex_alibi":
       args.append(spec((heads,), jnp.float32))
+    if case.variant == "flex_softcap":
+      args.append(spec((), jnp.float32))
     if case.variant == "flex_document":
       args.append(spec((1, seq), jnp.int32))
 
@@ -315,6 +321,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
         kw["segment_ids"] = extra
       if case.variant == "flex_alibi":
         kw.update(score_mod=flex.alibi, score_mod_args=(extra,))
+      if case.variant == "flex_softcap":
+        kw.update(score_mod=flex.tanh_soft_cap, score_mod_args=(extra,))
       if case.variant == "flex_document":
         kw.update(mask_mod=flex.document, mask_mod_args=(extra,))
       out = pallas_fa.flash_attention(
@@ -322,9 +330,9 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
           implementation=case.backend, block_sizes=block_sizes, **kw)
       return out.astype(jnp.float32).sum()
 
-    # The float arguments: q, k, v and ALiBi's slopes.
+    # The float arguments: q, k, v and ALiBi's slopes or the soft cap.
     call = jax.grad(loss, argnums=(0, 1, 2, 3)[:3 + (
-        case.variant == "flex_alibi")])
+        case.variant in ("flex_alibi", "flex_softcap"))])
     if decode:
       args, call = _decode_call(case, seq, spec)
 

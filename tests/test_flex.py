@@ -380,6 +380,37 @@ def test_mosaic_gpu_score_mod(name):
   _check_bfloat16("mosaic_gpu", name)
 
 
+# Mask_mods the mosaic_gpu kernels fuse: their per-query / per-key values
+# travel in the position slots beside padding lengths (`_check_bfloat16`),
+# in the segment-id slots under causal masking (`_check_causal_gqa`). One
+# of each by default (the Mosaic GPU interpreter), all in the slow leg.
+_MOSAIC_GPU_MASKS = ["document", "prefix_lm", "chunked_causal",
+                     "sliding_window_with_sinks", "causal_with_offset"]
+
+
+def _check_causal_gqa(implementation, name):
+  """Causal, T = S not a multiple of the tiles, GQA, no padding."""
+  example = EXAMPLE[name]
+  gen = rng("flex-causal-gqa", implementation, name)
+  p = _problem(example, gen, jnp.bfloat16, b=2, t=70, s=70, n=4, k=2, h=16,
+               causal=True)
+  _compare(_flash(implementation, example, p, is_causal=True),
+           _oracle(example, p, is_causal=True),
+           _same_dtype_reference(example, p, is_causal=True), jnp.bfloat16)
+
+
+@pytest.mark.skipif("mosaic_gpu" not in pallas_fa.implementations(),
+                    reason="the mosaic_gpu backend does not import here")
+@pytest.mark.parametrize("check,name", [
+    pytest.param(check, name, marks=() if (check, name) in (
+        ("padding", "document"), ("causal", "prefix_lm")) else (
+            pytest.mark.slow,))
+    for check in ("padding", "causal") for name in _MOSAIC_GPU_MASKS])
+def test_mosaic_gpu_mask_mod(check, name):
+  {"padding": _check_bfloat16, "causal": _check_causal_gqa}[check](
+      "mosaic_gpu", name)
+
+
 def _check_ragged(implementation, name):
   """T != S (neither a multiple of the tiles), MQA, with is_causal and
   key padding intersecting the mask_mod."""
@@ -895,28 +926,33 @@ _MASK_RUNS = [
     pytest.param(impl, name, id=f"{name}-{impl}",
                  marks=() if (impl, name) == ("triton", "per_head_window")
                  else pytest.mark.slow)
-    for impl in _PALLAS if impl != "mosaic_gpu" for name in _MASK_CASES]
+    for impl in _PALLAS for name in _MASK_CASES]
 
 
 @pytest.mark.parametrize("implementation,name", _MASK_RUNS)
 def test_mask_mods_by_head_and_by_batch_row(implementation, name):
   """Tiles that differ between the heads of a GQA group, and a mask_mod
   that is one value per (batch, head): forward, lse and gradients against
-  xla."""
+  xla (mosaic_gpu in bfloat16, by the FlashAttention rule)."""
   gen = rng("flex-mask-cases", implementation, name)
   q = _normal(gen, (2, 50, 4, 16))
   k, v = (_normal(gen, (2, 50, 2, 16)) for _ in range(2))
   dout = _normal(gen, q.shape)
 
-  def run(impl):
+  def run(impl, dtype=jnp.float32):
     def f(q, k, v):
       return pallas_fa.flash_attention(
           q, k, v, implementation=impl, block_sizes=block_sizes_for(impl),
           return_residual=True, **_MASK_CASES[name])
-    (out, lse), pullback = jax.vjp(f, q, k, v)
-    return out, lse, pullback((dout, jnp.zeros_like(lse)))
+    (out, lse), pullback = jax.vjp(
+        f, *(x.astype(dtype) for x in (q, k, v)))
+    return out, lse, pullback((dout.astype(dtype), jnp.zeros_like(lse)))
 
-  _compare(run(implementation), run("xla"))
+  if implementation == "mosaic_gpu":  # bfloat16/float16 kernels only.
+    _compare(run(implementation, jnp.bfloat16), run("xla"),
+             run("xla", jnp.bfloat16), jnp.bfloat16)
+  else:
+    _compare(run(implementation), run("xla"))
 
 
 def _striped(batch, head, q_idx, kv_idx):
@@ -946,10 +982,13 @@ def test_pallas_backends_decline_and_automatic_choice_falls_back(
                    score_mod_args=(jnp.arange(q.shape[0], dtype=jnp.int32),))
   # (implementation, call, the reason it declines).
   striped = dict(mask_mod=_striped)
+  # Causal and padding lengths: both metadata slots are taken.
+  both_slots = dict(calls[1], is_causal=True, key_value_seq_lengths=jnp.full(
+      (q.shape[0],), q.shape[1] - 3, jnp.int32))
   declined = [
       ("mosaic_tpu", t5, "cannot fuse this score_mod.*dynamic_slice"),
       ("mosaic_tpu", striped, "depends on the head"),
-      ("mosaic_gpu", calls[1], "mask_mod"),
+      ("mosaic_gpu", both_slots, "needs both"),
       ("mosaic_gpu", per_query, "per query or key"),
       # A gather at q_idx - kv_idx cannot run in a kernel: named, declined.
       ("mosaic_gpu", t5, "cannot fuse this score_mod.*dynamic_slice"),

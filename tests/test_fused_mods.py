@@ -168,3 +168,65 @@ def test_declines_what_a_kernel_cannot_run():
 
   with pytest.raises(NotImplementedError, match="failed on them"):
     fused_mods.split(mods.SCORE_MOD, needs_a_tile, (), "k")
+
+
+def _powers(score, batch, head, q_idx, kv_idx, c):
+  """Divisions and integer powers of the score and a learned scalar."""
+  del batch, head, q_idx, kv_idx
+  return score ** 2 / c ** 3 + c * jnp.tanh(score / c) - score ** -2
+
+
+def _primitives(closed):
+  """(name, params) of every primitive of a jaxpr, inner ones included."""
+  out = []
+  for eqn in closed.jaxpr.eqns:
+    out.append((eqn.primitive.name, eqn.params))
+    for p in eqn.params.values():
+      if hasattr(p, "jaxpr"):
+        out += _primitives(p)
+  return out
+
+
+def test_tile_and_its_pullback_use_what_every_kernel_compiler_lowers():
+  """Mosaic GPU lowers no add_any (transposition's sum of a value used
+  twice) and integer_pow only for y >= 2 or y == -1, which the derivatives
+  of a division and of x ** 2 produce; the tile part and its pullback are
+  built without them, and still give jax.grad."""
+  gen = rng("fused-mods-lowerable")
+  c = jnp.float32(gen.uniform(2, 3))
+  mod = fused_mods.split(mods.SCORE_MOD, _powers, (c,), "test")
+  score = jnp.asarray(gen.uniform(0.5, 2.0, size=(T, S)), jnp.float32)
+  ds = jnp.asarray(gen.normal(size=(T, S)), jnp.float32)
+  # Its values (c, c ** 3, ... made outside), one program's, on the tile.
+  values = [jnp.full((T, S), a[0, 0]) for a in mod.residual_arrays(
+      (c,), batch=1, heads=1, q_len=T, kv_len=S, q_padded=T, kv_padded=S)]
+
+  def run(score, ds):
+    out, pull = mod.tile_vjp(values, q_idx=None, kv_idx=None, score=score,
+                             reduce=lambda d: d.sum())
+    return out, pull(ds)
+
+  for name, params in _primitives(jax.make_jaxpr(run)(score, ds)):
+    assert name != "add_any"
+    if name == "integer_pow":
+      assert params["y"] >= 2 or params["y"] == -1, params
+  out, (d_score, d_values) = run(score, ds)
+  (d_c,) = mod.args_grad((c,), [d.reshape(1, 1) for d in d_values],
+                         batch=1, heads=1)
+  want_score, want_c = jax.grad(
+      lambda s, c: (_powers(s, 0, 0, 0, 0, c) * ds).sum(), argnums=(0, 1))(
+          score, c)
+  np.testing.assert_allclose(out, _powers(score, 0, 0, 0, 0, c), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(d_score, want_score, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(d_c, want_c, rtol=1e-4)
+
+
+@pytest.mark.parametrize("example,indices", [
+    ("alibi", {"q_idx", "kv_idx"}), ("tanh_soft_cap", set()),
+    ("document", set()), ("chunked_causal", {"q_idx", "kv_idx"}),
+    ("sliding_window_with_sinks", {"q_idx", "kv_idx"}),
+    ("causal_with_offset", {"kv_idx"})])
+def test_tile_indices_are_those_the_tile_reads(example, indices):
+  name, fn, args = _examples(rng("fused-mods-indices", example))[example]
+  assert fused_mods.split(name, fn, args, "test").tile_indices == indices

@@ -9,18 +9,23 @@ this module is everything around them:
   `default_block_sizes`: a tuned record (`scripts/tune.py`), else
   `heuristic_block_sizes`, which fits the tiles into the 227 KiB of shared
   memory of an H100/H200;
-* `check`: bfloat16/float16 only, head dim <= 256, no bias or dense mask, no
-  mask_mod, a score_mod only if it reads its arrays per (batch, head)
-  (`fused_mods`: the kernels take those values, one per program, and run
-  the rest of the function on each tile; `dq` also sums their gradients per
-  query), and an sm90 GPU -- or, without a GPU, the Mosaic GPU interpreter.
+* `check`: bfloat16/float16 only, head dim <= 256, no bias or dense mask, a
+  score_mod only if it reads its arrays per (batch, head) (`fused_mods`:
+  the kernels take those values, one per program, and run the rest of the
+  function on each tile; `dq` also sums their gradients per query), a
+  mask_mod whose values are per (batch, head) or, at most one integer each,
+  per query and per key of a batch row (they travel in the segment-id
+  slots, or the position ones when the call has segment ids or padding
+  lengths, so not when it needs both: `_mod_slot`), and an sm90 GPU -- or,
+  without a GPU, the Mosaic GPU interpreter.
   Anything else raises NotImplementedError so the automatic choice moves on
   to "triton";
 * the layout work: padding T and S to whole tiles and the head dim to a
   multiple of 64 (`pallas_fa.layout`, which also zeroes padded rows so NaN
   cannot leak); and the per-tile schedule, derived from
   `masking.classify_blocks`, that tells the kernels which key (query) tiles
-  to stream and which of them need no masking arithmetic.
+  to stream and which of them need no masking arithmetic (a mask_mod's
+  tiles intersected in: `block_mask.tile_kinds`, shared by the heads).
 
 The public layout BTNH is kept in memory; TMA reads [tile, H] slabs of one
 head directly. GQA is never materialised: query head n reads K/V head
@@ -35,11 +40,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import block_mask
 from pallas_fa import fused_mods
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
-from pallas_fa import mods
 from pallas_fa import tuning
 from pallas_fa import vjp
 from pallas_fa.mosaic_gpu import dkv as dkv_kernel
@@ -141,7 +146,8 @@ _MISCOMPILING_CUDA = (12080, 12091)
 
 def _needs_masking(q, k, info, bs: MosaicGpuBlockSizes) -> bool:
   """Whether any kernel of the call runs its masked (jnp.where) path."""
-  if info.restricts_positions or info.has_segments:
+  if (info.restricts_positions or info.has_segments
+      or info.mask_mod is not None):
     return True
   t, s = q.shape[1], k.shape[1]
   q_tiles = (bs.num_consumers * bs.block_q,
@@ -154,12 +160,7 @@ def _needs_masking(q, k, info, bs: MosaicGpuBlockSizes) -> bool:
 def _check(q, k, v, bias, info, params):
   """Raises NotImplementedError for calls these kernels cannot honour."""
   mask = info.mask  # Every other part of the mask description is supported.
-  if info.mask_mod is not None:
-    raise NotImplementedError(
-        "mosaic_gpu does not fuse a mask_mod/block_mask (flex attention) "
-        "into its kernels yet; \"triton\", \"chunked\" and \"xla\" run "
-        "them.")
-  _score_mod(info)  # Declines what it cannot fuse.
+  _mods(info)  # Declines what it cannot fuse.
   if q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu runs bfloat16/float16 (wgmma) only, got {q.dtype=}.")
@@ -191,19 +192,69 @@ def _check(q, k, v, bias, info, params):
 # --------------------------------------------------------------------------
 
 
-def _meta(x: layout.Padded) -> tuple[Array, Array, Array, Array]:
+def _meta(x: layout.Padded, mask_mod=None, slot=None) -> tuple[
+    Array, Array, Array, Array]:
   """q positions, q segment ids, kv positions, kv segment ids: int32
   [B, Tp] / [B, Sp], zeros where the call has none (the kernels always
-  take all four)."""
+  take all four). The `slot` pair (`_mod_slot`) holds the mask_mod's
+  per-query and per-key values instead (zeros for an absent one)."""
   info = x.info
+  slots = {"positions": [info.q_positions, info.kv_positions],
+           "segments": [info.q_segment_ids, info.kv_segment_ids]}
 
   def ids(values, length):
     if values is None:
       return jnp.zeros((x.b, length), jnp.int32)
     return jnp.broadcast_to(values.astype(jnp.int32), (x.b, length))
 
-  return (ids(info.q_positions, x.tp), ids(info.q_segment_ids, x.tp),
-          ids(info.kv_positions, x.sp), ids(info.kv_segment_ids, x.sp))
+  if slot is not None:
+    slots[slot] = [None, None]
+    levels = (fused_mods.Level.ROW, fused_mods.Level.COLUMN)
+    arrays = mask_mod.residual_arrays(
+        info.mask_mod_args, batch=x.b, heads=x.n, q_len=x.t, kv_len=x.s,
+        q_padded=x.tp, kv_padded=x.sp, levels=levels)
+    chosen = [r for r in mask_mod.residuals if r.level in levels]
+    for res, values in zip(chosen, arrays, strict=True):
+      # [Bm, Hm = 1, L] (`_mods`).
+      slots[slot][int(res.level == fused_mods.Level.COLUMN)] = values[:, 0]
+  (q_pos, kv_pos), (q_seg, kv_seg) = slots["positions"], slots["segments"]
+  return (ids(q_pos, x.tp), ids(q_seg, x.tp), ids(kv_pos, x.sp),
+          ids(kv_seg, x.sp))
+
+
+def _mod_slot(info, mask_mod) -> str | None:
+  """The metadata slot that carries the mask_mod's per-query and per-key
+  values (`kernel.Spec.mod_slot`): segment ids unless the call has some
+  (padding lengths are segment ids too), else positions unless it needs
+  them (causal, window); None when it has no such values.
+
+  Raises:
+    NotImplementedError: the call needs both slots.
+  """
+  if mask_mod is None or all(r.level == fused_mods.Level.PROGRAM
+                             for r in mask_mod.residuals):
+    return None
+  if not info.has_segments:
+    return "segments"
+  if not info.restricts_positions:
+    return "positions"
+  raise NotImplementedError(
+      "mosaic_gpu carries a mask_mod's per-query and per-key values in the "
+      "segment-id or position slots; this call needs both (segment ids or "
+      "padding lengths, and causal or window masking); " + _OTHERS)
+
+
+def _kinds(x: layout.Padded, mask_mod, block_q, block_kv) -> Array:
+  """Tile kinds [B, nq, nk] of the call's masks, a mask_mod's included
+  (EMPTY or FULL only where it is so for every head: the schedule has one
+  row per batch row)."""
+  kinds = masking.classify_blocks(x.info, block_q, block_kv)
+  if mask_mod is None:
+    return kinds
+  mod = block_mask.tile_kinds(
+      x.info, batch=x.b, heads=x.n, q_len=x.t, kv_len=x.s, block_q=block_q,
+      block_kv=block_kv, num_blocks=kinds.shape[1:])
+  return masking.intersect_kinds(kinds, masking.shared_kinds(mod, axis=1))
 
 
 def schedule(kinds: Array, consumers: int) -> Array:
@@ -239,7 +290,7 @@ def schedule(kinds: Array, consumers: int) -> Array:
 
 def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
           consumers, pingpong, units_per_head, heads, num_heads,
-          score_mod=None):
+          score_mod=None, mask_mod=None, mod_slot=None):
   q_len, kv_len = x.q.shape[1], x.k.shape[1]
   units = x.q.shape[0] * heads * units_per_head
   return kernel.Spec(
@@ -259,13 +310,18 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       pingpong=pingpong,
       is_causal=x.info.is_causal,
       window=x.info.window,
-      has_segments=x.info.has_segments,
+      # The padding's segment ids give way to a mask_mod's values (the
+      # kernels then mask padded keys by index: `valid_kv_len`).
+      has_segments=x.info.has_segments and mod_slot != "segments",
       scale=params.scale,
       soft_cap=params.soft_cap,
       interpret=interpret,
       lowering_semantics=bs.lowering_semantics if bs is not None else None,
       dropout_rate=x.info.dropout_rate,
       score_mod=score_mod,
+      mask_mod=mask_mod,
+      mod_slot=mod_slot,
+      valid_kv_len=x.s,
   )
 
 
@@ -274,37 +330,69 @@ def _block_sizes(params, q, k, v, info) -> MosaicGpuBlockSizes:
   to a score_mod (`tiles.for_score_mod`)."""
   bs = BACKEND.block_sizes(params, q, k, info, v=v)
   if params.block_sizes is None:
-    bs = tiles.for_score_mod(bs, info.score_mod is not None)
+    bs = tiles.for_score_mod(bs, _mods(info)[0])
   return bs
 
 
-def _score_mod(info):
-  """The call's score_mod split for the kernels (`fused_mods`), or None.
+_OTHERS = "\"triton\", \"chunked\" and \"xla\" run it."
+
+
+def _mods(info):
+  """(score_mod, mask_mod) of the call split for the kernels
+  (`fused_mods`), None for an absent one.
 
   Raises:
-    NotImplementedError: it cannot be fused here: a tile part a kernel
-      cannot run, or values per query or key (this backend streams keys
-      through a warp-specialised ring that has no room for them yet).
+    NotImplementedError: one cannot be fused here: a tile part a kernel
+      cannot run; a score_mod reading values per query or key; a mask_mod
+      reading more than one value per query or per key, a float one, one
+      that differs by head, or one whose values find no free metadata slot
+      (`_mod_slot`).
   """
-  if info.score_mod is None:
-    return None
-  mod = fused_mods.split(mods.SCORE_MOD, info.score_mod,
-                         info.score_mod_args, "mosaic_gpu")
-  if any(r.level != fused_mods.Level.PROGRAM for r in mod.residuals):
+  score_mod, mask_mod = fused_mods.split_call(info, "mosaic_gpu")
+  if score_mod is not None and any(
+      r.level != fused_mods.Level.PROGRAM for r in score_mod.residuals):
     raise NotImplementedError(
         "mosaic_gpu fuses a score_mod whose arrays it reads per (batch, "
         "head) only (e.g. slopes[head]); this one reads values per query "
-        "or key; \"triton\", \"chunked\" and \"xla\" run it.")
-  return mod
+        "or key; " + _OTHERS)
+  if mask_mod is None:
+    return score_mod, mask_mod
+  per_token = [r for r in mask_mod.residuals
+               if r.level != fused_mods.Level.PROGRAM]
+  if not per_token:
+    return score_mod, mask_mod
+  for level in (fused_mods.Level.ROW, fused_mods.Level.COLUMN):
+    if sum(r.level == level for r in per_token) > 1:
+      raise NotImplementedError(
+          "mosaic_gpu fuses a mask_mod with at most one value per query "
+          "and one per key; this one has more; " + _OTHERS)
+  if any(r.head for r in per_token):
+    raise NotImplementedError(
+        "mosaic_gpu fuses a mask_mod whose per-query or per-key values are "
+        "the same for every head; this one's differ by head; " + _OTHERS)
+  if any(not (jnp.issubdtype(r.dtype, jnp.integer) or r.dtype == jnp.bool_)
+         for r in per_token):
+    raise NotImplementedError(
+        "mosaic_gpu fuses a mask_mod whose per-query or per-key values are "
+        "integers or booleans; this one's are not; " + _OTHERS)
+  _mod_slot(info, mask_mod)  # Raises when there is none.
+  return score_mod, mask_mod
 
 
-def _residuals(x: layout.Padded, mod) -> tuple:
-  """The score_mod's per-(batch, head) values, [Bm, Hm] each."""
-  if mod is None:
-    return ()
-  return tuple(mod.residual_arrays(
-      x.info.score_mod_args, batch=x.b, heads=x.n, q_len=x.t, kv_len=x.s,
-      q_padded=x.tp, kv_padded=x.sp))
+def _residuals(x: layout.Padded, score_mod, mask_mod) -> tuple:
+  """The per-(batch, head) values of the score_mod, then of the mask_mod,
+  [Bm, Hm] each (booleans as int32)."""
+  out = []
+  for mod, args in ((score_mod, x.info.score_mod_args),
+                    (mask_mod, x.info.mask_mod_args)):
+    if mod is None:
+      continue
+    out += [a.astype(jnp.int32) if a.dtype == jnp.bool_ else a
+            for a in mod.residual_arrays(
+                args, batch=x.b, heads=x.n, q_len=x.t, kv_len=x.s,
+                q_padded=x.tp, kv_padded=x.sp,
+                levels=(fused_mods.Level.PROGRAM,))]
+  return tuple(out)
 
 
 def _seed(x: layout.Padded) -> Array | None:
@@ -341,17 +429,18 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   x = layout.Padded(
       q, k, v, None, info, q_len=layout.padded_length(t, rows),
       kv_len=layout.padded_length(s, bs.block_kv), align=ALIGN)
-  sched = schedule(
-      masking.classify_blocks(x.info, bs.block_q, bs.block_kv),
-      bs.num_consumers)
-  score_mod = _score_mod(info)
+  score_mod, mask_mod = _mods(info)
+  slot = _mod_slot(info, mask_mod)
+  sched = schedule(_kinds(x, mask_mod, bs.block_q, bs.block_kv),
+                   bs.num_consumers)
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
       stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
-      units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod)
+      units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod,
+      mask_mod=mask_mod, mod_slot=slot)
   out, lse = forward_kernel.forward(
-      spec, x.q, x.k, x.v, *_meta(x), sched, _seed(x),
-      _residuals(x, score_mod))
+      spec, x.q, x.k, x.v, *_meta(x, mask_mod, slot), sched, _seed(x),
+      _residuals(x, score_mod, mask_mod))
   return out[:, :t, :, :x.hv], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
@@ -382,30 +471,30 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   # [B, N, Tp] float32; `vjp` zeroed delta on padded rows already.
   lse2 = x.rows(kernel.lse_for_kernel(lse).astype(jnp.float32), jnp.inf)
   delta = x.rows(delta.astype(jnp.float32), 0.0)
-  operands = (x.q, x.k, x.v, do, lse2, delta, *_meta(x))
-  score_mod = _score_mod(info)
-  residuals = _residuals(x, score_mod)
+  score_mod, mask_mod = _mods(info)
+  slot = _mod_slot(info, mask_mod)
+  operands = (x.q, x.k, x.v, do, lse2, delta, *_meta(x, mask_mod, slot))
+  residuals = _residuals(x, score_mod, mask_mod)
 
-  sched = schedule(
-      masking.classify_blocks(x.info, bs.block_q_dq, bs.block_kv_dq),
-      bs.num_consumers_dq)
+  sched = schedule(_kinds(x, mask_mod, bs.block_q_dq, bs.block_kv_dq),
+                   bs.num_consumers_dq)
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q_dq,
       block_kv=bs.block_kv_dq, stages=bs.num_stages_bwd,
       consumers=bs.num_consumers_dq, pingpong=False,
       units_per_head=q_len // q_rows, heads=n, num_heads=n,
-      score_mod=score_mod)
+      score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot)
   dq, *dmod = dq_kernel.backward_dq(spec, *operands, sched, _seed(x),
                                     residuals)
 
-  kinds = masking.classify_blocks(x.info, bs.block_q_dkv, bs.block_kv_dkv)
+  kinds = _kinds(x, mask_mod, bs.block_q_dkv, bs.block_kv_dkv)
   sched = schedule(jnp.swapaxes(kinds, 1, 2), bs.num_consumers_dkv)
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q_dkv,
       block_kv=bs.block_kv_dkv, stages=bs.num_stages_bwd,
       consumers=bs.num_consumers_dkv, pingpong=False,
       units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n,
-      score_mod=score_mod)
+      score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot)
   seed = _seed(x)
   if bs.split_dkv:
     (dv,) = dkv_kernel.backward_dkv(

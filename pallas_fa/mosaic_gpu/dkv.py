@@ -43,7 +43,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     sched: int32 [B, Sp / (consumers block_kv), 2 + 2 consumers]; ranges of
       query tiles.
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
-    residuals: the score_mod's per-(batch, head) values (`Spec.score_mod`).
+    residuals: the score_mod's, then the mask_mod's per-(batch, head) values
+      (`Spec.score_mod`, `Spec.mask_mod`).
     outputs: which of "dk", "dv" to compute.
 
   Returns:
@@ -97,7 +98,10 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         if masked:
           q_p, q_s = kernel.load_meta(
               spec, ops, qpos_smem.at[slot], qseg_smem.at[slot], 1)
-          s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s)
+          mod = kernel.mask_mod_tile(
+              spec, ops, r, s_t.shape, (q_p, q_s), (k_p, k_s), batch=b,
+              head=kh * g + rep, q0=i * bq, kv0=key0, q_axis=1)
+          s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s, mod)
         p_t = online_softmax.probs(s_t, lse2, base2=True, per_query=_COLUMNS)
 
         def dropped(x):

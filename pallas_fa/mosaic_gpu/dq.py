@@ -41,7 +41,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     kv_seg: int32 [B, Sp].
     sched: int32 [B, Tp / (consumers block_q), 2 + 2 consumers].
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
-    residuals: the score_mod's per-(batch, head) values (`Spec.score_mod`).
+    residuals: the score_mod's, then the mask_mod's per-(batch, head) values
+      (`Spec.score_mod`, `Spec.mask_mod`).
 
   Returns:
     dq [B, Tp, N, Hp] in q.dtype, then for each differentiable residual of
@@ -101,7 +102,10 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       if masked:
         k_p, k_s = kernel.load_meta(
             spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
-        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
+        mod = kernel.mask_mod_tile(
+            spec, ops, r, s.shape, (q_p, q_s), (k_p, k_s), batch=b,
+            head=n, q0=row0, kv0=j * spec.block_kv, q_axis=0)
+        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s, mod)
       p = online_softmax.probs(s, lse2, base2=True, per_query=_ROWS)
       ds = online_softmax.softmax_grad(p, dp, delta, per_query=_ROWS)
       if score_mod_pullback is not None:

@@ -41,7 +41,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
     sched: int32 [B, Tp / (2 block_q), 6], see `kernel.produce` and
       `kernel.phases`.
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
-    residuals: the score_mod's per-(batch, head) values (`Spec.score_mod`).
+    residuals: the score_mod's, then the mask_mod's per-(batch, head) values
+      (`Spec.score_mod`, `Spec.mask_mod`).
 
   Returns:
     (out [B, Tp, N, Hvp] in q.dtype, lse float32 [B, N, Tp], natural log).
@@ -97,7 +98,10 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
           spec, ops, qk, r, batch=b, head=n, q0=row0,
           kv0=j * spec.block_kv, q_axis=0)
       if masked:
-        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
+        mod = kernel.mask_mod_tile(
+            spec, ops, r, s.shape, (q_p, q_s), (k_p, k_s), batch=b,
+            head=n, q0=row0, kv0=j * spec.block_kv, q_axis=0)
+        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s, mod)
       m_i, l_i, p, alpha = online_softmax.update(
           m_i, l_i, s, base2=True, per_query=_ROWS)
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)

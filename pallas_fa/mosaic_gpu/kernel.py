@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa import dropout
+from pallas_fa import fused_mods
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa.mosaic_gpu import ops as gpu_ops
@@ -141,6 +142,16 @@ class Spec:
     lowering_semantics: "lane", "warpgroup" or None (jax's default).
     score_mod: the call's score_mod split by `fused_mods` (its residuals
       are per (batch, head) only: `Refs.residuals`), or None.
+    mask_mod: the call's mask_mod split likewise, or None. Its per-(batch,
+      head) values follow the score_mod's in `Refs.residuals`; its one
+      per-query and one per-key value (if any) travel in a metadata slot
+      the call leaves free, `mod_slot`.
+    mod_slot: "segments" or "positions": the metadata slot (segment ids
+      unless the call has some, else positions unless it needs them) that
+      carries the mask_mod's per-query and per-key values; None when it has
+      none.
+    valid_kv_len: S before padding. With `mod_slot` "segments" the padded
+      keys, which segment ids would mask, are masked by index instead.
   """
 
   batch: int
@@ -166,6 +177,9 @@ class Spec:
   value_head_dim: int | None = None
   dropout_rate: float = 0.0
   score_mod: Any = None
+  mask_mod: Any = None
+  mod_slot: str | None = None
+  valid_kv_len: int | None = None
 
   @property
   def hv(self) -> int:
@@ -183,7 +197,18 @@ class Spec:
 
   @property
   def masked(self) -> bool:
-    return self.need_positions or self.has_segments
+    return (self.need_positions or self.has_segments
+            or self.mask_mod is not None)
+
+  @property
+  def carries_pos(self) -> bool:
+    """Whether the position slots travel (positions or `mod_slot`)."""
+    return self.need_positions or self.mod_slot == "positions"
+
+  @property
+  def carries_seg(self) -> bool:
+    """Whether the segment-id slots travel (segment ids or `mod_slot`)."""
+    return self.has_segments or self.mod_slot == "segments"
 
   @property
   def swizzle(self) -> int:
@@ -198,7 +223,7 @@ class Spec:
   @property
   def num_meta(self) -> int:
     """Metadata arrays that travel with a tile (positions, segment ids)."""
-    return int(self.need_positions) + int(self.has_segments)
+    return int(self.carries_pos) + int(self.carries_seg)
 
 
 # --------------------------------------------------------------------------
@@ -236,13 +261,9 @@ def flex_logits(spec: Spec, ops, qk, r, *, batch, head, q0, kv0, q_axis,
     return (*logits(spec, qk), None)
   s, capped = online_softmax.logits(qk, scale=spec.scale, cap=spec.soft_cap)
   shape, kv_axis = s.shape, 1 - q_axis
-  q_idx = lax.broadcast_in_dim(
-      q0 + ops.iota_vector(shape[q_axis], q_axis), shape, (q_axis,))
-  kv_idx = lax.broadcast_in_dim(
-      kv0 + ops.iota_vector(shape[kv_axis], kv_axis), shape, (kv_axis,))
-  values = [ops.full(shape, ref[batch if res.batch else 0,
-                                head if res.head else 0], res.dtype)
-            for res, ref in zip(mod.residuals, r.residuals)]
+  q_idx, kv_idx = _tile_indices(ops, mod, shape, q0, kv0, q_axis)
+  values = _program_values(ops, shape, mod, r.residuals[:len(mod.residuals)],
+                           batch, head)
   pullback = None
   if grad:
     s, pullback = mod.tile_vjp(
@@ -253,27 +274,94 @@ def flex_logits(spec: Spec, ops, qk, r, *, batch, head, q0, kv0, q_axis,
   return s * online_softmax.LOG2_E, capped, pullback
 
 
+def _tile_indices(ops, mod, shape, q0, kv0, q_axis, *, kv_idx=False):
+  """The query and key index of every element of a tile whose queries
+  start at q0 along `q_axis`, its keys at kv0: those `mod`'s tile part
+  reads (`fused_mods.FusedMod.tile_indices`; `kv_idx` forces the keys'),
+  None for the others (an unused index tile fails layout inference)."""
+  def index(start, axis):
+    return lax.broadcast_in_dim(
+        start + ops.iota_vector(shape[axis], axis), shape, (axis,))
+
+  wanted = mod.tile_indices
+  return (index(q0, q_axis) if "q_idx" in wanted else None,
+          index(kv0, 1 - q_axis) if kv_idx or "kv_idx" in wanted else None)
+
+
+def _program_value(ops, shape, res, ref, batch, head):
+  """A per-(batch, head) value [Bm, Hm] broadcast to a tile (booleans
+  travel as int32)."""
+  x = ref[batch if res.batch else 0, head if res.head else 0]
+  if res.dtype == jnp.bool_:
+    return ops.full(shape, x, jnp.int32) != 0
+  return ops.full(shape, x, res.dtype)
+
+
+def _program_values(ops, shape, mod, refs, batch, head):
+  return [_program_value(ops, shape, res, ref, batch, head)
+          for res, ref in zip(mod.residuals, refs)]
+
+
+def mask_mod_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
+                  head, q0, kv0, q_axis):
+  """The call's mask_mod on a tile (bool, `shape`), or None without one.
+
+  q_meta / kv_meta are the tile's (positions, segment ids) vectors
+  (`load_meta`); the `Spec.mod_slot` one carries the mask_mod's per-query /
+  per-key value.
+  """
+  mod = spec.mask_mod
+  if mod is None:
+    return None
+  slot = int(spec.mod_slot == "segments")
+  padded = spec.mod_slot == "segments" and spec.valid_kv_len < spec.kv_len
+  q_idx, kv_idx = _tile_indices(ops, mod, shape, q0, kv0, q_axis,
+                                kv_idx=padded)
+  refs = iter(r.residuals[len(spec.score_mod.residuals)
+                          if spec.score_mod is not None else 0:])
+  values = []
+  for res in mod.residuals:
+    if res.level == fused_mods.Level.PROGRAM:
+      values.append(_program_value(ops, shape, res, next(refs), batch, head))
+      continue
+    row = res.level == fused_mods.Level.ROW
+    vec = (q_meta if row else kv_meta)[slot]
+    x = lax.broadcast_in_dim(vec, shape, (q_axis if row else 1 - q_axis,))
+    values.append(x != 0 if res.dtype == jnp.bool_ else x)
+  visible = mod.tile(values, q_idx=q_idx, kv_idx=kv_idx, shape=shape)
+  if padded:
+    visible = jnp.logical_and(visible, kv_idx < spec.valid_kv_len)
+  return visible
+
+
 def logits_grad(spec: Spec, ds, capped):
   """Chains dS (w.r.t. the natural logits) back to the raw q.k products."""
   return online_softmax.logits_grad(
       ds, capped, scale=spec.scale, cap=spec.soft_cap)
 
 
-def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg):
-  """Masks a logit tile by `masking.visible`; axis indexes queries (0, or 1
-  in the transposed orientation of the dK/dV kernel)."""
+def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg,
+               mod=None):
+  """Masks a logit tile by `masking.visible` and `mod` (`mask_mod_tile`,
+  or None); axis indexes queries (0, or 1 in the transposed orientation of
+  the dK/dV kernel)."""
 
   def along(x, a):
     return None if x is None else lax.broadcast_in_dim(x, s.shape, (a,))
 
-  return online_softmax.apply_mask(s, masking.visible(
+  # The slots may carry a mask_mod's values instead (`Spec.mod_slot`).
+  positions, segments = spec.need_positions, spec.has_segments
+  visible = masking.visible(
       is_causal=spec.is_causal,
       window=spec.window,
-      q_pos=along(q_pos, axis),
-      kv_pos=along(kv_pos, 1 - axis),
-      q_seg=along(q_seg, axis),
-      kv_seg=along(kv_seg, 1 - axis),
-  ))
+      q_pos=along(q_pos, axis) if positions else None,
+      kv_pos=along(kv_pos, 1 - axis) if positions else None,
+      q_seg=along(q_seg, axis) if segments else None,
+      kv_seg=along(kv_seg, 1 - axis) if segments else None,
+  )
+  if mod is not None:
+    visible = mod if visible is None else jnp.logical_and(visible, mod)
+  return online_softmax.apply_mask(s, visible)
 
 
 # --------------------------------------------------------------------------
@@ -538,9 +626,9 @@ def meta_copies(spec: Spec, refs, dsts, b, rows):
   of batch b: refs and dsts are (positions, segment ids) pairs."""
   (pos_ref, seg_ref), (pos_dst, seg_dst) = refs, dsts
   out = []
-  if spec.need_positions:
+  if spec.carries_pos:
     out.append((pos_ref.at[b, rows], pos_dst))
-  if spec.has_segments:
+  if spec.carries_seg:
     out.append((seg_ref.at[b, rows], seg_dst))
   return out
 
@@ -570,9 +658,9 @@ def load_meta(spec: Spec, ops: gpu_ops.Ops, pos_ref, seg_ref, axis):
   """(positions, segment ids) vectors laid out along `axis` of a wgmma tile;
   None for those the spec does not use."""
   pos = seg = None
-  if spec.need_positions:
+  if spec.carries_pos:
     pos = ops.load_vector(pos_ref, axis)
-  if spec.has_segments:
+  if spec.carries_seg:
     seg = ops.load_vector(seg_ref, axis)
   return pos, seg
 

@@ -231,12 +231,30 @@ def heuristic_block_sizes(
   return base
 
 
-def for_score_mod(bs: MosaicGpuBlockSizes, score_mod: bool):
-  """`bs` adapted to a call with a score_mod: its per-head values'
-  cotangents are a [block_q_dq, block_kv_dq] tile in the dQ kernel, which
-  spills at 128 keys (ptxas, H = 128, jax 0.11); 64 keys do not."""
-  if score_mod and bs.block_kv_dq > 64:
-    return dataclasses.replace(bs, block_kv_dq=64)
+# Tile operations whose derivative needs no value of the forward kept live
+# (a constant, a sign or a selection).
+_CHEAP_TO_DIFFERENTIATE = frozenset({
+    "add", "sub", "mul", "neg", "convert_element_type", "select_n", "max",
+    "min", "abs", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
+    "copy_p", "stop_gradient"})
+
+
+def for_score_mod(bs: MosaicGpuBlockSizes, score_mod):
+  """`bs` adapted to a call with a score_mod (`fused_mods.FusedMod`, or
+  None): its per-head values' cotangents are a [block_q_dq, block_kv_dq]
+  tile in the dQ kernel, which spills at 128 keys (ptxas, H = 128, jax
+  0.11); 64 do not. And the dK/dV kernel keeps the derivative of a
+  transcendental tile part (tanh, exp, a division) live across its matmuls:
+  64 streamed queries spilled there at H = 128 (92 bytes on jax 0.11, 564
+  on 0.10), 32 do not."""
+  if score_mod is None:
+    return bs
+  if bs.block_kv_dq > 64:
+    bs = dataclasses.replace(bs, block_kv_dq=64)
+  costly = score_mod.tile_primitives - _CHEAP_TO_DIFFERENTIATE
+  if costly and bs.block_q_dkv > 32:
+    bs = dataclasses.replace(bs, block_q_dkv=32)
   return bs
 
 
