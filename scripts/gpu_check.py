@@ -64,7 +64,6 @@ import dataclasses
 import datetime
 import json
 import pathlib
-import shlex
 import shutil
 import signal
 import sys
@@ -244,7 +243,8 @@ class _Run:
     self.summary: dict[str, Any] = {
       "dry_run": args.dry_run,
       "out": str(out),
-      "command": shlex.join([sys.executable, *sys.argv]),
+      "command": runner.shown([sys.executable, *sys.argv],
+                              {str(out): "$OUT"}),
       "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"
       ),

@@ -525,3 +525,14 @@ def test_dry_run_stopped_mid_bench_leaves_its_files(tmp_path):
     log = tar.extractfile("gpu_check/bench_chunked.log").read().decode()
   assert {"env.json", "pytest_kernels.log", "bench_chunked.log"} <= names
   assert "exit status" in log  # Written after the benchmark was stopped.
+
+
+def test_records_name_no_path_of_the_machine(gpu_check, tmp_path):
+  ctx = gpu_check.steps.Context(out=tmp_path / "out", work=tmp_path / "w",
+                                dry_run=True, test_timeout=1, workers=0)
+  cmd = [sys.executable, str(gpu_check.steps.BENCHMARK),
+         f"--json={tmp_path / 'out' / 'bench.json'}",
+         str(tmp_path / "w" / "x.log"), "-k", "a b"]
+  assert ctx.shown(cmd) == (
+    "python3 scripts/benchmark.py '--json=$OUT/bench.json' '$WORK/x.log' "
+    "-k 'a b'")

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import os
 import pathlib
+import re
 import shlex
 import signal
 import subprocess
@@ -54,6 +55,25 @@ def _stop(
     except subprocess.TimeoutExpired:
       continue
   return proc.poll()
+
+
+def shown(cmd: Sequence[str], folders: dict[str, str] | None = None) -> str:
+  """`cmd` as the records show it, naming no path of the machine that ran
+  it: this Python as python3, files of the repository relative to its root
+  (the commands run there), and each of `folders` by its name."""
+  names = {**(folders or {}), str(REPO_ROOT): "."}
+
+  def one(arg: str) -> str:
+    if arg == sys.executable:
+      return "python3"
+    for path, name in sorted(names.items(), key=lambda x: -len(x[0])):
+      # The folder itself, or a file in it (the repository's: relative).
+      arg = re.sub(re.escape(path) + r"(/|$)",
+                   lambda m, name=name: "" if name == "." and m[1] else (
+                       name + m[1]), arg)
+    return arg
+
+  return shlex.join(one(a) for a in cmd)
 
 
 def run_logged(

@@ -10,7 +10,6 @@ import importlib.metadata
 import json
 import pathlib
 import re
-import shlex
 import sys
 import time
 from typing import Any
@@ -55,6 +54,11 @@ class Context:
   progress: Callable[[dict[str, Any]], None] = lambda record: None
 
 
+  def shown(self, cmd: Sequence[str]) -> str:
+    """`runner.shown`, with the out and work folders as $OUT and $WORK."""
+    return runner.shown(cmd, {str(self.out): "$OUT", str(self.work): "$WORK"})
+
+
 def _proc_fields(proc: runner.ProcResult) -> dict[str, Any]:
   return {"returncode": proc.returncode, "timed_out": proc.timed_out}
 
@@ -90,7 +94,7 @@ def step_env(ctx: Context, timeout: float) -> dict[str, Any]:
   proc = runner.run_logged(
     cmd, log_path=log, timeout=timeout, env=runner.child_env()
   )
-  record = {"command": shlex.join(cmd), **_proc_fields(proc)}
+  record = {"command": ctx.shown(cmd), **_proc_fields(proc)}
   info = _read_json(path)
   if not isinstance(info, dict):
     info = {
@@ -279,7 +283,7 @@ def run_tests(
     # Several processes share the GPU: each takes memory as it needs it.
     extra_env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   base = {
-    "command": shlex.join(cmd),
+    "command": ctx.shown(cmd),
     "implementations": tests.implementations,
     "warnings": warnings,
   }
@@ -470,7 +474,7 @@ def run_benchmarks(
       problem = _proc_problem(proc, share, log)
       entry = {
         "label": run.label,
-        "command": shlex.join(cmd),
+        "command": ctx.shown(cmd),
         "status": "failed" if problem else "ok",
         "reason": problem,
         "duration_s": round(proc.duration_s, 1),
@@ -529,7 +533,7 @@ def step_decode(ctx: Context, timeout: float) -> dict[str, Any]:
   def record_so_far() -> dict[str, Any]:
     decode = _read_json(path)
     return {
-      "command": shlex.join(cmd),
+      "command": ctx.shown(cmd),
       "decode": report.summarise_decode(decode) if decode else None,
     }
 
@@ -590,7 +594,7 @@ def step_compile(ctx: Context, timeout: float) -> dict[str, Any]:
     env = runner.child_env()
   cmd = [sys.executable, str(COMPILE_CHECK), *args, f"--json={path}"]
   proc = runner.run_logged(cmd, log_path=log, timeout=timeout, env=env)
-  record = {"command": shlex.join(cmd), **_proc_fields(proc)}
+  record = {"command": ctx.shown(cmd), **_proc_fields(proc)}
   result = _read_json(path)
   if result is not None:
     record.update(report.summarise_compile(result))
