@@ -418,7 +418,7 @@ class Units:
     self.balance = balance
     self.reverse = reverse
     pairs = batch * heads
-    self.group = min(
+    self.group = None if not balance else min(
         sorted({min(pairs, g) for g in _GROUPS}),
         key=lambda g: (_busiest_over_mean(pairs, rows, num_ctas, g), g))
 
