@@ -5,6 +5,7 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import pytest
 
 import pallas_fa
 from pallas_fa import testing
@@ -14,6 +15,23 @@ DTYPES = testing.DTYPES
 Case = testing.Case
 make_inputs = testing.make_inputs
 rng = testing.rng
+
+
+# CI runs the tests marked `gpu_jax` with the GPU machines' jax too (its
+# leg 2), and those marked slow as well with that jax only. The Mosaic GPU
+# interpreter (one Python thread per warpgroup) is such a case: the kernels
+# target those machines, and its newer version is faster.
+GPU_JAX = pytest.mark.gpu_jax
+GPU_JAX_ONLY = (pytest.mark.slow, GPU_JAX)
+
+
+def mosaic_gpu_interpreted(fn=None, *, slow=False):
+  """Marks a test that runs kernels in the Mosaic GPU interpreter."""
+  def mark(fn):
+    for m in GPU_JAX_ONLY if slow else (GPU_JAX,):
+      fn = m(fn)
+    return fn
+  return mark if fn is None else mark(fn)
 
 
 def grad_names(kw) -> list[str]:

@@ -11,6 +11,12 @@ import sys
 # kernels especially), which optimisation level 0 makes ~40% cheaper.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0")
+# The Mosaic GPU interpreter runs each warpgroup as a computation that
+# blocks in a callback at every barrier, so the CPU client needs a thread per
+# warpgroup at once (up to three, plus the launching one): its pool is
+# sized by the core count (NPROC overrides it), and on a 2-core machine the
+# interpreted kernels could deadlock.
+os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402
 import pytest
@@ -84,6 +90,26 @@ IMPLEMENTATIONS = _implementations_under_test()
 @pytest.fixture(params=IMPLEMENTATIONS)
 def implementation(request):
   return request.param
+
+
+def _implementation_of(item):
+  """The `implementation` a collected test runs, or None."""
+  callspec = getattr(item, "callspec", None)
+  if callspec is not None:
+    return callspec.params.get("implementation")
+  # Parameterized TestCase methods: test_<name>_<implementation>[__variant].
+  name = item.name.split("__")[0]
+  return next((n for n in api.REGISTRY if name.endswith("_" + n)),
+              None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the slow marker
+def pytest_collection_modifyitems(items):
+  """`slow_for(*names)`: the test is slow where it runs one of `names`."""
+  for item in items:
+    marker = item.get_closest_marker("slow_for")
+    if marker is not None and _implementation_of(item) in marker.args:
+      item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

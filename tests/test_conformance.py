@@ -163,6 +163,7 @@ _STRICT_CASE = Case(**_BASE, causal=True, lengths=True, segments=True,
                     soft_cap=5.0, window=(20, None), bias="heads")
 
 
+@pytest.mark.slow_for("mosaic_tpu")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_strict_promotion(implementation, strict_promotion, dtype):
   """The conformance check of every feature under strict dtype promotion
@@ -205,6 +206,7 @@ def _cases(draw):
   )
 
 
+@pytest.mark.slow_for("mosaic_tpu")  # its interpreter is the slowest
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_property(implementation):
   _require_float32(implementation)
@@ -221,6 +223,7 @@ def test_property(implementation):
   prop()
 
 
+@pytest.mark.slow_for("mosaic_tpu")  # its interpreter is the slowest
 def test_padding_never_leaks(implementation):
   """NaN/inf in padded q/k/v must not reach any output or gradient."""
   _require_float32(implementation)
@@ -248,6 +251,7 @@ def test_padding_never_leaks(implementation):
   assert np.all(np.asarray(dirty["out"])[np.asarray(q_pad[..., 0, 0])] == 0)
 
 
+@pytest.mark.slow_for("mosaic_tpu")
 def test_fully_masked_rows(implementation):
   """Rows with no visible key: zeros, lse -inf, finite zero gradients."""
   _require_float32(implementation)
@@ -272,6 +276,7 @@ def test_fully_masked_rows(implementation):
     assert_close(name, x, r)
 
 
+@pytest.mark.slow_for("mosaic_tpu")  # its interpreter is the slowest
 class ComposesWithTransformsTest(chex.TestCase):
   """vmap of grad of remat, with and without jit around it, and under pmap,
   equals per-example grads: every implementation's custom_vjp composes."""
@@ -319,6 +324,7 @@ class ComposesWithTransformsTest(chex.TestCase):
       assert_close("dq", vmapped[i], ref)
 
 
+@pytest.mark.slow_for("mosaic_tpu")
 def test_deterministic(implementation):
   case = Case(b=1, t=50, s=64, n=4, k=1, h=32, causal=True, segments=True)
   gen = rng(implementation, "determinism")
@@ -330,6 +336,7 @@ def test_deterministic(implementation):
   chex.assert_trees_all_equal(named(a), named(b))
 
 
+@pytest.mark.slow_for("mosaic_tpu")
 def test_unbatched_and_residual(implementation):
   _require_float32(implementation)
   case = Case(b=1, t=21, s=30, n=4, k=2, h=8, causal=True)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_testing import assert_close
+from attention_testing import mosaic_gpu_interpreted
 from attention_testing import rng
 from conftest import block_sizes_for
 from conftest import script_module
@@ -367,12 +368,12 @@ def test_example_bfloat16_all(implementation, example):
 
 
 # Score_mods the mosaic_gpu kernels fuse (per-head values only), in the
-# Mosaic GPU interpreter (about a minute each on a CPU: the slow leg; a GPU
-# runs them compiled).
+# The Mosaic GPU interpreter (seconds to a minute each on a CPU; a GPU runs
+# them compiled).
 _MOSAIC_GPU_RUNS = ["alibi", "tanh_soft_cap"]
 
 
-@pytest.mark.slow
+@mosaic_gpu_interpreted(slow=True)
 @pytest.mark.skipif("mosaic_gpu" not in pallas_fa.implementations(),
                     reason="the mosaic_gpu backend does not import here")
 @pytest.mark.parametrize("name", _MOSAIC_GPU_RUNS)
@@ -382,8 +383,7 @@ def test_mosaic_gpu_score_mod(name):
 
 # Mask_mods the mosaic_gpu kernels fuse: their per-query / per-key values
 # travel in the position slots beside padding lengths (`_check_bfloat16`),
-# in the segment-id slots under causal masking (`_check_causal_gqa`). One
-# of each by default (the Mosaic GPU interpreter), all in the slow leg.
+# in the segment-id slots under causal masking (`_check_causal_gqa`).
 _MOSAIC_GPU_MASKS = ["document", "prefix_lm", "chunked_causal",
                      "sliding_window_with_sinks", "causal_with_offset"]
 
@@ -399,13 +399,20 @@ def _check_causal_gqa(implementation, name):
            _same_dtype_reference(example, p, is_causal=True), jnp.bfloat16)
 
 
+# Every mask through both slots on a GPU; on a CPU (the interpreter) each
+# mask once, each slot at least twice.
+_MOSAIC_GPU_MASK_CASES = [
+    (check, name) for check in ("padding", "causal")
+    for name in _MOSAIC_GPU_MASKS]
+if jax.default_backend() == "cpu":
+  _MOSAIC_GPU_MASK_CASES = _MOSAIC_GPU_MASK_CASES[:5:2] + [
+      x for x in _MOSAIC_GPU_MASK_CASES[5:] if x[1] in _MOSAIC_GPU_MASKS[1::2]]
+
+
+@mosaic_gpu_interpreted(slow=True)
 @pytest.mark.skipif("mosaic_gpu" not in pallas_fa.implementations(),
                     reason="the mosaic_gpu backend does not import here")
-@pytest.mark.parametrize("check,name", [
-    pytest.param(check, name, marks=() if (check, name) in (
-        ("padding", "document"), ("causal", "prefix_lm")) else (
-            pytest.mark.slow,))
-    for check in ("padding", "causal") for name in _MOSAIC_GPU_MASKS])
+@pytest.mark.parametrize("check,name", _MOSAIC_GPU_MASK_CASES)
 def test_mosaic_gpu_mask_mod(check, name):
   {"padding": _check_bfloat16, "causal": _check_causal_gqa}[check](
       "mosaic_gpu", name)

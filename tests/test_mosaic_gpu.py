@@ -23,6 +23,7 @@ from attention_testing import assert_close
 from attention_testing import check_against_reference
 from attention_testing import flash
 from attention_testing import make_inputs
+from attention_testing import mosaic_gpu_interpreted
 from attention_testing import reference_fn
 from attention_testing import rng
 from attention_testing import run
@@ -165,6 +166,11 @@ def test_check_accepts_interpreter_on_cpu(monkeypatch):
   # Without an interpreter there is nothing to run on.
   monkeypatch.setattr(kernel, "interpret_params", lambda: None)
   with pytest.raises(NotImplementedError, match="interpreter"):
+    mosaic_gpu.BACKEND.check(*_canonical())
+  monkeypatch.undo()
+  # Nor with fewer CPU client threads than warpgroups (a deadlock).
+  monkeypatch.setenv("NPROC", "2")
+  with pytest.raises(NotImplementedError, match="NPROC=3"):
     mosaic_gpu.BACKEND.check(*_canonical())
 
 
@@ -389,6 +395,7 @@ def test_lowering_enforces_shared_memory_budget():
 # --------------------------------------------------------------------------
 
 
+@mosaic_gpu_interpreted
 @needs_interpreter
 def test_interpreted_forward_and_backward():
   # Ragged T and S with padding lengths, causal, GQA, soft cap, head dim 32
@@ -403,8 +410,7 @@ def test_interpreted_forward_and_backward():
       rng("mosaic_gpu", "fwd-bwd"))
 
 
-# Slow (the Mosaic GPU interpreter): CI runs it in its slow-test leg.
-@pytest.mark.slow
+@mosaic_gpu_interpreted(slow=True)
 @needs_interpreter
 def test_interpreted_forward_window_segments():
   case = Case(b=1, t=120, s=200, n=4, k=2, h=64, window=(48, 16),
@@ -445,7 +451,7 @@ def _check_interpreted(q, k, v, kw, gen, **block_sizes):
   return got
 
 
-@pytest.mark.slow  # test_interpreted_dropout covers Hv != H by default.
+@mosaic_gpu_interpreted(slow=True)
 @needs_interpreter
 @pytest.mark.parametrize("h, hv", [(64, 128), (72, 32)], ids=["hv>h", "hv<h"])
 def test_interpreted_value_head_dim(h, hv):
@@ -458,6 +464,7 @@ def test_interpreted_value_head_dim(h, hv):
   _check_interpreted(q, k, v, kw, gen)
 
 
+@mosaic_gpu_interpreted(slow=True)
 @needs_interpreter
 def test_interpreted_dropout():
   """Dropout draws the mask of `pallas_fa.dropout` (the reference's) in all
@@ -477,7 +484,7 @@ def test_interpreted_dropout():
   assert float(jnp.abs(out.astype(jnp.float32) - plain).max()) > 0.1
 
 
-@pytest.mark.slow
+@mosaic_gpu_interpreted(slow=True)
 @needs_interpreter
 def test_interpreted_split_dkv_single_consumer_round_robin():
   case = Case(b=2, t=70, s=90, n=4, k=2, h=16, window=(30, None),
@@ -506,18 +513,17 @@ def _race_detector():
   return get_races, reset
 
 
+@mosaic_gpu_interpreted(slow=True)
 @needs_interpreter
 @pytest.mark.parametrize("config, kernels", [
     # Three persistent CTAs: the causal units are dealt by the balanced
     # schedule (`kernel.Units`), partial last waves included.
     (dict(num_ctas=3), {"pfa_mgpu_forward", "pfa_mgpu_dq",
                         "pfa_mgpu_dk_dv"}),
-    pytest.param(
-        dict(num_consumers=1, pingpong=False, num_consumers_dq=1,
-             num_consumers_dkv=1, split_dkv=True, num_stages=3,
-             num_stages_bwd=3, dropout=True),
-        {"pfa_mgpu_forward", "pfa_mgpu_dq", "pfa_mgpu_dk", "pfa_mgpu_dv"},
-        marks=pytest.mark.slow),
+    (dict(num_consumers=1, pingpong=False, num_consumers_dq=1,
+          num_consumers_dkv=1, split_dkv=True, num_stages=3,
+          num_stages_bwd=3, dropout=True),
+     {"pfa_mgpu_forward", "pfa_mgpu_dq", "pfa_mgpu_dk", "pfa_mgpu_dv"}),
 ], ids=["two-consumers", "one-consumer-split-dropout"])
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
@@ -562,7 +568,7 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   assert not raced, f"races reported (printed above) in {raced}"
 
 
-@pytest.mark.slow
+@mosaic_gpu_interpreted(slow=True)
 @needs_interpreter
 def test_interpreted_deterministic():
   case = Case(b=1, t=64, s=100, n=2, k=2, h=64, causal=True, segments=True)
@@ -577,7 +583,7 @@ def test_interpreted_deterministic():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.slow
+@mosaic_gpu_interpreted(slow=True)
 @needs_interpreter
 def test_interpreted_padding_never_leaks():
   case = Case(b=2, t=40, s=56, n=4, k=2, h=16, causal=True)

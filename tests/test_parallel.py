@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_testing import GPU_JAX_ONLY
 
 import pallas_fa
 from pallas_fa import masking
@@ -48,10 +49,13 @@ def _run_worker(*args):
   return proc.stdout
 
 
-# chunked is the blockwise path a CPU mesh runs; xla repeats the same
-# sharding code around another backend (slow: one more worker process each).
+# chunked is the blockwise path a CPU mesh runs, checked with the GPU
+# machines' jax (sharding moves fast between versions); xla repeats the same
+# sharding code around another backend with the oldest supported jax. Both
+# slow: a worker process of 8 devices each.
 _MULTI_DEVICE_IMPLEMENTATIONS = (
-    "chunked", pytest.param("xla", marks=pytest.mark.slow))
+    pytest.param("chunked", marks=GPU_JAX_ONLY),
+    pytest.param("xla", marks=pytest.mark.slow))
 
 
 @pytest.mark.parametrize("implementation", _MULTI_DEVICE_IMPLEMENTATIONS)
@@ -64,6 +68,8 @@ def test_ring_attention_matches_single_device(implementation):
   _run_worker("ring", implementation)
 
 
+@pytest.mark.gpu_jax  # with the GPU machines' jax only, as chunked above
+@pytest.mark.slow
 def test_ring_program_has_no_all_gather_and_errors_name_arguments():
   out = _run_worker("hlo", "chunked")
   assert "ok validation" in out and "ring_attention" in out

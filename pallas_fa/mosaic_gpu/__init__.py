@@ -99,8 +99,9 @@ def runs_interpreted(bs: MosaicGpuBlockSizes | None) -> bool:
   current `gpu_target.compile_for` target.
 
   Raises:
-    NotImplementedError: neither way works here (no interpreter in this jax,
-      or compiled kernels asked for without an sm90 target).
+    NotImplementedError: neither way works here (no interpreter in this jax
+      or too few CPU threads for it, or compiled kernels asked for without
+      an sm90 target).
   """
   wanted = None if bs is None else bs.interpret
   target = gpu_target.current()
@@ -111,6 +112,12 @@ def runs_interpreted(bs: MosaicGpuBlockSizes | None) -> bool:
       raise NotImplementedError(
           "mosaic_gpu: this jax has no Mosaic GPU interpreter "
           f"({jax.__version__=}).")
+    if kernel.cpu_client_threads() < kernel.MAX_WARPGROUPS:
+      raise NotImplementedError(
+          "mosaic_gpu: the Mosaic GPU interpreter needs "
+          f"{kernel.MAX_WARPGROUPS} CPU client threads at once and this "
+          f"process has {kernel.cpu_client_threads()}; set the environment "
+          f"variable NPROC={kernel.MAX_WARPGROUPS} or more before jax starts.")
     return True
   if target is None or target.major != 9:
     raise NotImplementedError(

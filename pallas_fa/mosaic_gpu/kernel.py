@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
 from typing import Any
 
 import jax
@@ -88,6 +89,27 @@ def interpret_params():
     return None
   cls = getattr(interpret_module, "InterpretGPUParams", None)
   return None if cls is None else cls()
+
+
+# Warpgroups of the widest kernel: a producer and two consumers.
+MAX_WARPGROUPS = 3
+
+
+def cpu_client_threads() -> int:
+  """Threads of the CPU client that runs interpreted kernels.
+
+  The interpreter runs each warpgroup as a computation of its own that
+  blocks in a callback at every barrier until the others arrive, so it
+  needs a client thread per warpgroup at once or it deadlocks. XLA sizes
+  the pool by the NPROC environment variable, else by the cores this
+  process may run on.
+  """
+  nproc = os.environ.get("NPROC", "")
+  if nproc.isdigit():
+    return int(nproc)
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
 
 
 def _kernel_kwargs(*, out_types, scratch, interpret, lowering_semantics):
