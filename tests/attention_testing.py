@@ -34,6 +34,17 @@ def mosaic_gpu_interpreted(fn=None, *, slow=False):
   return mark if fn is None else mark(fn)
 
 
+def gpu_jax_only_on_cpu(fn):
+  """Marks a test of GPU kernels that a CPU interprets: there it runs with
+  the GPU machines' jax only (conftest applies the same rule to every test
+  parametrized with implementation="triton")."""
+  if jax.default_backend() != "cpu":
+    return fn
+  for m in GPU_JAX_ONLY:
+    fn = m(fn)
+  return fn
+
+
 def grad_names(kw) -> list[str]:
   """Names of `run`'s gradients for keyword arguments `kw`."""
   return ["dq", "dk", "dv"] + [

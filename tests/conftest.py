@@ -103,13 +103,25 @@ def _implementation_of(item):
               None)
 
 
+# On a CPU the Triton kernels run in Pallas's interpreter: CI runs those
+# tests with the GPU machines' jax only (gpu_jax, leg 2), while the oldest
+# supported jax compiles the same kernels for the H100 and A100.
+_GPU_JAX_ONLY_ON_CPU = ("triton",)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the slow marker
 def pytest_collection_modifyitems(items):
-  """`slow_for(*names)`: the test is slow where it runs one of `names`."""
+  """`slow_for(*names)`: the test is slow where it runs one of `names`;
+  and the rule above."""
+  on_cpu = api.platform() == "cpu"
   for item in items:
+    implementation = _implementation_of(item)
     marker = item.get_closest_marker("slow_for")
-    if marker is not None and _implementation_of(item) in marker.args:
+    if marker is not None and implementation in marker.args:
       item.add_marker(pytest.mark.slow)
+    if on_cpu and implementation in _GPU_JAX_ONLY_ON_CPU:
+      item.add_marker(pytest.mark.slow)
+      item.add_marker(pytest.mark.gpu_jax)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_testing import assert_close
+from attention_testing import gpu_jax_only_on_cpu
 from attention_testing import reference_fn
 from attention_testing import rng
 from attention_testing import run
@@ -249,6 +250,7 @@ def _poisoned_run(kw, poison_q, poison_kv, gen, shape, bs=SMALL):
   return clean, dirty
 
 
+@gpu_jax_only_on_cpu
 def test_skipped_tiles_are_never_read():
   """Sorted segments: a program must never touch the other segment's tiles.
 
@@ -268,6 +270,7 @@ def test_skipped_tiles_are_never_read():
     np.testing.assert_array_equal(np.asarray(a[:, :32]), np.asarray(b[:, :32]))
 
 
+@gpu_jax_only_on_cpu
 def test_causal_and_window_skip_tiles():
   """Causal + window (16, 0): query rows 32..47 read only keys 16..47.
 
@@ -312,6 +315,7 @@ def _check(kw, shape, name, bias=None, dtype=jnp.float32, fn=None, hv=None):
     assert_close(nm, x, r)
 
 
+@gpu_jax_only_on_cpu
 @pytest.mark.parametrize("bias_shape", [
     (2, 1, 1, 37),  # per-key (padding-style) bias
     (1, 4, 20, 1),  # per-query bias
@@ -321,6 +325,7 @@ def test_broadcast_bias_gradients(bias_shape):
          f"bias{bias_shape}", bias=bias_shape)
 
 
+@gpu_jax_only_on_cpu
 def test_gqa_window_positions_mask_shared_bias():
   """Mask broadcast over queries; bias shared by batch and heads."""
   gen = rng("triton", "mask-kv")
@@ -332,6 +337,7 @@ def test_gqa_window_positions_mask_shared_bias():
          bias=(1, 1, 30, 50))
 
 
+@gpu_jax_only_on_cpu
 @pytest.mark.parametrize("h, hv, kw", [
     # Narrower values, GQA 2:1, causal over ragged keys.
     (32, 16, dict(is_causal=True,
@@ -345,6 +351,7 @@ def test_value_head_dim(h, hv, kw):
   _check(kw, (2, 21, 29, 4, 2, h), f"value-head-dim-{h}-{hv}", hv=hv)
 
 
+@gpu_jax_only_on_cpu
 def test_default_block_sizes_on_cpu():
   """block_sizes=None: the heuristic tiles, clipped to short sequences."""
   _check(dict(is_causal=True), (1, 70, 70, 2, 1, 40), "defaults",
