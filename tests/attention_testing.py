@@ -18,31 +18,23 @@ rng = testing.rng
 
 
 # CI runs the tests marked `gpu_jax` with the GPU machines' jax too (its
-# leg 2), and those marked slow as well with that jax only. The Mosaic GPU
-# interpreter (one Python thread per warpgroup) is such a case: the kernels
-# target those machines, and its newer version is faster.
-GPU_JAX = pytest.mark.gpu_jax
-GPU_JAX_ONLY = (pytest.mark.slow, GPU_JAX)
+# leg 2), and those marked slow as well with that jax only: interpreted GPU
+# kernels (their jax is also the faster interpreter) and multi-device checks.
+GPU_JAX_ONLY = (pytest.mark.slow, pytest.mark.gpu_jax)
 
 
-def mosaic_gpu_interpreted(fn=None, *, slow=False):
-  """Marks a test that runs kernels in the Mosaic GPU interpreter."""
-  def mark(fn):
-    for m in GPU_JAX_ONLY if slow else (GPU_JAX,):
-      fn = m(fn)
-    return fn
-  return mark if fn is None else mark(fn)
+def gpu_jax_only(fn):
+  """Marks a test that CI runs with the GPU machines' jax only."""
+  for mark in GPU_JAX_ONLY:
+    fn = mark(fn)
+  return fn
 
 
 def gpu_jax_only_on_cpu(fn):
-  """Marks a test of GPU kernels that a CPU interprets: there it runs with
-  the GPU machines' jax only (conftest applies the same rule to every test
-  parametrized with implementation="triton")."""
-  if jax.default_backend() != "cpu":
-    return fn
-  for m in GPU_JAX_ONLY:
-    fn = m(fn)
-  return fn
+  """`gpu_jax_only` for a test of GPU kernels where a CPU interprets them;
+  unmarked on a GPU, which runs them compiled (conftest applies the same
+  rule to every test parametrized with implementation="triton")."""
+  return gpu_jax_only(fn) if jax.default_backend() == "cpu" else fn
 
 
 def grad_names(kw) -> list[str]:

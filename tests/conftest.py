@@ -11,15 +11,14 @@ import sys
 # kernels especially), which optimisation level 0 makes ~40% cheaper.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0")
-# The Mosaic GPU interpreter runs each warpgroup as a computation that
-# blocks in a callback at every barrier, so the CPU client needs a thread per
-# warpgroup at once (up to three, plus the launching one): its pool is
-# sized by the core count (NPROC overrides it), and on a 2-core machine the
-# interpreted kernels could deadlock.
+# The Mosaic GPU interpreter needs a CPU client thread per warpgroup at
+# once (`pallas_fa.mosaic_gpu.kernel.cpu_client_threads`); XLA sizes that
+# pool by the cores, so on a 2-core machine it could deadlock.
 os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402
 import pytest
+from attention_testing import GPU_JAX_ONLY
 
 import pallas_fa
 from pallas_fa import api
@@ -120,8 +119,8 @@ def pytest_collection_modifyitems(items):
     if marker is not None and implementation in marker.args:
       item.add_marker(pytest.mark.slow)
     if on_cpu and implementation in _GPU_JAX_ONLY_ON_CPU:
-      item.add_marker(pytest.mark.slow)
-      item.add_marker(pytest.mark.gpu_jax)
+      for mark in GPU_JAX_ONLY:
+        item.add_marker(mark)
 
 
 @pytest.fixture

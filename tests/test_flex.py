@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_testing import assert_close
-from attention_testing import mosaic_gpu_interpreted
+from attention_testing import gpu_jax_only_on_cpu
 from attention_testing import rng
 from conftest import block_sizes_for
 from conftest import script_module
@@ -368,12 +368,12 @@ def test_example_bfloat16_all(implementation, example):
 
 
 # Score_mods the mosaic_gpu kernels fuse (per-head values only), in the
-# The Mosaic GPU interpreter (seconds to a minute each on a CPU; a GPU runs
-# them compiled).
+# Mosaic GPU interpreter on a CPU (seconds to a minute each; a GPU runs them
+# compiled).
 _MOSAIC_GPU_RUNS = ["alibi", "tanh_soft_cap"]
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only_on_cpu
 @pytest.mark.skipif("mosaic_gpu" not in pallas_fa.implementations(),
                     reason="the mosaic_gpu backend does not import here")
 @pytest.mark.parametrize("name", _MOSAIC_GPU_RUNS)
@@ -399,17 +399,19 @@ def _check_causal_gqa(implementation, name):
            _same_dtype_reference(example, p, is_causal=True), jnp.bfloat16)
 
 
-# Every mask through both slots on a GPU; on a CPU (the interpreter) each
-# mask once, each slot at least twice.
+# Every mask through both slots on a GPU; in the interpreter on a CPU, each
+# mask once and each slot at least twice.
 _MOSAIC_GPU_MASK_CASES = [
     (check, name) for check in ("padding", "causal")
     for name in _MOSAIC_GPU_MASKS]
 if jax.default_backend() == "cpu":
-  _MOSAIC_GPU_MASK_CASES = _MOSAIC_GPU_MASK_CASES[:5:2] + [
-      x for x in _MOSAIC_GPU_MASK_CASES[5:] if x[1] in _MOSAIC_GPU_MASKS[1::2]]
+  _MOSAIC_GPU_MASK_CASES = [
+      ("padding", "document"), ("padding", "chunked_causal"),
+      ("padding", "causal_with_offset"), ("causal", "prefix_lm"),
+      ("causal", "sliding_window_with_sinks")]
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only_on_cpu
 @pytest.mark.skipif("mosaic_gpu" not in pallas_fa.implementations(),
                     reason="the mosaic_gpu backend does not import here")
 @pytest.mark.parametrize("check,name", _MOSAIC_GPU_MASK_CASES)

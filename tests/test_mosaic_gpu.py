@@ -22,8 +22,8 @@ from attention_testing import Case
 from attention_testing import assert_close
 from attention_testing import check_against_reference
 from attention_testing import flash
+from attention_testing import gpu_jax_only
 from attention_testing import make_inputs
-from attention_testing import mosaic_gpu_interpreted
 from attention_testing import reference_fn
 from attention_testing import rng
 from attention_testing import run
@@ -395,7 +395,6 @@ def test_lowering_enforces_shared_memory_budget():
 # --------------------------------------------------------------------------
 
 
-@mosaic_gpu_interpreted
 @needs_interpreter
 def test_interpreted_forward_and_backward():
   # Ragged T and S with padding lengths, causal, GQA, soft cap, head dim 32
@@ -410,7 +409,7 @@ def test_interpreted_forward_and_backward():
       rng("mosaic_gpu", "fwd-bwd"))
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 def test_interpreted_forward_window_segments():
   case = Case(b=1, t=120, s=200, n=4, k=2, h=64, window=(48, 16),
@@ -451,7 +450,7 @@ def _check_interpreted(q, k, v, kw, gen, **block_sizes):
   return got
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 @pytest.mark.parametrize("h, hv", [(64, 128), (72, 32)], ids=["hv>h", "hv<h"])
 def test_interpreted_value_head_dim(h, hv):
@@ -464,7 +463,7 @@ def test_interpreted_value_head_dim(h, hv):
   _check_interpreted(q, k, v, kw, gen)
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 def test_interpreted_dropout():
   """Dropout draws the mask of `pallas_fa.dropout` (the reference's) in all
@@ -484,7 +483,7 @@ def test_interpreted_dropout():
   assert float(jnp.abs(out.astype(jnp.float32) - plain).max()) > 0.1
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 def test_interpreted_split_dkv_single_consumer_round_robin():
   case = Case(b=2, t=70, s=90, n=4, k=2, h=16, window=(30, None),
@@ -513,7 +512,7 @@ def _race_detector():
   return get_races, reset
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 @pytest.mark.parametrize("config, kernels", [
     # Three persistent CTAs: the causal units are dealt by the balanced
@@ -568,7 +567,7 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   assert not raced, f"races reported (printed above) in {raced}"
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 def test_interpreted_deterministic():
   case = Case(b=1, t=64, s=100, n=2, k=2, h=64, causal=True, segments=True)
@@ -583,7 +582,7 @@ def test_interpreted_deterministic():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@mosaic_gpu_interpreted(slow=True)
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 def test_interpreted_padding_never_leaks():
   case = Case(b=2, t=40, s=56, n=4, k=2, h=16, causal=True)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_testing import GPU_JAX_ONLY
+from attention_testing import gpu_jax_only
 
 import pallas_fa
 from pallas_fa import masking
@@ -68,8 +69,7 @@ def test_ring_attention_matches_single_device(implementation):
   _run_worker("ring", implementation)
 
 
-@pytest.mark.gpu_jax  # with the GPU machines' jax only, as chunked above
-@pytest.mark.slow
+@gpu_jax_only  # as chunked above
 def test_ring_program_has_no_all_gather_and_errors_name_arguments():
   out = _run_worker("hlo", "chunked")
   assert "ok validation" in out and "ring_attention" in out

@@ -112,11 +112,12 @@ def runs_interpreted(bs: MosaicGpuBlockSizes | None) -> bool:
       raise NotImplementedError(
           "mosaic_gpu: this jax has no Mosaic GPU interpreter "
           f"({jax.__version__=}).")
-    if kernel.cpu_client_threads() < kernel.MAX_WARPGROUPS:
+    threads = kernel.cpu_client_threads()
+    if threads < kernel.MAX_WARPGROUPS:
       raise NotImplementedError(
           "mosaic_gpu: the Mosaic GPU interpreter needs "
           f"{kernel.MAX_WARPGROUPS} CPU client threads at once and this "
-          f"process has {kernel.cpu_client_threads()}; set the environment "
+          f"process has {threads}; set the environment "
           f"variable NPROC={kernel.MAX_WARPGROUPS} or more before jax starts.")
     return True
   if target is None or target.major != 9:
