@@ -727,16 +727,18 @@ def test_chunked_visits_only_the_block_masks_tiles(monkeypatch):
 
   logits, visibility = chunked._Layout.logits, chunked._Layout.visibility
 
-  def counted_logits(self, qi, kj, i, j, *args, **kw):
+  def counted_logits(self, qi, kj, part, *args, **kw):
     jax.debug.callback(functools.partial(
-        record, "logits", bq=self.bq, bk=self.bk), i, j)
-    return logits(self, qi, kj, i, j, *args, **kw)
+        record, "logits", bq=self.bq, bk=self.bk),
+        part.q0 // self.bq, part.k0 // self.bk)
+    return logits(self, qi, kj, part, *args, **kw)
 
-  def counted_visibility(self, i, j, masked):
-    if masked[1]:
+  def counted_visibility(self, part, visit):
+    if visit.mod:
       jax.debug.callback(functools.partial(
-          record, "mask_mod", bq=self.bq, bk=self.bk), i, j)
-    return visibility(self, i, j, masked)
+          record, "mask_mod", bq=self.bq, bk=self.bk),
+          part.q0 // self.bq, part.k0 // self.bk)
+    return visibility(self, part, visit)
 
   monkeypatch.setattr(chunked._Layout, "logits", counted_logits)
   monkeypatch.setattr(chunked._Layout, "visibility", counted_visibility)
