@@ -33,8 +33,9 @@ Three implementations:
 * `chunked` (the default): jax.numpy on any platform and head dim; split p
   reads blocks p, p + splits, ... of every sequence, all splits as one
   vectorised axis.
-  It alone takes a flex `score_mod`/`mask_mod` (`q_idx` is the new
-  token's position), evaluated on every block it reads.
+  A flex `mask_mod` (`q_idx` is the new token's position) is first
+  classified over every step's keys, so keys no new token sees are never
+  read and keys all of them see whole skip the masking.
 * `triton`: a Pallas-Triton kernel (`triton.decode`), interpreted on CPU.
   Grid (B, K, splits x value-head-dim chunks): each program holds the
   packed [G * T_new, H] tile (rows padded to a power of two >= 16) and
@@ -215,7 +216,11 @@ def decode_attention(
       there (`fused_mods.packed_values`).
     score_mod_args: the arrays score_mod reads.
     mask_mod: as in `flash_attention` (same indices); intersects the other
-      masks, evaluated on every key block read. Every implementation.
+      masks. Every implementation. "chunked" classifies each step's keys
+      under it exactly (evaluating it on all of them once): keys no new
+      token sees are never read (a sliding window with sink tokens reads
+      only the sinks and the window), and keys every new token sees skip
+      the masking; the kernels evaluate it on every key block they read.
     mask_mod_args: the arrays mask_mod reads.
 
   Returns:
@@ -577,6 +582,14 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
             query_positions.reshape(b, 1, 1, 1, t, 1),
             kv_pos.reshape(1, splits, 1, 1, 1, block))
 
+  def mod_visible(kv_pos):
+    """mask_mod on a step's [B, P, K, G * T, C] tile."""
+    indices = flex_indices(kv_pos)
+    return mods.evaluate(
+        mask_mod, (b, splits, num_kv, g, t, block), batch=indices[0],
+        head=indices[1], q_idx=indices[2], kv_idx=indices[3],
+        args=mask_mod_args).reshape(b, splits, num_kv, g * t, block)
+
   def body(step, carry, *, masked):
     m_i, l_i, acc = carry
     start, k_blk, v_blk = read(step)  # [B, P, C, K, H]
@@ -600,11 +613,7 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
       v_blk = jnp.where(valid[..., None, None], v_blk, 0)
       vis = _visible(valid, kv_pos, row_pos, is_causal, local_window_size)
       if mask_mod is not None:
-        indices = flex_indices(kv_pos)
-        vis = vis & mods.evaluate(
-            mask_mod, tile, batch=indices[0], head=indices[1],
-            q_idx=indices[2], kv_idx=indices[3], args=mask_mod_args,
-        ).reshape(b, splits, num_kv, g * t, block)
+        vis = vis & mod_visible(kv_pos)
       s = online_softmax.apply_mask(s, vis)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s)
     acc = acc * alpha[..., None] + _einsum(
@@ -622,16 +631,40 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
   kinds = masking.decode_block_kinds(
       lengths, query_positions, num_blocks=steps, block=splits * block,
       is_causal=is_causal, window=local_window_size)
-  full_lo, full_hi = masking.full_run(
-      jnp.where((kinds == masking.FULL).all(axis=0), masking.FULL,
-                masking.PARTIAL), 0)
-  if mask_mod is not None:  # Evaluated on every block read.
-    full_lo = full_hi = jnp.zeros((), jnp.int32)
-  for lo, hi, masked in ((0, full_lo, True), (full_lo, full_hi, False),
-                         (full_hi, end, True)):
-    carry = jax.lax.fori_loop(
-        lo, jnp.maximum(lo, hi), functools.partial(body, masked=masked),
-        carry)
+  if mask_mod is None:
+    full_lo, full_hi = masking.full_run(
+        jnp.where((kinds == masking.FULL).all(axis=0), masking.FULL,
+                  masking.PARTIAL), 0)
+    for lo, hi, masked in ((0, full_lo, True), (full_lo, full_hi, False),
+                           (full_hi, end, True)):
+      carry = jax.lax.fori_loop(
+          lo, jnp.maximum(lo, hi), functools.partial(body, masked=masked),
+          carry)
+  else:
+    # The mask_mod's kind of every step (exact: evaluated on all its keys)
+    # meets the other masks': a step no new token sees is never read, and
+    # one that every new token sees whole skips all masking.
+    def mod_kind(step):
+      kv_pos = step * span + offsets  # [P, C]
+      vis = mod_visible(kv_pos)  # [B, P, K, R, C]
+      cached = (kv_pos[None] < lengths[:, None, None])[:, :, None, None]
+      empty = ~jnp.any(vis & cached, axis=(1, 2, 3, 4))
+      full = jnp.all(vis, axis=(1, 2, 3, 4))
+      return jnp.where(empty, masking.EMPTY,
+                       jnp.where(full, masking.FULL, masking.PARTIAL))
+
+    mod_kinds = jax.lax.map(mod_kind, jnp.arange(steps)).T  # [B, steps]
+    kinds = masking.shared_kinds(
+        masking.intersect_kinds(kinds, mod_kinds), axis=0)  # [steps]
+
+    def visit(step, carry):
+      branches = {masking.EMPTY: lambda c: c,
+                  masking.PARTIAL: functools.partial(body, step, masked=True),
+                  masking.FULL: functools.partial(body, step, masked=False)}
+      return jax.lax.switch(
+          kinds[step], [branches[kind] for kind in sorted(branches)], carry)
+
+    carry = jax.lax.fori_loop(0, end, visit, carry)
   m_i, l_i, acc = carry
   out, lse = _merged(*online_softmax.finalize(m_i, l_i, acc), sinks, 1, t)
   return _unpacked(out, lse, query)
