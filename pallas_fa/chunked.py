@@ -84,9 +84,10 @@ def default_block_sizes(
   causal call: its masked tiles are then the diagonal ones, each visited as
   3/4 of a tile (`_Layout.halves`), so the passes compute 1/2 + 3 bq / 8T of
   the logits instead of the 1/2 + bk / 2T that [256 x 512] tiles do. On a
-  2-core x86 CPU (float32, N = 8, H = 64) that took the causal forward from
-  0.81x to 0.69x of the full one at T = 1024 (0.64x -> 0.60x at 2048) and
-  forward+backward from 0.79x to 0.63x. Tiles are clipped to the sequences
+  2-core x86 CPU (float32, N = 8, H = 64, jax 0.11) that took the causal
+  forward from 0.78x to 0.69x of the full one at T = 1024 (0.66x -> 0.61x at
+  2048) and forward+backward from 0.76x to 0.62x (see
+  `_NARROW_TILES_ARE_CHEAP` for older jax). Tiles are clipped to the sequences
   (see `ChunkedBlockSizes`). The arguments are those every backend's
   `default_block_sizes` takes (`pallas_fa.vjp`).
 
@@ -94,10 +95,18 @@ def default_block_sizes(
     A `ChunkedBlockSizes`.
   """
   del q_len, kv_len, head_dim, dtype, dropout, device_kind, value_head_dim
-  if is_causal:
+  if is_causal and _NARROW_TILES_ARE_CHEAP:
     return ChunkedBlockSizes(
         block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256)
   return ChunkedBlockSizes()
+
+
+# XLA:CPU's dots from jax 0.11 on (YNNPACK) run a [256 x 256] tile at ~95 %
+# of a [256 x 512] one's rate; jax 0.10's at ~60 % (a full forward at
+# T = 2048 took 105 ms against 66), which costs a causal call more than the
+# square diagonal saves: there causal calls keep the class defaults (their
+# diagonal tiles are still halved).
+_NARROW_TILES_ARE_CHEAP = jax.__version_info__ >= (0, 11)
 
 
 # Tiles are balanced (the padded tail as short as possible) and a multiple
