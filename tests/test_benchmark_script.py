@@ -257,3 +257,35 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
   assert row["roofline_ms"] == pytest.approx(roofline_ms), row
   assert row["roofline_share"] == pytest.approx(
       row["roofline_ms"] / row["ms"]), row
+
+
+def test_rounds_time_the_peers_in_turn_and_keep_the_median(
+    benchmark, monkeypatch):
+  """--rounds=3: every candidate of a (shape, mode) is run once per round,
+  in turn, and keeps the record of its median round (all rounds' times
+  listed); a failed round is reported as the failure."""
+  settings = _settings(benchmark, causal="true", modes=["fwd"], rounds=3,
+                       matmul_size=0)
+  order = []
+  times = {"chunked": iter([5.0, 1.0, 3.0]), "xla": iter([2.0, 9.0, 4.0])}
+
+  def fake_run_cell(candidate, shape, mode, inputs, ref, settings):
+    del inputs, ref, settings
+    order.append(candidate.name)
+    return {**benchmark.cells.base_record(candidate, shape, mode),
+            "status": "ok", "reason": "", "ms": next(times[candidate.name])}
+
+  monkeypatch.setattr(benchmark.cells, "run_cell", fake_run_cell)
+  report = benchmark.run(settings, verbose=False)
+  assert order == ["chunked", "xla"] * 3
+  cells = _by_cell(report)
+  assert cells[("chunked", "fwd", True)]["ms"] == 3.0
+  assert cells[("chunked", "fwd", True)]["rounds_ms"] == [5.0, 1.0, 3.0]
+  assert cells[("jax:xla", "fwd", True)]["ms"] == 4.0
+  assert "3 rounds" in report["meta"]["timing"]
+  failed = benchmark.median_round([
+      {"status": "ok", "ms": 1.0},
+      {"status": "error", "ms": None, "reason": "boom"}])
+  assert failed["status"] == "error"
+  with pytest.raises(ValueError, match="rounds"):
+    _settings(benchmark, rounds=0)

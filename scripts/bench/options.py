@@ -127,6 +127,12 @@ OPTIONS = (
            "as '<impl>+sinks' (checked against the reference with the same "
            "sinks).", False),
     Option("repeats", "integer", "Timed runs per cell (median)."),
+    Option("rounds", "integer",
+           "Times each (shape, mode) group's candidates this many times, "
+           "in turn (round 1: every candidate, round 2: every candidate, "
+           "...), and keeps each candidate's median round. A slow spell of a "
+           "shared machine then hits one round of every peer instead of "
+           "all of one candidate's runs.", 1),
     Option("warmup", "integer", "Untimed runs after compilation."),
     Option("json", "string",
            "Write the results as JSON here (rewritten after every cell).",
@@ -229,6 +235,7 @@ class Settings:
   modes: tuple[str, ...]
   repeats: int
   warmup: int
+  rounds: int = 1
   isolate: bool
   max_seq: tuple[tuple[str, int], ...]  # (label, longest T)
   check_rows: int = 256
@@ -313,6 +320,12 @@ def _candidates(impls, peers, sinks=False) -> list[Candidate]:
           + [Candidate(kind="peer", name=n) for n in peers])
 
 
+def _positive(name: str, value) -> int:
+  if int(value) < 1:
+    raise ValueError(f"{name} must be at least 1, got {value!r}.")
+  return int(value)
+
+
 def make_settings(*, platform: str | None = None, **values) -> Settings:
   """Resolves option values (None = preset default) into `Settings`.
 
@@ -360,6 +373,7 @@ def make_settings(*, platform: str | None = None, **values) -> Settings:
       modes=modes,
       repeats=int(value("repeats")),
       warmup=int(value("warmup")),
+      rounds=_positive("rounds", value("rounds")),
       isolate=(platform == "cpu") if isolate is None else bool(isolate),
       max_seq=_parse_max_seq(value("peer_max_seq")),
       check_rows=int(value("check_rows")),

@@ -93,7 +93,10 @@ def meta(settings: options.Settings, argv: Sequence[str] | None) -> dict:
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "flop_convention": testing.FLOP_CONVENTION,
       "timing": (f"median of {settings.repeats} runs after "
-                 f"{settings.warmup} warm-up run(s)"),
+                 f"{settings.warmup} warm-up run(s)"
+                 + (f"; the median of {settings.rounds} rounds, the "
+                    "candidates of a (shape, mode) timed in turn"
+                    if settings.rounds > 1 else "")),
       "settings": dataclasses.asdict(settings),
   }
 
