@@ -82,7 +82,7 @@ def default_block_sizes(
 
   The class defaults, and square [256 x 256] tiles in both passes for a
   causal call: its masked tiles are then the diagonal ones, each visited as
-  3/4 of a tile (`_Layout.halves`), so the passes compute 1/2 + 3 bq / 8T of
+  3/4 of a tile (`_Layout.halves`), so the passes compute 1/2 + bq / 4T of
   the logits instead of the 1/2 + bk / 2T that [256 x 512] tiles do. On a
   2-core x86 CPU (float32, N = 8, H = 64, jax 0.11) that took the causal
   forward from 0.78x to 0.69x of the full one at T = 1024 (0.66x -> 0.61x at
