@@ -216,8 +216,7 @@ def classify(mask_mod: Callable, mask_mod_args: tuple[Array, ...], *,
     shape = (bm, hm, block_q, per_step, block_kv)
     seen = (m & real).reshape(shape).any(axis=(2, 4))
     whole = (m | ~real).reshape(shape).all(axis=(2, 4))
-    return jnp.where(seen, jnp.where(whole, masking.FULL, masking.PARTIAL),
-                     masking.EMPTY).astype(i32)  # [Bm, Hm, per_step]
+    return masking.kind_of(seen, whole)  # [Bm, Hm, per_step]
 
   kinds = jax.lax.map(step, jnp.arange(nq * col_steps, dtype=i32))
   kinds = kinds.reshape(nq, col_steps, bm, hm, per_step)
@@ -239,8 +238,7 @@ def _retile_axis(kinds: Array, axis: int, old: int, new: int, length: int,
     k = k.reshape(shape)
     empty = ((k == masking.EMPTY) | (k == _OUTSIDE)).all(axis=axis + 1)
     full = ((k == masking.FULL) | (k == _OUTSIDE)).all(axis=axis + 1)
-    return jnp.where(empty, masking.EMPTY,
-                     jnp.where(full, masking.FULL, masking.PARTIAL))
+    return masking.kind_of(~empty, full)
   if old % new == 0:  # Finer: each tile is cut in old // new.
     k = jnp.repeat(kinds, old // new, axis=axis)
     return jax.lax.slice_in_dim(k, 0, n_new, axis=axis)

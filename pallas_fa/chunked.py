@@ -11,7 +11,8 @@ with loop bounds taken from that classification (causal, window, padding and
 sorted segments all shrink the loops), and skip the masking arithmetic on
 FULL tiles. A masked tile whose top-right quarter is empty (the diagonal of
 a causal call) is computed as two parts, its top rows against its left keys
-and its bottom rows against all of them, so the quarter costs nothing. A user mask_mod (flex attention) is classified the same way
+and its bottom rows against all of them, so the quarter costs nothing. A
+user mask_mod (flex attention) is classified the same way
 (`block_mask.tile_kinds`: the call's BlockMask, on whole multiples of its
 tiles, or an exact classification made here): tiles it leaves empty are
 skipped, and it is evaluated only on the tiles where it is partial. A
@@ -25,7 +26,8 @@ the group by the matmul itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -334,11 +336,15 @@ def _tile(block: int, length: int, mask_block: int | None):
 
 def _rows(x, part):
   """The rows of `part` of a per-tile query array [B, K, G, bq, ...]."""
+  if part.rows == x.shape[3]:
+    return x
   return jax.lax.slice_in_dim(x, part.r0, part.r0 + part.rows, axis=3)
 
 
 def _cols(x, part):
   """The keys of `part` of a key tile [B, K, bk, H]."""
+  if part.cols == x.shape[2]:
+    return x
   return jax.lax.slice_in_dim(x, part.c0, part.c0 + part.cols, axis=2)
 
 
@@ -452,8 +458,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
     def update(kj, vj, carry, part, visit):
       dk_all, dv_all, dq, dbias, dargs = carry
-      if part.cols < lay.bk:  # A part of a halved tile.
-        kj, vj = _cols(kj, part), _cols(vj, part)
+      kj, vj = _cols(kj, part), _cols(vj, part)
       qi = jax.lax.dynamic_slice_in_dim(lay.q, part.q0, part.rows, 3)
       doi = jax.lax.dynamic_slice_in_dim(do, part.q0, part.rows, 3)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, part.q0, part.rows, 3)

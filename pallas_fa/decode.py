@@ -571,6 +571,7 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
     logit_scale = scale
   offsets = jnp.arange(span, dtype=jnp.int32).reshape(splits, block)
   g = n // num_kv
+  tile = (b, splits, num_kv, g, t, block)  # What the mods are evaluated on.
 
   def flex_indices(kv_pos):
     """(batch, head, q_idx, kv_idx) of a step's [B, P, K, G, T, C] tile:
@@ -586,7 +587,7 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
     """mask_mod on a step's [B, P, K, G * T, C] tile."""
     indices = flex_indices(kv_pos)
     return mods.evaluate(
-        mask_mod, (b, splits, num_kv, g, t, block), batch=indices[0],
+        mask_mod, tile, batch=indices[0],
         head=indices[1], q_idx=indices[2], kv_idx=indices[3],
         args=mask_mod_args).reshape(b, splits, num_kv, g * t, block)
 
@@ -599,7 +600,6 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
       s = s * logit_scale
     s = online_softmax.soft_cap(s, logits_soft_cap)
     kv_pos = start + offsets  # [P, C]
-    tile = (b, splits, num_kv, g, t, block)
     if score_mod is not None:
       indices = flex_indices(kv_pos)
       s = online_softmax.ScoreMod(
@@ -648,10 +648,8 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
       kv_pos = step * span + offsets  # [P, C]
       vis = mod_visible(kv_pos)  # [B, P, K, R, C]
       cached = (kv_pos[None] < lengths[:, None, None])[:, :, None, None]
-      empty = ~jnp.any(vis & cached, axis=(1, 2, 3, 4))
-      full = jnp.all(vis, axis=(1, 2, 3, 4))
-      return jnp.where(empty, masking.EMPTY,
-                       jnp.where(full, masking.FULL, masking.PARTIAL))
+      return masking.kind_of(jnp.any(vis & cached, axis=(1, 2, 3, 4)),
+                             jnp.all(vis, axis=(1, 2, 3, 4)))
 
     mod_kinds = jax.lax.map(mod_kind, jnp.arange(steps)).T  # [B, steps]
     kinds = masking.shared_kinds(

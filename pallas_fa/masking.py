@@ -481,16 +481,21 @@ def classify_blocks(info: MaskInfo, block_q: int, block_kv: int) -> Array:
     all_heads = info.mask.all(axis=1)
     all_heads = jnp.broadcast_to(all_heads, m.shape).reshape(m_blocks.shape)
     full &= all_heads.all(axis=(2, 4))
-  kinds = jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL))
-  return kinds.astype(jnp.int32)
+  return kind_of(~empty, full)
+
+
+def kind_of(seen: Array, whole: Array) -> Array:
+  """A tile's kind from whether any of its elements is visible (`seen`) and
+  whether all of them are (`whole`): EMPTY, FULL or PARTIAL, int32."""
+  return jnp.where(seen, jnp.where(whole, FULL, PARTIAL), EMPTY).astype(
+      jnp.int32)
 
 
 def shared_kinds(kinds: Array, axis) -> Array:
   """The kinds of tiles shared by the rows along `axis` (reduced away): a
   tile is EMPTY (FULL) only if it is for every row, else PARTIAL."""
-  return jnp.where(
-      jnp.all(kinds == EMPTY, axis=axis), EMPTY,
-      jnp.where(jnp.all(kinds == FULL, axis=axis), FULL, PARTIAL))
+  return kind_of(~jnp.all(kinds == EMPTY, axis=axis),
+                 jnp.all(kinds == FULL, axis=axis))
 
 
 def intersect_kinds(a: Array, b: Array) -> Array:
