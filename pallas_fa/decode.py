@@ -216,11 +216,12 @@ def decode_attention(
       there (`fused_mods.packed_values`).
     score_mod_args: the arrays score_mod reads.
     mask_mod: as in `flash_attention` (same indices); intersects the other
-      masks. Every implementation. "chunked" classifies each step's keys
-      under it exactly (evaluating it on all of them once): keys no new
-      token sees are never read (a sliding window with sink tokens reads
-      only the sinks and the window), and keys every new token sees skip
-      the masking; the kernels evaluate it on every key block they read.
+      masks. Every implementation classifies the cache's key blocks under
+      it exactly (`block_kinds`: evaluated once on every cached key):
+      blocks no new token sees are never read (a sliding window with sink
+      tokens reads only the sinks and the window) and blocks every new
+      token sees whole skip the masking ("chunked" per step over all
+      sequences, the kernels per sequence and K/V head).
     mask_mod_args: the arrays mask_mod reads.
 
   Returns:
@@ -429,10 +430,7 @@ def _split_kernel(implementation, query, key, value, lengths, block_table,
     block = kernel.block_for(**shape, dtype=query.dtype,
                              cache_len=key.shape[1])
     programs = num_kv
-  if paged:
-    num_blocks = block_table.shape[1] * (key.shape[1] // block)
-  else:
-    num_blocks = -(-key.shape[1] // block)
+  num_blocks = _kernel_blocks(key, block_table, block)
   if num_splits is None:
     num_splits = default_num_splits(b, programs, num_blocks, platform)
   return _decode_split_kernel(
@@ -441,10 +439,60 @@ def _split_kernel(implementation, query, key, value, lengths, block_table,
       splits=int(min(num_splits, num_blocks)), **static)
 
 
+def _kernel_blocks(key, block_table, block: int) -> int:
+  """Blocks of `block` keys per sequence that a kernel indexes: every
+  page's, or enough to cover a contiguous cache."""
+  if block_table is not None:
+    return block_table.shape[1] * (key.shape[1] // block)
+  return -(-key.shape[1] // block)
+
+
 def _default_block(s_max: int, num_kv: int, h: int, itemsize: int) -> int:
   rows = _BLOCK_BYTES // (num_kv * h * itemsize)
   block = 1 << max(4, min(11, rows.bit_length() - 1))  # 16 .. 2048
   return min(block, max(16, 1 << (s_max - 1).bit_length()))
+
+
+# Elements of a mask_mod tile that `block_kinds` evaluates at once (the
+# blocks are classified a chunk at a time: a long cache's whole [B, N,
+# T_new, S] tile need not fit in memory).
+_MOD_ELEMENTS = 1 << 22
+
+
+def block_kinds(mask_mod, mask_mod_args, lengths, query_positions, *,
+                num_heads: int, num_kv: int, num_blocks: int, block: int,
+                is_causal: bool, window) -> Array:
+  """int32 [B, K, num_blocks]: the kind of each block of `block` keys for
+  each K/V head's packed rows (its G query heads times the T_new new
+  tokens) under the built-in masks (`masking.decode_block_kinds`) and the
+  mask_mod, which is evaluated exactly, once on every (new token, cached
+  key) pair."""
+  b, t = query_positions.shape
+  g = num_heads // num_kv
+  chunk = max(1, min(num_blocks,
+                     _MOD_ELEMENTS // (b * num_heads * t * block)))
+  i32 = jnp.int32
+  tile = (b, num_kv, g, t, chunk * block)
+
+  def classify(step):
+    kv_pos = step * chunk * block + jnp.arange(chunk * block, dtype=i32)
+    visible = mods.evaluate(
+        mask_mod, tile, batch=jnp.arange(b, dtype=i32).reshape(b, 1, 1, 1, 1),
+        head=jnp.arange(num_heads, dtype=i32).reshape(1, num_kv, g, 1, 1),
+        q_idx=query_positions.reshape(b, 1, 1, t, 1),
+        kv_idx=kv_pos.reshape(1, 1, 1, 1, -1), args=mask_mod_args)
+    visible = visible.reshape(b, num_kv, g, t, chunk, block)
+    cached = (kv_pos[None] < lengths[:, None]).reshape(b, 1, 1, 1, chunk, block)
+    return masking.kind_of(jnp.any(visible & cached, axis=(2, 3, 5)),
+                           jnp.all(visible, axis=(2, 3, 5)))  # [B, K, chunk]
+
+  steps = -(-num_blocks // chunk)
+  kinds = jax.lax.map(classify, jnp.arange(steps, dtype=i32))
+  kinds = jnp.moveaxis(kinds, 0, 2).reshape(b, num_kv, steps * chunk)
+  builtin = masking.decode_block_kinds(
+      lengths, query_positions, num_blocks=num_blocks, block=block,
+      is_causal=is_causal, window=window)
+  return masking.intersect_kinds(builtin[:, None, :], kinds[..., :num_blocks])
 
 
 def _packed(query, lengths, query_positions, num_kv):
@@ -508,6 +556,14 @@ def _decode_split_kernel(query, key, value, lengths, block_table,
   q, row_pos, query_positions = _packed(
       query, lengths, query_positions, key.shape[2])
   lengths, block_table = _in_range(lengths, block_table, key)
+  if static.get("mask_mod") is not None:
+    # The kernels visit each K/V head's non-empty blocks only.
+    static["kinds"] = block_kinds(
+        static["mask_mod"], static["mask_mod_args"], lengths,
+        query_positions, num_heads=query.shape[2], num_kv=key.shape[2],
+        num_blocks=_kernel_blocks(key, block_table, block), block=block,
+        is_causal=static["is_causal"],
+        window=static["local_window_size"])
   out, lse = partials(
       q, row_pos, query_positions, key, value, lengths, block_table,
       block=block, splits=splits, **static)
@@ -628,10 +684,10 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
   # the last under causal masking) skip the masking arithmetic.
   last = -(-jnp.max(lengths) // block)
   end = jnp.minimum(steps, -(-last // splits))
-  kinds = masking.decode_block_kinds(
-      lengths, query_positions, num_blocks=steps, block=splits * block,
-      is_causal=is_causal, window=local_window_size)
   if mask_mod is None:
+    kinds = masking.decode_block_kinds(
+        lengths, query_positions, num_blocks=steps, block=span,
+        is_causal=is_causal, window=local_window_size)
     full_lo, full_hi = masking.full_run(
         jnp.where((kinds == masking.FULL).all(axis=0), masking.FULL,
                   masking.PARTIAL), 0)
@@ -641,19 +697,12 @@ def _decode(query, key, value, lengths, block_table, query_positions, sinks,
           lo, jnp.maximum(lo, hi), functools.partial(body, masked=masked),
           carry)
   else:
-    # The mask_mod's kind of every step (exact: evaluated on all its keys)
-    # meets the other masks': a step no new token sees is never read, and
-    # one that every new token sees whole skips all masking.
-    def mod_kind(step):
-      kv_pos = step * span + offsets  # [P, C]
-      vis = mod_visible(kv_pos)  # [B, P, K, R, C]
-      cached = (kv_pos[None] < lengths[:, None, None])[:, :, None, None]
-      return masking.kind_of(jnp.any(vis & cached, axis=(1, 2, 3, 4)),
-                             jnp.all(vis, axis=(1, 2, 3, 4)))
-
-    mod_kinds = jax.lax.map(mod_kind, jnp.arange(steps)).T  # [B, steps]
-    kinds = masking.shared_kinds(
-        masking.intersect_kinds(kinds, mod_kinds), axis=0)  # [steps]
+    # A step no new token sees is never read, and one that every new token
+    # sees whole skips all masking.
+    kinds = masking.shared_kinds(block_kinds(
+        mask_mod, mask_mod_args, lengths, query_positions, num_heads=n,
+        num_kv=num_kv, num_blocks=steps, block=span, is_causal=is_causal,
+        window=local_window_size), axis=(0, 1))  # [steps]
 
     def visit(step, carry):
       branches = {masking.EMPTY: lambda c: c,

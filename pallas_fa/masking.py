@@ -597,3 +597,31 @@ def split_runs(lengths: Array, q_positions: Array, *, num_blocks: int,
   first = jnp.minimum(first, hi[:, None])
   end = jnp.minimum(first + per[:, None], hi[:, None])
   return first.astype(jnp.int32), end.astype(jnp.int32)
+
+
+def listed_runs(kinds: Array, splits: int) -> tuple[Array, Array]:
+  """The non-empty blocks of each row of `kinds` as a list cut into `splits`
+  contiguous runs: split-KV decode under a mask_mod, whose visible blocks
+  need not be contiguous (a StreamingLLM cache: the sinks, then the window).
+
+  Args:
+    kinds: int32 [..., n] block kinds.
+    splits: runs per row.
+
+  Returns:
+    (order int32 [..., n], runs int32 [..., splits, 3]): `order` lists the
+    FULL blocks ascending, then the PARTIAL ones, then the EMPTY ones; split
+    p visits `order[first:end]`, the positions below `n_full` of them FULL,
+    where a run is (first, end, n_full) and an empty split has first == end.
+  """
+  rank = jnp.where(kinds == FULL, 0, jnp.where(kinds == PARTIAL, 1, 2))
+  order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
+  n_full = jnp.sum(kinds == FULL, axis=-1, dtype=jnp.int32)[..., None]
+  visited = jnp.sum(kinds != EMPTY, axis=-1, dtype=jnp.int32)[..., None]
+  per = -(-visited // splits)
+  split = jnp.arange(splits, dtype=jnp.int32).reshape(
+      (1,) * (kinds.ndim - 1) + (splits,))
+  first = jnp.minimum(per * split, visited)
+  end = jnp.minimum(first + per, visited)
+  runs = jnp.stack([first, end, jnp.broadcast_to(n_full, first.shape)], -1)
+  return order, runs

@@ -878,18 +878,20 @@ def test_decode_attention(implementation):
   assert_close("out", out, want)
 
 
+@pytest.mark.parametrize("implementation", _DECODE_FLEX)
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("mask_mod, mask_mod_args", [
     (flex.sliding_window_with_sinks, (jnp.int32(64), jnp.int32(3))),
     (flex.chunked_causal, (jnp.int32(64),)),
 ])
-def test_chunked_decode_never_reads_what_the_mask_mod_hides(
-    mask_mod, mask_mod_args, splits):
-  """Keys that no new token of any sequence sees under the mask_mod (a
-  StreamingLLM window's middle, the chunks before the current one) are
-  never read: the cache there is poisoned with NaN and the result is still
-  the reference's; the steps every token sees whole (inside both windows)
-  skip the masking."""
+def test_decode_never_reads_what_the_mask_mod_hides(
+    mask_mod, mask_mod_args, splits, implementation):
+  """Keys that no new token sees under the mask_mod (a StreamingLLM
+  window's middle, the chunks before the current one) are never read: the
+  cache there is poisoned with NaN and the result is still the
+  reference's; the blocks every token sees whole (inside both windows)
+  skip the masking. `chunked` skips a step (`splits` blocks) that no
+  sequence sees, the kernels each sequence's blocks it does not see."""
   gen = rng(f"flex-decode-skip-{splits}")
   b, t, n, kh, h, s, block = 2, 2, 4, 2, 16, 256, 16
   q = _normal(gen, (b, t, n, h))
@@ -901,17 +903,21 @@ def test_chunked_decode_never_reads_what_the_mask_mod_hides(
   dense_mask = mask_mod(None, None, qi, ki, *mask_mod_args) & (ki <= qi)
   want = jax.nn.dot_product_attention(
       q, k, v, mask=dense_mask, key_value_seq_lengths=lengths)
-  # A step reads `splits` blocks; poison the steps nothing may see.
-  span = splits * block
   seen = np.asarray(dense_mask & (ki < lengths[:, None, None, None]))
-  hidden = ~seen.reshape(b, t, s // span, span).any(axis=(0, 1, 3))
-  assert hidden.sum() >= 3, hidden
-  poison = jnp.repeat(jnp.asarray(hidden), span)[None, :, None, None]
+  if implementation == "chunked":  # A step reads `splits` blocks.
+    span = splits * block
+    hidden = ~seen.reshape(b, t, s // span, span).any(axis=(0, 1, 3))
+    hidden = np.broadcast_to(hidden, (b, s // span))
+  else:
+    span = block
+    hidden = ~seen.reshape(b, t, s // span, span).any(axis=(1, 3))
+  assert hidden.sum() >= 3 * b, hidden
+  poison = jnp.repeat(jnp.asarray(hidden), span, axis=1)[..., None, None]
   k_bad, v_bad = (jnp.where(poison, jnp.nan, x) for x in (k, v))
   got = pallas_fa.decode_attention(
       q, k_bad, v_bad, lengths, mask_mod=mask_mod,
       mask_mod_args=mask_mod_args, block_kv=block, num_splits=splits,
-      implementation="chunked")
+      implementation=implementation)
   assert_close("out", got, want)
 
 

@@ -96,6 +96,30 @@ def test_full_run():
     assert lo.tolist() == [want[0]] * 2 and hi.tolist() == [want[1]] * 2, row
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_listed_runs_visit_every_nonempty_block_once(splits):
+  """The splits of each row cut its list of non-empty blocks: together they
+  visit each such block exactly once, never an EMPTY one, and a position is
+  below n_full exactly when its block is FULL."""
+  gen = np.random.default_rng(splits)
+  kinds = jnp.asarray(gen.integers(0, 3, size=(3, 2, 11)), jnp.int32)
+  kinds = kinds.at[0, 0].set(masking.EMPTY)  # A row that sees nothing.
+  order, runs = masking.listed_runs(kinds, splits)
+  assert runs.shape == (3, 2, splits, 3)
+  for row in np.ndindex(kinds.shape[:2]):
+    row_kinds, row_order = np.asarray(kinds[row]), np.asarray(order[row])
+    visited = []
+    for first, end, n_full in np.asarray(runs[row]).tolist():
+      assert first <= end
+      for at in range(first, end):
+        block = row_order[at]
+        want = masking.FULL if at < n_full else masking.PARTIAL
+        assert row_kinds[block] == want, (row, at, block)
+        visited.append(block)
+    assert sorted(visited) == np.flatnonzero(
+        row_kinds != masking.EMPTY).tolist(), row
+
+
 def test_padding_folds_into_segments():
   seg = masking.padding_segments(
       None, jnp.array([2, 4]), 4, masking.KV_PAD_SEGMENT)

@@ -14,7 +14,11 @@ split, is "arbitrary" and carries the online softmax.
   window are dropped) into `splits` contiguous runs; step j of split p
   reads block `first[b, p] + j`. Steps past the run's end do nothing
   (`pl.when`) and their index maps name the run's last block again, which
-  the pipeline already holds, so they issue no DMA.
+  the pipeline already holds, so they issue no DMA. With a mask_mod the
+  visible blocks need not be contiguous: each K/V head's non-empty blocks
+  are listed (`masking.listed_runs`, scalar-prefetched) and the splits cut
+  the list, so blocks the mask_mod hides are never fetched and those it
+  shows whole skip the masking.
 * **Paging.** The run boundaries, the lengths and the block table are
   scalar-prefetched into SMEM and read by the K/V index maps, so the
   pipeline's DMAs fetch block j of a paged cache straight from page
@@ -202,6 +206,9 @@ def _kernel(
   runs_ref,
   *refs,
   paged: bool,
+  listed: bool,
+  num_kv: int,
+  num_blocks: int,
   block: int,
   splits: int,
   steps: int,
@@ -214,22 +221,20 @@ def _kernel(
   mask_mod=None,
 ):
   # The block table (paged) is read by the index maps only.
-  q_ref, pos_ref, k_ref, v_ref, *rest = refs[1:] if paged else refs
+  order_ref = refs[0] if listed else None
+  q_ref, pos_ref, k_ref, v_ref, *rest = refs[int(listed) + int(paged):]
   mods = [m for m in (score_mod, mask_mod) if m is not None]
   flex_refs = []
   for mod in mods:
     flex_refs.append(rest[:len(mod.residuals)])
     rest = rest[len(mod.residuals):]
   out_ref, lse_ref, m_ref, l_ref, acc_ref = rest
-  b, p, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  run = 2 * (b * splits + p)
-  key_block = runs_ref[run] + j
+  b, k, p, j = (pl.program_id(i) for i in range(4))
   length = lengths_ref[b]
 
   pl.when(j == 0)(lambda: kernel.init_softmax(m_ref, l_ref, acc_ref))
 
-  @pl.when(key_block < runs_ref[run + 1])
-  def _step():
+  def step(key_block, masked):
     qk = kernel.dot(q_ref[...], k_ref[...], kernel.NT, precision)  # [R, bk]
     s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap)
     start = key_block * block
@@ -239,28 +244,46 @@ def _kernel(
     if score_mod is not None:
       s = score_mod.tile(_flex_values(score_mod, flex[score_mod]),
                          q_idx=q_pos, kv_idx=kv_pos, score=s)
-    visible = masking.visible(
-      is_causal=is_causal,
-      window=window,
-      q_pos=q_pos,
-      kv_pos=kv_pos,
-      dense=kv_pos < length,
-    )
-    if mask_mod is not None:
-      visible = visible & mask_mod.tile(
-        _flex_values(mask_mod, flex[mask_mod]), q_idx=q_pos, kv_idx=kv_pos)
-    s = online_softmax.apply_mask(s, visible)
+    if masked:
+      visible = masking.visible(
+        is_causal=is_causal,
+        window=window,
+        q_pos=q_pos,
+        kv_pos=kv_pos,
+        dense=kv_pos < length,
+      )
+      if mask_mod is not None:
+        visible = visible & mask_mod.tile(
+          _flex_values(mask_mod, flex[mask_mod]), q_idx=q_pos, kv_idx=kv_pos)
+      s = online_softmax.apply_mask(s, visible)
     m_i, l_i, probs, alpha = online_softmax.update(
       kernel.column(m_ref), kernel.column(l_ref), s
     )
     v = v_ref[...]
-    # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
-    key_rows = start + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-    v = jnp.where(key_rows < length, v, jnp.zeros((), v.dtype))
+    if masked:
+      # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
+      key_rows = start + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+      v = jnp.where(key_rows < length, v, jnp.zeros((), v.dtype))
     pv = kernel.dot(probs.astype(v.dtype), v, kernel.NN, precision)
     acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
     kernel.store_column(m_ref, m_i)
     kernel.store_column(l_ref, l_i)
+
+  if listed:
+    # Step j of the split is position first + j of this K/V head's list of
+    # non-empty blocks; the first n_full positions are FULL blocks.
+    row = (b * num_kv + k) * splits + p
+    at = runs_ref[3 * row] + j
+    key_block = order_ref[(b * num_kv + k) * num_blocks
+                          + jnp.minimum(at, num_blocks - 1)]
+    active, full = at < runs_ref[3 * row + 1], at < runs_ref[3 * row + 2]
+    pl.when(active & full)(lambda: step(key_block, masked=False))
+    pl.when(active & ~full)(lambda: step(key_block, masked=True))
+  else:
+    run = 2 * (b * splits + p)
+    key_block = runs_ref[run] + j
+    pl.when(key_block < runs_ref[run + 1])(
+      lambda: step(key_block, masked=True))
 
   @pl.when(j == steps - 1)
   def _finalize():
@@ -291,13 +314,18 @@ def partials(
   score_mod_args=(),
   mask_mod=None,
   mask_mod_args=(),
+  kinds=None,
 ):
   """Runs the kernel: the normalised (out, lse) of every split, float32
   [B, K, splits, R, Hv] and [B, K, splits, R], for `decode` to merge (the
   arguments and results of `decode._decode_split_kernel`'s `partials`;
   `block` from `block_for`). A score_mod / mask_mod is fused
   (`fused_mods.packed_values`: per-row values lane-replicated [B, K, rows,
-  128], per-key ones sublane-replicated [B, 8, cache positions]).
+  128], per-key ones sublane-replicated [B, 8, cache positions]). With a
+  mask_mod, `kinds` (int32 [B, K, blocks], `decode.block_kinds`) lists each
+  K/V head's non-empty blocks (`masking.listed_runs`, scalar-prefetched):
+  a split's steps walk its share of the list, its DMAs fetch only those
+  blocks and the FULL ones skip the masking.
 
   Raises:
     NotImplementedError: on a TPU, the block table and run boundaries do
@@ -328,19 +356,24 @@ def partials(
   value = masking.pad_axes(value, {3: hvp}).reshape(*value.shape[:2], -1)
   splits = max(1, min(splits, num_blocks))
   steps = -(-num_blocks // splits)
-  first, end = masking.split_runs(
-    lengths,
-    query_positions,
-    num_blocks=num_blocks,
-    block=block,
-    splits=splits,
-    is_causal=is_causal,
-    window=local_window_size,
-  )
-  prefetch = [
-    lengths.astype(jnp.int32),
-    jnp.stack([first, end], axis=-1).reshape(-1),
-  ]
+  listed = kinds is not None
+  if listed:
+    order, runs = masking.listed_runs(kinds, splits)
+    prefetch = [lengths.astype(jnp.int32), runs.reshape(-1), order.reshape(-1)]
+  else:
+    first, end = masking.split_runs(
+      lengths,
+      query_positions,
+      num_blocks=num_blocks,
+      block=block,
+      splits=splits,
+      is_causal=is_causal,
+      window=local_window_size,
+    )
+    prefetch = [
+      lengths.astype(jnp.int32),
+      jnp.stack([first, end], axis=-1).reshape(-1),
+    ]
   if paged:
     # Entries past a sequence's pages may name no page at all; the steps
     # that would read them are skipped, but their DMAs must stay in bounds.
@@ -349,11 +382,22 @@ def partials(
     )
   _check_scalar_memory(sum(x.size for x in prefetch))
 
-  def cache_index(i, k, p, j, lengths_ref, runs_ref, *table_ref):
+  def block_of(i, k, p, j, runs_ref, order_ref):
+    """The block step j of split p reads; past the run's end, its last
+    block again, already resident (no DMA)."""
+    if not listed:
+      run = 2 * (i * splits + p)
+      return jnp.maximum(
+        jnp.minimum(runs_ref[run] + j, runs_ref[run + 1] - 1), 0)
+    run = 3 * ((i * num_kv + k) * splits + p)
+    at = jnp.maximum(jnp.minimum(runs_ref[run] + j, runs_ref[run + 1] - 1), 0)
+    return order_ref[(i * num_kv + k) * num_blocks + at]
+
+  def cache_index(i, k, p, j, lengths_ref, runs_ref, *refs):
     del lengths_ref
-    run = 2 * (i * splits + p)
-    # Past the run's end: its last block again, already resident.
-    blk = jnp.maximum(jnp.minimum(runs_ref[run] + j, runs_ref[run + 1] - 1), 0)
+    order_ref = refs[0] if listed else None
+    table_ref = refs[int(listed):]
+    blk = block_of(i, k, p, j, runs_ref, order_ref)
     if not paged:
       return i, blk, k
     if per_page == 1:
@@ -363,12 +407,10 @@ def partials(
     ]
     return page, jax.lax.rem(blk, jnp.int32(per_page)), k
 
-  def key_index(i, k, p, j, lengths_ref, runs_ref, *table_ref):
+  def key_index(i, k, p, j, lengths_ref, runs_ref, *refs):
     # Per-key flex values: the cache positions of the step's block.
-    del k, lengths_ref, table_ref
-    run = 2 * (i * splits + p)
-    blk = jnp.maximum(jnp.minimum(runs_ref[run] + j, runs_ref[run + 1] - 1), 0)
-    return i, 0, blk
+    del lengths_ref
+    return i, 0, block_of(i, k, p, j, runs_ref, refs[0] if listed else None)
 
   sq = kernel.SQUEEZED
   in_specs = [
@@ -450,6 +492,9 @@ def partials(
     functools.partial(
       _kernel,
       paged=paged,
+      listed=listed,
+      num_kv=num_kv,
+      num_blocks=num_blocks,
       block=block,
       splits=splits,
       steps=steps,
@@ -472,11 +517,12 @@ def partials(
 
 def _check_scalar_memory(words: int) -> None:
   """Raises NotImplementedError when the scalar-prefetched words (lengths,
-  run boundaries, block table) exceed this TPU's scalar memory."""
+  run boundaries, block lists, block table) exceed this TPU's scalar memory."""
   capacity = kernel.metadata_capacity()
   if capacity is not None and words > capacity:
     raise NotImplementedError(
-      f"implementation='mosaic_tpu': the block_table, lengths and split "
-      f"runs ({words} int32 words) exceed the {capacity} that fit in this "
-      "TPU's scalar memory; use larger pages or fewer num_splits."
+      f"implementation='mosaic_tpu': the block_table, lengths, split runs "
+      f"and mask_mod block lists ({words} int32 words) exceed the "
+      f"{capacity} that fit in this TPU's scalar memory; use larger pages "
+      "or fewer num_splits."
     )

@@ -13,7 +13,10 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   (out, lse). `online_softmax.merge_parts` merges the splits after the
   kernel, in plain JAX. Inside a block every key is masked by
   `masking.visible` with `key < length` as its dense term, and value rows
-  past the length are zeroed (they may hold NaN).
+  past the length are zeroed (they may hold NaN). With a mask_mod the
+  visible blocks need not be contiguous: each K/V head's non-empty blocks
+  are listed (`masking.listed_runs`) and the splits cut the list, so the
+  blocks it hides are never read and those it shows whole skip the masking.
 * **Paging.** A contiguous cache [B, S_max, K, H] is read in blocks of
   `block` keys (a `pl.ds` slice; when S_max is not a multiple of `block`,
   the last block is the cache's last `block` rows, its keys already read
@@ -158,16 +161,29 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
   return block
 
 
-def _spans(lengths, q_pos, *, num_blocks: int, block: int, splits: int,
-           is_causal: bool, window):
-  """int32 [B, splits, 4]: (first block, end block, length, 0) of each
-  split (`masking.split_runs`), one row per program."""
-  first, end = masking.split_runs(
-      lengths, q_pos, num_blocks=num_blocks, block=block, splits=splits,
-      is_causal=is_causal, window=window)
-  return jnp.stack(
-      [first, end, jnp.broadcast_to(lengths[:, None], first.shape),
-       jnp.zeros_like(first)], axis=-1).astype(jnp.int32)
+def _spans(lengths, q_pos, lists, *, num_blocks: int, block: int,
+           splits: int, is_causal: bool, window, split_of):
+  """The "span" input, one row of 4 int32 per program: (first, end,
+  length, n_full). Without block `lists`, [B, splits, 4]: blocks [first, end)
+  (`masking.split_runs`), n_full unused; with a mask_mod's lists
+  (`masking.listed_runs`), [B, K, splits, 4]:
+  positions [first, end) of the K/V head's block list, the first n_full of
+  the list FULL."""
+  if lists is None:
+    first, end = masking.split_runs(
+        lengths, q_pos, num_blocks=num_blocks, block=block, splits=splits,
+        is_causal=is_causal, window=window)
+    n_full = jnp.zeros_like(first)
+    spec = triton.block_spec((None, None, 4),
+                             lambda i, k, j: (i, split_of(j), 0))
+  else:
+    first, end, n_full = (lists[1][..., i] for i in range(3))
+    spec = triton.block_spec((None, None, None, 4),
+                             lambda i, k, j: (i, k, split_of(j), 0))
+  length = jnp.broadcast_to(
+      lengths.reshape((-1,) + (1,) * (first.ndim - 1)), first.shape)
+  spans = jnp.stack([first, end, length, n_full], axis=-1)
+  return spans.astype(jnp.int32), spec
 
 
 def _dot_nt(a, b, precision):
@@ -222,7 +238,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     offset = pl.multiple_of((j % per_page) * block, block)
     return j * block, (page, pl.ds(offset, block))
 
-  def step(j, carry):
+  def step(j, carry, *, masked=True):
     m_i, l_i, acc = carry
     start, lead = key_rows(j)
     if head_chunks == 1:
@@ -246,25 +262,43 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
       s = score_mod.tile(_flex_values(refs, score_mod, cols),
                          q_idx=row_pos, kv_idx=kv_pos[None, :], score=s)
       s = s * online_softmax.LOG2_E
-    valid = (kv_pos >= j * block) & (kv_pos < length)
-    visible = masking.visible(
-        is_causal=is_causal, window=window, q_pos=row_pos,
-        kv_pos=kv_pos[None, :], dense=valid[None, :])
-    if mask_mod is not None:
-      visible = visible & mask_mod.tile(
-          _flex_values(refs, mask_mod, cols), q_idx=row_pos,
-          kv_idx=kv_pos[None, :])
-    s = online_softmax.apply_mask(s, visible)
+    if masked:
+      valid = (kv_pos >= j * block) & (kv_pos < length)
+      visible = masking.visible(
+          is_causal=is_causal, window=window, q_pos=row_pos,
+          kv_pos=kv_pos[None, :], dense=valid[None, :])
+      if mask_mod is not None:
+        visible = visible & mask_mod.tile(
+            _flex_values(refs, mask_mod, cols), q_idx=row_pos,
+            kv_idx=kv_pos[None, :])
+      s = online_softmax.apply_mask(s, visible)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
     v = refs["v"][(*lead, values)]  # [block, value_chunk]
-    # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
-    v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
+    if masked:
+      # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
+      v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
     acc = online_softmax.rescale(acc, alpha) + _dot(
         p.astype(v.dtype), v, precision)
     return m_i, l_i, acc
 
   carry = online_softmax.init((rows,), (rows, value_chunk))
-  m_i, l_i, acc = jax.lax.fori_loop(first, end, step, carry)
+  if "order" in refs:
+    # A mask_mod's blocks: positions [first, end) of this K/V head's list,
+    # those below n_full FULL (no masking at all).
+    order, n_full = refs["order"], span[3]
+
+    def listed(masked):
+      def body(i, carry):
+        return step(order[i], carry, masked=masked)
+      return body
+
+    carry = jax.lax.fori_loop(first, jnp.minimum(end, n_full),
+                              listed(False), carry)
+    carry = jax.lax.fori_loop(jnp.maximum(first, n_full), end, listed(True),
+                              carry)
+  else:
+    carry = jax.lax.fori_loop(first, end, step, carry)
+  m_i, l_i, acc = carry
   out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
   refs["out"][...] = out
   refs["lse"][...] = lse
@@ -273,7 +307,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
 def partials(q, row_pos, query_positions, key, value, lengths, block_table,
              *, block: int, splits: int, scale: float, is_causal: bool,
              local_window_size, logits_soft_cap, precision, score_mod=None,
-             score_mod_args=(), mask_mod=None, mask_mod_args=()):
+             score_mod_args=(), mask_mod=None, mask_mod_args=(),
+             kinds=None):
   """The kernel's per-split results on the packed layout of `decode`.
 
   Args:
@@ -289,6 +324,10 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       call's validated static arguments.
     score_mod, score_mod_args, mask_mod, mask_mod_args: flex attention
       (checked), fused into the kernel (see the module docstring).
+    kinds: None, or with a mask_mod int32 [B, K, blocks], every block's
+      kind for each K/V head (`decode.block_kinds`): a program visits its
+      share of the non-empty blocks (`masking.listed_runs`), the FULL ones
+      without masking.
 
   Returns:
     (out float32 [B, K, splits, R, Hv], lse float32 [B, K, splits, R]):
@@ -326,9 +365,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
     def cache_index(i, k, j):
       return (0, 0, k, 0)
   splits = max(1, min(splits, num_blocks))
-  spans = _spans(lengths, query_positions, num_blocks=num_blocks,
-                 block=block, splits=splits, is_causal=is_causal,
-                 window=local_window_size)
+  lists = None if kinds is None else masking.listed_runs(kinds, splits)
 
   def split_of(j):
     return j // num_value_chunks
@@ -341,11 +378,17 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
                                  lambda i, k, j: (i, k, 0, 0))),
       "pos": (row_pos, triton.block_spec((None, rows),
                                          lambda i, k, j: (i, 0))),
-      "span": (spans, triton.block_spec(
-          (None, None, 4), lambda i, k, j: (i, split_of(j), 0))),
+      "span": _spans(lengths, query_positions, lists, num_blocks=num_blocks,
+                     block=block, splits=splits, is_causal=is_causal,
+                     window=local_window_size, split_of=split_of),
       "k": (key, triton.block_spec((*cache_block, hp), cache_index)),
       "v": (value, triton.block_spec((*cache_block, hvp), cache_index)),
   }
+  if lists is not None:
+    order = lists[0]
+    width = layout.next_power_of_2(num_blocks)  # Triton's block shapes.
+    inputs["order"] = (masking.pad_axes(order, {2: width}), triton.block_spec(
+        (None, None, width), lambda i, k, j: (i, k, 0)))
   if block_table is not None:
     table = block_table.astype(jnp.int32)
     inputs["table"] = (table, triton.block_spec(
