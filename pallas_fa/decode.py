@@ -468,23 +468,27 @@ def block_kinds(mask_mod, mask_mod_args, lengths, query_positions, *,
   mask_mod, which is evaluated exactly, once on every (new token, cached
   key) pair."""
   b, t = query_positions.shape
-  g = num_heads // num_kv
-  chunk = max(1, min(num_blocks,
-                     _MOD_ELEMENTS // (b * num_heads * t * block)))
   i32 = jnp.int32
-  tile = (b, num_kv, g, t, chunk * block)
+  # The function is evaluated only along the axes it reads: a mask_mod that
+  # ignores the head (most do) runs once for all of them.
+  uses = mods.uses_batch_and_head(mods.MASK_MOD, mask_mod, mask_mod_args)
+  km, gm = (num_kv, num_heads // num_kv) if uses[1] else (1, 1)
+  chunk = max(1, min(num_blocks, _MOD_ELEMENTS // (b * km * gm * t * block)))
 
   def classify(step):
     kv_pos = step * chunk * block + jnp.arange(chunk * block, dtype=i32)
     visible = mods.evaluate(
-        mask_mod, tile, batch=jnp.arange(b, dtype=i32).reshape(b, 1, 1, 1, 1),
-        head=jnp.arange(num_heads, dtype=i32).reshape(1, num_kv, g, 1, 1),
+        mask_mod, (b, km, gm, t, chunk * block),
+        batch=jnp.arange(b, dtype=i32).reshape(b, 1, 1, 1, 1),
+        head=jnp.arange(km * gm, dtype=i32).reshape(1, km, gm, 1, 1),
         q_idx=query_positions.reshape(b, 1, 1, t, 1),
-        kv_idx=kv_pos.reshape(1, 1, 1, 1, -1), args=mask_mod_args)
-    visible = visible.reshape(b, num_kv, g, t, chunk, block)
+        kv_idx=kv_pos.reshape(1, 1, 1, 1, -1), args=mask_mod_args,
+        uses=uses)
+    visible = visible.reshape(b, km, gm, t, chunk, block)
     cached = (kv_pos[None] < lengths[:, None]).reshape(b, 1, 1, 1, chunk, block)
-    return masking.kind_of(jnp.any(visible & cached, axis=(2, 3, 5)),
-                           jnp.all(visible, axis=(2, 3, 5)))  # [B, K, chunk]
+    kinds = masking.kind_of(jnp.any(visible & cached, axis=(2, 3, 5)),
+                            jnp.all(visible, axis=(2, 3, 5)))
+    return jnp.broadcast_to(kinds, (b, num_kv, chunk))
 
   steps = -(-num_blocks // chunk)
   kinds = jax.lax.map(classify, jnp.arange(steps, dtype=i32))

@@ -24,6 +24,13 @@ with a [B, 1, T_new, S] mask.
         --max_cache_gib=16 --json=decode.json            # the full grid
     python scripts/decode_benchmark.py --implementations=chunked,triton \
         --page_size=64                                   # both, paged
+    python scripts/decode_benchmark.py --window_sinks=1024,4  # StreamingLLM
+
+With --window_sinks=W,SINKS every call masks the cache to the last W tokens
+and the first SINKS (`flex.sliding_window_with_sinks`: a mask_mod for
+`decode_attention`, the same visibility as a dense mask for the peers), and
+the roofline counts only the keys a new token sees: a call that skips the
+hidden blocks can approach it, one that reads the whole cache cannot.
 
 Cells whose cache exceeds --max_cache_gib are listed as skipped.
 """
@@ -47,6 +54,7 @@ from gpu import environment
 
 import pallas_fa
 from pallas_fa import api
+from pallas_fa import flex
 from pallas_fa import testing
 
 _BATCH = flags.DEFINE_list("batch", ["1", "8"], "Batch sizes B.")
@@ -73,6 +81,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
 _MATMUL_SIZE = flags.DEFINE_integer(
     "matmul_size", 2048, "M = N = K of the matmul-rate probe of the roofline "
     "(0: memory-only roofline).")
+_WINDOW_SINKS = flags.DEFINE_list(
+    "window_sinks", [], "W,SINKS: mask every call to the last W tokens and "
+    "the first SINKS (StreamingLLM; a mask_mod for decode_attention).")
 _JSON = flags.DEFINE_string(
     "json", None, "Write the report here (rewritten after every cell).")
 
@@ -143,26 +154,52 @@ def implementations() -> list[str]:
   return ["chunked"] + kernels.get(api.platform(), [])
 
 
-def _candidates(t, s, page_size, impls):
-  q_pos = lambda lengths: (lengths[:, None] - t  # noqa: E731
-                           + jnp.arange(t, dtype=jnp.int32)[None, :])
+def window_sinks() -> tuple[int, int] | None:
+  """(W, SINKS) of --window_sinks, or None."""
+  if not _WINDOW_SINKS.value:
+    return None
+  window, sinks = (int(x) for x in _WINDOW_SINKS.value)
+  return window, sinks
+
+
+def _query_positions(lengths, t):
+  """The new tokens' positions: the last t of each sequence."""
+  return lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def visible(lengths, t: int, s: int, streaming) -> jax.Array:
+  """bool [B, 1, T_new, S]: the keys each new token sees (causal on the
+  cache, under `streaming` = (W, SINKS) when given)."""
+  q_idx = _query_positions(lengths, t)[:, None, :, None]
+  kv_idx = jnp.arange(s, dtype=jnp.int32)[None, None, None, :]
+  seen = (kv_idx <= q_idx) & (kv_idx < lengths[:, None, None, None])
+  if streaming is not None:
+    seen &= flex.sliding_window_with_sinks(None, None, q_idx, kv_idx,
+                                           *streaming)
+  return seen
+
+
+def _candidates(t, s, page_size, impls, streaming=None):
+  mod = {}
+  if streaming is not None:
+    mod = dict(mask_mod=flex.sliding_window_with_sinks,
+               mask_mod_args=tuple(jnp.int32(x) for x in streaming))
 
   def decode(q, k, v, lengths, table, impl):
     return pallas_fa.decode_attention(q, k, v, lengths, block_table=table,
-                                      implementation=impl)
+                                      implementation=impl, **mod)
 
   def plain(q, k, v, lengths, table):
     del table
+    mask = None if streaming is None else visible(lengths, t, s, streaming)
     return pallas_fa.flash_attention(
         q, k, v, is_causal=True, key_value_seq_lengths=lengths,
-        query_positions=q_pos(lengths))
+        query_positions=_query_positions(lengths, t), mask=mask)
 
   def jax_nn(q, k, v, lengths, table):
     del table
-    kv_pos = jnp.arange(s, dtype=jnp.int32)[None, None, None, :]
-    visible = ((kv_pos <= q_pos(lengths)[:, None, :, None])
-               & (kv_pos < lengths[:, None, None, None]))
-    return jax.nn.dot_product_attention(q, k, v, mask=visible)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=visible(lengths, t, s, streaming))
 
   out = {f"decode/{impl}": functools.partial(decode, impl=impl)
          for impl in impls}
@@ -175,16 +212,22 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
              bandwidth, matmul_rate):
   """Times every candidate on one shape; returns one row per candidate."""
   itemsize = jnp.dtype(dtype).itemsize
-  kv_bytes = 2 * b * s * num_kv * h * itemsize
-  flops = attention_flops(b, s, n, h, t)
+  streaming = window_sinks()
+  # Keys some new token sees, per sequence summed (all S without a mask).
+  keys = int(jnp.sum(jnp.any(visible(
+      jnp.full((b,), s, jnp.int32), t, s, streaming), axis=(1, 2))))
+  kv_bytes = 2 * keys * num_kv * h * itemsize
+  flops = attention_flops(1, keys, n, h, t)
   roofline = roofline_s(kv_bytes, flops, bandwidth, matmul_rate)
   base = dict(batch=b, seq_len=s, heads=n, kv_heads=num_kv, head_dim=h,
               new_tokens=t, dtype=jnp.dtype(dtype).name,
               page_size=page_size, kv_bytes=kv_bytes, flops=flops,
-              roofline_ms=roofline * 1e3)
-  if kv_bytes > _MAX_GIB.value * 2**30:
+              roofline_ms=roofline * 1e3,
+              window_sinks=list(streaming) if streaming else None)
+  cache_bytes = 2 * b * s * num_kv * h * itemsize
+  if cache_bytes > _MAX_GIB.value * 2**30:
     return [dict(base, impl="*", status="skipped",
-                 reason=f"cache {kv_bytes / 2**30:.1f} GiB > "
+                 reason=f"cache {cache_bytes / 2**30:.1f} GiB > "
                         f"--max_cache_gib")]
   q, k, v, lengths = _inputs(b, s, n, num_kv, h, t, dtype)
   args = (q, k, v, lengths, None)
@@ -193,14 +236,14 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
     args = (q, k_pages, v_pages, lengths, table)
   # What every candidate must return: the plain call, in float32 and in the
   # inputs' dtype (the project's low-precision rule, `testing.compare`).
-  plain = _candidates(t, s, 0, [])["flash_attention"]
+  plain = _candidates(t, s, 0, [], streaming)["flash_attention"]
   up = [x.astype(jnp.float32) for x in (q, k, v)]
   ref32 = jax.jit(plain)(*up, lengths, None)
   ref_same = jax.jit(plain)(q, k, v, lengths, None)
   rows, times = [], {}
   impls = implementations()
   first = f"decode/{impls[0]}"
-  for name, fn in _candidates(t, s, page_size, impls).items():
+  for name, fn in _candidates(t, s, page_size, impls, streaming).items():
     if not name.startswith("decode/") and name not in peers:
       continue
     try:

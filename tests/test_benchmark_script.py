@@ -259,6 +259,33 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
       row["roofline_ms"] / row["ms"]), row
 
 
+def test_decode_benchmark_streaming_counts_only_the_keys_it_shows(tmp_path):
+  """--window_sinks: decode_attention with the StreamingLLM mask_mod and
+  both peers with the same dense mask agree with the float32 masked plain
+  call, and the roofline's bytes are those of the keys a new token sees:
+  at S = 128, T_new = 2, W = 16 and 4 sinks, keys 111..127 and 0..3 (21 per
+  sequence)."""
+  script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / (
+      "decode_benchmark.py")
+  out = tmp_path / "decode.json"
+  proc = subprocess.run(
+      [sys.executable, str(script), "--batch=2", "--seq_lens=128",
+       "--heads=4", "--kv_heads=2", "--head_dims=16", "--new_tokens=2",
+       "--window_sinks=16,4", "--dtype=float32", "--repeats=1",
+       "--matmul_size=128", f"--json={out}"],
+      capture_output=True, text=True, timeout=240, check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert {r["impl"] for r in rows} == {
+      "decode/chunked", "flash_attention", "jax_nn"}
+  for row in rows:
+    assert row["status"] == "ok", row
+    assert 0 <= row["max_error"] <= row["tolerance"], row
+    assert row["window_sinks"] == [16, 4]
+    assert row["kv_bytes"] == 2 * (2 * 21) * 2 * 16 * 4, row
+    assert row["flops"] == 4 * (2 * 21) * 4 * 2 * 16, row
+
+
 def test_rounds_time_the_peers_in_turn_and_keep_the_median(
     benchmark, monkeypatch):
   """--rounds=3: every candidate of a (shape, mode) is run once per round,

@@ -878,11 +878,19 @@ def test_decode_attention(implementation):
   assert_close("out", out, want)
 
 
+def _window_by_head(batch, head, q_idx, kv_idx, windows):
+  """A sliding window of `windows[head]` keys: the blocks a query sees
+  differ between heads."""
+  del batch
+  return q_idx - kv_idx < windows[head]
+
+
 @pytest.mark.parametrize("implementation", _DECODE_FLEX)
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("mask_mod, mask_mod_args", [
     (flex.sliding_window_with_sinks, (jnp.int32(64), jnp.int32(3))),
     (flex.chunked_causal, (jnp.int32(64),)),
+    (_window_by_head, (jnp.array([16, 40, 100, 120]),)),
 ])
 def test_decode_never_reads_what_the_mask_mod_hides(
     mask_mod, mask_mod_args, splits, implementation):
@@ -891,7 +899,8 @@ def test_decode_never_reads_what_the_mask_mod_hides(
   cache there is poisoned with NaN and the result is still the
   reference's; the blocks every token sees whole (inside both windows)
   skip the masking. `chunked` skips a step (`splits` blocks) that no
-  sequence sees, the kernels each sequence's blocks it does not see."""
+  sequence sees, the kernels the blocks a sequence's K/V head does not see
+  (with per-head windows, a different set for each K/V head)."""
   gen = rng(f"flex-decode-skip-{splits}")
   b, t, n, kh, h, s, block = 2, 2, 4, 2, 16, 256, 16
   q = _normal(gen, (b, t, n, h))
@@ -900,19 +909,22 @@ def test_decode_never_reads_what_the_mask_mod_hides(
   positions = lengths[:, None] - t + jnp.arange(t)[None, :]
   qi = positions[:, None, :, None]
   ki = jnp.arange(s)[None, None, None, :]
-  dense_mask = mask_mod(None, None, qi, ki, *mask_mod_args) & (ki <= qi)
+  heads = jnp.arange(n)[None, :, None, None]
+  dense_mask = mask_mod(None, heads, qi, ki, *mask_mod_args) & (ki <= qi)
   want = jax.nn.dot_product_attention(
       q, k, v, mask=dense_mask, key_value_seq_lengths=lengths)
-  seen = np.asarray(dense_mask & (ki < lengths[:, None, None, None]))
+  seen = np.broadcast_to(dense_mask & (ki < lengths[:, None, None, None]),
+                         (b, n, t, s)).reshape(b, kh, n // kh, t, s)
   if implementation == "chunked":  # A step reads `splits` blocks.
     span = splits * block
-    hidden = ~seen.reshape(b, t, s // span, span).any(axis=(0, 1, 3))
-    hidden = np.broadcast_to(hidden, (b, s // span))
+    hidden = ~seen.reshape(b, kh, -1, s // span, span).any(axis=(0, 1, 2, 4))
+    hidden = np.broadcast_to(hidden[None, :, None], (b, s // span, kh))
   else:
     span = block
-    hidden = ~seen.reshape(b, t, s // span, span).any(axis=(1, 3))
-  assert hidden.sum() >= 3 * b, hidden
-  poison = jnp.repeat(jnp.asarray(hidden), span, axis=1)[..., None, None]
+    hidden = ~seen.reshape(b, kh, -1, s // span, span).any(axis=(2, 4))
+    hidden = hidden.transpose(0, 2, 1)  # [B, blocks, K]
+  assert hidden.sum() >= 3 * b * kh, hidden
+  poison = jnp.repeat(jnp.asarray(hidden), span, axis=1)[..., None]
   k_bad, v_bad = (jnp.where(poison, jnp.nan, x) for x in (k, v))
   got = pallas_fa.decode_attention(
       q, k_bad, v_bad, lengths, mask_mod=mask_mod,
