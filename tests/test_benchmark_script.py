@@ -227,22 +227,27 @@ def test_isolated_cell_reports_peak_memory(benchmark):
   assert r["peak_bytes"] >= r["base_bytes"] > 0
 
 
-def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
-    tmp_path):
-  """scripts/decode_benchmark.py on a tiny shuffled-page cache: each timed
-  decode is first compared with the float32 flash_attention on the same
-  cache (a wrong page table would show as status "wrong")."""
+def _decode_benchmark(tmp_path, *flags) -> dict:
+  """The JSON report of scripts/decode_benchmark.py on a tiny cache (B = 2,
+  S = 128, N = 4, K = 2, H = 16, T_new = 2) with `flags`."""
   script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / (
       "decode_benchmark.py")
   out = tmp_path / "decode.json"
   proc = subprocess.run(
       [sys.executable, str(script), "--batch=2", "--seq_lens=128",
        "--heads=4", "--kv_heads=2", "--head_dims=16", "--new_tokens=2",
-       "--page_size=32", "--dtype=bfloat16", "--repeats=1",
-       "--matmul_size=128", f"--json={out}"],
+       "--repeats=1", "--matmul_size=128", f"--json={out}", *flags],
       capture_output=True, text=True, timeout=240, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-  report = json.loads(out.read_text())
+  return json.loads(out.read_text())
+
+
+def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
+    tmp_path):
+  """scripts/decode_benchmark.py on a tiny shuffled-page cache: each timed
+  decode is first compared with the float32 flash_attention on the same
+  cache (a wrong page table would show as status "wrong")."""
+  report = _decode_benchmark(tmp_path, "--page_size=32", "--dtype=bfloat16")
   assert report["memory_bandwidth"]["peak"] == max(
       report["memory_bandwidth"]["copy"], report["memory_bandwidth"]["read"])
   (row,) = report["rows"]
@@ -265,17 +270,8 @@ def test_decode_benchmark_streaming_counts_only_the_keys_it_shows(tmp_path):
   call, and the roofline's bytes are those of the keys a new token sees:
   at S = 128, T_new = 2, W = 16 and 4 sinks, keys 111..127 and 0..3 (21 per
   sequence)."""
-  script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / (
-      "decode_benchmark.py")
-  out = tmp_path / "decode.json"
-  proc = subprocess.run(
-      [sys.executable, str(script), "--batch=2", "--seq_lens=128",
-       "--heads=4", "--kv_heads=2", "--head_dims=16", "--new_tokens=2",
-       "--window_sinks=16,4", "--dtype=float32", "--repeats=1",
-       "--matmul_size=128", f"--json={out}"],
-      capture_output=True, text=True, timeout=240, check=False)
-  assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-  rows = json.loads(out.read_text())["rows"]
+  rows = _decode_benchmark(tmp_path, "--window_sinks=16,4",
+                           "--dtype=float32")["rows"]
   assert {r["impl"] for r in rows} == {
       "decode/chunked", "flash_attention", "jax_nn"}
   for row in rows:
