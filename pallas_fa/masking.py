@@ -599,6 +599,18 @@ def split_runs(lengths: Array, q_positions: Array, *, num_blocks: int,
   return first.astype(jnp.int32), end.astype(jnp.int32)
 
 
+def visit_order(kinds: Array) -> tuple[Array, Array, Array]:
+  """The non-empty tiles of each row of `kinds` [..., n] in the order a
+  program visits them: (order int32 [..., n]: the FULL tiles ascending,
+  then the PARTIAL ones, then the EMPTY ones; number FULL, number PARTIAL,
+  int32 [..., 1])."""
+  # A stable sort on the kind, descending (EMPTY < PARTIAL < FULL).
+  order = jnp.argsort(-kinds, axis=-1, stable=True).astype(jnp.int32)
+  n_full = jnp.sum(kinds == FULL, axis=-1, dtype=jnp.int32)[..., None]
+  n_part = jnp.sum(kinds == PARTIAL, axis=-1, dtype=jnp.int32)[..., None]
+  return order, n_full, n_part
+
+
 def listed_runs(kinds: Array, splits: int) -> tuple[Array, Array]:
   """The non-empty blocks of each row of `kinds` as a list cut into `splits`
   contiguous runs: split-KV decode under a mask_mod, whose visible blocks
@@ -609,15 +621,13 @@ def listed_runs(kinds: Array, splits: int) -> tuple[Array, Array]:
     splits: runs per row.
 
   Returns:
-    (order int32 [..., n], runs int32 [..., splits, 3]): `order` lists the
-    FULL blocks ascending, then the PARTIAL ones, then the EMPTY ones; split
-    p visits `order[first:end]`, the positions below `n_full` of them FULL,
-    where a run is (first, end, n_full) and an empty split has first == end.
+    (order int32 [..., n], runs int32 [..., splits, 3]): `order` as
+    `visit_order` gives it; split p visits `order[first:end]`, the
+    positions below `n_full` of them FULL, where a run is (first, end,
+    n_full) and an empty split has first == end.
   """
-  rank = jnp.where(kinds == FULL, 0, jnp.where(kinds == PARTIAL, 1, 2))
-  order = jnp.argsort(rank, axis=-1, stable=True).astype(jnp.int32)
-  n_full = jnp.sum(kinds == FULL, axis=-1, dtype=jnp.int32)[..., None]
-  visited = jnp.sum(kinds != EMPTY, axis=-1, dtype=jnp.int32)[..., None]
+  order, n_full, n_part = visit_order(kinds)
+  visited = n_full + n_part
   per = -(-visited // splits)
   split = jnp.arange(splits, dtype=jnp.int32).reshape(
       (1,) * (kinds.ndim - 1) + (splits,))

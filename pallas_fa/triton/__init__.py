@@ -234,21 +234,13 @@ def tile_bounds(kinds: Array) -> Array:
 
 def tile_lists(kinds: Array) -> Array:
   """Per row of tile kinds [..., n], the tiles a program visits, int32
-  [..., w] (w the power of two >= 2 + 2n, for Triton's block shapes):
-  (number FULL, number PARTIAL, the FULL tiles ascending, padding to n, the
-  PARTIAL tiles ascending, padding)."""
+  [..., w] (w the power of two >= 2 + n, for Triton's block shapes):
+  (number FULL, number PARTIAL, then `masking.visit_order`'s list: the FULL
+  tiles ascending, the PARTIAL ones ascending, the rest, padding)."""
   n = kinds.shape[-1]
-  width = 1 << (2 + 2 * n - 1).bit_length()
-
-  def listed(kind):
-    hit = kinds == kind
-    # A stable sort on "is not this kind" lists those tiles first, in order.
-    order = jnp.argsort(~hit, axis=-1, stable=True).astype(jnp.int32)
-    return hit.sum(axis=-1, dtype=jnp.int32)[..., None], order
-
-  n_full, full = listed(masking.FULL)
-  n_part, part = listed(masking.PARTIAL)
-  out = jnp.concatenate([n_full, n_part, full, part], axis=-1)
+  width = 1 << (2 + n - 1).bit_length()
+  order, n_full, n_part = masking.visit_order(kinds)
+  out = jnp.concatenate([n_full, n_part, order], axis=-1)
   pad = [(0, 0)] * (kinds.ndim - 1) + [(0, width - out.shape[-1])]
   return jnp.pad(out, pad)
 

@@ -224,7 +224,7 @@ def _visit(refs, tile, carry, feat: Features, num_tiles: int, group=None):
       return body
 
     carry = jax.lax.fori_loop(0, at(0), listed(2, False), carry)
-    return jax.lax.fori_loop(0, at(1), listed(2 + num_tiles, True), carry)
+    return jax.lax.fori_loop(0, at(1), listed(2 + at(0), True), carry)
   if not feat.masked:
     return jax.lax.fori_loop(
         0, num_tiles, functools.partial(tile, masked=False), carry)
