@@ -341,11 +341,12 @@ def _rows(x, part):
   return jax.lax.slice_in_dim(x, part.r0, part.r0 + part.rows, axis=3)
 
 
-def _cols(x, part):
-  """The keys of `part` of a key tile [B, K, bk, H]."""
-  if part.cols == x.shape[2]:
+def _cols(x, part, axis=2):
+  """The keys of `part` of a key tile: [B, K, bk, H], or the keys on
+  `axis`."""
+  if part.cols == x.shape[axis]:
     return x
-  return jax.lax.slice_in_dim(x, part.c0, part.c0 + part.cols, axis=2)
+  return jax.lax.slice_in_dim(x, part.c0, part.c0 + part.cols, axis=axis)
 
 
 def _add_cols(acc, x, part):
@@ -353,8 +354,8 @@ def _add_cols(acc, x, part):
   of `part`."""
   if x.shape == acc.shape:
     return acc + x
-  cur = jax.lax.slice_in_dim(acc, part.c0, part.c0 + part.cols, axis=3)
-  return jax.lax.dynamic_update_slice_in_dim(acc, cur + x, part.c0, axis=3)
+  return jax.lax.dynamic_update_slice_in_dim(
+      acc, _cols(acc, part, axis=3) + x, part.c0, axis=3)
 
 
 def _keys_last(x):
