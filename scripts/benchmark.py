@@ -115,8 +115,8 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
   Returns:
     {"meta": device, versions, command, settings; "matmul": the ceiling;
     "results": one record per cell (see `cells.run_cell`), with the speed-up
-    against each `options.BASELINES` peer and the percentage of the matmul
-    rate}.
+    against each `options.BASELINES` peer, the matmul rate timed in the
+    cell's round ("matmul_flops_per_s") and its percentage of that rate}.
   """
   platform = api.platform()
   say = _say(verbose)
@@ -165,9 +165,18 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
     for mode in settings.modes:
       rounds = {c: [] for c in candidates}
       for _ in range(settings.rounds):
+        # The ceiling is timed again just before each round's cells, so a
+        # cell's share of it compares two rates of the same minutes: a CPU
+        # that slows down for a while slows both.
+        round_ceiling = cells.matmul_ceiling(
+            settings.matmul_size, dtype, repeats=settings.repeats,
+            warmup=settings.warmup, seed=settings.seed,
+            min_repeat_s=settings.min_repeat_s)
         for c in candidates:
           record = cells.run_cell(c, shape, mode, inputs, refs[c.sinks],
                                   settings)
+          if round_ceiling:
+            record["matmul_flops_per_s"] = round_ceiling["flops_per_s"]
           rounds[c].append(record)
           ms = f"{record['ms']:.3f} ms" if record["ms"] else ""
           say(f"{mode:7s} {shape} {c.label:16s} {record['status']} {ms} "
@@ -175,6 +184,7 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
       for c in candidates:
         add(median_round(rounds[c]))
     del inputs, refs
+  cells.release_matmul_probe()
   return report
 
 

@@ -7,12 +7,14 @@ read-only reduction, `memory_bandwidth`). With several new tokens and few
 K/V heads the matmuls can outweigh the reads, so each cell also reports its
 roofline, max(K/V bytes / bandwidth, FLOPs / matmul rate), the matmul rate a
 large square product measured in the same run (`cells.matmul_ceiling`), and
-the share of it that the call reached (roofline time / measured time). Each
-`decode_attention` implementation of --implementations is one candidate
-(`decode/chunked`, `decode/triton`, `decode/mosaic_tpu`; the kernels run
-interpreted off their platform, so keep shapes tiny there); "decode x" is
-how many times faster
-the first of them ran than each row. Peers in the same run:
+the share of it that the call reached (roofline time / measured time). Both
+rates are timed again just before every cell (each row records the ones it
+was taken against), so that a slow spell of a shared CPU moves a cell and
+its rates together. Each `decode_attention` implementation of
+--implementations is one candidate (`decode/chunked`, `decode/triton`,
+`decode/mosaic_tpu`; the kernels run interpreted off their platform, so
+keep shapes tiny there); "decode x" is how many times faster the first of
+them ran than each row. Peers in the same run:
 `flash_attention` on the same cache (key lengths and query positions; the
 plain call that decoding used before), and `jax.nn.dot_product_attention`
 with a [B, 1, T_new, S] mask.
@@ -100,14 +102,22 @@ def memory_bandwidth(nbytes: int, dtype, repeats: int) -> dict[str, float]:
   x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
 
   def rate(fn, moved):
-    timing = testing.time_call(
-        jax.jit(fn), x, repeats=repeats)
-    return moved / timing.median_s
+    return moved / testing.time_call(fn, x, repeats=repeats).median_s
 
-  rates = {"copy": rate(lambda x: x * 2, 2 * x.nbytes),
-           # Row sums over 64 rows: a reduction XLA splits across threads.
-           "read": rate(lambda x: x.reshape(64, -1).sum(1), x.nbytes)}
+  rates = {"copy": rate(_copy_probe, 2 * x.nbytes),
+           "read": rate(_read_probe, x.nbytes)}
   return rates | {"peak": max(rates.values())}
+
+
+@jax.jit
+def _copy_probe(x):
+  return x * 2
+
+
+@jax.jit
+def _read_probe(x):
+  # Row sums over 64 rows: a reduction XLA splits across threads.
+  return x.reshape(64, -1).sum(1)
 
 
 def attention_flops(b, s, n, h, t) -> int:
@@ -222,6 +232,7 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
   base = dict(batch=b, seq_len=s, heads=n, kv_heads=num_kv, head_dim=h,
               new_tokens=t, dtype=jnp.dtype(dtype).name,
               page_size=page_size, kv_bytes=kv_bytes, flops=flops,
+              bandwidth=bandwidth, matmul_flops_per_s=matmul_rate,
               roofline_ms=roofline * 1e3,
               window_sinks=list(streaming) if streaming else None)
   cache_bytes = 2 * b * s * num_kv * h * itemsize
@@ -289,19 +300,28 @@ def format_table(rows, header: bool = True) -> str:
   return "\n".join(lines)
 
 
+def machine_rates(dtype) -> tuple[dict, dict | None]:
+  """(memory_bandwidth probes, matmul ceiling or None), timed now."""
+  probes = memory_bandwidth(1 << 28, dtype, _REPEATS.value)
+  matmul = cells.matmul_ceiling(_MATMUL_SIZE.value, _DTYPE.value,
+                                repeats=_REPEATS.value, warmup=1)
+  return probes, matmul
+
+
+def describe_rates(probes: dict, matmul: dict | None) -> str:
+  return (f"memory bandwidth {probes['peak'] / 1e9:.1f} GB/s (copy "
+          f"{probes['copy'] / 1e9:.1f}, read {probes['read'] / 1e9:.1f})"
+          + (f"; matmul {matmul['flops_per_s'] / 1e9:.1f} GFLOP/s"
+             if matmul else ""))
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
   dtype = testing.DTYPES[_DTYPE.value]
   ints = lambda values: [int(x) for x in values]  # noqa: E731
-  probes = memory_bandwidth(1 << 28, dtype, _REPEATS.value)
-  bandwidth = probes["peak"]
-  matmul = cells.matmul_ceiling(_MATMUL_SIZE.value, _DTYPE.value,
-                                repeats=_REPEATS.value, warmup=1)
-  matmul_rate = matmul["flops_per_s"] if matmul else None
-  print(f"device: {jax.devices()[0].device_kind}; memory bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s (copy {probes['copy'] / 1e9:.1f}, "
-        f"read {probes['read'] / 1e9:.1f})"
-        + (f"; matmul {matmul_rate / 1e9:.1f} GFLOP/s" if matmul else ""))
+  probes, matmul = machine_rates(dtype)
+  print(f"device: {jax.devices()[0].device_kind}; "
+        f"{describe_rates(probes, matmul)}")
   rows = []
   report = dict(
       device=jax.devices()[0].device_kind, platform=api.platform(),
@@ -317,9 +337,15 @@ def main(argv: Sequence[str]) -> None:
       for num_kv in ints(_KV_HEADS.value):
         for h in ints(_HEAD_DIMS.value):
           for t in ints(_NEW.value):
+            # The rates are timed again just before each cell, so that its
+            # shares compare rates of the same minutes (a CPU that slows
+            # down for a while slows the probes and the cell alike).
+            cell_probes, cell_matmul = machine_rates(dtype)
             cell = run_cell(b, s, _HEADS.value, num_kv, h, t, dtype,
                             _PAGE.value, _PEERS.value, _REPEATS.value,
-                            bandwidth, matmul_rate)
+                            cell_probes["peak"],
+                            cell_matmul and cell_matmul["flops_per_s"])
+            print(f"  {describe_rates(cell_probes, cell_matmul)}")
             print(format_table(cell, header=False), flush=True)
             rows += cell
             if _JSON.value:

@@ -255,10 +255,10 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
   assert 0 <= row["max_error"] <= row["tolerance"], row
   assert row["bytes_per_s"] > 0 and row["page_size"] == 32
   # The roofline: the slower of the reads at the bandwidth and the FLOPs at
-  # the matmul rate, both measured in the run.
-  roofline_ms = 1e3 * max(
-      row["kv_bytes"] / report["memory_bandwidth"]["peak"],
-      row["flops"] / report["matmul"]["flops_per_s"])
+  # the matmul rate, both timed again just before the cell.
+  assert row["bandwidth"] > 0 and row["matmul_flops_per_s"] > 0, row
+  roofline_ms = 1e3 * max(row["kv_bytes"] / row["bandwidth"],
+                          row["flops"] / row["matmul_flops_per_s"])
   assert row["roofline_ms"] == pytest.approx(roofline_ms), row
   assert row["roofline_share"] == pytest.approx(
       row["roofline_ms"] / row["ms"]), row
@@ -312,3 +312,43 @@ def test_rounds_time_the_peers_in_turn_and_keep_the_median(
   assert failed["status"] == "error"
   with pytest.raises(ValueError, match="rounds"):
     _settings(benchmark, rounds=0)
+
+
+def test_each_round_times_the_matmul_ceiling_again(benchmark, monkeypatch):
+  """A cell's %mm is taken against the matmul rate timed just before its
+  own round (a CPU that slows down for a while slows both), not the rate
+  timed at the start of the run."""
+  settings = _settings(benchmark, causal="true", modes=["fwd"], rounds=3,
+                       matmul_size=64, peers=["none"])
+  events = []
+  rates = iter([100.0, 50.0, 200.0, 25.0])  # Start of run, then per round.
+
+  def fake_ceiling(size, dtype, **kw):
+    del kw
+    events.append("matmul")
+    return {"size": size, "dtype": dtype, "ms": 1.0,
+            "flops_per_s": next(rates)}
+
+  times = iter([4.0, 2.0, 8.0])  # The median round is the first one.
+
+  def fake_run_cell(candidate, shape, mode, inputs, ref, settings):
+    del inputs, ref, settings
+    events.append(candidate.name)
+    ms = next(times)
+    record = benchmark.cells.base_record(candidate, shape, mode)
+    return {**record, "status": "ok", "reason": "", "ms": ms,
+            "flops_per_s": record["flops"] / (ms * 1e-3)}
+
+  monkeypatch.setattr(benchmark.cells, "matmul_ceiling", fake_ceiling)
+  monkeypatch.setattr(benchmark.cells, "run_cell", fake_run_cell)
+  report = benchmark.run(settings, verbose=False)
+  assert events == ["matmul"] + ["matmul", "chunked"] * 3
+  (r,) = report["results"]
+  assert r["ms"] == 4.0 and r["rounds_ms"] == [4.0, 2.0, 8.0]
+  assert r["matmul_flops_per_s"] == 50.0
+  assert r["pct_matmul"] == pytest.approx(100 * r["flops_per_s"] / 50.0)
+  assert report["matmul"]["flops_per_s"] == 100.0
+  # Records written before the per-round field fall back on the run's.
+  old = {k: v for k, v in r.items() if k != "matmul_flops_per_s"}
+  benchmark.report_lib.add_ratios([old], report["matmul"])
+  assert old["pct_matmul"] == pytest.approx(100 * r["flops_per_s"] / 100.0)

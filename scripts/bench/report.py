@@ -28,7 +28,8 @@ def _cell_key(r: dict) -> tuple:
 def add_ratios(results: list[dict], ceiling: dict | None) -> None:
   """Adds each record's speed-up against every baseline peer
   (`options.BASELINES`: peer time / this time) and its percentage of the
-  matmul ceiling (None where either is unknown)."""
+  matmul ceiling timed in its own round ("matmul_flops_per_s"; records of
+  runs before that field take the run's `ceiling`), None where unknown."""
   for field, label in options.BASELINES.items():
     peer_ms = {_cell_key(r): r["ms"] for r in results
                if r["impl"] == label and r["ms"]}
@@ -36,9 +37,10 @@ def add_ratios(results: list[dict], ceiling: dict | None) -> None:
       ms = peer_ms.get(_cell_key(r))
       r[field] = ms / r["ms"] if ms and r["ms"] else None
   for r in results:
-    r["pct_matmul"] = (
-        100.0 * r["flops_per_s"] / ceiling["flops_per_s"]
-        if ceiling and r.get("flops_per_s") else None)
+    rate = r.get("matmul_flops_per_s") or (
+        ceiling["flops_per_s"] if ceiling else None)
+    r["pct_matmul"] = (100.0 * r["flops_per_s"] / rate
+                       if rate and r.get("flops_per_s") else None)
 
 
 def merged(earlier: dict | None, run_meta: dict,
@@ -141,7 +143,9 @@ def format_table(report: dict) -> str:
   if report.get("matmul"):
     mm = report["matmul"]
     lines.append(f"matmul ceiling: {mm['size']}^3 {mm['dtype']} "
-                 f"{mm['ms']:.3f} ms = {mm['flops_per_s'] / div:.2f} {unit}")
+                 f"{mm['ms']:.3f} ms = {mm['flops_per_s'] / div:.2f} {unit} "
+                 "at the start; %mm: of the ceiling timed again in the "
+                 "cell's round")
   if meta["settings"]["isolate"]:
     lines.append(
         "peak MB: peak of a fresh process per cell (" +
