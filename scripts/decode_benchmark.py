@@ -8,9 +8,10 @@ K/V heads the matmuls can outweigh the reads, so each cell also reports its
 roofline, max(K/V bytes / bandwidth, FLOPs / matmul rate), the matmul rate a
 large square product measured in the same run (`cells.matmul_ceiling`), and
 the share of it that the call reached (roofline time / measured time). Both
-rates are timed again just before every cell (each row records the ones it
-was taken against), so that a slow spell of a shared CPU moves a cell and
-its rates together. Each `decode_attention` implementation of
+rates are timed at the start and again before every cell, and the shares
+are taken against the fastest timings of the run (a shared CPU's slow
+spells only ever slow a probe down; "probe_timings" lists them all). Each
+`decode_attention` implementation of
 --implementations is one candidate (`decode/chunked`, `decode/triton`,
 `decode/mosaic_tpu`; the kernels run interpreted off their platform, so
 keep shapes tiny there); "decode x" is how many times faster the first of
@@ -218,9 +219,9 @@ def _candidates(t, s, page_size, impls, streaming=None):
   return out
 
 
-def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
-             bandwidth, matmul_rate):
-  """Times every candidate on one shape; returns one row per candidate."""
+def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats):
+  """Times every candidate on one shape; returns one row per candidate
+  (their shares of the machine's rates come from `add_shares`)."""
   itemsize = jnp.dtype(dtype).itemsize
   streaming = window_sinks()
   # Keys some new token sees, per sequence summed (all S without a mask).
@@ -228,12 +229,9 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
       jnp.full((b,), s, jnp.int32), t, s, streaming), axis=(1, 2))))
   kv_bytes = 2 * keys * num_kv * h * itemsize
   flops = attention_flops(1, keys, n, h, t)
-  roofline = roofline_s(kv_bytes, flops, bandwidth, matmul_rate)
   base = dict(batch=b, seq_len=s, heads=n, kv_heads=num_kv, head_dim=h,
               new_tokens=t, dtype=jnp.dtype(dtype).name,
               page_size=page_size, kv_bytes=kv_bytes, flops=flops,
-              bandwidth=bandwidth, matmul_flops_per_s=matmul_rate,
-              roofline_ms=roofline * 1e3,
               window_sinks=list(streaming) if streaming else None)
   cache_bytes = 2 * b * s * num_kv * h * itemsize
   if cache_bytes > _MAX_GIB.value * 2**30:
@@ -271,15 +269,35 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
                        reason=check.message()))
       continue
     times[name] = timing.median_s
-    rate = kv_bytes / timing.median_s
     rows.append(dict(base, impl=name, status="ok", ms=timing.ms,
-                     bytes_per_s=rate, bandwidth_share=rate / bandwidth,
-                     roofline_share=roofline / timing.median_s,
+                     bytes_per_s=kv_bytes / timing.median_s,
                      max_error=check.error, tolerance=check.tolerance))
   for row in rows:
     if first in times and row.get("status") == "ok":
       row["decode_speedup"] = times[row["impl"]] / times[first]
   return rows
+
+
+def add_shares(rows, bandwidth: float, matmul_rate: float | None) -> None:
+  """Each row's roofline and its shares of it and of the bandwidth, against
+  the given rates (`best_rates`: the fastest probes of the run so far)."""
+  for row in rows:
+    row["roofline_ms"] = 1e3 * roofline_s(row["kv_bytes"], row["flops"],
+                                          bandwidth, matmul_rate)
+    if row.get("status") == "ok":
+      row["bandwidth_share"] = row["bytes_per_s"] / bandwidth
+      row["roofline_share"] = row["roofline_ms"] / row["ms"]
+
+
+def best_rates(report: dict, probes: dict, matmul: dict | None) -> None:
+  """Keeps in `report` the fastest of each probe timed so far: a slow spell
+  of a shared machine only ever slows a probe down."""
+  timings = report.setdefault("probe_timings", [])
+  timings.append({"memory_bandwidth": probes, "matmul": matmul})
+  report["memory_bandwidth"] = max(
+      (t["memory_bandwidth"] for t in timings), key=lambda p: p["peak"])
+  report["matmul"] = max((t["matmul"] for t in timings if t["matmul"]),
+                         key=lambda m: m["flops_per_s"], default=None)
 
 
 def format_table(rows, header: bool = True) -> str:
@@ -319,9 +337,7 @@ def main(argv: Sequence[str]) -> None:
   del argv
   dtype = testing.DTYPES[_DTYPE.value]
   ints = lambda values: [int(x) for x in values]  # noqa: E731
-  probes, matmul = machine_rates(dtype)
-  print(f"device: {jax.devices()[0].device_kind}; "
-        f"{describe_rates(probes, matmul)}")
+  print(f"device: {jax.devices()[0].device_kind}")
   rows = []
   report = dict(
       device=jax.devices()[0].device_kind, platform=api.platform(),
@@ -330,27 +346,29 @@ def main(argv: Sequence[str]) -> None:
       commit=environment.commit_info(),
       # A shared machine's other work slows every cell and probe alike.
       load_average=dict(zip(("1m", "5m", "15m"), os.getloadavg())),
-      command=" ".join(sys.argv), memory_bandwidth=probes, matmul=matmul,
-      rows=rows)
+      command=" ".join(sys.argv), rows=rows)
+  best_rates(report, *machine_rates(dtype))
   for b in ints(_BATCH.value):
     for s in ints(_SEQ.value):
       for num_kv in ints(_KV_HEADS.value):
         for h in ints(_HEAD_DIMS.value):
           for t in ints(_NEW.value):
-            # The rates are timed again just before each cell, so that its
-            # shares compare rates of the same minutes (a CPU that slows
-            # down for a while slows the probes and the cell alike).
-            cell_probes, cell_matmul = machine_rates(dtype)
+            # The rates are timed again before each cell; every share is
+            # taken against the fastest timings of the run so far.
+            probes, matmul = machine_rates(dtype)
+            best_rates(report, probes, matmul)
+            print(f"  probes: {describe_rates(probes, matmul)}")
             cell = run_cell(b, s, _HEADS.value, num_kv, h, t, dtype,
-                            _PAGE.value, _PEERS.value, _REPEATS.value,
-                            cell_probes["peak"],
-                            cell_matmul and cell_matmul["flops_per_s"])
-            print(f"  {describe_rates(cell_probes, cell_matmul)}")
-            print(format_table(cell, header=False), flush=True)
+                            _PAGE.value, _PEERS.value, _REPEATS.value)
             rows += cell
+            add_shares(rows, report["memory_bandwidth"]["peak"],
+                       report["matmul"] and report["matmul"]["flops_per_s"])
+            print(format_table(cell, header=False), flush=True)
             if _JSON.value:
               # After every cell: a run stopped part-way keeps its cells.
               report_lib.write_json(report, _JSON.value)
+  print(f"rates (the fastest probes of the run): "
+        f"{describe_rates(report['memory_bandwidth'], report['matmul'])}")
   print(format_table(rows))
   if _JSON.value:
     report_lib.write_json(report, _JSON.value)

@@ -130,9 +130,10 @@ OPTIONS = (
     Option("rounds", "integer",
            "Times each (shape, mode) group's candidates this many times, "
            "in turn (round 1: every candidate, round 2: every candidate, "
-           "...), and keeps each candidate's median round. A slow spell of a "
-           "shared machine then hits one round of every peer instead of "
-           "all of one candidate's runs.", 1),
+           "...), and keeps each candidate's fastest round (a round's time "
+           "is the median of its runs). A slow spell of a shared machine "
+           "then costs one round instead of all of one candidate's runs; "
+           "the matmul ceiling is timed again in every round too.", 1),
     Option("warmup", "integer", "Untimed runs after compilation."),
     Option("json", "string",
            "Write the results as JSON here (rewritten after every cell).",
