@@ -69,7 +69,7 @@ def add_ceiling(report: dict, ceiling: dict | None) -> None:
   if not ceiling:
     return
   best = report.get("matmul")
-  timings = (best or {}).get("timings_ms", [best["ms"]] if best else [])
+  timings = best.get("timings_ms", [best["ms"]]) if best else []
   if not best or ceiling["flops_per_s"] > best["flops_per_s"]:
     best = ceiling
   report["matmul"] = {**best, "timings_ms": timings + [ceiling["ms"]]}
