@@ -40,9 +40,11 @@ Three implementations:
   Grid (B, K, splits x value-head-dim chunks): each program holds the
   packed [G * T_new, H] tile (rows padded to a power of two >= 16) and
   walks one contiguous run of the sequence's visible key blocks (blocks
-  `masking.classify_blocks` marks empty -- past the length, after the last
-  query under causal, before a left window -- are never read); the
-  partials merge in plain JAX (`online_softmax.merge_parts`). A paged cache
+  past the length, after the last query under causal or outside the
+  window are never read), which it finds from the lengths itself; a
+  second small kernel merges the partials (`online_softmax.merge_parts`),
+  so a one-token step launches two kernels (with a mask_mod, its block
+  lists are built and the partials merged in plain JAX). A paged cache
   is read page by page through the block table, in blocks of the largest
   power of two that divides the page size (multiples of 16). Head dims up
   to 256 are one tile; larger ones (up to 8192 and beyond) are cut into
@@ -433,10 +435,15 @@ def _split_kernel(implementation, query, key, value, lengths, block_table,
   num_blocks = _kernel_blocks(key, block_table, block)
   if num_splits is None:
     num_splits = default_num_splits(b, programs, num_blocks, platform)
+  splits = int(min(num_splits, num_blocks))
+  if implementation == "triton" and static.get("mask_mod") is None:
+    # Two kernels in all: the programs find their key runs themselves.
+    return kernel.attention(
+        query, key, value, lengths, block_table, query_positions, sinks,
+        block=block, splits=splits, **static)
   return _decode_split_kernel(
       query, key, value, lengths, block_table, query_positions, sinks,
-      partials=kernel.partials, block=block,
-      splits=int(min(num_splits, num_blocks)), **static)
+      partials=kernel.partials, block=block, splits=splits, **static)
 
 
 def _kernel_blocks(key, block_table, block: int) -> int:

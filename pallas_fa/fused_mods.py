@@ -276,8 +276,10 @@ class FusedMod:
     """Which token indices ("q_idx", "kv_idx") the tile part reads. A
     kernel builds only those: Mosaic GPU's layout inference fails on an
     index tile nothing consumes."""
-    read = {k for step in self.tile_steps for k in step.ins}
-    read.add(self.output)
+    read = {k for step in self.tile_steps for k in step.ins
+            if not isinstance(k, _Literal)}  # Constants are unhashable.
+    if not isinstance(self.output, _Literal):
+      read.add(self.output)
     return frozenset(name for k, name in zip(self._index_keys()[2:],
                                              ("q_idx", "kv_idx"))
                      if k in read)

@@ -564,15 +564,61 @@ def decode_block_kinds(lengths: Array, q_positions: Array, *,
   return classify_blocks(info, q_positions.shape[1], block)[:, 0]
 
 
+def decode_key_blocks(length, q_first, q_last, *, block: int,
+                      is_causal: bool, window) -> tuple[Array, Array]:
+  """[lo, hi): the key blocks a decoding sequence's new tokens may see.
+
+  The keys any new token sees lie in [max(0, q_first - left), min(length,
+  q_last + 1 under causal, q_last + right + 1)), with q_first / q_last the
+  smallest / largest new-token position: the non-empty blocks of
+  `decode_block_kinds`, found with scalar arithmetic alone, so that a
+  kernel program derives its run from the lengths itself (works on
+  scalars and on arrays alike).
+
+  Args:
+    length: int, valid keys of the sequence (already within the cache).
+    q_first, q_last: int, the smallest and largest new-token position.
+    block: keys per block.
+    is_causal: causal masking on positions.
+    window: (left, right) window on positions, or None.
+
+  Returns:
+    (lo, hi) int32 blocks, lo == hi when no key is visible.
+  """
+  i32 = jnp.int32
+  start = jnp.zeros_like(jnp.asarray(length, i32))
+  end = jnp.asarray(length, i32)
+  q_first = jnp.asarray(q_first, i32)
+  q_last = jnp.asarray(q_last, i32)
+  if is_causal:
+    end = jnp.minimum(end, q_last + 1)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      start = jnp.maximum(start, q_first - left)
+    if right is not None:
+      end = jnp.minimum(end, q_last + right + 1)
+  lo = start // block
+  hi = jnp.where(end > start, (end + block - 1) // block, lo)
+  return lo.astype(i32), hi.astype(i32)
+
+
+def split_run(lo, hi, splits: int, split) -> tuple[Array, Array]:
+  """Blocks [first, end) of run `split` when [lo, hi) is cut into `splits`
+  contiguous runs of ceil((hi - lo) / splits) blocks (split-KV); an empty
+  run has first == end (at the end of the previous one). Scalar or array
+  arithmetic, like `decode_key_blocks`."""
+  per = (hi - lo + splits - 1) // splits
+  first = jnp.minimum(lo + per * split, hi)
+  return first, jnp.minimum(first + per, hi)
+
+
 def split_runs(lengths: Array, q_positions: Array, *, num_blocks: int,
                block: int, splits: int, is_causal: bool,
                window) -> tuple[Array, Array]:
   """The non-empty key blocks of each decoding sequence, cut into `splits`
-  contiguous runs (split-KV).
-
-  `decode_block_kinds` drops the blocks nothing sees (past the length,
-  after the last query under causal, left of the window), and the remaining
-  range [lo, hi) is cut into runs of ceil((hi - lo) / splits) blocks.
+  contiguous runs (split-KV): `decode_key_blocks` and `split_run` for every
+  sequence and split at once.
 
   Args:
     lengths: int [B], valid keys per sequence.
@@ -587,15 +633,12 @@ def split_runs(lengths: Array, q_positions: Array, *, num_blocks: int,
     (first, end) int32 [B, splits]: split p reads blocks [first, end); an
     empty split has first == end (at the end of the previous run).
   """
-  kinds = decode_block_kinds(
-      lengths, q_positions, num_blocks=num_blocks, block=block,
-      is_causal=is_causal, window=window)
-  lo, hi = block_range(kinds)  # [B]
-  per = -(-(hi - lo) // splits)
-  first = (lo[:, None]
-           + per[:, None] * jnp.arange(splits, dtype=jnp.int32)[None, :])
-  first = jnp.minimum(first, hi[:, None])
-  end = jnp.minimum(first + per[:, None], hi[:, None])
+  lengths = jnp.minimum(lengths.astype(jnp.int32), num_blocks * block)
+  lo, hi = decode_key_blocks(
+      lengths, jnp.min(q_positions, axis=1), jnp.max(q_positions, axis=1),
+      block=block, is_causal=is_causal, window=window)
+  first, end = split_run(lo[:, None], hi[:, None], splits,
+                         jnp.arange(splits, dtype=jnp.int32)[None, :])
   return first.astype(jnp.int32), end.astype(jnp.int32)
 
 

@@ -67,11 +67,13 @@ import sys
 from typing import Callable
 from typing import Sequence
 
+import jax
 from absl import app
 from absl import flags
 from bench import cells
 from bench import options
 from bench import report as report_lib
+from bench import timeline as timeline_lib
 
 from pallas_fa import api
 
@@ -101,7 +103,8 @@ def _say(verbose: bool):
 
 def run(settings: options.Settings, argv: Sequence[str] | None = None,
         verbose: bool = True, earlier: dict | None = None,
-        on_cell: Callable[[dict], None] | None = None) -> dict:
+        on_cell: Callable[[dict], None] | None = None,
+        timeline: timeline_lib.Timeline | None = None) -> dict:
   """Runs the whole sweep.
 
   Args:
@@ -112,14 +115,24 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
       stay unless this run measures the same one again, and its matmul
       ceiling serves if this run measures none.
     on_cell: called with the report so far after every cell.
+    timeline: this process's phases so far (`main` records its start and
+      imports); default a new one.
 
   Returns:
     {"meta": device, versions, command, settings; "matmul": the ceiling;
     "results": one record per cell (see `cells.run_cell`), with the speed-up
     against each `options.BASELINES` peer and the percentage of the matmul
-    rate (the fastest of its timings: at the start and in every round)}.
+    rate (the fastest of its timings: at the start and in every round);
+    "timelines": one entry per process whose cells the report holds (this
+    run's last), its phases with their start (seconds since the process
+    started) and duration (`bench.timeline`): device initialisation, the
+    matmul probe, each shape's inputs and reference, each cell's compile,
+    check, warm-up and timing}.
   """
-  platform = api.platform()
+  timeline = timeline or timeline_lib.Timeline()
+  with timeline.phase("device_init"):
+    platform = api.platform()
+    jax.devices()
   say = _say(verbose)
   candidates = []
   for c in settings.candidates:
@@ -131,30 +144,46 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
       candidates.append(c)
 
   dtype = settings.shapes[0].dtype if settings.shapes else "float32"
-  ceiling = cells.matmul_ceiling(
-      settings.matmul_size, dtype, repeats=settings.repeats,
-      warmup=settings.warmup, seed=settings.seed,
-      min_repeat_s=settings.min_repeat_s)
+
+  def probe():
+    with timeline.phase("matmul_probe"):
+      return cells.matmul_ceiling(
+          settings.matmul_size, dtype, repeats=settings.repeats,
+          warmup=settings.warmup, seed=settings.seed,
+          min_repeat_s=settings.min_repeat_s)
+
+  ceiling = probe()
   if ceiling:
     say(f"matmul ceiling {ceiling['size']}^3 {dtype}: "
         f"{report_lib.rate(ceiling['flops_per_s'], platform)}")
   report = report_lib.merged(earlier, report_lib.meta(settings, argv),
                              ceiling)
+  this_run = {"candidates": [c.label for c in candidates],
+              "head_dims": sorted({s.head_dim for s in settings.shapes})}
+  report["timelines"].append(timeline.record(**this_run))
 
   def add(record: dict) -> None:
     report_lib.add_record(report, record)
+    report["timelines"][-1] = timeline.record(**this_run)
     if on_cell is not None:
       on_cell(report)
 
   grads = "fwd_bwd" in settings.modes
   for shape in settings.shapes:
-    inputs = cells.make_inputs(shape, settings.seed)
+    with timeline.phase("inputs", shape=str(shape)):
+      inputs = cells.make_inputs(shape, settings.seed)
+      jax.block_until_ready(inputs)
     try:
-      # One reference with sinks (`--sinks`), one without.
-      refs = {
-          sinks: cells.make_reference(shape, inputs, settings.check_rows,
-                                      grads, sinks)
-          for sinks in {c.sinks for c in candidates}}
+      # One reference with sinks (`--sinks`), one without; read back from
+      # --reference_dir where an earlier process left it.
+      refs = {}
+      for sinks in {c.sinks for c in candidates}:
+        start = timeline.now_s()
+        refs[sinks] = cells.make_reference(
+            shape, inputs, settings.check_rows, grads, sinks,
+            seed=settings.seed, directory=settings.reference_dir)
+        timeline.add("reference", start, timeline.now_s() - start,
+                     shape=str(shape), loaded=refs[sinks].loaded)
     except Exception as e:  # The reference itself did not fit.
       status, reason = cells.classify(e)
       say(f"{shape}: reference failed ({reason}); cells skipped")
@@ -169,13 +198,15 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
         # The ceiling is timed again in every round: like the cells, it
         # keeps its fastest, so that a slow spell of a shared machine during
         # the first timing does not inflate every cell's share of it.
-        report_lib.add_ceiling(report, cells.matmul_ceiling(
-            settings.matmul_size, dtype, repeats=settings.repeats,
-            warmup=settings.warmup, seed=settings.seed,
-            min_repeat_s=settings.min_repeat_s))
+        report_lib.add_ceiling(report, probe())
         for c in candidates:
+          start = timeline.now_s()
           record = cells.run_cell(c, shape, mode, inputs, refs[c.sinks],
                                   settings)
+          for phase, seconds in record.get("phases_s", {}).items():
+            timeline.add(phase, start, seconds, cell=f"{c.label} {mode}",
+                         shape=str(shape))
+            start += seconds
           rounds[c].append(record)
           ms = f"{record['ms']:.3f} ms" if record["ms"] else ""
           say(f"{mode:7s} {shape} {c.label:16s} {record['status']} {ms} "
@@ -212,6 +243,9 @@ def main(argv: Sequence[str]) -> None:
   if FLAGS.child_spec:
     cells.child_main(FLAGS.child_spec)
     return
+  timeline = timeline_lib.Timeline()
+  # The interpreter's start and the imports (jax, pallas_fa, absl).
+  timeline.add("start", 0.0, timeline.now_s())
   if FLAGS.isolate and "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ:
     # The parent only checks; with the platform allocator it hands device
     # memory back at once, leaving it to the isolated children it measures.
@@ -230,7 +264,8 @@ def main(argv: Sequence[str]) -> None:
       report_lib.write_text(report_lib.format_markdown(report),
                             FLAGS.markdown)
 
-  report = run(settings, argv=sys.argv, earlier=earlier, on_cell=write)
+  report = run(settings, argv=sys.argv, earlier=earlier, on_cell=write,
+               timeline=timeline)
   write(report)
   print()
   print(report_lib.format_table(report))

@@ -8,7 +8,9 @@ including Triton and Mosaic GPU down to ptxas. Inside
 kernels (not the CPU interpreter) with the tiles that GPU would get. This
 script compiles forward + backward over a matrix of cases (the forward of
 `decode_attention` for the decode variants) and prints one row per kernel:
-ok or the problem, registers, spill bytes, shared memory, grid.
+ok or the problem, registers, spill bytes, shared memory, grid; for a
+decode variant also the kernels one call launches (over `DECODE_KERNELS`
+is a problem).
 
 Needs jax's CUDA plugin at exactly the installed jaxlib version and ptxas,
 in a virtual environment of its own (never the test one: with the plugin,
@@ -37,10 +39,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import glob
 import importlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -118,7 +122,8 @@ DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "value_dim", "flex_alibi", "flex_softcap", "flex_document",
-            "decode_flex")
+            "decode_flex", "fused", "fused_causal", "fused_masked",
+            "fused_dropout")
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
@@ -126,9 +131,23 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "flex_alibi": ("triton", "mosaic_gpu"),
                     "flex_softcap": ("triton", "mosaic_gpu"),
                     "flex_document": ("triton", "mosaic_gpu"),
-                    "decode_flex": ("triton",)}
+                    "decode_flex": ("triton",),
+                    **{name: ("mosaic_gpu",) for name in (
+                        "fused", "fused_causal", "fused_masked",
+                        "fused_dropout")}}
+# The widest head dim of a variant (past it, its calls run another variant's
+# kernels): the fused backward runs up to 128, with dropout up to 64
+# (`mosaic_gpu.fused_backward_applies`).
+VARIANT_MAX_HEAD_DIM = {"fused": 128, "fused_causal": 128, "fused_masked": 128,
+                        "fused_dropout": 64}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
+# The most kernels one decode step may launch (the split kernel and the
+# merge): a step moves so few bytes that each further launch costs about as
+# much as its work. The flex variant's mask_mod lists take more, and so
+# does a head dim the kernel pads (H = 72: the padded copy of the cache,
+# `pallas_fa.triton.decode`), which is reported, not checked.
+DECODE_KERNELS = {"decode": 2, "decode_paged": 2}
 HEAD_DIMS = (64, 72, 128, 256)
 
 
@@ -153,7 +172,11 @@ class Case:
       with ALiBi / a learned tanh soft cap as a score_mod (the gradient of
       its slopes / cap included) / a document mask_mod (flex attention,
       `pallas_fa.flex`); "decode_flex" = "decode" with
-      ALiBi and a prefix-LM mask_mod.
+      ALiBi and a prefix-LM mask_mod; "fused" / "fused_causal" /
+      "fused_masked" / "fused_dropout" = "plain" / "causal" / "masked" /
+      "dropout" with mosaic_gpu's fused backward
+      (`MosaicGpuBlockSizes(backward="fused")`, head dims <= 128, <= 64
+      with dropout).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -169,6 +192,19 @@ class Case:
     if self.variant != "value_dim":
       return self.head_dim
     return self.head_dim // 2 if self.head_dim > 64 else 2 * self.head_dim
+
+  @property
+  def fused(self) -> bool:
+    """Whether the case asks for mosaic_gpu's fused backward."""
+    return self.variant.startswith("fused")
+
+  @property
+  def base(self) -> str:
+    """The variant whose inputs and masking the case has ("fused" ones:
+    that of their suffix, "plain" for "fused" itself)."""
+    if not self.fused:
+      return self.variant
+    return self.variant.removeprefix("fused").removeprefix("_") or "plain"
 
   def __str__(self):
     return (f"{self.backend:10s} h={self.head_dim:<3d} {self.dtype:8s} "
@@ -209,8 +245,8 @@ def _tiles(case: Case, seq: int, *, heuristic: bool = False,
             else module.default_block_sizes)
   return choose(
       q_len=seq, kv_len=seq, head_dim=case.head_dim,
-      dtype=jnp.dtype(case.dtype), is_causal=case.variant != "plain",
-      dropout=case.variant == "dropout", device_kind=device_kind,
+      dtype=jnp.dtype(case.dtype), is_causal=case.base != "plain",
+      dropout=case.base == "dropout", device_kind=device_kind,
       value_head_dim=case.value_head_dim)
 
 
@@ -260,6 +296,16 @@ def _decode_tiles(case: Case) -> str:
           f"value_head_dim={value_padded}/{value_chunk}")
 
 
+def _decode_reads_cache_in_place(case: Case) -> bool:
+  """Whether the decode kernel reads the case's cache without a padded
+  copy: its head dims need no padding."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  shape = DECODE_SHAPE
+  rows = triton_decode.packed_rows(
+      shape["heads"] // shape["kv_heads"] * shape["new_tokens"])
+  return triton_decode.key_tiling(case.head_dim, rows)[0] == case.head_dim
+
+
 def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
                  block_sizes: Any = None, keep: str | None = None
                  ) -> dict[str, Any]:
@@ -276,7 +322,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
   Returns:
     {"case", "target", "block_sizes", "compile_s", "error", "kernels": [row]}
     with one row per kernel: kernel, grid, threads, smem_bytes, registers,
-    spill_stores, spill_loads, stack_bytes, error.
+    spill_stores, spill_loads, stack_bytes, error; a decode case adds
+    "kernels_per_call" (`kernels_per_call`).
   """
   result: dict[str, Any] = {
       **dataclasses.asdict(case), "target": target, "seq": seq,
@@ -289,7 +336,7 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     device = _cuda_device(target)
     sharding = jax.sharding.SingleDeviceSharding(device)
     dtype = jnp.dtype(case.dtype)
-    heads, kv_heads = 8, 2 if case.variant == "masked" else 8
+    heads, kv_heads = 8, 2 if case.base == "masked" else 8
 
     def spec(shape, dt=dtype):
       return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
@@ -298,41 +345,45 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     if block_sizes is None and case.tiles == "heuristic" and not decode:
       block_sizes = _tiles(case, seq, heuristic=True,
                            device_kind=gpu.device_kind)
+    if case.fused:
+      block_sizes = dataclasses.replace(
+          block_sizes or _tiles(case, seq, device_kind=gpu.device_kind),
+          backward="fused")
     kwargs: dict[str, Any] = {}
     args = [spec((1, seq, heads, case.head_dim)),
             spec((1, seq, kv_heads, case.head_dim)),
             spec((1, seq, kv_heads, case.value_head_dim))]
-    if case.variant == "masked":
+    if case.base == "masked":
       args.append(pallas_fa.SegmentIds(q=spec((1, seq), jnp.int32),
                                        kv=spec((1, seq), jnp.int32)))
       kwargs["local_window_size"] = (seq // 4, 0)
-    if case.variant == "dropout":
+    if case.base == "dropout":
       kwargs.update(dropout_rate=0.1, dropout_rng=12345)
-    if case.variant == "flex_alibi":
+    if case.base == "flex_alibi":
       args.append(spec((heads,), jnp.float32))
-    if case.variant == "flex_softcap":
+    if case.base == "flex_softcap":
       args.append(spec((), jnp.float32))
-    if case.variant == "flex_document":
+    if case.base == "flex_document":
       args.append(spec((1, seq), jnp.int32))
 
     def loss(q, k, v, extra=None):
       kw = dict(kwargs)
-      if case.variant == "masked":
+      if case.base == "masked":
         kw["segment_ids"] = extra
-      if case.variant == "flex_alibi":
+      if case.base == "flex_alibi":
         kw.update(score_mod=flex.alibi, score_mod_args=(extra,))
-      if case.variant == "flex_softcap":
+      if case.base == "flex_softcap":
         kw.update(score_mod=flex.tanh_soft_cap, score_mod_args=(extra,))
-      if case.variant == "flex_document":
+      if case.base == "flex_document":
         kw.update(mask_mod=flex.document, mask_mod_args=(extra,))
       out = pallas_fa.flash_attention(
-          q, k, v, is_causal=case.variant != "plain",
+          q, k, v, is_causal=case.base != "plain",
           implementation=case.backend, block_sizes=block_sizes, **kw)
       return out.astype(jnp.float32).sum()
 
     # The float arguments: q, k, v and ALiBi's slopes or the soft cap.
     call = jax.grad(loss, argnums=(0, 1, 2, 3)[:3 + (
-        case.variant in ("flex_alibi", "flex_softcap"))])
+        case.base in ("flex_alibi", "flex_softcap"))])
     if decode:
       args, call = _decode_call(case, seq, spec)
 
@@ -364,11 +415,28 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     result["kernels"] = [
         {"kernel": name, **launches.get(name, {}), **reports.get(name, {})}
         for name in names]
+    if decode:
+      result["kernels_per_call"] = kernels_per_call(dump)
   except Exception as e:  # noqa: BLE001 - a report, not a crash.
     result["error"] = f"{type(e).__name__}: {e}"[:4000]
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   return result
+
+
+# A kernel launch in XLA's thunk-sequence dump, and the kernel's name.
+_KERNEL_THUNK = re.compile(r"\bk(?:Custom)?Kernel \[[^\]]*\] (\S+)")
+
+
+def kernels_per_call(dump: str) -> int:
+  """The kernels one call launches: every kernel thunk of XLA's
+  thunk-sequence dump (fusions and custom kernels alike; a command buffer
+  lists its kernels again, counted once)."""
+  names = set()
+  for path in glob.glob(os.path.join(dump, "*thunk_sequence*.txt")):
+    with open(path) as f:
+      names.update(_KERNEL_THUNK.findall(f.read()))
+  return len(names)
 
 
 def spill_key(result: dict[str, Any], kernel: str) -> str:
@@ -422,7 +490,8 @@ def matrix(args) -> list[tuple[str, Case]]:
         for variant in variants:
           for dtype in dtypes:
             if dtype not in DTYPES[backend] or backend not in (
-                VARIANT_BACKENDS.get(variant, (backend,))):
+                VARIANT_BACKENDS.get(variant, (backend,))) or h > (
+                VARIANT_MAX_HEAD_DIM.get(variant, h)):
               continue
             for tiles in args.tiles.split(","):
               out.append((target, Case(backend, h, dtype, variant, tiles)))
@@ -524,6 +593,14 @@ def main(argv=None) -> int:
     if res["error"]:
       bad += 1
       print(f"   COMPILE FAILED: {res['error']}")
+    if "kernels_per_call" in res:
+      count, most = res["kernels_per_call"], DECODE_KERNELS.get(case.variant)
+      if not _decode_reads_cache_in_place(case):
+        most = None
+      over = most is not None and count > most
+      bad += over
+      print(f"   kernels per call: {count}"
+            + (f" FAIL(more than {most})" if over else ""))
     for row in res["kernels"]:
       found = problems(row, gpu.shared_memory_per_block, args.fail_on_spill,
                        known.get(spill_key(res, row["kernel"])))

@@ -11,14 +11,17 @@ the share of it that the call reached (roofline time / measured time). Both
 rates are timed at the start and again before every cell, and the shares
 are taken against the fastest timings of the run (a shared CPU's slow
 spells only ever slow a probe down; "probe_timings" lists them all). Each
-`decode_attention` implementation of
---implementations is one candidate (`decode/chunked`, `decode/triton`,
-`decode/mosaic_tpu`; the kernels run interpreted off their platform, so
-keep shapes tiny there); "decode x" is how many times faster the first of
-them ran than each row. Peers in the same run:
-`flash_attention` on the same cache (key lengths and query positions; the
-plain call that decoding used before), and `jax.nn.dot_product_attention`
-with a [B, 1, T_new, S] mask.
+`decode_attention` implementation of --implementations is a candidate
+(`decode/chunked`, `decode/triton`, `decode/mosaic_tpu`; the kernels run
+interpreted off their platform, so keep shapes tiny there) once per split
+count of --num_splits (`decode/<impl>` with the library's default split,
+`decode/<impl>:num_splits=N` with N); "decode x" is how many times faster
+the first of them ran than each row. "timeline" records where the
+process's time went (`bench.timeline`: its start, the probes, and each
+cell's inputs, reference, and each candidate's compile and check and its
+timing). Peers in the same run: `flash_attention` on the same cache (key
+lengths and query positions; the plain call that decoding used before),
+and `jax.nn.dot_product_attention` with a [B, 1, T_new, S] mask.
 
     python scripts/decode_benchmark.py                    # CPU subset
     python scripts/decode_benchmark.py --batch=1,8,32 \
@@ -53,6 +56,7 @@ from absl import app
 from absl import flags
 from bench import cells
 from bench import report as report_lib
+from bench import timeline as timeline_lib
 from gpu import environment
 
 import pallas_fa
@@ -87,6 +91,10 @@ _MATMUL_SIZE = flags.DEFINE_integer(
 _WINDOW_SINKS = flags.DEFINE_list(
     "window_sinks", [], "W,SINKS: mask every call to the last W tokens and "
     "the first SINKS (StreamingLLM; a mask_mod for decode_attention).")
+_NUM_SPLITS = flags.DEFINE_list(
+    "num_splits", ["default"], "Split counts of the key axis to time each "
+    "implementation with: 'default' (the library's choice for the shape) "
+    "or a number.")
 _JSON = flags.DEFINE_string(
     "json", None, "Write the report here (rewritten after every cell).")
 
@@ -165,6 +173,17 @@ def implementations() -> list[str]:
   return ["chunked"] + kernels.get(api.platform(), [])
 
 
+def split_counts() -> list[int | None]:
+  """The split counts of --num_splits (None: the library's default)."""
+  counts = []
+  for value in _NUM_SPLITS.value:
+    count = None if value.strip().lower() in ("default", "0") else int(value)
+    if count is not None and count < 1:
+      raise ValueError(f"--num_splits values must be positive, got {value!r}")
+    counts.append(count)
+  return list(dict.fromkeys(counts))
+
+
 def window_sinks() -> tuple[int, int] | None:
   """(W, SINKS) of --window_sinks, or None."""
   if not _WINDOW_SINKS.value:
@@ -190,15 +209,16 @@ def visible(lengths, t: int, s: int, streaming) -> jax.Array:
   return seen
 
 
-def _candidates(t, s, page_size, impls, streaming=None):
+def _candidates(t, s, page_size, impls, streaming=None, splits=(None,)):
   mod = {}
   if streaming is not None:
     mod = dict(mask_mod=flex.sliding_window_with_sinks,
                mask_mod_args=tuple(jnp.int32(x) for x in streaming))
 
-  def decode(q, k, v, lengths, table, impl):
+  def decode(q, k, v, lengths, table, impl, num_splits):
     return pallas_fa.decode_attention(q, k, v, lengths, block_table=table,
-                                      implementation=impl, **mod)
+                                      implementation=impl,
+                                      num_splits=num_splits, **mod)
 
   def plain(q, k, v, lengths, table):
     del table
@@ -212,16 +232,21 @@ def _candidates(t, s, page_size, impls, streaming=None):
     return jax.nn.dot_product_attention(
         q, k, v, mask=visible(lengths, t, s, streaming))
 
-  out = {f"decode/{impl}": functools.partial(decode, impl=impl)
-         for impl in impls}
+  out = {f"decode/{impl}" + (f":num_splits={n}" if n else ""):
+         functools.partial(decode, impl=impl, num_splits=n)
+         for impl in impls for n in splits}
   if not page_size:  # The peers read a contiguous cache.
     out.update(flash_attention=plain, jax_nn=jax_nn)
   return out
 
 
-def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats):
+def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
+             timeline=None):
   """Times every candidate on one shape; returns one row per candidate
-  (their shares of the machine's rates come from `add_shares`)."""
+  (their shares of the machine's rates come from `add_shares`), and adds
+  its phases to `timeline` (a `bench.timeline.Timeline`) when given."""
+  timeline = timeline or timeline_lib.Timeline()
+  cell = f"B={b} S={s} K={num_kv} H={h} T={t}"
   itemsize = jnp.dtype(dtype).itemsize
   streaming = window_sinks()
   # Keys some new token sees, per sequence summed (all S without a mask).
@@ -238,28 +263,35 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats):
     return [dict(base, impl="*", status="skipped",
                  reason=f"cache {cache_bytes / 2**30:.1f} GiB > "
                         f"--max_cache_gib")]
-  q, k, v, lengths = _inputs(b, s, n, num_kv, h, t, dtype)
-  args = (q, k, v, lengths, None)
-  if page_size:
-    k_pages, v_pages, table = _paged(k, v, page_size)
-    args = (q, k_pages, v_pages, lengths, table)
+  with timeline.phase("inputs", cell=cell):
+    q, k, v, lengths = _inputs(b, s, n, num_kv, h, t, dtype)
+    args = (q, k, v, lengths, None)
+    if page_size:
+      k_pages, v_pages, table = _paged(k, v, page_size)
+      args = (q, k_pages, v_pages, lengths, table)
+    jax.block_until_ready(args)
   # What every candidate must return: the plain call, in float32 and in the
   # inputs' dtype (the project's low-precision rule, `testing.compare`).
-  plain = _candidates(t, s, 0, [], streaming)["flash_attention"]
-  up = [x.astype(jnp.float32) for x in (q, k, v)]
-  ref32 = jax.jit(plain)(*up, lengths, None)
-  ref_same = jax.jit(plain)(q, k, v, lengths, None)
+  with timeline.phase("reference", cell=cell):
+    plain = _candidates(t, s, 0, [], streaming)["flash_attention"]
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref32 = jax.jit(plain)(*up, lengths, None)
+    ref_same = jax.jit(plain)(q, k, v, lengths, None)
+    jax.block_until_ready((ref32, ref_same))
   rows, times = [], {}
-  impls = implementations()
-  first = f"decode/{impls[0]}"
-  for name, fn in _candidates(t, s, page_size, impls, streaming).items():
+  candidates = _candidates(t, s, page_size, implementations(), streaming,
+                           split_counts())
+  first = next(iter(candidates))
+  for name, fn in candidates.items():
     if not name.startswith("decode/") and name not in peers:
       continue
     try:
       fn = jax.jit(fn)
-      check = testing.compare("out", fn(*args), ref32, ref_same,
-                              precision="default")
-      timing = testing.time_call(fn, *args, repeats=repeats)
+      with timeline.phase("compile_check", cell=cell, impl=name):
+        check = testing.compare("out", fn(*args), ref32, ref_same,
+                                precision="default")
+      with timeline.phase("timing", cell=cell, impl=name):
+        timing = testing.time_call(fn, *args, repeats=repeats)
     except Exception as e:  # noqa: BLE001  (reported, never hidden)
       rows.append(dict(base, impl=name, status="error",
                        reason=str(e).splitlines()[0][:200]))
@@ -302,12 +334,12 @@ def best_rates(report: dict, probes: dict, matmul: dict | None) -> None:
 
 def format_table(rows, header: bool = True) -> str:
   lines = ([f"{'B':>3} {'S':>7} {'K':>3} {'H':>5} {'T':>2} "
-            f"{'impl':<17} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
+            f"{'impl':<28} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
             f"{'roof ms':>8} {'of roof':>7} {'decode x':>8}"]
            if header else [])
   for r in rows:
     head = (f"{r['batch']:>3} {r['seq_len']:>7} {r['kv_heads']:>3} "
-            f"{r['head_dim']:>5} {r['new_tokens']:>2} {r['impl']:<17}")
+            f"{r['head_dim']:>5} {r['new_tokens']:>2} {r['impl']:<28}")
     if r["status"] != "ok":
       lines.append(f"{head} {r['status']}: {r['reason']}")
       continue
@@ -335,9 +367,13 @@ def describe_rates(probes: dict, matmul: dict | None) -> str:
 
 def main(argv: Sequence[str]) -> None:
   del argv
+  timeline = timeline_lib.Timeline()
+  # The interpreter's start and the imports (jax, pallas_fa, absl).
+  timeline.add("start", 0.0, timeline.now_s())
   dtype = testing.DTYPES[_DTYPE.value]
   ints = lambda values: [int(x) for x in values]  # noqa: E731
-  print(f"device: {jax.devices()[0].device_kind}")
+  with timeline.phase("device_init"):
+    print(f"device: {jax.devices()[0].device_kind}")
   rows = []
   report = dict(
       device=jax.devices()[0].device_kind, platform=api.platform(),
@@ -346,8 +382,9 @@ def main(argv: Sequence[str]) -> None:
       commit=environment.commit_info(),
       # A shared machine's other work slows every cell and probe alike.
       load_average=dict(zip(("1m", "5m", "15m"), os.getloadavg())),
-      command=" ".join(sys.argv), rows=rows)
-  best_rates(report, *machine_rates(dtype))
+      command=" ".join(sys.argv), rows=rows, timeline=timeline.phases)
+  with timeline.phase("probes"):
+    best_rates(report, *machine_rates(dtype))
   for b in ints(_BATCH.value):
     for s in ints(_SEQ.value):
       for num_kv in ints(_KV_HEADS.value):
@@ -355,11 +392,13 @@ def main(argv: Sequence[str]) -> None:
           for t in ints(_NEW.value):
             # The rates are timed again before each cell; every share is
             # taken against the fastest timings of the run so far.
-            probes, matmul = machine_rates(dtype)
+            with timeline.phase("probes"):
+              probes, matmul = machine_rates(dtype)
             best_rates(report, probes, matmul)
             print(f"  probes: {describe_rates(probes, matmul)}")
             cell = run_cell(b, s, _HEADS.value, num_kv, h, t, dtype,
-                            _PAGE.value, _PEERS.value, _REPEATS.value)
+                            _PAGE.value, _PEERS.value, _REPEATS.value,
+                            timeline)
             rows += cell
             add_shares(rows, report["memory_bandwidth"]["peak"],
                        report["matmul"] and report["matmul"]["flops_per_s"])

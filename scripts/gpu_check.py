@@ -6,20 +6,23 @@ come back. This script spends one command of 480 s (a 450 s budget) on the
 questions that decide what to work on next, in this order, each within its
 share (`gpu/plan.py`; `--plan` prints it):
 
-  env      45 s  versions (jax, CUDA runtime, cuDNN, ptxas), nvidia-smi,
+  env      20 s  versions (jax, CUDA runtime, cuDNN, ptxas), nvidia-smi,
                  devices, PALLAS_FA_COMMIT and the source hash
-  kernels 200 s  compiled correctness of every GPU kernel, mosaic_gpu first
+  kernels 150 s  compiled correctness of every GPU kernel, mosaic_gpu first
                  (conformance for mosaic_gpu and triton, the backends' own
                  tests, the triton decode kernel, dropout), pytest-xdist
                  with a per-test timeout and no hypothesis shrinking
-  bench   150 s  bf16, H = 128, T in {4096, 16384}, causal and not, fwd and
-                 fwd+bwd: mosaic_gpu, triton, cuDNN, XLA (4096 only), each
-                 implementation in its own process
-  decode   50 s  triton decode_attention, bf16, B in {1, 8}, S = 32768,
-                 K = 8, H = 128, against the plain call, share of HBM
-                 bandwidth
-  extra  the rest: xla/chunked conformance and other tests, H = 64 and 256
-                 in the benchmark, the on-device compile report
+  bench   240 s  bf16, H = 128, T in {16384, 4096}, causal and not, fwd and
+                 fwd+bwd: mosaic_gpu with the split and the fused backward,
+                 cuDNN, triton, JAX's Pallas mha, each implementation in its
+                 own process; then mosaic_gpu's causal forward per
+                 head-section size; a timestamp per phase of each process
+  decode   40 s  triton decode_attention, bf16, B in {1, 8}, S = 32768,
+                 K = 8, H = 128, the default split count and 64, share of
+                 HBM bandwidth
+  extra  the rest: xla/chunked conformance and other tests, XLA and
+                 H = 64 and 256 in the benchmark, the on-device compile
+                 report
 
 A step may use the time earlier steps left unused, never a later step's
 share. Every step runs in processes of its own with a deadline (a failing,

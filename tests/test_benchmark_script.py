@@ -354,3 +354,71 @@ def test_the_matmul_ceiling_is_timed_in_every_round_and_keeps_its_fastest(
   (r,) = report["results"]
   assert r["pct_matmul"] == pytest.approx(20.0)
   assert "fastest of 4 timings" in benchmark.report_lib.format_table(report)
+
+
+def test_tiling_variants_and_references_read_back(benchmark, monkeypatch,
+                                                  tmp_path):
+  """An --impls entry NAME:FIELD=VALUE is a candidate of its own: the
+  default tiling of each shape with that field replaced. With
+  --reference_dir a second process reads each shape's reference back
+  instead of computing it, and checks its cells against it all the same;
+  the report says where each process's time went."""
+  calls = []
+  real = pallas_fa.flash_attention
+
+  def recording(q, k, v, **kw):
+    calls.append(kw.get("block_sizes"))
+    return real(q, k, v, **kw)
+
+  monkeypatch.setattr(pallas_fa, "flash_attention", recording)
+  variant = "chunked:block_q=16:block_kv_bwd=32"
+  settings = _settings(benchmark, causal="true", impls=["chunked", variant],
+                       peers=["none"], matmul_size=0,
+                       reference_dir=str(tmp_path / "refs"))
+  report = benchmark.run(settings, verbose=False)
+  cells = _by_cell(report)
+  assert set(cells) == {(label, mode, True) for label in ("chunked", variant)
+                        for mode in ("fwd", "fwd_bwd")}
+  assert all(r["status"] == "ok" for r in cells.values()), cells
+  default = benchmark.cells.api.get_backend("chunked").default_block_sizes(
+      q_len=64, kv_len=64, head_dim=16, dtype=jax.numpy.float32,
+      is_causal=True)
+  assert dataclasses.replace(default, block_q=16, block_kv_bwd=32) in calls
+  assert None in calls  # The plain candidate: no block_sizes at all.
+  (saved,) = (tmp_path / "refs").iterdir()
+  assert saved.suffix == ".npz"
+
+  (timeline,) = report["timelines"]
+  assert timeline["candidates"] == ["chunked", variant]
+  phases = [p["phase"] for p in timeline["phases"]]
+  for phase in ("device_init", "inputs", "reference", "compile", "check",
+                "warmup", "timing"):
+    assert phase in phases, phases
+  (ref,) = [p for p in timeline["phases"] if p["phase"] == "reference"]
+  assert ref["loaded"] is False
+  starts = [p["start_s"] for p in timeline["phases"]]
+  assert starts == sorted(starts) and starts[0] >= 0
+  assert set(cells[(variant, "fwd_bwd", True)]["phases_s"]) == {
+      "compile", "check", "warmup", "timing"}
+
+  # Another process: the reference is read back, not computed.
+  def no_reference(*args, **kwargs):
+    raise AssertionError("the reference was computed again")
+
+  monkeypatch.setattr(benchmark.cells, "reference_results", no_reference)
+  again = benchmark.run(settings, verbose=False, earlier=report)
+  assert all(r["status"] == "ok" for r in again["results"])
+  assert len(again["timelines"]) == 2
+  (ref,) = [p for p in again["timelines"][1]["phases"]
+            if p["phase"] == "reference"]
+  assert ref["loaded"] is True
+
+  # A wrong result is still caught against the reference read back.
+  monkeypatch.setattr(pallas_fa, "flash_attention",
+                      lambda q, k, v, **kw: real(q * 1.25, k, v, **kw))
+  wrong = benchmark.run(settings, verbose=False)
+  assert {r["status"] for r in wrong["results"]} == {"wrong"}
+
+  for bad in ("chunked:no_such_field=1", "chunked:block_q", "nope:x=1"):
+    with pytest.raises(ValueError):
+      _settings(benchmark, impls=[bad])

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import os
+
 import chex
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +15,7 @@ from jax.experimental import checkify
 
 import pallas_fa
 from pallas_fa import decode
+from pallas_fa import gpu_target
 from pallas_fa import online_softmax
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
@@ -183,6 +188,114 @@ def test_triton_window_softcap_positions():
   _check(implementation="triton", window=(9, 0), soft_cap=5.0,
          positions=True, t=2, n=4, num_kv=2, h=32, hv=48, s_max=60,
          block_kv=16, name="triton features")
+
+
+def test_triton_one_new_token_rows_past_the_group():
+  """T_new = 1 with 4 query heads per K/V head: the kernel's 16-row tile
+  runs past the 4 packed rows, which are neither read nor written; explicit
+  positions, a window and sinks on that path too."""
+  _check(implementation="triton", t=1, n=8, num_kv=2, h=64, s_max=90,
+         positions=True, window=(30, 0), sinks=True, num_splits=4,
+         block_kv=16, name="triton one token")
+
+
+def test_triton_score_mod_without_mask_mod():
+  """A score_mod alone keeps the two-kernel path (no block lists)."""
+  gen = rng("decode", "triton score_mod")
+  b, t, n, num_kv, h, s_max = 2, 1, 4, 2, 32, 70
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((b, s_max, num_kv, h)),
+                      jnp.float32) for _ in range(2))
+  lengths = jnp.array([70, 33])
+  slopes = jnp.asarray(gen.uniform(0.1, 1.0, n), jnp.float32)
+  kw = dict(score_mod=pallas_fa.flex.alibi, score_mod_args=(slopes,),
+            num_splits=3, return_residual=True)
+  got = pallas_fa.decode_attention(q, k, v, lengths, block_kv=16,
+                                   implementation="triton", **kw)
+  want = pallas_fa.decode_attention(q, k, v, lengths,
+                                    implementation="chunked", **kw)
+  chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+# One decode step at the bandwidth: B = 1, T_new = 1, S = 32k, 32 query
+# heads on 8 K/V heads, H = 128, bfloat16 -- 128 MiB of K/V, ~40 us on an
+# H100, so a few-microsecond launch per small fusion would matter.
+_STEP = dict(b=1, s=32768, n=32, num_kv=8, h=128)
+
+
+def _decode_step(paged: bool, extras: bool):
+  """(function, argument specs) of that step (with `extras`: explicit
+  positions, a window and sinks)."""
+  spec = jax.ShapeDtypeStruct
+  b, s, n, num_kv, h = (_STEP[x] for x in ("b", "s", "n", "num_kv", "h"))
+  page = 64
+  cache = (s * b // page, page) if paged else (b, s)
+  args = [spec((b, 1, n, h), jnp.bfloat16),
+          spec((*cache, num_kv, h), jnp.bfloat16),
+          spec((*cache, num_kv, h), jnp.bfloat16), spec((b,), jnp.int32),
+          spec((b, s // page), jnp.int32) if paged else None]
+  if extras:
+    args += [spec((b, 1), jnp.int32), spec((n,), jnp.float32)]
+
+  def step(q, k, v, lengths, table, positions=None, sinks=None):
+    return pallas_fa.decode_attention(
+        q, k, v, lengths, block_table=table, query_positions=positions,
+        sinks=sinks, local_window_size=(4096, 0) if extras else None,
+        implementation="triton", return_residual=True)
+
+  return step, args
+
+
+@pytest.mark.parametrize("paged, extras", [(False, False), (True, True)])
+def test_triton_decode_step_lowers_to_two_kernels(paged, extras):
+  """Lowered for an H100 (no GPU needed), a one-token step is the split
+  kernel and the merge kernel and nothing else that XLA would launch:
+  around them only reshapes, which XLA turns into bitcasts. The programs
+  find their key runs from the lengths themselves and read the unpadded
+  queries; the merge writes the output in its final dtype and layout."""
+  step, args = _decode_step(paged, extras)
+  with gpu_target.compile_for(gpu_target.H100):
+    lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+  ops = collections.Counter()
+
+  def visit(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          ops[inner.operation.name] += 1
+          visit(inner.operation)
+
+  visit(lowered.compiler_ir("stablehlo").operation)
+  free = {"stablehlo.reshape", "func.func", "func.call", "func.return"}
+  work = {name: count for name, count in ops.items()
+          if name not in free and not name.startswith("sdy.")}
+  assert work == {"stablehlo.custom_call": 2}, ops
+  text = lowered.as_text()
+  assert 'name = "flash_decode"' in text
+  assert 'name = "flash_decode_merge"' in text
+
+
+def test_triton_decode_step_compiles_to_two_kernels(monkeypatch, tmp_path):
+  """The same step compiled for an H100 without a GPU (XLA's whole GPU
+  pipeline, `scripts/compile_check.py`'s way): XLA's thunk sequence holds
+  two kernels. Needs jax's CUDA plugin, which test environments usually
+  lack (the compile check reports the same count per decode variant)."""
+  # Importing the script sets logging defaults in os.environ: keep them in
+  # a copy that goes away with the test.
+  monkeypatch.setattr(os, "environ", dict(os.environ))
+  with conftest.script_module("compile_check") as compile_check:
+    reason = compile_check._can_compile_for_cuda("h100")  # noqa: SLF001
+    if reason:
+      pytest.skip(reason)
+    device = compile_check._cuda_device("h100")  # noqa: SLF001
+    step, args = _decode_step(paged=False, extras=False)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = [None if a is None else jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=sharding) for a in args]
+    with gpu_target.compile_for(gpu_target.H100):
+      jax.jit(step).trace(*args).lower().compile(
+          compiler_options={"xla_dump_to": str(tmp_path)})
+    assert compile_check.kernels_per_call(str(tmp_path)) == 2
 
 
 @pytest.mark.parametrize("implementation, change", [

@@ -230,3 +230,15 @@ def test_tile_and_its_pullback_use_what_every_kernel_compiler_lowers():
 def test_tile_indices_are_those_the_tile_reads(example, indices):
   name, fn, args = _examples(rng("fused-mods-indices", example))[example]
   assert fused_mods.split(name, fn, args, "test").tile_indices == indices
+
+
+@pytest.mark.parametrize("fn, indices", [
+    (lambda score, b, h, q, kv: 4.0 * jnp.tanh(score / 4.0), set()),
+    (lambda score, b, h, q, kv: score - 0.5 * (q - kv), {"q_idx", "kv_idx"}),
+    (lambda score, b, h, q, kv: jnp.float32(1.0), set()),
+], ids=["scaled-tanh", "bias", "constant"])
+def test_tile_indices_with_constants(fn, indices):
+  """A score_mod with Python constants (literals in its jaxpr), or whose
+  result is one, still names the indices its tile reads."""
+  assert fused_mods.split("score_mod", fn, (), "test").tile_indices == (
+      indices)

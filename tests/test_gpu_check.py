@@ -60,11 +60,11 @@ def test_plan_fits_a_15_minute_window():
   assert sum(s["budget_s"] for s in got["steps"]) <= got["budget_s"]
   shares = {s["name"]: s["budget_s"] for s in got["steps"]}
   assert shares == {
-    "env": 45,
-    "kernels": 200,
-    "bench": 150,
-    "decode": 50,
-    "extra": 5,
+    "env": 20,
+    "kernels": 150,
+    "bench": 240,
+    "decode": 40,
+    "extra": 0,
   }
   assert len(got["files"]) <= 7 and "summary.json" in got["files"]
   assert "bundle.tgz" in got["files"]
@@ -77,6 +77,59 @@ def test_plan_fits_a_15_minute_window():
     assert "PALLAS_FA_COMMIT=" in command
   assert "--only=@" in second["command"]
   assert len(got["source_hash"]) == 16
+
+
+def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
+  """The bench step's processes: one implementation each (its variants
+  beside it), mosaic_gpu's split and fused backward at T = 16384 and 4096,
+  causal and not, fwd and fwd+bwd; cuDNN, triton and JAX's Pallas mha on
+  the same cells; mosaic_gpu's causal forward per head-section size; each
+  variant a MosaicGpuBlockSizes that validates, and otherwise the default
+  tiling; decode at B = 1 and 8 with two split counts."""
+  steps = gpu_check.steps
+  runs = {run.label: run for run in steps.BENCH_RUNS[False]}
+  assert list(runs) == ["mosaic_gpu", "cudnn", "triton", "pallas_mha",
+                        "mosaic_gpu_head_sections"]
+  for run in runs.values():
+    names = {spec.split(":")[0] for spec in run.impls} | set(run.peers)
+    assert len(names) == 1, run  # One implementation per process.
+    assert run.head_dims == (128,)
+  headline = dict(seq_lens=(16384, 4096), causal="both",
+                  modes=("fwd", "fwd_bwd"))
+  for label in ("mosaic_gpu", "cudnn", "triton", "pallas_mha"):
+    run = runs[label]
+    assert {k: getattr(run, k) for k in headline} == headline, run
+  assert runs["mosaic_gpu"].impls == ("mosaic_gpu",
+                                      "mosaic_gpu:backward=fused")
+  assert runs["mosaic_gpu"].matmul_size  # The first run's ceiling.
+  assert runs["pallas_mha"].peers == ("pallas_mha",)
+  sections = runs["mosaic_gpu_head_sections"]
+  assert (sections.seq_lens, sections.causal, sections.modes) == (
+    (16384,), "true", ("fwd",))
+  assert sections.impls == ("mosaic_gpu",) + tuple(
+    f"mosaic_gpu:head_section={n}" for n in (2, 4, 8, 16))
+
+  # The benchmark resolves every variant to its block sizes (the default
+  # tiling of the shape, those fields replaced) without a GPU.
+  with script_module("benchmark") as benchmark:
+    shape = benchmark.options.Shape(batch=1, seq_len=16384, heads=16,
+                                    head_dim=128, causal=True,
+                                    dtype="bfloat16")
+    specs = runs["mosaic_gpu"].impls[1:] + sections.impls[1:]
+    for spec in specs:
+      name, fields = benchmark.options.parse_impl(spec)
+      candidate = benchmark.options.Candidate(kind="impl", name=name,
+                                              block_sizes=fields)
+      assert candidate.label == spec
+      tiles = benchmark.cells.block_sizes_for(candidate, shape)
+      assert type(tiles).__name__ == "MosaicGpuBlockSizes"
+      for field, value in fields:
+        assert getattr(tiles, field) == value
+
+  decode = " ".join(steps.DECODE_FLAGS[False])
+  assert "--batch=1,8" in decode and "--seq_lens=32768" in decode
+  assert "--kv_heads=8" in decode and "--head_dims=128" in decode
+  assert "--num_splits=default,64" in decode
 
 
 def test_build_md_has_the_commands_to_paste(gpu_check):
@@ -97,8 +150,8 @@ def test_plan_of_a_rerun_scales_its_shares(gpu_check):
   plan = gpu_check.plan
   shares = plan.shares(plan.NAMES, plan.BUDGET_S, dry_run=False)
   # Each step ends where the later steps' shares begin.
-  assert plan.reserved_after("env", shares) == 405
-  assert plan.reserved_after("decode", shares) == 5
+  assert plan.reserved_after("env", shares) == 430
+  assert plan.reserved_after("decode", shares) == 0
   assert plan.reserved_after("extra", shares) == 0
   for bad in (["--steps=env,nope"], ["--out="]):
     with pytest.raises(SystemExit):
@@ -443,15 +496,44 @@ def test_dry_run(tmp_path):
     for r in bench["results"]
     if r["seq_len"] == 128 and r["head_dim"] == 16
   )
-  assert "| chunked | jax:xla |" in (out / "bench.md").read_text()
+  assert (
+    "| chunked | chunked:block_q_bwd=64 | jax:xla | chunked:block_kv=64 |"
+    in (out / "bench.md").read_text()
+  )
+  # H = 16, T 128 and 256, causal and not, fwd, fwd_bwd and the backward
+  # alone (fwd_bwd less fwd).
   rows = steps["bench"]["bench"]["rows"]
-  assert len(rows) == 8 and rows[0]["vs_cudnn"] == {}
+  assert len(rows) == 12 and rows[0]["vs_cudnn"] == {}
+  modes = ["fwd", "fwd", "fwd_bwd", "fwd_bwd", "bwd", "bwd"]
+  assert [r["mode"] for r in rows[:6]] == modes
+  variant = "chunked:block_q_bwd=64"
+  assert {"chunked", variant} <= set(rows[4]["rate"])
+  tiles = "chunked:block_kv=64"
+  (causal_fwd,) = [r for r in rows if (r["T"], r["mode"], r["causal"])
+                   == (256, "fwd", True)]
+  assert {"chunked", variant, tiles} <= set(causal_fwd["rate"])
+  # Where each process's time went; the later ones read the references
+  # back.
+  timelines = steps["bench"]["bench"]["timelines"]
+  assert [t["candidates"] for t in timelines] == [
+    f"chunked,{variant}", "jax:xla", f"chunked,{tiles}"]
+  for t in timelines:
+    assert {"start", "device_init", "inputs", "reference"} <= set(
+      t["by_phase"]), t
+  loaded = [p["loaded"] for t in bench["timelines"][:3] for p in t["phases"]
+            if p["phase"] == "reference"]
+  # chunked's 4 shapes, xla's 2 (read back), chunked_tiles' forward only
+  # (the extra step's process comes after them).
+  assert loaded == [False] * 4 + [True] * 2 + [False], loaded
 
   decode = json.loads((out / "decode.json").read_text())
   assert {r["impl"] for r in decode["rows"]} == {
     "decode/chunked",
+    "decode/chunked:num_splits=2",
     "flash_attention",
   }
+  assert {"probes", "reference", "timing"} <= {
+    p["phase"] for p in decode["timeline"]}
   assert all(r["share"] > 0 for r in steps["decode"]["decode"]["rows"])
 
   parts = steps["extra"]["parts"]

@@ -66,7 +66,8 @@ needs_interpreter = pytest.mark.skipif(
     ("block_kv_dkv", 320), ("block_kv_dq", 288),
     ("num_stages", 0), ("num_stages_bwd", 9), ("num_consumers_dq", 3),
     ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
-    ("lowering_semantics", "Lane"),
+    ("lowering_semantics", "Lane"), ("backward", "fast"),
+    ("head_section", 0), ("head_section", 2.0),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
@@ -322,6 +323,17 @@ def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
   assert text.count("custom_call @mosaic_gpu") == kernels
 
 
+@pytest.mark.parametrize("h, causal", [(128, True), (64, False)])
+def test_fused_backward_lowers_for_hopper(h, causal):
+  """backward="fused": the forward and one backward kernel (dK, dV and dQ
+  by TMA reduce-adds into an aliased float32 buffer)."""
+  bs = mosaic_gpu.MosaicGpuBlockSizes(backward="fused")
+  text = _lower_for_hopper(
+      Case(b=1, t=256, s=384, n=4, k=2, h=h, causal=causal), jnp.bfloat16,
+      bs)
+  assert text.count("custom_call @mosaic_gpu") == 2
+
+
 @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
 def test_both_lowering_semantics_lower(semantics):
   """jax 0.10 lowers per lane by default, 0.11 per warpgroup: both work."""
@@ -344,15 +356,16 @@ def _dealt(units):
   return ctas[visited], b[visited], head[visited], row[visited]
 
 
-@pytest.mark.parametrize("balance,reverse", [(False, False), (False, True),
-                                             (True, True), (True, False)])
+@pytest.mark.parametrize("balance,reverse,table", [
+    (False, False, True), (False, True, True), (True, True, True),
+    (True, False, True), (True, True, False), (True, False, False)])
 @pytest.mark.parametrize("batch,heads,rows,ctas", [
     (1, 16, 128, 132), (4, 16, 32, 132), (3, 5, 7, 11), (2, 40, 3, 132),
     (1, 1, 5, 5), (2, 3, 4, 24)])
-def test_units_visit_each_unit_once(balance, reverse, batch, heads, rows,
-                                    ctas):
+def test_units_visit_each_unit_once(balance, reverse, table, batch, heads,
+                                    rows, ctas):
   units = kernel.Units(batch, heads, rows, ctas, balance=balance,
-                       reverse=reverse)
+                       reverse=reverse, table=table)
   _, b, head, row = _dealt(units)
   got = sorted(zip(b.tolist(), head.tolist(), row.tolist(), strict=True))
   assert got == [(i, j, r) for i in range(batch) for j in range(heads)
@@ -374,13 +387,49 @@ def test_balanced_schedule(batch, heads, rows):
 
   growing = lambda row: row + 1  # noqa: E731
   shrinking = lambda row: rows - row  # noqa: E731
-  forward = kernel.Units(batch, heads, rows, 132, balance=True, reverse=True)
-  dkv = kernel.Units(batch, heads, rows, 132, balance=True)
-  assert busiest_over_mean(forward, growing) < 1.06
-  assert busiest_over_mean(dkv, shrinking) < 1.06
+  for section in (None, 2, 4, 8):  # Dealt from a table (forward, dQ).
+    forward = kernel.Units(batch, heads, rows, 132, balance=True,
+                           reverse=True, section=section)
+    dkv = kernel.Units(batch, heads, rows, 132, balance=True,
+                       section=section)
+    assert busiest_over_mean(forward, growing) < 1.06, section
+    assert busiest_over_mean(dkv, shrinking) < 1.06, section
+  # In waves, with the section the dealing balances best (dK/dV).
+  for reverse, work in ((True, growing), (False, shrinking)):
+    waves = kernel.Units(batch, heads, rows, 132, balance=True,
+                         reverse=reverse, table=False)
+    assert waves.table is None
+    assert busiest_over_mean(waves, work) < 1.06
   if (batch, heads, rows) == (1, 16, 128):
     plain = kernel.Units(batch, heads, rows, 132, reverse=True)
     assert busiest_over_mean(plain, growing) > 1.5
+
+
+@pytest.mark.parametrize("section", [1, 3, 4, 16])
+def test_head_sections_are_dealt_in_order(section):
+  """Every CTA finishes its units of one head section before it starts the
+  next (so the CTAs running at once stream about one section's K/V), and
+  within a section takes the longest first."""
+  batch, heads, rows = 2, 8, 16
+  units = kernel.Units(batch, heads, rows, 24, balance=True, reverse=True,
+                       section=section)
+  cta, b, head, row = _dealt(units)
+  sections = (b * heads + head) // section
+  for c in range(24):
+    mine = cta == c
+    assert np.all(np.diff(sections[mine]) >= 0)
+    for s_ in np.unique(sections[mine]):
+      rows_in = row[mine][sections[mine] == s_]
+      assert np.all(np.diff(rows_in) <= 0)  # Longest (last row) first.
+
+
+def test_default_head_section_fits_l2():
+  """The default section streams at most 32 MiB (FlashAttention-3's L2
+  budget): 4 heads' K/V at T = 16k, H = 128 in bfloat16, 16 at 4k."""
+  per_head = lambda t: t * (128 + 128) * 2  # noqa: E731
+  assert kernel.default_head_section(per_head(16384)) == 4
+  assert kernel.default_head_section(per_head(4096)) == 16
+  assert kernel.default_head_section(per_head(1 << 22)) == 1
 
 
 def test_lowering_enforces_shared_memory_budget():
@@ -388,6 +437,47 @@ def test_lowering_enforces_shared_memory_budget():
   with pytest.raises(ValueError, match="shared memory"):
     _lower_for_hopper(Case(b=1, t=128, s=256, n=1, k=1, h=256),
                       jnp.bfloat16, too_big)
+
+
+@pytest.mark.parametrize("fields, call, applies", [
+    (dict(backward="fused"), dict(head_dim=128), True),
+    (dict(backward="fused"), dict(head_dim=64, dropout=True), True),
+    (dict(), dict(head_dim=128), False),  # "split" is the default
+    (dict(backward="fused"), dict(head_dim=256), False),
+    (dict(backward="fused"), dict(head_dim=64, value_head_dim=192), False),
+    (dict(backward="fused", split_dkv=True), dict(head_dim=128), False),
+    (dict(backward="fused"), dict(head_dim=128, dropout=True), False),
+    (dict(backward="fused", block_q_dkv=32), dict(head_dim=64), False),
+], ids=["h128", "h64-dropout", "default-split", "h256", "wide-values",
+        "split-dkv", "h128-dropout", "32-query-tiles"])
+def test_fused_backward_applies_where_it_fits(fields, call, applies):
+  """The fused backward runs where its kernel fits (registers, shared
+  memory, a 64-row dQ wgmma); elsewhere "fused" takes the split path
+  instead of refusing the call."""
+  bs = mosaic_gpu.MosaicGpuBlockSizes(**fields)
+  call.setdefault("value_head_dim", call["head_dim"])
+  assert mosaic_gpu.fused_backward_applies(
+      bs, interpret=True, **call) == applies
+  if applies:
+    smem = mosaic_gpu.fused_backward_bytes(
+        bs, call["head_dim"], value_head_dim=call["value_head_dim"])
+    assert smem <= mosaic_gpu.SHARED_MEMORY_BYTES
+
+
+def test_fused_backward_declines_score_mod_gradients():
+  """A score_mod whose values are differentiated keeps the split path (the
+  dQ kernel sums their cotangents per query)."""
+  gen = rng("fused", "score-mod")
+  case = Case(b=1, t=64, s=64, n=2, k=1, h=64, causal=True)
+  q, k, v, _ = make_inputs(case, jnp.bfloat16, gen)
+  slopes = jnp.asarray(gen.uniform(0.1, 1.0, (case.n,)), jnp.float32)
+  call = pallas_fa.api.canonicalize(
+      q, k, v, None, None, score_mod=pallas_fa.flex.alibi,
+      score_mod_args=(slopes,))
+  score_mod, _ = mosaic_gpu._mods(call.info)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(backward="fused")
+  assert not mosaic_gpu.fused_backward_applies(
+      bs, 64, 64, score_mod, interpret=True)
 
 
 # --------------------------------------------------------------------------
@@ -496,6 +586,83 @@ def test_interpreted_split_dkv_single_consumer_round_robin():
       rng("mosaic_gpu", "split"))
 
 
+def _fused_against_split(case, gen, dtype=jnp.bfloat16, **kw_extra):
+  """The fused backward's gradients against the float32 reference under
+  the FlashAttention rule, and against the split backward's (each within
+  the rule's bound of the other: only dQ's summation order differs)."""
+  q, k, v, kw = make_inputs(case, dtype, gen)
+  kw.update(kw_extra)
+  dout = testing.normal(gen, q.shape[:-1] + v.shape[-1:])
+  dlse = testing.normal(gen, q.shape[:-1])
+  fused = run(flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(
+      **_SMALL, backward="fused")), q, k, v, kw, dout, dlse)
+  split = run(flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)),
+              q, k, v, kw, dout, dlse)
+  want = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
+  same = run(reference_fn(dtype), q, k, v, kw, dout, dlse)
+  for name, x, y, r, rs in zip(("dq", "dk", "dv"), fused[2], split[2],
+                               want[2], same[2]):
+    assert_close(name, x, r, rs, dtype)
+    assert_close(name + " (fused vs split)", x, y, rs, dtype)
+  np.testing.assert_array_equal(np.asarray(fused[0]), np.asarray(split[0]))
+
+
+def _fused_launches(monkeypatch):
+  """Records the names of the kernels launched from now on."""
+  names, real = [], kernel.launch
+
+  def launch(spec, *, name, **kwargs):
+    names.append(name)
+    return real(spec, name=name, **kwargs)
+
+  monkeypatch.setattr(kernel, "launch", launch)
+  return names
+
+
+@needs_interpreter
+def test_interpreted_fused_backward_shared_columns(monkeypatch):
+  """H = 128 with two consumers: each consumer computes half of dQ's
+  columns from both consumers' dS^T (exchanged through shared memory);
+  causal with GQA, ragged lengths and a soft cap: masked, unmasked and
+  skipped tiles, several query heads per unit."""
+  names = _fused_launches(monkeypatch)
+  case = Case(b=1, t=100, s=150, n=4, k=2, h=128, causal=True, lengths=True,
+              soft_cap=3.0)
+  _fused_against_split(case, rng("mosaic_gpu", "fused-shared"))
+  assert "pfa_mgpu_dk_dv_dq" in names and "pfa_mgpu_dq" in names
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+def test_interpreted_fused_backward_own_keys_dropout(monkeypatch):
+  """H = 32 (padded to 64, whose halves are not whole swizzle tiles): each
+  consumer adds its own keys' dQ over every column; window, segments,
+  padding and dropout (the mask hashed in the transposed tile feeds dQ
+  too), two batch rows."""
+  names = _fused_launches(monkeypatch)
+  case = Case(b=2, t=70, s=90, n=4, k=2, h=32, window=(30, 10),
+              segments=True, lengths=True)
+  gen = rng("mosaic_gpu", "fused-own")
+  _fused_against_split(case, gen, dropout_rate=0.25,
+                       dropout_rng=int(gen.integers(1 << 30)))
+  assert names.count("pfa_mgpu_dk_dv_dq") == 1
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+def test_interpreted_fused_backward_flex(monkeypatch):
+  """A mask_mod (document ids, in the segment-id slots) and a score_mod
+  without differentiated values run in the fused kernel."""
+  names = _fused_launches(monkeypatch)
+  case = Case(b=1, t=128, s=128, n=2, k=2, h=64, causal=True)
+  gen = rng("mosaic_gpu", "fused-flex")
+  docs = jnp.asarray(np.sort(gen.integers(0, 3, (1, case.s))), jnp.int32)
+  _fused_against_split(
+      case, gen, mask_mod=pallas_fa.flex.document, mask_mod_args=(docs,),
+      score_mod=lambda score, b, h, q, kv: 4.0 * jnp.tanh(score / 4.0))
+  assert names.count("pfa_mgpu_dk_dv_dq") == 1
+
+
 def _race_detector():
   """(get_races, reset) of the Mosaic GPU interpreter's happens-before race
   detector, or a skip where this jax has none."""
@@ -523,7 +690,12 @@ def _race_detector():
           num_consumers_dkv=1, split_dkv=True, num_stages=3,
           num_stages_bwd=3, dropout=True),
      {"pfa_mgpu_forward", "pfa_mgpu_dq", "pfa_mgpu_dk", "pfa_mgpu_dv"}),
-], ids=["two-consumers", "one-consumer-split-dropout"])
+    # The fused backward: dS^T exchanged between the consumers (H = 128),
+    # the dQ staging tile reused every step, K overwritten by dK at the
+    # end of each unit while the other consumer may still read it.
+    (dict(num_ctas=2, backward="fused", h=128),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+], ids=["two-consumers", "one-consumer-split-dropout", "fused"])
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
   producer refills ring slots (more steps than stages, several units and
@@ -538,6 +710,7 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   get_races, reset = _race_detector()
   config = dict(config)
   dropout = config.pop("dropout", False)
+  h = config.pop("h", 32)
   real_params, real_launch = kernel.interpret_params, kernel.launch
   monkeypatch.setattr(
       kernel, "interpret_params",
@@ -551,7 +724,7 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
     return outputs
 
   monkeypatch.setattr(kernel, "launch", launch)
-  case = Case(b=1, t=160, s=256, n=4, k=2, h=32, causal=True, segments=True,
+  case = Case(b=1, t=160, s=256, n=4, k=2, h=h, causal=True, segments=True,
               lengths=True)
   gen = rng("mosaic_gpu", "races", *sorted(config))
   q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
@@ -636,9 +809,17 @@ def _small_tiles_that_fit(case, dtype):
 
 @needs_hopper
 @pytest.mark.parametrize("case, dtype", _GPU_CASES, ids=lambda x: str(x))
-@pytest.mark.parametrize("tiles", ["default", "small"])
+@pytest.mark.parametrize("tiles", ["default", "small", "fused"])
 def test_compiled_matches_reference(case, dtype, tiles):
+  """"fused": the default tiles with the fused backward (the split one
+  where it does not apply)."""
   bs = None if tiles == "default" else _small_tiles_that_fit(case, dtype)
+  if tiles == "fused":
+    bs = dataclasses.replace(
+        mosaic_gpu.default_block_sizes(
+            q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=dtype,
+            is_causal=case.causal),
+        backward="fused")
   check_against_reference(
       flash("mosaic_gpu", bs), case, dtype,
       rng("mosaic_gpu", "compiled", str(case), tiles))

@@ -62,6 +62,7 @@ SHARED_MEMORY_BYTES = tiles.SHARED_MEMORY_BYTES
 LOWERING_SEMANTICS = tiles.LOWERING_SEMANTICS
 MosaicGpuBlockSizes = tiles.MosaicGpuBlockSizes
 shared_memory_bytes = tiles.shared_memory_bytes
+fused_backward_bytes = tiles.fused_backward_bytes
 heuristic_block_sizes = tiles.heuristic_block_sizes
 candidate_block_sizes = tiles.candidate_block_sizes
 
@@ -296,9 +297,21 @@ def schedule(kinds: Array, consumers: int) -> Array:
   return out.astype(jnp.int32)
 
 
+def _head_section(x: layout.Padded, bs, kv_stationary: bool) -> int | None:
+  """The head section of a causal schedule (`kernel.Units`): the tiling's
+  `head_section`, else for the forward and dQ kernels as many (batch, query
+  head) pairs as stream `kernel.L2_SECTION_BYTES` of K/V (a query head's
+  share of its K/V head's); the dK/dV kernel, dealt in waves, then keeps
+  the section its dealing balances best (None)."""
+  if bs.head_section is not None or kv_stationary:
+    return bs.head_section
+  per_pair = x.sp * (x.q.shape[-1] + x.v.shape[-1]) * x.q.dtype.itemsize
+  return kernel.default_head_section(per_pair // x.g)
+
+
 def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
           consumers, pingpong, units_per_head, heads, num_heads,
-          score_mod=None, mask_mod=None, mod_slot=None):
+          score_mod=None, mask_mod=None, mod_slot=None, kv_stationary=False):
   q_len, kv_len = x.q.shape[1], x.k.shape[1]
   units = x.q.shape[0] * heads * units_per_head
   return kernel.Spec(
@@ -330,6 +343,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       mask_mod=mask_mod,
       mod_slot=mod_slot,
       valid_kv_len=x.s,
+      head_section=_head_section(x, bs, kv_stationary),
   )
 
 
@@ -459,6 +473,39 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       q, k, v, info, params, lse, dout, delta, interpret=runs_interpreted(bs))
 
 
+def fused_backward_applies(bs: MosaicGpuBlockSizes, head_dim: int,
+                           value_head_dim: int, score_mod=None, *,
+                           dropout: bool = False,
+                           interpret: bool = False) -> bool:
+  """Whether a call with tiling `bs` runs the fused backward
+  (`MosaicGpuBlockSizes.backward`). It needs:
+
+  * `backward="fused"` and no split dK/dV passes;
+  * query tiles of the dK/dV kernel a multiple of 64 (the M of the dQ
+    wgmma; the heuristic's 32 with dropout at H > 64 keeps the split path);
+  * padded head dims <= 128, <= 64 with dropout (wider ones leave no
+    registers for a third accumulator, nor shared memory for the dS^T and
+    dQ staging tiles, `tiles.fused_backward_bytes`; dropout's hashing
+    beside it spills 148 bytes at 128);
+  * no score_mod whose values are differentiated (their per-query
+    cotangents are the dQ kernel's);
+  * compiled, a jax that builds kernels with aliased outputs
+    (`kernel.can_accumulate`).
+  """
+  if bs.backward != "fused" or bs.split_dkv or bs.block_q_dkv % 64:
+    return False
+  if not interpret and not kernel.can_accumulate():
+    return False
+  widest = layout.padded_head_dim(max(head_dim, value_head_dim), ALIGN)
+  if widest > (64 if dropout else 128):
+    return False
+  if score_mod is not None and any(
+      res.differentiable for res in score_mod.residuals):
+    return False
+  return tiles.fused_backward_bytes(
+      bs, head_dim, value_head_dim=value_head_dim) <= SHARED_MEMORY_BYTES
+
+
 def backward_impl(q, k, v, info, params, lse, dout, delta, *,
                   interpret: bool):
   """The backward pass with the execution mode given (see `forward_impl`).
@@ -484,16 +531,20 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   operands = (x.q, x.k, x.v, do, lse2, delta, *_meta(x, mask_mod, slot))
   residuals = _residuals(x, score_mod, mask_mod)
 
-  sched = schedule(_kinds(x, mask_mod, bs.block_q_dq, bs.block_kv_dq),
-                   bs.num_consumers_dq)
-  spec = _spec(
-      x, params, bs, interpret, block_q=bs.block_q_dq,
-      block_kv=bs.block_kv_dq, stages=bs.num_stages_bwd,
-      consumers=bs.num_consumers_dq, pingpong=False,
-      units_per_head=q_len // q_rows, heads=n, num_heads=n,
-      score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot)
-  dq, *dmod = dq_kernel.backward_dq(spec, *operands, sched, _seed(x),
-                                    residuals)
+  fused = fused_backward_applies(bs, h, v.shape[-1], score_mod,
+                                 dropout=info.has_dropout,
+                                 interpret=interpret)
+  if not fused:
+    sched = schedule(_kinds(x, mask_mod, bs.block_q_dq, bs.block_kv_dq),
+                     bs.num_consumers_dq)
+    spec = _spec(
+        x, params, bs, interpret, block_q=bs.block_q_dq,
+        block_kv=bs.block_kv_dq, stages=bs.num_stages_bwd,
+        consumers=bs.num_consumers_dq, pingpong=False,
+        units_per_head=q_len // q_rows, heads=n, num_heads=n,
+        score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot)
+    dq, *dmod = dq_kernel.backward_dq(spec, *operands, sched, _seed(x),
+                                      residuals)
 
   kinds = _kinds(x, mask_mod, bs.block_q_dkv, bs.block_kv_dkv)
   sched = schedule(jnp.swapaxes(kinds, 1, 2), bs.num_consumers_dkv)
@@ -502,9 +553,14 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
       block_kv=bs.block_kv_dkv, stages=bs.num_stages_bwd,
       consumers=bs.num_consumers_dkv, pingpong=False,
       units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n,
-      score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot)
+      score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot,
+      kv_stationary=True)
   seed = _seed(x)
-  if bs.split_dkv:
+  if fused:
+    dk, dv, dq = dkv_kernel.backward_dkv(
+        spec, *operands, sched, seed, residuals, outputs=("dk", "dv", "dq"))
+    dq, dmod = dq.astype(q.dtype), ()
+  elif bs.split_dkv:
     (dv,) = dkv_kernel.backward_dkv(
         spec, *operands, sched, seed, residuals, outputs=("dv",))
     (dk,) = dkv_kernel.backward_dkv(

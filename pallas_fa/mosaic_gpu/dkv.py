@@ -6,6 +6,18 @@ the producer streams Q, dO, logsumexp and delta for every query head of the
 GQA group, so dK and dV come out summed over the group inside the kernel. It
 works in the transposed orientation (S^T = K Q^T) so that P^T and dS^T are
 register operands of the dV and dK wgmmas.
+
+With `outputs` naming "dq" it is FlashAttention-3's fused backward: each
+step's dS^T also goes to shared memory, and dQ = dS K for the step's query
+tile is added to a float32 dQ in global memory with a TMA reduce-add, so
+the separate dQ kernel (which recomputes QK^T and dO V^T) is not needed:
+5 tile products instead of 7. Where each consumer's half of the head dim
+is whole 64-column swizzle tiles (H = 128 with two consumers) the two
+consumers split dQ by columns, each summing both consumers' keys (their
+dS^T are exchanged through shared memory behind a barrier); otherwise each
+adds its own keys' partial over every column. The Mosaic GPU interpreter
+has no TMA reductions: there every unit writes its partials to an output
+of their own, which XLA sums.
 """
 
 from __future__ import annotations
@@ -45,29 +57,45 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     seed: uint32 [1] dropout seed, or None (spec.dropout_rate == 0).
     residuals: the score_mod's, then the mask_mod's per-(batch, head) values
       (`Spec.score_mod`, `Spec.mask_mod`).
-    outputs: which of "dk", "dv" to compute.
+    outputs: which of "dk", "dv" and "dq" to compute ("dq" with both
+      others: the fused backward, `dq_columns`).
 
   Returns:
     A tuple with the requested of dk [B, Sp, K, Hp] and dv [B, Sp, K, Hvp]
-    (Hvp: the padded value head dim), in k.dtype.
+    (Hvp: the padded value head dim), in k.dtype, and dq float32
+    [B, Tp, N, Hp] (dS K, scaled; its summation order is not fixed).
   """
   ops = kernel.ops_for(spec)
   bq, bk, h, stages = spec.block_q, spec.block_kv, spec.head_dim, spec.stages
   nc, g = spec.consumers, spec.group
   want_dk, want_dv = "dk" in outputs, "dv" in outputs
+  want_dq = "dq" in outputs
+  if want_dq and not (want_dk and want_dv):
+    raise ValueError(f"the fused backward computes all three, {outputs=}.")
+  if want_dq and spec.score_mod is not None and any(
+      res.differentiable for res in spec.score_mod.residuals):
+    raise ValueError("the fused backward takes no score_mod gradients.")
+  # dQ columns per consumer; both consumers' keys go into each when they
+  # share dQ (`dq_columns`).
+  dq_cols = dq_columns(spec)
+  shared_dq = want_dq and dq_cols < h
+  # Interpreted: dQ partials, one per unit (shared dQ) or consumer tile.
+  writers = 1 if shared_dq else nc
+  kv_rows = spec.kv_len // (nc * bk)
+  # Dealt in waves, not from a table (`kernel.Units`).
   units = kernel.Units(
-      spec.batch, spec.num_kv_heads, spec.kv_len // (nc * bk),
-      spec.num_ctas, balance=spec.is_causal)
+      spec.batch, spec.num_kv_heads, kv_rows, spec.num_ctas,
+      balance=spec.is_causal, section=spec.head_section, table=False)
 
   def unit(r: kernel.Refs, t, base):
     _, k_ref, v_ref, _, _, _, _, _, kpos_ref, kseg_ref, sched_ref = r.inputs
     (k_smem, v_smem, kpos_smem, kseg_smem, q_smem, do_smem, lse_smem,
-     delta_smem, qpos_smem, qseg_smem) = r.smem
-    kv_bar, q_bar, do_bar, q_free, do_free = r.barriers
+     delta_smem, qpos_smem, qseg_smem, *dq_smem) = r.smem
+    kv_bar, q_bar, do_bar, q_free, do_free, *dq_bars = r.barriers
     wg = r.wg
     k_own, v_own = k_smem.at[wg], v_smem.at[wg]  # K, V, then dK, dV.
 
-    b, kh, row = units.decode(r.cta, t)
+    b, kh, row = r.units.decode(r.cta, t)
     ulo = sched_ref[b, row, 0]
     length = sched_ref[b, row, 1] - ulo
     key0 = (row * nc + wg) * bk
@@ -80,6 +108,47 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         kv_bar.at[wg])
     k_p, k_s = kernel.load_meta(
         spec, ops, kpos_smem.at[wg], kseg_smem.at[wg], 0)
+
+    def add_dq(ds_t, head, i, step):
+      """Adds this step's dS K (its columns of it) to the query tile's dQ.
+
+      ds_t: the step's dS^T [bk, bq] in the kernel's dtype.
+      """
+      ds_smem, stage = dq_smem
+      ds_slot = lax.rem(step, 2)  # Double-buffered: see `ds_ready`.
+      ds_smem.at[ds_slot, wg][...] = ds_t
+      plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
+      if shared_dq:
+        # Both consumers' dS^T are in before either reads them. A slot is
+        # rewritten two steps later, after both passed the next step's
+        # barrier, so after both read it here (each awaits its wgmma).
+        (ds_ready, _) = dq_bars
+        plgpu.barrier_arrive(ds_ready.at[ds_slot])
+        plgpu.barrier_wait(ds_ready.at[ds_slot])
+        col0, sources = wg * dq_cols, range(nc)
+      else:
+        col0, sources = 0, (wg,)
+      dq = None
+      for w in sources:
+        # Opaque, so that K's descriptors are built here, not kept live
+        # across the loop (`kernel.stationary_in_step`).
+        w = kernel.stationary_in_step(spec, w)
+        dq = ops.mm(ds_smem.at[ds_slot, w],
+                    k_smem.at[w, :, pl.ds(col0, dq_cols)],
+                    transpose_a=True, acc=dq)  # [bq, dq_cols]
+      # The previous step's reduce-add has read the staging tile.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      stage.at[wg][...] = dq
+      plgpu.commit_smem()
+      rows, cols = pl.ds(i * bq, bq), pl.ds(col0, dq_cols)
+      if spec.interpret:
+        part = row if shared_dq else row * nc + wg
+        plgpu.copy_smem_to_gmem(
+            stage.at[wg], r.outputs[-1].at[b, part, rows, head, cols])
+      else:  # The output shares the zeroed accumulator's buffer.
+        plgpu.copy_smem_to_gmem(
+            stage.at[wg], r.outputs[-1].at[b, rows, head, cols],
+            reduction_op="add")
 
     def group_member(rep, carry):
       rep_base = base + rep * length
@@ -132,11 +201,11 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
               p_t, dropped(dp_t), delta, per_query=_COLUMNS)
           if score_mod_pullback is not None:  # Its values': in dQ.
             ds_t, _ = score_mod_pullback(ds_t)
-          ds_t = kernel.logits_grad(spec, ds_t, capped_t)
-          dk = ops.mm(
-              ds_t.astype(spec.dtype), q_smem.at[slot], a_in_smem=False,
-              acc=dk)
+          ds_t = kernel.logits_grad(spec, ds_t, capped_t).astype(spec.dtype)
+          dk = ops.mm(ds_t, q_smem.at[slot], a_in_smem=False, acc=dk)
         plgpu.barrier_arrive(q_free.at[slot])
+        if want_dq:
+          add_dq(ds_t, kh * g + rep, i, rep_base + i - ulo)
         return dk, dv
 
       return kernel.phases(sched_ref, b, row, wg, step, carry, spec.masked)
@@ -144,6 +213,12 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     carry = (ops.full((bk, h), 0.0) if want_dk else None,
              ops.full((bk, spec.hv), 0.0) if want_dv else None)
     dk, dv = lax.fori_loop(0, g, group_member, carry)
+    if shared_dq:
+      # The other consumer's last dQ products read this one's K tile,
+      # which dK is about to overwrite.
+      (_, unit_done) = dq_bars
+      plgpu.barrier_arrive(unit_done.at[0])
+      plgpu.barrier_wait(unit_done.at[0])
     results = []
     if want_dk:
       k_own[...] = dk.astype(spec.dtype)
@@ -152,14 +227,15 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       v_own[...] = dv.astype(spec.dtype)
       results.append(v_own)
     kernel.store([(src, dst.at[b, keys, kh])
-                  for src, dst in zip(results, r.outputs, strict=True)])
+                  for src, dst in zip(results, r.outputs)])
     return base + g * length
 
   def producer_groups(r: kernel.Refs):
     (q_ref, _, _, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, _, _,
      _) = r.inputs
-    q_smem, do_smem, lse_smem, delta_smem, qpos_smem, qseg_smem = r.smem[4:]
-    q_bar, do_bar, q_free, do_free = r.barriers[1:]
+    q_smem, do_smem, lse_smem, delta_smem, qpos_smem, qseg_smem = (
+        r.smem[4:10])
+    q_bar, do_bar, q_free, do_free = r.barriers[1:5]
 
     def query_tile(kh, rep, i):
       # Query head `rep` of the GQA group of key/value head kh, tile i.
@@ -203,12 +279,57 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       gpu_ops.barrier(stages, nc),  # Q slot released.
       gpu_ops.barrier(stages, nc),  # dO slot released.
   )
-  return kernel.launch(
+  out_types = tuple(
+      jax.ShapeDtypeStruct((v if name == "dv" else k).shape, spec.dtype)
+      for name in outputs if name != "dq")
+  accumulators = ()
+  if want_dq:
+    smem += (
+        ops.smem((2, nc, bk, bq), spec.dtype, True),  # dS^T, per consumer
+        ops.smem((nc, bq, dq_cols), _F32, True),  # dQ staging
+    )
+    if shared_dq:
+      barriers += (
+          gpu_ops.barrier(2, nc),  # Both consumers' dS^T stored.
+          gpu_ops.barrier(1, nc),  # Both consumers' last dQ done.
+      )
+    dq_shape = (spec.batch, spec.q_len, spec.num_heads, h)
+    if spec.interpret:
+      out_types += (jax.ShapeDtypeStruct(
+          (spec.batch, kv_rows * writers, *dq_shape[1:]), _F32),)
+    else:
+      accumulators = (jnp.zeros(dq_shape, _F32),)
+  outs = kernel.launch(
       spec, name="pfa_mgpu_" + "_".join(outputs), units=units, reps=g,
       operands=(q, k, v, do, lse2, delta, q_pos, q_seg, kv_pos, kv_seg,
                 sched),
-      out_types=tuple(
-          jax.ShapeDtypeStruct((v if name == "dv" else k).shape, spec.dtype)
-          for name in outputs),
-      smem_types=smem, barrier_types=barriers, unit=unit,
-      producer_groups=producer_groups, seed=seed, residuals=residuals)
+      out_types=out_types, smem_types=smem, barrier_types=barriers,
+      unit=unit, producer_groups=producer_groups, seed=seed,
+      residuals=residuals, accumulators=accumulators)
+  if not want_dq:
+    return outs
+  *outs, dq = outs
+  if spec.interpret:
+    dq = _sum_partials(dq, sched, writers, bq)
+  return (*outs, dq)
+
+
+def dq_columns(spec: kernel.Spec) -> int:
+  """The dQ columns each consumer of the fused backward computes: half the
+  head dim with two consumers when a half is whole 64-column swizzle tiles
+  (FlashAttention-3's split at H = 128: each consumer multiplies both
+  consumers' dS by its half of K, one [bq, H / 2] reduce-add each per
+  step), else all of them (each consumer its own keys' partial)."""
+  half = spec.head_dim // spec.consumers
+  return half if spec.consumers > 1 and half % 64 == 0 else spec.head_dim
+
+
+def _sum_partials(parts, sched, writers, block_q):
+  """The interpreted fused backward's dQ: its per-unit partials
+  [B, P, Tp, N, H] summed over P, each counted only on the query tiles its
+  unit visited ([ulo, uhi) of `sched`; the rest was never written)."""
+  tiles = (jnp.arange(parts.shape[2]) // block_q)[None, None, :]
+  lo = jnp.repeat(sched[:, :, 0], writers, axis=1)[..., None]
+  hi = jnp.repeat(sched[:, :, 1], writers, axis=1)[..., None]
+  visited = (tiles >= lo) & (tiles < hi)  # [B, P, Tp]
+  return jnp.where(visited[..., None, None], parts, 0.0).sum(axis=1)

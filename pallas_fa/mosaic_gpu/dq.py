@@ -65,7 +65,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     wg = r.wg
     q_own, do_own = q_smem.at[wg], do_smem.at[wg]  # Q, then dQ.
 
-    b, n, row = units.decode(r.cta, t)
+    b, n, row = r.units.decode(r.cta, t)
     ulo = sched_ref[b, row, 0]
     row0 = (row * nc + wg) * bq
     rows = pl.ds(row0, bq)

@@ -68,7 +68,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       plgpu.barrier_arrive(schedule)
       plgpu.barrier_wait(schedule)
 
-    b, n, row = units.decode(r.cta, t)
+    b, n, row = r.units.decode(r.cta, t)
     ulo = sched_ref[b, row, 0]
     row0 = (row * nc + wg) * bq
     rows = pl.ds(row0, bq)

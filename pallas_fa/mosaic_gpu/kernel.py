@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import importlib
 import inspect
 import os
@@ -174,6 +175,8 @@ class Spec:
       none.
     valid_kv_len: S before padding. With `mod_slot` "segments" the padded
       keys, which segment ids would mask, are masked by index instead.
+    head_section: (batch, head) pairs per head section of a causal
+      schedule (`Units`); None: all pairs in one section.
   """
 
   batch: int
@@ -202,6 +205,7 @@ class Spec:
   mask_mod: Any = None
   mod_slot: str | None = None
   valid_kv_len: int | None = None
+  head_section: int | None = None
 
   @property
   def hv(self) -> int:
@@ -391,14 +395,27 @@ def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg,
 # --------------------------------------------------------------------------
 
 
-# Candidate head-group sizes of a balanced `Units` schedule.
+# L2 bytes a causal schedule's head section may stream: FlashAttention-3's
+# budget (32 MiB of the 50 MiB L2 of an H100 or H200), so that a section's
+# K/V (forward, dQ) or Q/dO (dK/dV) are read from HBM about once.
+L2_SECTION_BYTES = 32 * 1024 * 1024
+
+
+def default_head_section(bytes_per_pair: int) -> int:
+  """The (batch, head) pairs of a causal schedule's head section
+  (`Units`): as many as stream `L2_SECTION_BYTES` (4 at T = 16k, H = 128,
+  bfloat16, the forward), at least 1."""
+  return max(1, L2_SECTION_BYTES // max(1, bytes_per_pair))
+
+
+# Candidate head-group sizes of a wave-dealt balanced `Units` schedule.
 _GROUPS = (8, 12, 16, 20, 24, 28, 32, 40, 48)
 
 
 def _busiest_over_mean(pairs, rows, num_ctas, group) -> float:
-  """The busiest CTA's work over the mean under `Units(balance=True)`'s
-  dealing (rounded, so that near ties go to the smaller group), for units
-  whose k-th visited row tile has rows - k tiles of work (causal)."""
+  """The busiest CTA's work over the mean under `Units`' wave dealing
+  (rounded, so that near ties go to the smaller group), for units whose
+  k-th visited row tile has rows - k tiles of work (causal)."""
   u = np.arange(pairs * rows)
   per_group = group * rows
   g, w = u // per_group, u % per_group
@@ -408,6 +425,36 @@ def _busiest_over_mean(pairs, rows, num_ctas, group) -> float:
   cta = np.where(wave % 2 == 1, num_ctas - 1 - pos, pos)
   per_cta = np.bincount(cta, weights=work, minlength=num_ctas)
   return round(float(per_cta.max() / per_cta.mean()), 3)
+
+
+@functools.lru_cache(maxsize=64)
+def _lpt_table(pairs: int, rows: int, num_ctas: int, section: int
+               ) -> np.ndarray:
+  """The balanced dealing of causal units (`Units`), as a table.
+
+  Units go section by section (`section` (batch, head) pairs each), longest
+  first within a section (the k-th visited row tile of a pair has rows - k
+  tiles of work), each to the CTA with the least work so far (the longest
+  processing time first rule, which FlashAttention-3 applies at run time).
+
+  Returns:
+    int32 [num_ctas, 1 + most]: per CTA its unit count, then its units in
+    order, each as pair * rows + k (k: the visit index).
+  """
+  loads = [(0, c) for c in range(num_ctas)]
+  dealt = [[] for _ in range(num_ctas)]
+  for first in range(0, pairs, section):
+    members = range(first, min(pairs, first + section))
+    for k in range(rows):
+      for pair in members:
+        load, cta = heapq.heappop(loads)
+        dealt[cta].append(pair * rows + k)
+        heapq.heappush(loads, (load + rows - k, cta))
+  table = np.zeros((num_ctas, 1 + max(len(d) for d in dealt)), np.int32)
+  for cta, units in enumerate(dealt):
+    table[cta, 0] = len(units)
+    table[cta, 1:1 + len(units)] = units
+  return table
 
 
 class Units:
@@ -421,32 +468,65 @@ class Units:
   (dK/dV) with the row tile, and in that order a CTA whose stride through
   the list is nearly a multiple of `rows` draws mostly long or mostly short
   units: with 132 CTAs and 128 row tiles (T = 16384) the busiest CTA has
-  1.6x the mean work, and the kernel waits for it. `balance` orders them
-  longest first instead, row tile major within groups of heads, and deals
-  every other wave in reverse CTA order (boustrophedon), pairing a CTA's
-  longer units with shorter ones. The group size (at most 48 heads, so that
-  the CTAs running at once still share each head's K/V stream several
-  times over) is the one whose dealing, simulated here on the causal work
-  model, is most even: the busiest CTA within 6% of the mean on large
-  problems (tests/test_mosaic_gpu.py::test_balanced_schedule).
+  1.6x the mean work, and the kernel waits for it. `balance` deals them
+  longest first in head sections of `section` (batch, head) pairs, so that
+  the CTAs running at once stream the K/V of one section (L2-sized,
+  `default_head_section`), in one of two ways:
+
+  * `table` (forward, dQ): from a table (`_lpt_table`), each unit to the
+    least loaded CTA; the busiest CTA is then within a few percent of the
+    mean at any section size. The table is a kernel operand (`launch`),
+    read through `bind`.
+  * waves (dK/dV, whose three accumulators leave no registers for a
+    table's addressing, which ptxas spills in the fused kernel): by
+    arithmetic, dealing every other wave of CTAs in reverse order
+    (boustrophedon), which pairs a CTA's longer units with shorter ones.
+    It balances only larger sections: without a `section`, the one of
+    `_GROUPS` (8 to 48 pairs) whose dealing, simulated on the causal work
+    model, is most even.
+
+  tests/test_mosaic_gpu.py::test_balanced_schedule holds the busiest CTA
+  within 6% of the mean.
   """
 
   def __init__(self, batch, heads, rows, num_ctas, *, balance=False,
-               reverse=False):
-    """`reverse`: row tiles last-first (the longest first when they grow)."""
+               reverse=False, section=None, table=True):
+    """`reverse`: row tiles last-first (the longest first when they grow).
+    `section`: pairs per head section of a balanced dealing (None: all,
+    or with waves the most even of `_GROUPS`). `table`: deal from a table
+    rather than in waves."""
     self.batch, self.heads, self.rows = batch, heads, rows
     self.total = batch * heads * rows
     self.num_ctas = num_ctas
     self.balance = balance
     self.reverse = reverse
     pairs = batch * heads
-    self.group = None if not balance else min(
-        sorted({min(pairs, g) for g in _GROUPS}),
-        key=lambda g: (_busiest_over_mean(pairs, rows, num_ctas, g), g))
+    self.table = self.section = None
+    if balance and table:
+      self.section = min(pairs, section or pairs)
+      self.table = _lpt_table(pairs, rows, num_ctas, self.section)
+    elif balance:
+      self.section = min(pairs, section) if section else min(
+          sorted({min(pairs, g) for g in _GROUPS}),
+          key=lambda g: (_busiest_over_mean(pairs, rows, num_ctas, g), g))
+    self._table_ref = None
+
+  def bind(self, table_ref) -> Units:
+    """These units reading their table from `table_ref` (in a kernel)."""
+    bound = object.__new__(Units)
+    bound.__dict__.update(self.__dict__, _table_ref=table_ref)
+    return bound
+
+  def _entry(self, cta, i):
+    if self._table_ref is not None:
+      return self._table_ref[cta, i]
+    return jnp.asarray(self.table)[cta, i]
 
   def count(self, cta):
     """Units handled by `cta` (traced)."""
     n = self.num_ctas
+    if self.table is not None:
+      return self._entry(cta, 0)
     if not self.balance:
       return (self.total - cta + n - 1) // n
     waves, rest = divmod(self.total, n)
@@ -458,20 +538,25 @@ class Units:
   def decode(self, cta, t):
     """(b, head, row tile) of this CTA's t-th unit."""
     n = self.num_ctas
-    if not self.balance:
+    if self.table is not None:
+      u = self._entry(cta, 1 + t)
+      row = lax.rem(u, self.rows)
+      bh = lax.div(u, self.rows)
+    elif not self.balance:
       u = cta + t * n
       row = lax.rem(u, self.rows)
       bh = lax.div(u, self.rows)
     else:
       backward = lax.rem(t, 2) == 1
       u = t * n + jnp.where(backward, n - 1 - cta, cta)
-      per_group = self.group * self.rows
-      g = lax.div(u, per_group)
-      w = lax.rem(u, per_group)
-      # The last group may hold fewer heads.
-      size = jnp.minimum(self.group, self.batch * self.heads - g * self.group)
+      per_section = self.section * self.rows
+      g = lax.div(u, per_section)
+      w = lax.rem(u, per_section)
+      # The last section may hold fewer pairs.
+      size = jnp.minimum(self.section,
+                         self.batch * self.heads - g * self.section)
       row = lax.div(w, size)
-      bh = g * self.group + lax.rem(w, size)
+      bh = g * self.section + lax.rem(w, size)
     head = lax.rem(bh, self.heads)
     b = lax.div(bh, self.heads)
     if self.reverse:
@@ -582,7 +667,8 @@ def q_units(spec: Spec) -> Units:
   a tile of `consumers` x block_q rows; causal visits the longest first."""
   return Units(
       spec.batch, spec.num_heads, spec.q_len // (spec.consumers * spec.block_q),
-      spec.num_ctas, balance=spec.is_causal, reverse=spec.is_causal)
+      spec.num_ctas, balance=spec.is_causal, reverse=spec.is_causal,
+      section=spec.head_section)
 
 
 def kv_producer(spec: Spec):
@@ -697,8 +783,9 @@ class Refs:
   """What a kernel body sees: GMEM input refs (in operand order, the
   schedule last), GMEM output refs, SMEM and barrier refs (in the order the
   kernel declared them), this CTA's index and this warpgroup's, and the
-  uint32 [1] dropout seed (None without dropout), and the score_mod's
-  per-(batch, head) values [Bm, Hm] (`Spec.score_mod`)."""
+  uint32 [1] dropout seed (None without dropout), the score_mod's
+  per-(batch, head) values [Bm, Hm] (`Spec.score_mod`), and the launch's
+  `Units`, bound to their table where they have one."""
 
   inputs: tuple
   outputs: tuple
@@ -708,6 +795,7 @@ class Refs:
   wg: Any
   seed: Any = None
   residuals: tuple = ()
+  units: Any = None
 
 
 def load_stationary(copies, bar):
@@ -729,7 +817,8 @@ def store(copies):
 
 
 def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
-           barrier_types, unit, producer_groups, seed=None, residuals=()):
+           barrier_types, unit, producer_groups, seed=None, residuals=(),
+           accumulators=()):
   """Builds and runs a persistent warp-specialised kernel.
 
   Warpgroups 0 .. consumers - 1 each run `unit` over this CTA's units of
@@ -751,11 +840,18 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
     producer_groups: producer_groups(refs) -> the `groups` of `produce`.
     seed: the uint32 [1] dropout seed, or None without dropout.
     residuals: the score_mod's [Bm, Hm] values (`Spec.score_mod`).
+    accumulators: arrays the kernel updates in place, e.g. with TMA
+      reduce-adds: each is an operand and also an output after
+      `out_types` that shares its buffer (compiled kernels only,
+      `can_accumulate`); the body writes through the output ref.
   """
   ops = ops_for(spec)
   nc, num_inputs = spec.consumers, len(operands)
   seeds = () if seed is None else (seed,)
-  operands = (*operands, *seeds, *residuals)
+  tables = () if units.table is None else (jnp.asarray(units.table),)
+  operands = (*operands, *seeds, *residuals, *tables, *accumulators)
+  first_table = num_inputs + len(seeds) + len(residuals)
+  first_accumulator = len(operands) - len(accumulators)
 
   def body(*refs):
     r = Refs(
@@ -763,26 +859,82 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
         smem=refs[-2], barriers=refs[-1],
         cta=lax.axis_index("cta"), wg=lax.axis_index("wg"),
         seed=None if seed is None else refs[num_inputs],
-        residuals=refs[num_inputs + len(seeds):len(operands)])
+        residuals=refs[num_inputs + len(seeds):first_table],
+        units=units.bind(refs[first_table]) if tables else units)
 
     @pl.when(r.wg < nc)
     def _consumer():
       ops.set_max_registers(_consumer_registers(nc), "increase")
       lax.fori_loop(
-          0, units.count(r.cta), functools.partial(unit, r), jnp.int32(0))
+          0, r.units.count(r.cta), functools.partial(unit, r), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(r.wg == nc)
     def _producer():
       ops.set_max_registers(_PRODUCER_REGISTERS, "decrease")
-      produce(units=units, cta=r.cta, reps=reps, sched_ref=r.inputs[-1],
+      produce(units=r.units, cta=r.cta, reps=reps, sched_ref=r.inputs[-1],
               groups=producer_groups(r), stages=spec.stages)
 
-  call = plgpu.kernel(
-      body, kernel_name=name, grid=(spec.num_ctas,), grid_names=("cta",),
-      num_threads=nc + 1, thread_name="wg",
-      **_kernel_kwargs(
-          out_types=out_types, scratch=[smem_types, barrier_types],
-          interpret=interpret_params() if spec.interpret else None,
-          lowering_semantics=spec.lowering_semantics))
+  mesh = dict(grid=(spec.num_ctas,), grid_names=("cta",),
+              num_threads=nc + 1, thread_name="wg")
+  kwargs = _kernel_kwargs(
+      out_types=out_types, scratch=[smem_types, barrier_types],
+      interpret=interpret_params() if spec.interpret else None,
+      lowering_semantics=spec.lowering_semantics)
+  if accumulators:
+    out_types = (*out_types, *(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                               for a in accumulators))
+    first_out = len(out_types) - len(accumulators)
+    call = _kernel_aliased(
+        body, name=name, mesh=mesh, out_types=out_types,
+        scratch=[smem_types, barrier_types],
+        compiler_params=kwargs["compiler_params"],
+        aliases={first_accumulator + i: first_out + i
+                 for i in range(len(accumulators))})
+  else:
+    call = plgpu.kernel(body, kernel_name=name, **mesh, **kwargs)
   return call(*operands)
+
+
+def _mpmd_map():
+  """jax's mesh-kernel builder under `plgpu.kernel`, which (unlike it)
+  takes input/output aliases; None where this jax has none."""
+  try:
+    mpmd = importlib.import_module("jax._src.pallas.mpmd")
+  except ImportError:
+    return None
+  build = getattr(mpmd, "_mpmd_map", None)
+  if build is None or "input_output_aliases" not in (
+      inspect.signature(build).parameters):
+    return None
+  return build
+
+
+def can_accumulate() -> bool:
+  """Whether compiled kernels can update an operand in place
+  (`launch`'s `accumulators`)."""
+  return _mpmd_map() is not None
+
+
+def _kernel_aliased(body, *, name, mesh, out_types, scratch,
+                    compiler_params, aliases):
+  """`plgpu.kernel` whose outputs `aliases` ({operand: output}) share their
+  operand's buffer, so the kernel adds into it in place. plgpu.kernel
+  takes no aliases; mutable-array operands (`jax.new_ref`) would alias
+  through its discharge, which renames the kernel. Compiled kernels only
+  (interpreted ones write their partial results to outputs of their own)."""
+  build = _mpmd_map()
+  if build is None:
+    raise NotImplementedError(
+        f"this jax ({jax.__version__}) builds no Mosaic GPU kernel with "
+        "aliased outputs.")
+
+  def with_scratch(*refs):
+    # What plgpu.kernel does with its scratch types: allocated once for
+    # all warpgroups.
+    pl.run_scoped(functools.partial(body, *refs), *scratch,
+                  collective_axes=mesh["thread_name"])
+
+  return build([(plgpu.Mesh(kernel_name=name, **mesh), with_scratch)],
+               out_types, input_output_aliases=aliases,
+               compiler_params=compiler_params, name=name)

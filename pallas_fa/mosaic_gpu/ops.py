@@ -84,14 +84,17 @@ class Ops:
       return plgpu.SMEM(shape, dtype, transforms=transforms)
     return plgpu.SMEM(shape, dtype)
 
-  def mm(self, a, b, *, a_in_smem=True, transpose_b=False, acc=None,
-         between: Callable[[], None] | None = None):
-    """acc + a @ b (or a @ b^T) in float32.
+  def mm(self, a, b, *, a_in_smem=True, transpose_a=False, transpose_b=False,
+         acc=None, between: Callable[[], None] | None = None):
+    """acc + a @ b (or with a^T, b^T) in float32.
 
     Args:
-      a: [M, K] SMEM ref (`a_in_smem`) or register array.
+      a: [M, K] SMEM ref (`a_in_smem`) or register array; [K, M] with
+        `transpose_a` (an SMEM ref of a 16-bit type only: wgmma reads a
+        transposed A from shared memory, never from registers).
       b: [K, N] SMEM ref, or [N, K] with `transpose_b`.
       a_in_smem: whether `a` is a ref.
+      transpose_a: use a^T.
       transpose_b: use b^T.
       acc: float32 [M, N] accumulator to add to, or None.
       between: called after the wgmma is issued and before its result is
@@ -103,6 +106,8 @@ class Ops:
     if self.interpret:
       a_val = a[...] if a_in_smem else a
       b_val = b[...]
+      if transpose_a:
+        a_val = a_val.T
       if transpose_b:
         b_val = b_val.T
       out = jnp.dot(a_val, b_val, preferred_element_type=_F32)
@@ -110,7 +115,10 @@ class Ops:
         between()
       return out if acc is None else acc + out
     b_op = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
-    shape = (a.shape[0], b.shape[0] if transpose_b else b.shape[1])
+    shape = (a.shape[1] if transpose_a else a.shape[0],
+             b.shape[0] if transpose_b else b.shape[1])
+    if transpose_a:
+      a = plgpu.transpose_ref(a, (1, 0))
 
     if acc is None:
       def fresh(acc_ref):

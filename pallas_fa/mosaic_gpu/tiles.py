@@ -28,6 +28,9 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 8 * 1024
 # Values of `MosaicGpuBlockSizes.lowering_semantics` (None: jax's default).
 LOWERING_SEMANTICS = (None, "lane", "warpgroup")
 
+# Values of `MosaicGpuBlockSizes.backward`.
+BACKWARDS = ("split", "fused")
+
 
 # The tiles that are a wgmma's M (stationary rows per consumer) and those that
 # are the N of the logit tiles (streamed).
@@ -62,6 +65,21 @@ class MosaicGpuBlockSizes:
     num_stages_bwd: depth of the backward rings.
     split_dkv: compute dV and dK in two passes, keeping one float32
       accumulator in registers instead of two (head dim 256).
+    backward: "split" (the default): a dK/dV kernel and a dQ kernel, each
+      tile's logits recomputed in both (7 tile products); deterministic,
+      every call. "fused": one KV-stationary kernel computes dK, dV and dQ
+      (5 products), adding each tile's dQ partial to a float32 dQ in global
+      memory with a TMA reduce-add (FlashAttention-3's backward), so dQ's
+      summation order varies from run to run. The fused kernel runs where
+      it fits (padded head dims <= 128, `split_dkv` off, no score_mod whose
+      values are differentiated); other calls take the split path, so
+      "fused" never refuses a call (`mosaic_gpu.fused_backward_applies`).
+    head_section: causal schedules only: the (batch, head) pairs dealt
+      together (`kernel.Units`), longest first across a section before the
+      next one starts, so that the K/V (Q, dO) of one section stay in L2;
+      None: for the forward and dQ kernels sized from the L2 cache and the
+      key length (4 heads at S = 16k, H = 128), for the dK/dV kernel the
+      section its dealing balances best.
     num_ctas: persistent grid size; None = one CTA per SM (GPU) or 1
       (interpreter).
     interpret: run in the Mosaic GPU interpreter; None = exactly when the
@@ -84,6 +102,8 @@ class MosaicGpuBlockSizes:
   num_consumers_dkv: int = 2
   num_stages_bwd: int = 2
   split_dkv: bool = False
+  backward: str = "split"
+  head_section: int | None = None
   num_ctas: int | None = None
   interpret: bool | None = None
   lowering_semantics: str | None = None
@@ -118,6 +138,15 @@ class MosaicGpuBlockSizes:
       raise ValueError(
           f"{cls}.pingpong needs num_consumers == 2, got "
           f"num_consumers={self.num_consumers!r}.")
+    if self.backward not in BACKWARDS:
+      raise ValueError(
+          f"{cls}.backward must be one of {BACKWARDS}, got "
+          f"{self.backward!r}.")
+    if self.head_section is not None and (
+        not is_int(self.head_section) or self.head_section < 1):
+      raise ValueError(
+          f"{cls}.head_section must be None or a positive int, got "
+          f"{self.head_section!r}.")
     if self.num_ctas is not None and (
         not is_int(self.num_ctas) or self.num_ctas < 1):
       raise ValueError(
@@ -168,6 +197,21 @@ def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
       + bs.num_stages_bwd * (pair(bs.block_q_dkv)
                              + 4 * vec(bs.block_q_dkv)))
   return {"forward": fwd, "dq": dq, "dkv": dkv}
+
+
+def fused_backward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
+                         itemsize: int = 2,
+                         value_head_dim: int | None = None) -> int:
+  """Shared memory (bytes) of the fused backward's kernel: the dK/dV
+  kernel's (`shared_memory_bytes`) plus two dS^T tiles per consumer and a
+  float32 dQ staging tile of half the head dim per consumer
+  (`dkv.dq_columns`) or all of it."""
+  hp = layout.padded_head_dim(head_dim, ALIGN)
+  nc = bs.num_consumers_dkv
+  dq_cols = hp // nc if nc > 1 and (hp // nc) % 64 == 0 else hp
+  dkv = shared_memory_bytes(bs, head_dim, itemsize, value_head_dim)["dkv"]
+  return dkv + nc * (2 * bs.block_kv_dkv * bs.block_q_dkv * itemsize
+                     + bs.block_q_dkv * dq_cols * 4)
 
 
 def heuristic_block_sizes(

@@ -5,18 +5,30 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
 * **Rows.** The program holds the packed query tile of its K/V head: the G
   query heads of the group times the T_new new tokens, R = G * T_new rows,
   padded to a power of two of at least 16 (Triton's `tl.dot` minimum), so
-  each K/V byte is read once per K/V head, not once per query head.
+  each K/V byte is read once per K/V head, not once per query head. The
+  padding exists in registers only: rows past R are masked off the loads
+  and stores, so q and the partial results are never padded in memory.
 * **Keys.** The visible key range of the sequence (lengths, causal and the
-  window's left edge shrink it; `masking.classify_blocks`) is cut into
-  `splits` contiguous runs of `block` keys, one per program; each program
-  runs the online softmax over its run and writes a normalised partial
-  (out, lse). `online_softmax.merge_parts` merges the splits after the
-  kernel, in plain JAX. Inside a block every key is masked by
-  `masking.visible` with `key < length` as its dense term, and value rows
-  past the length are zeroed (they may hold NaN). With a mask_mod the
-  visible blocks need not be contiguous: each K/V head's non-empty blocks
-  are listed (`masking.listed_runs`) and the splits cut the list, so the
-  blocks it hides are never read and those it shows whole skip the masking.
+  window shrink it) is cut into `splits` contiguous runs of `block` keys,
+  one per program. Each program derives its run itself, with scalar
+  arithmetic on its sequence's length and new-token positions
+  (`masking.decode_key_blocks`, `masking.split_run`), so no span arrays
+  are computed before the kernel; it runs the online softmax over its run
+  and writes a normalised partial (out, lse). Inside a block every key is
+  masked by `masking.visible` with `key < length` as its dense term, and
+  value rows past the length are zeroed (they may hold NaN). With a
+  mask_mod the visible blocks need not be contiguous: each K/V head's
+  non-empty blocks are listed (`masking.listed_runs`, computed before the
+  kernel, `partials`) and the splits cut the list, so the blocks it hides
+  are never read and those it shows whole skip the masking.
+* **Merge.** Without a mask_mod (`attention`) a second, small kernel
+  merges the splits (`online_softmax.merge_parts`), adds the sinks and
+  writes the output in the query's dtype: at T_new = 1 a decode step is
+  these two kernels and nothing else (only reshapes around them), since
+  at a few microseconds per launch the nine small fusions that built the
+  spans and padded the queries, and the three that merged, cost about as
+  much as reading the cache. With a mask_mod the partials merge in plain
+  JAX (`decode._merged`).
 * **Paging.** A contiguous cache [B, S_max, K, H] is read in blocks of
   `block` keys (a `pl.ds` slice; when S_max is not a multiple of `block`,
   the last block is the cache's last `block` rows, its keys already read
@@ -58,6 +70,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+try:  # The Triton-specific Pallas API (`jax.experimental.pallas.gpu` once).
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover - depends on the installed jax.
+  from jax.experimental.pallas import gpu as plgpu
 
 from pallas_fa import fused_mods
 from pallas_fa import layout
@@ -161,28 +178,16 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
   return block
 
 
-def _spans(lengths, q_pos, lists, *, num_blocks: int, block: int,
-           splits: int, is_causal: bool, window, split_of):
-  """The "span" input, one row of 4 int32 per program: (first, end,
-  length, n_full). Without block `lists`, [B, splits, 4]: blocks [first, end)
-  (`masking.split_runs`), n_full unused; with a mask_mod's lists
-  (`masking.listed_runs`), [B, K, splits, 4]:
-  positions [first, end) of the K/V head's block list, the first n_full of
-  the list FULL."""
-  if lists is None:
-    first, end = masking.split_runs(
-        lengths, q_pos, num_blocks=num_blocks, block=block, splits=splits,
-        is_causal=is_causal, window=window)
-    n_full = jnp.zeros_like(first)
-    spec = triton.block_spec((None, None, 4),
-                             lambda i, k, j: (i, split_of(j), 0))
-  else:
-    first, end, n_full = (lists[1][..., i] for i in range(3))
-    spec = triton.block_spec((None, None, None, 4),
-                             lambda i, k, j: (i, k, split_of(j), 0))
-  length = jnp.broadcast_to(
-      lengths.reshape((-1,) + (1,) * (first.ndim - 1)), first.shape)
+def _listed_spans(lengths, lists, split_of):
+  """The "span" input of a mask_mod's block lists (`masking.listed_runs`),
+  one row of 4 int32 per program, [B, K, splits, 4]: (first, end, length,
+  n_full), positions [first, end) of the K/V head's list, the first n_full
+  of the list FULL."""
+  first, end, n_full = (lists[1][..., i] for i in range(3))
+  length = jnp.broadcast_to(lengths[:, None, None], first.shape)
   spans = jnp.stack([first, end, length, n_full], axis=-1)
+  spec = triton.block_spec((None, None, None, 4),
+                           lambda i, k, j: (i, k, split_of(j), 0))
   return spans.astype(jnp.int32), spec
 
 
@@ -198,6 +203,23 @@ def _dot(a, b, precision):
                              precision=precision, preferred_element_type=_F32)
 
 
+def _load(ref, mask, other):
+  """ref[...], the elements outside `mask` (None: none) read as `other`:
+  a block may run past its array (rows, splits), and those addresses must
+  not be read."""
+  if mask is None:
+    return ref[...]
+  return plgpu.load(ref, mask=mask, other=other)
+
+
+def _store(ref, value, mask):
+  """ref[...] = value where `mask` (None: everywhere)."""
+  if mask is None:
+    ref[...] = value
+  else:
+    plgpu.store(ref, value, mask=mask)
+
+
 def _flex_values(refs, mod, cols):
   """The residuals of a split score_mod/mask_mod for an [R, block] tile:
   per row [R, 1] (the program's block), per key [1, block] (`cols`)."""
@@ -210,20 +232,67 @@ def _flex_values(refs, mod, cols):
   return values
 
 
+def _positions(refs, raw_length, rows: int, new_tokens: int):
+  """(row positions [rows], smallest and largest new-token position) of a
+  program's sequence: the "qpos" input's, or by default the last
+  `new_tokens` positions below the (unclamped) length. Row r holds token
+  r % new_tokens."""
+  token = jnp.arange(rows, dtype=jnp.int32) % new_tokens
+  if "qpos" not in refs:
+    first = raw_length - new_tokens
+    return first + token, first, raw_length - 1
+  qpos = refs["qpos"]
+
+  def body(t, carry):
+    pos, lo, hi = carry
+    p = qpos[t]
+    return jnp.where(token == t, p, pos), jnp.minimum(lo, p), jnp.maximum(
+        hi, p)
+
+  i32 = jnp.iinfo(jnp.int32)
+  return jax.lax.fori_loop(
+      0, new_tokens, body,
+      (jnp.zeros((rows,), jnp.int32), jnp.int32(i32.max), jnp.int32(i32.min)))
+
+
 def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             value_chunk: int, value_chunks: int, per_page: int | None,
-            cache_len: int, scale: float, soft_cap, is_causal: bool, window,
-            precision, score_mod=None, mask_mod=None):
+            cache_len: int, capacity: int, num_pages: int, splits: int,
+            new_tokens: int, real_rows: int, scale: float, soft_cap,
+            is_causal: bool, window, precision, score_mod=None,
+            mask_mod=None):
   # Grid indices at the kernel's top level (the interpreter resolves
   # `program_id` there, not inside loop bodies).
   column = pl.program_id(2) % value_chunks
-  span = refs["span"]
-  first, end, length = span[0], span[1], span[2]
-  row_pos = refs["pos"][...][:, None]  # [R, 1]
-  rows = row_pos.shape[0]
+  split = pl.program_id(2) // value_chunks
+  rows = refs["q"].shape[0]
+  # The packed rows past G * T_new exist only in registers (Triton's
+  # minimum tile): never read, never written.
+  row_ok = None if real_rows == rows else (
+      jnp.arange(rows, dtype=jnp.int32) < real_rows)
+  if "span" in refs:
+    # A mask_mod's listed blocks: the runs and row positions come in.
+    span = refs["span"]
+    first, end, length = span[0], span[1], span[2]
+    row_pos = refs["pos"][...]
+  else:
+    # Each program finds its run from its sequence's length and new-token
+    # positions (`masking.decode_key_blocks`, `masking.split_run`): no
+    # span arrays are built before the kernel. A traced length past the
+    # cache keeps its positions but reads only the cache (`decode`).
+    raw_length = refs["len"][0]
+    length = jnp.clip(raw_length, 0, capacity)
+    row_pos, q_first, q_last = _positions(refs, raw_length, rows,
+                                          new_tokens)
+    lo, hi = masking.decode_key_blocks(
+        length, q_first, q_last, block=block, is_causal=is_causal,
+        window=window)
+    first, end = masking.split_run(lo, hi, splits, split)
+  row_pos = row_pos[:, None]  # [R, 1]
   values = pl.ds(pl.multiple_of(column * value_chunk, value_chunk),
                  value_chunk)
-  q_whole = refs["q"][...] if head_chunks == 1 else None
+  q_mask = None if row_ok is None else row_ok[:, None]
+  q_whole = (_load(refs["q"], q_mask, 0) if head_chunks == 1 else None)
 
   def key_rows(j):
     """(position of the first key read, (leading index, rows) in the K/V
@@ -234,7 +303,9 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
       # among them are masked.
       start = jnp.minimum(j * block, cache_len - block)
       return start, (pl.ds(start, block),)
-    page = refs["table"][j // per_page]
+    # Traced block-table entries outside the pool read a page inside it
+    # (`decode.decode_attention`).
+    page = jnp.clip(refs["table"][j // per_page], 0, num_pages - 1)
     offset = pl.multiple_of((j % per_page) * block, block)
     return j * block, (page, pl.ds(offset, block))
 
@@ -246,8 +317,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     else:
       def chunk(c, qk):
         cols = pl.ds(pl.multiple_of(c * head_chunk, head_chunk), head_chunk)
-        return qk + _dot_nt(refs["q"][:, cols], refs["k"][(*lead, cols)],
-                            precision)
+        q = _load(refs["q"].at[:, cols], q_mask, 0)
+        return qk + _dot_nt(q, refs["k"][(*lead, cols)], precision)
 
       qk = jax.lax.fori_loop(0, head_chunks, chunk,
                              jnp.zeros((rows, block), _F32))
@@ -300,8 +371,108 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     carry = jax.lax.fori_loop(first, end, step, carry)
   m_i, l_i, acc = carry
   out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
-  refs["out"][...] = out
-  refs["lse"][...] = lse
+  _store(refs["out"], out, q_mask)
+  _store(refs["lse"], lse, row_ok)
+
+
+def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
+                new_tokens: int, block: int, splits: int, scale: float,
+                is_causal: bool, local_window_size, logits_soft_cap,
+                precision, score_mod=None, score_mod_args=(), mask_mod=None,
+                mask_mod_args=(), lists=None):
+  """The split kernel on packed queries q [B, K, R, H] (R = G * T_new,
+  not padded) and the cache as given; `inputs` holds what tells a program
+  its run ("len" and maybe "qpos", or a mask_mod's lists) and `row_pos`,
+  [B, R], each packed row's position, is needed with flex attention only.
+
+  Returns (out float32 [B, K, splits, R, Hv padded], lse float32 [B, K,
+  splits, R]): every split's normalised partial result (the value head dim
+  padded as `value_tiling` pads it).
+  """
+  b, num_kv, _, h = q.shape
+  hv = value.shape[3]
+  rows = packed_rows(r)
+  hp, head_chunk = key_tiling(h, rows)
+  hvp, value_chunk = value_tiling(hv, rows)
+  num_value_chunks = hvp // value_chunk
+  q = masking.pad_axes(q, {3: hp})
+  if block_table is None:
+    num_blocks = -(-key.shape[1] // block)
+    capacity = key.shape[1]
+    # Only a cache shorter than one block is padded (to one block).
+    cache_len = max(key.shape[1], block)
+    key = masking.pad_axes(key, {1: cache_len, 3: hp})
+    value = masking.pad_axes(value, {1: cache_len, 3: hvp})
+    per_page = None
+    cache_block = (None, cache_len, None)
+
+    def cache_index(i, k, j):
+      return (i, 0, k, 0)
+  else:
+    page_size = cache_len = key.shape[1]
+    per_page = page_size // block
+    num_blocks = block_table.shape[1] * per_page
+    capacity = block_table.shape[1] * page_size
+    key = masking.pad_axes(key, {3: hp})
+    value = masking.pad_axes(value, {3: hvp})
+    cache_block = (key.shape[0], page_size, None)
+
+    def cache_index(i, k, j):
+      return (0, 0, k, 0)
+  splits = max(1, min(splits, num_blocks))
+
+  def split_of(j):
+    return j // num_value_chunks
+
+  def column_of(j):
+    return j % num_value_chunks
+
+  inputs = {
+      # A block of `rows` rows runs past the R rows of q and of the
+      # outputs: the kernel masks those rows (no padded copy of q).
+      "q": (q, triton.block_spec((None, None, rows, hp),
+                                 lambda i, k, j: (i, k, 0, 0))),
+      **inputs,
+      "k": (key, triton.block_spec((*cache_block, hp), cache_index)),
+      "v": (value, triton.block_spec((*cache_block, hvp), cache_index)),
+  }
+  if lists is not None:
+    inputs["span"] = _listed_spans(inputs.pop("len")[0][:, 0], lists,
+                                   split_of)
+    order = lists[0]
+    width = layout.next_power_of_2(num_blocks)  # Triton's block shapes.
+    inputs["order"] = (masking.pad_axes(order, {2: width}), triton.block_spec(
+        (None, None, width), lambda i, k, j: (i, k, 0)))
+  if block_table is not None:
+    table = block_table.astype(jnp.int32)
+    inputs["table"] = (table, triton.block_spec(
+        (None, table.shape[1]), lambda i, k, j: (i, 0)))
+  outputs = {
+      "out": (jax.ShapeDtypeStruct((b, num_kv, splits, r, hvp), _F32),
+              triton.block_spec(
+                  (None, None, None, rows, value_chunk),
+                  lambda i, k, j: (i, k, split_of(j), 0, column_of(j)))),
+      "lse": (jax.ShapeDtypeStruct((b, num_kv, splits, r), _F32),
+              triton.block_spec((None, None, None, rows),
+                                lambda i, k, j: (i, k, split_of(j), 0))),
+  }
+  fused = _add_flex_inputs(
+      inputs, row_pos, num_kv=num_kv, rows=rows, r=r, new_tokens=new_tokens,
+      kv_positions=num_blocks * block if per_page else cache_len,
+      flex=((mods.SCORE_MOD, score_mod, score_mod_args),
+            (mods.MASK_MOD, mask_mod, mask_mod_args)))
+  kernel = functools.partial(
+      _kernel, **fused, block=block, head_chunk=head_chunk,
+      head_chunks=hp // head_chunk, value_chunk=value_chunk,
+      value_chunks=num_value_chunks, per_page=per_page,
+      cache_len=cache_len, capacity=capacity, num_pages=key.shape[0],
+      splits=splits, new_tokens=new_tokens, real_rows=r, scale=scale,
+      soft_cap=logits_soft_cap, is_causal=is_causal,
+      window=local_window_size, precision=precision)
+  warps, stages = _launch(rows, max(head_chunk, value_chunk))
+  return triton.pallas_call(
+      kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
+      stages, "flash_decode")
 
 
 def partials(q, row_pos, query_positions, key, value, lengths, block_table,
@@ -309,7 +480,9 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
              local_window_size, logits_soft_cap, precision, score_mod=None,
              score_mod_args=(), mask_mod=None, mask_mod_args=(),
              kinds=None):
-  """The kernel's per-split results on the packed layout of `decode`.
+  """The kernel's per-split results on the packed layout of `decode`
+  (`decode_attention` takes this path with a mask_mod; without one,
+  `attention` runs the whole call in two kernels).
 
   Args:
     q: packed queries [B, K, R, H], R = G * T_new.
@@ -317,7 +490,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
     query_positions: int32 [B, T_new].
     key, value: the cache, contiguous [B, S_max, K, H] or pages
       [P, page_size, K, H] with `block_table` int [B, max_pages].
-    lengths: int32 [B].
+    lengths: int32 [B], within the cache.
     block: keys per block (`block_for`).
     splits: parts of each sequence's visible keys (at most one per block).
     scale, is_causal, local_window_size, logits_soft_cap, precision: the
@@ -334,92 +507,199 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
     normalised partial results, merged by `online_softmax.merge_parts` on
     axis 2 (a split with no visible key has lse -inf).
   """
-  b, num_kv, r, h = q.shape
-  hv = value.shape[3]
+  b, _, r, _ = q.shape
   rows = packed_rows(r)
-  hp, head_chunk = key_tiling(h, rows)
-  hvp, value_chunk = value_tiling(hv, rows)
-  num_value_chunks = hvp // value_chunk
-  # Padded rows (zero queries) are sliced off below.
-  q = masking.pad_axes(q, {2: rows, 3: hp})
-  row_pos = masking.pad_axes(row_pos, {1: rows})
-  if block_table is None:
-    num_blocks = -(-key.shape[1] // block)
-    # Only a cache shorter than one block is padded (to one block).
-    cache_len = max(key.shape[1], block)
-    key = masking.pad_axes(key, {1: cache_len, 3: hp})
-    value = masking.pad_axes(value, {1: cache_len, 3: hvp})
-    per_page = None
-    cache_block = (None, cache_len, None)
-
-    def cache_index(i, k, j):
-      return (i, 0, k, 0)
+  inputs = {"len": (lengths.astype(jnp.int32).reshape(b, 1),
+                    triton.block_spec((None, 1), lambda i, k, j: (i, 0)))}
+  lists = None
+  if kinds is not None:
+    # As many runs as `_split_call` launches splits (at most one a block).
+    splits = max(1, min(splits, kinds.shape[-1]))
+    lists = masking.listed_runs(kinds, splits)
+    inputs["pos"] = (masking.pad_axes(row_pos, {1: rows}), triton.block_spec(
+        (None, rows), lambda i, k, j: (i, 0)))
   else:
-    page_size = cache_len = key.shape[1]
-    per_page = page_size // block
-    num_blocks = block_table.shape[1] * per_page
-    key = masking.pad_axes(key, {3: hp})
-    value = masking.pad_axes(value, {3: hvp})
-    cache_block = (key.shape[0], page_size, None)
+    inputs["qpos"] = _qpos_input(query_positions)
+  out, lse = _split_call(
+      q, key, value, block_table, inputs, row_pos, r=r,
+      new_tokens=query_positions.shape[1], block=block, splits=splits,
+      scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap, precision=precision,
+      score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
+      mask_mod_args=mask_mod_args, lists=lists)
+  return out[..., :value.shape[3]], lse
 
-    def cache_index(i, k, j):
-      return (0, 0, k, 0)
-  splits = max(1, min(splits, num_blocks))
-  lists = None if kinds is None else masking.listed_runs(kinds, splits)
 
-  def split_of(j):
-    return j // num_value_chunks
+def _qpos_input(query_positions):
+  """The new tokens' positions [B, T_new], read a scalar at a time."""
+  qpos = query_positions.astype(jnp.int32)
+  return qpos, triton.block_spec((None, qpos.shape[1]),
+                                 lambda i, k, j: (i, 0))
 
-  def column_of(j):
-    return j % num_value_chunks
 
+@functools.partial(jax.jit, static_argnames=(
+    "block", "splits", "scale", "is_causal", "local_window_size",
+    "logits_soft_cap", "precision", "score_mod", "mask_mod"))
+def attention(query, key, value, lengths, block_table, query_positions,
+              sinks, *, block: int, splits: int, scale: float,
+              is_causal: bool, local_window_size, logits_soft_cap,
+              precision, score_mod=None, score_mod_args=(), mask_mod=None,
+              mask_mod_args=()):
+  """`decode_attention(implementation="triton")` without a mask_mod, as
+  two kernels: the split kernel and the merge.
+
+  A decode step moves little data, so a launch costs about as much as a
+  small fusion's work: nothing runs before the split kernel at T_new = 1
+  (its programs find their key runs from the raw lengths and positions and
+  clamp them themselves, the packed queries are a reshape of the query,
+  unpadded), and one Pallas kernel merges the splits, adds the sinks and
+  writes the output in the query's dtype and layout. T_new > 1 adds the
+  transposes of the packing; flex attention its values per row and key.
+
+  Args:
+    query: [B, T_new, N, H].
+    key, value: the cache, contiguous [B, S_max, K, H] or pages
+      [P, page_size, K, H] with `block_table` int [B, max_pages].
+    lengths: int [B], checked when concrete, else clamped here.
+    block_table: None or int [B, max_pages] (clamped into the pool here).
+    query_positions: None (the last T_new positions below each length) or
+      int [B, T_new].
+    sinks: None or float32 [N].
+    block, splits, scale, is_causal, local_window_size, logits_soft_cap,
+      precision, score_mod, score_mod_args: as for `partials`
+      (`mask_mod` must be None).
+
+  Returns:
+    (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new,
+    N]).
+  """
+  if mask_mod is not None:
+    raise NotImplementedError(
+        "a mask_mod's block lists take `partials` (decode._split_kernel).")
+  b, t, n, h = query.shape
+  num_kv = key.shape[2]
+  g = n // num_kv
+  r = g * t
+  if t == 1:
+    q = query.reshape(b, num_kv, g, h)
+  else:
+    q = query.reshape(b, t, num_kv, g, h).transpose(0, 2, 3, 1, 4).reshape(
+        b, num_kv, r, h)
+  lengths = lengths.astype(jnp.int32)
+  inputs = {"len": (lengths.reshape(b, 1),
+                    triton.block_spec((None, 1), lambda i, k, j: (i, 0)))}
+  if query_positions is not None:
+    inputs["qpos"] = _qpos_input(query_positions)
+  row_pos = None
+  if score_mod is not None:
+    # Packed row r is the new token r % T_new (`decode._packed`).
+    positions = query_positions
+    if positions is None:
+      positions = (lengths[:, None] - t
+                   + jnp.arange(t, dtype=jnp.int32)[None, :])
+    row_pos = jnp.tile(positions.astype(jnp.int32), (1, g))
+  out, lse = _split_call(
+      q, key, value, block_table, inputs, row_pos, r=r, new_tokens=t,
+      block=block, splits=splits, scale=scale, is_causal=is_causal,
+      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+      precision=precision, score_mod=score_mod,
+      score_mod_args=score_mod_args)
+  if sinks is not None:
+    # Packed row r of K/V head k belongs to query head k * G + r // T.
+    sinks = sinks.astype(_F32).reshape(num_kv, g)
+    if t > 1:
+      sinks = jnp.repeat(sinks, t, axis=1)
+  hv = value.shape[3]
+  out, lse = merge_splits(out, lse, sinks, dtype=query.dtype,
+                          value_head_dim=hv)
+  if t == 1:
+    return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
+  out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
+  lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
+  return out.reshape(b, t, n, hv), lse.reshape(b, t, n)
+
+
+# The most float32 elements of a merge program's [splits, rows, columns]
+# tile of partial outputs.
+_MERGE_ELEMENTS = 1 << 12
+
+
+def _merge_kernel(refs, *, splits: int, real_rows: int, value_head_dim: int,
+                  padded_head_dim: int):
+  s_pad, rows, chunk = refs["parts"].shape
+  column = pl.program_id(2)
+  row_ok = jnp.arange(rows, dtype=jnp.int32) < real_rows
+  part_ok = None
+  if s_pad != splits or rows != real_rows:
+    split_ok = jnp.arange(s_pad, dtype=jnp.int32) < splits
+    part_ok = split_ok[:, None] & row_ok[None, :]  # [S, R]
+  # Splits and rows past the arrays read as parts that saw no key.
+  lse = _load(refs["part_lse"], part_ok, online_softmax.MASK_VALUE)
+  parts = _load(refs["parts"],
+                None if part_ok is None else part_ok[:, :, None], 0.0)
+  out, lse = online_softmax.merge_parts(parts, lse, axis=0)
+  if "sinks" in refs:
+    sinks = _load(refs["sinks"], None if rows == real_rows else row_ok, 0.0)
+    # The primal of the custom_vjp (Triton lowers no custom_vjp; this
+    # kernel is forward-only).
+    out, lse = online_softmax.add_sink.fun(out, lse, sinks)
+  out_ok = None
+  if rows != real_rows or padded_head_dim != value_head_dim:
+    col = column * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    out_ok = row_ok[:, None] & (col < value_head_dim)[None, :]
+  _store(refs["out"], out.astype(refs["out"].dtype), out_ok)
+
+  @pl.when(column == 0)
+  def _():
+    _store(refs["lse"], lse, None if rows == real_rows else row_ok)
+
+
+def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int):
+  """The splits' partial results merged (`online_softmax.merge_parts`) and
+  the sinks added once (`online_softmax.add_sink`) in one small Pallas
+  kernel, which writes the output in `dtype` (XLA would take three
+  fusions: the weights, the weighted sum, the division and cast).
+
+  Args:
+    out: float32 [B, K, splits, R, Hv padded], normalised partial outputs.
+    lse: float32 [B, K, splits, R], their logsumexps (-inf: no key).
+    sinks: None or float32 [K, R], each packed row's sink logit.
+    dtype: the output's dtype.
+    value_head_dim: Hv, the output's head dim (<= out's last dim).
+
+  Returns:
+    (out [B, K, R, Hv] in `dtype`, lse float32 [B, K, R]).
+  """
+  b, num_kv, splits, r, hvp = out.shape
+  s_pad = layout.next_power_of_2(splits)
+  rows = layout.next_power_of_2(r)
+  chunk = 1
+  while hvp % (2 * chunk) == 0 and s_pad * rows * 2 * chunk <= (
+      _MERGE_ELEMENTS):
+    chunk *= 2
   inputs = {
-      "q": (q, triton.block_spec((None, None, rows, hp),
-                                 lambda i, k, j: (i, k, 0, 0))),
-      "pos": (row_pos, triton.block_spec((None, rows),
-                                         lambda i, k, j: (i, 0))),
-      "span": _spans(lengths, query_positions, lists, num_blocks=num_blocks,
-                     block=block, splits=splits, is_causal=is_causal,
-                     window=local_window_size, split_of=split_of),
-      "k": (key, triton.block_spec((*cache_block, hp), cache_index)),
-      "v": (value, triton.block_spec((*cache_block, hvp), cache_index)),
+      "parts": (out, triton.block_spec((None, None, s_pad, rows, chunk),
+                                       lambda i, k, c: (i, k, 0, 0, c))),
+      "part_lse": (lse, triton.block_spec((None, None, s_pad, rows),
+                                          lambda i, k, c: (i, k, 0, 0))),
   }
-  if lists is not None:
-    order = lists[0]
-    width = layout.next_power_of_2(num_blocks)  # Triton's block shapes.
-    inputs["order"] = (masking.pad_axes(order, {2: width}), triton.block_spec(
-        (None, None, width), lambda i, k, j: (i, k, 0)))
-  if block_table is not None:
-    table = block_table.astype(jnp.int32)
-    inputs["table"] = (table, triton.block_spec(
-        (None, table.shape[1]), lambda i, k, j: (i, 0)))
+  if sinks is not None:
+    inputs["sinks"] = (sinks, triton.block_spec((None, rows),
+                                                lambda i, k, c: (k, 0)))
   outputs = {
-      "out": (jax.ShapeDtypeStruct((b, num_kv, splits, rows, hvp), _F32),
-              triton.block_spec(
-                  (None, None, None, rows, value_chunk),
-                  lambda i, k, j: (i, k, split_of(j), 0, column_of(j)))),
-      "lse": (jax.ShapeDtypeStruct((b, num_kv, splits, rows), _F32),
-              triton.block_spec((None, None, None, rows),
-                                lambda i, k, j: (i, k, split_of(j), 0))),
+      "out": (jax.ShapeDtypeStruct((b, num_kv, r, value_head_dim), dtype),
+              triton.block_spec((None, None, rows, chunk),
+                                lambda i, k, c: (i, k, 0, c))),
+      "lse": (jax.ShapeDtypeStruct((b, num_kv, r), _F32),
+              triton.block_spec((None, None, rows),
+                                lambda i, k, c: (i, k, 0))),
   }
-  fused = _add_flex_inputs(
-      inputs, row_pos, num_kv=num_kv, rows=rows, r=r,
-      new_tokens=query_positions.shape[1],
-      kv_positions=num_blocks * block if per_page else cache_len,
-      flex=((mods.SCORE_MOD, score_mod, score_mod_args),
-            (mods.MASK_MOD, mask_mod, mask_mod_args)))
   kernel = functools.partial(
-      _kernel, **fused, block=block, head_chunk=head_chunk,
-      head_chunks=hp // head_chunk, value_chunk=value_chunk,
-      value_chunks=num_value_chunks, per_page=per_page,
-      cache_len=cache_len, scale=scale,
-      soft_cap=logits_soft_cap, is_causal=is_causal,
-      window=local_window_size, precision=precision)
-  warps, stages = _launch(rows, max(head_chunk, value_chunk))
-  out, lse = triton.pallas_call(
-      kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
-      stages, "flash_decode")
-  return out[..., :r, :hv], lse[..., :r]
+      _merge_kernel, splits=splits, real_rows=r,
+      value_head_dim=value_head_dim, padded_head_dim=hvp)
+  warps = 4 if s_pad * rows * chunk <= _MERGE_ELEMENTS // 2 else 8
+  return triton.pallas_call(kernel, inputs, outputs, (b, num_kv, hvp // chunk),
+                            warps, 1, "flash_decode_merge")
 
 
 def _add_flex_inputs(inputs, row_pos, *, num_kv, rows, r, new_tokens,

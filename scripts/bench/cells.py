@@ -123,6 +123,8 @@ def attention_fn(candidate: options.Candidate,
   if candidate.kind == "impl":
     name = candidate.name
     extra = {"sinks": sinks_for(shape)} if candidate.sinks else {}
+    if candidate.block_sizes:
+      extra["block_sizes"] = block_sizes_for(candidate, shape)
 
     def ours(q, k, v):
       # Looked up at call time so tests can substitute the entry point.
@@ -166,6 +168,23 @@ def attention_fn(candidate: options.Candidate,
         q, k, v, scale=scale, is_causal=causal,
         implementation=implementation)
   raise NotImplementedError(f"unknown peer {name!r}")
+
+
+def block_sizes_for(candidate: options.Candidate, shape: options.Shape):
+  """The tiling of a candidate with block-sizes fields: what a call of
+  `shape` gets by default (tuned records, else the heuristic), with the
+  candidate's fields replaced, so that a variant differs from the plain
+  candidate in those fields only.
+
+  Raises:
+    NotImplementedError: the backend does not import here.
+    TypeError, ValueError: a field the config rejects.
+  """
+  backend = api.get_backend(candidate.name)
+  base = backend.default_block_sizes(
+      q_len=shape.seq_len, kv_len=shape.seq_len, head_dim=shape.head_dim,
+      dtype=options.DTYPES[shape.dtype], is_causal=shape.causal)
+  return dataclasses.replace(base, **dict(candidate.block_sizes))
 
 
 def build(candidate: options.Candidate, shape: options.Shape,
@@ -235,13 +254,15 @@ def check_rows(seq_len: int, rows: int) -> np.ndarray:
 
 
 def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype,
-                      sinks=None):
-  """Reference (out, dq, dk, dv) on the query rows `rows` only.
+                      sinks=None, keys=None):
+  """Reference (out, dq, dk, dv) on the query rows `rows` (and dK, dV on the
+  key rows `keys`) only.
 
   Slicing the queries (with their true positions) keeps the materialised
   logits at [B, N, len(rows), S]. The gradients are those of the full
   problem with dout zero outside `rows`: a query row whose dout is zero adds
-  nothing to dK/dV, so the candidate run with that masked dout must match.
+  nothing to dK/dV (and has zero dQ), so the candidate run with that masked
+  dout must match on the rows and keys compared.
 
   Args:
     shape: the problem (its causal flag).
@@ -251,11 +272,14 @@ def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype,
     grads: also compute the gradients.
     compute_dtype: dtype of the reference's arithmetic.
     sinks: the sink logits [N], or None.
+    keys: key row indices of dK and dV (default: all).
 
   Returns:
-    (out [B, R, N, H], dq [B, T, N, H] or None, dk, dv), float32.
+    (out [B, R, N, H], dq [B, R, N, H] or None, dk [B, len(keys), N, H] or
+    None, dv likewise), float32.
   """
-  b, t = q.shape[:2]
+  b = q.shape[0]
+  keys = np.arange(k.shape[1]) if keys is None else keys
   positions = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (b, len(rows)))
 
   @jax.jit
@@ -270,8 +294,7 @@ def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype,
       return f(cast(qs), cast(k), cast(v)), None, None, None
     out, pullback = jax.vjp(f, cast(qs), cast(k), cast(v))
     dqs, dk, dv = pullback(cast(ds))
-    dq = jnp.zeros((b, t) + dqs.shape[2:], dqs.dtype).at[:, rows].set(dqs)
-    return out, dq, dk, dv
+    return out, dqs, dk[:, keys], dv[:, keys]
 
   results = materialised(q[:, rows], k, v, dout[:, rows])
   return tuple(None if x is None else x.astype(jnp.float32) for x in results)
@@ -281,37 +304,95 @@ def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype,
 class Reference:
   """Reference results of one shape, shared by every candidate."""
 
-  rows: np.ndarray
+  rows: np.ndarray  # the query rows of out and dq compared
+  keys: np.ndarray  # the key rows of dk and dv compared
   dout_masked: Array  # dout, zero outside `rows`
-  f32: tuple  # (out, dq, dk, dv) float32 reference
+  f32: tuple  # (out, dq, dk, dv) float32 reference, on rows and keys
   same: tuple | None  # the same in the input dtype (low precision only)
+  loaded: bool = False  # read back from `reference_dir`
+
+
+_RESULT_NAMES = ("out", "dq", "dk", "dv")
+
+
+def _reference_path(directory, shape, seed, rows, grads, sinks):
+  fields = "_".join(f"{v}" for v in dataclasses.asdict(shape).values())
+  extra = ("_grads" if grads else "") + ("_sinks" if sinks else "")
+  return pathlib.Path(directory) / f"ref_{fields}_s{seed}_r{rows}{extra}.npz"
+
+
+def _save_reference(path, f32, same) -> None:
+  arrays = {}
+  for prefix, results in (("f32", f32), ("same", same)):
+    for name, x in zip(_RESULT_NAMES, results or ()):
+      if x is not None:
+        arrays[f"{prefix}_{name}"] = np.asarray(x, np.float32)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  # Whole or absent: a run stopped while writing leaves no half file.
+  tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+  try:
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def _load_reference(path, low_precision: bool):
+  try:
+    with np.load(path) as data:
+      f32 = tuple(jnp.asarray(data[f"f32_{n}"]) if f"f32_{n}" in data
+                  else None for n in _RESULT_NAMES)
+      same = (tuple(jnp.asarray(data[f"same_{n}"]) if f"same_{n}" in data
+                    else None for n in _RESULT_NAMES)
+              if low_precision else None)
+  except (OSError, ValueError, KeyError):
+    return None
+  return f32, same
 
 
 def make_reference(shape, inputs, rows: int, grads: bool,
-                   sinks: bool = False) -> Reference:
+                   sinks: bool = False, seed: int | None = None,
+                   directory: str | None = None) -> Reference:
   """Computes the float32 (and same-dtype) reference for `shape`.
 
   Args:
     shape: the problem.
     inputs: (q, k, v, dout) from `make_inputs`.
-    rows: see `check_rows`.
+    rows: see `check_rows` (query rows, and key rows of dK and dV).
     grads: also compute the reference gradients.
     sinks: with the sinks of `sinks_for(shape)`.
+    seed: the seed `inputs` were made with; with `directory`, the results
+      are kept there under the shape, seed, rows, grads and sinks, and
+      read back instead of computed when a file is there (the inputs of a
+      seed are the same in every process).
+    directory: see `seed`; None computes every time.
 
   Returns:
     The shape's `Reference`.
   """
   q, k, v, dout = inputs
   idx = check_rows(shape.seq_len, rows)
+  keys = check_rows(k.shape[1], rows)
   masked = jnp.zeros_like(dout).at[:, idx].set(dout[:, idx])
+  low_precision = shape.dtype != "float32"
+  path = None
+  if directory is not None and seed is not None:
+    path = _reference_path(directory, shape, seed, rows, grads, sinks)
+    loaded = _load_reference(path, low_precision) if path.exists() else None
+    if loaded is not None:
+      return Reference(rows=idx, keys=keys, dout_masked=masked, f32=loaded[0],
+                       same=loaded[1], loaded=True)
   extra = {"sinks": sinks_for(shape)} if sinks else {}
   f32 = reference_results(shape, q, k, v, masked, idx, grads, jnp.float32,
-                          **extra)
+                          keys=keys, **extra)
   same = None
-  if shape.dtype != "float32":
+  if low_precision:
     same = reference_results(shape, q, k, v, masked, idx, grads,
-                             options.DTYPES[shape.dtype], **extra)
-  return Reference(rows=idx, dout_masked=masked, f32=f32, same=same)
+                             options.DTYPES[shape.dtype], keys=keys, **extra)
+  if path is not None:
+    _save_reference(path, f32, same)
+  return Reference(rows=idx, keys=keys, dout_masked=masked, f32=f32,
+                   same=same)
 
 
 def compare(results, ref: Reference, dtype: str) -> dict[str, dict]:
@@ -322,7 +403,8 @@ def compare(results, ref: Reference, dtype: str) -> dict[str, dict]:
 
   Args:
     results: the candidate's outputs (out on every row; grads with
-      ref.dout_masked as cotangent), grads may be absent.
+      ref.dout_masked as cotangent, on every row), grads may be absent;
+      out and dq are compared on ref.rows, dk and dv on ref.keys.
     ref: the shape's reference.
     dtype: the input dtype name (selects the tolerance rule).
 
@@ -332,12 +414,15 @@ def compare(results, ref: Reference, dtype: str) -> dict[str, dict]:
   Raises:
     testing.Mismatch: some result is not finite or exceeds its tolerance.
   """
-  names = ("out", "dq", "dk", "dv")
+  names = _RESULT_NAMES
   report = {}
-  got_all = (results[0][:, ref.rows],) + tuple(results[1:])
-  for i, got in enumerate(got_all):
+  # On the host: a row subset of a device array costs an eager gather (and
+  # its compilation) per shape; the copy of the whole array, milliseconds.
+  index = (ref.rows, ref.rows, ref.keys, ref.keys)
+  for i, result in enumerate(results):
     if ref.f32[i] is None:
       continue
+    got = np.asarray(jax.device_get(result))[:, index[i]]
     comparison = testing.compare(
         names[i], got, ref.f32[i], None if ref.same is None else ref.same[i],
         dtype=options.DTYPES[dtype], precision="default", min_scale=0.0)
@@ -449,7 +534,9 @@ def release_matmul_probe() -> None:
 
 def _run_child(spec: dict) -> dict:
   """Body of an isolated cell: compile, time, report peak memory."""
-  candidate = options.Candidate(**spec["candidate"])
+  fields = spec["candidate"]
+  candidate = options.Candidate(**{
+      **fields, "block_sizes": tuple(map(tuple, fields["block_sizes"]))})
   shape = options.Shape(**spec["shape"])
   inputs = make_inputs(shape, spec["seed"])
   jax.block_until_ready(inputs)
@@ -588,27 +675,38 @@ def run_cell(candidate, shape, mode, inputs, ref, settings) -> dict:
     record.update(status="skipped",
                   reason=f"memory: T > --peer_max_seq {limit}")
     return record
+  phases = record["phases_s"] = {}
   try:
     start = time.perf_counter()
     compiled = build(candidate, shape, mode).lower(*inputs).compile()
-    record["compile_s"] = time.perf_counter() - start
+    record["compile_s"] = phases["compile"] = time.perf_counter() - start
     record["xla_mem_bytes"] = compiled_bytes(compiled)
     q, k, v, dout = inputs
+    start = time.perf_counter()
     results = compiled(q, k, v, ref.dout_masked)
     if mode == "fwd":
       results = (results,)
     record["check"] = compare(results, ref, shape.dtype)
     del results
+    phases["check"] = time.perf_counter() - start
+    start = time.perf_counter()
     if settings.isolate:
       del compiled
       record.update(run_isolated(candidate, shape, mode, settings))
+      phases["isolated"] = time.perf_counter() - start
     else:
       record.update(measure(compiled, inputs, repeats=settings.repeats,
                             warmup=settings.warmup,
                             min_repeat_s=settings.min_repeat_s))
+      # The timed runs; the rest of `measure` is its first call and the
+      # warm-up.
+      total = time.perf_counter() - start
+      timed = sum(record["times_ms"]) * 1e-3 * record["calls_per_run"]
+      phases.update(warmup=max(0.0, total - timed), timing=timed)
   except Exception as e:  # One bad cell must not end the sweep.
     status, reason = classify(e)
     record.update(status=status, reason=reason, ms=None)
+  record["phases_s"] = {k: round(v, 3) for k, v in phases.items()}
   if record["ms"]:
     record["flops_per_s"] = record["flops"] / (record["ms"] * 1e-3)
   return record

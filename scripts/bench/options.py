@@ -109,7 +109,10 @@ OPTIONS = (
     Option("seq_lens", "list", "T = S values (preset default)."),
     Option("impls", "list",
            "pallas_fa implementations to time; default: those the automatic "
-           "choice would try on this platform."),
+           "choice would try on this platform. NAME:FIELD=VALUE[:...] times "
+           "NAME with its default tiling for each shape but those fields "
+           "replaced (e.g. mosaic_gpu:backward=fused, "
+           "mosaic_gpu:head_section=4), as a candidate of its own."),
     Option("peers", "list",
            f"Peers among {PEERS}, or 'none'; default: those for this "
            "platform."),
@@ -158,9 +161,15 @@ OPTIONS = (
            "(e.g. jax:cudnn=8192); longer cells are reported as skipped "
            "(memory)."),
     Option("check_rows", "integer",
-           "Above 2x this many queries, the check compares only the first "
-           "and last check_rows query rows (the reference is quadratic in "
-           "memory).", 256),
+           "Above 2x this many queries (keys), the check compares only the "
+           "first and last check_rows query rows of the output and dQ (key "
+           "rows of dK and dV): the reference is quadratic in memory, and "
+           "the comparison runs on the host.", 256),
+    Option("reference_dir", "string",
+           "Keep each shape's reference results here (a few MiB each) and "
+           "read them back when another run (another implementation's "
+           "process) checks the same shape: its compilation is then paid "
+           "once per shape, not once per process."),
     Option("matmul_size", "integer",
            "M = N = K of the matmul-rate ceiling; 0 = skip."),
     Option("seed", "integer", "Seed of the random inputs.", 0),
@@ -210,16 +219,28 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
-  """Something to time: a pallas_fa implementation or a JAX peer."""
+  """Something to time: a pallas_fa implementation or a JAX peer.
 
-  kind: str  # "impl" | "peer"
+  Attributes:
+    kind: "impl" | "peer".
+    name: the implementation or peer.
+    sinks: an implementation called with `sinks=`.
+    block_sizes: (field, value) pairs that replace those of the
+      implementation's default tiling of each shape (`parse_impl`): two
+      variants of one kernel (a backward path, a schedule) compared in the
+      same process, each with every other tile the default call gets.
+  """
+
+  kind: str
   name: str
-  sinks: bool = False  # An implementation called with `sinks=`.
+  sinks: bool = False
+  block_sizes: tuple[tuple[str, Any], ...] = ()
 
   @property
   def label(self) -> str:
     if self.kind == "impl":
-      return self.name + ("+sinks" if self.sinks else "")
+      fields = "".join(f":{k}={_show(v)}" for k, v in self.block_sizes)
+      return self.name + fields + ("+sinks" if self.sinks else "")
     implementation = tokamax_implementation(self.name)
     if implementation is not None:
       return f"tokamax:{implementation}"
@@ -240,6 +261,7 @@ class Settings:
   isolate: bool
   max_seq: tuple[tuple[str, int], ...]  # (label, longest T)
   check_rows: int = 256
+  reference_dir: str | None = None
   matmul_size: int = 0
   seed: int = 0
   cell_timeout: float = 1800.0
@@ -306,18 +328,65 @@ def _shapes(value) -> list[Shape]:
   return shapes
 
 
+def _show(value) -> str:
+  return "None" if value is None else str(value).lower() if isinstance(
+      value, bool) else str(value)
+
+
+def _value(text: str):
+  """A block-sizes field's value from its text: int, bool, None or str."""
+  lowered = text.strip().lower()
+  if lowered in ("none", "true", "false"):
+    return {"none": None, "true": True, "false": False}[lowered]
+  try:
+    return int(text)
+  except ValueError:
+    return text.strip()
+
+
+def parse_impl(spec: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
+  """(name, block-sizes fields) of an --impls entry NAME[:FIELD=VALUE...].
+
+  Raises:
+    ValueError: an unknown implementation, a malformed field, or a field
+      its tiling config does not have (checked where the backend imports;
+      a value is checked by the config itself when a cell builds it).
+  """
+  name, *fields = spec.strip().split(":")
+  if name not in api.REGISTRY:
+    raise ValueError(f"Unknown implementation {name!r}; expected one of "
+                     f"{sorted(api.REGISTRY)}.")
+  pairs = []
+  for field in fields:
+    key, sep, text = field.partition("=")
+    if not sep or not key.strip():
+      raise ValueError(f"--impls entries are NAME[:FIELD=VALUE...], got "
+                       f"{spec!r}.")
+    pairs.append((key.strip(), _value(text)))
+  if pairs:
+    try:
+      kind = api.get_backend(name).block_sizes_type
+    except NotImplementedError:
+      kind = ()  # Reported per cell, as for the plain name.
+    if kind is None:
+      raise ValueError(f"{name} takes no tiling config: {spec!r}.")
+    known = {f.name for f in dataclasses.fields(kind)} if kind else None
+    unknown = [k for k, _ in pairs if known is not None and k not in known]
+    if unknown:
+      raise ValueError(f"{kind.__name__} has no field {unknown[0]!r} "
+                       f"({spec!r}); it has {sorted(known)}.")
+  return name, tuple(pairs)
+
+
 def _candidates(impls, peers, sinks=False) -> list[Candidate]:
-  for name in impls:
-    if name not in api.REGISTRY:
-      raise ValueError(f"Unknown implementation {name!r}; expected one of "
-                       f"{sorted(api.REGISTRY)}.")
+  parsed = [parse_impl(spec) for spec in impls]
   peers = [p for p in peers if p != "none"]
   for name in peers:
     if name not in PEERS:
       raise ValueError(f"Unknown peer {name!r}; expected one of {PEERS}.")
-  return ([Candidate(kind="impl", name=n) for n in impls]
-          + [Candidate(kind="impl", name=n, sinks=True)
-             for n in (impls if sinks else ())]
+  return ([Candidate(kind="impl", name=n, block_sizes=b) for n, b in parsed]
+          + [Candidate(kind="impl", name=n, block_sizes=b, sinks=True)
+             for n, b in (parsed if sinks else ())]
           + [Candidate(kind="peer", name=n) for n in peers])
 
 
@@ -378,6 +447,7 @@ def make_settings(*, platform: str | None = None, **values) -> Settings:
       isolate=(platform == "cpu") if isolate is None else bool(isolate),
       max_seq=_parse_max_seq(value("peer_max_seq")),
       check_rows=int(value("check_rows")),
+      reference_dir=value("reference_dir") or None,
       matmul_size=int(value("matmul_size")),
       seed=int(value("seed")),
       cell_timeout=float(value("cell_timeout")),

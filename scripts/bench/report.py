@@ -52,15 +52,18 @@ def merged(earlier: dict | None, run_meta: dict,
 
   Returns:
     {"meta": this run's, with "merged_commands" naming the earlier runs;
-    "matmul"; "results": the earlier cells, to which `add_record` adds}.
+    "matmul"; "results": the earlier cells, to which `add_record` adds;
+    "timelines": the earlier processes' phases (`bench.timeline`)}.
   """
   if not earlier:
-    return {"meta": run_meta, "matmul": ceiling, "results": []}
+    return {"meta": run_meta, "matmul": ceiling, "results": [],
+            "timelines": []}
   before = earlier.get("meta") or {}
   commands = before.get("merged_commands", []) + [before.get("command")]
   return {"meta": {**run_meta, "merged_commands": commands},
           "matmul": ceiling or earlier.get("matmul"),
-          "results": list(earlier.get("results") or [])}
+          "results": list(earlier.get("results") or []),
+          "timelines": list(earlier.get("timelines") or [])}
 
 
 def add_ceiling(report: dict, ceiling: dict | None) -> None:

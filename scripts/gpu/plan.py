@@ -5,9 +5,17 @@ A GPU machine is lent for 15 minutes in all (its start, every command and
 idle time count) and one command runs at most 10 minutes, of which 8 files
 come back. The first command therefore runs under a 480 s limit and this
 plan fits 450 s, so that the answers that decide the next month of work
-(is every GPU kernel correct, how fast is H = 128 against cuDNN, what share
-of the memory bandwidth does decoding reach) come first and are on disk
-whenever it is stopped.
+(is every GPU kernel correct, how fast is H = 128 against cuDNN with the
+split and the fused backward, how fast is causal per head-section size,
+what share of the memory bandwidth does decoding reach) come first and are
+on disk whenever it is stopped.
+
+The shares: `env` took 4 s in the first window, and what a step leaves
+goes to the next, so its 20 s mostly feed `kernels`. `bench` runs five
+processes (about 45 cells); the first window's showed each spending 20-25 s
+before its first cell (starting, then the reference check at T = 16384,
+which the later processes now read back) and 2-4 s per cell. `decode` took
+29 s for four cells and now times six. `extra` runs on what is left.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ class Step:
 _MAIN = (
   Step(
     name="env",
-    budget_s=45,
+    budget_s=20,
     dry_run_budget_s=30,
     files=(),
     what="versions (python, jax, jaxlib, CUDA plugin, CUDA runtime, "
@@ -68,7 +76,7 @@ _MAIN = (
   ),
   Step(
     name="kernels",
-    budget_s=200,
+    budget_s=150,
     dry_run_budget_s=90,
     files=(JUNIT,),
     what="compiled correctness of every GPU kernel, mosaic_gpu first: "
@@ -83,22 +91,29 @@ _MAIN = (
   ),
   Step(
     name="bench",
-    budget_s=150,
-    dry_run_budget_s=45,
+    budget_s=240,
+    dry_run_budget_s=60,
     files=(BENCH_JSON, BENCH_MD),
     what="bf16, H = 128, T in (16384, 4096), causal and not, fwd and "
-    "fwd+bwd: mosaic_gpu, triton, cuDNN and XLA through jax.nn "
-    "(XLA at 4096 only), each implementation in its own process; "
-    "the JSON and Markdown rewritten after every cell",
+    "fwd+bwd (and the backward alone, their difference), each "
+    "implementation in its own process, in this order: mosaic_gpu with "
+    "the split and the fused backward (MosaicGpuBlockSizes(backward="
+    "'fused')), cuDNN through jax.nn, triton, JAX's Pallas mha; then "
+    "mosaic_gpu's causal forward at T = 16384 per head-section size "
+    "(2, 4, 8, 16 and the default) in one process. Each cell checked "
+    "first on its first and last 256 rows; a timestamp per phase "
+    "(start, device init, probes, inputs, reference, compile, check, "
+    "warm-up, timing); the JSON and Markdown rewritten after every cell",
   ),
   Step(
     name="decode",
-    budget_s=50,
+    budget_s=40,
     dry_run_budget_s=30,
     files=(DECODE_JSON,),
     what="triton decode_attention, bf16, B in {1, 8}, S = 32768, K = 8, "
-    "H = 128, T_new = 1, against the plain flash_attention call, "
-    "with the share of the measured HBM bandwidth",
+    "H = 128, T_new = 1, with the default split count and 64 splits, "
+    "checked against the plain flash_attention call, with the share of "
+    "the measured HBM bandwidth and a timestamp per phase",
   ),
 )
 EXTRA = Step(
@@ -107,8 +122,9 @@ EXTRA = Step(
   dry_run_budget_s=DRY_RUN_BUDGET_S - sum(s.dry_run_budget_s for s in _MAIN),
   files=(JUNIT, BENCH_JSON, BENCH_MD),
   what="with the time the other steps leave: the conformance suite for "
-  "xla and chunked and other tests, H = 64 and 256 in the benchmark, "
-  "then the on-device compile report (scripts/compile_check.py)",
+  "xla and chunked and other tests, XLA through jax.nn at T = 4096 and "
+  "H = 64 and 256 in the benchmark, then the on-device compile report "
+  "(scripts/compile_check.py)",
 )
 STEPS = _MAIN + (EXTRA,)
 NAMES = tuple(s.name for s in STEPS)

@@ -10,6 +10,8 @@ from typing import Any
 from typing import Collection
 from xml.etree import ElementTree
 
+from bench import timeline
+
 # A test's outcome from all its reports: the first of these it has. A test
 # that failed and then ended its worker (a sticky CUDA error) is "failed",
 # with its own message; "crashed" alone is a worker that died in the test
@@ -140,34 +142,117 @@ def _unit(platform: str | None) -> tuple[str, float]:
   return ("GFLOP/s", 1e9) if platform == "cpu" else ("TFLOP/s", 1e12)
 
 
+# The backward alone: fwd_bwd less fwd, 2.5x the forward's FLOPs (the
+# FlashAttention convention), for a candidate timed in both modes.
+BWD = "bwd"
+BWD_FLOPS_PER_FWD = 2.5
+
+
+def _backward_alone(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Records of the backward alone (mode "bwd"), derived from each
+  candidate's fwd and fwd_bwd times of the same cell, the speed-up against
+  cuDNN's backward derived the same way."""
+  timed: dict[tuple, dict[str, dict[str, Any]]] = {}
+  for r in results:
+    if r.get("ms") and r.get("mode") in ("fwd", "fwd_bwd"):
+      key = (
+        r.get("impl"),
+        r.get("head_dim"),
+        r.get("seq_len"),
+        bool(r.get("causal")),
+        r.get("batch"),
+        r.get("heads"),
+      )
+      timed.setdefault(key, {})[r["mode"]] = r
+  derived = {}
+  for key, modes in timed.items():
+    if "fwd" not in modes or "fwd_bwd" not in modes:
+      continue
+    ms = modes["fwd_bwd"]["ms"] - modes["fwd"]["ms"]
+    if ms <= 0:
+      continue
+    flops = BWD_FLOPS_PER_FWD * modes["fwd"]["flops"]
+    derived[key] = {
+      **{
+        k: modes["fwd"].get(k)
+        for k in (
+          "impl",
+          "kind",
+          "head_dim",
+          "seq_len",
+          "causal",
+          "batch",
+          "heads",
+        )
+      },
+      "mode": BWD,
+      "status": "ok",
+      "ms": ms,
+      "flops": flops,
+      "flops_per_s": flops / (ms * 1e-3),
+    }
+  for key, r in derived.items():
+    cudnn = derived.get(("jax:cudnn", *key[1:]))
+    r["speedup_vs_cudnn"] = cudnn["ms"] / r["ms"] if cudnn else None
+  return list(derived.values())
+
+
+def summarise_timelines(
+  report: dict[str, Any], head_dims: Collection[int] | None = None
+) -> list[dict[str, Any]]:
+  """Where each benchmark process's time went: per process (its
+  candidates; only those that ran some H of `head_dims` when given), the
+  seconds from its start to its last phase's end, and per phase name
+  (`bench.timeline.totals`)."""
+  out = []
+  for entry in report.get("timelines") or ():
+    ran = entry.get("head_dims") or ()
+    if head_dims is not None and not set(ran) & set(head_dims):
+      continue
+    phases = entry.get("phases") or []
+    end = max((p["start_s"] + p["s"] for p in phases), default=0.0)
+    out.append(
+      {
+        "candidates": ",".join(entry.get("candidates") or ()),
+        "total_s": round(end, 1),
+        "by_phase": timeline.totals(phases),
+      }
+    )
+  return out
+
+
 def summarise_bench(
   report: dict[str, Any], head_dims: Collection[int] | None = None
 ) -> dict[str, Any]:
   """The headline of a scripts/benchmark.py JSON report: a row per
   (H, T, mode, causal) with each candidate's rate and its speed-up against
-  cuDNN, and the cells that did not run.
+  cuDNN (mode "bwd": the backward alone, fwd_bwd less fwd), the cells that
+  did not run, and where each process's time went.
 
   Args:
-    report: the parsed JSON ({"meta", "matmul", "results"}).
+    report: the parsed JSON ({"meta", "matmul", "results", "timelines"}).
     head_dims: only the cells of these H (default: all).
 
   Returns:
     {"device_kind", "unit", "matmul", "counts": {candidate: {status: n}},
     "rows": [{"H", "T", "mode", "causal", "rate": {candidate: FLOP/s in
     unit}, "vs_cudnn": {candidate: x}}], "problems": [the cells of ours
-    that were wrong or failed, and why]}.
+    that were wrong or failed, and why], "timelines":
+    `summarise_timelines`}.
   """
   meta = report.get("meta") or {}
   unit, size = _unit(meta.get("platform"))
   counts: dict[str, dict[str, int]] = {}
   rows: dict[tuple, dict[str, Any]] = {}
   problems = []
-  for r in report.get("results") or []:
+  results = list(report.get("results") or [])
+  for r in results + _backward_alone(results):
     if head_dims is not None and r.get("head_dim") not in head_dims:
       continue
     impl, status = r.get("impl", "?"), r.get("status", "?")
-    by_status = counts.setdefault(impl, {})
-    by_status[status] = by_status.get(status, 0) + 1
+    if r.get("mode") != BWD:  # Counted in its two cells.
+      by_status = counts.setdefault(impl, {})
+      by_status[status] = by_status.get(status, 0) + 1
     key = (
       r.get("head_dim"),
       r.get("seq_len"),
@@ -196,6 +281,7 @@ def summarise_bench(
         f"{r.get('reason', '')}"[:300]
       )
   matmul = report.get("matmul") or {}
+  modes = ("fwd", "fwd_bwd", BWD)
   return {
     "device_kind": meta.get("device_kind"),
     "unit": unit,
@@ -207,9 +293,18 @@ def summarise_bench(
     "counts": counts,
     "rows": [
       rows[k]
-      for k in sorted(rows, key=lambda k: (k[0] or 0, k[1] or 0, *k[2:]))
+      for k in sorted(
+        rows,
+        key=lambda k: (
+          k[0] or 0,
+          k[1] or 0,
+          modes.index(k[2]) if k[2] in modes else len(modes),
+          k[3],
+        ),
+      )
     ],
     "problems": problems,
+    "timelines": summarise_timelines(report, head_dims),
   }
 
 
@@ -273,6 +368,11 @@ def _bench_lines(bench: dict[str, Any]) -> list[str]:
       + (", ".join(items) or "-")
     )
   lines += [f"      {p}" for p in (bench.get("problems") or [])[:10]]
+  for t in bench.get("timelines") or ():
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in t["by_phase"].items())
+    lines.append(
+      f"      time of {t['candidates']}: {t['total_s']} s ({phases})"
+    )
   return lines
 
 

@@ -10,7 +10,9 @@ import importlib.metadata
 import json
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
 import time
 from typing import Any
 from typing import Callable
@@ -52,7 +54,6 @@ class Context:
   workers: int
   only: tuple[str, ...] = ()
   progress: Callable[[dict[str, Any]], None] = lambda record: None
-
 
   def shown(self, cmd: Sequence[str]) -> str:
     """`runner.shown`, with the out and work folders as $OUT and $WORK."""
@@ -329,33 +330,41 @@ def step_kernels(ctx: Context, timeout: float) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BenchRun:
-  """One scripts/benchmark.py process of a step: one candidate.
+  """One scripts/benchmark.py process of a step: one implementation, with
+  the variants of it that are compared in the same process.
 
   Attributes:
     label: names the run and its log.
     weight: its share of the step's time, relative to the step's others.
-    impl: the pallas_fa implementation, or None for a peer.
-    peer: the jax.nn peer (`--peers`), or None.
+    impls: pallas_fa implementations (`--impls` entries: NAME or
+      NAME:FIELD=VALUE, a variant of its tiling); empty for a peer's run.
+    peers: the peers (`--peers`); empty for none.
     head_dims: H values.
-    seq_lens: T = S values.
+    seq_lens: T = S values, in the order they run.
+    causal: "both", "true" or "false".
+    modes: of `--modes`.
     matmul_size: of the matmul ceiling (0: none; the first run measures it).
   """
 
   label: str
   weight: float
-  impl: str | None = None
-  peer: str | None = None
+  impls: tuple[str, ...] = ()
+  peers: tuple[str, ...] = ()
   head_dims: tuple[int, ...]
   seq_lens: tuple[int, ...]
+  causal: str = "both"
+  modes: tuple[str, ...] = ("fwd", "fwd_bwd")
   matmul_size: int = 0
 
   def args(self) -> list[str]:
     join = lambda values: ",".join(map(str, values))  # noqa: E731
     return [
-      f"--impls={self.impl or ''}",
-      f"--peers={self.peer or 'none'}",
+      f"--impls={join(self.impls)}",
+      f"--peers={join(self.peers) or 'none'}",
       f"--head_dim={join(self.head_dims)}",
       f"--seq_lens={join(self.seq_lens)}",
+      f"--causal={self.causal}",
+      f"--modes={join(self.modes)}",
       f"--matmul_size={self.matmul_size}",
     ]
 
@@ -363,18 +372,22 @@ class BenchRun:
 # By --dry-run: the flags every benchmark run shares, the headline's runs
 # (bench) and the other head dims' (extra). The headline: H = 128, T in
 # {4096, 16384}, causal and not, fwd and fwd+bwd, bf16, the FlashAttention
-# protocol (B*T = 16k tokens, N*H = 2048). The first run also measures the
-# matmul ceiling; XLA materialises the logits, so it runs at T = 4096 only.
-# T = 16384 (the published peers' headline) first: compiling dominates a
-# run, and a run stopped at its share keeps the cells it finished.
-# The dry run: chunked stands for our implementations, xla for the peers;
-# float32 on a CPU, tiny.
-_BENCH_COMMON = (
-  "--causal=both",
-  "--modes=fwd,fwd_bwd",
-  "--warmup=1",
-  "--noisolate",
-)
+# protocol (B*T = 16k tokens, N*H = 2048). T = 16384 (the published peers'
+# headline) first: a run stopped at its share keeps the cells it finished.
+# Each implementation runs in a process of its own (a crash loses one
+# column, not the table), with the variants that are compared against it in
+# the same process: mosaic_gpu's split and fused backward (the backward
+# alone is fwd_bwd less fwd, `report.summarise_bench`), and its causal
+# forward per head-section size beside the default one. cuDNN comes second:
+# every ratio is taken against it. The first run also measures the matmul
+# ceiling. Every run checks each cell before timing it, at the first and
+# last `--check_rows` query (and key) rows, against a reference that the
+# first run to need a shape computes and the others read back
+# (`--reference_dir`, a scratch folder of the step): the first GPU window
+# lost most of each process's share before its first cell.
+# The dry run: chunked stands for our implementations (a block size for a
+# variant), xla for the peers; float32 on a CPU, tiny.
+_BENCH_COMMON = ("--warmup=1", "--noisolate")
 BENCH_FLAGS = {
   False: ("--grid=fa", "--dtype=bfloat16", "--repeats=5", *_BENCH_COMMON),
   True: (
@@ -383,35 +396,52 @@ BENCH_FLAGS = {
   ),
 }
 _T = (16384, 4096)
+# mosaic_gpu's head-section sizes (the (batch, head) pairs a causal
+# schedule deals together), beside the default one (None: from the L2
+# size and T).
+HEAD_SECTIONS = (2, 4, 8, 16)
 BENCH_RUNS = {
   False: (
-    BenchRun(label="mosaic_gpu", weight=50, impl="mosaic_gpu",
+    BenchRun(label="mosaic_gpu", weight=90,
+             impls=("mosaic_gpu", "mosaic_gpu:backward=fused"),
              head_dims=(128,), seq_lens=_T, matmul_size=8192),
-    BenchRun(label="triton", weight=45, impl="triton",
+    BenchRun(label="cudnn", weight=35, peers=("cudnn",),
              head_dims=(128,), seq_lens=_T),
-    BenchRun(label="cudnn", weight=30, peer="cudnn",
+    BenchRun(label="triton", weight=40, impls=("triton",),
              head_dims=(128,), seq_lens=_T),
-    BenchRun(label="xla", weight=25, peer="xla",
-             head_dims=(128,), seq_lens=(4096,)),
+    BenchRun(label="pallas_mha", weight=40, peers=("pallas_mha",),
+             head_dims=(128,), seq_lens=_T),
+    BenchRun(label="mosaic_gpu_head_sections", weight=35,
+             impls=("mosaic_gpu", *(f"mosaic_gpu:head_section={n}"
+                                    for n in HEAD_SECTIONS)),
+             head_dims=(128,), seq_lens=(16384,), causal="true",
+             modes=("fwd",)),
   ),
   True: (
-    BenchRun(label="chunked", weight=60, impl="chunked",
+    BenchRun(label="chunked", weight=50,
+             impls=("chunked", "chunked:block_q_bwd=64"),
              head_dims=(16,), seq_lens=(128, 256), matmul_size=128),
-    BenchRun(label="xla", weight=40, peer="xla",
+    BenchRun(label="xla", weight=30, peers=("xla",),
              head_dims=(16,), seq_lens=(128,)),
+    BenchRun(label="chunked_tiles", weight=20,
+             impls=("chunked", "chunked:block_kv=64"),
+             head_dims=(16,), seq_lens=(256,), causal="true",
+             modes=("fwd",)),
   ),
 }  # fmt: skip
 OTHER_BENCH_RUNS = {
   False: (
-    BenchRun(label="mosaic_gpu_h64_h256", weight=40, impl="mosaic_gpu",
+    BenchRun(label="xla", weight=15, peers=("xla",),
+             head_dims=(128,), seq_lens=(4096,)),
+    BenchRun(label="mosaic_gpu_h64_h256", weight=35, impls=("mosaic_gpu",),
              head_dims=(64, 256), seq_lens=_T),
-    BenchRun(label="triton_h64_h256", weight=35, impl="triton",
+    BenchRun(label="triton_h64_h256", weight=30, impls=("triton",),
              head_dims=(64, 256), seq_lens=_T),
-    BenchRun(label="cudnn_h64_h256", weight=25, peer="cudnn",
+    BenchRun(label="cudnn_h64_h256", weight=20, peers=("cudnn",),
              head_dims=(64, 256), seq_lens=_T),
   ),
   True: (
-    BenchRun(label="chunked_h32", weight=1, impl="chunked",
+    BenchRun(label="chunked_h32", weight=1, impls=("chunked",),
              head_dims=(32,), seq_lens=(128,)),
   ),
 }  # fmt: skip
@@ -434,11 +464,30 @@ def run_benchmarks(
     runs' head dims (`report.summarise_bench`), status and reason. Only our
     implementations' failures fail it; a peer's are warnings.
   """
+  # The shared references: outside ctx.work, which the bundle packs.
+  references = pathlib.Path(tempfile.mkdtemp(prefix="gpu_check_references_"))
+  try:
+    return _run_benchmarks(ctx, timeout, runs, references)
+  finally:
+    shutil.rmtree(references, ignore_errors=True)
+
+
+def _run_benchmarks(
+  ctx: Context,
+  timeout: float,
+  runs: Sequence[BenchRun],
+  references: pathlib.Path,
+) -> dict[str, Any]:
   deadline = time.monotonic() + timeout
   json_path = ctx.out / plan.BENCH_JSON
-  common = BENCH_FLAGS[ctx.dry_run] + _BENCH_COMMON
+  common = (*BENCH_FLAGS[ctx.dry_run], f"--reference_dir={references}")
   head_dims = {h for run in runs for h in run.head_dims}
   done, failures, warnings = [], [], []
+  folders = {
+    str(ctx.out): "$OUT",
+    str(ctx.work): "$WORK",
+    str(references): "$REFERENCES",
+  }
 
   def record_so_far() -> dict[str, Any]:
     bench = _read_json(json_path)
@@ -474,7 +523,7 @@ def run_benchmarks(
       problem = _proc_problem(proc, share, log)
       entry = {
         "label": run.label,
-        "command": ctx.shown(cmd),
+        "command": runner.shown(cmd, folders),
         "status": "failed" if problem else "ok",
         "reason": problem,
         "duration_s": round(proc.duration_s, 1),
@@ -482,7 +531,7 @@ def run_benchmarks(
       }
     done.append(entry)
     if entry["status"] != "ok":
-      (failures if run.impl else warnings).append(
+      (failures if run.impls else warnings).append(
         f"{run.label}: {entry['reason']}"
       )
   record = record_so_far()
@@ -503,18 +552,26 @@ def step_bench(ctx: Context, timeout: float) -> dict[str, Any]:
 
 
 # By --dry-run: triton decode_attention at the GQA shape of a large model's
-# decoding against the plain call; the dry run's chunked one, tiny.
+# decoding, with the library's split of the key axis and a fixed one of
+# DECODE_SPLITS (by default 33 and 4 splits at B = 1 and 8 on a 132-SM
+# GPU, 264 and 256 programs; 64 is about twice B = 1's and gives B = 8
+# 4096 programs, a finer tail); the plain flash_attention call is each
+# cell's reference, but not timed (the first window measured it: 4.6-4.9x
+# slower). The dry run's chunked one, tiny, with the plain call timed.
+DECODE_SPLITS = 64
 DECODE_FLAGS = {
   False: (
-    "--implementations=triton", "--peers=flash_attention", "--batch=1,8",
+    "--implementations=triton", "--peers=none",
+    f"--num_splits=default,{DECODE_SPLITS}", "--batch=1,8",
     "--seq_lens=32768", "--kv_heads=8", "--heads=32", "--head_dims=128",
     "--new_tokens=1", "--dtype=bfloat16", "--max_cache_gib=4",
     "--repeats=10",
   ),
   True: (
-    "--implementations=chunked", "--peers=flash_attention", "--batch=1,2",
-    "--seq_lens=256", "--kv_heads=2", "--heads=4", "--head_dims=16",
-    "--new_tokens=1", "--dtype=float32", "--repeats=2",
+    "--implementations=chunked", "--peers=flash_attention",
+    "--num_splits=default,2", "--batch=1,2", "--seq_lens=256",
+    "--kv_heads=2", "--heads=4", "--head_dims=16", "--new_tokens=1",
+    "--dtype=float32", "--repeats=2",
   ),
 }  # fmt: skip
 
