@@ -118,8 +118,10 @@ class Call:
 
   Attributes:
     q: [B, T, N, H], the batch dims of the public call folded into B.
-    k: [B, S, K, H].
-    v: [B, S, K, Hv].
+    k: [B, S, K, H], or [1, S, K, H] shared by every query row (only from
+      `canonicalize(shared_kv=True)`; `for_backend` broadcasts it for a
+      backend that does not read it so).
+    v: [B, S, K, Hv], or [1, S, K, Hv] with k.
     bias: float [1 or B, 1 or N, 1 or T, 1 or S'] or None (S' is S, or the
       `bias_key_length` given to `canonicalize`).
     info: every mask argument, as one `masking.MaskInfo`.
@@ -149,6 +151,19 @@ class Call:
     return (out.reshape(self.batch_shape + out.shape[1:]),
             lse.reshape(self.batch_shape + lse.shape[1:]))
 
+  def for_backend(self, backend: vjp.Backend) -> Call:
+    """This call as `backend` receives it: a K/V shared by every query row
+    (batch 1) stays so for a backend that reads it so
+    (`vjp.Backend.shared_kv`), and is broadcast to the query's batch for
+    the others -- the Pallas kernels, whose index maps read K/V at the
+    query's batch row. The broadcast is outside the backend's custom_vjp,
+    so its transpose sums their per-row dK/dV."""
+    b = self.q.shape[0]
+    if self.k.shape[0] == b or backend.shared_kv:
+      return self
+    k, v = (jnp.broadcast_to(x, (b,) + x.shape[1:]) for x in (self.k, self.v))
+    return dataclasses.replace(self, k=k, v=v)
+
   @property
   def empty(self) -> bool:
     """No batch rows, no queries or no keys (B, T or S = 0)."""
@@ -175,14 +190,18 @@ def canonicalize(
     key_positions=None, logits_soft_cap=None, dropout_rate=0.0,
     dropout_rng=None, block_sizes=None, precision=None,
     bias_key_length=None, sinks=None, score_mod=None, score_mod_args=(),
-    mask_mod=None, mask_mod_args=(), block_mask=None,
+    mask_mod=None, mask_mod_args=(), block_mask=None, shared_kv=False,
 ) -> Call:
   """Validates the arguments of `flash_attention` (same names, same
   meaning) and returns the canonical `Call`.
 
   Traceable: `flash_attention` calls it inside its jit. `bias_key_length`:
   bias and mask span this many keys instead of S (ring attention, whose
-  bias covers every shard's keys).
+  bias covers every shard's keys). Key/value batch dims of size 1 are
+  broadcast against the query's; `shared_kv`: a key/value whose batch dims
+  are all 1 stays [1, S, K, H] in the `Call` (see `Call.for_backend`), for
+  callers that run it through `choose_backend`; otherwise it is broadcast
+  to the query's batch here.
 
   Raises:
     ValueError / TypeError: invalid arguments (the message names them).
@@ -194,28 +213,29 @@ def canonicalize(
         f"query must be [*B, T, N, H] (any number of batch dims, including "
         f"none), got {query.shape=}."
     )
+  # Messages name the argument ("key.shape=..."), not the loop variable.
   for name, x in (("key", key), ("value", value)):
     if x.ndim != query.ndim:
       raise ValueError(
-          f"{name} must have the same rank as query, got {x.shape=} and "
-          f"{query.shape=}."
+          f"{name} must have the same rank as query, got {name}.shape="
+          f"{x.shape} and {query.shape=}."
       )
   batch_shape = query.shape[:-3]
   for name, x in (("key", key), ("value", value)):
-    if x.shape[:-3] != batch_shape:
+    if any(d not in (1, want) for d, want in zip(x.shape[:-3], batch_shape)):
       raise ValueError(
-          f"{name} must be [*B, S, K, H] with the query's batch dims, got "
-          f"{x.shape=} and {query.shape=}."
+          f"{name} must be [*B, S, K, H] with the query's batch dims (or 1 "
+          f"where shared by every query row), got {name}.shape={x.shape} "
+          f"and {query.shape=}."
       )
   # Explicit sizes: with an empty dim a -1 would be ambiguous (0 / 0).
-  query, key, value = (
-      x.reshape((math.prod(batch_shape),) + x.shape[-3:])
-      for x in (query, key, value))
+  query = query.reshape((math.prod(batch_shape),) + query.shape[-3:])
+  key, value = _fold_key_value(key, value, batch_shape, shared_kv)
   for name, x in (("query", query), ("key", key), ("value", value)):
     if not any(x.dtype == d for d in _FLOAT_DTYPES):
       raise TypeError(
           f"{name} must be float32, bfloat16, float16 or float64, got "
-          f"{x.dtype=}."
+          f"{name}.dtype={x.dtype}."
       )
   if not query.dtype == key.dtype == value.dtype:
     raise TypeError(
@@ -227,12 +247,12 @@ def canonicalize(
     raise ValueError(
         "value must be [*B, S, K, Hv] with key's B, S and K, got "
         f"{key.shape=}, {value.shape=}.")
-  bk, s, num_kv, hk = key.shape
+  _, s, num_kv, hk = key.shape
   hv = value.shape[-1]
-  if bk != b or hk != h:
+  if hk != h:
     raise ValueError(
-        "key/value must be [B, S, K, H] with B and H equal to the query's, "
-        f"got {query.shape=}, {key.shape=}."
+        "key must be [*B, S, K, H] with the query's head dim H, got "
+        f"{query.shape=}, {key.shape=}."
     )
   # No batch rows, queries or keys is a valid call (`Call.empty`); no heads
   # or an empty head dim is not.
@@ -311,6 +331,25 @@ def canonicalize(
   sinks = check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
   return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
               batch_shape=batch_shape, sinks=sinks)
+
+
+def _fold_key_value(key, value, batch_shape, shared):
+  """key/value [*B|1, S, K, H] -> [prod(B), S, K, H], or [1, S, K, H] when
+  `shared` and both are shared by every query row (all batch dims 1).
+
+  Broadcasting follows `bias`: a size-1 batch dim means the same K/V for
+  every query row along it, and autodiff of the broadcast sums dK/dV over
+  those rows, so the gradients are shaped like the arrays passed.
+  """
+  rows = math.prod(batch_shape)
+  if shared and math.prod(key.shape[:-3]) == math.prod(
+      value.shape[:-3]) == 1:
+    return (key.reshape((1,) + key.shape[-3:]),
+            value.reshape((1,) + value.shape[-3:]))
+  return tuple(
+      jnp.broadcast_to(x, batch_shape + x.shape[-3:]).reshape(
+          (rows,) + x.shape[-3:])
+      for x in (key, value))
 
 
 def check_flex(score_mod, score_mod_args, mask_mod, mask_mod_args,
@@ -415,7 +454,7 @@ def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
     backend = get_backend(implementation)
     if not _accepts_block_sizes(backend, params.block_sizes):
       raise _block_sizes_error(implementation, backend, params.block_sizes)
-    backend.check_call(*call.arrays)
+    backend.check_call(*call.for_backend(backend).arrays)
     return backend
   reasons = []
   for name in AUTO_ORDER.get(platform(), ("chunked",)):
@@ -428,7 +467,7 @@ def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
       reasons.append(f"{name}: block_sizes is not its config type")
       continue
     try:
-      backend.check_call(*call.arrays)
+      backend.check_call(*call.for_backend(backend).arrays)
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
@@ -503,8 +542,13 @@ def flash_attention(
       included); float32/bfloat16/float16, or float64 (with x64 enabled;
       `xla` and `chunked` only, computing in float64).
     key: [*B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
-    value: [*B, S, K, Hv], key's dtype; a value head dim Hv != H (as in
-      MLA) runs on every implementation.
+      A batch dim of size 1 is shared by every query row along it
+      (broadcast, as for bias and PyTorch's FlexAttention; dK/dV come back
+      summed over those rows, shaped like key/value). Lengths, positions
+      and segment ids stay per query row.
+    value: [*B, S, K, Hv], key's dtype (batch dims of size 1 shared, as
+      for key); a value head dim Hv != H (as in MLA) runs on every
+      implementation.
     bias: float, broadcastable to [*B, N, T, S]; differentiable.
     mask: bool, broadcastable to [*B, N, T, S]; True = may attend.
     scale: logit scale, default 1/sqrt(H).
@@ -645,12 +689,16 @@ def _flash_attention(
       dropout_rng=dropout_rng, block_sizes=block_sizes, precision=precision,
       sinks=sinks, score_mod=score_mod, score_mod_args=score_mod_args,
       mask_mod=mask_mod, mask_mod_args=mask_mod_args, block_mask=block_mask,
+      shared_kv=True,
   )
   if call.empty:
     if implementation is not None:
       get_backend(implementation)  # An unknown name is still an error.
     return call.unfold(*call.empty_result())
   backend = choose_backend(implementation, call)
+  # A K/V shared by every query row reaches `chunked` as one row; the
+  # Pallas kernels (and `xla`) get it broadcast to the query's batch here.
+  call = call.for_backend(backend)
   return call.unfold(*vjp.attention(
       backend, call.params, call.q, call.k, call.v, call.bias, call.info,
       call.sinks))

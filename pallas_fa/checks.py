@@ -1,5 +1,6 @@
 """Argument checks of the public calls: each validates one argument (or one
-family) and raises a ValueError/TypeError naming it.
+family) and raises a ValueError/TypeError naming it (as the caller spells
+it, `segment_ids.q.shape=...`, never a local variable's name).
 
 `api.canonicalize` and `api.static_arguments` run them on every call of
 `flash_attention`; the other public entry points (`decode_attention`, the
@@ -19,10 +20,11 @@ import numpy as np
 def _check_int_array(name, x, shape):
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got {x.dtype=}.")
+    raise TypeError(
+        f"{name} must be an integer array, got {name}.dtype={x.dtype}.")
   if tuple(x.shape) != tuple(shape):
     raise ValueError(
-        f"{name} must have shape {tuple(shape)}, got {x.shape=}."
+        f"{name} must have shape {tuple(shape)}, got {name}.shape={x.shape}."
     )
   return x.astype(jnp.int32)
 
@@ -177,13 +179,14 @@ def _check_dense(name, x, batch_shape, nts):
   if x.ndim > len(full):
     raise ValueError(
         f"{name} must be broadcastable to [*B, N, T, S]={full}, got "
-        f"{x.shape=}.")
+        f"{name}.shape={x.shape}.")
+  shape = x.shape  # As passed, for the message.
   x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
   for got, want in zip(x.shape, full):
     if got not in (1, want):
       raise ValueError(
           f"{name} must be broadcastable to [*B, N, T, S]={full}, got "
-          f"{x.shape=}."
+          f"{name}.shape={shape}."
       )
   rows = x.shape[:len(batch_shape)]
   if math.prod(rows) == 1:  # Shared by the whole batch: keep it so.

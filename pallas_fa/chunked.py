@@ -20,7 +20,9 @@ score_mod applies to every visited tile; the backward chains dS through its
 elementwise derivative and accumulates its arrays' gradients tile by tile
 (`online_softmax.ScoreMod.vjp`). GQA is computed in the grouped layout
 [B, K, G, T, H], so K/V are never repeated and dK/dV come out summed over
-the group by the matmul itself.
+the group by the matmul itself. A K/V shared by every query row (batch 1,
+`vjp.Backend.shared_kv`) is read the same way: the tile products broadcast
+it over the query's batch and the dK/dV products contract that batch too.
 """
 
 from __future__ import annotations
@@ -230,9 +232,9 @@ class _Layout(layout.Padded):
   def logits(self, qi, kj, part, params, with_score_mod=True):
     """(s_capped, s) of `part`, unmasked (`online_softmax.logits`); without
     the score_mod when `with_score_mod` is False."""
-    s = _unfold(jnp.einsum(
-        "bkqh,bksh->bkqs", _fold(qi), kj, preferred_element_type=self.acc,
-        precision=params.precision), self.g)
+    s = _unfold(_with_keys(
+        "bkqh,bksh->bkqs", _fold(qi), kj, self.acc, params.precision),
+        self.g)
     bias = None
     if self.bias is not None:
       bias = masking.slice_in_dim(self.bias, part.q0, part.rows, 3)
@@ -377,6 +379,27 @@ def _unfold(x, g):
   return x.reshape(x.shape[0], x.shape[1], g, -1, x.shape[-1])
 
 
+def _with_keys(spec, x, y, acc, precision):
+  """`einsum(spec, x, y)`, spec "bkq.,bk..->bkq.", of a query-side tile x
+  [B, K, rows, .] and a key/value tile y [B|1, K, ., .].
+
+  A y shared by every batch row (batch 1) takes the batch as more rows of
+  x: K is the product's only batch dim, and its [K, B, rows, .] result
+  becomes [B, K, rows, .] by moving whole [rows, .] blocks. (einsum's own
+  broadcast of y puts y's free axis first and transposes it back element
+  by element: 2-3x slower on XLA:CPU.)
+  """
+  if y.shape[0] == x.shape[0]:
+    return jnp.einsum(spec, x, y, preferred_element_type=acc,
+                      precision=precision)
+  operands, out = spec.split("->")
+  x_spec, y_spec = operands.split(",")
+  product = jnp.einsum(
+      f"{x_spec},{y_spec[1:]}->{out[1]}{out[0]}{out[2:]}", x, y[0],
+      preferred_element_type=acc, precision=precision)
+  return jnp.moveaxis(product, 0, 1)
+
+
 def _forward(q, k, v, bias, info, params):
   bs = BACKEND.block_sizes(params, q, k, info)
   lay = _Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
@@ -410,10 +433,9 @@ def _forward(q, k, v, bias, info, params):
       z = lay.dropout_factor(part)
       if z is not None:
         p = p * z
-      pv = _unfold(jnp.einsum(
-          "bkqs,bksh->bkqh", _fold(p.astype(vj.dtype)), vj,
-          preferred_element_type=lay.acc, precision=params.precision,
-      ), lay.g)
+      pv = _unfold(_with_keys(
+          "bkqs,bksh->bkqh", _fold(p.astype(vj.dtype)), vj, lay.acc,
+          params.precision), lay.g)
       return m_i, l_i, online_softmax.rescale(acc, alpha) + pv
 
     m_i, l_i, acc = lay.tile_loop(lay.branch[i], lo[i], hi[i], step, carry)
@@ -451,6 +473,18 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       if lay.bias is not None and lay.bias.shape[a] == 1
   )
 
+  def key_grad(x, y, rows):
+    """x^T.y over a tile's query rows, [B, K, H, bk]; for a K/V shared by
+    every query row (`rows` = 1 against B) [1, K, H, bk], summed over the
+    batch by the same product. (Per-row key padding has zeroed a shared K/V
+    into B rows already, `layout.Padded`: those are summed after the
+    loop.)"""
+    shared = rows != lay.b
+    g = jnp.einsum(
+        "bkqs,bkqh->khs" if shared else "bkqs,bkqh->bkhs", _fold(x),
+        _fold(y), preferred_element_type=lay.acc, precision=params.precision)
+    return g[None] if shared else g
+
   def kv_tile(carry, j):
     dq, dbias, dargs = carry
     kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
@@ -487,13 +521,10 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       # from the dropped output.
       z = lay.dropout_factor(part)
       p_used = p if z is None else p * z
-      dv_j = jnp.einsum(
-          "bkqs,bkqh->bkhs", _fold(p_used.astype(doi.dtype)), _fold(doi),
-          preferred_element_type=lay.acc, precision=params.precision,
-      )
-      dp = _unfold(jnp.einsum(
-          "bkqh,bksh->bkqs", _fold(doi), vj, preferred_element_type=lay.acc,
-          precision=params.precision), lay.g)
+      dv_j = key_grad(p_used.astype(doi.dtype), doi, vj.shape[0])
+      dp = _unfold(_with_keys(
+          "bkqh,bksh->bkqs", _fold(doi), vj, lay.acc, params.precision),
+          lay.g)
       if z is not None:
         dp = dp * z
       ds = online_softmax.softmax_grad(p, dp, delta_i)
@@ -514,16 +545,12 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       # The logit scale is applied to the [bq, H] / [bk, H] products rather
       # than to the [bq, bk] tile: d(scale q.k)/dq = scale * k.
       ds = online_softmax.logits_grad(ds, s_capped, cap=params.soft_cap)
-      dq_i = params.scale * _unfold(jnp.einsum(
-          "bkqs,bksh->bkqh", _fold(ds.astype(kj.dtype)), kj,
-          preferred_element_type=lay.acc, precision=params.precision,
-      ), lay.g)
+      dq_i = params.scale * _unfold(_with_keys(
+          "bkqs,bksh->bkqh", _fold(ds.astype(kj.dtype)), kj, lay.acc,
+          params.precision), lay.g)
       cur = jax.lax.dynamic_slice_in_dim(dq, part.q0, part.rows, 3)
       dq = jax.lax.dynamic_update_slice_in_dim(dq, cur + dq_i, part.q0, 3)
-      dk_j = jnp.einsum(
-          "bkqs,bkqh->bkhs", _fold(ds.astype(qi.dtype)), _fold(qi),
-          preferred_element_type=lay.acc, precision=params.precision,
-      )
+      dk_j = key_grad(ds.astype(qi.dtype), qi, kj.shape[0])
       return (_add_cols(dk_all, dk_j, part), _add_cols(dv_all, dv_j, part),
               dq, dbias, dargs)
 
@@ -536,10 +563,16 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   dq0 = jnp.zeros(lay.q.shape, lay.acc)
   (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
       kv_tile, (dq0, dbias, dargs), jnp.arange(lay.nk))
-  # [nk, B, K, bk, H] -> [B, K, Sp, H]
-  dk = jnp.moveaxis(dk, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.h)
-  dv = jnp.moveaxis(dv, 0, 2).reshape(lay.b, lay.num_kv, lay.sp, lay.hv)
+  # [nk, B|1, K, bk, H] -> [B|1, K, Sp, H]
+  dk = jnp.moveaxis(dk, 0, 2).reshape(
+      lay.k.shape[0], lay.num_kv, lay.sp, lay.h)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(
+      lay.v.shape[0], lay.num_kv, lay.sp, lay.hv)
   dq = lay.unqueries(dq).astype(q.dtype)
+  dk, dv = (
+      # Summed in float32 over the rows a shared K/V was padded into.
+      d if d.shape[0] == x.shape[0] else d.sum(0, keepdims=True)
+      for d, x in ((dk, k), (dv, v)))
   dk = lay.unkeys(dk).astype(k.dtype)
   dv = lay.unkeys(dv).astype(v.dtype)
   # Padded keys were zeroed on the way in; their gradients are zero too.
@@ -568,4 +601,5 @@ BACKEND = vjp.Backend(
     dtypes=vjp.WITH_FLOAT64,
     value_head_dim=True,
     dropout=True,
+    shared_kv=True,
 )

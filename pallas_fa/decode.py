@@ -227,7 +227,10 @@ def decode_attention(
     mask_mod_args: the arrays mask_mod reads.
 
   Returns:
-    out [B, T_new, N, Hv] typed like query, or (out, lse).
+    out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
+    valid on every implementation, as in `flash_attention`: B or T_new = 0
+    give empty results, a cache with no entries (S_max = 0) zeros with lse
+    -inf; no kernel runs for them.
 
   Raises:
     ValueError / TypeError: invalid arguments (the message names them),
@@ -313,6 +316,15 @@ def decode_attention(
   score_mod_args = mods.as_args("score_mod_args", score_mod_args)
   mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
   mods.check_functions(score_mod, score_mod_args, mask_mod, mask_mod_args)
+  if 0 in (b, t, _capacity(key, block_table)):
+    # Nothing to compute, as in `flash_attention`'s empty calls: no rows
+    # (B or T_new = 0) give an empty result, a cache with no entries zeros
+    # with lse -inf (no key to see). Constants: every gradient is zero, and
+    # no kernel is launched on empty operands.
+    out = jnp.zeros((b, t, n, value.shape[3]), query.dtype)
+    lse = jnp.full((b, t, n), online_softmax.MASK_VALUE,
+                   online_softmax.stats_dtype(query.dtype))
+    return (out, lse) if return_residual else out
   flex = {}
   if score_mod is not None or mask_mod is not None:
     flex = dict(score_mod=score_mod, score_mod_args=score_mod_args,

@@ -17,16 +17,33 @@ The first three levels run outside the kernel, in plain XLA, vectorised
 over every batch row, head and token (`FusedMod.residual_arrays`); the kernel
 receives the values that tile operations read ("residuals") as small arrays
 blocked like its positions, and evaluates the tile operations on its tile
-(`FusedMod.tile`). Those must be elementwise (`_ELEMENTWISE`): a call whose
-tile part gathers (`table[head, kv_idx - q_idx]`) is declined with a
-NotImplementedError naming the operation, so the automatic choice moves on.
+(`FusedMod.tile`). Those must be elementwise (`_ELEMENTWISE`), with one
+exception a kernel that holds tables asks for (`split(..., tables=True)`):
+a read of one element of an array made outside at an index computed per
+element (`dynamic_slice`, what `table[head, bucket(kv_idx - q_idx)]`
+traces to, T5's relative-position buckets or any learned relative bias).
+`split` cuts such a read in two: outside, the indices that are known per
+program select the program's part of the table (`table[head]`, a
+PROGRAM residual of `Residual.size` elements, flattened); in the tile, the
+remaining indices, clamped as `dynamic_slice` clamps them, give a flat
+offset into it, and the kernel loads the elements at those offsets (the
+residual's value in `FusedMod.tile` is a function from offsets to
+values: a load from the kernel's ref). Any other non-elementwise tile
+operation, and a table read without `tables`, is declined with a
+NotImplementedError naming the operation, so the automatic choice moves
+on.
 
 Gradients (score_mod): the kernel chains dS through the tile part with
 `jax.vjp` (`FusedMod.tile_vjp`), summing each PROGRAM residual's cotangent
 over its tiles (a per-program partial sum); `FusedMod.args_grad` chains
-those sums through the outside part. A float ROW or COLUMN residual that
-depends on the arrays (a learned per-token bias) would need a cotangent per
-token and is declined for now.
+those sums through the outside part. A table's cotangent is the
+scatter-add of the tile's cotangents of the elements read at their offsets
+(`tile_vjp`'s `scatter`, which the kernel supplies: a vector of the table's
+size per program), chained the same way: summed over programs, then
+through the outside part (so `table[head]`'s row goes back into its row of
+the table). A float ROW or COLUMN residual that depends on the arrays (a
+learned per-token bias) would need a cotangent per token and is declined
+for now.
 """
 
 from __future__ import annotations
@@ -137,6 +154,9 @@ class Residual:
       is stored broadcast, size 1).
     differentiable: a float value that depends on a float array of the
       function's arguments.
+    size: None for one value; for a table (a PROGRAM residual the tile
+      reads at computed offsets), its number of elements: the residual is
+      then a vector of that size per program.
   """
 
   key: Any
@@ -145,6 +165,12 @@ class Residual:
   batch: bool
   head: bool
   differentiable: bool
+  size: int | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The shape of one program's value: () or (size,)."""
+    return () if self.size is None else (self.size,)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -194,15 +220,17 @@ class FusedMod:
     def one(b, h, q, kv):
       return self._outside_values(b, h, q, kv, args)[i]
 
-    return jax.vmap(one)(*flat).reshape(shape)
+    out = jax.vmap(one)(*flat)
+    return out.reshape(shape + out.shape[1:])
 
   def residual_arrays(self, args, *, batch: int, heads: int, q_len: int,
                       kv_len: int, q_padded: int, kv_padded: int,
                       levels=tuple(Level)) -> list[Array]:
     """The residuals (of `levels`, in `residuals` order): [Bm, Hm] for
-    PROGRAM, [Bm, Hm, q_padded] for ROW, [Bm, Hm, kv_padded] for COLUMN;
-    Bm = batch if the value depends on the batch row, else 1, Hm likewise.
-    Padded positions repeat the last real one (they are never visible)."""
+    PROGRAM ([Bm, Hm, size] for a table), [Bm, Hm, q_padded] for ROW,
+    [Bm, Hm, kv_padded] for COLUMN; Bm = batch if the value depends on the
+    batch row, else 1, Hm likewise. Padded positions repeat the last real
+    one (they are never visible)."""
     i32 = jnp.int32
     out = []
     for i, r in enumerate(self.residuals):
@@ -218,14 +246,14 @@ class FusedMod:
           head=jnp.arange(heads if r.head else 1, dtype=i32)[None, :, None],
           q_idx=pos if r.level == Level.ROW else 0,
           kv_idx=pos if r.level == Level.COLUMN else 0)
-      out.append(value[..., 0] if r.level == Level.PROGRAM else value)
+      out.append(value[:, :, 0] if r.level == Level.PROGRAM else value)
     return out
 
   def args_grad(self, args, cotangents: list[Array], *, batch: int,
                 heads: int) -> tuple:
     """Gradients of `args` from the summed cotangents of the
-    differentiable PROGRAM residuals ([Bm, Hm] each, in `residuals`
-    order); None for integer arrays."""
+    differentiable PROGRAM residuals ([Bm, Hm] each, [Bm, Hm, size] for a
+    table, in `residuals` order); None for integer arrays."""
     diff = [i for i, x in enumerate(args)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
 
@@ -252,12 +280,13 @@ class FusedMod:
   def args_grad_from_partials(self, args, partials: list[Array], *,
                               batch: int, heads: int) -> tuple:
     """`args_grad` from a kernel's partial sums: per differentiable
-    PROGRAM residual, float32 [B, N, ...] (per program, per query, ...),
-    summed here to the residual's [Bm, Hm]; cast to the arrays' dtypes."""
+    PROGRAM residual, float32 [B, N, ...] (per program, per query, ...;
+    [B, N, ..., size] for a table), summed here to the residual's [Bm, Hm]
+    ([Bm, Hm, size]); cast to the arrays' dtypes."""
     differentiable = [r for r in self.residuals if r.differentiable]
     cotangents = []
     for d, r in zip(partials, differentiable):
-      d = d.reshape(d.shape[:2] + (-1,)).sum(axis=2)
+      d = d.reshape(d.shape[:2] + (-1,) + r.shape).sum(axis=2)
       cotangents.append(d.sum(axis=(0,) * (not r.batch) + (1,) * (
           not r.head), keepdims=True))
     grads = self.args_grad(args, cotangents, batch=batch, heads=heads)
@@ -284,22 +313,33 @@ class FusedMod:
                                              ("q_idx", "kv_idx"))
                      if k in read)
 
+  @property
+  def has_tables(self) -> bool:
+    """Whether the tile part reads a table at computed offsets."""
+    return any(r.size is not None for r in self.residuals)
+
   def tile(self, values: list[Array], *, q_idx: Array | None,
            kv_idx: Array | None, score: Array | None = None,
-           shape: tuple[int, ...] | None = None, _grad: bool = False
-           ) -> Array:
+           shape: tuple[int, ...] | None = None, _grad: bool = False,
+           _loads: dict | None = None) -> Array:
     """The function on a tile: `values` are the residuals (in `residuals`
-    order) shaped to broadcast against it, `q_idx` / `kv_idx` the token
-    indices likewise (None for one `tile_indices` leaves out). Returns the
-    tile (score's dtype, or bool), of the score's shape, else `shape`, else
-    the indices' broadcast shape."""
+    order) shaped to broadcast against it -- a table's, a function from
+    int32 offsets to the elements there (a kernel's load), or the table as
+    a vector --, `q_idx` / `kv_idx` the token indices likewise (None for
+    one `tile_indices` leaves out). Returns the tile (score's dtype, or
+    bool), of the score's shape, else `shape`, else the indices' broadcast
+    shape.
+
+    `_loads` maps a table read (its output key) to the values to use
+    instead of loading (`tile_vjp` differentiates through them), and
+    records (offsets, values) of the reads it does not map."""
     env = {k: x for k, x in zip(self._index_keys()[2:], (q_idx, kv_idx))
            if x is not None}
     if self.is_score_mod:
       env[self.inputs[0]] = score
     env.update((r.key, v) for r, v in zip(self.residuals, values))
     for step in self.tile_steps:
-      _run(step, env, tile=True, grad=_grad)
+      _run(step, env, tile=True, grad=_grad, loads=_loads)
     out = _value(self.output, env)
     if score is not None:
       return jnp.broadcast_to(out, score.shape).astype(score.dtype)
@@ -309,35 +349,111 @@ class FusedMod:
 
   def tile_vjp(self, values: list[Array], *, q_idx: Array | None,
                kv_idx: Array | None,
-               score: Array, reduce: Callable = jnp.sum, args: bool = True):
+               score: Array, reduce: Callable = jnp.sum, args: bool = True,
+               scatter: Callable | None = None):
     """(score_mod(score), pullback): pullback(ds) -> (ds w.r.t. the score,
     [the cotangent of each differentiable residual, float32, `reduce`d:
-    summed over the tile by default]).
+    summed over the tile by default; a table's `scatter`ed]).
 
     Values passed broadcast to the tile get a tile of cotangents, which
     `reduce` may sum along one axis only (a kernel that cannot reduce to a
-    scalar). Without `args` only the score's cotangent is computed."""
+    scalar). A table's cotangent is scatter(offsets, cotangents, size):
+    the float32 cotangents of the elements read at the int32 offsets (two
+    tiles) added into a vector of the table's size (by default a
+    jax.numpy scatter-add; a kernel passes its own). Without `args` only
+    the score's cotangent is computed."""
     diff = [i for i, r in enumerate(self.residuals)
             if r.differentiable and args]
+    scalars = [i for i in diff if self.residuals[i].size is None]
+    table_of = {self.residuals[i].key: i for i in diff
+                if self.residuals[i].size is not None}
+    reads = [s for s in self.tile_steps if isinstance(s.primitive, _Table)
+             and s.ins[0] in table_of]
+    record: dict = {}
+    if reads:  # The offsets and elements each read of a table takes.
+      self.tile(values, q_idx=q_idx, kv_idx=kv_idx, score=score,
+                _grad=True, _loads=record)
 
     def f(s, *dvals):
       vals = list(values)
-      for i, x in zip(diff, dvals):
+      for i, x in zip(scalars, dvals):
         vals[i] = x
+      loads = {step.outs[0]: x for step, x in zip(
+          reads, dvals[len(scalars):])}
       return self.tile(vals, q_idx=q_idx, kv_idx=kv_idx, score=s,
-                       _grad=True)
+                       _grad=True, _loads=loads)
 
-    out, pull = jax.vjp(f, score, *(values[i] for i in diff))
+    out, pull = jax.vjp(f, score, *(values[i] for i in scalars),
+                        *(record[step.outs[0]][1] for step in reads))
+    scatter = scatter or _scatter_add
 
     def pullback(ds):
       ds_in, *dvals = _evaluate_in_kernel(pull, ds.astype(out.dtype))
-      return ds_in, [reduce(d.astype(jnp.float32)) for d in dvals]
+      grads = {i: reduce(d.astype(jnp.float32))
+               for i, d in zip(scalars, dvals)}
+      for step, d in zip(reads, dvals[len(scalars):]):
+        i = table_of[step.ins[0]]
+        part = scatter(record[step.outs[0]][0], d.astype(jnp.float32),
+                       self.residuals[i].size)
+        grads[i] = part if i not in grads else grads[i] + part
+      return ds_in, [grads[i] for i in diff]
 
     return out, pullback
 
 
 def _value(k, env):
   return k.val if isinstance(k, _Literal) else env[k]
+
+
+def _scatter_add(offsets: Array, d: Array, size: int) -> Array:
+  """The cotangents `d` added at `offsets` into a vector of `size`."""
+  return jnp.zeros((size,), jnp.float32).at[offsets.reshape(-1)].add(
+      d.reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ProgramTable:
+  """Outside the kernel: a table read's operand with its per-program
+  indices applied (clamped as `dynamic_slice` clamps), flattened; the
+  program's table. Bound like a primitive by `_run`."""
+
+  shape: tuple[int, ...]
+  program_dims: tuple[int, ...]
+  name = "program_table"
+  multiple_results = False
+
+  def get_bind_params(self, params):
+    return params
+
+  def bind(self, operand, *index):
+    starts = [jnp.zeros((), jnp.int32)] * len(self.shape)
+    sizes = list(self.shape)
+    for d, i in zip(self.program_dims, index):
+      starts[d], sizes[d] = jnp.asarray(i, jnp.int32), 1
+    return lax.dynamic_slice(operand, starts, sizes).reshape(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Table:
+  """In the tile: the elements of a program's table (`_ProgramTable`) at
+  the remaining indices, clamped to `dims` as `dynamic_slice` clamps."""
+
+  dims: tuple[int, ...]
+  name = "table"
+  multiple_results = False
+
+  def offsets(self, index) -> Array:
+    """The flat int32 offsets of the indices (broadcast together)."""
+    shape = jnp.broadcast_shapes(*(jnp.shape(i) for i in index))
+    flat = jnp.zeros(shape, jnp.int32)
+    for i, dim in zip(index, self.dims):
+      i = jnp.clip(jnp.asarray(i, jnp.int32), 0, dim - 1)
+      flat = flat * dim + i
+    return flat
+
+  def load(self, table, offsets) -> Array:
+    """The elements at `offsets`: a kernel's load, or a vector's."""
+    return table(offsets) if callable(table) else table[offsets]
 
 
 @jax.custom_jvp
@@ -368,13 +484,26 @@ def _integer_pow(x, n: int, grad: bool):
   return (_divide if grad else lax.div)(jnp.ones_like(x), out)
 
 
-def _run(step: _Step, env: dict, *, tile: bool, grad: bool = False) -> None:
+def _run(step: _Step, env: dict, *, tile: bool, grad: bool = False,
+         loads: dict | None = None) -> None:
   """Evaluates one step; on a tile, operands are broadcast to their common
   shape first (the trace was on scalars), and with `grad` (under jax.vjp
   in a kernel) float division and integer powers take rules every kernel
-  compiler lowers (`_divide`, `_integer_pow`)."""
+  compiler lowers (`_divide`, `_integer_pow`). A table read takes its
+  values from `loads` when they are there, else loads them and records
+  (offsets, values) in `loads` (`FusedMod.tile`)."""
   vals = [_value(k, env) for k in step.ins]
   name = step.primitive.name
+  if isinstance(step.primitive, _Table):
+    out = step.outs[0]
+    if loads is not None and out in loads:
+      env[out] = loads[out]
+      return
+    offsets = step.primitive.offsets(vals[1:])
+    env[out] = step.primitive.load(vals[0], offsets)
+    if loads is not None:
+      loads[out] = (offsets, env[out])
+    return
   if tile and name in _SHAPE_ONLY:
     env[step.outs[0]] = vals[0]
     return
@@ -432,7 +561,7 @@ def _bind_params(step: _Step) -> dict:
 
 
 def split(name: str, fn: Callable, args: tuple[Array, ...],
-          backend: str) -> FusedMod:
+          backend: str, *, tables: bool = False) -> FusedMod:
   """Splits a checked score_mod / mask_mod (`mods.check`) for a kernel.
 
   Args:
@@ -440,6 +569,8 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
     fn: the function.
     args: its arrays (only their shapes and dtypes are read).
     backend: named in the errors.
+    tables: whether the kernel reads tables at computed offsets (see the
+      module docstring); without, such a read is declined.
 
   Raises:
     NotImplementedError: the tile part has an operation a kernel cannot
@@ -484,10 +615,16 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
     deps.update((o, d) for o in step.outs)
     steps[i] = dataclasses.replace(step, level=_level(d))
 
+  avals = {k: a for k, a in zip(inputs, abstract)}
+  for s in steps:
+    avals.update(zip(s.outs, s.out_avals))
+  steps, table_keys = _cut_table_reads(name, steps, deps, avals, backend,
+                                       tables)
   outside = tuple(s for s in steps if s.level != Level.TILE)
   tile_steps = tuple(s for s in steps if s.level == Level.TILE)
   for s in tile_steps:
-    if s.primitive.name not in _ELEMENTWISE | _SHAPE_ONLY:
+    if not isinstance(s.primitive, _Table) and (
+        s.primitive.name not in _ELEMENTWISE | _SHAPE_ONLY):
       raise NotImplementedError(
           f"{backend} cannot fuse this {name}: it applies "
           f"`{s.primitive.name}` to values its kernels compute per element "
@@ -501,9 +638,6 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
           if not isinstance(k, _Literal)]
   if not isinstance(output, _Literal) and _level(deps[output]) != Level.TILE:
     read.append(output)
-  avals = {k: a for k, a in zip(inputs, abstract)}
-  for s in steps:
-    avals.update(zip(s.outs, s.out_avals))
   residuals, seen = [], set()
   index_keys = set(inputs[offset + 2:offset + 4])
   for k in read:
@@ -512,6 +646,12 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
     seen.add(k)
     level = _level(deps[k])
     aval = avals[k]
+    if k in table_keys:
+      residuals.append(Residual(
+          key=k, level=level, dtype=aval.dtype,
+          batch=bool(deps[k] & _BATCH), head=bool(deps[k] & _HEAD),
+          differentiable=bool(deps[k] & _DIFF), size=aval.shape[0]))
+      continue
     if aval.shape != ():
       raise NotImplementedError(
           f"{backend} cannot fuse this {name}: its per-tile part reads an "
@@ -530,6 +670,67 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
   return FusedMod(name=name, fn=fn, inputs=inputs, outside=outside,
                   tile_steps=tile_steps, output=output,
                   residuals=tuple(residuals))
+
+
+def _cut_table_reads(name, steps, deps, avals, backend, tables):
+  """`steps` with each tile-level read of one element of an array made
+  outside (`dynamic_slice` of ones) cut in two: a `_ProgramTable` step
+  outside, the program's table (a new key, in `deps`), and a `_Table`
+  step in the tile. Returns (steps, the tables' keys).
+
+  Raises:
+    NotImplementedError: without `tables`, or for a table that is made
+      per query or key.
+  """
+  out, keys = [], set()
+  for step in steps:
+    operand = step.ins[0] if step.ins else None
+    if not (step.level == Level.TILE
+            and step.primitive.name == "dynamic_slice"
+            and all(d == 1 for d in step.params["slice_sizes"])
+            and _level(_deps(operand, deps)) != Level.TILE):
+      out.append(step)
+      continue
+    if not tables:
+      raise NotImplementedError(
+          f"{backend} cannot fuse this {name}: it reads a table at indices "
+          "computed per element (`dynamic_slice`, e.g. "
+          "table[head, bucket(kv_idx - q_idx)]), which its kernels do not "
+          "gather; flash_attention's \"triton\" fuses it, \"chunked\" and "
+          "\"xla\" run it.")
+    if _level(_deps(operand, deps)) != Level.PROGRAM:
+      raise NotImplementedError(
+          f"{backend} cannot fuse this {name}: the table it reads per "
+          "element is made per query or key (a kernel holds one table per "
+          "program); \"chunked\" and \"xla\" run it.")
+    index = step.ins[1:]
+    shape = tuple(jnp.shape(operand.val) if isinstance(operand, _Literal)
+                  else avals[operand].shape)
+    program = tuple(d for d, k in enumerate(index)
+                    if _level(_deps(k, deps)) == Level.PROGRAM)
+    rest = tuple(d for d in range(len(shape)) if d not in program)
+    table = object()
+    d = _deps(operand, deps)
+    for k in (index[i] for i in program):
+      d |= _deps(k, deps) & ~_DIFF
+    deps[table] = d
+    size = 1
+    for i in rest:
+      size *= shape[i]
+    dtype = step.out_avals[0].dtype
+    avals[table] = jax.ShapeDtypeStruct((size,), dtype)
+    out.append(_Step(_ProgramTable(shape, program), {},
+                     (operand, *(index[i] for i in program)), (table,),
+                     (avals[table],), Level.PROGRAM))
+    out.append(_Step(_Table(tuple(shape[i] for i in rest)), {},
+                     (table, *(index[i] for i in rest)), step.outs,
+                     step.out_avals, Level.TILE))
+    keys.add(table)
+  return out, keys
+
+
+def _deps(k, deps) -> int:
+  return 0 if k is None or isinstance(k, _Literal) else deps[k]
 
 
 def packed_values(mod: FusedMod, args, row_pos: Array, *, num_kv: int,
@@ -580,12 +781,12 @@ def packed_values(mod: FusedMod, args, row_pos: Array, *, num_kv: int,
   return out
 
 
-def split_call(info, backend: str) -> tuple[FusedMod | None,
-                                             FusedMod | None]:
+def split_call(info, backend: str, *, tables: bool = False
+               ) -> tuple[FusedMod | None, FusedMod | None]:
   """(score_mod, mask_mod) of a call's `masking.MaskInfo`, split; None for
   an absent one. Raises NotImplementedError as `split`."""
   return tuple(
-      None if fn is None else split(name, fn, args, backend)
+      None if fn is None else split(name, fn, args, backend, tables=tables)
       for name, fn, args in (
           (mods.SCORE_MOD, info.score_mod, info.score_mod_args),
           (mods.MASK_MOD, info.mask_mod, info.mask_mod_args)))

@@ -6,7 +6,7 @@ plans its splits on; `shard_batch` and `replicate` place host data on it;
 r holds sequence chunks r and 2P-1-r of 2P); `shard_map` is the one wrapper
 over jax's two spellings of it. `pallas_fa.parallel` re-exports all of them.
 `onto_mesh` moves arrays laid out on another mesh onto the one a call runs
-on.
+on, and `fresh_cotangents` gives its results' gradients that call's layout.
 """
 
 from __future__ import annotations
@@ -146,6 +146,46 @@ def onto_mesh(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, _P(*spec)))
 
   return jax.tree.map(move, tree)
+
+
+def fresh_cotangents(tree: Any) -> Any:
+  """The identity, whose gradient lays each cotangent out like its primal.
+
+  An eager gradient (`jax.grad` without `jit`) of a result on one mesh,
+  after one on a mesh of another shape, can hand the result a cotangent
+  whose type names the first mesh: JAX dispatches each eager operation
+  from a cache keyed on its operands' concrete shardings (one device for
+  an uncommitted array), not on the mesh their types carry, so `ct * g`
+  returns the type it had when first run. The transpose of a jit reading
+  that cotangent then describes its layout on the wrong mesh and fails
+  (IndivisibleError). Placing the cotangent where its primal lies gives it
+  a type made afresh from that sharding. Traced cotangents (under a `jit`,
+  where types come from tracing) pass through unchanged.
+  """
+  return _fresh_cotangents(tree)
+
+
+@jax.custom_vjp
+def _fresh_cotangents(tree):
+  return tree
+
+
+def _fresh_cotangents_fwd(tree):
+  # The primals themselves: their shardings say where cotangents go.
+  return tree, tree
+
+
+def _fresh_cotangents_bwd(primals, cotangents):
+  def place(primal, ct):
+    if (isinstance(primal, jax.core.Tracer) or isinstance(
+        ct, jax.core.Tracer) or not hasattr(primal, "sharding")):
+      return ct
+    return jax.device_put(ct, primal.sharding)
+
+  return (jax.tree.map(place, primals, cotangents),)
+
+
+_fresh_cotangents.defvjp(_fresh_cotangents_fwd, _fresh_cotangents_bwd)
 
 
 def zigzag_indices(length: int, num_shards: int) -> np.ndarray:

@@ -381,9 +381,10 @@ def sharded_flash_attention(
     mask: see `pallas_fa.flash_attention`.
     mesh: the device mesh. Each call runs on its own mesh: inputs laid
       out on another mesh (an earlier call's, say) are moved onto this one
-      first (`pallas_fa.mesh.onto_mesh`). Within one `jit` of yours, calls
-      over meshes of different shapes need that jit's `out_shardings`: JAX
-      gives a jit's results the mesh of one of them.
+      first (`pallas_fa.mesh.onto_mesh`), and so are the cotangents its
+      backward receives (`pallas_fa.mesh.fresh_cotangents`). Within one
+      `jit` of yours, calls over meshes of different shapes need that jit's
+      `out_shardings`: JAX gives a jit's results the mesh of one of them.
     batch_axes: mesh axis name(s) splitting B, or None.
     head_axes: mesh axis name(s) splitting the heads, or None.
     sequence_axis: mesh axis name of the ring, or None.
@@ -450,7 +451,9 @@ def sharded_flash_attention(
        sinks, tuple(score_mod_args), tuple(mask_mod_args), block_mask),
       mesh)
   out, lse = _sharded_flash_attention(*args, **static)
-  return (out, lse) if return_residual else out
+  # Eager gradients may bring cotangents typed for another mesh (an
+  # earlier call's); they are laid out on this call's before its backward.
+  return mesh_lib.fresh_cotangents((out, lse) if return_residual else out)
 
 
 @functools.partial(

@@ -11,7 +11,9 @@ canonicalises the public arguments once, so every function of a backend sees
 the same shapes whatever the caller passed:
 
 * `q` [B, T, N, H], `k` [B, S, K, H], `v` [B, S, K, Hv]: one batch dim,
-  N % K == 0 (GQA: query head n reads key/value head n // (N / K));
+  N % K == 0 (GQA: query head n reads key/value head n // (N / K)); a
+  backend declaring `Backend.shared_kv` may also get `k`/`v` with batch 1,
+  one K/V read by every query row (the others get it broadcast);
 * `bias` [B|1, N|1, T|1, S|1] or None;
 * `info`: the `masking.MaskInfo` -- causal, window, positions, segment ids
   with the padding lengths folded in, dense mask, dropout -- to be read
@@ -25,9 +27,10 @@ It provides:
   q's dtype, lse [B, T, N] the natural-log logsumexp in float32 (float64 for
   float64 inputs); a row that sees no key gets out = 0 and lse = -inf;
 * `backward(q, k, v, bias, info, params, lse, dout, delta) -> (dq, dk, dv,
-  dbias)`: the gradients in the dtypes of their inputs (dbias None without a
-  bias). `delta = rowsum(out * dout) - dlse` [B, T, N] arrives computed here
-  once for all backends (FlashAttention-2 §3.2), zero on padded query rows;
+  dbias)`: the gradients in the dtypes and shapes of their inputs (dbias
+  None without a bias; dK/dV of a shared batch-1 K/V summed over the rows).
+  `delta = rowsum(out * dout) - dlse` [B, T, N] arrives computed here once
+  for all backends (FlashAttention-2 §3.2), zero on padded query rows;
   `backward=None` differentiates `forward` instead. A backend that
   accepts a score_mod (`info.score_mod`) returns a fifth result, the
   gradients of `info.score_mod_args` (a tuple like it, None for an
@@ -122,6 +125,10 @@ class Backend:
     value_head_dim: whether value (and the output) may have a head dim Hv
       other than the query/key head dim H.
     dropout: whether it implements attention dropout (`pallas_fa.dropout`).
+    shared_kv: whether forward/backward take k and v with batch 1 against
+      q's batch B (a K/V shared by every query row, read without copies;
+      backward returns dK/dV of batch 1, summed over the rows). Without it
+      `api.Call.for_backend` broadcasts such a K/V to B first.
   """
 
   name: str
@@ -133,6 +140,7 @@ class Backend:
   dtypes: tuple[Any, ...] = (jnp.float32, jnp.bfloat16, jnp.float16)
   value_head_dim: bool = False
   dropout: bool = False
+  shared_kv: bool = False
 
   def check_call(self, q, k, v, bias, info, params) -> None:
     """Raises NotImplementedError naming why this backend cannot run the

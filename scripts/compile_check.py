@@ -122,7 +122,7 @@ DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "value_dim", "flex_alibi", "flex_softcap", "flex_document",
-            "decode_flex", "fused", "fused_causal", "fused_masked",
+            "flex_t5", "decode_flex", "fused", "fused_causal", "fused_masked",
             "fused_dropout")
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
@@ -131,6 +131,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "flex_alibi": ("triton", "mosaic_gpu"),
                     "flex_softcap": ("triton", "mosaic_gpu"),
                     "flex_document": ("triton", "mosaic_gpu"),
+                    "flex_t5": ("triton",),
                     "decode_flex": ("triton",),
                     **{name: ("mosaic_gpu",) for name in (
                         "fused", "fused_causal", "fused_masked",
@@ -171,7 +172,10 @@ class Case:
       report); "flex_alibi" / "flex_softcap" / "flex_document" = causal
       with ALiBi / a learned tanh soft cap as a score_mod (the gradient of
       its slopes / cap included) / a document mask_mod (flex attention,
-      `pallas_fa.flex`); "decode_flex" = "decode" with
+      `pallas_fa.flex`); "flex_t5" = causal with T5's relative-position
+      bias (`flex.t5_relative_bias`, a [heads, 32] table read at computed
+      offsets, its gradient included; triton only); "decode_flex" =
+      "decode" with
       ALiBi and a prefix-LM mask_mod; "fused" / "fused_causal" /
       "fused_masked" / "fused_dropout" = "plain" / "causal" / "masked" /
       "dropout" with mosaic_gpu's fused backward
@@ -325,6 +329,10 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     spill_stores, spill_loads, stack_bytes, error; a decode case adds
     "kernels_per_call" (`kernels_per_call`).
   """
+  if case.fused:
+    # Another length than the base variant's, whose forward kernel would
+    # otherwise come from Mosaic's in-process cache (no ptxas report).
+    seq //= 2
   result: dict[str, Any] = {
       **dataclasses.asdict(case), "target": target, "seq": seq,
       "error": None, "kernels": []}
@@ -365,6 +373,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
       args.append(spec((), jnp.float32))
     if case.base == "flex_document":
       args.append(spec((1, seq), jnp.int32))
+    if case.base == "flex_t5":
+      args.append(spec((heads, 32), jnp.float32))
 
     def loss(q, k, v, extra=None):
       kw = dict(kwargs)
@@ -376,14 +386,17 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
         kw.update(score_mod=flex.tanh_soft_cap, score_mod_args=(extra,))
       if case.base == "flex_document":
         kw.update(mask_mod=flex.document, mask_mod_args=(extra,))
+      if case.base == "flex_t5":
+        kw.update(score_mod=flex.t5_relative_bias, score_mod_args=(extra,))
       out = pallas_fa.flash_attention(
           q, k, v, is_causal=case.base != "plain",
           implementation=case.backend, block_sizes=block_sizes, **kw)
       return out.astype(jnp.float32).sum()
 
-    # The float arguments: q, k, v and ALiBi's slopes or the soft cap.
+    # The float arguments: q, k, v and ALiBi's slopes, the soft cap or
+    # T5's table.
     call = jax.grad(loss, argnums=(0, 1, 2, 3)[:3 + (
-        case.base in ("flex_alibi", "flex_softcap"))])
+        case.base in ("flex_alibi", "flex_softcap", "flex_t5"))])
     if decode:
       args, call = _decode_call(case, seq, spec)
 

@@ -6,6 +6,8 @@ The device count of the CPU platform is fixed when jax is first imported, so
   python tests/_parallel_worker.py sharded|ring|hlo [implementation ...]
       8 simulated CPU devices; prints one line per check, exits non-zero on
       the first mismatch.
+  python tests/_parallel_worker.py orders IMPLEMENTATION ORDER [ORDER ...]
+      the same, over meshes "A", "B", "C" called in each ORDER ("ABA").
   python tests/_parallel_worker.py process PROCESS_ID PORT
       one of two processes (4 CPU devices each) joined on localhost:PORT by
       `jax.distributed.initialize`; ring attention over all 8 devices.
@@ -25,6 +27,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import collections  # noqa: E402
 import functools  # noqa: E402
 import re  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -232,6 +235,78 @@ def _check_two_meshes(impl, block_sizes):
     got = value_and_grads(fn, *placed)
     assert got["out"].sharding.mesh == mesh, (name, got["out"].sharding)
     _compare(f"{impl} two meshes: {name}", got, want)
+
+
+# Meshes of different shapes over the same 8 devices, each with the axes a
+# call splits over: a ring of 8; a ring of 4 times 2 batch shards; and the
+# batch, heads and a ring of 2.
+_MESHES = {
+    "A": ((8,), ("seq",), dict(sequence_axis="seq")),
+    "B": ((2, 4), ("data", "seq"), dict(batch_axes="data",
+                                        sequence_axis="seq")),
+    "C": ((2, 2, 2), ("data", "heads", "seq"),
+          dict(batch_axes="data", head_axes="heads", sequence_axis="seq",
+               load_balance=True)),
+}
+
+
+def orders(impl, *sequences):
+  """Calls over meshes of different shapes, in each order given ("AB",
+  "ABA", "CBA", ...), as a training script makes them: plain unplaced
+  inputs, a forward call, then the gradient of sum(out * ct) with a fresh,
+  uncommitted ct; and the same step under `jit`. Every order starts from
+  empty JAX caches, as a process of its own would, so each order's first
+  mesh is the one JAX's caches meet first. (Compiled programs are kept on
+  disk across orders, which only saves compile time: what an executable
+  returns is typed from its trace, not from that cache.)"""
+  block_sizes = conftest.block_sizes_for(impl)
+  b, t, n, kv, h = 2, 32, 4, 2, 8
+  q, k, v = _inputs(31, b, t, t, n, kv, h)
+  kwargs = dict(is_causal=True, key_value_seq_lengths=jnp.array([20, 32]),
+                implementation=impl, block_sizes=block_sizes)
+
+  @jax.jit
+  def single(q, k, v, ct):
+    out, pullback = jax.vjp(
+        functools.partial(pallas_fa.flash_attention, **kwargs), q, k, v)
+    return out, pullback(ct)
+
+  def step(fn, ct):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v) * ct)  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  def jitted_step(fn, q, k, v, ct):
+    loss = lambda q, k, v: (jnp.sum(fn(q, k, v) * ct),  # noqa: E731
+                            fn(q, k, v))
+    (_, out), grads = jax.value_and_grad(
+        loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return out, grads
+
+  devices = np.asarray(jax.devices())
+  with tempfile.TemporaryDirectory() as cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    for o, sequence in enumerate(sequences):
+      jax.clear_caches()
+      for i, name in enumerate(sequence):
+        shape, axis_names, axes = _MESHES[name]
+        mesh = jax.sharding.Mesh(devices.reshape(shape), axis_names)
+        fn = functools.partial(parallel.sharded_flash_attention, mesh=mesh,
+                               **axes, **kwargs)
+        key = jax.random.PRNGKey(10 * o + i)
+        # A fresh ct for each gradient: a new, uncommitted array.
+        eager = (fn(q, k, v),
+                 step(fn, jax.random.normal(key, q.shape)))
+        jitted = jax.jit(functools.partial(jitted_step, fn))(
+            q, k, v, jax.random.normal(key, q.shape))
+        want_out, want_grads = single(q, k, v, jax.random.normal(key, q.shape))
+        want = dict(out=want_out, **dict(zip(("dq", "dk", "dv"), want_grads)))
+        for label, (out, grads) in (("eager", eager), ("jit", jitted)):
+          assert out.sharding.mesh == mesh, (sequence, name, out.sharding)
+          _compare(f"{impl} meshes {' -> '.join(sequence)}: {name} {label}",
+                   dict(out=out, **dict(zip(("dq", "dk", "dv"), grads))),
+                   want)
 
 
 def ring():
@@ -517,5 +592,7 @@ if __name__ == "__main__":
     import jax.experimental.multihost_utils  # noqa: E402, F401
 
     process(int(sys.argv[2]))
+  elif _MODE == "orders":
+    orders(*sys.argv[2:])
   else:
     {"sharded": sharded, "ring": ring, "hlo": hlo}[_MODE]()

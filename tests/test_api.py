@@ -112,6 +112,39 @@ def test_bad_input(overrides, error, text):
     _call(**overrides)
 
 
+# A message names the argument as the caller spells it, never the local
+# variable that held it (f"{x.shape=}" prints "x.shape=").
+NAMED = [
+    (dict(key=jnp.zeros((B + 1, S, K, H))), ValueError,
+     f"key.shape=({B + 1}, {S}, {K}, {H})"),
+    (dict(value=jnp.zeros((3 * B, S, K, H))), ValueError,
+     f"value.shape=({3 * B}, {S}, {K}, {H})"),
+    (dict(value=jnp.zeros((S, K, H))), ValueError,
+     f"value.shape=({S}, {K}, {H})"),
+    (dict(key=jnp.zeros((B, S, K, H), jnp.int32)), TypeError,
+     "key.dtype=int32"),
+    (dict(segment_ids=pallas_fa.SegmentIds(q=jnp.zeros((B, T + 1), int),
+                                           kv=jnp.zeros((B, S), int))),
+     ValueError, f"segment_ids.q.shape=({B}, {T + 1})"),
+    (dict(key_positions=jnp.zeros((B, S))), TypeError,
+     "key_positions.dtype=float32"),
+    (dict(bias=jnp.zeros((B, N, T, S + 1))), ValueError,
+     f"bias.shape=({B}, {N}, {T}, {S + 1})"),
+    (dict(mask=jnp.ones((3, N, T, S), bool)), ValueError,
+     f"mask.shape=(3, {N}, {T}, {S})"),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, error, text", NAMED,
+    ids=[f"{i}-{'-'.join(o)}" for i, (o, _, _) in enumerate(NAMED)])
+def test_errors_name_the_argument(overrides, error, text):
+  with pytest.raises(error) as e:
+    _call(**overrides)
+  assert text in str(e.value)
+  assert "x.shape" not in str(e.value) and "x.dtype" not in str(e.value)
+
+
 def test_bad_block_sizes():
   with pytest.raises(ValueError, match="block_q"):
     chunked.ChunkedBlockSizes(block_q=0)

@@ -422,3 +422,53 @@ def test_tiling_variants_and_references_read_back(benchmark, monkeypatch,
   for bad in ("chunked:no_such_field=1", "chunked:block_q", "nope:x=1"):
     with pytest.raises(ValueError):
       _settings(benchmark, impls=[bad])
+
+
+@pytest.fixture(scope="module")
+def readme_performance():
+  with script_module("readme_performance") as module:
+    yield module
+
+
+def test_readme_performance_section_is_what_the_committed_jsons_give(
+    readme_performance):
+  """README.md's Performance section equals what the generator makes of the
+  committed JSONs, so a new result file or an edit by hand cannot leave it
+  stale (fix: `python scripts/readme_performance.py`)."""
+  m = readme_performance
+  readme = (m.REPO / "README.md").read_text()
+  section = m.render(m.REPO / m.RESULTS)
+  assert m.replace_section(readme, section) == readme, (
+      "README.md's Performance section is stale: run "
+      "python scripts/readme_performance.py")
+  # It speaks of the repository's own files, never of this machine's.
+  assert str(m.REPO) not in section and "](/" not in section
+  for name in (*m.SOURCES["gpu_bench"], m.SOURCES["cpu_bench"],
+               m.SOURCES["gpu_plot"], m.SOURCES["cpu_plot"]):
+    assert name in section, name
+    assert (m.REPO / m.RESULTS / name).is_file(), name
+
+
+@pytest.mark.parametrize("name, path", [
+    ("h200_bench_4k.json", ("results", 0, "flops_per_s")),
+    ("h200_gpu_check_summary.json", ("steps", "env", "env", "commit")),
+    ("cpu_tokamax.json", ("meta", "jax_version")),
+    ("decode_cpu.json", ("rows", 0, "bandwidth_share")),
+])
+def test_readme_performance_names_the_file_that_lacks_a_field(
+    readme_performance, tmp_path, name, path):
+  m = readme_performance
+  results = m.REPO / m.RESULTS
+  for source in results.glob("*.json"):
+    (tmp_path / source.name).write_text(source.read_text())
+  data = json.loads((tmp_path / name).read_text())
+  parent = data
+  for key in path[:-1]:
+    parent = parent[key]
+  del parent[path[-1]]
+  (tmp_path / name).write_text(json.dumps(data))
+  with pytest.raises(ValueError, match=rf"^{name}: .*{path[-1]}"):
+    m.render(tmp_path)
+  # The untouched copies still give the committed section.
+  (tmp_path / name).write_text((results / name).read_text())
+  assert m.render(tmp_path) == m.render(results)

@@ -33,6 +33,7 @@ from conftest import block_sizes_for
 
 import pallas_fa
 from pallas_fa import api
+from pallas_fa import testing
 
 # Shapes: T = 1, S = 1, T != S, odd lengths, head dims 1..256, GQA 1/2/4/8.
 SHAPE_CASES = [
@@ -435,6 +436,80 @@ def test_batch_dims_must_match():
     pallas_fa.flash_attention(q, k, k)
   with pytest.raises(ValueError, match="query_seq_lengths"):
     pallas_fa.flash_attention(q, q, q, query_seq_lengths=jnp.ones(6, int))
+
+
+# (padded, dtype) of the shared-K/V checks; interpreted Pallas backends run
+# the first (their K/V is broadcast before the kernel in `api` either way).
+_SHARED_KV = [(True, "float32"), (False, "float32"), (True, "bfloat16")]
+
+
+@pytest.mark.parametrize("padded, dtype", _SHARED_KV,
+                         ids=[f"padded={p}-{d}" for p, d in _SHARED_KV])
+def test_key_value_batch_one_is_shared(implementation, padded, dtype):
+  """K/V with batch 1 against a query batch of 3 (PyTorch FlexAttention
+  broadcasts so): out, lse and every gradient equal the reference on K/V
+  broadcast explicitly, whose dK/dV are summed over the batch. Lengths and
+  segment ids stay per query row; keys padded in every row hold NaN, which
+  must not leak."""
+  if (padded, dtype) != _SHARED_KV[0] and _interpreted_on_cpu(
+      implementation):
+    pytest.skip("interpreted: one case (K/V is broadcast before the kernel)")
+  dtype = getattr(jnp, dtype)
+  if dtype not in api.get_backend(implementation).dtypes:
+    pytest.skip(f"{implementation} declines {jnp.dtype(dtype).name}")
+  case = Case(b=3, t=21, s=29, n=4, k=2, h=16, causal=True, lengths=padded,
+              segments=padded)
+  gen = rng(implementation, "shared-kv", padded, dtype)
+  q, k, v, kw = make_inputs(case, dtype, gen)
+  k, v = k[:1], v[:1]
+  if padded:
+    # Per query row; keys 25.. are padding in every row.
+    kv_len = jnp.asarray(gen.permutation([25, 13, 19]), jnp.int32)
+    kw["key_value_seq_lengths"] = kv_len
+    poison = jnp.arange(case.s)[None, :, None, None] >= kv_len.max()
+    k, v = (jnp.where(poison, jnp.nan, x).astype(dtype) for x in (k, v))
+  dout = testing.normal(gen, q.shape)
+  dlse = testing.normal(gen, q.shape[:-1])
+  got = named(run(_fn(implementation), q, k, v, kw, dout, dlse))
+  chex.assert_shape([got["dk"], got["dv"]], k.shape)
+
+  def reference(compute_dtype):
+    wide = lambda x: jnp.broadcast_to(x, (case.b,) + x.shape[1:])
+    ref = named(run(reference_fn(compute_dtype), q, wide(k), wide(v), kw,
+                    dout, dlse))
+    return {**ref, "dk": ref["dk"].sum(0, keepdims=True, dtype=jnp.float32),
+            "dv": ref["dv"].sum(0, keepdims=True, dtype=jnp.float32)}
+
+  want = reference(jnp.float32)
+  same = reference(dtype) if dtype != jnp.float32 else {}
+  for name, x in got.items():
+    assert not jnp.isnan(x).any(), name
+    assert_close(name, x, want[name], same.get(name), dtype)
+
+
+def test_key_value_batch_dims_broadcast_separately():
+  """Any size-1 batch dim of key or value broadcasts on its own ([2, 1]
+  against the query's [2, 3], or only one of the two), with the gradients
+  summed over the rows each was broadcast to."""
+  gen = rng("shared-kv-dims")
+  b1, b2, t, s, n, kh, h = 2, 3, 7, 11, 4, 2, 8
+  normal = lambda *shape: jnp.asarray(gen.standard_normal(shape), jnp.float32)
+  q = normal(b1, b2, t, n, h)
+  wide = lambda x: jnp.broadcast_to(x, (b1, b2) + x.shape[2:])
+  for k_rows, v_rows in (((b1, 1), (b1, 1)), ((1, 1), (b1, b2)),
+                         ((b1, b2), (1, b2))):
+    k, v = normal(*k_rows, s, kh, h), normal(*v_rows, s, kh, h)
+
+    def loss(q, k, v, explicit):
+      if explicit:
+        k, v = wide(k), wide(v)
+      return (pallas_fa.flash_attention(q, k, v, is_causal=True) * q).sum()
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, False)
+    chex.assert_trees_all_equal_shapes(grads, (q, k, v))
+    chex.assert_trees_all_close(
+        grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v, True),
+        rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("implementation", ["xla", "chunked", None])

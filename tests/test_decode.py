@@ -365,6 +365,56 @@ def test_zero_length_rows_are_zero_not_nan(implementation):
 
 
 @pytest.mark.parametrize("implementation", [None, "triton", "mosaic_tpu"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_empty_calls_launch_no_kernel(implementation, paged, monkeypatch):
+  """As flash_attention's: no sequences or no new tokens (B or T_new = 0)
+  give empty results, a cache with no entries zeros with lse -inf; shaped
+  and typed like a full call's (out like query, lse float32), gradients
+  zero, eagerly and under jit, and no kernel runs."""
+
+  def no_kernel(*args, **kwargs):
+    raise AssertionError("an empty call reached a kernel")
+
+  monkeypatch.setattr(decode, "_split_kernel", no_kernel)
+  monkeypatch.setattr(decode, "_decode", no_kernel)
+  gen = rng("decode", "empty calls", implementation, paged)
+  n, num_kv, h, hv, page_size, dtype = 4, 2, 16, 8, 16, jnp.bfloat16
+  normal = lambda *shape: jnp.asarray(  # noqa: E731
+      gen.standard_normal(shape), dtype)
+  for b, t, s_max in ((0, 1, 32), (2, 0, 32), (2, 2, 0)):
+    q = normal(b, t, n, h)
+    table = None
+    if paged:
+      k, v = normal(3, page_size, num_kv, h), normal(3, page_size, num_kv, hv)
+      table = jnp.asarray(
+          gen.integers(0, 3, (b, s_max // page_size)), jnp.int32)
+    else:
+      k, v = normal(b, s_max, num_kv, h), normal(b, s_max, num_kv, hv)
+    lengths = jnp.asarray(gen.integers(min(t, s_max), s_max + 1, b), jnp.int32)
+    sinks = jnp.asarray(gen.standard_normal(n), jnp.float32)
+
+    def loss(q, k, v, lengths=lengths, table=table, sinks=sinks):
+      out, lse = pallas_fa.decode_attention(
+          q, k, v, lengths, block_table=table, sinks=sinks,
+          return_residual=True, implementation=implementation)
+      value = jnp.sum(out.astype(jnp.float32)) + jnp.sum(
+          jnp.where(jnp.isfinite(lse), lse, 0.0))
+      return value, (out, lse)
+
+    for run in (loss, jax.jit(loss)):
+      (_, (out, lse)), grads = jax.value_and_grad(
+          run, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+      case = (b, t, s_max)
+      assert out.shape == (b, t, n, hv) and out.dtype == dtype, case
+      assert lse.shape == (b, t, n) and lse.dtype == jnp.float32, case
+      np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+      assert np.all(np.isneginf(np.asarray(lse))), case
+      for grad, x in zip(grads, (q, k, v), strict=True):
+        assert grad.shape == x.shape and grad.dtype == x.dtype, case
+        np.testing.assert_array_equal(np.asarray(grad, np.float32), 0.0)
+
+
+@pytest.mark.parametrize("implementation", [None, "triton", "mosaic_tpu"])
 def test_strict_promotion(implementation, strict_promotion):
   """bfloat16 with every feature on a paged cache, under strict dtype
   promotion and rank promotion "raise"."""

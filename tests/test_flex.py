@@ -1,8 +1,9 @@
 """Flex attention: score_mod, mask_mod and block masks.
 
 Every example of `pallas_fa.flex` runs on the implementations that support
-flex attention (`xla`, `chunked`, `triton` -- which declines T5's gather;
-the Mosaic backends decline flex for now),
+flex attention (`xla`, `chunked`, `triton` -- T5's table read at computed
+offsets included, its gradient a scatter-add; `mosaic_tpu` declines that
+table),
 forward, logsumexp and every gradient -- q, k, v and the score_mod's arrays
 -- against a dense float32 oracle written here, which is itself checked
 against `jax.nn.dot_product_attention` with the equivalent dense bias and
@@ -40,8 +41,9 @@ FLEX_IMPLEMENTATIONS = ("xla", "chunked") + tuple(
     name for name in ("triton", "mosaic_tpu")
     if name in pallas_fa.implementations())
 # Examples a backend cannot fuse into its kernels (it declines them: the
-# automatic choice moves on): T5's table is gathered at q_idx - kv_idx.
-DECLINED = {("triton", "t5"), ("mosaic_tpu", "t5")}
+# automatic choice moves on): T5's table is read at a bucket of
+# kv_idx - q_idx, which the Mosaic TPU kernels do not gather.
+DECLINED = {("mosaic_tpu", "t5")}
 # The interpreted kernels are slow: three examples on triton (a per-head
 # score_mod, a per-query/key mask_mod, a per-batch one) and two on the TPU
 # interpreter by default, the others in the slow leg.
@@ -350,7 +352,7 @@ def _check_bfloat16(implementation, name):
 # A score_mod with an elementwise gather and a mask_mod per batch row run
 # by default; the others in the slow leg.
 _BF16_FAST = [("chunked", "t5"), ("chunked", "document"), ("xla", "alibi"),
-              ("triton", "alibi")]
+              ("triton", "alibi"), ("triton", "t5")]
 _BF16_FAST = [x for x in _BF16_FAST if x[0] in FLEX_IMPLEMENTATIONS]
 
 
@@ -798,9 +800,9 @@ def test_triton_visits_only_the_block_masks_tiles(monkeypatch):
 
   logits, with_mod = kernel._modded_logits, kernel._with_mask_mod
 
-  def counted_logits(refs, feat, qk, bias, tile, grad):
+  def counted_logits(refs, feat, qk, bias, tile, grad, **kw):
     record("logits", tile)
-    return logits(refs, feat, qk, bias, tile, grad)
+    return logits(refs, feat, qk, bias, tile, grad, **kw)
 
   def counted_mod(refs, feat, visible, tile):
     record("mask_mod", tile)
@@ -1060,7 +1062,6 @@ def test_pallas_backends_decline_and_automatic_choice_falls_back(
       ("mosaic_gpu", per_query, "per query or key"),
       # A gather at q_idx - kv_idx cannot run in a kernel: named, declined.
       ("mosaic_gpu", t5, "cannot fuse this score_mod.*dynamic_slice"),
-      ("triton", t5, "cannot fuse this score_mod.*dynamic_slice"),
   ]
   for implementation, kw, reason in declined:
     if implementation in _PALLAS:
@@ -1074,12 +1075,65 @@ def test_pallas_backends_decline_and_automatic_choice_falls_back(
   api.clear_cache()
   try:
     for kw in (*calls, t5):
-      first = "triton" if "triton" in _PALLAS and kw is not t5 else "chunked"
+      first = "triton" if "triton" in _PALLAS else "chunked"
       np.testing.assert_array_equal(
           pallas_fa.flash_attention(q, k, v, **kw),
           pallas_fa.flash_attention(q, k, v, implementation=first, **kw))
   finally:
     api.clear_cache()
+
+
+def _relative_bias(score, batch, head, q_idx, kv_idx, table):
+  """A learned relative bias per head over clipped distances: a wider
+  table than T5's, read at kv_idx - q_idx directly."""
+  del batch
+  span = (table.shape[1] - 1) // 2
+  return score + table[head, jnp.clip(kv_idx - q_idx, -span, span) + span]
+
+
+def _shared_buckets(score, batch, head, q_idx, kv_idx, table):
+  """T5's buckets in one table shared by every head (its reads do not
+  depend on the head), scaled by a per-batch-row factor."""
+  bucket = flex.t5_bucket(kv_idx - q_idx, table.shape[0])
+  return score + table[bucket] * (1.0 + batch).astype(score.dtype)
+
+
+_TABLE_CASES = {
+    "relative_bias": (_relative_bias, 4, 41),
+    "shared_buckets": (_shared_buckets, None, 16),
+}
+
+
+@pytest.mark.skipif("triton" not in FLEX_IMPLEMENTATIONS,
+                    reason="the triton backend does not import here")
+@pytest.mark.parametrize("name", sorted(_TABLE_CASES))
+def test_triton_table_score_mods(name):
+  """Tables read at computed offsets (per head, or one for every head)
+  under causal masking with GQA and ragged lengths: out, lse and every
+  gradient, the table's included, against xla in float32; and the table's
+  gradient (per-program partial tables summed after the kernel) bitwise
+  the same on a second run."""
+  fn, heads, width = _TABLE_CASES[name]
+  gen = rng("flex-tables", name)
+  b, t, n, kh, h = 2, 37, 4, 2, 16
+  q = _normal(gen, (b, t, n, h))
+  k, v = (_normal(gen, (b, t, kh, h)) for _ in range(2))
+  table = _normal(gen, (width,) if heads is None else (heads, width))
+  dout, dlse = _normal(gen, q.shape), _normal(gen, (b, t, n))
+
+  def run(impl):
+    def f(q, k, v, table):
+      return pallas_fa.flash_attention(
+          q, k, v, is_causal=True, score_mod=fn, score_mod_args=(table,),
+          implementation=impl, block_sizes=block_sizes_for(impl),
+          return_residual=True)
+    (out, lse), pullback = jax.vjp(f, q, k, v, table)
+    return out, lse, pullback((dout, dlse))
+
+  got = run("triton")
+  _compare(got, run("xla"))
+  again = run("triton")
+  np.testing.assert_array_equal(got[2][3], again[2][3])
 
 
 def test_argument_errors():

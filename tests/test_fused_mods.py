@@ -242,3 +242,73 @@ def test_tile_indices_with_constants(fn, indices):
   result is one, still names the indices its tile reads."""
   assert fused_mods.split("score_mod", fn, (), "test").tile_indices == (
       indices)
+
+
+def _t5_grid(mod, table, score):
+  """T5 on the [B, N, T, S] grid from the split: each program's table
+  (a vector) read at the tile's offsets."""
+  (arrays,) = mod.residual_arrays((table,), batch=B, heads=N, q_len=T,
+                                  kv_len=S, q_padded=T, kv_padded=S)
+  return arrays, jnp.stack([jnp.stack([
+      mod.tile([arrays[0, h]], q_idx=jnp.arange(T)[:, None],
+               kv_idx=jnp.arange(S)[None, :], score=score[b, h])
+      for h in range(N)]) for b in range(B)])
+
+
+def test_tables_are_split_per_program_and_exact():
+  """With `tables`, T5's read table[head, bucket] becomes one per-head
+  table (a PROGRAM residual of the row's size) read in the tile at the
+  bucket; values, dS and the table's gradient (scatter-added per program,
+  chained outside back into its row) are those of the dense evaluation."""
+  gen = rng("fused-mods-tables")
+  table = jnp.asarray(gen.normal(size=(N, 8)), jnp.float32)
+  mod = fused_mods.split(mods.SCORE_MOD, flex.t5_relative_bias, (table,),
+                         "test", tables=True)
+  assert [(r.level, r.batch, r.head, r.size, r.differentiable)
+          for r in mod.residuals] == [(Level.PROGRAM, False, True, 8, True)]
+  assert mod.has_tables and "table" in mod.tile_primitives
+  score = jnp.asarray(gen.normal(size=(B, N, T, S)), jnp.float32)
+  ds = jnp.asarray(gen.normal(size=(B, N, T, S)), jnp.float32)
+  arrays, got = _t5_grid(mod, table, score)
+  np.testing.assert_allclose(
+      got, _dense(flex.t5_relative_bias, mods.SCORE_MOD, (table,), score),
+      rtol=1e-6, atol=1e-6)
+  want_table, want_score = jax.grad(
+      lambda a, s: (_dense(flex.t5_relative_bias, mods.SCORE_MOD, (a,), s)
+                    * ds).sum(), argnums=(0, 1))(table, score)
+  cotangent = jnp.zeros((1, N, 8))
+  got_score = []
+  for b in range(B):
+    for h in range(N):
+      _, pull = mod.tile_vjp([arrays[0, h]], q_idx=jnp.arange(T)[:, None],
+                             kv_idx=jnp.arange(S)[None, :], score=score[b, h])
+      d_score, (d_table,) = pull(ds[b, h])
+      got_score.append(d_score)
+      cotangent = cotangent.at[0, h].add(d_table)
+  (got_table,) = mod.args_grad((table,), [cotangent], batch=B, heads=N)
+  np.testing.assert_allclose(jnp.stack(got_score).reshape(score.shape),
+                             want_score, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got_table, want_table, rtol=1e-4, atol=1e-4)
+  # From per-program partials (a kernel's [B, N, blocks, size]) alike.
+  partials = jnp.broadcast_to(cotangent[:, :, None] / 2, (B, N, 1, 8)) / B
+  (from_partials,) = mod.args_grad_from_partials(
+      (table,), [jnp.concatenate([partials, partials], axis=2)],
+      batch=B, heads=N)
+  np.testing.assert_allclose(from_partials, want_table, rtol=1e-4,
+                             atol=1e-4)
+
+
+def test_tables_made_per_token_are_declined():
+  """A table that differs per query (a row of a per-query table read at
+  kv_idx) is not one table per program: declined, naming why; a kernel
+  without tables declines every table read."""
+  def per_query_table(score, batch, head, q_idx, kv_idx, table):
+    return score + (table * q_idx.astype(table.dtype))[kv_idx - q_idx + T]
+
+  table = jnp.zeros((T + S,), jnp.float32)
+  with pytest.raises(NotImplementedError, match="made per query or key"):
+    fused_mods.split(mods.SCORE_MOD, per_query_table, (table,), "k",
+                     tables=True)
+  with pytest.raises(NotImplementedError, match="do not gather"):
+    fused_mods.split(mods.SCORE_MOD, flex.t5_relative_bias,
+                     (jnp.zeros((N, 8)),), "k")

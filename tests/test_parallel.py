@@ -69,6 +69,24 @@ def test_ring_attention_matches_single_device(implementation):
   _run_worker("ring", implementation)
 
 
+# Meshes "A" (a ring of 8), "B" (2 batch shards x a ring of 4) and "C"
+# (batch x heads x a ring of 2, zig-zag) of `_parallel_worker._MESHES`, called
+# one after another in one process, each order from empty JAX caches. The
+# orders of A and B (A -> B, B -> A as their prefixes) run with every test
+# run, on both jax versions CI tests; the orders of all three are slow.
+# "xla" compiles fastest, and what is checked is plumbing.
+@pytest.mark.parametrize("orders", [
+    ("ABA", "BAB"),
+    pytest.param(("ABC", "ACB", "BAC", "BCA", "CAB", "CBA"),
+                 marks=pytest.mark.slow),
+], ids=["two", "three"])
+def test_calls_over_meshes_of_other_shapes_in_every_order(orders):
+  """Forward and gradient, eager and jitted, equal the single-device call
+  whatever mesh an earlier call of the process used."""
+  out = _run_worker("orders", "xla", *orders)
+  assert out.count("ok xla meshes") == 2 * sum(map(len, orders)), out
+
+
 @gpu_jax_only  # as chunked above
 def test_ring_program_has_no_all_gather_and_errors_name_arguments():
   out = _run_worker("hlo", "chunked")
@@ -216,6 +234,23 @@ def test_onto_mesh_keeps_the_splits_the_new_mesh_has():
       new, spec("data", None))
   assert moved["on_new"] is on_new and moved["none"] is None
   assert isinstance(moved["host"], np.ndarray)
+
+
+def test_fresh_cotangents_is_the_identity_and_places_cotangents():
+  """Values and gradients pass through unchanged, eagerly and under jit;
+  an eager cotangent arrives laid out like its primal."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("seq",))
+  on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  gen = np.random.default_rng()
+  x = jax.device_put(jnp.asarray(gen.standard_normal((3, 4)), jnp.float32),
+                     on_mesh)
+  w = jnp.asarray(gen.standard_normal((3, 4)), jnp.float32)
+  loss = lambda x: jnp.sum(mesh_lib.fresh_cotangents(x) * w)  # noqa: E731
+  np.testing.assert_array_equal(mesh_lib.fresh_cotangents(x), x)
+  grads = jax.grad(loss)(x)
+  np.testing.assert_array_equal(grads, w)
+  assert grads.sharding == on_mesh, grads.sharding
+  np.testing.assert_array_equal(jax.jit(jax.grad(loss))(x), w)
 
 
 def test_sharded_block_sizes_of_the_wrong_type_are_named():

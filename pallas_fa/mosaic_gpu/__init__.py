@@ -297,13 +297,13 @@ def schedule(kinds: Array, consumers: int) -> Array:
   return out.astype(jnp.int32)
 
 
-def _head_section(x: layout.Padded, bs, kv_stationary: bool) -> int | None:
+def _head_section(x: layout.Padded, bs, forward: bool) -> int | None:
   """The head section of a causal schedule (`kernel.Units`): the tiling's
-  `head_section`, else for the forward and dQ kernels as many (batch, query
-  head) pairs as stream `kernel.L2_SECTION_BYTES` of K/V (a query head's
-  share of its K/V head's); the dK/dV kernel, dealt in waves, then keeps
-  the section its dealing balances best (None)."""
-  if bs.head_section is not None or kv_stationary:
+  `head_section`, else for the forward kernel as many (batch, query head)
+  pairs as stream `kernel.L2_SECTION_BYTES` of K/V (a query head's share
+  of its K/V head's); the backward kernels, dealt in waves, then keep the
+  section their dealing balances best (None)."""
+  if bs.head_section is not None or not forward:
     return bs.head_section
   per_pair = x.sp * (x.q.shape[-1] + x.v.shape[-1]) * x.q.dtype.itemsize
   return kernel.default_head_section(per_pair // x.g)
@@ -311,7 +311,7 @@ def _head_section(x: layout.Padded, bs, kv_stationary: bool) -> int | None:
 
 def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
           consumers, pingpong, units_per_head, heads, num_heads,
-          score_mod=None, mask_mod=None, mod_slot=None, kv_stationary=False):
+          score_mod=None, mask_mod=None, mod_slot=None, forward=False):
   q_len, kv_len = x.q.shape[1], x.k.shape[1]
   units = x.q.shape[0] * heads * units_per_head
   return kernel.Spec(
@@ -343,7 +343,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       mask_mod=mask_mod,
       mod_slot=mod_slot,
       valid_kv_len=x.s,
-      head_section=_head_section(x, bs, kv_stationary),
+      head_section=_head_section(x, bs, forward),
   )
 
 
@@ -459,7 +459,7 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
       x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
       stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
       units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod,
-      mask_mod=mask_mod, mod_slot=slot)
+      mask_mod=mask_mod, mod_slot=slot, forward=True)
   out, lse = forward_kernel.forward(
       spec, x.q, x.k, x.v, *_meta(x, mask_mod, slot), sched, _seed(x),
       _residuals(x, score_mod, mask_mod))
@@ -553,8 +553,7 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
       block_kv=bs.block_kv_dkv, stages=bs.num_stages_bwd,
       consumers=bs.num_consumers_dkv, pingpong=False,
       units_per_head=kv_len // kv_rows, heads=num_kv, num_heads=n,
-      score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot,
-      kv_stationary=True)
+      score_mod=score_mod, mask_mod=mask_mod, mod_slot=slot)
   seed = _seed(x)
   if fused:
     dk, dv, dq = dkv_kernel.backward_dkv(

@@ -51,7 +51,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   ops = kernel.ops_for(spec)
   bq, h, stages = spec.block_q, spec.head_dim, spec.stages
   nc = spec.consumers
-  units = kernel.q_units(spec)
+  units = kernel.q_units(spec, table=False)  # `kernel.Units`
   num_d = 0 if spec.score_mod is None else sum(
       res.differentiable for res in spec.score_mod.residuals)
 

@@ -52,7 +52,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
   nc = spec.consumers
   # The output reuses Q's buffer when the two have one head dim.
   own_out = hv != h
-  units = kernel.q_units(spec)
+  units = kernel.q_units(spec, table=True)
 
   def unit(r: kernel.Refs, t, base):
     q_ref, _, _, qpos_ref, qseg_ref, _, _, sched_ref = r.inputs

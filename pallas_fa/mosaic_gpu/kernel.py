@@ -473,14 +473,15 @@ class Units:
   the CTAs running at once stream the K/V of one section (L2-sized,
   `default_head_section`), in one of two ways:
 
-  * `table` (forward, dQ): from a table (`_lpt_table`), each unit to the
+  * `table` (the forward): from a table (`_lpt_table`), each unit to the
     least loaded CTA; the busiest CTA is then within a few percent of the
     mean at any section size. The table is a kernel operand (`launch`),
     read through `bind`.
-  * waves (dK/dV, whose three accumulators leave no registers for a
-    table's addressing, which ptxas spills in the fused kernel): by
-    arithmetic, dealing every other wave of CTAs in reverse order
-    (boustrophedon), which pairs a CTA's longer units with shorter ones.
+  * waves (the backward kernels, where a table's addressing costs
+    registers ptxas then spills: the fused dK/dV kernel's three
+    accumulators, the dQ kernel at H = 256): by arithmetic, dealing every
+    other wave of CTAs in reverse order (boustrophedon), which pairs a
+    CTA's longer units with shorter ones.
     It balances only larger sections: without a `section`, the one of
     `_GROUPS` (8 to 48 pairs) whose dealing, simulated on the causal work
     model, is most even.
@@ -662,13 +663,14 @@ def phases(sched_ref, b, row, wg, step_fn, carry, masked: bool):
       fhi, uhi, functools.partial(step_fn, masked=True), carry)
 
 
-def q_units(spec: Spec) -> Units:
+def q_units(spec: Spec, *, table: bool) -> Units:
   """The units of the Q-stationary kernels: a (batch, query head) pair and
-  a tile of `consumers` x block_q rows; causal visits the longest first."""
+  a tile of `consumers` x block_q rows; causal visits the longest first
+  (`table`: `Units`' dealing)."""
   return Units(
       spec.batch, spec.num_heads, spec.q_len // (spec.consumers * spec.block_q),
       spec.num_ctas, balance=spec.is_causal, reverse=spec.is_causal,
-      section=spec.head_section)
+      section=spec.head_section, table=table)
 
 
 def kv_producer(spec: Spec):

@@ -77,9 +77,9 @@ class MosaicGpuBlockSizes:
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
-      None: for the forward and dQ kernels sized from the L2 cache and the
-      key length (4 heads at S = 16k, H = 128), for the dK/dV kernel the
-      section its dealing balances best.
+      None: for the forward kernel sized from the L2 cache and the key
+      length (4 heads at S = 16k, H = 128), for the backward kernels the
+      section their dealing balances best.
     num_ctas: persistent grid size; None = one CTA per SM (GPU) or 1
       (interpreter).
     interpret: run in the Mosaic GPU interpreter; None = exactly when the

@@ -26,7 +26,14 @@ a masked tail, so the masking arithmetic runs only on PARTIAL tiles.
 Flex attention (`score_mod`, `mask_mod`) is fused: `fused_mods` splits the
 functions, the kernels read the per-program, per-query and per-key values
 they need as inputs, and a mask_mod call walks per-program lists of its
-FULL and PARTIAL tiles (`tile_lists`) instead of a range.
+FULL and PARTIAL tiles (`tile_lists`) instead of a range. A table read at
+offsets computed per element (T5's relative-position buckets,
+`flex.t5_relative_bias`, any learned relative bias) is fused too: each
+program's table (`table[head]`) is an input, the read a load at computed
+offsets, and the table's gradient a scatter-add into per-program partial
+tables ([B, N, query blocks, table size], float32) written by the dQ
+kernel and summed here after it -- no atomics, so deterministic like the
+rest (`kernel._scatter_add`).
 
 Any T and S are padded to whole tiles and each head dim (H of q/k, Hv of
 v, the output and dO) to a power of two of at least 16 (`ALIGN`,
@@ -266,7 +273,7 @@ class _Padded(layout.Padded):
     if self.info.mask is not None:
       # Triton loads bytes, not i1: keep the mask as int8 in memory.
       self.mask = self.info.mask.astype(jnp.int8)
-    score_mod, mask_mod = fused_mods.split_call(info, "triton")
+    score_mod, mask_mod = fused_mods.split_call(info, "triton", tables=True)
     self.mod_kinds = None
     if mask_mod is not None:
       self.mod_kinds = functools.partial(
@@ -361,7 +368,13 @@ def _block_sizes(params, q, k, v, info) -> TritonBlockSizes:
   to flex attention (`tiles.for_flex`)."""
   bs = BACKEND.block_sizes(params, q, k, info, v=v)
   if params.block_sizes is None:
-    bs = tiles.for_flex(bs, info.has_flex)
+    score_mod = None
+    if info.score_mod is not None:
+      score_mod = fused_mods.split(mods.SCORE_MOD, info.score_mod,
+                                   info.score_mod_args, "triton", tables=True)
+    bs = tiles.for_flex(
+        bs, info.has_flex, head_dim=max(q.shape[-1], v.shape[-1]),
+        tables=score_mod is not None and score_mod.has_tables)
   return bs
 
 
@@ -450,13 +463,20 @@ def _add_dense_inputs(inputs, x, feat, rows, cols, row, col):
 
 def _residuals(x, mod):
   """The residuals of a split score_mod/mask_mod (`fused_mods`) for the
-  padded call, in order; bool ones as int8 (Triton loads bytes)."""
+  padded call, in order; bool ones as int8 (Triton loads bytes), tables
+  [Bm, Hm, size] padded to `kernel.table_width`."""
   args = (x.info.score_mod_args if mod.is_score_mod
           else x.info.mask_mod_args)
   arrays = mod.residual_arrays(
       args, batch=x.b, heads=x.n, q_len=x.t, kv_len=x.s, q_padded=x.tp,
       kv_padded=x.sp)
-  return [a.astype(jnp.int8) if a.dtype == jnp.bool_ else a for a in arrays]
+  out = []
+  for r, a in zip(mod.residuals, arrays):
+    if r.size is not None:
+      pad = kernel.table_width(r.size) - r.size
+      a = jnp.pad(a, ((0, 0), (0, 0), (0, pad)))
+    out.append(a.astype(jnp.int8) if a.dtype == jnp.bool_ else a)
+  return out
 
 
 def _mods(feat):
@@ -465,11 +485,14 @@ def _mods(feat):
 
 def _add_mod_inputs(inputs, x, feat, rows, row):
   """Flex residuals for the query-major grids (row block, head, batch):
-  per program [1], per query the program's [rows], per key all of them."""
+  per program [1] (a table: its [width]), per query the program's [rows],
+  per key all of them."""
   level = fused_mods.Level
   for mod in _mods(feat):
     for i, (r, arr) in enumerate(zip(mod.residuals, _residuals(x, mod))):
-      if r.level == level.PROGRAM:
+      if r.size is not None:
+        block, at = arr.shape[-1], lambda q: 0
+      elif r.level == level.PROGRAM:
         arr, block, at = arr[..., None], 1, lambda q: 0
       elif r.level == level.ROW:
         block, at = rows, row
@@ -482,16 +505,18 @@ def _add_mod_inputs(inputs, x, feat, rows, row):
 
 def _add_mod_inputs_dkv(inputs, x, feat, cols):
   """Flex residuals for the dK/dV grid (key block, kv head, batch), for
-  every query head of the group: [G|1, 1], [G|1, Tp] or [G|1, cols]."""
+  every query head of the group: [G|1, 1] (a table: [G|1, width]),
+  [G|1, Tp] or [G|1, cols]."""
   level = fused_mods.Level
   for mod in _mods(feat):
     for i, (r, arr) in enumerate(zip(mod.residuals, _residuals(x, mod))):
-      if r.level == level.PROGRAM:
+      if r.level == level.PROGRAM and r.size is None:
         arr = arr[..., None]
       # [Bm, Hm, L] -> [Bm, K|1, G|1, L]
       arr = arr.reshape(arr.shape[:1] + ((x.num_kv, x.g) if r.head
                                          else (1, 1)) + arr.shape[2:])
-      width = {level.PROGRAM: 1, level.ROW: x.tp, level.COLUMN: cols}[r.level]
+      width = {level.PROGRAM: arr.shape[-1], level.ROW: x.tp,
+               level.COLUMN: cols}[r.level]
       column = r.level == level.COLUMN
       inputs[kernel.residual_name(mod, i)] = (arr, block_spec(
           (None, None, arr.shape[2], width),
@@ -626,21 +651,26 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   score_mod = feat.score_mod
   differentiable = [] if score_mod is None else [
       r for r in score_mod.residuals if r.differentiable]
-  for i, _ in enumerate(differentiable):
-    # Per program, one partial sum: reduced outside, no atomics.
+  for i, r in enumerate(differentiable):
+    # Per program, one partial sum (a table's: a partial table): reduced
+    # outside, no atomics.
+    width = 1 if r.size is None else kernel.table_width(r.size)
     outputs[f"d{score_mod.name}.{i}"] = (
-        jax.ShapeDtypeStruct((b, n, nq), _F32),
-        block_spec((None, None, 1), lambda i, h, b: (b, h, i)))
+        jax.ShapeDtypeStruct((b, n, nq, width), _F32),
+        block_spec((None, None, None, width),
+                   lambda i, h, b: (b, h, i, 0)))
   _add_dropout_seed(inputs, x)
   body = functools.partial(
       kernel.backward_dq, feat=feat, block_k=bk_q, num_tiles=nk)
   results = pallas_call(body, inputs, outputs, (nq, n, b), warps, stages,
                         "flash_bwd_dq")
   dargs = None
-  if score_mod is not None:  # Per program, [B, N, nq].
+  if score_mod is not None:  # Per program, [B, N, nq, 1 | width].
+    partials = results[len(results) - len(differentiable):]
     dargs = score_mod.args_grad_from_partials(
-        x.info.score_mod_args, results[len(results) - len(differentiable):],
-        batch=b, heads=n)
+        x.info.score_mod_args,
+        [d[..., 0] if r.size is None else d[..., :r.size]
+         for d, r in zip(partials, differentiable)], batch=b, heads=n)
   dq = results[0][:, :t, :, :h]
   dk, dv = dk[:, :s, :, :h], dv[:, :s, :, :x.hv]
   dbias = None
@@ -666,7 +696,8 @@ def _check(q, k, v, bias, info, params):
     raise NotImplementedError(
         f"the triton implementation needs a GPU (or CPU interpret mode), "
         f"not {platform=}.")
-  fused_mods.split_call(info, "triton")  # Declines what it cannot fuse.
+  # Declines what it cannot fuse.
+  fused_mods.split_call(info, "triton", tables=True)
 
 
 BACKEND = vjp.Backend(

@@ -10,7 +10,13 @@ Flex attention arrives split (`pallas_fa.fused_mods`): the kernels read a
 score_mod's and a mask_mod's per-program, per-query and per-key values as
 inputs and run their tile parts on each tile; with a mask_mod, a program
 walks the lists of its FULL and PARTIAL tiles (`refs["lists"]`) instead of
-a range.
+a range. A table the tile part reads at computed offsets (T5's buckets,
+`table[head, bucket(kv_idx - q_idx)]`) is an input holding each program's
+table; the read is a load at those offsets (a gather from global memory,
+cached in L1), and its gradient (dQ kernel) a scatter-add into a vector of
+the table's size per program, carried across the program's tiles and
+written once (`_scatter_add`), which `triton` sums over the programs
+afterwards: no atomics, so the table's gradient is deterministic too.
 """
 
 from __future__ import annotations
@@ -101,11 +107,15 @@ def query_major_tile(row0, rows: int, col0, cols: int, col_slice) -> Tile:
 
 def mod_values(refs, mod: fused_mods.FusedMod, tile: Tile) -> list:
   """The residuals of `mod` (`fused_mods.FusedMod.residuals`) for a tile,
-  shaped to broadcast against it; bool ones arrive as int8."""
+  shaped to broadcast against it; bool ones arrive as int8. A table's is
+  a load of the program's table at int32 offsets."""
   level = fused_mods.Level
   values = []
   for i, r in enumerate(mod.residuals):
     ref = refs[residual_name(mod, i)]
+    if r.size is not None:  # [width], or [G|1, width] in dK/dV.
+      values.append(_table_load(ref, r, tile))
+      continue
     if not tile.queries_last:  # [1], the program's [rows], all [Sp].
       if r.level == level.PROGRAM:
         v = ref[...][None, :]
@@ -128,6 +138,41 @@ def mod_values(refs, mod: fused_mods.FusedMod, tile: Tile) -> list:
 def residual_name(mod: fused_mods.FusedMod, i: int) -> str:
   """The kernel input holding residual i of `mod`."""
   return f"{mod.name}.{i}"
+
+
+def table_width(size: int) -> int:
+  """The padded length of a table input of `size` elements (a power of
+  two, for Triton's block shapes); offsets never reach the padding."""
+  return max(16, 1 << (size - 1).bit_length())
+
+
+def _table_load(ref, r: fused_mods.Residual, tile: Tile):
+  """The load of a table residual at a tile of offsets."""
+  def load(offsets):
+    if tile.queries_last:
+      x = ref[tile.group if r.head else 0, offsets]
+    else:
+      x = ref[offsets]
+    return x != 0 if r.dtype == jnp.bool_ else x
+  return load
+
+
+def _scatter_add(offsets, d, size: int):
+  """`d` [rows, cols] added at `offsets` into a float32 vector of the
+  table's width: one masked sum per offset the tile reads, in a loop over
+  [min, max] of its offsets (a few for a T5 tile away from the diagonal).
+  A fixed order, so deterministic; the tables are small (one program's)."""
+  width = table_width(size)
+  lanes = jnp.arange(width, dtype=jnp.int32)
+  # Two one-axis reductions (see `_modded_logits`).
+  lo = offsets.min(axis=1).min(axis=0)
+  hi = offsets.max(axis=1).max(axis=0)
+
+  def body(e, acc):
+    total = jnp.where(offsets == e, d, 0.0).sum(axis=1).sum(axis=0)
+    return acc + jnp.where(lanes == e, total, 0.0)
+
+  return jax.lax.fori_loop(lo, hi + 1, body, jnp.zeros((width,), _F32))
 
 
 def _dot(a, b, feat: Features):
@@ -249,10 +294,12 @@ def _dense_tile(ref, full, lead, rows, cols):
               cols if full[3] else slice(None))]
 
 
-def _modded_logits(refs, feat: Features, qk, bias, tile: Tile, grad: bool):
+def _modded_logits(refs, feat: Features, qk, bias, tile: Tile, grad: bool,
+                   args: bool = True):
   """(base-2 logits, capped logits, score_mod pullback or None) of a tile:
   `_logits`, with the score_mod applied to the natural logits (and its
-  pullback kept when `grad`, `fused_mods.FusedMod.tile_vjp`)."""
+  pullback kept when `grad`, `fused_mods.FusedMod.tile_vjp`; with the
+  cotangents of its arrays' values when `args`)."""
   if feat.score_mod is None:
     return (*_logits(feat, qk, bias), None)
   s, s_capped = online_softmax.logits(
@@ -263,10 +310,12 @@ def _modded_logits(refs, feat: Features, qk, bias, tile: Tile, grad: bool):
     # Broadcast to the tile, so that the cotangents come back as tiles and
     # are summed one axis at a time (Triton's lowering of a two-axis
     # reduction fails under jax 0.11's explicit meshes).
-    values = [jnp.broadcast_to(v, s.shape) for v in values]
+    values = [v if callable(v) else jnp.broadcast_to(v, s.shape)
+              for v in values]
     s, pullback = feat.score_mod.tile_vjp(
         values, q_idx=tile.q_idx, kv_idx=tile.kv_idx, score=s,
-        reduce=lambda d: d.sum(axis=1).sum(axis=0))
+        reduce=lambda d: d.sum(axis=1).sum(axis=0), args=args,
+        scatter=_scatter_add)
   else:
     s = feat.score_mod.tile(values, q_idx=tile.q_idx, kv_idx=tile.kv_idx,
                             score=s)
@@ -379,8 +428,10 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
               block_kv, dtype=jnp.int32)[:, None],
           rows=rows, group=g)
       # [block_kv, block_q]
+      # The score_mod's arrays take their gradients in dQ.
       s, s_capped, score_mod_pullback = _modded_logits(
-          refs, feat, _dot_nt(k, q, feat), bias, flex_tile, grad=True)
+          refs, feat, _dot_nt(k, q, feat), bias, flex_tile, grad=True,
+          args=False)
       if masked:
         visible = None
         if feat.builtin_mask:
@@ -410,7 +461,7 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
       ds = online_softmax.softmax_grad(
           p, dp, delta, per_query=online_softmax.queries_last)
       if score_mod_pullback is not None:
-        ds, _ = score_mod_pullback(ds)  # Its arrays' gradients: in dQ.
+        ds, _ = score_mod_pullback(ds)
       ds = online_softmax.logits_grad(ds, s_capped, cap=feat.soft_cap)
       dk = dk + _dot(ds.astype(q.dtype), q, feat)  # unscaled, see below
       return dk, dv
@@ -490,13 +541,15 @@ def backward_dq(refs, *, feat: Features, block_k: int, num_tiles: int):
       jax.lax.fori_loop(bounds[3], num_tiles, zero, 0)
   dmod = ()
   if feat.score_mod is not None:
-    dmod = tuple(jnp.zeros((), _F32) for r in feat.score_mod.residuals
-                 if r.differentiable)
+    dmod = tuple(
+        jnp.zeros(() if r.size is None else (table_width(r.size),), _F32)
+        for r in feat.score_mod.residuals if r.differentiable)
   carry = (jnp.zeros((block_q, hp), _F32),
            jnp.zeros((db_rows, 1), _F32) if db_carry else None, dmod)
   dq, db_acc, dmod = _visit(refs, tile, carry, feat, num_tiles)
   for i, d in enumerate(dmod):
-    refs[f"d{feat.score_mod.name}.{i}"][...] = jnp.broadcast_to(d, (1,))
+    ref = refs[f"d{feat.score_mod.name}.{i}"]
+    ref[...] = jnp.broadcast_to(d, ref.shape)
   if db_carry:
     refs["dbias"][...] = db_acc
   refs["dq"][...] = (dq * feat.scale).astype(refs["dq"].dtype)

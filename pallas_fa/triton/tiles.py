@@ -199,8 +199,23 @@ def for_dropout(bs, dropout: bool):
   return bs
 
 
-def for_flex(bs, flex: bool):
+def for_flex(bs, flex: bool, *, tables: bool = False, head_dim: int = 0):
   """`bs` adapted to a call with a score_mod or mask_mod: their index
   tiles add registers as dropout's hash does (ALiBi's 4-warp forward
-  spills 36 B at H=64, bf16, 128 x 128 tiles: ptxas), so the same rule."""
-  return for_dropout(bs, flex)
+  spills 36 B at H=64, bf16, 128 x 128 tiles: ptxas), so the same rule.
+
+  A score_mod that reads a table at computed offsets (`tables`; T5's
+  buckets take a logarithm per element, and the dQ kernel carries the
+  partial table) needs more (ptxas, H100, bf16): at H = 64 the forward's
+  third stage overflows shared memory and 64-row dK/dV query tiles spill,
+  at H = 256 a 64-row dQ tile spills; `head_dim` is the unpadded H."""
+  bs = for_dropout(bs, flex)
+  if not tables:
+    return bs
+  hp = layout.padded_head_dim(head_dim, ALIGN)
+  changes = dict(block_q_dkv=min(bs.block_q_dkv, 32))
+  if hp <= 64:
+    changes["num_stages"] = min(bs.num_stages, 2)
+  if hp > 128:
+    changes["block_q_dq"] = min(bs.block_q_dq, 32)
+  return dataclasses.replace(bs, **changes)
