@@ -57,6 +57,7 @@ def test_sinks_time_each_implementation_with_sinks_too(benchmark):
   assert abs(plain.f32[0] - sunk.f32[0]).max() > 0.1
 
 
+@pytest.mark.slow  # A child process per cell: CI runs it in the slow leg.
 def test_sweep_writes_json_table_and_plot(benchmark, tmp_path):
   settings = _settings(benchmark, causal="true")
   report = benchmark.run(settings, argv=["benchmark.py"], verbose=False)
@@ -242,6 +243,7 @@ def _decode_benchmark(tmp_path, *flags) -> dict:
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # A child process per cell: CI runs it in the slow leg.
 def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
     tmp_path):
   """scripts/decode_benchmark.py on a tiny shuffled-page cache: each timed
@@ -271,6 +273,7 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
       row["roofline_ms"] / row["ms"]), row
 
 
+@pytest.mark.slow  # A child process per cell: CI runs it in the slow leg.
 def test_decode_benchmark_streaming_counts_only_the_keys_it_shows(tmp_path):
   """--window_sinks: decode_attention with the StreamingLLM mask_mod and
   both peers with the same dense mask agree with the float32 masked plain
@@ -356,6 +359,7 @@ def test_the_matmul_ceiling_is_timed_in_every_round_and_keeps_its_fastest(
   assert "fastest of 4 timings" in benchmark.report_lib.format_table(report)
 
 
+@pytest.mark.slow  # A child process per cell: CI runs it in the slow leg.
 def test_tiling_variants_and_references_read_back(benchmark, monkeypatch,
                                                   tmp_path):
   """An --impls entry NAME:FIELD=VALUE is a candidate of its own: the

@@ -619,6 +619,7 @@ def _fused_launches(monkeypatch):
   return names
 
 
+@gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 def test_interpreted_fused_backward_shared_columns(monkeypatch):
   """H = 128 with two consumers: each consumer computes half of dQ's
