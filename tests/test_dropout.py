@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_testing import Case
+from attention_testing import gpu_jax_only
 from attention_testing import make_inputs
 from attention_testing import rng
 from conftest import block_sizes_for
@@ -52,6 +53,7 @@ def _run(name, q, k, v, kw, dout):
   return (out, lse, *grads)
 
 
+@gpu_jax_only  # Every interpreter at once: CI runs it in leg 2.
 def test_every_backend_and_tiling_draws_the_same_mask():
   """Outputs and gradients agree across backends and tile sizes (the xla
   backward is autodiff of the materialised forward: an independent check
