@@ -31,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_fa import online_softmax
 from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import ops as gpu_ops
+from pallas_fa.mosaic_gpu import tiles
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -58,7 +59,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     residuals: the score_mod's, then the mask_mod's per-(batch, head) values
       (`Spec.score_mod`, `Spec.mask_mod`).
     outputs: which of "dk", "dv" and "dq" to compute ("dq" with both
-      others: the fused backward, `dq_columns`).
+      others: the fused backward, `tiles.dq_columns`).
 
   Returns:
     A tuple with the requested of dk [B, Sp, K, Hp] and dv [B, Sp, K, Hvp]
@@ -76,8 +77,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       res.differentiable for res in spec.score_mod.residuals):
     raise ValueError("the fused backward takes no score_mod gradients.")
   # dQ columns per consumer; both consumers' keys go into each when they
-  # share dQ (`dq_columns`).
-  dq_cols = dq_columns(spec)
+  # share dQ (`tiles.dq_columns`).
+  dq_cols = tiles.dq_columns(h, nc)
   shared_dq = want_dq and dq_cols < h
   # Interpreted: dQ partials, one per unit (shared dQ) or consumer tile.
   writers = 1 if shared_dq else nc
@@ -312,16 +313,6 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   if spec.interpret:
     dq = _sum_partials(dq, sched, writers, bq)
   return (*outs, dq)
-
-
-def dq_columns(spec: kernel.Spec) -> int:
-  """The dQ columns each consumer of the fused backward computes: half the
-  head dim with two consumers when a half is whole 64-column swizzle tiles
-  (FlashAttention-3's split at H = 128: each consumer multiplies both
-  consumers' dS by its half of K, one [bq, H / 2] reduce-add each per
-  step), else all of them (each consumer its own keys' partial)."""
-  half = spec.head_dim // spec.consumers
-  return half if spec.consumers > 1 and half % 64 == 0 else spec.head_dim
 
 
 def _sum_partials(parts, sched, writers, block_q):

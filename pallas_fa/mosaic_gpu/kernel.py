@@ -30,6 +30,7 @@ copies, ring slots and the schedule are executed as written.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import heapq
@@ -395,9 +396,9 @@ def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg,
 # --------------------------------------------------------------------------
 
 
-# L2 bytes a causal schedule's head section may stream: FlashAttention-3's
+# L2 bytes a causal forward's head section may stream: FlashAttention-3's
 # budget (32 MiB of the 50 MiB L2 of an H100 or H200), so that a section's
-# K/V (forward, dQ) or Q/dO (dK/dV) are read from HBM about once.
+# K/V are read from HBM about once.
 L2_SECTION_BYTES = 32 * 1024 * 1024
 
 
@@ -514,8 +515,8 @@ class Units:
 
   def bind(self, table_ref) -> Units:
     """These units reading their table from `table_ref` (in a kernel)."""
-    bound = object.__new__(Units)
-    bound.__dict__.update(self.__dict__, _table_ref=table_ref)
+    bound = copy.copy(self)
+    bound._table_ref = table_ref
     return bound
 
   def _entry(self, cta, i):

@@ -71,8 +71,9 @@ class MosaicGpuBlockSizes:
       (5 products), adding each tile's dQ partial to a float32 dQ in global
       memory with a TMA reduce-add (FlashAttention-3's backward), so dQ's
       summation order varies from run to run. The fused kernel runs where
-      it fits (padded head dims <= 128, `split_dkv` off, no score_mod whose
-      values are differentiated); other calls take the split path, so
+      it fits (padded head dims <= 128, <= 64 with dropout, `block_q_dkv` a
+      multiple of 64, `split_dkv` off, no score_mod whose values are
+      differentiated); other calls take the split path, so
       "fused" never refuses a call (`mosaic_gpu.fused_backward_applies`).
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
@@ -199,16 +200,24 @@ def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
   return {"forward": fwd, "dq": dq, "dkv": dkv}
 
 
+def dq_columns(padded_head_dim: int, consumers: int) -> int:
+  """The dQ columns each consumer of the fused backward computes: half the
+  head dim with two consumers when a half is whole 64-column swizzle tiles
+  (FlashAttention-3's split at H = 128: each consumer multiplies both
+  consumers' dS by its half of K, one [bq, H / 2] reduce-add each per
+  step), else all of them (each consumer its own keys' partial)."""
+  half = padded_head_dim // consumers
+  return half if consumers > 1 and half % 64 == 0 else padded_head_dim
+
+
 def fused_backward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
                          itemsize: int = 2,
                          value_head_dim: int | None = None) -> int:
   """Shared memory (bytes) of the fused backward's kernel: the dK/dV
   kernel's (`shared_memory_bytes`) plus two dS^T tiles per consumer and a
-  float32 dQ staging tile of half the head dim per consumer
-  (`dkv.dq_columns`) or all of it."""
-  hp = layout.padded_head_dim(head_dim, ALIGN)
+  float32 dQ staging tile of `dq_columns` per consumer."""
   nc = bs.num_consumers_dkv
-  dq_cols = hp // nc if nc > 1 and (hp // nc) % 64 == 0 else hp
+  dq_cols = dq_columns(layout.padded_head_dim(head_dim, ALIGN), nc)
   dkv = shared_memory_bytes(bs, head_dim, itemsize, value_head_dim)["dkv"]
   return dkv + nc * (2 * bs.block_kv_dkv * bs.block_q_dkv * itemsize
                      + bs.block_q_dkv * dq_cols * 4)
