@@ -5,18 +5,23 @@
 with a tiling config exported here (`TritonBlockSizes`, ...) and a
 `default_block_sizes` of one signature. To add a backend, see the contract
 in `pallas_fa.vjp`. Flex attention (`score_mod=`, `mask_mod=`) takes a
-`BlockMask` from `create_block_mask`; `pallas_fa.flex` has examples.
+`BlockMask` from `create_block_mask`; the `pallas_fa.flex` package holds
+flex attention (with ready-made examples) and `pallas_fa.parallel` the
+multi-device layer (`sharded_flash_attention`, `ring_attention`).
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 from pallas_fa import dropout
 from pallas_fa import flex
 from pallas_fa import gpu_target
 from pallas_fa.api import flash_attention
 from pallas_fa.api import implementations
-from pallas_fa.block_mask import BlockMask
-from pallas_fa.block_mask import create_block_mask
+from pallas_fa.flex.block_mask import BlockMask
+from pallas_fa.flex.block_mask import create_block_mask
 from pallas_fa.masking import SegmentIds
 
 __all__ = [
@@ -52,7 +57,7 @@ _LAZY = {
     "MultiHeadAttention": "pallas_fa.modules",
     "make_attention_fn": "pallas_fa.modules",
     "sharded_flash_attention": "pallas_fa.parallel",
-    "ring_attention": "pallas_fa.ring",
+    "ring_attention": "pallas_fa.parallel",
 }
 
 
@@ -60,3 +65,39 @@ def __getattr__(name):
   if name in _LAZY:
     return getattr(importlib.import_module(_LAZY[name]), name)
   raise AttributeError(f"module 'pallas_fa' has no attribute {name!r}")
+
+
+# Modules that lived at the top level before flex attention and the
+# multi-device layer became packages; `import pallas_fa.ring` and
+# `from pallas_fa.block_mask import BlockMask` still work and give the
+# moved module itself.
+_MOVED = {
+    "pallas_fa.mods": "pallas_fa.flex.mods",
+    "pallas_fa.block_mask": "pallas_fa.flex.block_mask",
+    "pallas_fa.fused_mods": "pallas_fa.flex.fused_mods",
+    "pallas_fa.mesh": "pallas_fa.parallel.mesh",
+    "pallas_fa.ring": "pallas_fa.parallel.ring",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Imports an old module path as the module at its new one."""
+
+  def find_spec(self, fullname, path=None, target=None):
+    if fullname in _MOVED:
+      return importlib.util.spec_from_loader(fullname, self)
+    return None
+
+  def create_module(self, spec):
+    module = importlib.import_module(_MOVED[spec.name])
+    # The import system stamps the old name's spec on what this returns;
+    # exec_module puts the module's own back.
+    self._own_spec = module.__spec__
+    return module
+
+  def exec_module(self, module):
+    module.__spec__ = self._own_spec
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+  sys.meta_path.append(_MovedModuleFinder())

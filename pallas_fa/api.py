@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 from typing import Any
 from typing import Callable
@@ -28,11 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa import block_mask as block_mask_lib
 from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
-from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import vjp
 
@@ -47,18 +44,12 @@ from pallas_fa.checks import check_precision
 from pallas_fa.checks import check_sinks
 from pallas_fa.checks import check_static_float
 from pallas_fa.checks import check_window
+from pallas_fa.flex import block_mask as block_mask_lib
+from pallas_fa.flex import mods
+from pallas_fa.vjp import REGISTRY  # noqa: F401  (re-export)
+from pallas_fa.vjp import get_backend
 
 Array = Any
-
-# name -> module defining `BACKEND`. Modules are imported on first use so a
-# backend whose compiler stack is missing never breaks the others.
-REGISTRY = {
-    "xla": "pallas_fa.reference",
-    "chunked": "pallas_fa.chunked",
-    "triton": "pallas_fa.triton",
-    "mosaic_gpu": "pallas_fa.mosaic_gpu",
-    "mosaic_tpu": "pallas_fa.mosaic_tpu",
-}
 
 # Automatic choice, fastest first, per platform (DESIGN §2).
 AUTO_ORDER = {
@@ -80,27 +71,6 @@ def implementations() -> tuple[str, ...]:
       continue
     names.append(name)
   return tuple(names)
-
-
-@functools.cache
-def get_backend(name: str) -> vjp.Backend:
-  """The registered backend called `name`.
-
-  Raises:
-    ValueError: unknown name.
-    NotImplementedError: the backend's compiler stack cannot be imported here.
-  """
-  if name not in REGISTRY:
-    raise ValueError(
-        f"Unknown implementation={name!r}; expected one of "
-        f"{sorted(REGISTRY)} or None."
-    )
-  try:
-    module = importlib.import_module(REGISTRY[name])
-  except ImportError as e:
-    raise NotImplementedError(
-        f"implementation={name!r} is unavailable: {e}") from e
-  return module.BACKEND
 
 
 def platform() -> str:
@@ -605,7 +575,7 @@ def flash_attention(
       one is an error). A new function object retraces the call: make it
       once. Runs on "xla" and "chunked" and fused into the "triton",
       "mosaic_tpu" and (per-head score_mods only) "mosaic_gpu" kernels
-      (`pallas_fa.fused_mods`), which decline a function whose per-tile
+      (`pallas_fa.flex.fused_mods`), which decline a function whose per-tile
       part gathers (see README, "Flex attention").
     score_mod_args: the arrays score_mod reads (ALiBi slopes, a relative
       bias table), differentiable.

@@ -34,13 +34,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_fa import block_mask
 from pallas_fa import dropout
 from pallas_fa import layout
 from pallas_fa import masking
-from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import vjp
+from pallas_fa.flex import block_mask
+from pallas_fa.flex import mods
 
 Array = Any
 

@@ -82,8 +82,8 @@ from pallas_fa import api
 from pallas_fa import gpu_target
 from pallas_fa import kv_cache
 from pallas_fa import masking
-from pallas_fa import mods
 from pallas_fa import online_softmax
+from pallas_fa.flex import mods
 
 Array = Any
 
@@ -238,7 +238,7 @@ def decode_attention(
       pool included.
     NotImplementedError: `implementation` has no decode path, or "triton"
       ("mosaic_tpu") with a page size that is not a multiple of 16 (8), or
-      with a score_mod/mask_mod it cannot fuse (`pallas_fa.fused_mods`).
+      with a score_mod/mask_mod it cannot fuse (`pallas_fa.flex.fused_mods`).
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:

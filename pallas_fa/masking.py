@@ -12,9 +12,10 @@ semantics cannot drift between backends:
   PARTIAL; computed on device from per-block min/max of positions and segment
   ids, so it works for traced, data-dependent layouts.
 
-A user `mask_mod` (flex attention, `pallas_fa.mods`) intersects all of these:
-`tile_visibility` evaluates it with the tile's indices (`tile_indices`), and
-its own per-tile classification is the `pallas_fa.block_mask.BlockMask`.
+A user `mask_mod` (flex attention, `pallas_fa.flex.mods`) intersects all of
+these: `tile_visibility` evaluates it with the tile's indices
+(`tile_indices`), and its own per-tile classification is the
+`pallas_fa.flex.block_mask.BlockMask`.
 
 Causal and window are measured on positions (top-left aligned by default):
 
@@ -44,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fa import mods
+from pallas_fa.flex import mods
 
 # Segment ids reserved for padding. Real segment ids must be greater than both.
 Q_PAD_SEGMENT = int(np.iinfo(np.int32).min)
@@ -92,13 +93,14 @@ class MaskInfo:
       None is unbounded.
     dropout_seed: uint32 scalar, or None without dropout.
     dropout_rate: attention dropout rate (`pallas_fa.dropout`); 0 = none.
-    score_mod: the user's score function (flex attention, `pallas_fa.mods`),
-      applied to the logits after soft cap and bias, or None.
+    score_mod: the user's score function (flex attention,
+      `pallas_fa.flex.mods`), applied to the logits after soft cap and
+      bias, or None.
     score_mod_args: the arrays score_mod reads (differentiable).
     mask_mod: the user's mask predicate, intersecting every other mask, or
       None.
     mask_mod_args: the arrays mask_mod reads (not differentiated).
-    block_mask: a `pallas_fa.block_mask.BlockMask` of mask_mod made by the
+    block_mask: a `pallas_fa.flex.block_mask.BlockMask` of mask_mod made by the
       caller, or None (each backend then classifies its own tiles).
   """
 

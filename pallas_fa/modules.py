@@ -43,11 +43,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_fa import api
-from pallas_fa import block_mask as block_mask_lib
 from pallas_fa import decode as decode_lib
 from pallas_fa import kv_cache
 from pallas_fa import masking
-from pallas_fa import mods
+from pallas_fa.flex import block_mask as block_mask_lib
+from pallas_fa.flex import mods
 
 Array = Any
 # rope(x [B, T, N, H], positions int [B, T]) -> x rotated.

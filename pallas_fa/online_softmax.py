@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa import mods
+from pallas_fa.flex import mods
 
 Array = Any
 # (vector [..., q], tile shape) -> the vector, broadcastable to the tile.

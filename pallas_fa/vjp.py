@@ -4,7 +4,7 @@ How to add a backend
 --------------------
 
 A backend is a module that defines `BACKEND = vjp.Backend(...)` and is listed
-by name in `api.REGISTRY` (and, to be chosen automatically, in
+by name in `REGISTRY` below (and, to be chosen automatically, in
 `api.AUTO_ORDER`); it is imported on first use, so an `ImportError` there
 only makes that one backend unavailable. `api.flash_attention` validates and
 canonicalises the public arguments once, so every function of a backend sees
@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Any
 from typing import Callable
 
@@ -236,3 +237,35 @@ def _attention_bwd(backend, params, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# name -> module defining `BACKEND`. Modules are imported on first use so a
+# backend whose compiler stack is missing never breaks the others.
+REGISTRY = {
+    "xla": "pallas_fa.reference",
+    "chunked": "pallas_fa.chunked",
+    "triton": "pallas_fa.triton",
+    "mosaic_gpu": "pallas_fa.mosaic_gpu",
+    "mosaic_tpu": "pallas_fa.mosaic_tpu",
+}
+
+
+@functools.cache
+def get_backend(name: str) -> Backend:
+  """The registered backend called `name`.
+
+  Raises:
+    ValueError: unknown name.
+    NotImplementedError: the backend's compiler stack cannot be imported here.
+  """
+  if name not in REGISTRY:
+    raise ValueError(
+        f"Unknown implementation={name!r}; expected one of "
+        f"{sorted(REGISTRY)} or None."
+    )
+  try:
+    module = importlib.import_module(REGISTRY[name])
+  except ImportError as e:
+    raise NotImplementedError(
+        f"implementation={name!r} is unavailable: {e}") from e
+  return module.BACKEND

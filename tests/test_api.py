@@ -283,3 +283,79 @@ def test_traced_lengths_are_accepted():
       q, k, v, key_value_seq_lengths=jnp.array([5, 12]),
       implementation="xla")
   np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def _package_imports(toplevel_only: bool) -> dict[str, set[str]]:
+  """Module name -> the pallas_fa modules it imports (module-level only, or
+  anywhere in it)."""
+  import ast  # noqa: PLC0415
+  import pathlib  # noqa: PLC0415
+
+  root = pathlib.Path(pallas_fa.__file__).parent
+  paths = {}
+  for path in root.rglob("*.py"):
+    parts = ("pallas_fa",) + path.relative_to(root).with_suffix("").parts
+    paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  graph = {}
+  for name, path in paths.items():
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in tree.body if toplevel_only else ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module in paths:
+        for alias in node.names:
+          full = f"{node.module}.{alias.name}"
+          found.add(full if full in paths else node.module)
+      elif isinstance(node, ast.Import):
+        found.update(a.name for a in node.names if a.name in paths)
+    graph[name] = found
+  return graph
+
+
+@pytest.mark.parametrize("toplevel_only", [True, False])
+def test_package_imports_form_no_circle(toplevel_only):
+  # The root package imports its parts to export them; any other circle
+  # (the block mask importing the front door that imports it) is a defect.
+  graph = _package_imports(toplevel_only)
+  graph.pop("pallas_fa")
+  done, on_path = set(), []
+
+  def visit(name):
+    if name in on_path:
+      raise AssertionError(
+          "import circle: " + " -> ".join(on_path[on_path.index(name):]
+                                          + [name]))
+    if name in done or name not in graph:
+      return
+    on_path.append(name)
+    for dep in sorted(graph[name]):
+      visit(dep)
+    on_path.pop()
+    done.add(name)
+
+  for name in sorted(graph):
+    visit(name)
+  assert "pallas_fa.flex.block_mask" in done and "pallas_fa.api" in done
+
+
+def test_moved_module_paths_still_import():
+  # Flex attention and the multi-device layer became packages; the old
+  # module paths give the moved modules themselves.
+  code = (
+      "import pallas_fa.ring, pallas_fa.mesh, pallas_fa.mods\n"
+      "from pallas_fa.block_mask import BlockMask, create_block_mask\n"
+      "from pallas_fa.fused_mods import split\n"
+      "import pallas_fa, pallas_fa.parallel as p\n"
+      "assert pallas_fa.ring is p.ring and pallas_fa.mesh is p.mesh\n"
+      "assert pallas_fa.mods is pallas_fa.flex.mods\n"
+      "assert BlockMask is pallas_fa.BlockMask is pallas_fa.flex.BlockMask\n"
+      "assert create_block_mask is pallas_fa.flex.create_block_mask\n"
+      "assert split is pallas_fa.flex.fused_mods.split\n"
+      "assert pallas_fa.ring.__spec__.name == 'pallas_fa.parallel.ring'\n"
+      "assert pallas_fa.ring_attention is p.ring_attention\n"
+      "assert pallas_fa.sharded_flash_attention is p.sharded_flash_attention\n"
+      "assert callable(pallas_fa.flex.alibi)\n"
+      "print('ok')\n")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, check=False)
+  assert result.returncode == 0 and result.stdout.strip() == "ok", (
+      result.stderr)

@@ -31,11 +31,11 @@ from conftest import script_module
 
 import pallas_fa
 from pallas_fa import api
-from pallas_fa import block_mask as block_mask_lib
 from pallas_fa import chunked
 from pallas_fa import flex
 from pallas_fa import masking
 from pallas_fa import testing
+from pallas_fa.flex import block_mask as block_mask_lib
 
 FLEX_IMPLEMENTATIONS = ("xla", "chunked") + tuple(
     name for name in ("triton", "mosaic_tpu")

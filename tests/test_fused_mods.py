@@ -1,4 +1,4 @@
-"""`pallas_fa.fused_mods`: a score_mod/mask_mod split for the kernels.
+"""`pallas_fa.flex.fused_mods`: a score_mod/mask_mod split for the kernels.
 
 The split must be exact: its residuals (computed outside a kernel) fed to
 its tile part give what `mods.evaluate` gives on the dense [B, N, T, S]
@@ -17,8 +17,8 @@ import pytest
 from attention_testing import rng
 
 from pallas_fa import flex
-from pallas_fa import fused_mods
-from pallas_fa import mods
+from pallas_fa.flex import fused_mods
+from pallas_fa.flex import mods
 
 Level = fused_mods.Level
 B, N, T, S = 2, 3, 12, 20

@@ -20,9 +20,9 @@ from attention_testing import gpu_jax_only
 
 import pallas_fa
 from pallas_fa import masking
-from pallas_fa import mesh as mesh_lib
 from pallas_fa import parallel
-from pallas_fa import ring
+from pallas_fa.parallel import mesh as mesh_lib
+from pallas_fa.parallel import ring
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_parallel_worker.py")

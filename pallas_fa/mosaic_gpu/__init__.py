@@ -40,13 +40,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa import block_mask
-from pallas_fa import fused_mods
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import tuning
 from pallas_fa import vjp
+from pallas_fa.flex import block_mask
+from pallas_fa.flex import fused_mods
 from pallas_fa.mosaic_gpu import dkv as dkv_kernel
 from pallas_fa.mosaic_gpu import dq as dq_kernel
 from pallas_fa.mosaic_gpu import forward as forward_kernel

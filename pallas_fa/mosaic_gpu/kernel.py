@@ -47,9 +47,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa import dropout
-from pallas_fa import fused_mods
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa.flex import fused_mods
 from pallas_fa.mosaic_gpu import ops as gpu_ops
 
 Array = Any

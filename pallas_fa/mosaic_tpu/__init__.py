@@ -34,12 +34,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fa import block_mask
-from pallas_fa import fused_mods
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import vjp
+from pallas_fa.flex import block_mask
+from pallas_fa.flex import fused_mods
 from pallas_fa.mosaic_tpu import backward as backward_kernels
 from pallas_fa.mosaic_tpu import forward as forward_kernel
 from pallas_fa.mosaic_tpu import kernel

@@ -58,12 +58,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_fa import fused_mods
 from pallas_fa import layout
 from pallas_fa import masking
-from pallas_fa import mods as mods_lib
 from pallas_fa import mosaic_tpu
 from pallas_fa import online_softmax
+from pallas_fa.flex import fused_mods
+from pallas_fa.flex import mods as mods_lib
 from pallas_fa.mosaic_tpu import kernel
 
 Array = Any

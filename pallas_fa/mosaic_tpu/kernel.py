@@ -49,9 +49,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_fa import dropout
-from pallas_fa import fused_mods
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa.flex import fused_mods
 
 NUM_LANES = 128
 NUM_SUBLANES = 8

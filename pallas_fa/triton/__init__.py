@@ -52,15 +52,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_fa import block_mask as block_mask_lib
-from pallas_fa import fused_mods
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
-from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import tuning
 from pallas_fa import vjp
+from pallas_fa.flex import block_mask as block_mask_lib
+from pallas_fa.flex import fused_mods
+from pallas_fa.flex import mods
 from pallas_fa.triton import kernel
 from pallas_fa.triton import tiles
 

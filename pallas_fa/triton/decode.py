@@ -76,12 +76,12 @@ try:  # The Triton-specific Pallas API (`jax.experimental.pallas.gpu` once).
 except ImportError:  # pragma: no cover - depends on the installed jax.
   from jax.experimental.pallas import gpu as plgpu
 
-from pallas_fa import fused_mods
 from pallas_fa import layout
 from pallas_fa import masking
-from pallas_fa import mods
 from pallas_fa import online_softmax
 from pallas_fa import triton
+from pallas_fa.flex import fused_mods
+from pallas_fa.flex import mods
 from pallas_fa.triton import kernel as triton_kernel
 
 Array = Any

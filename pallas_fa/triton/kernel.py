@@ -6,7 +6,7 @@ one dict of refs each (`triton.pallas_call`): the forward, the dK/dV kernel
 (transposed orientation, the GQA group summed inside) and the dQ kernel (with
 dbias). They work in base 2, with log2(e) folded into the logits.
 
-Flex attention arrives split (`pallas_fa.fused_mods`): the kernels read a
+Flex attention arrives split (`pallas_fa.flex.fused_mods`): the kernels read a
 score_mod's and a mask_mod's per-program, per-query and per-key values as
 inputs and run their tile parts on each tile; with a mask_mod, a program
 walks the lists of its FULL and PARTIAL tiles (`refs["lists"]`) instead of
@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fa import dropout
-from pallas_fa import fused_mods
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa.flex import fused_mods
 
 _F32 = jnp.float32
 

@@ -1,7 +1,7 @@
 """Flex attention examples: score_mods and mask_mods ready to pass.
 
-Each function is written as for one element (see `pallas_fa.mods`) and reads
-its arrays from its trailing arguments, which the call passes through
+Each function is written as for one element (see `pallas_fa.flex.mods`) and
+reads its arrays from its trailing arguments, which the call passes through
 `score_mod_args` / `mask_mod_args`:
 
     out = pallas_fa.flash_attention(

@@ -2,7 +2,7 @@
 
 A kernel can run elementwise arithmetic on a tile, but cannot gather from
 an array at data-dependent indices (Triton and Mosaic have no register
-gather). Most user functions (`pallas_fa.mods`) only gather with indices
+gather). Most user functions (`pallas_fa.flex.mods`) only gather with indices
 that are known before the tile loop: `slopes[head]` needs the program's
 head, `document_ids[batch, q_idx]` one value per query row. `split` traces
 the function once on scalars, inlines its calls, and sorts each operation
@@ -58,7 +58,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa import mods
+from pallas_fa.flex import mods
 
 Array = Any
 _Literal = jax.extend.core.Literal

@@ -1,27 +1,10 @@
-"""Multi-device flash attention: batch/head sharding and ring attention.
+"""`sharded_flash_attention`: global arrays in, the split planned here.
 
-XLA cannot partition a Pallas kernel by itself ("Mosaic kernels cannot be
-automatically partitioned"), so every implementation is run here per device
-inside `shard_map`:
-
-* batch and head sharding are embarrassingly parallel: each device runs the
-  chosen implementation on its own batch rows and heads. With grouped-query
-  attention the key/value heads are split with their query groups; when there
-  are fewer key/value heads than head shards (MQA), K/V are replicated over the
-  head axis and each device slices the one key/value head its queries use.
-* ring (context-parallel) attention over a sequence axis (`pallas_fa.ring`):
-  each device keeps its query shard while the key/value shards travel around
-  the ring, and the partial results are merged exactly through their
-  logsumexp. Causal ring attention on contiguous shards would leave device r
-  idle on the r steps whose keys lie in its future; the zig-zag layout
-  (`zigzag`) gives device r the sequence chunks r and 2P-1-r of 2P, so every
-  device has the same number of visible keys at every step.
-
-`sharded_flash_attention` takes global arrays and plans the split;
-`pallas_fa.ring.ring_attention` is the per-device op for use inside a
-`shard_map` of your own. Both, and the mesh and layout helpers of
-`pallas_fa.mesh` (`make_mesh`, `shard_batch`, `zigzag`, ...), are exported
-here.
+Each device runs the chosen implementation inside `shard_map` on its own
+batch rows, heads and (over a sequence axis) query shard, the key/value
+shards travelling around the ring (`ring.ring_local`). The plan (`_Plan`)
+says which mesh axis splits which dimension; the layouts and the zig-zag
+order are in `pallas_fa.parallel.mesh`.
 """
 
 from __future__ import annotations
@@ -36,22 +19,11 @@ import jax.numpy as jnp
 
 from pallas_fa import api
 from pallas_fa import masking
-from pallas_fa import mesh as mesh_lib
-from pallas_fa import ring as ring_lib
 from pallas_fa import vjp
-from pallas_fa.mesh import DATA_AXIS  # noqa: F401  (re-exports)
-from pallas_fa.mesh import HEAD_AXIS  # noqa: F401
-from pallas_fa.mesh import SEQUENCE_AXIS  # noqa: F401
-from pallas_fa.mesh import AxisNames
-from pallas_fa.mesh import make_mesh  # noqa: F401
-from pallas_fa.mesh import replicate  # noqa: F401
-from pallas_fa.mesh import shard_batch  # noqa: F401
-from pallas_fa.mesh import shard_map  # noqa: F401
-from pallas_fa.mesh import spec_entry
-from pallas_fa.mesh import unzigzag  # noqa: F401
-from pallas_fa.mesh import zigzag  # noqa: F401
-from pallas_fa.mesh import zigzag_indices  # noqa: F401
-from pallas_fa.ring import ring_attention  # noqa: F401  (re-export)
+from pallas_fa.parallel import mesh as mesh_lib
+from pallas_fa.parallel import ring as ring_lib
+from pallas_fa.parallel.mesh import AxisNames
+from pallas_fa.parallel.mesh import spec_entry
 
 Array = Any
 _P = jax.sharding.PartitionSpec
@@ -170,7 +142,7 @@ def _make_plan(mesh, batch_axes, head_axes, sequence_axis, zigzag_layout,
 def _permute_axis(x, axis, num_shards):
   if x is None or x.shape[axis] == 1:
     return x
-  return zigzag(x, num_shards, axis)
+  return mesh_lib.zigzag(x, num_shards, axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,8 +289,8 @@ def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
     out, lse = _reshard(plan, (out, lse),
                         (gathered.q_spec(), gathered.lse_spec()))
     if plan.zigzag:
-      out = unzigzag(out, plan.ring_size, 1)
-      lse = unzigzag(lse, plan.ring_size, 1)
+      out = mesh_lib.unzigzag(out, plan.ring_size, 1)
+      lse = mesh_lib.unzigzag(lse, plan.ring_size, 1)
     out, lse = out[:, :t], lse[:, :t]
   return out, lse
 
@@ -381,8 +353,8 @@ def sharded_flash_attention(
     mask: see `pallas_fa.flash_attention`.
     mesh: the device mesh. Each call runs on its own mesh: inputs laid
       out on another mesh (an earlier call's, say) are moved onto this one
-      first (`pallas_fa.mesh.onto_mesh`), and so are the cotangents its
-      backward receives (`pallas_fa.mesh.fresh_cotangents`). Within one
+      first (`pallas_fa.parallel.mesh.onto_mesh`), and so are the cotangents its
+      backward receives (`pallas_fa.parallel.mesh.fresh_cotangents`). Within one
       `jit` of yours, calls over meshes of different shapes need that jit's
       `out_shardings`: JAX gives a jit's results the mesh of one of them.
     batch_axes: mesh axis name(s) splitting B, or None.

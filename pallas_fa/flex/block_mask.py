@@ -1,6 +1,6 @@
 """Block masks: which tiles of a mask_mod are empty, partial or full.
 
-`create_block_mask` evaluates a mask_mod (flex attention, `pallas_fa.mods`)
+`create_block_mask` evaluates a mask_mod (flex attention, `pallas_fa.flex.mods`)
 on every element once -- exactly, never by sampling corners -- and cuts the
 [T, S] plane into [block_q, block_kv] tiles: a tile is EMPTY if no element
 is visible, FULL if all are, else PARTIAL (`masking.EMPTY`, ...); elements
@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa import masking
-from pallas_fa import mods
+from pallas_fa import vjp
+from pallas_fa.flex import mods
 
 Array = Any
 
@@ -312,10 +313,8 @@ def default_tiles(implementation: str | None, q_len: int,
   sequences. None and "xla" (which has no tiles) take those of "chunked",
   the backend that runs flex attention on every platform.
   """
-  from pallas_fa import api  # The front door imports this module.
-
   name = "chunked" if implementation in (None, "xla") else implementation
-  config = api.get_backend(name).default_block_sizes(
+  config = vjp.get_backend(name).default_block_sizes(
       q_len=q_len, kv_len=kv_len, head_dim=128, dtype=jnp.bfloat16)
   fields = [f.name for f in dataclasses.fields(config)]
   block_q = min(getattr(config, f) for f in fields
@@ -344,7 +343,7 @@ def create_block_mask(
 
   Args:
     mask_mod: (batch, head, q_idx, kv_idx, *mask_mod_args) -> bool, True =
-      may attend (`pallas_fa.mods`).
+      may attend (`pallas_fa.flex.mods`).
     mask_mod_args: the arrays it reads (document ids, prefix lengths).
     batch: B (the flattened batch dims of the calls), or None when the mask
       does not depend on the batch row (mask_mod then sees batch = 0).
