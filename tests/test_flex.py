@@ -1,9 +1,9 @@
 """Flex attention: score_mod, mask_mod and block masks.
 
 Every example of `pallas_fa.flex` runs on the implementations that support
-flex attention (`xla`, `chunked`, `triton` -- T5's table read at computed
-offsets included, its gradient a scatter-add; `mosaic_tpu` declines that
-table),
+flex attention (`xla`, `chunked`, `triton` and `mosaic_tpu` -- T5's table
+read at computed offsets included, its gradient a scatter-add; `mosaic_tpu`
+selects the table's entries one-hot),
 forward, logsumexp and every gradient -- q, k, v and the score_mod's arrays
 -- against a dense float32 oracle written here, which is itself checked
 against `jax.nn.dot_product_attention` with the equivalent dense bias and
@@ -41,9 +41,9 @@ FLEX_IMPLEMENTATIONS = ("xla", "chunked") + tuple(
     name for name in ("triton", "mosaic_tpu")
     if name in pallas_fa.implementations())
 # Examples a backend cannot fuse into its kernels (it declines them: the
-# automatic choice moves on): T5's table is read at a bucket of
-# kv_idx - q_idx, which the Mosaic TPU kernels do not gather.
-DECLINED = {("mosaic_tpu", "t5")}
+# automatic choice moves on). None now: T5's table, read at a bucket of
+# kv_idx - q_idx, is a kernel input of triton and mosaic_tpu both.
+DECLINED: set = set()
 # The interpreted kernels are slow: three examples on triton (a per-head
 # score_mod, a per-query/key mask_mod, a per-batch one) and two on the TPU
 # interpreter by default, the others in the slow leg.
@@ -1055,8 +1055,11 @@ def test_pallas_backends_decline_and_automatic_choice_falls_back(
   # Causal and padding lengths: both metadata slots are taken.
   both_slots = dict(calls[1], is_causal=True, key_value_seq_lengths=jnp.full(
       (q.shape[0],), q.shape[1] - 3, jnp.int32))
+  # More table entries per program than the Mosaic TPU kernels select.
+  wide = jnp.asarray(gen.normal(size=(2, 300)), jnp.float32)
+  t5_wide = dict(score_mod=flex.t5_relative_bias, score_mod_args=(wide,))
   declined = [
-      ("mosaic_tpu", t5, "cannot fuse this score_mod.*dynamic_slice"),
+      ("mosaic_tpu", t5_wide, "score_mod.* 300 entries.* 256"),
       ("mosaic_tpu", striped, "depends on the head"),
       ("mosaic_gpu", both_slots, "needs both"),
       ("mosaic_gpu", per_query, "per query or key"),
@@ -1098,22 +1101,27 @@ def _shared_buckets(score, batch, head, q_idx, kv_idx, table):
   return score + table[bucket] * (1.0 + batch).astype(score.dtype)
 
 
+# name: (score_mod, the table's heads (None: one for all), its width,
+# is_causal).
 _TABLE_CASES = {
-    "relative_bias": (_relative_bias, 4, 41),
-    "shared_buckets": (_shared_buckets, None, 16),
+    "relative_bias": (_relative_bias, 4, 41, True),
+    "relative_bias_bidirectional": (_relative_bias, 4, 41, False),
+    "shared_buckets": (_shared_buckets, None, 16, True),
 }
+# The backends that fuse a table read into their kernels.
+_TABLE_RUNS = [pytest.param(i, name, id=f"{name}-{i}")
+               for i in ("triton", "mosaic_tpu") if i in FLEX_IMPLEMENTATIONS
+               for name in sorted(_TABLE_CASES)]
 
 
-@pytest.mark.skipif("triton" not in FLEX_IMPLEMENTATIONS,
-                    reason="the triton backend does not import here")
-@pytest.mark.parametrize("name", sorted(_TABLE_CASES))
-def test_triton_table_score_mods(name):
+@pytest.mark.parametrize("implementation,name", _TABLE_RUNS)
+def test_table_score_mods(implementation, name):
   """Tables read at computed offsets (per head, or one for every head)
-  under causal masking with GQA and ragged lengths: out, lse and every
-  gradient, the table's included, against xla in float32; and the table's
-  gradient (per-program partial tables summed after the kernel) bitwise
-  the same on a second run."""
-  fn, heads, width = _TABLE_CASES[name]
+  with GQA and ragged lengths, causal or not: out, lse and every gradient,
+  the table's included, against xla in float32; and the table's gradient
+  (per-program partial tables summed after the kernel) bitwise the same on
+  a second run."""
+  fn, heads, width, causal = _TABLE_CASES[name]
   gen = rng("flex-tables", name)
   b, t, n, kh, h = 2, 37, 4, 2, 16
   q = _normal(gen, (b, t, n, h))
@@ -1124,15 +1132,15 @@ def test_triton_table_score_mods(name):
   def run(impl):
     def f(q, k, v, table):
       return pallas_fa.flash_attention(
-          q, k, v, is_causal=True, score_mod=fn, score_mod_args=(table,),
+          q, k, v, is_causal=causal, score_mod=fn, score_mod_args=(table,),
           implementation=impl, block_sizes=block_sizes_for(impl),
           return_residual=True)
     (out, lse), pullback = jax.vjp(f, q, k, v, table)
     return out, lse, pullback((dout, dlse))
 
-  got = run("triton")
+  got = run(implementation)
   _compare(got, run("xla"))
-  again = run("triton")
+  again = run(implementation)
   np.testing.assert_array_equal(got[2][3], again[2][3])
 
 

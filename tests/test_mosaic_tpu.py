@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_fa
 from pallas_fa import api
 from pallas_fa import chunked
+from pallas_fa import flex
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import mosaic_tpu
@@ -480,6 +481,179 @@ def test_dropout_and_value_head_dim_lower_to_mosaic(monkeypatch,
   v = testing.normal(gen, (case.b, case.s, case.k, 160), jnp.bfloat16)
   kw.update(dropout_rate=0.2, dropout_rng=jax.random.key(0))
   _assert_lowers_to_mosaic(q, k, v, kw)
+
+
+# --- flex attention: tables read at computed offsets -------------------------
+
+
+def _relative_bias(score, batch, head, q_idx, kv_idx, table):
+  """A learned relative bias per head over clipped distances (a table of
+  2 * span + 1 entries per head, read at kv_idx - q_idx directly)."""
+  del batch
+  span = (table.shape[1] - 1) // 2
+  return score + table[head, jnp.clip(kv_idx - q_idx, -span, span) + span]
+
+
+# (name, score_mod, case, table shape): several query and key tiles each
+# way, so the table's gradient is summed over partial tables of several
+# programs and query tiles.
+TABLE_CASES = [
+    ("t5", flex.t5_relative_bias,
+     Case(b=2, t=200, s=300, n=4, k=2, h=16, causal=True), (4, 32)),
+    ("relative_bias", _relative_bias,
+     Case(b=1, t=260, s=140, n=2, k=1, h=8, lengths=True), (2, 201)),
+]
+
+
+def _table_run(implementation, fn, q, k, v, table, kw, dout, dlse):
+  """(out, lse, (dq, dk, dv, dtable)) of a table score_mod."""
+  def f(q, k, v, table):
+    return pallas_fa.flash_attention(
+        q, k, v, score_mod=fn, score_mod_args=(table,),
+        implementation=implementation,
+        block_sizes=block_sizes_for(implementation), return_residual=True,
+        **kw)
+
+  (out, lse), pullback = jax.vjp(f, q, k, v, table)
+  return out, lse, pullback((dout, dlse))
+
+
+@pytest.mark.parametrize("name, fn, case, shape", TABLE_CASES,
+                         ids=[c[0] for c in TABLE_CASES])
+def test_table_score_mod_multi_tile(name, fn, case, shape):
+  """A table read at offsets computed per element (selected one-hot from
+  scalar memory), across several 128-row tiles: out, lse, dq, dk, dv and
+  the table's gradient against xla in float32."""
+  gen = rng("tables-multi-tile", name)
+  q, k, v, kw = make_inputs(case, jnp.float32, gen)
+  table = testing.normal(gen, shape)
+  dout = testing.normal(gen, q.shape)
+  dlse = testing.normal(gen, q.shape[:-1])
+  got = _table_run("mosaic_tpu", fn, q, k, v, table, kw, dout, dlse)
+  want = _table_run("xla", fn, q, k, v, table, kw, dout, dlse)
+  for result, x, r in zip(("out", "lse", "dq", "dk", "dv", "dtable"),
+                          (got[0], got[1], *got[2]),
+                          (want[0], want[1], *want[2])):
+    assert x.shape == r.shape, result
+    assert_close(result, x, r)
+
+
+def _allowed_distances(batch, head, q_idx, kv_idx, allowed):
+  """A mask_mod reading a bool table per head at the clipped distance."""
+  del batch
+  span = (allowed.shape[1] - 1) // 2
+  distance = jnp.clip(kv_idx - q_idx, -span, span) + span
+  return allowed[head, distance] | (kv_idx == q_idx)
+
+
+def test_table_mask_mod():
+  """A mask_mod's table (bool, int32 in scalar memory) is selected the
+  same way, in every kernel: out, lse, dq, dk, dv against xla."""
+  gen = rng("tables-mask-mod")
+  q, k, v, kw = make_inputs(Case(b=2, t=150, s=150, n=2, k=1, h=16),
+                            jnp.float32, gen)
+  kw.update(mask_mod=_allowed_distances, mask_mod_args=(
+      jnp.asarray(gen.random((2, 21)) < 0.7),))
+  dout = testing.normal(gen, q.shape)
+  dlse = testing.normal(gen, q.shape[:-1])
+  got = run(flash("mosaic_tpu", TILES), q, k, v, kw, dout, dlse)
+  want = run(flash("xla"), q, k, v, kw, dout, dlse)
+  for result, x, r in zip(("out", "lse", "dq", "dk", "dv"),
+                          (got[0], got[1], *got[2]),
+                          (want[0], want[1], *want[2])):
+    assert_close(result, x, r)
+
+
+def _primitive_names(jaxpr):
+  """The names of every primitive in `jaxpr` and its sub-jaxprs."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    yield eqn.primitive.name
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        inner = getattr(sub, "jaxpr", sub)
+        inner = getattr(inner, "jaxpr", inner)
+        if hasattr(inner, "eqns"):
+          yield from _primitive_names(inner)
+
+
+@pytest.mark.parametrize("name, fn, shape", [
+    ("t5", flex.t5_relative_bias, (4, 32)),
+    ("relative_bias", _relative_bias, (4, 201))],
+                         ids=["t5", "relative_bias"])
+def test_table_score_mod_lowers_to_mosaic(name, fn, shape, monkeypatch,
+                                          fresh_caches):
+  """A table score_mod's forward, dK/dV and dQ kernels lower for the TPU
+  (no TPU needed), and no kernel gathers: the table is read as scalars
+  and selected with compares and selects."""
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  case = Case(b=2, t=200, s=300, n=4, k=2, h=64, causal=True)
+  gen = rng("lower-tables", name)
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  table = testing.normal(gen, shape)
+
+  def loss(q, k, v, table):
+    out = pallas_fa.flash_attention(
+        q, k, v, score_mod=fn, score_mod_args=(table,),
+        implementation="mosaic_tpu", block_sizes=TILES, **kw)
+    return jnp.sum(out.astype(jnp.float32))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+  calls = list(_pallas_calls(jax.make_jaxpr(grad)(q, k, v, table).jaxpr))
+  assert len(calls) == 3
+  for eqn in calls:
+    names = set(_primitive_names(eqn.params["jaxpr"]))
+    assert not names & {"gather", "dynamic_slice", "scatter-add",
+                        "scatter_add"}, names
+  module = jax.export.export(jax.jit(grad), platforms=["tpu"])(
+      q, k, v, table).mlir_module()
+  assert module.count("tpu_custom_call") == 3
+  assert "callback" not in module
+
+
+def test_tables_beyond_the_limit_are_declined(monkeypatch, fresh_caches):
+  """More entries per program than `kernel.MAX_TABLE_ENTRIES` is declined
+  naming score_mod, the size and the limit, and so is a table that would
+  not fit in scalar memory beside the metadata; the automatic choice then
+  runs chunked, and implementation=None on a CPU runs the table."""
+  gen = rng("tables-declined")
+  q, k, v, _ = make_inputs(Case(b=1, t=40, s=40, n=2, k=1, h=8),
+                           jnp.float32, gen)
+  limit = kernel.MAX_TABLE_ENTRIES
+  tables = {width: testing.normal(gen, (2, width))
+            for width in (9, limit + 1 + (limit % 2))}
+
+  def call(width, implementation):  # Default tiles: None picks those.
+    return pallas_fa.flash_attention(
+        q, k, v, score_mod=_relative_bias, score_mod_args=(tables[width],),
+        is_causal=True, implementation=implementation)
+
+  width = limit + 1 + (limit % 2)  # Odd: 2 * span + 1 entries.
+  with pytest.raises(NotImplementedError,
+                     match=f"score_mod.* {width} entries.* {limit}"):
+    call(width, "mosaic_tpu")
+  small = call(9, "mosaic_tpu")
+  np.testing.assert_array_equal(call(9, None), call(9, "chunked"))
+  monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
+                      ("mosaic_tpu", "chunked"))
+  api.clear_cache()
+  try:
+    np.testing.assert_array_equal(call(width, None), call(width, "chunked"))
+    np.testing.assert_array_equal(call(9, None), small)
+  finally:
+    api.clear_cache()
+  # On a TPU, the tables (Bm * Hm * size words) and the other per-program
+  # values share scalar memory with the per-step metadata: here 2 * 9
+  # words of table, the clip's two bounds and one metadata word a pass.
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  monkeypatch.setattr(kernel, "metadata_capacity", lambda: 20)
+  with pytest.raises(NotImplementedError,
+                     match=r"tables \(20 words\) and 1 per-step"):
+    call(9, "mosaic_tpu")
+  monkeypatch.setattr(kernel, "metadata_capacity", lambda: 21)
+  _, _, _, _, info, params = _canonicalise(q, k, v, dict(
+      score_mod=_relative_bias, score_mod_args=(tables[9],)))
+  mosaic_tpu.BACKEND.check(q, k, v, None, info, params)
 
 
 # --- the decode kernel (`mosaic_tpu.decode`): DMAs and lowering --------------

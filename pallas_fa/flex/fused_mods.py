@@ -696,8 +696,8 @@ def _cut_table_reads(name, steps, deps, avals, backend, tables):
           f"{backend} cannot fuse this {name}: it reads a table at indices "
           "computed per element (`dynamic_slice`, e.g. "
           "table[head, bucket(kv_idx - q_idx)]), which its kernels do not "
-          "gather; flash_attention's \"triton\" fuses it, \"chunked\" and "
-          "\"xla\" run it.")
+          "gather; flash_attention's \"triton\" and \"mosaic_tpu\" fuse "
+          "it, \"chunked\" and \"xla\" run it.")
     if _level(_deps(operand, deps)) != Level.PROGRAM:
       raise NotImplementedError(
           f"{backend} cannot fuse this {name}: the table it reads per "

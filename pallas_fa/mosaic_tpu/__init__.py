@@ -23,7 +23,15 @@ This module prepares the kernels' inputs on device:
 * fuses flex attention: a score_mod / mask_mod split by `fused_mods` brings
   its per-(batch, head) values in SMEM and its per-query (per-key) ones
   lane- (sublane-) replicated like positions, and a mask_mod's tile kinds,
-  taken over all heads, join the metadata.
+  taken over all heads, join the metadata. A table the tile part reads at
+  offsets computed per element (T5's buckets, a learned relative bias:
+  `fused_mods.split(..., tables=True)`) travels in SMEM too, each program's
+  part flattened, and the kernels select its entries one-hot
+  (`kernel._table_load`); its gradient comes from the dQ kernel as
+  per-(batch row, head, query tile) partial tables, summed here by XLA
+  (deterministic). Tables of more than `kernel.MAX_TABLE_ENTRIES` entries
+  per program, or that would not fit in scalar memory beside the metadata,
+  are declined.
 """
 
 from __future__ import annotations
@@ -269,8 +277,10 @@ class Layout(layout.Padded):
 
   def _add_residuals(self, mod):
     """A split score_mod/mask_mod's values as kernel inputs (see
-    `kernel.Static`): [Bm * Hm] scalars, [Bm, Tp, 128] per query,
-    [Bm, 8, Sp] per key; bool as int32 (no bool memrefs)."""
+    `kernel.Static`): [Bm * Hm] scalars ([Bm * Hm * size] for a table),
+    32-bit (float32 or int32: scalar memory holds 32-bit words),
+    [Bm, Tp, 128] per query, [Bm, 8, Sp] per key; bool as int32 (no bool
+    memrefs)."""
     args = (self.info.score_mod_args if mod.is_score_mod
             else self.info.mask_mod_args)
     arrays = mod.residual_arrays(
@@ -280,7 +290,8 @@ class Layout(layout.Padded):
       if x.dtype == jnp.bool_:
         x = x.astype(jnp.int32)
       if res.level == fused_mods.Level.PROGRAM:
-        x = x.reshape(-1)
+        x = x.reshape(-1).astype(
+            _F32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32)
       elif res.level == fused_mods.Level.ROW:
         x = _lanes_of(x[:, 0])
       else:
@@ -338,17 +349,27 @@ def _sublanes_of(x):
 
 
 def flex_mods(info):
-  """(score_mod, mask_mod) of a call split for the kernels (`fused_mods`),
-  None where absent.
+  """(score_mod, mask_mod) of a call split for the kernels (`fused_mods`,
+  tables included), None where absent.
 
   Raises:
-    NotImplementedError: one the kernels cannot fuse, or one that computes
+    NotImplementedError: one the kernels cannot fuse, one that computes
       a value per query or per key that depends on the head (those travel
-      lane- or sublane-replicated per batch row, as positions do).
+      lane- or sublane-replicated per batch row, as positions do), or one
+      that reads a table of more than `kernel.MAX_TABLE_ENTRIES` entries per
+      (batch row, head) program (the kernels select its entries one-hot).
   """
-  fused = fused_mods.split_call(info, "mosaic_tpu")
+  fused = fused_mods.split_call(info, "mosaic_tpu", tables=True)
   for mod in fused:
     for res in () if mod is None else mod.residuals:
+      if res.size is not None and res.size > kernel.MAX_TABLE_ENTRIES:
+        raise NotImplementedError(
+            f"mosaic_tpu cannot fuse this {mod.name}: it reads a table at "
+            f"offsets computed per element, and each (batch row, head) "
+            f"program's part of that table has {res.size} entries, more "
+            f"than the {kernel.MAX_TABLE_ENTRIES} its kernels select from "
+            "(one compare and select per entry on every element); "
+            "\"chunked\" and \"xla\" run it.")
       if res.level != fused_mods.Level.PROGRAM and res.head:
         raise NotImplementedError(
             f"mosaic_tpu cannot fuse this {mod.name}: it computes a value "
@@ -392,7 +413,13 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     dbias = dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype)
   if lay.score_mod is None:
     return dq, dk, dv, dbias
-  # Per query, [B, N, 1, Tp] (padded rows have zero cotangent).
+  # Per query, [B, N, 1, Tp] (padded rows have zero cotangent); a table's
+  # per query tile, [B, N, 1, nq * width] -> [B, N, nq, size].
+  differentiable = [r for r in lay.score_mod.residuals if r.differentiable]
+  nq = lay.tp // lay.bq
+  dmod = [d if r.size is None else d.reshape(
+      lay.b, lay.n, nq, -1)[..., :r.size] for d, r in zip(dmod,
+                                                          differentiable)]
   return dq, dk, dv, dbias, lay.score_mod.args_grad_from_partials(
       info.score_mod_args, dmod, batch=lay.b, heads=lay.n)
 
@@ -407,16 +434,24 @@ def _check(q, k, v, bias, info, params):
   grid's metadata -- one int32 per (batch row, query tile, key tile) --
   lives in scalar memory; past its capacity the call is declined (larger
   `block_sizes` shrink it). Flex attention is fused (`flex_mods`), except
-  a function whose per-tile part a kernel cannot run or whose per-query or
-  per-key values depend on the head.
+  a function whose per-tile part a kernel cannot run, whose per-query or
+  per-key values depend on the head, or that reads a table of more than
+  `kernel.MAX_TABLE_ENTRIES` entries per program; a table's words (every
+  program's part) share the scalar memory with the metadata, and one that
+  would not fit beside it is declined too.
   """
   del bias
-  flex_mods(info)
+  fused = flex_mods(info)
   capacity = kernel.metadata_capacity()
   if capacity is None:
     return
   bs = BACKEND.block_sizes(params, q, k, info, v=v)
-  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  (b, t, n), s = q.shape[:3], k.shape[1]
+  # The functions' per-program values and tables, in scalar memory too.
+  flex_words = sum(
+      (b if r.batch else 1) * (n if r.head else 1) * (r.size or 1)
+      for mod in fused if mod is not None for r in mod.residuals
+      if r.level == fused_mods.Level.PROGRAM)
   for block_q, block_kv in ((bs.block_q, bs.block_kv),
                             (bs.block_q_bwd, bs.block_kv_bwd)):
     (bq, tp), (bk, sp) = (layout.tile(block_q, t, ALIGN),
@@ -429,6 +464,12 @@ def _check(q, k, v, bias, info, params):
           f"{capacity} that fit in this TPU's scalar memory; use larger "
           "block_sizes."
       )
+    if words + flex_words > capacity:
+      raise NotImplementedError(
+          f"mosaic_tpu: the score_mod/mask_mod's per-(batch row, head) "
+          f"values and tables ({flex_words} words) and {words} per-step "
+          f"metadata words exceed the {capacity} that fit in this TPU's "
+          "scalar memory; \"chunked\" and \"xla\" run it.")
 
 
 BACKEND = vjp.Backend(

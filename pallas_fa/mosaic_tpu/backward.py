@@ -3,7 +3,10 @@
 Two kernels: dQ -- query tile stationary, keys streamed -- and dK/dV (and
 dbias) -- key tile stationary, the queries of its GQA group streamed, dK/dV
 summed over the group in VMEM. Layouts and metadata words as in
-`kernel`.
+`kernel`. The dQ kernel also returns the cotangents of the score_mod's
+differentiable per-(batch, head) values: a scalar's summed per query row,
+a table's (`kernel._table_scatter`) as one partial table per (batch row,
+head, query tile), both summed outside by XLA (deterministic).
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ def _dq_kernel(meta_ref, *refs, st: kernel.Static, names):
   nq, nk = st.num_q_blocks, st.num_kv_blocks
   kind = kernel.step_kind(meta_ref[(b * nq + i) * nk + j])
   dq_ref = r["dq_acc"]
-  # The score_mod's per-(batch, head) values: cotangents per query row.
+  # The score_mod's per-(batch, head) values: cotangents per query row,
+  # lane-replicated [bq, 128]; a table's, a partial table [8, width]
+  # (sublane-replicated).
   dmod_refs = [r[name] for name in names if name.startswith("dmod_acc")]
+  tables = [res.size is not None for res in _differentiable(st)]
 
   @pl.when(j == 0)
   def _init():
@@ -53,8 +59,11 @@ def _dq_kernel(meta_ref, *refs, st: kernel.Static, names):
     ds = online_softmax.softmax_grad(p, dp, r["delta"][0])
     if score_mod_pullback is not None:
       ds, d = score_mod_pullback(ds)
-      for ref, x in zip(dmod_refs, d):
-        kernel.store_column(ref, kernel.column(ref) + x)
+      for ref, x, table in zip(dmod_refs, d, tables):
+        if table:  # [1, width]
+          ref[...] = ref[...] + x
+        else:  # [bq]
+          kernel.store_column(ref, kernel.column(ref) + x)
     ds = online_softmax.logits_grad(
         ds, s_capped, scale=st.scale, cap=st.soft_cap)
     dq_ref[...] += kernel.dot(
@@ -65,26 +74,43 @@ def _dq_kernel(meta_ref, *refs, st: kernel.Static, names):
   @pl.when(j == nk - 1)
   def _finalize():
     r["dq"][...] = dq_ref[...].astype(r["dq"].dtype)
-    for k, ref in enumerate(dmod_refs):  # Column -> row, as the lse.
-      r[f"dmod{k}"][...] = ref[...].T[:1, :]
+    for k, (ref, table) in enumerate(zip(dmod_refs, tables)):
+      # Column -> row, as the lse; a table's row as it is.
+      r[f"dmod{k}"][...] = ref[:1, :] if table else ref[...].T[:1, :]
+
+
+def _differentiable(st: kernel.Static):
+  """The score_mod's differentiable residuals (the dQ kernel's extra
+  outputs, in order)."""
+  if st.score_mod is None:
+    return []
+  return [res for res in st.score_mod.residuals if res.differentiable]
 
 
 def backward_dq(st: kernel.Static, meta, names, operands, out_dtype):
   """Runs the dQ kernel; metadata as for `forward`. Returns [B, Tp, N * Hp]
   and, for each differentiable per-(batch, head) value of the score_mod,
-  its cotangent summed per query, float32 [B, N, 1, Tp]."""
+  its cotangent summed per query, float32 [B, N, 1, Tp] -- a table's per
+  query tile, float32 [B, N, 1, nq * width] (`kernel.table_width`), lanes
+  past the table's size zero."""
   b, n, hp, hvp = st.batch, st.num_heads, st.head_dim, st.value_head_dim
   bq, nq, nk = st.block_q, st.num_q_blocks, st.num_kv_blocks
-  num_d = 0 if st.score_mod is None else sum(
-      res.differentiable for res in st.score_mod.residuals)
-  out_shapes = (jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype),) + (
-      jax.ShapeDtypeStruct((b, n, 1, st.q_len), _F32),) * num_d
-  out_specs = (
-      pl.BlockSpec((kernel.SQUEEZED, bq, hp), lambda b, n, i, j, m: (b, i, n)),
-  ) + (pl.BlockSpec((kernel.SQUEEZED, kernel.SQUEEZED, 1, bq),
-                    lambda b, n, i, j, m: (b, n, 0, i)),) * num_d
-  scratch = [pltpu.VMEM((bq, hp), _F32)] + [
-      pltpu.VMEM((bq, kernel.NUM_LANES), _F32)] * num_d
+  sq = kernel.SQUEEZED
+  differentiable = _differentiable(st)
+  num_d = len(differentiable)
+  out_shapes = [jax.ShapeDtypeStruct((b, st.q_len, n * hp), out_dtype)]
+  out_specs = [
+      pl.BlockSpec((sq, bq, hp), lambda b, n, i, j, m: (b, i, n))]
+  scratch = [pltpu.VMEM((bq, hp), _F32)]
+  for res in differentiable:
+    width = bq if res.size is None else kernel.table_width(res.size)
+    out_shapes.append(jax.ShapeDtypeStruct((b, n, 1, nq * width), _F32))
+    out_specs.append(pl.BlockSpec((sq, sq, 1, width),
+                                  lambda b, n, i, j, m: (b, n, 0, i)))
+    scratch.append(pltpu.VMEM(
+        (bq, kernel.NUM_LANES) if res.size is None
+        else (kernel.NUM_SUBLANES, width), _F32))
+  out_shapes, out_specs = tuple(out_shapes), tuple(out_specs)
   all_names = tuple(names) + ("dq",) + tuple(
       f"dmod{k}" for k in range(num_d)) + ("dq_acc",) + tuple(
           f"dmod_acc{k}" for k in range(num_d))

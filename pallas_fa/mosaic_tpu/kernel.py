@@ -25,6 +25,22 @@ block; an empty one points at the block the sweep needs next (or the one it
 already holds), so the pipeline issues no DMA for it, and its body does
 nothing. FULL steps skip the masking arithmetic.
 
+Flex attention: a split score_mod / mask_mod (`fused_mods`) brings its
+per-(batch, head) values as 32-bit scalars in SMEM, its per-query (per-key)
+ones lane- (sublane-) replicated like positions. A table the tile part reads
+at offsets computed per element (T5's buckets, `table[head, bucket(kv_idx -
+q_idx)]`, any learned relative bias) is one of those SMEM inputs too: each
+program's part of the table, flattened, [Bm * Hm * size] scalars. Mosaic has
+no vector gather from VMEM at arbitrary per-element offsets, so the kernels
+"load" it by a one-hot selection (`_table_load`): a loop over the program's
+entries j of `where(offsets == j, table[j], x)` on the tile, elementwise
+compares and selects against scalars read from SMEM, O(entries) vector
+operations per element (hence `MAX_TABLE_ENTRIES`). Its gradient is the
+transpose (`_table_scatter`): entry j gets the tile's sum of the cotangents
+where offsets == j, accumulated by the dQ kernel per (batch row, head, query
+tile) in a lane row of float32 (a per-program partial table) and summed after
+the kernel by XLA: no atomics, a fixed order, so deterministic.
+
 Attention dropout (`pallas_fa.dropout`) regenerates its mask per tile from
 the seed, which sits in SMEM, and the tile's global indices: the query side of
 the hash runs once per row, lane-replicated like the positions, and only the
@@ -61,6 +77,16 @@ KIND_BITS = 2
 KIND_MASK = (1 << KIND_BITS) - 1
 
 _F32 = jnp.float32
+# The most entries one program's table (`fused_mods.Residual.size`) may
+# have. A table read costs a compare and a select per entry on every element
+# of the tile (`_table_load`), and its gradient a compare, a select and a
+# sum per entry (`_table_scatter`): at 256 entries that is several hundred
+# VPU operations per logit, an order of magnitude above the softmax's own
+# elementwise work, past which the one-hot selection is no better than
+# `chunked`'s real gather. 256 covers T5's bucket counts (32 by default, up
+# to 128 in practice) and learned relative biases over distances up to
+# +-127; larger tables are declined (`mosaic_tpu.flex_mods`).
+MAX_TABLE_ENTRIES = 256
 # `dot`'s contraction dims.
 NT = ((1,), (1,))  # a @ b.T
 NN = ((1,), (0,))  # a @ b
@@ -142,8 +168,9 @@ class Static:
     parallel: declare the non-reduction grid axes "parallel" (see
       `parallel_grid`); otherwise every axis is "arbitrary".
     score_mod, mask_mod: flex attention split by `fused_mods` (inputs
-      "score_mod.i" / "mask_mod.i": per (batch, head) values in SMEM, per
-      query lane-replicated, per key sublane-replicated), or None.
+      "score_mod.i" / "mask_mod.i": per (batch, head) values in SMEM as
+      32-bit scalars -- a table as [Bm * Hm * size] --, per query
+      lane-replicated, per key sublane-replicated), or None.
   """
 
   scale: float
@@ -360,22 +387,84 @@ class Tile:
   kv_block: Any
 
 
+def table_width(size: int) -> int:
+  """The lanes of a table's gradient row: `size` rounded up to 128."""
+  return -(-size // NUM_LANES) * NUM_LANES
+
+
+def _as_residual(x, res):
+  """A 32-bit value read from memory as the residual's dtype."""
+  if res.dtype == jnp.bool_:
+    return x != 0
+  return x if x.dtype == res.dtype else x.astype(res.dtype)
+
+
+def _loop_unroll(steps: int) -> int:
+  """fori_loop's `unroll` over `steps` of a table's entries: whole up to
+  16 (no loop left), else by 8."""
+  return max(steps, 1) if steps <= 16 else 8
+
+
+def _table_load(ref, res, program):
+  """A table residual's load (`fused_mods.FusedMod.tile`): the function
+  from an int32 tile of offsets (in [0, size), clamped by `fused_mods`) to
+  the program's entries there, as the one-hot selection
+  `where(offsets == j, table[j], x)` over the entries j, each read as a
+  scalar from SMEM (`ref`, [Bm * Hm * size]; this program's part starts at
+  `program * size`). Only compares, selects and scalar reads: no gather."""
+  size = res.size
+
+  def load(offsets):
+    base = program * size
+
+    def body(j, x):
+      return jnp.where(offsets == j, ref[base + j], x)
+
+    first = jnp.full(offsets.shape, ref[base], ref.dtype)
+    x = jax.lax.fori_loop(1, size, body, first,
+                          unroll=_loop_unroll(size - 1))
+    return _as_residual(x, res)
+
+  return load
+
+
+def _table_scatter(offsets, d, size: int):
+  """The transpose of `_table_load`: `d` (float32, a tile) added at
+  `offsets` into a [1, table_width(size)] float32 row, entry j in lane j:
+  the tile's sum of d where offsets == j, reduced over sublanes, then lanes
+  (a [1, 1] per entry, placed by a select). A fixed order, deterministic."""
+  offsets, d = jnp.broadcast_arrays(offsets, d)
+  lanes = jax.lax.broadcasted_iota(jnp.int32, (1, table_width(size)), 1)
+
+  def body(j, acc):
+    hit = jnp.where(offsets == j, d, 0.0)
+    total = hit.sum(axis=0, keepdims=True).sum(axis=1, keepdims=True)
+    return acc + jnp.where(lanes == j, total, 0.0)
+
+  return jax.lax.fori_loop(0, size, body, jnp.zeros(lanes.shape, _F32),
+                           unroll=_loop_unroll(size))
+
+
 def _flex_values(st: Static, r, mod, tile: Tile, shape):
-  """The residuals of `mod` for the tile, broadcast to it."""
+  """The residuals of `mod` for the tile, broadcast to it; a table's, its
+  load (`_table_load`)."""
   level = fused_mods.Level
   values = []
   for i, res in enumerate(mod.residuals):
     ref = r[f"{mod.name}.{i}"]
-    if res.level == level.PROGRAM:  # [Bm * Hm] in SMEM
+    if res.level == level.PROGRAM:  # [Bm * Hm (* size)] in SMEM, 32-bit
       heads = st.num_heads if res.head else 1
-      v = ref[(tile.b if res.batch else 0) * heads
-              + (tile.head if res.head else 0)]
-      v = jnp.full(shape, v, ref.dtype)
+      program = ((tile.b if res.batch else 0) * heads
+                 + (tile.head if res.head else 0))
+      if res.size is not None:
+        values.append(_table_load(ref, res, program))
+        continue
+      v = _as_residual(jnp.full(shape, ref[program], ref.dtype), res)
     elif res.level == level.ROW:
-      v = _lanes(ref[...], st.block_kv)  # [bq, bk]
-    else:
-      v = jnp.broadcast_to(ref[:1, :], shape)  # [1, bk] -> [bq, bk]
-    values.append(v != 0 if res.dtype == jnp.bool_ else v)
+      v = _as_residual(_lanes(ref[...], st.block_kv), res)  # [bq, bk]
+    else:  # [1, bk] -> [bq, bk]
+      v = _as_residual(jnp.broadcast_to(ref[:1, :], shape), res)
+    values.append(v)
   return values
 
 
@@ -412,8 +501,9 @@ def masked_logits(st: Static, r, q, k, masked: bool, tile: Tile | None = None,
                   grad: bool = False, args: bool = True):
   """(s_capped, s, score_mod pullback or None) of the current tile: the
   score_mod applied (its pullback kept when `grad`; with `args` also its
-  per-(batch, head) values' cotangents, summed per query row), s masked
-  when `masked` (by the mask_mod too). `tile` is needed with flex."""
+  per-(batch, head) values' cotangents, summed per query row, [bq], and
+  its tables', [1, table_width] rows (`_table_scatter`)), s masked when
+  `masked` (by the mask_mod too). `tile` is needed with flex."""
   s_capped, s = _logits(st, r, q, k)
   pullback = None
   if st.score_mod is not None:
@@ -422,7 +512,7 @@ def masked_logits(st: Static, r, q, k, masked: bool, tile: Tile | None = None,
     if grad:
       s, pullback = st.score_mod.tile_vjp(
           values, q_idx=q_idx, kv_idx=kv_idx, score=s, args=args,
-          reduce=lambda d: d.sum(axis=1))
+          reduce=lambda d: d.sum(axis=1), scatter=_table_scatter)
     else:
       s = st.score_mod.tile(values, q_idx=q_idx, kv_idx=kv_idx, score=s)
   if masked:
