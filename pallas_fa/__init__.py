@@ -18,6 +18,7 @@ import sys
 from pallas_fa import dropout
 from pallas_fa import flex
 from pallas_fa import gpu_target
+from pallas_fa import kv_cache
 from pallas_fa.api import flash_attention
 from pallas_fa.api import implementations
 from pallas_fa.flex.block_mask import BlockMask
@@ -27,6 +28,8 @@ from pallas_fa.masking import SegmentIds
 __all__ = [
     "flash_attention",
     "decode_attention",
+    "merge_attention",
+    "kv_cache",
     "implementations",
     "SegmentIds",
     "BlockMask",
@@ -50,6 +53,7 @@ __version__ = "0.1.0"
 # a backend whose compiler stack is missing breaks nothing until it is used.
 _LAZY = {
     "decode_attention": "pallas_fa.decode",
+    "merge_attention": "pallas_fa.decode",
     "ChunkedBlockSizes": "pallas_fa.chunked",
     "TritonBlockSizes": "pallas_fa.triton",
     "MosaicGpuBlockSizes": "pallas_fa.mosaic_gpu",

@@ -9,6 +9,12 @@ pages; nothing here copies the whole pool.
 
 The allocation is static: every row owns `max_pages` pages for the life of
 the cache, and no page is shared (a write would clobber the other owner).
+
+A quantized cache stores int8 or float8 values and a float32 scale per
+(entry, K/V head), `[B, max_length, K]` (or `[num_pages, page_size, K]`):
+the cache attention sees is `values.astype(float32) * scale[..., None]`.
+`quantize` makes the pair (symmetric absmax over the head dim), `write`
+quantizes new float entries into such a cache and stores their scales.
 """
 
 from __future__ import annotations
@@ -20,6 +26,53 @@ import jax.numpy as jnp
 import numpy as np
 
 Array = Any
+
+
+# The narrow cache dtypes, each with the largest magnitude it holds.
+QUANTIZED_DTYPES = {
+    jnp.dtype(jnp.int8): 127.0,
+    jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),
+    jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),
+}
+
+
+def is_quantized(dtype) -> bool:
+  """Whether a cache of this dtype stores quantized values (with scales)."""
+  return jnp.dtype(dtype) in QUANTIZED_DTYPES
+
+
+def quantize(x: Array, dtype=jnp.int8) -> tuple[Array, Array]:
+  """Symmetric absmax quantization over the last axis (the head dim).
+
+  Args:
+    x: float keys or values [..., H].
+    dtype: int8, float8_e4m3fn or float8_e5m2.
+
+  Returns:
+    (values, scale): `values` [..., H] of `dtype` and a float32 `scale` of
+    shape `x.shape[:-1]`, absmax / 127 for int8 and absmax / the format's
+    largest finite value for float8, so that `values.astype(float32) *
+    scale[..., None]` approximates x (int8 values are rounded to nearest).
+    A row of zeros gets scale 1 and values 0, which round-trip to zeros.
+
+  Raises:
+    TypeError: `dtype` is not one of the three, or x is not floating.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in QUANTIZED_DTYPES:
+    raise TypeError(
+        f"quantize's dtype must be int8, float8_e4m3fn or float8_e5m2, got "
+        f"dtype={dtype}.")
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"quantize takes float values, got x.dtype={x.dtype}.")
+  wide = x.astype(jnp.float32)
+  absmax = jnp.max(jnp.abs(wide), axis=-1)
+  scale = jnp.where(absmax > 0, absmax / QUANTIZED_DTYPES[dtype], 1.0)
+  scaled = wide / scale[..., None]
+  if dtype == jnp.int8:
+    scaled = jnp.clip(jnp.round(scaled), -127, 127)
+  return scaled.astype(dtype), scale.astype(jnp.float32)
 
 
 def _check_positive_int(name: str, x: Any) -> int:
@@ -129,22 +182,45 @@ def check_paged_config(
 
 
 def write(
-    cache: Array, new: Array, index: Array, block_table: Array | None = None
-) -> Array:
+    cache: Array, new: Array, index: Array, block_table: Array | None = None,
+    *, scale: Array | None = None
+) -> Array | tuple[Array, Array]:
   """Stores `new` at each row's cache indices `index[b] + arange(T)`.
 
   Args:
     cache: [B, max_length, K, H], or pages [num_pages, page_size, K, H]
       with `block_table`.
-    new: [B, T, K, H] keys or values (cast to the cache's dtype).
+    new: [B, T, K, H] keys or values (cast to the cache's dtype; into a
+      quantized cache, float entries are quantized first, `quantize`).
     index: int [B], where row b's first new entry goes.
     block_table: int [B, max_pages] for a paged cache, else None.
+    scale: a quantized cache's float32 scales [B, max_length, K] (or
+      [num_pages, page_size, K]); required when float entries go into an
+      int8/float8 cache. Entries already quantized (new of the cache's
+      dtype) are stored as they are: write their scales with a second
+      `write` into the scale array.
 
   Returns:
-    The updated cache. Paged: entry i of row b lands in page
-    `block_table[b, i // page_size]` at offset `i % page_size` (one scatter
-    of the new entries); entries past a row's last page are dropped.
+    The updated cache, or (cache, scale) with `scale`. Paged: entry i of
+    row b lands in page `block_table[b, i // page_size]` at offset
+    `i % page_size` (one scatter of the new entries); entries past a row's
+    last page are dropped.
+
+  Raises:
+    ValueError: float entries into a quantized cache without `scale`, or
+      `scale` otherwise.
   """
+  quantizing = is_quantized(cache.dtype) and new.dtype != cache.dtype
+  if quantizing != (scale is not None):
+    raise ValueError(
+        f"scale= must be given exactly when float entries go into a "
+        f"quantized (int8/float8) cache, got new {new.dtype} into a "
+        f"{cache.dtype} cache with scale="
+        f"{'None' if scale is None else 'an array'}.")
+  if scale is not None:
+    values, new_scale = quantize(new, cache.dtype)
+    return (write(cache, values, index, block_table),
+            write(scale, new_scale, index, block_table))
   new = new.astype(cache.dtype)
   if block_table is None:
     return jax.vmap(

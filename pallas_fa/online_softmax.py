@@ -404,9 +404,9 @@ def delta(out: Array, dout: Array, dlse: Array | None) -> Array:
 # --------------------------------------------------------------------------
 
 
-@jax.custom_vjp
 def merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array):
-  """Exactly combines two partial attentions over disjoint key sets.
+  """Exactly combines two partial attentions over disjoint key sets
+  (`merge_parts` of the two).
 
   Args:
     out_a: normalised output [..., rows, H] over the first keys.
@@ -415,30 +415,34 @@ def merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array):
     lse_b: its logsumexp.
 
   Returns:
-    (out, lse) of attention over both key sets. Reverse-mode differentiable
-    with the cotangents of `merge_grad`, zero for a part with lse = -inf:
-    autodiff of the formula below would give NaN there (the derivative of
-    logaddexp(-inf, -inf)) as soon as merges are chained.
+    (out, lse) of attention over both key sets, differentiable as
+    `merge_parts` is.
   """
-  lse = jnp.logaddexp(lse_a, lse_b)
-  lse_safe = jnp.where(lse == MASK_VALUE, 0.0, lse)
-  wa = jnp.exp(lse_a - lse_safe)[..., None]
-  wb = jnp.exp(lse_b - lse_safe)[..., None]
-  return wa * out_a + wb * out_b, lse
+  return merge_parts(jnp.stack([out_a, out_b]), jnp.stack([lse_a, lse_b]),
+                     axis=0)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def merge_parts(out: Array, lse: Array, axis: int) -> tuple[Array, Array]:
-  """`merge` of any number of parts stacked on `axis` (split-KV decoding).
+  """Exactly combines partial attentions over disjoint key sets, stacked on
+  `axis`: the one home of this merge (split-KV decoding, ring attention,
+  `pallas_fa.merge_attention`).
+
+  With w_s = exp(lse_s - lse), out = sum_s w_s out_s and lse = logsumexp_s
+  lse_s, computed relative to the largest lse so that nothing overflows.
 
   Args:
     out: normalised outputs [..., rows, H], the parts along `axis` (an axis
       before the last two).
-    lse: their logsumexps, `out` without its last axis.
+    lse: their logsumexps, `out` without its last axis, natural log (-inf:
+      the part saw no key).
     axis: the parts' axis.
 
   Returns:
-    (out, lse) over all parts' keys; a row no part saw keeps out 0 and
-    lse -inf.
+    (out, lse) over all parts' keys, out in the stats dtype of the parts; a
+    row no part saw gets out 0 and lse -inf. Reverse-mode differentiable
+    with the cotangents of `merge_grad`, zero for a part with lse = -inf
+    (autodiff of the formula would give NaN there).
   """
   top = jnp.max(lse, axis=axis, keepdims=True)
   top_safe = jnp.where(top == MASK_VALUE, 0.0, top)
@@ -481,20 +485,20 @@ def merge_grad(
   return dout_part.astype(out_part.dtype), dlse_part.astype(lse_part.dtype)
 
 
-def _merge_fwd(out_a, lse_a, out_b, lse_b):
-  out, lse = merge(out_a, lse_a, out_b, lse_b)
-  return (out, lse), (out_a, lse_a, out_b, lse_b, out, lse)
+def _merge_parts_fwd(out, lse, axis):
+  merged = merge_parts(out, lse, axis)
+  return merged, (out, lse) + merged
 
 
-def _merge_bwd(residuals, cotangents):
-  out_a, lse_a, out_b, lse_b, out, lse = residuals
+def _merge_parts_bwd(axis, residuals, cotangents):
+  out_parts, lse_parts, out, lse = residuals
   dout, dlse = cotangents
   d = delta(out, dout, dlse)
-  return (*merge_grad(out_a, lse_a, lse, dout, d),
-          *merge_grad(out_b, lse_b, lse, dout, d))
+  return merge_grad(out_parts, lse_parts, jnp.expand_dims(lse, axis),
+                    jnp.expand_dims(dout, axis), jnp.expand_dims(d, axis))
 
 
-merge.defvjp(_merge_fwd, _merge_bwd)
+merge_parts.defvjp(_merge_parts_fwd, _merge_parts_bwd)
 
 
 # --------------------------------------------------------------------------

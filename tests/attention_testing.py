@@ -5,6 +5,7 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import pallas_fa
@@ -146,3 +147,19 @@ def check_against_reference(fn, case: Case, dtype, gen):
   chex.assert_trees_all_equal_dtypes(got[2:], want[2:])
   for name, x, r, rs in zip(names, got, want, want_same):
     assert_close(name, x, r, rs, dtype)
+
+
+def decode_reference(q, k, v, lengths, q_pos, group):
+  """Causal decoding attention over each row's valid cache [B, S, K, H]
+  in float64 numpy: (out [B, T, N, Hv], lse [B, T, N]), float32."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  k, v = (np.repeat(x, group, axis=2) for x in (k, v))
+  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+  kv_pos = np.arange(k.shape[1])
+  visible = ((kv_pos[None, None, :] <= q_pos[:, :, None])
+             & (kv_pos[None, None, :] < lengths[:, None, None]))
+  s = np.where(visible[:, None], s, -np.inf)
+  lse = np.logaddexp.reduce(s, axis=-1)
+  out = np.einsum("bnts,bsnh->btnh", np.exp(s - lse[..., None]), v)
+  return jnp.asarray(out, jnp.float32), jnp.asarray(
+      lse.transpose(0, 2, 1), jnp.float32)

@@ -17,6 +17,7 @@ import pallas_fa
 from pallas_fa import decode
 from pallas_fa import gpu_target
 from pallas_fa import online_softmax
+from tests import attention_testing
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
 
@@ -94,7 +95,8 @@ def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
     vf = jnp.asarray(np.nan_to_num(v_flat), dtype)
     if max(h, hv) > 256:  # Past flash_attention's head dims: numpy.
       assert dtype == jnp.float32
-      return _numpy_reference(q, kf, vf, lengths, q_pos, n // num_kv)
+      return attention_testing.decode_reference(
+          q, kf, vf, lengths, q_pos, n // num_kv)
     return pallas_fa.flash_attention(
         jnp.asarray(q, dtype), kf, vf, key_value_seq_lengths=lengths,
         query_positions=jnp.asarray(q_pos), implementation="xla",
@@ -104,21 +106,6 @@ def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
   same = (None, None) if dtype == jnp.float32 else reference(dtype)
   assert_close("out", out, ref32[0], same[0], dtype)
   assert_close("lse", lse, ref32[1], same[1], dtype)
-
-
-def _numpy_reference(q, k, v, lengths, q_pos, group):
-  """Causal attention over the valid cache in float64 numpy."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  k, v = (np.repeat(x, group, axis=2) for x in (k, v))
-  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-  kv_pos = np.arange(k.shape[1])
-  visible = ((kv_pos[None, None, :] <= q_pos[:, :, None])
-             & (kv_pos[None, None, :] < lengths[:, None, None]))
-  s = np.where(visible[:, None], s, -np.inf)
-  lse = np.logaddexp.reduce(s, axis=-1)
-  out = np.einsum("bnts,bsnh->btnh", np.exp(s - lse[..., None]), v)
-  return jnp.asarray(out, jnp.float32), jnp.asarray(
-      lse.transpose(0, 2, 1), jnp.float32)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8, 32])
@@ -151,7 +138,7 @@ def test_any_split_and_block(num_splits, block_kv):
     (4, 1, False), (1, 3, False), (2, 1, True)])
 def test_one_sequence_one_kv_head(t, num_splits, paged):
   # Every batch axis of the decode einsums is 1, so they run as plain matrix
-  # products (`decode._einsum`); with 3 splits the split axis stays.
+  # products (`decode.chunked._einsum`); with 3 splits the split axis stays.
   _check(b=1, t=t, n=8, num_kv=1, num_splits=num_splits,
          block_kv=None if paged else 32, page_size=16 if paged else None,
          soft_cap=30.0, name="one sequence")
@@ -375,8 +362,8 @@ def test_empty_calls_launch_no_kernel(implementation, paged, monkeypatch):
   def no_kernel(*args, **kwargs):
     raise AssertionError("an empty call reached a kernel")
 
-  monkeypatch.setattr(decode, "_split_kernel", no_kernel)
-  monkeypatch.setattr(decode, "_decode", no_kernel)
+  monkeypatch.setattr(decode.kernels, "run", no_kernel)
+  monkeypatch.setattr(decode.chunked, "attention", no_kernel)
   gen = rng("decode", "empty calls", implementation, paged)
   n, num_kv, h, hv, page_size, dtype = 4, 2, 16, 8, 16, jnp.bfloat16
   normal = lambda *shape: jnp.asarray(  # noqa: E731

@@ -1,0 +1,111 @@
+"""The Pallas decode kernels' dispatch: `triton.decode` and
+`mosaic_tpu.decode`, their block and split count, and (with a mask_mod, or
+on TPU) the packing and merge around their `partials`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fa import kv_cache
+from pallas_fa.decode import plan
+
+Array = Any
+
+
+def _decode_kernel(implementation):
+  """The decode module of a backend folder, imported on first use (the core
+  names backends, never imports them: a backend whose compiler stack is
+  missing breaks nothing until it is called)."""
+  return importlib.import_module(f"pallas_fa.{implementation}.decode")
+
+
+def run(implementation, query, key, value, lengths, block_table,
+        query_positions, sinks, num_splits, block_kv, static):
+  """A Pallas kernel (`triton.decode` or `mosaic_tpu.decode`): its block
+  and splits.
+
+  A quantized cache reaches a kernel module that sets `QUANTIZED_CACHES`
+  as it is, with `key_scale` / `value_scale` in `static` (float32 of rank
+  3, each dim 1 or the cache's; absent for a float8 cache without them).
+  A latent cache (one that sets `LATENT_CACHES`) comes as value=key with
+  `value_head_dim` in `static`.
+  """
+  if query.dtype == jnp.float64:
+    raise TypeError(
+        f"implementation={implementation!r} runs float32, bfloat16 and "
+        f"float16, got query {query.dtype=}.")
+  kernel = _decode_kernel(implementation)
+  if ((kv_cache.is_quantized(key.dtype) or kv_cache.is_quantized(value.dtype))
+      and not getattr(kernel, "QUANTIZED_CACHES", False)):
+    raise NotImplementedError(
+        f"implementation={implementation!r} reads float caches only; a "
+        f"quantized key/value cache ({key.dtype}, {value.dtype}) decodes "
+        f"with implementation='chunked' (or None).")
+  b, t, n, h = query.shape
+  num_kv = key.shape[2]
+  hv = static.get("value_head_dim") or value.shape[3]
+  paged = block_table is not None
+  shape = dict(head_dim=h, value_head_dim=hv, groups=n // num_kv,
+               new_tokens=t, page_size=key.shape[1] if paged else None,
+               block_kv=block_kv)
+  if implementation == "triton":
+    platform = None
+    block = kernel.block_for(**shape)
+    # Value head-dim chunks are programs too.
+    programs = num_kv * kernel.value_chunks(hv, n // num_kv * t)
+  else:
+    platform = "tpu"
+    block = kernel.block_for(**shape, dtype=query.dtype,
+                             cache_len=key.shape[1], cache_dtype=key.dtype,
+                             latent="value_head_dim" in static)
+    programs = num_kv
+  num_blocks = plan.kernel_blocks(key, block_table, block)
+  if num_splits is None:
+    num_splits = plan.default_num_splits(b, programs, num_blocks, platform)
+  splits = int(min(num_splits, num_blocks))
+  if implementation == "triton" and static.get("mask_mod") is None:
+    # Two kernels in all: the programs find their key runs themselves.
+    return kernel.attention(
+        query, key, value, lengths, block_table, query_positions, sinks,
+        block=block, splits=splits, **static)
+  return _decode_split_kernel(
+      query, key, value, lengths, block_table, query_positions, sinks,
+      partials=kernel.partials, block=block, splits=splits, **static)
+
+
+@functools.partial(jax.jit, static_argnames=plan.STATIC + (
+    "partials", "score_mod", "mask_mod", "value_head_dim"))
+def _decode_split_kernel(query, key, value, lengths, block_table,
+                         query_positions, sinks, *, partials, block, splits,
+                         **static):
+  """Packs the queries, runs a kernel's `partials` and merges its splits.
+
+  `partials(q, row_pos, query_positions, key, value, lengths, block_table,
+  *, block, splits, **static)` takes the packed queries [B, K, R, H]
+  (R = G * T_new), each packed row's position [B, R], the new tokens'
+  positions [B, T_new], the cache as given and int32 lengths; it returns
+  each split's normalised result and logsumexp, float32 [B, K, splits, R,
+  Hv] and [B, K, splits, R] (-inf for a split that saw no key).
+  """
+  lengths = lengths.astype(jnp.int32)
+  q, row_pos, query_positions = plan.packed(
+      query, lengths, query_positions, key.shape[2])
+  lengths, block_table = plan.in_range(lengths, block_table, key)
+  if static.get("mask_mod") is not None:
+    # The kernels visit each K/V head's non-empty blocks only.
+    static["kinds"] = plan.block_kinds(
+        static["mask_mod"], static["mask_mod_args"], lengths,
+        query_positions, num_heads=query.shape[2], num_kv=key.shape[2],
+        num_blocks=plan.kernel_blocks(key, block_table, block), block=block,
+        is_causal=static["is_causal"],
+        window=static["local_window_size"])
+  out, lse = partials(
+      q, row_pos, query_positions, key, value, lengths, block_table,
+      block=block, splits=splits, **static)
+  return plan.unpacked(*plan.merged(out, lse, sinks, 2, query.shape[1]), query)

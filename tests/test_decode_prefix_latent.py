@@ -1,0 +1,216 @@
+"""Cascade decoding over a shared prefix, and latent (MLA) caches, against
+`flash_attention` ("xla") on the materialised caches."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from pallas_fa import flex
+from pallas_fa import kv_cache
+from tests.attention_testing import assert_close
+from tests.attention_testing import rng
+
+
+def _reference(q, k, v, lengths, q_pos, **kw):
+  return pallas_fa.flash_attention(
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+      key_value_seq_lengths=jnp.asarray(lengths),
+      query_positions=jnp.asarray(q_pos), implementation="xla",
+      precision="highest", return_residual=True, **kw)
+
+
+def _prefix_case(gen, *, b=3, t=2, n=4, num_kv=2, h=32, hv=16, s_p=40,
+                 s_max=48, page_size=None):
+  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
+  pk = gen.standard_normal((s_p, num_kv, h)).astype(np.float32)
+  pv = gen.standard_normal((s_p, num_kv, hv)).astype(np.float32)
+  k = gen.standard_normal((b, s_max, num_kv, h)).astype(np.float32)
+  v = gen.standard_normal((b, s_max, num_kv, hv)).astype(np.float32)
+  lengths = gen.integers(t, s_max + 1, b).astype(np.int32)
+  lengths[0] = 0  # a row with no own entries yet: the prefix only
+  past = np.arange(s_max)[None] >= lengths[:, None]
+  k_nan, v_nan = k.copy(), v.copy()
+  k_nan[past], v_nan[past] = np.nan, np.nan  # never read
+  table = None
+  if page_size is not None:
+    pages = s_max // page_size
+    order = gen.permutation(b * pages).reshape(b, pages)
+    k_pool = np.empty((b * pages, page_size, num_kv, h), np.float32)
+    v_pool = np.empty((b * pages, page_size, num_kv, hv), np.float32)
+    for row in range(b):
+      for i, page in enumerate(order[row]):
+        k_pool[page] = k_nan[row, i * page_size:(i + 1) * page_size]
+        v_pool[page] = v_nan[row, i * page_size:(i + 1) * page_size]
+    k_nan, v_nan, table = k_pool, v_pool, order.astype(np.int32)
+  # The concatenation each row attends to, and its positions.
+  cat_k = np.concatenate([np.broadcast_to(pk, (b,) + pk.shape), k], axis=1)
+  cat_v = np.concatenate([np.broadcast_to(pv, (b,) + pv.shape), v], axis=1)
+  q_pos = s_p + lengths[:, None] - t + np.arange(t)[None]
+  return dict(q=q, pk=pk, pv=pv, k=k_nan, v=v_nan, table=table,
+              lengths=lengths, cat_k=cat_k, cat_v=cat_v, q_pos=q_pos,
+              cat_lengths=s_p + lengths)
+
+
+@pytest.mark.parametrize("page_size, splits, extras", [
+    (None, 1, {}), (16, 2, {}), (None, 3, "window_softcap_sinks"),
+    (16, 1, "positions")])
+def test_prefix_equals_decoding_the_concatenation(page_size, splits, extras):
+  gen = rng("prefix", page_size, splits, str(extras))
+  c = _prefix_case(gen, page_size=page_size)
+  kw, q_pos = {}, c["q_pos"]
+  if extras == "window_softcap_sinks":
+    kw = dict(local_window_size=(30, 0), logits_soft_cap=20.0,
+              sinks=jnp.asarray(gen.standard_normal(4), jnp.float32))
+  if extras == "positions":  # new tokens not at the end (speculative)
+    q_pos = q_pos - gen.integers(0, 3, (3, 1))
+    kw = dict(query_positions=jnp.asarray(q_pos, jnp.int32))
+  out, lse = pallas_fa.decode_attention(
+      jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]),
+      jnp.asarray(c["lengths"]),
+      block_table=None if c["table"] is None else jnp.asarray(c["table"]),
+      prefix_key=jnp.asarray(c["pk"]), prefix_value=jnp.asarray(c["pv"]),
+      num_splits=splits, return_residual=True, **kw)
+  kw.pop("query_positions", None)
+  ref = _reference(c["q"], c["cat_k"], c["cat_v"], c["cat_lengths"], q_pos,
+                   is_causal=True, **kw)
+  assert out.shape == (3, 2, 4, 16) and out.dtype == jnp.float32
+  assert_close("out", out, ref[0])
+  assert_close("lse", lse, ref[1])
+
+
+def test_prefix_with_score_mod_and_mask_mod_sees_concatenated_positions():
+  gen = rng("prefix flex")
+  c = _prefix_case(gen)
+  slopes = flex.alibi_slopes(4)
+  doc = gen.integers(0, 2, (3, 40 + 48)).astype(np.int32)
+  doc[:, :40] = 0  # the prefix is everyone's first document
+  mods = dict(score_mod=flex.alibi, score_mod_args=(slopes,))
+
+  def same_document_or_prefix(batch, head, q_idx, kv_idx, ids):
+    return (kv_idx < 40) | (ids[batch, q_idx] == ids[batch, kv_idx])
+
+  mods.update(mask_mod=same_document_or_prefix,
+              mask_mod_args=(jnp.asarray(doc),))
+  out = pallas_fa.decode_attention(
+      jnp.asarray(c["q"]), jnp.asarray(c["k"]), jnp.asarray(c["v"]),
+      jnp.asarray(c["lengths"]), prefix_key=jnp.asarray(c["pk"]),
+      prefix_value=jnp.asarray(c["pv"]), **mods)
+  # The oracle: decoding each row over its materialised concatenation (the
+  # mods see positions in it, q_idx the new token's).
+  ref = pallas_fa.decode_attention(
+      jnp.asarray(c["q"]), jnp.asarray(c["cat_k"]), jnp.asarray(c["cat_v"]),
+      jnp.asarray(c["cat_lengths"]), **mods)
+  assert_close("out", out, ref)
+
+
+def test_prefix_is_read_once_for_all_rows():
+  """The prefix part is one attention call whose key operand is the prefix
+  itself (no per-row copy): the traced program holds no array of B times
+  the prefix."""
+  import jax  # noqa: PLC0415
+
+  gen = rng("prefix once")
+  c = _prefix_case(gen, s_p=512)
+  args = [jnp.asarray(c[name]) for name in ("q", "k", "v", "lengths", "pk",
+                                             "pv")]
+
+  def step(q, k, v, lengths, pk, pv):
+    return pallas_fa.decode_attention(q, k, v, lengths, prefix_key=pk,
+                                      prefix_value=pv)
+
+  text = jax.jit(step).lower(*args).as_text()
+  assert "3x512x2x32" not in text and "3x512x2x16" not in text
+
+
+@pytest.mark.parametrize("quantized, page_size", [
+    (False, None), (True, None), (True, 16)])
+def test_latent_cache_reads_values_from_the_keys(quantized, page_size):
+  gen = rng("latent", quantized, page_size)
+  b, t, n, h, hv, s_max = 2, 1, 8, 72, 64, 64
+  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
+  k = gen.standard_normal((b, s_max, 1, h)).astype(np.float32)
+  lengths = np.asarray([s_max, 23], np.int32)
+  scales, k_seen = {}, k
+  if quantized:
+    k_vals, k_scale = kv_cache.quantize(jnp.asarray(k), jnp.int8)
+    k_seen = np.asarray(k_vals, np.float32) * np.asarray(k_scale)[..., None]
+    k, scales = np.asarray(k_vals), dict(key_scale=k_scale)
+  cache, table = jnp.asarray(k), None
+  if page_size is not None:
+    pages = s_max // page_size
+    table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    cache = cache.reshape(b * pages, page_size, 1, h)
+    scales = {name: x.reshape(b * pages, page_size, 1)
+              for name, x in scales.items()}
+  out = pallas_fa.decode_attention(
+      jnp.asarray(q), cache, None, jnp.asarray(lengths), value_head_dim=hv,
+      block_table=table, num_splits=2, **scales)
+  q_pos = lengths[:, None] - 1
+  ref = _reference(q, k_seen, k_seen[..., :hv], lengths, q_pos,
+                   is_causal=True)
+  assert out.shape == (b, t, n, hv)
+  assert_close("out", out, ref[0])
+
+
+def test_latent_cache_with_a_prefix():
+  gen = rng("latent prefix")
+  b, t, n, h, hv, s_p, s_max = 2, 1, 4, 24, 16, 20, 32
+  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
+  k = gen.standard_normal((b, s_max, 1, h)).astype(np.float32)
+  pk = gen.standard_normal((s_p, 1, h)).astype(np.float32)
+  lengths = np.asarray([s_max, 5], np.int32)
+  out = pallas_fa.decode_attention(
+      jnp.asarray(q), jnp.asarray(k), None, jnp.asarray(lengths),
+      value_head_dim=hv, prefix_key=jnp.asarray(pk))
+  cat = np.concatenate([np.broadcast_to(pk, (b,) + pk.shape), k], axis=1)
+  ref = _reference(q, cat, cat[..., :hv], s_p + lengths,
+                   s_p + lengths[:, None] - 1, is_causal=True)
+  assert_close("out", out, ref[0])
+
+
+def _small():
+  gen = rng("prefix latent errors")
+  q = jnp.asarray(gen.standard_normal((2, 1, 4, 8)), jnp.float32)
+  k = jnp.asarray(gen.standard_normal((2, 16, 2, 8)), jnp.float32)
+  return q, k, jnp.asarray([3, 16], jnp.int32)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(prefix_key=np.ones((5, 2, 8), np.float32)), ValueError,
+     "prefix_key and prefix_value go together"),
+    (dict(prefix_key=np.ones((5, 2, 8), np.float32),
+          prefix_value=np.ones((5, 2, 4), np.float32)), ValueError,
+     r"prefix_value must be \[S_p, K, 8\]"),
+    (dict(prefix_key=np.ones((1, 5, 2, 8), np.float32),
+          prefix_value=np.ones((5, 2, 8), np.float32)), ValueError,
+     "no batch dim"),
+    (dict(prefix_key=np.ones((5, 2, 8), np.float16),
+          prefix_value=np.ones((5, 2, 8), np.float32)), TypeError,
+     "prefix_key must have the query's dtype"),
+    (dict(prefix_key=np.ones((5, 3, 8), np.float32),
+          prefix_value=np.ones((5, 3, 8), np.float32)), ValueError,
+     "multiple of prefix_key"),
+    (dict(value=None), ValueError, "takes value_head_dim"),
+    (dict(value=None, value_head_dim=9), ValueError, r"\[1, H=8\]"),
+    (dict(value_head_dim=4), ValueError, "value_head_dim applies to a latent"),
+    (dict(value=None, value_head_dim=4, implementation="triton"),
+     NotImplementedError, "latent"),
+])
+def test_bad_prefix_and_latent_arguments_are_named(change, error, match):
+  q, k, lengths = _small()
+  kw = dict(value=k)
+  kw.update({name: jnp.asarray(x) if isinstance(x, np.ndarray) else x
+             for name, x in change.items()})
+  with pytest.raises(error, match=match):
+    pallas_fa.decode_attention(q, k, lengths=lengths, **kw)
+
+
+def test_latent_value_scale_is_rejected():
+  q, k, lengths = _small()
+  k8, scale = kv_cache.quantize(k, jnp.int8)
+  with pytest.raises(ValueError, match="value_scale applies to a value"):
+    pallas_fa.decode_attention(q, k8, None, lengths, value_head_dim=4,
+                               key_scale=scale, value_scale=scale)
