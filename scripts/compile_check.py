@@ -121,12 +121,20 @@ BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
-            "value_dim", "flex_alibi", "flex_softcap", "flex_document",
-            "flex_t5", "decode_flex", "fused", "fused_causal", "fused_masked",
-            "fused_dropout")
+            "decode_int8", "decode_paged_int8", "decode_fp8",
+            "decode_paged_fp8", "value_dim", "flex_alibi", "flex_softcap",
+            "flex_document", "flex_t5", "decode_flex", "fused",
+            "fused_causal", "fused_masked", "fused_dropout")
+# The decode variants over a quantized cache: (the variant whose cache
+# layout they have, the cache's dtype); the query's is the case's dtype.
+QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
+                    "decode_paged_int8": ("decode_paged", "int8"),
+                    "decode_fp8": ("decode", "float8_e4m3fn"),
+                    "decode_paged_fp8": ("decode_paged", "float8_e4m3fn")}
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
+                    **{name: ("triton",) for name in QUANTIZED_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
                     "flex_softcap": ("triton", "mosaic_gpu"),
@@ -136,6 +144,9 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     **{name: ("mosaic_gpu",) for name in (
                         "fused", "fused_causal", "fused_masked",
                         "fused_dropout")}}
+# The least compute capability of a variant: Triton converts float8_e4m3fn
+# from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
+VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9)}
 # The widest head dim of a variant (past it, its calls run another variant's
 # kernels): the fused backward runs up to 128, with dropout up to 64
 # (`mosaic_gpu.fused_backward_applies`).
@@ -148,7 +159,8 @@ DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 # much as its work. The flex variant's mask_mod lists take more, and so
 # does a head dim the kernel pads (H = 72: the padded copy of the cache,
 # `pallas_fa.triton.decode`), which is reported, not checked.
-DECODE_KERNELS = {"decode": 2, "decode_paged": 2}
+DECODE_KERNELS = {"decode": 2, "decode_paged": 2,
+                  **{name: 2 for name in QUANTIZED_DECODE}}
 HEAD_DIMS = (64, 72, 128, 256)
 
 
@@ -165,6 +177,10 @@ class Case:
       "dropout" = causal + attention dropout; "decode" /
       "decode_paged" = `decode_attention`'s forward (triton only) against
       a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2);
+      "decode_int8" / "decode_paged_int8" / "decode_fp8" /
+      "decode_paged_fp8" = the same over a quantized cache, int8 or
+      float8_e4m3fn with float32 scales per entry ([B, S, K] / [P,
+      page_size, K], `QUANTIZED_DECODE`);
       "value_dim" = causal with a value head dim Hv = H // 2 (MLA-style
       values narrower than queries/keys), or 2 H at H <= 64: there H // 2
       pads to H's width on mosaic_gpu, the kernels of the causal case,
@@ -259,23 +275,33 @@ def _decode_call(case: Case, seq: int, spec):
   shape = DECODE_SHAPE
   b, h = 2, case.head_dim
   kv, page = shape["kv_heads"], shape["page_size"]
+  layout, cache_dtype = QUANTIZED_DECODE.get(
+      case.variant, (case.variant, case.dtype))
   args = [spec((b, shape["new_tokens"], shape["heads"], h))]
-  if case.variant == "decode_paged":
+  if layout == "decode_paged":
     pages = b * seq // page
-    args += [spec((pages, page, kv, h)), spec((pages, page, kv, h)),
+    cache = (pages, page, kv)
+    args += [spec((*cache, h), cache_dtype), spec((*cache, h), cache_dtype),
              spec((b,), jnp.int32), spec((b, seq // page), jnp.int32)]
   else:
-    args += [spec((b, seq, kv, h)), spec((b, seq, kv, h)),
+    cache = (b, seq, kv)
+    args += [spec((*cache, h), cache_dtype), spec((*cache, h), cache_dtype),
              spec((b,), jnp.int32), None]
   flex_call = case.variant == "decode_flex"
   if flex_call:  # ALiBi's slopes, prefix-LM's prefix lengths.
     args += [spec((shape["heads"],), jnp.float32), spec((b,), jnp.int32)]
+  quantized = case.variant in QUANTIZED_DECODE
+  if quantized:  # The key and value scales, one per cache entry.
+    args += [spec(cache, jnp.float32), spec(cache, jnp.float32)]
 
-  def call(q, k, v, lengths, table, slopes=None, prefix=None):
+  def call(q, k, v, lengths, table, *extra):
     kw = {}
     if flex_call:
+      slopes, prefix = extra
       kw = dict(score_mod=flex.alibi, score_mod_args=(slopes,),
                 mask_mod=flex.prefix_lm, mask_mod_args=(prefix,))
+    if quantized:
+      kw = dict(key_scale=extra[0], value_scale=extra[1])
     return pallas_fa.decode_attention(
         q, k, v, lengths, block_table=table, implementation=case.backend,
         **kw)
@@ -294,7 +320,7 @@ def _decode_tiles(case: Case) -> str:
   block = triton_decode.block_for(
       head_dim=case.head_dim, value_head_dim=case.head_dim, groups=groups,
       new_tokens=shape["new_tokens"], block_kv=None,
-      page_size=shape["page_size"] if case.variant == "decode_paged"
+      page_size=shape["page_size"] if case.variant.startswith("decode_paged")
       else None)
   return (f"rows={rows} block_kv={block} head_dim={padded}/{chunk} "
           f"value_head_dim={value_padded}/{value_chunk}")
@@ -496,6 +522,8 @@ def matrix(args) -> list[tuple[str, Case]]:
   out = []
   for target in targets:
     backends = BACKENDS.get(target, ("triton", "mosaic_gpu"))
+    capability = tuple(
+        int(x) for x in _target(target)[0].compute_capability.split("."))
     for backend in args.backends.split(","):
       if backend not in backends:
         continue
@@ -504,7 +532,8 @@ def matrix(args) -> list[tuple[str, Case]]:
           for dtype in dtypes:
             if dtype not in DTYPES[backend] or backend not in (
                 VARIANT_BACKENDS.get(variant, (backend,))) or h > (
-                VARIANT_MAX_HEAD_DIM.get(variant, h)):
+                VARIANT_MAX_HEAD_DIM.get(variant, h)) or capability < (
+                VARIANT_MIN_CAPABILITY.get(variant, ())):
               continue
             for tiles in args.tiles.split(","):
               out.append((target, Case(backend, h, dtype, variant, tiles)))

@@ -28,7 +28,7 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   at a few microseconds per launch the nine small fusions that built the
   spans and padded the queries, and the three that merged, cost about as
   much as reading the cache. With a mask_mod the partials merge in plain
-  JAX (`decode._merged`).
+  JAX (`decode.plan.merged`).
 * **Paging.** A contiguous cache [B, S_max, K, H] is read in blocks of
   `block` keys (a `pl.ds` slice; when S_max is not a multiple of `block`,
   the last block is the cache's last `block` rows, its keys already read
@@ -37,6 +37,20 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   divides `page_size` (so a block never straddles two pages), and block j
   of a sequence is rows [(j % per_page) * block, ...) of page
   `block_table[b, j // per_page]`. Page sizes must be multiples of 16.
+* **Quantized caches.** An int8, float8_e4m3fn or float8_e5m2 cache
+  (`QUANTIZED_CACHES`) is read as stored, in the same tiles at one byte
+  an element (never a float copy of it in memory); each tile is converted
+  in registers to the query's dtype, which holds every int8 and float8
+  value exactly. The float32 scales act per key column: the key's
+  multiply the logits after Q.K^T (q . (k c) = (q . k) c), the value's
+  multiply P before P.V ((P c) . v = P . (v c)), and in masked blocks
+  those of keys past the length (which may be NaN) are zeroed first. A
+  paged cache's scales are read through the same page index. Scales come
+  in as they are, a broadcast dim never expanded (`_scale_input`): one
+  per key is a [block] load beside the tile, one per page or sequence a
+  scalar load, one per program (per K/V head, say) a load before the
+  loop (a value scale then multiplies the output once). float8_e4m3fn
+  needs compute capability 8.9 (Triton's conversions).
 * **Head dims.** Up to 256 a head dim is padded to a power of two (one
   tile, `triton.ALIGN`); above, it is cut into power-of-two chunks that
   divide it rounded up to 16 (576 = 9 x 64, 4096 = 16 x 256), so a cache of
@@ -65,6 +79,7 @@ extra pass over it. Forward only.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -96,6 +111,9 @@ _MIN = triton.MIN_BLOCK
 _KEY_CHUNK = 256
 _VALUE_CHUNK = 1024
 _TILE_ELEMENTS = 1 << 14
+# int8 / float8 caches are read as stored and dequantized in registers
+# (`decode.kernels.run` passes them with their scales).
+QUANTIZED_CACHES = True
 
 
 def packed_rows(rows: int) -> int:
@@ -293,6 +311,14 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
                  value_chunk)
   q_mask = None if row_ok is None else row_ok[:, None]
   q_whole = (_load(refs["q"], q_mask, 0) if head_chunks == 1 else None)
+  # A quantized cache's tiles are read as stored (1 byte an element) and
+  # converted here to the queries' dtype, which holds every int8 and
+  # float8 value exactly; the scales act on the logits and on P
+  # (`_scale_input`). One scale for the program's whole cache is read once.
+  compute = refs["q"].dtype
+  constant = {name: refs[name][(0,) * refs[name].ndim]
+              for name in ("k_scale", "v_scale")
+              if name in refs and math.prod(refs[name].shape) == 1}
 
   def key_rows(j):
     """(position of the first key read, (leading index, rows) in the K/V
@@ -309,20 +335,44 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     offset = pl.multiple_of((j % per_page) * block, block)
     return j * block, (page, pl.ds(offset, block))
 
+  def block_scales(name, lead, valid):
+    """The scales of a block's keys: [1, block], or a scalar when they are
+    one for the block (None: no scales). Those of keys past the length
+    (`valid` False; None: all valid) may be NaN: zeroed."""
+    if name not in refs:
+      return None
+    if name in constant:
+      return constant[name]
+    ref = refs[name]
+    # An axis of size 1 is broadcast: its index is 0 (a stride of 0).
+    c = ref[tuple(i if d > 1 else 0 for i, d in zip(lead, ref.shape))]
+    if valid is not None:
+      c = jnp.where(valid, c, jnp.zeros((), c.dtype))
+    return c if c.ndim == 0 else c[None, :]
+
   def step(j, carry, *, masked=True):
     m_i, l_i, acc = carry
     start, lead = key_rows(j)
     if head_chunks == 1:
-      qk = _dot_nt(q_whole, refs["k"][(*lead, slice(None))], precision)
+      qk = _dot_nt(q_whole, refs["k"][(*lead, slice(None))].astype(compute),
+                   precision)
     else:
       def chunk(c, qk):
         cols = pl.ds(pl.multiple_of(c * head_chunk, head_chunk), head_chunk)
         q = _load(refs["q"].at[:, cols], q_mask, 0)
-        return qk + _dot_nt(q, refs["k"][(*lead, cols)], precision)
+        return qk + _dot_nt(q, refs["k"][(*lead, cols)].astype(compute),
+                            precision)
 
       qk = jax.lax.fori_loop(0, head_chunks, chunk,
                              jnp.zeros((rows, block), _F32))
     kv_pos = start + jnp.arange(block, dtype=jnp.int32)
+    valid = None
+    if masked:
+      valid = (kv_pos >= j * block) & (kv_pos < length)
+    k_scale = block_scales("k_scale", lead, valid)
+    if k_scale is not None:
+      # Dequantizing: q . (k * c) = (q . k) * c for the key's scale c.
+      qk = qk * k_scale
     # The cache positions' per-key flex values (paged: logical positions).
     cols = pl.ds(start, block)
     if score_mod is None:
@@ -334,7 +384,6 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
                          q_idx=row_pos, kv_idx=kv_pos[None, :], score=s)
       s = s * online_softmax.LOG2_E
     if masked:
-      valid = (kv_pos >= j * block) & (kv_pos < length)
       visible = masking.visible(
           is_causal=is_causal, window=window, q_pos=row_pos,
           kv_pos=kv_pos[None, :], dense=valid[None, :])
@@ -344,12 +393,17 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             kv_idx=kv_pos[None, :])
       s = online_softmax.apply_mask(s, visible)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
-    v = refs["v"][(*lead, values)]  # [block, value_chunk]
+    v = refs["v"][(*lead, values)].astype(compute)  # [block, value_chunk]
     if masked:
       # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
       v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
+    v_scale = block_scales("v_scale", lead, valid)
+    if v_scale is not None and "v_scale" not in constant:
+      # P . (v * c) = (P * c) . v for the value's scale c (a constant one
+      # scales the output once, below).
+      p = p * v_scale
     acc = online_softmax.rescale(acc, alpha) + _dot(
-        p.astype(v.dtype), v, precision)
+        p.astype(compute), v, precision)
     return m_i, l_i, acc
 
   carry = online_softmax.init((rows,), (rows, value_chunk))
@@ -371,19 +425,49 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     carry = jax.lax.fori_loop(first, end, step, carry)
   m_i, l_i, acc = carry
   out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
+  if "v_scale" in constant:
+    out = out * constant["v_scale"]
   _store(refs["out"], out, q_mask)
   _store(refs["lse"], lse, row_ok)
+
+
+def _scale_input(scale, *, paged: bool, cache_len: int):
+  """(array, BlockSpec) of a quantized cache's float32 scales, rank 3, each
+  dim 1 or the cache's: contiguous [B, S_max, K], paged [P, page_size, K].
+
+  Passed as they are, never broadcast to full size: a program's block is
+  its sequence's (contiguous; all pages when paged) scales of its K/V
+  head, and a dim of size 1 is a broadcast one, its index 0 wherever the
+  cache's is not (in effect a stride of 0: every program, page or key
+  reads the same scale). In the kernel a key axis of size 1 is one scalar
+  load per block (per page), and a scale with no key axis left (one per
+  sequence, K/V head or cache) one load per program
+  (`_kernel.block_scales`). A contiguous cache shorter than one block is
+  padded to one block (`_split_call`), its scales with it.
+  """
+  lead, rows, heads = scale.shape
+  if not paged and rows > 1:
+    scale = masking.pad_axes(scale, {1: cache_len})
+
+  def index(i, k, j):
+    del j
+    return (i if lead > 1 and not paged else 0, 0, k if heads > 1 else 0)
+
+  return scale, triton.block_spec(
+      (lead if paged else None, scale.shape[1], None), index)
 
 
 def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
                 new_tokens: int, block: int, splits: int, scale: float,
                 is_causal: bool, local_window_size, logits_soft_cap,
                 precision, score_mod=None, score_mod_args=(), mask_mod=None,
-                mask_mod_args=(), lists=None):
+                mask_mod_args=(), lists=None, key_scale=None,
+                value_scale=None):
   """The split kernel on packed queries q [B, K, R, H] (R = G * T_new,
   not padded) and the cache as given; `inputs` holds what tells a program
   its run ("len" and maybe "qpos", or a mask_mod's lists) and `row_pos`,
   [B, R], each packed row's position, is needed with flex attention only.
+  A quantized cache comes with its scales or None (`_scale_input`).
 
   Returns (out float32 [B, K, splits, R, Hv padded], lse float32 [B, K,
   splits, R]): every split's normalised partial result (the value head dim
@@ -436,6 +520,10 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       "k": (key, triton.block_spec((*cache_block, hp), cache_index)),
       "v": (value, triton.block_spec((*cache_block, hvp), cache_index)),
   }
+  for name, x in (("k_scale", key_scale), ("v_scale", value_scale)):
+    if x is not None:
+      inputs[name] = _scale_input(x, paged=block_table is not None,
+                                  cache_len=cache_len)
   if lists is not None:
     inputs["span"] = _listed_spans(inputs.pop("len")[0][:, 0], lists,
                                    split_of)
@@ -479,7 +567,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
              *, block: int, splits: int, scale: float, is_causal: bool,
              local_window_size, logits_soft_cap, precision, score_mod=None,
              score_mod_args=(), mask_mod=None, mask_mod_args=(),
-             kinds=None):
+             kinds=None, key_scale=None, value_scale=None):
   """The kernel's per-split results on the packed layout of `decode`
   (`decode_attention` takes this path with a mask_mod; without one,
   `attention` runs the whole call in two kernels).
@@ -501,6 +589,8 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       kind for each K/V head (`decode.block_kinds`): a program visits its
       share of the non-empty blocks (`masking.listed_runs`), the FULL ones
       without masking.
+    key_scale, value_scale: None, or a quantized cache's float32 scales,
+      rank 3 with each dim 1 or the cache's (`decode_attention`).
 
   Returns:
     (out float32 [B, K, splits, R, Hv], lse float32 [B, K, splits, R]):
@@ -526,7 +616,8 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
       score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
-      mask_mod_args=mask_mod_args, lists=lists)
+      mask_mod_args=mask_mod_args, lists=lists, key_scale=key_scale,
+      value_scale=value_scale)
   return out[..., :value.shape[3]], lse
 
 
@@ -544,7 +635,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, score_mod=None, score_mod_args=(), mask_mod=None,
-              mask_mod_args=()):
+              mask_mod_args=(), key_scale=None, value_scale=None):
   """`decode_attention(implementation="triton")` without a mask_mod, as
   two kernels: the split kernel and the merge.
 
@@ -566,8 +657,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       int [B, T_new].
     sinks: None or float32 [N].
     block, splits, scale, is_causal, local_window_size, logits_soft_cap,
-      precision, score_mod, score_mod_args: as for `partials`
-      (`mask_mod` must be None).
+      precision, score_mod, score_mod_args, key_scale, value_scale: as for
+      `partials` (`mask_mod` must be None).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new,
@@ -575,7 +666,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
   """
   if mask_mod is not None:
     raise NotImplementedError(
-        "a mask_mod's block lists take `partials` (decode._split_kernel).")
+        "a mask_mod's block lists take `partials` (decode.kernels.run).")
   b, t, n, h = query.shape
   num_kv = key.shape[2]
   g = n // num_kv
@@ -592,7 +683,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
     inputs["qpos"] = _qpos_input(query_positions)
   row_pos = None
   if score_mod is not None:
-    # Packed row r is the new token r % T_new (`decode._packed`).
+    # Packed row r is the new token r % T_new (`decode.plan.packed`).
     positions = query_positions
     if positions is None:
       positions = (lengths[:, None] - t
@@ -603,7 +694,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       block=block, splits=splits, scale=scale, is_causal=is_causal,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       precision=precision, score_mod=score_mod,
-      score_mod_args=score_mod_args)
+      score_mod_args=score_mod_args, key_scale=key_scale,
+      value_scale=value_scale)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = sinks.astype(_F32).reshape(num_kv, g)
@@ -637,11 +729,11 @@ def _merge_kernel(refs, *, splits: int, real_rows: int, value_head_dim: int,
   lse = _load(refs["part_lse"], part_ok, online_softmax.MASK_VALUE)
   parts = _load(refs["parts"],
                 None if part_ok is None else part_ok[:, :, None], 0.0)
-  out, lse = online_softmax.merge_parts(parts, lse, axis=0)
+  # The primals of the custom_vjps (Triton lowers no custom_vjp; this
+  # kernel is forward-only).
+  out, lse = online_softmax.merge_parts.fun(parts, lse, 0)
   if "sinks" in refs:
     sinks = _load(refs["sinks"], None if rows == real_rows else row_ok, 0.0)
-    # The primal of the custom_vjp (Triton lowers no custom_vjp; this
-    # kernel is forward-only).
     out, lse = online_softmax.add_sink.fun(out, lse, sinks)
   out_ok = None
   if rows != real_rows or padded_head_dim != value_head_dim:
