@@ -96,6 +96,7 @@ def generate(
     cache_length: int | None = None,
     prompt_lengths: Array | None = None,
     page_size: int | None = None,
+    cache_dtype: Any = None,
     return_logits: bool = False,
 ) -> Array | tuple[Array, Array]:
   """Continues `prompt` by `max_new_tokens` tokens.
@@ -118,6 +119,9 @@ def generate(
     page_size: decode with a paged cache of pages this long (each row owns
       ceil(cache_length / page_size) pages, see
       `pallas_fa.modules.MultiHeadAttention.init_cache`); None = contiguous.
+    cache_dtype: the cache's dtype; default the model's. int8 or float8
+      quantize each key and value as it is written (a float32 scale per
+      token and K/V head) and decode from the narrow cache.
     return_logits: also return the logits each token was drawn from.
 
   Returns:
@@ -153,7 +157,8 @@ def generate(
         f"prompt_lengths must be in [1, P={p}], got {prompt_lengths}.")
   graphdef, state = nnx.split(model)
   decoder = nnx.merge(graphdef, state)  # A copy: the cache stays off `model`.
-  decoder.init_cache(prompt.shape[0], cache_length, page_size=page_size)
+  decoder.init_cache(prompt.shape[0], cache_length, cache_dtype,
+                     page_size=page_size)
   graphdef, state = nnx.split(decoder)
   rng = jax.random.key(0) if rng is None else rng
   return _generate(
@@ -170,7 +175,7 @@ _TEXT_PROMPTS = ("def ", "import ", "class ", "    for ")
 def show_samples(model, dataset, *, num_shown: int, num_prompts: int = 512,
                  seed: int = 0, prompts: Sequence[str] | None = None,
                  max_new_tokens: int = 200, temperature: float = 0.8,
-                 top_k: int | None = 20, out=None):
+                 top_k: int | None = 20, cache_dtype: Any = None, out=None):
   """Generates with the KV cache and prints the results.
 
   Args:
@@ -183,6 +188,7 @@ def show_samples(model, dataset, *, num_shown: int, num_prompts: int = 512,
     max_new_tokens: text: tokens generated per prompt.
     temperature: text: sampling temperature (0 = greedy).
     top_k: text: sample among the k most likely tokens (None = all).
+    cache_dtype: the KV cache's dtype (`generate`); default the model's.
     out: where to print (default stdout).
 
   Returns:
@@ -193,7 +199,8 @@ def show_samples(model, dataset, *, num_shown: int, num_prompts: int = 512,
   if isinstance(dataset, data_lib.SyntheticTask):
     rng = np.random.default_rng([seed, 7])
     questions, answers = dataset.examples(rng, num_prompts)
-    pred = np.asarray(generate(model, questions, dataset.answer_len))
+    pred = np.asarray(generate(model, questions, dataset.answer_len,
+                               cache_dtype=cache_dtype))
     ok = np.all(pred == answers, axis=1)
     print(f"Greedy KV-cache generation on {len(ok)} fresh prompts: "
           f"{ok.mean():.2%} exact match.", file=out)
@@ -206,7 +213,8 @@ def show_samples(model, dataset, *, num_shown: int, num_prompts: int = 512,
   for i, text in enumerate(list(prompts or _TEXT_PROMPTS)[:num_shown]):
     new = generate(
         model, dataset.encode(text)[None], max_new_tokens,
-        rng=jax.random.key(seed + i), temperature=temperature, top_k=top_k)
+        rng=jax.random.key(seed + i), temperature=temperature, top_k=top_k,
+        cache_dtype=cache_dtype)
     texts.append(text + dataset.decode(new[0]))
     print(f"--- sample {i} ---\n{texts[-1]}", file=out)
   return texts

@@ -56,6 +56,15 @@ def option(default: Any, help_: str, choices: tuple[str, ...] | None = None):
       default=default, metadata={"help": help_, "choices": choices})
 
 
+# --kv_cache_dtype: "auto" (the model's dtype) or a quantized cache.
+KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def cache_dtype(name: str):
+  """The dtype `--kv_cache_dtype=name` names; None for "auto"."""
+  return None if name == "auto" else jnp.dtype(name)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
   """Everything a training run depends on; each `option` field is a flag."""
@@ -100,6 +109,10 @@ class Options:
       False, "Delete the workdir's checkpoints and start over.")
   seed: int = option(0, "Initialisation and data seed.")
   num_samples: int = option(8, "Samples printed after training.")
+  kv_cache_dtype: str = option(
+      "auto", "The KV cache's dtype when sampling: the model's (auto), or "
+      "int8 / float8 values with a float32 scale per token and head.",
+      KV_CACHE_DTYPES)
   data_parallel: int = option(
       1, "Devices splitting the batch (data parallelism).")
   sequence_parallel: int = option(
@@ -586,7 +599,7 @@ def train(opts: Options) -> dict[str, Any]:
              else sys.stdout)
       samples = generate_lib.show_samples(
           model, run.dataset, num_shown=opts.num_samples, seed=opts.seed,
-          out=out)
+          cache_dtype=cache_dtype(opts.kv_cache_dtype), out=out)
     synthetic = isinstance(run.dataset, data_lib.SyntheticTask)
     result["generate_accuracy"] = samples[0] if synthetic else None
   result["wall_s"] = time.perf_counter() - wall0

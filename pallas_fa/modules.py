@@ -326,6 +326,12 @@ class MultiHeadAttention(nnx.Module):
       max_length: the most positions (prompt + generated) the cache holds
         (a paged cache rounds it up to whole pages).
       dtype: cache dtype; default the computation dtype (else float32).
+        int8, float8_e4m3fn or float8_e5m2 make a quantized cache: each new
+        key/value is quantized as it is written (`kv_cache.quantize`, a
+        float32 scale per entry and K/V head in `cached_key_scale` /
+        `cached_value_scale`) and decoding reads the narrow cache
+        (`decode_attention(key_scale=...)`); calls of many tokens (a
+        prompt) attend over its dequantized copy.
       page_size: entries per page; None for a contiguous cache.
       num_pages: pages in the pool (paged only); default
         batch_size * ceil(max_length / page_size).
@@ -347,9 +353,16 @@ class MultiHeadAttention(nnx.Module):
           block_table=block_table)
       shape = (num_pages, page_size)
       self.block_table = nnx.Cache(block_table)
-    shape += (self.num_kv_heads, self.head_dim)
-    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_key = nnx.Cache(
+        jnp.zeros(shape + (self.num_kv_heads, self.head_dim), dtype))
+    self.cached_value = nnx.Cache(
+        jnp.zeros(shape + (self.num_kv_heads, self.head_dim), dtype))
+    if kv_cache.is_quantized(dtype):
+      scales = jnp.ones(shape + (self.num_kv_heads,), jnp.float32)
+      self.cached_key_scale = nnx.Cache(scales)
+      self.cached_value_scale = nnx.Cache(scales)
+    else:
+      self.cached_key_scale = self.cached_value_scale = nnx.data(None)
     self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
 
   def __call__(
@@ -505,8 +518,21 @@ class MultiHeadAttention(nnx.Module):
       q = self.rope(q, positions)
       k = self.rope(k, positions)
     # Each row at its own index (into its own pages when paged).
-    keys = kv_cache.write(self.cached_key[...], k, index, table)
-    values = kv_cache.write(self.cached_value[...], v, index, table)
+    quantized = kv_cache.is_quantized(self.cached_key[...].dtype)
+    scales = {}
+    if quantized:
+      keys, key_scale = kv_cache.write(
+          self.cached_key[...], k, index, table,
+          scale=self.cached_key_scale[...])
+      values, value_scale = kv_cache.write(
+          self.cached_value[...], v, index, table,
+          scale=self.cached_value_scale[...])
+      self.cached_key_scale[...] = key_scale
+      self.cached_value_scale[...] = value_scale
+      scales = dict(key_scale=key_scale, value_scale=value_scale)
+    else:
+      keys = kv_cache.write(self.cached_key[...], k, index, table)
+      values = kv_cache.write(self.cached_value[...], v, index, table)
     self.cached_key[...] = keys
     self.cached_value[...] = values
     self.cache_index[...] = index + new_lengths.astype(jnp.int32)
@@ -519,12 +545,18 @@ class MultiHeadAttention(nnx.Module):
     by_decode_attention = self._uses_decode_attention(t)
     if table is not None and not by_decode_attention:
       # flash_attention wants contiguous keys: copy each row's pages.
-      keys = kv_cache.gather(keys, table)
-      values = kv_cache.gather(values, table)
-    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+      keys, values = (kv_cache.gather(x, table) for x in (keys, values))
+      scales = {name: kv_cache.gather(x, table) for name, x in scales.items()}
+    if quantized and not by_decode_attention:
+      # flash_attention reads float keys: a dequantized copy.
+      keys = keys.astype(jnp.float32) * scales.pop("key_scale")[..., None]
+      values = values.astype(jnp.float32) * scales.pop(
+          "value_scale")[..., None]
+    if not scales:  # decode_attention reads a quantized cache as it is.
+      keys, values = keys.astype(q.dtype), values.astype(q.dtype)
     if by_decode_attention:
       out = decode_lib.decode_attention(
-          q, keys, values, lengths, block_table=table,
+          q, keys, values, lengths, block_table=table, **scales,
           query_positions=positions, scale=self.scale,
           is_causal=self.is_causal, local_window_size=self.local_window_size,
           logits_soft_cap=self.logits_soft_cap, precision=self.precision,

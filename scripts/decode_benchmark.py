@@ -32,6 +32,15 @@ and `jax.nn.dot_product_attention` with a [B, 1, T_new, S] mask.
         --page_size=64                                   # both, paged
     python scripts/decode_benchmark.py --window_sinks=1024,4  # StreamingLLM
 
+With --cache_forms (no grid) it times the cache forms instead, each
+against its plain equivalent in the same run (`bench.decode_forms`): a
+bfloat16, int8 and float8 cache against a float32 one, a shared prefix
+against the materialised per-row concatenation, a latent (MLA) cache
+against a separate value cache and one 576-wide read:
+
+    python scripts/decode_benchmark.py --cache_forms \
+        --json=benchmarks/results/decode_forms_cpu.json
+
 With --window_sinks=W,SINKS every call masks the cache to the last W tokens
 and the first SINKS (`flex.sliding_window_with_sinks`: a mask_mod for
 `decode_attention`, the same visibility as a dense mask for the peers), and
@@ -55,6 +64,7 @@ import numpy as np
 from absl import app
 from absl import flags
 from bench import cells
+from bench import decode_forms
 from bench import report as report_lib
 from bench import timeline as timeline_lib
 from gpu import environment
@@ -95,6 +105,10 @@ _NUM_SPLITS = flags.DEFINE_list(
     "num_splits", ["default"], "Split counts of the key axis to time each "
     "implementation with: 'default' (the library's choice for the shape) "
     "or a number.")
+_CACHE_FORMS = flags.DEFINE_list(
+    "cache_forms", [], "Time these cache forms (dtype, prefix, latent; "
+    "'all' for every one) with the first of --implementations instead of "
+    "the grid.")
 _JSON = flags.DEFINE_string(
     "json", None, "Write the report here (rewritten after every cell).")
 
@@ -383,6 +397,18 @@ def main(argv: Sequence[str]) -> None:
       # A shared machine's other work slows every cell and probe alike.
       load_average=dict(zip(("1m", "5m", "15m"), os.getloadavg())),
       command=" ".join(sys.argv), rows=rows, timeline=timeline.phases)
+  if _CACHE_FORMS.value:
+    forms = (list(decode_forms.FORMS) if _CACHE_FORMS.value == ["all"]
+             else _CACHE_FORMS.value)
+    for form in forms:
+      with timeline.phase("cache_form", form=form):
+        rows += decode_forms.FORMS[form](implementations()[0],
+                                         _REPEATS.value)
+      report["ratios"] = decode_forms.ratios(rows)
+      if _JSON.value:
+        report_lib.write_json(report, _JSON.value)
+    print(decode_forms.format_table(rows))
+    return
   with timeline.phase("probes"):
     best_rates(report, *machine_rates(dtype))
   for b in ints(_BATCH.value):

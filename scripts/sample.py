@@ -38,7 +38,7 @@ class SampleOptions:
 
 
 def sample(workdir: str, opts: SampleOptions = SampleOptions(), *,
-           num_samples: int = 8, seed: int = 0, out=None):
+           num_samples: int = 8, seed: int = 0, cache_dtype=None, out=None):
   """Prints generations from the latest checkpoint in `workdir`.
 
   Args:
@@ -46,6 +46,8 @@ def sample(workdir: str, opts: SampleOptions = SampleOptions(), *,
     opts: prompt and sampling settings (text runs).
     num_samples: prompts generated for (and printed).
     seed: seed of the prompts and of the sampling.
+    cache_dtype: the KV cache's dtype; None = the model's (int8 / float8
+      quantize it, `--kv_cache_dtype`).
     out: where to print (default stdout).
 
   Returns:
@@ -63,7 +65,7 @@ def sample(workdir: str, opts: SampleOptions = SampleOptions(), *,
       model, dataset, num_shown=n, num_prompts=n, seed=seed,
       prompts=[opts.prompt] if opts.prompt else None,
       max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
-      top_k=opts.top_k or None, out=out)
+      top_k=opts.top_k or None, cache_dtype=cache_dtype, out=out)
 
 
 def main(argv):
@@ -76,7 +78,8 @@ def main(argv):
   try:
     sample(opts.workdir or train_lib.default_workdir(opts),
            train_lib.options_from_flags(SampleOptions),
-           num_samples=opts.num_samples, seed=opts.seed)
+           num_samples=opts.num_samples, seed=opts.seed,
+           cache_dtype=train_lib.cache_dtype(opts.kv_cache_dtype))
   except FileNotFoundError as e:
     raise app.UsageError(str(e)) from e
 

@@ -476,3 +476,36 @@ def test_readme_performance_names_the_file_that_lacks_a_field(
   # The untouched copies still give the committed section.
   (tmp_path / name).write_text((results / name).read_text())
   assert m.render(tmp_path) == m.render(results)
+
+
+def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
+  """`decode_benchmark.py --cache_forms`' cells on tiny shapes: every
+  candidate agrees with its plain equivalent before it is timed, the
+  target ratios are computed from the run's own times, and a wrong result
+  is reported as "wrong", never timed."""
+  with script_module("decode_benchmark") as module:
+    forms = module.decode_forms
+    rows = forms.dtype_rows("chunked", 1, s=256, num_kv=2, n=4, h=16)
+    rows += forms.prefix_rows("chunked", 1, b=3, s_p=64, s_own=32, n=4,
+                              num_kv=2, h=16)
+    rows += forms.latent_rows("chunked", 1, s=64, n=4, h=24, hv=16)
+    assert [(r["form"], r["impl"]) for r in rows] == [
+        ("dtype", "float32"), ("dtype", "bfloat16"), ("dtype", "int8"),
+        ("dtype", "float8_e4m3fn"), ("prefix", "materialised"),
+        ("prefix", "prefix"), ("latent", "latent"),
+        ("latent", "separate_values"), ("latent", "one_read_floor")]
+    for row in rows:
+      assert row["status"] == "ok", row
+      assert 0 <= row["max_error"] <= row["tolerance"], row
+    ratios = {(r["form"], r["impl"]): r for r in forms.ratios(rows)}
+    assert len(ratios) == len(forms.TARGETS)
+    ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
+    assert ratios["prefix", "prefix"]["ratio"] == pytest.approx(
+        ms["prefix", "prefix"] / ms["prefix", "materialised"])
+    real = pallas_fa.decode_attention
+    monkeypatch.setattr(
+        pallas_fa, "decode_attention",
+        lambda *a, **kw: real(*a, **kw) * (1.5 if "prefix_key" in kw else 1))
+    (_, prefix) = forms.prefix_rows("chunked", 1, b=3, s_p=64, s_own=32,
+                                    n=4, num_kv=2, h=16)
+    assert prefix["status"] == "wrong" and "ms" not in prefix, prefix

@@ -14,6 +14,7 @@ from flax import nnx
 from pallas_fa import chunked
 from pallas_fa import flash_attention
 from pallas_fa import flex
+from pallas_fa import kv_cache
 from pallas_fa import modules
 
 # Small tiles so short sequences cross several tile boundaries.
@@ -419,6 +420,45 @@ def test_mha_paged_decode_equals_contiguous_and_full_forward(tiles):
   assert np.isnan(pages[spare]).all()
   with pytest.raises(ValueError, match="overflow"):
     paged(x[:, :2], decode=True)
+
+
+@pytest.mark.parametrize("dtype, page_size", [
+    (jnp.int8, None), (jnp.int8, 4), (jnp.float8_e4m3fn, None)])
+def test_mha_quantized_cache(dtype, page_size):
+  """A quantized cache stores `kv_cache.quantize` of what a float cache
+  stores (values and scales, exactly), and its prefill and one-token steps
+  (the latter through decode_attention, reading the narrow cache) stay
+  within the quantization error of the float forward."""
+  b, t, prefill = 2, 11, 5
+  x = _normal((b, t, 32))
+  quantized = _mha(seed=_seed(), implementation="chunked")
+  floating = nnx.clone(quantized)
+  quantized.init_cache(b, t, dtype, page_size=page_size)
+  floating.init_cache(b, t, page_size=page_size)
+  assert quantized.cached_key.dtype == dtype
+  step = nnx.jit(lambda m, x: m(x, decode=True))
+
+  def decode(layer):
+    steps = [step(layer, x[:, :prefill])]
+    steps += [step(layer, x[:, i:i + 1]) for i in range(prefill, t)]
+    return np.concatenate(steps, axis=1)
+
+  got, want = decode(quantized), decode(floating)
+  for name in ("key", "value"):
+    values, scale = kv_cache.quantize(
+        getattr(floating, f"cached_{name}")[...], dtype)
+    np.testing.assert_array_equal(
+        np.asarray(getattr(quantized, f"cached_{name}")[...], np.float32),
+        np.asarray(values, np.float32))
+    np.testing.assert_array_equal(
+        getattr(quantized, f"cached_{name}_scale")[...], scale)
+  reference = _np_mha(floating, x)
+  np.testing.assert_allclose(want, reference, **_TOL)
+  err = np.abs(got - reference).max()
+  # int8 rounds each element by at most half a step (absmax / 254); float8
+  # e4m3 keeps 3 mantissa bits.
+  bound = (0.02 if dtype == jnp.int8 else 0.1) * np.abs(reference).max()
+  assert 0 < err < bound, (err, bound)
 
 
 def test_mha_bfloat16_under_strict_promotion(strict_promotion):
