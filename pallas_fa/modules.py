@@ -74,7 +74,8 @@ def rope(
   """
   b, t, _, h = x.shape
   if h % 2:
-    raise ValueError(f"rope needs an even head dim, got {x.shape=}.")
+    raise ValueError(
+        f"rope needs an even head dim H, got x [B, T, N, H]={x.shape}.")
   if tuple(positions.shape) != (b, t):
     raise ValueError(
         f"positions must be [B, T]=({b}, {t}), got {positions.shape=}."

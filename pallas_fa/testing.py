@@ -374,8 +374,8 @@ def compare(name: str, result, ref32, ref_same=None, *, dtype=None,
   x, ref = _host_f32(result), _host_f32(ref32)
   if x.shape != ref.shape:
     raise ValueError(
-        f"{name}: result and reference shapes differ, {x.shape=}, "
-        f"{ref.shape=}.")
+        f"{name}: result and reference shapes differ, result {x.shape}, "
+        f"reference {ref.shape}.")
   problem = None
   if np.any(np.isneginf(x) != np.isneginf(ref)):
     problem = "-inf where the reference has none (or the reverse)"

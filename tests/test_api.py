@@ -359,3 +359,17 @@ def test_moved_module_paths_still_import():
                           text=True, check=False)
   assert result.returncode == 0 and result.stdout.strip() == "ok", (
       result.stderr)
+
+
+def test_no_message_names_a_local_placeholder():
+  # f"{x.shape=}" prints "x.shape=", a name no caller passed: every message
+  # names the argument (key.shape=...) or states the shape plainly.
+  import pathlib  # noqa: PLC0415
+  import re  # noqa: PLC0415
+
+  root = pathlib.Path(pallas_fa.__file__).parent
+  found = [f"{path.relative_to(root)}: {m.group(0)}"
+           for path in sorted(root.rglob("*.py"))
+           for m in re.finditer(r"\{(x|y|a|b|arr|array|t)\.(shape|dtype)=\}",
+                                path.read_text())]
+  assert not found, found

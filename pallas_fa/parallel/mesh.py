@@ -301,7 +301,7 @@ def shard_batch(
     if x.ndim < 2 or x.shape[0] % rows:
       raise ValueError(
           f"shard_batch needs [B, T, ...] leaves with B a multiple of {rows} "
-          f"(the devices on {batch_axes=}), got {x.shape=}."
+          f"(the devices on {batch_axes=}), got a leaf of shape {x.shape}."
       )
     if ring_size > 1 and load_balance:
       x = np.take(x, zigzag_indices(x.shape[1], ring_size), axis=1)
