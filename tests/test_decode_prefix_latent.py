@@ -214,3 +214,21 @@ def test_latent_value_scale_is_rejected():
   with pytest.raises(ValueError, match="value_scale applies to a value"):
     pallas_fa.decode_attention(q, k8, None, lengths, value_head_dim=4,
                                key_scale=scale, value_scale=scale)
+
+
+@pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu"])
+def test_prefix_on_the_kernels(implementation):
+  """The kernels decode the rows' own caches and their flash_attention
+  reads the prefix once (the rows' queries folded into one sequence)."""
+  gen = rng("prefix kernels", implementation)
+  c = _prefix_case(gen, t=1, hv=32, page_size=16)
+  kw = dict(block_table=jnp.asarray(c["table"]),
+            prefix_key=jnp.asarray(c["pk"]),
+            prefix_value=jnp.asarray(c["pv"]), return_residual=True)
+  args = [jnp.asarray(c[name]) for name in ("q", "k", "v", "lengths")]
+  out, lse = pallas_fa.decode_attention(*args, implementation=implementation,
+                                        **kw)
+  ref = _reference(c["q"], c["cat_k"], c["cat_v"], c["cat_lengths"],
+                   c["q_pos"], is_causal=True)
+  assert_close("out", out, ref[0])
+  assert_close("lse", lse, ref[1])
