@@ -222,7 +222,6 @@ def test_float8_cache_scale_defaults_to_one():
     (dict(key_scale=np.ones((2,), np.int32)), TypeError, "key_scale"),
     (dict(float_key=True), ValueError, "key_scale applies to an int8"),
     (dict(key=np.zeros((3, 80, 2, 32), np.int16)), TypeError, "key.dtype"),
-    (dict(implementation="mosaic_tpu"), NotImplementedError, "quantized"),
 ])
 def test_bad_quantized_arguments_are_named(change, error, match):
   gen = rng("quantized errors")

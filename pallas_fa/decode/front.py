@@ -114,7 +114,8 @@ def decode_attention(
       float8_e5m2 values with `key_scale` (`kv_cache.quantize`); the cache
       attention sees is `key.astype(float32) * key_scale[..., None]`, each
       tile dequantized as it is read (never a float copy of the cache).
-    value: like key, with its own head dim Hv (and `value_scale`).
+    value: like key, with its own head dim Hv (and `value_scale`), or None
+      for a latent cache (`value_head_dim`).
     lengths: int [B], valid cache entries per sequence, the new tokens
       included (they have been written to the cache already); in [0, S_max]
       (S_max = max_pages * page_size for a paged cache). Concrete values
@@ -143,17 +144,18 @@ def decode_attention(
     num_splits: parts the key axis is split into; default from the shape
       and platform (`default_num_splits`).
     block_kv: keys per block of a contiguous cache (a power of two >= 16
-      for "triton", a multiple of 8 for "mosaic_tpu"); default from the
-      head dim. A paged cache reads one page per block ("chunked") or a
-      divisor of it ("triton": a power of two, "mosaic_tpu": a multiple of
-      8).
+      for "triton", a multiple of 8 for "mosaic_tpu", of 32 for its
+      quantized caches); default from the head dim. A paged cache reads one
+      page per block ("chunked") or a divisor of it ("triton": a power of
+      two, "mosaic_tpu": a multiple of 8, or of 32 when quantized).
     implementation: None or "chunked" (jax.numpy, any platform, any head
       dim), "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
       mode, page sizes multiples of 16; float and quantized caches, a
       float8_e4m3fn one from compute capability 8.9) or "mosaic_tpu" (the
       Pallas TPU kernel; a TPU or its interpret mode elsewhere, page sizes
-      multiples of 8; float caches). Other backends have no decode kernel
-      and raise NotImplementedError.
+      multiples of 8, of 32 for a quantized cache; float, quantized and
+      latent caches). Other backends have no decode kernel and raise
+      NotImplementedError.
     precision: as in `flash_attention`.
     return_residual: also return the logsumexp [B, T_new, N] (with
       `sinks`, the sink term included).
@@ -178,8 +180,24 @@ def decode_attention(
       length are never used (they may hold anything). "chunked" and
       "triton" read quantized caches ("triton" loads the 1-byte tiles and
       dequantizes them in registers, a broadcast scale never expanded);
-      "mosaic_tpu" raises NotImplementedError.
+      so does "mosaic_tpu" (1-byte tiles DMA'd and dequantized in VMEM,
+      blocks and pages multiples of 32 keys; the scales laid out per block
+      of keys, a small copy of them per call).
     value_scale: the same for `value`.
+    value_head_dim: with value=None, a latent (MLA) cache: the values are
+      key's first `value_head_dim` columns, read with the keys (one read
+      of the cache; "chunked" and "mosaic_tpu", "triton" raises
+      NotImplementedError), a quantized key's scales dequantizing both.
+    prefix_key: [S_p, K, H], the query's dtype: a prefix shared by every
+      row (a common prompt), before each row's own cache: the result is
+      decoding each row over `[prefix; cache[b, :lengths[b]]]`, `lengths`
+      counting the row's own entries and the new tokens at positions
+      `S_p + lengths - T_new + arange(T_new)` (or `query_positions`, in
+      the concatenation), score_mod/mask_mod seeing those positions. The
+      prefix is read once per call for all rows and merged exactly with
+      each row's own part (`decode.prefix`); every implementation.
+    prefix_value: [S_p, K, Hv], with prefix_key (defaults to prefix_key's
+      first Hv columns with a latent cache).
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -192,8 +210,9 @@ def decode_attention(
       concrete lengths past the cache or block-table entries outside the
       pool included.
     NotImplementedError: `implementation` has no decode path, or "triton"
-      ("mosaic_tpu") with a page size that is not a multiple of 16 (8), or
-      with a score_mod/mask_mod it cannot fuse (`pallas_fa.flex.fused_mods`).
+      ("mosaic_tpu") with a page size that is not a multiple of 16 (8; 32
+      for a quantized cache), or with a score_mod/mask_mod it cannot fuse
+      (`pallas_fa.flex.fused_mods`), or "triton" with a latent cache.
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:

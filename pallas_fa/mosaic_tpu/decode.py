@@ -32,20 +32,39 @@ split, is "arbitrary" and carries the online softmax.
   writes a normalised partial (out, lse) that `online_softmax.merge_parts`
   merges in plain JAX.
 * **Masking.** Every key of a block is masked by `masking.visible` with
-  `key < length` as its dense term, and value rows past the length are
-  zeroed before P.V: they may hold NaN, and 0 * NaN is NaN.
+  `key < length` as its dense term, and value rows (and per-key scales)
+  past the length are zeroed before P.V: they may hold NaN, and 0 * NaN is
+  NaN.
+* **Quantized caches.** An int8 / float8 key or value cache stays as
+  stored: the pipeline DMAs its 1-byte tiles, and the kernel widens each
+  to the computed dtype (every int8 and float8 value is exact in bfloat16).
+  Its float32 scales, [B or pages, S_max or page_size, K] with any dim
+  possibly 1, travel as one lane vector of `block` scales per block of
+  keys (`_scale_blocks`), their index maps those of the cache (through the
+  block table) with broadcast dims at block 0. The key's scales multiply
+  the logits of their key columns before the soft cap (q . (k * c) = (q .
+  k) * c), the value's the probabilities before P.V (P . (v * c) = (P * c)
+  . v): only the [R, block] logits and probabilities are rescaled, never a
+  cache tile.
+* **Latent caches.** With `value_head_dim` (value=None: DeepSeek's MLA,
+  H = 576, Hv = 512), the values are the first Hv columns of the key tile
+  the step already holds: one DMA of the cache, no value operand, the key
+  scales dequantizing both.
 
 Blocks are multiples of 128 keys (the lane width of the [R, block] logits)
 for a contiguous cache, a divisor of the page size (a multiple of 8
 sublanes) for a paged one, and as large as `_STEP_BYTES` and the VMEM
 budget allow; very wide heads (thousands of lanes) take blocks below 128
-keys so that the double-buffered tiles fit. A contiguous cache is read in
+keys so that the double-buffered tiles fit. An int8 / float8 cache tiles
+(32, 128) in memory, so its blocks are multiples of 32 keys (page sizes
+that are not are declined). A contiguous cache is read in
 place when its head dims are multiples of 128 (its last block may be
-partial); otherwise it is padded, a copy. float16 computes in float32 (the
-TPU's matrix unit has no float16 mode), at the cost of a converted copy of
-the cache. A score_mod / mask_mod is fused: its per-row values travel
-lane-replicated, its per-key ones sublane-replicated per cache position
-(`fused_mods.packed_values`). Forward only.
+partial); otherwise it is padded, a copy (of the stored dtype). float16
+computes in float32 (the TPU's matrix unit has no float16 mode), at the
+cost of a converted copy of the cache. A score_mod / mask_mod is fused:
+its per-row values travel lane-replicated, its per-key ones
+sublane-replicated per cache position (`fused_mods.packed_values`).
+Forward only.
 """
 
 from __future__ import annotations
@@ -58,6 +77,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_fa import kv_cache
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import mosaic_tpu
@@ -67,6 +87,10 @@ from pallas_fa.flex import mods as mods_lib
 from pallas_fa.mosaic_tpu import kernel
 
 Array = Any
+# `decode.kernels` passes int8 / float8 caches as they are, with their
+# scales, and `decode.front` latent caches (values = the key's columns).
+QUANTIZED_CACHES = True
+LATENT_CACHES = True
 _F32 = jnp.float32
 _LANES = kernel.NUM_LANES
 _SUBLANES = kernel.NUM_SUBLANES
@@ -80,6 +104,10 @@ _STEP_BYTES = 1 << 21
 # buffers may take (the rest is Mosaic's own temporaries).
 _SCOPED_VMEM = 16 << 20
 _VMEM_BUDGET = 12 << 20
+# Sublane rows of an int8 / float8 tile: four 8-bit values pack a 32-bit
+# word, so Mosaic tiles these arrays (32, 128); their blocks and the rows
+# their DMAs start at are multiples of 32.
+_NARROW_SUBLANES = 4 * _SUBLANES
 
 
 def packed_rows(rows: int, dtype) -> int:
@@ -90,26 +118,46 @@ def packed_rows(rows: int, dtype) -> int:
 
 
 def vmem_bytes(
-  *, rows: int, head_dim: int, value_head_dim: int, block: int, itemsize: int
+  *,
+  rows: int,
+  head_dim: int,
+  value_head_dim: int,
+  block: int,
+  itemsize: int,
+  cache_itemsize: int | None = None,
+  latent: bool = False,
+  scales: int = 0,
 ) -> int:
-  """Estimated VMEM of one launch: double-buffered q/k/v tiles, positions
-  and outputs, the float32 scratch and [rows, block] temporaries (logits,
-  probabilities, mask) plus the masked value tile.
+  """Estimated VMEM of one launch: double-buffered q/k/v tiles (and per-key
+  scales), positions and outputs, the float32 scratch and [rows, block]
+  temporaries (logits, probabilities, mask) plus the masked value tile and,
+  for a quantized cache, its tiles converted.
 
   Args:
     rows: packed rows (`packed_rows`).
     head_dim, value_head_dim: padded head dims (multiples of 128).
     block: keys per block.
     itemsize: bytes per element of the computed dtype.
+    cache_itemsize: bytes per element of the cache (1 for int8 / float8),
+      default `itemsize`.
+    latent: the values are the keys' first columns (no value tile).
+    scales: per-key scale operands (0, 1 or 2).
   """
-  inputs = (
-    2 * itemsize * (rows * head_dim + block * (head_dim + value_head_dim))
-  )
+  if cache_itemsize is None:
+    cache_itemsize = itemsize
+  cache_width = head_dim + (0 if latent else value_head_dim)
+  inputs = 2 * itemsize * rows * head_dim
+  inputs += 2 * cache_itemsize * block * cache_width
+  # A [1, block] float32 scale tile takes 8 sublanes in VMEM.
+  inputs += 2 * scales * 4 * _SUBLANES * max(block, _LANES)
   positions = 2 * 4 * rows * _LANES
   outputs = 2 * 4 * rows * (value_head_dim + _LANES)
   scratch = 4 * rows * (value_head_dim + 2 * _LANES)
   temporaries = 4 * 3 * rows * max(block, _LANES)
   temporaries += itemsize * block * value_head_dim
+  if cache_itemsize != itemsize:
+    # The narrow tiles widened (through float32) to the computed dtype.
+    temporaries += 4 * block * cache_width
   return inputs + positions + outputs + scratch + temporaries
 
 
@@ -123,6 +171,8 @@ def block_for(
   cache_len: int,
   page_size: int | None,
   block_kv: int | None,
+  cache_dtype=None,
+  latent: bool = False,
 ) -> int:
   """Keys per block.
 
@@ -131,7 +181,8 @@ def block_for(
   buffers fit `_VMEM_BUDGET` and, past 128, whose step stays within
   `_STEP_BYTES`; below 128 keys (8 to 64) only when even 128 does not fit
   the budget. Paged: the widest divisor of `page_size` that is a multiple
-  of 8 and fits the same limits.
+  of 8 and fits the same limits. An int8 / float8 cache tiles as (32, 128)
+  in memory: its blocks are multiples of 32 keys instead of 8.
 
   Args:
     head_dim, value_head_dim: H and Hv (unpadded).
@@ -140,48 +191,64 @@ def block_for(
     cache_len: S_max of a contiguous cache.
     page_size: the page size of a paged cache, else None.
     block_kv: the caller's block of a contiguous cache, or None.
+    cache_dtype: the cache's dtype, default the query's.
+    latent: the values are the keys' first `value_head_dim` columns.
 
   Raises:
-    ValueError: `block_kv` is not a multiple of 8.
-    NotImplementedError: `page_size` is not a multiple of 8.
+    ValueError: `block_kv` is not a multiple of 8 (32).
+    NotImplementedError: `page_size` is not a multiple of 8 (32).
   """
   itemsize = jnp.dtype(mosaic_tpu.compute_dtype(dtype)).itemsize
+  narrow = cache_dtype is not None and kv_cache.is_quantized(cache_dtype)
+  cache_itemsize = 1 if narrow else itemsize
+  least = _NARROW_SUBLANES if narrow else _SUBLANES
   hp = layout.padded_head_dim(head_dim, mosaic_tpu.ALIGN)
   hvp = layout.padded_head_dim(value_head_dim, mosaic_tpu.ALIGN)
   rows = packed_rows(groups * new_tokens, dtype)
+  read = hp + (0 if latent else hvp)
 
   def fits(block):
     # Blocks of up to 128 keys are never cut for the step size: narrower
     # logits waste lanes.
     return (
-      block <= _LANES or block * (hp + hvp) * itemsize <= _STEP_BYTES
+      block <= _LANES or block * read * cache_itemsize <= _STEP_BYTES
     ) and vmem_bytes(
-      rows=rows, head_dim=hp, value_head_dim=hvp, block=block, itemsize=itemsize
+      rows=rows,
+      head_dim=hp,
+      value_head_dim=hvp,
+      block=block,
+      itemsize=itemsize,
+      cache_itemsize=cache_itemsize,
+      latent=latent,
+      scales=2 if narrow else 0,
     ) <= _VMEM_BUDGET
 
+  what = ""
+  if narrow:
+    what = f" (of {least} rows for a {jnp.dtype(cache_dtype).name} cache)"
   if page_size is not None:
-    if page_size % _SUBLANES:
+    if page_size % least:
       raise NotImplementedError(
-        "implementation='mosaic_tpu' reads pages in whole sublane tiles: "
-        f"page_size must be a multiple of {_SUBLANES}, got {page_size}."
+        f"implementation='mosaic_tpu' reads pages in whole sublane tiles"
+        f"{what}: page_size must be a multiple of {least}, got {page_size}."
       )
     divisors = [
       d
-      for d in range(_SUBLANES, min(page_size, _MAX_BLOCK) + 1, _SUBLANES)
+      for d in range(least, min(page_size, _MAX_BLOCK) + 1, least)
       if page_size % d == 0
     ]
     fitting = [d for d in divisors if fits(d)]
-    return max(fitting) if fitting else _SUBLANES
+    return max(fitting) if fitting else least
   if block_kv is not None:
-    if block_kv % _SUBLANES:
+    if block_kv % least:
       raise ValueError(
-        f"block_kv must be a multiple of {_SUBLANES} for "
-        f"implementation='mosaic_tpu', got {block_kv}."
+        f"block_kv must be a multiple of {least} for "
+        f"implementation='mosaic_tpu'{what}, got {block_kv}."
       )
     return block_kv
   if not fits(_LANES):
     block = _LANES // 2
-    while block > _SUBLANES and not fits(block):
+    while block > least and not fits(block):
       block //= 2
     return block
   block = _LANES
@@ -207,6 +274,10 @@ def _kernel(
   *refs,
   paged: bool,
   listed: bool,
+  latent: bool,
+  key_scaled: bool,
+  value_scaled: bool,
+  value_width: int,
   num_kv: int,
   num_blocks: int,
   block: int,
@@ -222,7 +293,12 @@ def _kernel(
 ):
   # The block table (paged) is read by the index maps only.
   order_ref = refs[0] if listed else None
-  q_ref, pos_ref, k_ref, v_ref, *rest = refs[int(listed) + int(paged):]
+  q_ref, pos_ref, k_ref, *rest = refs[int(listed) + int(paged):]
+  # A latent cache's values are its key tile's first columns: no value ref.
+  v_ref = None if latent else rest.pop(0)
+  ks_ref = rest.pop(0) if key_scaled else None
+  # A latent cache's value scales are its key scales.
+  vs_ref = ks_ref if latent else (rest.pop(0) if value_scaled else None)
   mods = [m for m in (score_mod, mask_mod) if m is not None]
   flex_refs = []
   for mod in mods:
@@ -234,11 +310,31 @@ def _kernel(
 
   pl.when(j == 0)(lambda: kernel.init_softmax(m_ref, l_ref, acc_ref))
 
+  def widened(tile):
+    """A cache tile in the query's computed dtype: an int8 / float8 one (1
+    byte an element in HBM and VMEM) converted here, through float32 (every
+    int8 and float8 value is exact in bfloat16 as well)."""
+    if tile.dtype == q_ref.dtype:
+      return tile
+    return tile.astype(_F32).astype(q_ref.dtype)
+
   def step(key_block, masked):
-    qk = kernel.dot(q_ref[...], k_ref[...], kernel.NT, precision)  # [R, bk]
-    s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap)
+    keys = widened(k_ref[...])  # [bk, Hp]
+    qk = kernel.dot(q_ref[...], keys, kernel.NT, precision)  # [R, bk]
     start = key_block * block
     kv_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
+    cached = kv_pos < length  # [1, bk]
+
+    def key_scales(ref):
+      """The block's per-key scales [1, bk]; past the length they may be
+      NaN (0 * NaN is NaN), so zero there."""
+      c = ref[...]
+      return jnp.where(cached, c, jnp.zeros((), c.dtype)) if masked else c
+
+    if ks_ref is not None:
+      # Dequantizing: q . (k * c) = (q . k) * c for the key's scale c.
+      qk = qk * key_scales(ks_ref)
+    s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap)
     q_pos = kernel.column(pos_ref)[:, None]
     flex = dict(zip(mods, flex_refs))
     if score_mod is not None:
@@ -250,7 +346,7 @@ def _kernel(
         window=window,
         q_pos=q_pos,
         kv_pos=kv_pos,
-        dense=kv_pos < length,
+        dense=cached,
       )
       if mask_mod is not None:
         visible = visible & mask_mod.tile(
@@ -259,11 +355,16 @@ def _kernel(
     m_i, l_i, probs, alpha = online_softmax.update(
       kernel.column(m_ref), kernel.column(l_ref), s
     )
-    v = v_ref[...]
+    # A latent cache's values: the key tile's first (lane-aligned) columns,
+    # read by the same DMA.
+    v = keys[:, :value_width] if latent else widened(v_ref[...])
     if masked:
       # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
       key_rows = start + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
       v = jnp.where(key_rows < length, v, jnp.zeros((), v.dtype))
+    if vs_ref is not None:
+      # P . (v * c) = (P * c) . v for the value's scale c.
+      probs = probs * key_scales(vs_ref)
     pv = kernel.dot(probs.astype(v.dtype), v, kernel.NN, precision)
     acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
     kernel.store_column(m_ref, m_i)
@@ -315,10 +416,13 @@ def partials(
   mask_mod=None,
   mask_mod_args=(),
   kinds=None,
+  key_scale=None,
+  value_scale=None,
+  value_head_dim=None,
 ):
   """Runs the kernel: the normalised (out, lse) of every split, float32
   [B, K, splits, R, Hv] and [B, K, splits, R], for `decode` to merge (the
-  arguments and results of `decode._decode_split_kernel`'s `partials`;
+  arguments and results of `decode.kernels._decode_split_kernel`'s `partials`;
   `block` from `block_for`). A score_mod / mask_mod is fused
   (`fused_mods.packed_values`: per-row values lane-replicated [B, K, rows,
   128], per-key ones sublane-replicated [B, 8, cache positions]). With a
@@ -327,12 +431,23 @@ def partials(
   a split's steps walk its share of the list, its DMAs fetch only those
   blocks and the FULL ones skip the masking.
 
+  A quantized (int8 / float8) key / value is read as stored and widened
+  tile by tile in the kernel; `key_scale` / `value_scale` are its float32
+  scales of rank 3, each dim 1 or the cache's ([B, S_max, K] or [P,
+  page_size, K]; `_scale_blocks` lays them out per block). With
+  `value_head_dim`, the cache is latent: `value` is the key itself, whose
+  first `value_head_dim` columns are the values (read with the keys, one
+  DMA; the key scales dequantize both).
+
   Raises:
     NotImplementedError: on a TPU, the block table and run boundaries do
       not fit its scalar memory; a score_mod / mask_mod it cannot fuse.
   """
   b, num_kv, r, h = q.shape
-  hv = value.shape[3]
+  latent = value_head_dim is not None
+  hv = value_head_dim if latent else value.shape[3]
+  if latent:
+    value, value_scale = None, None  # The key's columns and scales.
   dtype = mosaic_tpu.compute_dtype(q.dtype)
   precision = mosaic_tpu.kernel_precision(precision, q.dtype)
   hp = layout.padded_head_dim(h, mosaic_tpu.ALIGN)
@@ -341,7 +456,12 @@ def partials(
   # Padded rows (zero queries) are sliced off below.
   q = masking.pad_axes(q.astype(dtype), {2: rows, 3: hp})
   positions = mosaic_tpu.lane_rows(masking.pad_axes(row_pos, {1: rows}))
-  key, value = key.astype(dtype), value.astype(dtype)
+  # A float cache computes in `dtype` (float16 as a float32 copy); an int8
+  # / float8 one stays as stored, 1 byte an element, widened per tile.
+  key, value = (
+    x if x is None or kv_cache.is_quantized(x.dtype) else x.astype(dtype)
+    for x in (key, value)
+  )
   paged = block_table is not None
   if paged:
     per_page = key.shape[1] // block
@@ -353,7 +473,13 @@ def partials(
     num_blocks = -(-key.shape[1] // block)
   # [B or pages, rows, K * Hp]: one head's (block, Hp) tile is a lane slice.
   key = masking.pad_axes(key, {3: hp}).reshape(*key.shape[:2], -1)
-  value = masking.pad_axes(value, {3: hvp}).reshape(*value.shape[:2], -1)
+  if not latent:
+    value = masking.pad_axes(value, {3: hvp}).reshape(*value.shape[:2], -1)
+  scales = [
+    _scale_blocks(x, block, per_page if paged else num_blocks)
+    for x in (key_scale, value_scale)
+    if x is not None
+  ]
   splits = max(1, min(splits, num_blocks))
   steps = -(-num_blocks // splits)
   listed = kinds is not None
@@ -407,6 +533,18 @@ def partials(
     ]
     return page, jax.lax.rem(blk, jnp.int32(per_page)), k
 
+  def scale_index(shape):
+    """A `_scale_blocks` layout's block for the step: its cache block's,
+    with broadcast dims (size 1) at block 0."""
+
+    def index(*args):
+      lead, blk, k = cache_index(*args)
+      return tuple(
+        x if n > 1 else 0 for x, n in zip((lead, blk, k), shape[:3])
+      ) + (0, 0)
+
+    return index
+
   def key_index(i, k, p, j, lengths_ref, runs_ref, *refs):
     # Per-key flex values: the cache positions of the step's block.
     del lengths_ref
@@ -417,7 +555,11 @@ def partials(
     pl.BlockSpec((sq, sq, rows, hp), lambda i, k, p, j, *_: (i, k, 0, 0)),
     pl.BlockSpec((sq, rows, _LANES), lambda i, k, p, j, *_: (i, 0, 0)),
     pl.BlockSpec((sq, block, hp), cache_index),
-    pl.BlockSpec((sq, block, hvp), cache_index),
+  ]
+  if not latent:
+    in_specs.append(pl.BlockSpec((sq, block, hvp), cache_index))
+  in_specs += [
+    pl.BlockSpec((sq, sq, sq, 1, block), scale_index(x.shape)) for x in scales
   ]
   fused, flex_operands = {}, []
   for name, fn, args in ((mods_lib.SCORE_MOD, score_mod, score_mod_args),
@@ -463,6 +605,9 @@ def partials(
     value_head_dim=hvp,
     block=block,
     itemsize=jnp.dtype(dtype).itemsize,
+    cache_itemsize=key.dtype.itemsize,
+    latent=latent,
+    scales=len(scales),
   )
   interpret = kernel.interpret_params()
   params = kernel.compiler_params(
@@ -484,7 +629,10 @@ def partials(
   kwargs = {}
   logits = b * num_kv * rows * num_blocks * block
   cost = kernel.cost_estimate(
-    2 * logits * (hp + hvp), logits, (q, key, value), out_shapes
+    2 * logits * (hp + hvp),
+    logits,
+    tuple(x for x in (q, key, value, *scales) if x is not None),
+    out_shapes,
   )
   if cost is not None:
     kwargs["cost_estimate"] = cost
@@ -493,6 +641,10 @@ def partials(
       _kernel,
       paged=paged,
       listed=listed,
+      latent=latent,
+      key_scaled=key_scale is not None,
+      value_scaled=value_scale is not None,
+      value_width=hvp,
       num_kv=num_kv,
       num_blocks=num_blocks,
       block=block,
@@ -511,8 +663,37 @@ def partials(
     interpret=interpret,
     name="flash_decode",
     **kwargs,
-  )(*prefetch, q, positions, key, value, *flex_operands)
+  )(
+    *prefetch,
+    q,
+    positions,
+    *(x for x in (key, value) if x is not None),
+    *scales,
+    *flex_operands,
+  )
   return out[..., :r, :hv], lse[..., :r, 0]
+
+
+def _scale_blocks(scale, block: int, blocks: int):
+  """Per-key scales [L, S, K] (each dim 1 or the cache's: L the batch or
+  the pages, S the cache length or page size) as float32 [L, blocks or 1,
+  K, 1, block]: block n of a row (or page) is the lane vector [1, block]
+  of its keys' scales, a (1, block) block whose dims are whole ones of
+  the array at any `block` (a [.., K, S] layout would need blocks of 128
+  keys on its lanes, which a page need not have). Keys are on the lanes
+  like the [R, block] logits they multiply, so the kernel reads one row
+  of block * 4 bytes per step for each scaled operand (the cache's K/V
+  bytes per key are H, so the scales add 4 / H, about 3% at H = 128).
+  The price is one transposed copy of the scales per call (a 1/H share of
+  the cache's bytes, 4 per key and head); a broadcast S (per-head or
+  scalar scales) is a single block of the value repeated on lanes."""
+  lead, s, heads = scale.shape
+  if s == 1:
+    x = jnp.broadcast_to(scale[..., None], (lead, 1, heads, block))
+  else:
+    x = masking.pad_axes(scale, {1: blocks * block})
+    x = x.reshape(lead, blocks, block, heads).swapaxes(2, 3)
+  return x.astype(_F32)[:, :, :, None, :]
 
 
 def _check_scalar_memory(words: int) -> None:

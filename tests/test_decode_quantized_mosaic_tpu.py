@@ -1,0 +1,291 @@
+"""The mosaic_tpu decode kernel over quantized (int8 / float8) and latent
+(MLA) KV caches, in Pallas's TPU interpret mode: the narrow tiles read as
+stored and dequantized in the kernel, against the float64 oracle of the
+dequantized cache (`test_decode_quantized`) and against `chunked` on the
+same inputs (a mask_mod, broadcast scales, latent caches); the Mosaic
+lowering by exporting for the "tpu" platform."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from pallas_fa import flex
+from pallas_fa import kv_cache
+from pallas_fa.mosaic_tpu import kernel
+from tests import test_decode_quantized as quantized
+from tests.attention_testing import assert_close
+from tests.attention_testing import rng
+
+# An int8 / float8 cache tiles (32, 128) on a TPU: its blocks and pages are
+# multiples of 32 keys (`test_decode_quantized.LAYOUTS` pages 16).
+PAGE = 32
+LAYOUTS = [(None, "full", 1), (None, "head", 3), (PAGE, "full", 2),
+           (PAGE, "scalar", 1)]
+
+
+@pytest.mark.parametrize("dtype", quantized.QUANTIZED)
+@pytest.mark.parametrize("page_size, scale_form, splits", LAYOUTS)
+def test_mosaic_tpu_quantized_decode_matches_the_dequantized_oracle(
+    dtype, page_size, scale_form, splits):
+  """Contiguous (blocks of 32 keys, the last one partial) and paged caches;
+  scales per entry (NaN past the lengths), per K/V head and one for the
+  cache; one split and several."""
+  quantized.check_quantized_decode("mosaic_tpu", dtype, page_size,
+                                   scale_form, splits, h=128, block_kv=32)
+
+
+def test_mosaic_tpu_quantized_decode_with_a_padded_head_dim():
+  """H = 32: the narrow cache padded to 128 lanes (an int8 copy)."""
+  quantized.check_quantized_decode("mosaic_tpu", jnp.int8, PAGE, "full", 2)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(page_size=16), NotImplementedError,
+     "page_size must be a multiple of 32, got 16"),
+    (dict(block_kv=16), ValueError, "block_kv must be a multiple of 32"),
+])
+def test_mosaic_tpu_declines_narrow_blocks_below_a_tile(change, error,
+                                                        match):
+  """A float cache takes pages and blocks of 8 keys; an int8 one 32."""
+  gen = rng("mosaic_tpu narrow blocks")
+  q, args, lengths, _, _, _ = quantized._case(  # noqa: SLF001
+      gen, page_size=change.get("page_size"))
+  with pytest.raises(error, match=match):
+    pallas_fa.decode_attention(
+        jnp.asarray(q), lengths=jnp.asarray(lengths),
+        implementation="mosaic_tpu", block_kv=change.get("block_kv"),
+        **{name: None if x is None else jnp.asarray(x)
+           for name, x in args.items()})
+
+
+def _broadcast_scales(gen, args, form):
+  """Scales with broadcast dims in place of `args`' full ones (any
+  positive scale makes a valid cache of the same values), the cache's
+  leading axis being B (contiguous) or P (pages): "lead" key scales [B|P,
+  1, K] and value scales [1, S_max|page_size, 1]; "rows" key scales [1,
+  S_max|page_size, K] and value scales [B|P, 1, 1]. Pages no sequence
+  uses hold NaN scales (never read)."""
+  lead, rows, heads = args["key"].shape[:3]
+  shapes = {"lead": ((lead, 1, heads), (1, rows, 1)),
+            "rows": ((1, rows, heads), (lead, 1, 1))}[form]
+  k_scale, v_scale = (gen.uniform(0.01, 0.05, s).astype(np.float32)
+                      for s in shapes)
+  if args["block_table"] is not None:
+    unused = np.setdiff1d(np.arange(lead), args["block_table"])
+    for x in (k_scale, v_scale):
+      if x.shape[0] == lead:
+        x[unused] = np.nan
+  return dict(args, key_scale=k_scale, value_scale=v_scale)
+
+
+@pytest.mark.parametrize("dtype, page_size, scales", [
+    (jnp.int8, None, "full"), (jnp.float8_e4m3fn, PAGE, "full"),
+    (jnp.int8, PAGE, "lead"), (jnp.float8_e5m2, None, "rows")])
+def test_mosaic_tpu_quantized_decode_with_a_mask_mod(dtype, page_size,
+                                                     scales):
+  """StreamingLLM's window with sink tokens over 160 keys in blocks of 32:
+  the kernel walks each K/V head's listed blocks, hidden ones never read,
+  whole ones unmasked (their scales applied unmasked), the rest masked;
+  equal to `chunked` on the same quantized inputs."""
+  gen = rng("mosaic_tpu quantized mask_mod", str(dtype), page_size, scales)
+  q, args, lengths, _, _, _ = quantized._case(  # noqa: SLF001
+      gen, dtype=dtype, page_size=page_size, h=128, s_max=160)
+  if scales != "full":
+    args = _broadcast_scales(gen, args, scales)
+  kw = dict(mask_mod=flex.sliding_window_with_sinks,
+            mask_mod_args=(jnp.int32(40), jnp.int32(3)), num_splits=2,
+            return_residual=True,
+            **{name: None if x is None else jnp.asarray(x)
+               for name, x in args.items()})
+  q, lengths = jnp.asarray(q), jnp.asarray(lengths)
+  out, lse = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation="mosaic_tpu",
+      block_kv=None if page_size else 32, **kw)
+  want_out, want_lse = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation=None, **kw)
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)
+
+
+def test_mosaic_tpu_quantized_decode_with_a_bfloat16_query():
+  """The tiles widen to bfloat16 (int8 values are exact in it): the
+  FlashAttention rule against the float64 oracle, with the dequantized
+  cache in bfloat16 through `xla` as the same-dtype reference."""
+  gen = rng("mosaic_tpu quantized bfloat16")
+  q, args, lengths, q_pos, k_deq, v_deq = quantized._case(  # noqa: SLF001
+      gen, page_size=PAGE, h=128)
+  out = pallas_fa.decode_attention(
+      jnp.asarray(q, jnp.bfloat16), lengths=jnp.asarray(lengths),
+      implementation="mosaic_tpu",
+      **{name: None if x is None else jnp.asarray(x)
+         for name, x in args.items()})
+  ref32 = quantized._oracle(q, k_deq, v_deq, lengths, q_pos)[0]  # noqa: SLF001
+  same = pallas_fa.flash_attention(
+      jnp.asarray(q, jnp.bfloat16), jnp.asarray(k_deq, jnp.bfloat16),
+      jnp.asarray(v_deq, jnp.bfloat16),
+      key_value_seq_lengths=jnp.asarray(lengths),
+      query_positions=jnp.asarray(q_pos), is_causal=True,
+      implementation="xla")
+  assert out.dtype == jnp.bfloat16
+  assert_close("out", out, jnp.asarray(ref32, jnp.float32), same,
+               jnp.bfloat16)
+
+
+def _latent_case(gen, *, quantized_as, page_size, h, hv, b=2, t=2, n=8,
+                 s_max=96):
+  """A one-head latent cache [B, S_max, 1, H] (or its shuffled pages) with
+  NaN (float) or extreme values and NaN scales (quantized) past the
+  lengths, and the decode arguments."""
+  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
+  k = gen.standard_normal((b, s_max, 1, h)).astype(np.float32)
+  lengths = np.asarray([s_max, 37], np.int32)[:b]
+  past = np.arange(s_max)[None] >= lengths[:, None]
+  scales = {}
+  if quantized_as is None:
+    k[past] = np.nan
+  else:
+    values, scale = kv_cache.quantize(jnp.asarray(k), quantized_as)
+    k, scale = np.array(values), np.array(scale)
+    k[past] = np.array(127 if quantized_as == jnp.int8 else 448,
+                       np.float32).astype(k.dtype)
+    scale[past] = np.nan
+    scales = dict(key_scale=scale)
+  table = None
+  if page_size is not None:
+    pages = s_max // page_size
+    table = gen.permutation(b * pages).reshape(b, pages).astype(np.int32)
+    order = np.argsort(table.reshape(-1))  # pool page -> (row, page)
+
+    def pooled(x):
+      x = x.reshape(b * pages, page_size, *x.shape[2:])
+      return x[order]
+
+    k = pooled(k)
+    scales = {name: pooled(x) for name, x in scales.items()}
+  return dict(query=jnp.asarray(q), key=jnp.asarray(k), value=None,
+              lengths=jnp.asarray(lengths), value_head_dim=hv,
+              block_table=None if table is None else jnp.asarray(table),
+              **{name: jnp.asarray(x) for name, x in scales.items()})
+
+
+@pytest.mark.parametrize("quantized_as, page_size, h, hv", [
+    (None, None, 72, 64),  # H and Hv padded to 128 lanes alike
+    (None, PAGE, 192, 128),  # Hv a lane-aligned part of the key tile
+    (jnp.int8, None, 192, 128),
+    (jnp.int8, PAGE, 72, 64),
+    (jnp.float8_e4m3fn, PAGE, 192, 128),
+])
+def test_mosaic_tpu_latent_cache_reads_values_from_the_keys(
+    quantized_as, page_size, h, hv):
+  """value=None with value_head_dim: the kernel reads each key block once
+  and takes its first Hv columns as the values (the key scales
+  dequantizing both); equal to `chunked` on the same inputs."""
+  gen = rng("mosaic_tpu latent", str(quantized_as), page_size, h)
+  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size,
+                      h=h, hv=hv)
+  kw = dict(num_splits=2, return_residual=True,
+            block_kv=None if page_size else 32)
+  out, lse = pallas_fa.decode_attention(**args, implementation="mosaic_tpu",
+                                        **kw)
+  kw["block_kv"] = None
+  want_out, want_lse = pallas_fa.decode_attention(**args, implementation=None,
+                                                  **kw)
+  assert out.shape == (2, 2, 8, hv)
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)
+
+
+def _kernel_operands(fn, *args):
+  """The operand avals of the one pallas_call in fn's jaxpr."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append([v.aval for v in eqn.invars])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  assert len(found) == 1
+  return found[0]
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_mosaic_tpu_kernel_reads_the_narrow_cache_as_stored(latent):
+  """The kernel's operands: the int8 cache itself (a free reshape), once
+  for a latent cache (no value operand), and no float array of the
+  cache's size (no dequantized copy)."""
+  b, s_max, h = 2, 256, 128
+  cache = jnp.zeros((b, s_max, 1, h), jnp.int8)
+  scale = jnp.ones((b, s_max, 1), jnp.float32)
+  q = jnp.ones((b, 1, 4, h), jnp.float32)
+  lengths = jnp.asarray([s_max, 100], jnp.int32)
+
+  def step(q, k, ks):
+    if latent:
+      return pallas_fa.decode_attention(
+          q, k, None, lengths, value_head_dim=h, key_scale=ks,
+          implementation="mosaic_tpu")
+    return pallas_fa.decode_attention(
+        q, k, k, lengths, key_scale=ks, value_scale=ks,
+        implementation="mosaic_tpu")
+
+  operands = _kernel_operands(step, q, cache, scale)
+  narrow = [x for x in operands if x.dtype == jnp.int8]
+  assert [x.size for x in narrow] == [cache.size] * (1 if latent else 2)
+  assert all(x.size < cache.size for x in operands if x.dtype != jnp.int8)
+
+
+@pytest.fixture
+def compiled_for_tpu(monkeypatch):
+  """The kernels as a TPU compiles them (no interpreter), freshly traced."""
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("dtype, page_size, latent", [
+    (jnp.int8, None, False), (jnp.float8_e4m3fn, 64, False),
+    (jnp.bfloat16, None, True), (jnp.int8, 64, True)])
+def test_quantized_and_latent_decode_lower_to_mosaic_for_tpu(
+    dtype, page_size, latent, compiled_for_tpu):
+  """One Mosaic kernel, compiled (not interpreted), for an int8 / float8
+  cache with its scales and DeepSeek's latent cache (H = 576, Hv = 512,
+  one K/V head, 16 query heads), contiguous and paged."""
+  del compiled_for_tpu
+  b, s_max = 2, 256
+  num_kv, n, h, hv = (1, 16, 576, 512) if latent else (2, 8, 128, 128)
+  q = jnp.ones((b, 1, n, h), jnp.bfloat16)
+  shape = (b, s_max) if page_size is None else (b * s_max // page_size,
+                                                page_size)
+  key = jnp.ones(shape + (num_kv, h), dtype)
+  value = None if latent else jnp.ones(shape + (num_kv, hv), dtype)
+  table = None if page_size is None else jnp.arange(
+      b * s_max // page_size, dtype=jnp.int32).reshape(b, -1)
+  scales = {}
+  if dtype != jnp.bfloat16:
+    scales = dict(key_scale=jnp.ones(shape + (num_kv,), jnp.float32))
+    if not latent:
+      scales["value_scale"] = jnp.ones((num_kv,), jnp.float32)
+  lengths = jnp.asarray([200, 77], jnp.int32)
+
+  def decode(q, key, value, lengths, table, scales):
+    return pallas_fa.decode_attention(
+        q, key, value, lengths, block_table=table, num_splits=2,
+        value_head_dim=hv if latent else None, implementation="mosaic_tpu",
+        **scales)
+
+  exported = jax.export.export(jax.jit(decode), platforms=["tpu"])(
+      q, key, value, lengths, table, scales)
+  module = exported.mlir_module()
+  assert module.count("tpu_custom_call") == 1
+  assert "callback" not in module  # a compiled kernel, not the interpreter
