@@ -186,8 +186,8 @@ def decode_attention(
     value_scale: the same for `value`.
     value_head_dim: with value=None, a latent (MLA) cache: the values are
       key's first `value_head_dim` columns, read with the keys (one read
-      of the cache; "chunked" and "mosaic_tpu", "triton" raises
-      NotImplementedError), a quantized key's scales dequantizing both.
+      of the cache; every implementation), a quantized key's scales
+      dequantizing both.
     prefix_key: [S_p, K, H], the query's dtype: a prefix shared by every
       row (a common prompt), before each row's own cache: the result is
       decoding each row over `[prefix; cache[b, :lengths[b]]]`, `lengths`
@@ -212,7 +212,7 @@ def decode_attention(
     NotImplementedError: `implementation` has no decode path, or "triton"
       ("mosaic_tpu") with a page size that is not a multiple of 16 (8; 32
       for a quantized cache), or with a score_mod/mask_mod it cannot fuse
-      (`pallas_fa.flex.fused_mods`), or "triton" with a latent cache.
+      (`pallas_fa.flex.fused_mods`).
   """
   if implementation not in (None,) + _IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
@@ -305,9 +305,16 @@ def decode_attention(
                    mask_mod=prefix.shifted(mask_mod, s_p, False))
   own = _own_cache(implementation, query, query_positions - s_p, None,
                    cache, tiling, static, shifted)
+  def decode_one_row(query, query_positions, key, value):
+    row = dict(key=key, value=value, value_head_dim=hv, key_scale=None,
+               value_scale=None, block_table=None,
+               lengths=jnp.full((1,), s_p, jnp.int32))
+    return _own_cache(implementation, query, query_positions, None, row,
+                      dict(num_splits=None, block_kv=None), static, {})
+
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
                          implementation=implementation, static=static,
-                         flex=flex)
+                         flex=flex, decode_one_row=decode_one_row)
   return _result(*prefix.merge(shared, own, sinks, query.dtype),
                  return_residual)
 

@@ -107,11 +107,23 @@ def at_positions(fn, takes_score: bool):
 
 
 def attend(query, prefix_key, prefix_value, query_positions, *,
-           implementation, static, flex):
+           implementation, static, flex, decode_one_row):
   """Every row's new tokens over the prefix: (out [B, T_new, N, Hv] typed
-  like the query, lse [B, T_new, N]), without sinks."""
+  like the query, lse [B, T_new, N]), without sinks.
+
+  `decode_one_row(query, query_positions, key, value)` decodes a one-row
+  cache (the front's own path): without mods, "chunked" folds the rows'
+  tokens into that row's new tokens, so each K/V head's B * T_new * G
+  queries are one packed tile; the kernels, whose packed tile has a size
+  limit, take the prefix in `flash_attention` instead.
+  """
   b, t, n, h = query.shape
   name = "chunked" if implementation is None else implementation
+  if not flex and name == "chunked":
+    out, lse = decode_one_row(query.reshape(1, b * t, n, h),
+                              query_positions.reshape(1, b * t),
+                              prefix_key[None], prefix_value[None])
+    return out.reshape(b, t, n, -1), lse.reshape(b, t, n)
   kw = dict(static, implementation=name, return_residual=True)
   if flex:
     # The mods read the row: the queries keep it, the prefix has batch 1.
