@@ -122,7 +122,8 @@ DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_int8", "decode_paged_int8", "decode_fp8",
-            "decode_paged_fp8", "value_dim", "flex_alibi", "flex_softcap",
+            "decode_paged_fp8", "decode_latent", "decode_latent_int8",
+            "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "fused",
             "fused_causal", "fused_masked", "fused_dropout")
 # The decode variants over a quantized cache: (the variant whose cache
@@ -131,10 +132,18 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                     "decode_paged_int8": ("decode_paged", "int8"),
                     "decode_fp8": ("decode", "float8_e4m3fn"),
                     "decode_paged_fp8": ("decode_paged", "float8_e4m3fn")}
+# The decode variants over a latent (MLA) cache, value=None with
+# value_head_dim (DeepSeek's absorbed MLA), and their cache's dtype (None:
+# the query's; int8 with float32 key scales per entry). Their shape is
+# `LATENT_SHAPE`, whatever the matrix's head dims: such a variant compiles
+# once per target, backend and dtype, as h=576 (`VARIANT_HEAD_DIMS`).
+LATENT_DECODE = {"decode_latent": None, "decode_latent_int8": "int8"}
+LATENT_SHAPE = dict(head_dim=576, value_head_dim=512, heads=16, kv_heads=1)
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
                     **{name: ("triton",) for name in QUANTIZED_DECODE},
+                    **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
                     "flex_softcap": ("triton", "mosaic_gpu"),
@@ -152,6 +161,9 @@ VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9)}
 # (`mosaic_gpu.fused_backward_applies`).
 VARIANT_MAX_HEAD_DIM = {"fused": 128, "fused_causal": 128, "fused_masked": 128,
                         "fused_dropout": 64}
+# The head dims of a variant that has its own (in place of the matrix's).
+VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
+                     for name in LATENT_DECODE}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 # The most kernels one decode step may launch (the split kernel and the
@@ -160,7 +172,8 @@ DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 # does a head dim the kernel pads (H = 72: the padded copy of the cache,
 # `pallas_fa.triton.decode`), which is reported, not checked.
 DECODE_KERNELS = {"decode": 2, "decode_paged": 2,
-                  **{name: 2 for name in QUANTIZED_DECODE}}
+                  **{name: 2 for name in QUANTIZED_DECODE},
+                  **{name: 2 for name in LATENT_DECODE}}
 HEAD_DIMS = (64, 72, 128, 256)
 
 
@@ -181,6 +194,11 @@ class Case:
       "decode_paged_fp8" = the same over a quantized cache, int8 or
       float8_e4m3fn with float32 scales per entry ([B, S, K] / [P,
       page_size, K], `QUANTIZED_DECODE`);
+      "decode_latent" / "decode_latent_int8" = "decode" over a latent
+      cache (value=None, value_head_dim: DeepSeek's H = 576, Hv = 512,
+      one K/V head, 16 query heads, `LATENT_SHAPE`, whatever the
+      matrix's head dims), of the query's dtype or int8 with float32 key
+      scales per entry;
       "value_dim" = causal with a value head dim Hv = H // 2 (MLA-style
       values narrower than queries/keys), or 2 H at H <= 64: there H // 2
       pads to H's width on mosaic_gpu, the kernels of the causal case,
@@ -209,6 +227,8 @@ class Case:
 
   @property
   def value_head_dim(self) -> int:
+    if self.variant in LATENT_DECODE:
+      return LATENT_SHAPE["value_head_dim"]
     if self.variant != "value_dim":
       return self.head_dim
     return self.head_dim // 2 if self.head_dim > 64 else 2 * self.head_dim
@@ -272,6 +292,8 @@ def _tiles(case: Case, seq: int, *, heuristic: bool = False,
 
 def _decode_call(case: Case, seq: int, spec):
   """(argument specs, forward function) of a decode case."""
+  if case.variant in LATENT_DECODE:
+    return _latent_decode_call(case, seq, spec)
   shape = DECODE_SHAPE
   b, h = 2, case.head_dim
   kv, page = shape["kv_heads"], shape["page_size"]
@@ -309,16 +331,47 @@ def _decode_call(case: Case, seq: int, spec):
   return args, call
 
 
+def _latent_decode_call(case: Case, seq: int, spec):
+  """(argument specs, forward function) of a latent decode case: the
+  query, the one [B, S, 1, H] cache (the values its first Hv columns),
+  the lengths and, int8, the key scales [B, S, 1]."""
+  b, latent = 2, LATENT_SHAPE
+  cache = (b, seq, latent["kv_heads"])
+  cache_dtype = LATENT_DECODE[case.variant] or case.dtype
+  args = [spec((b, DECODE_SHAPE["new_tokens"], latent["heads"],
+                latent["head_dim"])),
+          spec((*cache, latent["head_dim"]), cache_dtype),
+          spec((b,), jnp.int32)]
+  if LATENT_DECODE[case.variant]:
+    args.append(spec(cache, jnp.float32))
+
+  def call(q, k, lengths, *scales):
+    return pallas_fa.decode_attention(
+        q, k, None, lengths, value_head_dim=latent["value_head_dim"],
+        key_scale=scales[0] if scales else None, implementation=case.backend)
+
+  return args, call
+
+
+def _decode_shape(case: Case) -> tuple[int, int, int]:
+  """(query heads per K/V head, key head dim, value head dim) of a decode
+  case; the latent key tiling depends on the value head dim."""
+  shape = LATENT_SHAPE if case.variant in LATENT_DECODE else DECODE_SHAPE
+  return (shape["heads"] // shape["kv_heads"], case.head_dim,
+          case.value_head_dim)
+
+
 def _decode_tiles(case: Case) -> str:
   """The decode kernel's block and head-dim tiling of a case."""
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   shape = DECODE_SHAPE
-  groups = shape["heads"] // shape["kv_heads"]
+  groups, h, hv = _decode_shape(case)
   rows = triton_decode.packed_rows(groups * shape["new_tokens"])
-  padded, chunk = triton_decode.key_tiling(case.head_dim, rows)
-  value_padded, value_chunk = triton_decode.value_tiling(case.head_dim, rows)
+  padded, chunk = triton_decode.key_tiling(
+      h, rows, hv if case.variant in LATENT_DECODE else None)
+  value_padded, value_chunk = triton_decode.value_tiling(hv, rows)
   block = triton_decode.block_for(
-      head_dim=case.head_dim, value_head_dim=case.head_dim, groups=groups,
+      head_dim=h, value_head_dim=hv, groups=groups,
       new_tokens=shape["new_tokens"], block_kv=None,
       page_size=shape["page_size"] if case.variant.startswith("decode_paged")
       else None)
@@ -330,10 +383,9 @@ def _decode_reads_cache_in_place(case: Case) -> bool:
   """Whether the decode kernel reads the case's cache without a padded
   copy: its head dims need no padding."""
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
-  shape = DECODE_SHAPE
-  rows = triton_decode.packed_rows(
-      shape["heads"] // shape["kv_heads"] * shape["new_tokens"])
-  return triton_decode.key_tiling(case.head_dim, rows)[0] == case.head_dim
+  groups, h, _ = _decode_shape(case)
+  rows = triton_decode.packed_rows(groups * DECODE_SHAPE["new_tokens"])
+  return triton_decode.key_tiling(h, rows)[0] == h
 
 
 def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
@@ -529,6 +581,9 @@ def matrix(args) -> list[tuple[str, Case]]:
         continue
       for h in head_dims:
         for variant in variants:
+          own = VARIANT_HEAD_DIMS.get(variant)
+          if own is not None and h != head_dims[0]:
+            continue  # Its own head dims, taken once (at the first).
           for dtype in dtypes:
             if dtype not in DTYPES[backend] or backend not in (
                 VARIANT_BACKENDS.get(variant, (backend,))) or h > (
@@ -536,7 +591,8 @@ def matrix(args) -> list[tuple[str, Case]]:
                 VARIANT_MIN_CAPABILITY.get(variant, ())):
               continue
             for tiles in args.tiles.split(","):
-              out.append((target, Case(backend, h, dtype, variant, tiles)))
+              out += [(target, Case(backend, hh, dtype, variant, tiles))
+                      for hh in own or (h,)]
   return out
 
 

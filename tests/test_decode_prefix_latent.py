@@ -196,8 +196,6 @@ def _small():
     (dict(value=None), ValueError, "takes value_head_dim"),
     (dict(value=None, value_head_dim=9), ValueError, r"\[1, H=8\]"),
     (dict(value_head_dim=4), ValueError, "value_head_dim applies to a latent"),
-    (dict(value=None, value_head_dim=4, implementation="triton"),
-     NotImplementedError, "latent"),
 ])
 def test_bad_prefix_and_latent_arguments_are_named(change, error, match):
   q, k, lengths = _small()

@@ -154,6 +154,18 @@ LAYOUTS = [(None, "full", 1), (None, "head", 3), (16, "full", 2),
            (16, "scalar", 1)]
 
 
+def kernel_matrix(layouts=LAYOUTS):
+  """(dtype, page size, scale form, splits) for an interpreted kernel: int8
+  over every layout and float8_e4m3fn over the first in the default run;
+  the rest (the same kernel with another element conversion) in the slow
+  leg."""
+  for dtype in QUANTIZED:
+    for i, layout in enumerate(layouts):
+      cheap = dtype == jnp.int8 or (dtype == jnp.float8_e4m3fn and i == 0)
+      yield pytest.param(dtype, *layout,
+                         marks=() if cheap else pytest.mark.slow)
+
+
 def check_quantized_decode(implementation, dtype, page_size, scale_form,
                            splits, *, h=32, block_kv=16):
   """`decode_attention` of `implementation` over a quantized cache (GQA,

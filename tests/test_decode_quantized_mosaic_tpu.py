@@ -27,8 +27,8 @@ LAYOUTS = [(None, "full", 1), (None, "head", 3), (PAGE, "full", 2),
            (PAGE, "scalar", 1)]
 
 
-@pytest.mark.parametrize("dtype", quantized.QUANTIZED)
-@pytest.mark.parametrize("page_size, scale_form, splits", LAYOUTS)
+@pytest.mark.parametrize("dtype, page_size, scale_form, splits",
+                         list(quantized.kernel_matrix(LAYOUTS)))
 def test_mosaic_tpu_quantized_decode_matches_the_dequantized_oracle(
     dtype, page_size, scale_form, splits):
   """Contiguous (blocks of 32 keys, the last one partial) and paged caches;

@@ -17,8 +17,8 @@ from tests.attention_testing import assert_close
 from tests.attention_testing import rng
 
 
-@pytest.mark.parametrize("dtype", quantized.QUANTIZED)
-@pytest.mark.parametrize("page_size, scale_form, splits", quantized.LAYOUTS)
+@pytest.mark.parametrize("dtype, page_size, scale_form, splits",
+                         list(quantized.kernel_matrix()))
 def test_triton_quantized_decode_matches_the_dequantized_oracle(
     dtype, page_size, scale_form, splits):
   """Contiguous and paged caches; scales per entry (NaN past the lengths),

@@ -150,7 +150,7 @@ def decode_attention(
       two, "mosaic_tpu": a multiple of 8, or of 32 when quantized).
     implementation: None or "chunked" (jax.numpy, any platform, any head
       dim), "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
-      mode, page sizes multiples of 16; float and quantized caches, a
+      mode, page sizes multiples of 16; float, quantized and latent caches, a
       float8_e4m3fn one from compute capability 8.9) or "mosaic_tpu" (the
       Pallas TPU kernel; a TPU or its interpret mode elsewhere, page sizes
       multiples of 8, of 32 for a quantized cache; float, quantized and

@@ -51,6 +51,22 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   scalar load, one per program (per K/V head, say) a load before the
   loop (a value scale then multiplies the output once). float8_e4m3fn
   needs compute capability 8.9 (Triton's conversions).
+* **Latent caches.** With `value_head_dim` (value=None, `LATENT_CACHES`:
+  DeepSeek's absorbed MLA, H = 576, Hv = 512, one K/V head) the values are
+  the key's first Hv columns and there is no value operand: a program
+  reads each column of its key blocks once, its value columns included.
+  Those (its value chunk, below) are whole key chunks (`key_tiling` caps
+  the key chunk at the value chunk): Q.K^T loops over the other key
+  chunks, then loads the value columns chunk by chunk, each tile adding
+  its term of Q.K^T and then, held in registers, multiplying P into its
+  own [R, chunk] part of the accumulator. (Loading them as one [block,
+  Hv] tile would make that Q.K^T term one [R, Hv] x [Hv, block] product
+  whose operands every warp holds whole: 217 registers at R = 16 on the
+  H100 against 116 in chunks, 113 with a separate value cache.) With
+  several value chunks (R > 32 at Hv = 512) each program still reads the
+  whole key row of its blocks, as K is read once per value chunk anyway.
+  A quantized latent cache's key scales dequantize both the logits and P
+  (or the output, for a constant scale).
 * **Head dims.** Up to 256 a head dim is padded to a power of two (one
   tile, `triton.ALIGN`); above, it is cut into power-of-two chunks that
   divide it rounded up to 16 (576 = 9 x 64, 4096 = 16 x 256), so a cache of
@@ -114,6 +130,9 @@ _TILE_ELEMENTS = 1 << 14
 # int8 / float8 caches are read as stored and dequantized in registers
 # (`decode.kernels.run` passes them with their scales).
 QUANTIZED_CACHES = True
+# `decode.front` passes a latent cache as value=key with `value_head_dim`:
+# the kernel reads the values from the key tiles.
+LATENT_CACHES = True
 
 
 def packed_rows(rows: int) -> int:
@@ -138,10 +157,17 @@ def _head_tiling(head_dim: int, rows: int, widest: int) -> tuple[int, int]:
   return padded, chunk
 
 
-def key_tiling(head_dim: int, rows: int) -> tuple[int, int]:
+def key_tiling(head_dim: int, rows: int,
+               latent_value_head_dim: int | None = None) -> tuple[int, int]:
   """(padded head dim, chunk) of the queries and keys: Q.K^T loops over
-  the chunks."""
-  return _head_tiling(head_dim, rows, _KEY_CHUNK)
+  the chunks. A latent cache's (values = the key's first
+  `latent_value_head_dim` columns) chunk is at most the value chunk
+  (`value_tiling`), so that a program's value columns are whole key
+  chunks (both powers of two: the smaller divides the larger)."""
+  padded, chunk = _head_tiling(head_dim, rows, _KEY_CHUNK)
+  if latent_value_head_dim is not None:
+    chunk = min(chunk, value_tiling(latent_value_head_dim, rows)[1])
+  return padded, chunk
 
 
 def value_tiling(head_dim: int, rows: int) -> tuple[int, int]:
@@ -278,7 +304,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             cache_len: int, capacity: int, num_pages: int, splits: int,
             new_tokens: int, real_rows: int, scale: float, soft_cap,
             is_causal: bool, window, precision, score_mod=None,
-            mask_mod=None):
+            mask_mod=None, latent: bool = False):
   # Grid indices at the kernel's top level (the interpreter resolves
   # `program_id` there, not inside loop bodies).
   column = pl.program_id(2) % value_chunks
@@ -307,10 +333,20 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
         window=window)
     first, end = masking.split_run(lo, hi, splits, split)
   row_pos = row_pos[:, None]  # [R, 1]
-  values = pl.ds(pl.multiple_of(column * value_chunk, value_chunk),
-                 value_chunk)
+  # The program's value columns start here.
+  value_start = pl.multiple_of(column * value_chunk, value_chunk)
   q_mask = None if row_ok is None else row_ok[:, None]
   q_whole = (_load(refs["q"], q_mask, 0) if head_chunks == 1 else None)
+  # A latent cache's value tile is the key's columns from `value_start`, a
+  # whole number of key chunks (`key_tiling`): Q.K^T loops over the other
+  # chunks, then reads these `parts` once, each serving its Q.K^T term and
+  # then P.V into its own [R, chunk] part of the accumulator (see the
+  # module docstring: not one [R, Hv] x [Hv, block] product).
+  parts = value_chunk // head_chunk if latent else 1
+  part = value_chunk // parts
+  other_chunks = head_chunks - parts if latent else head_chunks
+  # The value scales: a latent cache's are the key's.
+  v_scale_name = "k_scale" if latent else "v_scale"
   # A quantized cache's tiles are read as stored (1 byte an element) and
   # converted here to the queries' dtype, which holds every int8 and
   # float8 value exactly; the scales act on the logits and on P
@@ -350,25 +386,58 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
       c = jnp.where(valid, c, jnp.zeros((), c.dtype))
     return c if c.ndim == 0 else c[None, :]
 
+  def other_chunk(i):
+    """Key chunk of Q.K^T's i-th step: past a latent program's value
+    columns when it reaches them."""
+    if not latent:
+      return i
+    if value_chunks == 1:
+      return i + parts
+    return jnp.where(i >= column * parts, i + parts, i)
+
+  def value_tile(lead, u, valid):
+    """Part u of the block's value tile, [block, part]: columns of the key
+    (latent) or of the value, rows past the length (which may hold NaN,
+    and 0 * NaN is NaN in P.V) zeroed."""
+    cols = pl.ds(pl.multiple_of(value_start + u * part, part) if u else
+                 value_start, part)
+    v = refs["k" if latent else "v"][(*lead, cols)].astype(compute)
+    if valid is not None:
+      v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
+    return cols, v
+
   def step(j, carry, *, masked=True):
     m_i, l_i, acc = carry
     start, lead = key_rows(j)
-    if head_chunks == 1:
+    if head_chunks == 1 and not latent:
       qk = _dot_nt(q_whole, refs["k"][(*lead, slice(None))].astype(compute),
                    precision)
     else:
-      def chunk(c, qk):
+      def chunk(i, qk):
+        c = other_chunk(i)
         cols = pl.ds(pl.multiple_of(c * head_chunk, head_chunk), head_chunk)
         q = _load(refs["q"].at[:, cols], q_mask, 0)
         return qk + _dot_nt(q, refs["k"][(*lead, cols)].astype(compute),
                             precision)
 
-      qk = jax.lax.fori_loop(0, head_chunks, chunk,
-                             jnp.zeros((rows, block), _F32))
+      qk = jnp.zeros((rows, block), _F32)
+      if other_chunks:
+        qk = jax.lax.fori_loop(0, other_chunks, chunk, qk)
     kv_pos = start + jnp.arange(block, dtype=jnp.int32)
     valid = None
     if masked:
       valid = (kv_pos >= j * block) & (kv_pos < length)
+    v_parts = []
+    if latent:
+      # The value tile, the key's columns: read here once, it completes
+      # Q.K^T (the rows it zeroes past the length are masked below) and
+      # then serves P.V.
+      for u in range(parts):
+        cols, v = value_tile(lead, u, valid)
+        q = q_whole if head_chunks == 1 else _load(
+            refs["q"].at[:, cols], q_mask, 0)
+        qk = qk + _dot_nt(q, v, precision)
+        v_parts.append(v)
     k_scale = block_scales("k_scale", lead, valid)
     if k_scale is not None:
       # Dequantizing: q . (k * c) = (q . k) * c for the key's scale c.
@@ -393,20 +462,19 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             kv_idx=kv_pos[None, :])
       s = online_softmax.apply_mask(s, visible)
     m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
-    v = refs["v"][(*lead, values)].astype(compute)  # [block, value_chunk]
-    if masked:
-      # Rows past the length may hold NaN, and 0 * NaN is NaN in P.V.
-      v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
-    v_scale = block_scales("v_scale", lead, valid)
-    if v_scale is not None and "v_scale" not in constant:
+    if not latent:
+      v_parts = [value_tile(lead, 0, valid)[1]]  # [block, value_chunk]
+    v_scale = k_scale if latent else block_scales("v_scale", lead, valid)
+    if v_scale is not None and v_scale_name not in constant:
       # P . (v * c) = (P * c) . v for the value's scale c (a constant one
       # scales the output once, below).
       p = p * v_scale
-    acc = online_softmax.rescale(acc, alpha) + _dot(
-        p.astype(compute), v, precision)
+    acc = tuple(online_softmax.rescale(a, alpha) + _dot(
+        p.astype(compute), v, precision) for a, v in zip(acc, v_parts))
     return m_i, l_i, acc
 
-  carry = online_softmax.init((rows,), (rows, value_chunk))
+  m_i, l_i, acc = online_softmax.init((rows,), (rows, part))
+  carry = m_i, l_i, (acc,) * parts
   if "order" in refs:
     # A mask_mod's blocks: positions [first, end) of this K/V head's list,
     # those below n_full FULL (no masking at all).
@@ -424,10 +492,12 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   else:
     carry = jax.lax.fori_loop(first, end, step, carry)
   m_i, l_i, acc = carry
-  out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
-  if "v_scale" in constant:
-    out = out * constant["v_scale"]
-  _store(refs["out"], out, q_mask)
+  for u, a in enumerate(acc):
+    out, lse = online_softmax.finalize(m_i, l_i, a, base2=True)
+    if v_scale_name in constant:
+      out = out * constant[v_scale_name]
+    _store(refs["out"] if parts == 1 else
+           refs["out"].at[:, u * part:(u + 1) * part], out, q_mask)
   _store(refs["lse"], lse, row_ok)
 
 
@@ -462,21 +532,28 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
                 is_causal: bool, local_window_size, logits_soft_cap,
                 precision, score_mod=None, score_mod_args=(), mask_mod=None,
                 mask_mod_args=(), lists=None, key_scale=None,
-                value_scale=None):
+                value_scale=None, value_head_dim=None):
   """The split kernel on packed queries q [B, K, R, H] (R = G * T_new,
   not padded) and the cache as given; `inputs` holds what tells a program
   its run ("len" and maybe "qpos", or a mask_mod's lists) and `row_pos`,
   [B, R], each packed row's position, is needed with flex attention only.
-  A quantized cache comes with its scales or None (`_scale_input`).
+  A quantized cache comes with its scales or None (`_scale_input`). With
+  `value_head_dim` the cache is latent: `value` is ignored (the key's
+  first `value_head_dim` columns are the values, its scales theirs).
 
   Returns (out float32 [B, K, splits, R, Hv padded], lse float32 [B, K,
   splits, R]): every split's normalised partial result (the value head dim
   padded as `value_tiling` pads it).
   """
   b, num_kv, _, h = q.shape
-  hv = value.shape[3]
+  latent = value_head_dim is not None
+  if latent:
+    value, value_scale = None, None  # The key's columns and scales.
+  hv = value_head_dim if latent else value.shape[3]
   rows = packed_rows(r)
-  hp, head_chunk = key_tiling(h, rows)
+  # A latent program's value columns [c * value_chunk, (c + 1) *
+  # value_chunk) of the key (hvp <= hp) are whole key chunks.
+  hp, head_chunk = key_tiling(h, rows, value_head_dim)
   hvp, value_chunk = value_tiling(hv, rows)
   num_value_chunks = hvp // value_chunk
   q = masking.pad_axes(q, {3: hp})
@@ -486,7 +563,8 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
     # Only a cache shorter than one block is padded (to one block).
     cache_len = max(key.shape[1], block)
     key = masking.pad_axes(key, {1: cache_len, 3: hp})
-    value = masking.pad_axes(value, {1: cache_len, 3: hvp})
+    if not latent:
+      value = masking.pad_axes(value, {1: cache_len, 3: hvp})
     per_page = None
     cache_block = (None, cache_len, None)
 
@@ -498,7 +576,8 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
     num_blocks = block_table.shape[1] * per_page
     capacity = block_table.shape[1] * page_size
     key = masking.pad_axes(key, {3: hp})
-    value = masking.pad_axes(value, {3: hvp})
+    if not latent:
+      value = masking.pad_axes(value, {3: hvp})
     cache_block = (key.shape[0], page_size, None)
 
     def cache_index(i, k, j):
@@ -518,8 +597,10 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
                                  lambda i, k, j: (i, k, 0, 0))),
       **inputs,
       "k": (key, triton.block_spec((*cache_block, hp), cache_index)),
-      "v": (value, triton.block_spec((*cache_block, hvp), cache_index)),
   }
+  if not latent:
+    inputs["v"] = (value, triton.block_spec((*cache_block, hvp),
+                                            cache_index))
   for name, x in (("k_scale", key_scale), ("v_scale", value_scale)):
     if x is not None:
       inputs[name] = _scale_input(x, paged=block_table is not None,
@@ -556,7 +637,7 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       cache_len=cache_len, capacity=capacity, num_pages=key.shape[0],
       splits=splits, new_tokens=new_tokens, real_rows=r, scale=scale,
       soft_cap=logits_soft_cap, is_causal=is_causal,
-      window=local_window_size, precision=precision)
+      window=local_window_size, precision=precision, latent=latent)
   warps, stages = _launch(rows, max(head_chunk, value_chunk))
   return triton.pallas_call(
       kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
@@ -567,7 +648,8 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
              *, block: int, splits: int, scale: float, is_causal: bool,
              local_window_size, logits_soft_cap, precision, score_mod=None,
              score_mod_args=(), mask_mod=None, mask_mod_args=(),
-             kinds=None, key_scale=None, value_scale=None):
+             kinds=None, key_scale=None, value_scale=None,
+             value_head_dim=None):
   """The kernel's per-split results on the packed layout of `decode`
   (`decode_attention` takes this path with a mask_mod; without one,
   `attention` runs the whole call in two kernels).
@@ -591,6 +673,10 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       without masking.
     key_scale, value_scale: None, or a quantized cache's float32 scales,
       rank 3 with each dim 1 or the cache's (`decode_attention`).
+    value_head_dim: None, or Hv of a latent cache: `value` is the key
+      (`decode.front`), whose first Hv columns the kernel reads as the
+      values from the key tiles (no value operand), the key scales
+      dequantizing both.
 
   Returns:
     (out float32 [B, K, splits, R, Hv], lse float32 [B, K, splits, R]):
@@ -617,8 +703,8 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       logits_soft_cap=logits_soft_cap, precision=precision,
       score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
       mask_mod_args=mask_mod_args, lists=lists, key_scale=key_scale,
-      value_scale=value_scale)
-  return out[..., :value.shape[3]], lse
+      value_scale=value_scale, value_head_dim=value_head_dim)
+  return out[..., :value_head_dim or value.shape[3]], lse
 
 
 def _qpos_input(query_positions):
@@ -630,12 +716,14 @@ def _qpos_input(query_positions):
 
 @functools.partial(jax.jit, static_argnames=(
     "block", "splits", "scale", "is_causal", "local_window_size",
-    "logits_soft_cap", "precision", "score_mod", "mask_mod"))
+    "logits_soft_cap", "precision", "score_mod", "mask_mod",
+    "value_head_dim"))
 def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, score_mod=None, score_mod_args=(), mask_mod=None,
-              mask_mod_args=(), key_scale=None, value_scale=None):
+              mask_mod_args=(), key_scale=None, value_scale=None,
+              value_head_dim=None):
   """`decode_attention(implementation="triton")` without a mask_mod, as
   two kernels: the split kernel and the merge.
 
@@ -657,8 +745,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       int [B, T_new].
     sinks: None or float32 [N].
     block, splits, scale, is_causal, local_window_size, logits_soft_cap,
-      precision, score_mod, score_mod_args, key_scale, value_scale: as for
-      `partials` (`mask_mod` must be None).
+      precision, score_mod, score_mod_args, key_scale, value_scale,
+      value_head_dim: as for `partials` (`mask_mod` must be None).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new,
@@ -695,13 +783,13 @@ def attention(query, key, value, lengths, block_table, query_positions,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       precision=precision, score_mod=score_mod,
       score_mod_args=score_mod_args, key_scale=key_scale,
-      value_scale=value_scale)
+      value_scale=value_scale, value_head_dim=value_head_dim)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = sinks.astype(_F32).reshape(num_kv, g)
     if t > 1:
       sinks = jnp.repeat(sinks, t, axis=1)
-  hv = value.shape[3]
+  hv = value_head_dim or value.shape[3]
   out, lse = merge_splits(out, lse, sinks, dtype=query.dtype,
                           value_head_dim=hv)
   if t == 1:

@@ -1,0 +1,187 @@
+"""The triton decode kernel over latent (MLA) caches, in interpret mode:
+value=None with value_head_dim, the values the key's first Hv columns read
+from the key tiles (no value operand), against `chunked` on the same
+inputs: contiguous and paged caches, float32 and bfloat16 queries, int8 /
+float8 caches dequantized by the key scales, a mask_mod (`partials`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from pallas_fa import flex
+from pallas_fa import kv_cache
+from tests.attention_testing import assert_close
+from tests.attention_testing import rng
+
+
+def _latent_case(gen, *, quantized_as=None, page_size=None, h=576, hv=512,
+                 b=2, t=1, n=8, s_max=64):
+  """A one-head latent cache [B, S_max, 1, H] (or its shuffled pages) with
+  NaN (float) or extreme values and NaN scales (quantized) past the
+  lengths, and the decode arguments (float32 queries)."""
+  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
+  k = gen.standard_normal((b, s_max, 1, h)).astype(np.float32)
+  lengths = np.asarray([s_max, 37], np.int32)[:b]
+  past = np.arange(s_max)[None] >= lengths[:, None]
+  scales = {}
+  if quantized_as is None:
+    k[past] = np.nan
+  else:
+    values, scale = kv_cache.quantize(jnp.asarray(k), quantized_as)
+    k, scale = np.array(values), np.array(scale)
+    k[past] = np.array(127 if quantized_as == jnp.int8 else 448,
+                       np.float32).astype(k.dtype)
+    scale[past] = np.nan
+    scales = dict(key_scale=scale)
+  table = None
+  if page_size is not None:
+    pages = s_max // page_size
+    table = gen.permutation(b * pages).reshape(b, pages).astype(np.int32)
+    order = np.argsort(table.reshape(-1))  # pool page -> (row, page)
+
+    def pooled(x):
+      x = x.reshape(b * pages, page_size, *x.shape[2:])
+      return x[order]
+
+    k = pooled(k)
+    scales = {name: pooled(x) for name, x in scales.items()}
+  return dict(query=jnp.asarray(q), key=jnp.asarray(k), value=None,
+              lengths=jnp.asarray(lengths), value_head_dim=hv,
+              block_table=None if table is None else jnp.asarray(table),
+              **{name: jnp.asarray(x) for name, x in scales.items()})
+
+
+def _against_chunked(args, **kw):
+  """(out, lse) of triton and of chunked on the same arguments."""
+  kw = dict(return_residual=True, **kw)
+  got = pallas_fa.decode_attention(**args, implementation="triton", **kw)
+  want = pallas_fa.decode_attention(**args, implementation=None, **kw)
+  return got, want
+
+
+@pytest.mark.parametrize("quantized_as, page_size, h, hv, n, t", [
+    # DeepSeek's absorbed MLA: 576 = 9 key chunks of 64, one value chunk
+    # of 512 (eight of them) at 8 query heads.
+    (None, None, 576, 512, 8, 1),
+    (None, 16, 576, 512, 8, 1),
+    (jnp.int8, None, 576, 512, 8, 1),
+    (jnp.int8, 32, 576, 512, 8, 1),
+    # 64 rows: two value chunks of 256, the second program's value
+    # columns in the middle of the key row.
+    (jnp.int8, 16, 576, 512, 64, 1),
+    # Padded head dims (72 -> 128, Hv 64 half the key chunk), two new
+    # tokens; a float8 cache.
+    (None, None, 72, 64, 4, 2),
+    (jnp.float8_e5m2, 16, 192, 128, 4, 2),
+    # Hv = H: the whole key tile is the value tile (no other key chunk).
+    (None, None, 64, 64, 4, 1),
+])
+def test_triton_latent_cache_matches_chunked(quantized_as, page_size, h, hv,
+                                             n, t):
+  """value=None with value_head_dim, contiguous and paged, float and
+  quantized: the kernel reads each key block once, its first Hv columns
+  the values (the key scales dequantizing both); equal to `chunked`."""
+  gen = rng("triton latent", str(quantized_as), page_size, h, n, t)
+  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size,
+                      h=h, hv=hv, n=n, t=t)
+  (out, lse), (want_out, want_lse) = _against_chunked(args, num_splits=2)
+  assert out.shape == (2, t, n, hv)
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)
+
+
+def test_triton_latent_cache_with_sinks_and_one_split():
+  """One split per sequence (the merge adds the sinks)."""
+  gen = rng("triton latent sinks")
+  args = _latent_case(gen, quantized_as=jnp.int8, page_size=16, n=4)
+  sinks = jnp.asarray(gen.standard_normal(4), jnp.float32)
+  (out, lse), (want_out, want_lse) = _against_chunked(
+      args, num_splits=1, sinks=sinks)
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)
+
+
+@pytest.mark.parametrize("quantized_as, page_size", [
+    (None, None), (jnp.int8, 16)])
+def test_triton_latent_cache_with_a_bfloat16_query(quantized_as, page_size):
+  """A bfloat16 query (and float cache): the FlashAttention rule against
+  `chunked` in float32 on the same values, with `chunked` in bfloat16 as
+  the same-dtype reference; an int8 cache converts to bfloat16 exactly."""
+  gen = rng("triton latent bfloat16", str(quantized_as), page_size)
+  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size)
+  low = dict(args, query=args["query"].astype(jnp.bfloat16))
+  if quantized_as is None:
+    low["key"] = args["key"].astype(jnp.bfloat16)
+  wide = dict(low, query=low["query"].astype(jnp.float32),
+              key=low["key"] if quantized_as else low["key"].astype(
+                  jnp.float32))
+  out = pallas_fa.decode_attention(**low, implementation="triton")
+  ref32 = pallas_fa.decode_attention(**wide, implementation=None)
+  same = pallas_fa.decode_attention(**low, implementation=None)
+  assert out.dtype == jnp.bfloat16
+  assert_close("out", out, ref32, same, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("quantized_as, page_size", [
+    (None, None), (jnp.int8, None), (None, 16), (jnp.int8, 16)])
+def test_triton_latent_cache_with_a_mask_mod(quantized_as, page_size):
+  """A mask_mod takes `partials` (each K/V head's listed blocks, merged in
+  JAX): StreamingLLM's window with sink tokens hides whole blocks, shows
+  some whole (unmasked: their value columns and scales used as read) and
+  some in part; equal to `chunked`."""
+  gen = rng("triton latent mask_mod", str(quantized_as), page_size)
+  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size,
+                      t=2, s_max=96)
+  (out, lse), (want_out, want_lse) = _against_chunked(
+      args, mask_mod=flex.sliding_window_with_sinks,
+      mask_mod_args=(jnp.int32(40), jnp.int32(3)), num_splits=2,
+      block_kv=None if page_size else 16)
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)
+
+
+def _kernel_operands(fn, *args):
+  """The operand avals of every pallas_call in fn's jaxpr."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append([v.aval for v in eqn.invars])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_triton_latent_kernel_has_one_cache_operand(paged):
+  """The split kernel's operands: the int8 cache itself, once (no value
+  operand, no copy of its first Hv columns), and nothing else of the
+  cache's size (no dequantized copy)."""
+  h, hv = 576, 512
+  shape = (8, 16) if paged else (2, 64)
+  cache = jnp.zeros(shape + (1, h), jnp.int8)
+  scale = jnp.ones(shape + (1,), jnp.float32)
+  q = jnp.ones((2, 1, 8, h), jnp.float32)
+  lengths = jnp.asarray([64, 37], jnp.int32)
+  table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4) if paged else None
+
+  def step(q, k, ks):
+    return pallas_fa.decode_attention(
+        q, k, None, lengths, block_table=table, value_head_dim=hv,
+        key_scale=ks, implementation="triton")
+
+  split, merge = _kernel_operands(step, q, cache, scale)
+  del merge
+  narrow = [x for x in split if x.dtype == jnp.int8]
+  assert [x.shape for x in narrow] == [cache.shape]
+  assert all(x.size < cache.size for x in split if x.dtype != jnp.int8)
