@@ -8,51 +8,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pallas_fa
 from pallas_fa import flex
-from pallas_fa import kv_cache
+from tests import test_decode_prefix_latent as latent
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
-
-
-def _latent_case(gen, *, quantized_as=None, page_size=None, h=576, hv=512,
-                 b=2, t=1, n=8, s_max=64):
-  """A one-head latent cache [B, S_max, 1, H] (or its shuffled pages) with
-  NaN (float) or extreme values and NaN scales (quantized) past the
-  lengths, and the decode arguments (float32 queries)."""
-  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
-  k = gen.standard_normal((b, s_max, 1, h)).astype(np.float32)
-  lengths = np.asarray([s_max, 37], np.int32)[:b]
-  past = np.arange(s_max)[None] >= lengths[:, None]
-  scales = {}
-  if quantized_as is None:
-    k[past] = np.nan
-  else:
-    values, scale = kv_cache.quantize(jnp.asarray(k), quantized_as)
-    k, scale = np.array(values), np.array(scale)
-    k[past] = np.array(127 if quantized_as == jnp.int8 else 448,
-                       np.float32).astype(k.dtype)
-    scale[past] = np.nan
-    scales = dict(key_scale=scale)
-  table = None
-  if page_size is not None:
-    pages = s_max // page_size
-    table = gen.permutation(b * pages).reshape(b, pages).astype(np.int32)
-    order = np.argsort(table.reshape(-1))  # pool page -> (row, page)
-
-    def pooled(x):
-      x = x.reshape(b * pages, page_size, *x.shape[2:])
-      return x[order]
-
-    k = pooled(k)
-    scales = {name: pooled(x) for name, x in scales.items()}
-  return dict(query=jnp.asarray(q), key=jnp.asarray(k), value=None,
-              lengths=jnp.asarray(lengths), value_head_dim=hv,
-              block_table=None if table is None else jnp.asarray(table),
-              **{name: jnp.asarray(x) for name, x in scales.items()})
 
 
 def _against_chunked(args, **kw):
@@ -86,7 +48,7 @@ def test_triton_latent_cache_matches_chunked(quantized_as, page_size, h, hv,
   quantized: the kernel reads each key block once, its first Hv columns
   the values (the key scales dequantizing both); equal to `chunked`."""
   gen = rng("triton latent", str(quantized_as), page_size, h, n, t)
-  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size,
+  args = latent.latent_case(gen, quantized_as=quantized_as, page_size=page_size,
                       h=h, hv=hv, n=n, t=t)
   (out, lse), (want_out, want_lse) = _against_chunked(args, num_splits=2)
   assert out.shape == (2, t, n, hv)
@@ -97,7 +59,7 @@ def test_triton_latent_cache_matches_chunked(quantized_as, page_size, h, hv,
 def test_triton_latent_cache_with_sinks_and_one_split():
   """One split per sequence (the merge adds the sinks)."""
   gen = rng("triton latent sinks")
-  args = _latent_case(gen, quantized_as=jnp.int8, page_size=16, n=4)
+  args = latent.latent_case(gen, quantized_as=jnp.int8, page_size=16, n=4)
   sinks = jnp.asarray(gen.standard_normal(4), jnp.float32)
   (out, lse), (want_out, want_lse) = _against_chunked(
       args, num_splits=1, sinks=sinks)
@@ -112,7 +74,7 @@ def test_triton_latent_cache_with_a_bfloat16_query(quantized_as, page_size):
   `chunked` in float32 on the same values, with `chunked` in bfloat16 as
   the same-dtype reference; an int8 cache converts to bfloat16 exactly."""
   gen = rng("triton latent bfloat16", str(quantized_as), page_size)
-  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size)
+  args = latent.latent_case(gen, quantized_as=quantized_as, page_size=page_size)
   low = dict(args, query=args["query"].astype(jnp.bfloat16))
   if quantized_as is None:
     low["key"] = args["key"].astype(jnp.bfloat16)
@@ -134,7 +96,7 @@ def test_triton_latent_cache_with_a_mask_mod(quantized_as, page_size):
   some whole (unmasked: their value columns and scales used as read) and
   some in part; equal to `chunked`."""
   gen = rng("triton latent mask_mod", str(quantized_as), page_size)
-  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size,
+  args = latent.latent_case(gen, quantized_as=quantized_as, page_size=page_size,
                       t=2, s_max=96)
   (out, lse), (want_out, want_lse) = _against_chunked(
       args, mask_mod=flex.sliding_window_with_sinks,

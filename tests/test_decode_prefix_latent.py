@@ -230,3 +230,41 @@ def test_prefix_on_the_kernels(implementation):
                    c["q_pos"], is_causal=True)
   assert_close("out", out, ref[0])
   assert_close("lse", lse, ref[1])
+
+
+def latent_case(gen, *, quantized_as=None, page_size=None, h=576, hv=512,
+                 b=2, t=1, n=8, s_max=64):
+  """A one-head latent cache [B, S_max, 1, H] (or its shuffled pages) with
+  NaN (float) or extreme values and NaN scales (quantized) past the
+  lengths, and the decode arguments (float32 queries); shared by the
+  kernels' latent tests."""
+  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
+  k = gen.standard_normal((b, s_max, 1, h)).astype(np.float32)
+  lengths = np.asarray([s_max, 37], np.int32)[:b]
+  past = np.arange(s_max)[None] >= lengths[:, None]
+  scales = {}
+  if quantized_as is None:
+    k[past] = np.nan
+  else:
+    values, scale = kv_cache.quantize(jnp.asarray(k), quantized_as)
+    k, scale = np.array(values), np.array(scale)
+    k[past] = np.array(127 if quantized_as == jnp.int8 else 448,
+                       np.float32).astype(k.dtype)
+    scale[past] = np.nan
+    scales = dict(key_scale=scale)
+  table = None
+  if page_size is not None:
+    pages = s_max // page_size
+    table = gen.permutation(b * pages).reshape(b, pages).astype(np.int32)
+    order = np.argsort(table.reshape(-1))  # pool page -> (row, page)
+
+    def pooled(x):
+      x = x.reshape(b * pages, page_size, *x.shape[2:])
+      return x[order]
+
+    k = pooled(k)
+    scales = {name: pooled(x) for name, x in scales.items()}
+  return dict(query=jnp.asarray(q), key=jnp.asarray(k), value=None,
+              lengths=jnp.asarray(lengths), value_head_dim=hv,
+              block_table=None if table is None else jnp.asarray(table),
+              **{name: jnp.asarray(x) for name, x in scales.items()})

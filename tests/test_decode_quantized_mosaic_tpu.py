@@ -14,8 +14,8 @@ import pytest
 
 import pallas_fa
 from pallas_fa import flex
-from pallas_fa import kv_cache
 from pallas_fa.mosaic_tpu import kernel
+from tests import test_decode_prefix_latent as latent
 from tests import test_decode_quantized as quantized
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
@@ -135,43 +135,6 @@ def test_mosaic_tpu_quantized_decode_with_a_bfloat16_query():
                jnp.bfloat16)
 
 
-def _latent_case(gen, *, quantized_as, page_size, h, hv, b=2, t=2, n=8,
-                 s_max=96):
-  """A one-head latent cache [B, S_max, 1, H] (or its shuffled pages) with
-  NaN (float) or extreme values and NaN scales (quantized) past the
-  lengths, and the decode arguments."""
-  q = gen.standard_normal((b, t, n, h)).astype(np.float32)
-  k = gen.standard_normal((b, s_max, 1, h)).astype(np.float32)
-  lengths = np.asarray([s_max, 37], np.int32)[:b]
-  past = np.arange(s_max)[None] >= lengths[:, None]
-  scales = {}
-  if quantized_as is None:
-    k[past] = np.nan
-  else:
-    values, scale = kv_cache.quantize(jnp.asarray(k), quantized_as)
-    k, scale = np.array(values), np.array(scale)
-    k[past] = np.array(127 if quantized_as == jnp.int8 else 448,
-                       np.float32).astype(k.dtype)
-    scale[past] = np.nan
-    scales = dict(key_scale=scale)
-  table = None
-  if page_size is not None:
-    pages = s_max // page_size
-    table = gen.permutation(b * pages).reshape(b, pages).astype(np.int32)
-    order = np.argsort(table.reshape(-1))  # pool page -> (row, page)
-
-    def pooled(x):
-      x = x.reshape(b * pages, page_size, *x.shape[2:])
-      return x[order]
-
-    k = pooled(k)
-    scales = {name: pooled(x) for name, x in scales.items()}
-  return dict(query=jnp.asarray(q), key=jnp.asarray(k), value=None,
-              lengths=jnp.asarray(lengths), value_head_dim=hv,
-              block_table=None if table is None else jnp.asarray(table),
-              **{name: jnp.asarray(x) for name, x in scales.items()})
-
-
 @pytest.mark.parametrize("quantized_as, page_size, h, hv", [
     (None, None, 72, 64),  # H and Hv padded to 128 lanes alike
     (None, PAGE, 192, 128),  # Hv a lane-aligned part of the key tile
@@ -185,8 +148,8 @@ def test_mosaic_tpu_latent_cache_reads_values_from_the_keys(
   and takes its first Hv columns as the values (the key scales
   dequantizing both); equal to `chunked` on the same inputs."""
   gen = rng("mosaic_tpu latent", str(quantized_as), page_size, h)
-  args = _latent_case(gen, quantized_as=quantized_as, page_size=page_size,
-                      h=h, hv=hv)
+  args = latent.latent_case(gen, quantized_as=quantized_as,
+                            page_size=page_size, h=h, hv=hv, t=2, s_max=96)
   kw = dict(num_splits=2, return_residual=True,
             block_kv=None if page_size else 32)
   out, lse = pallas_fa.decode_attention(**args, implementation="mosaic_tpu",
