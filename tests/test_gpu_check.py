@@ -535,6 +535,13 @@ def test_dry_run(tmp_path):
   assert {"probes", "reference", "timing"} <= {
     p["phase"] for p in decode["timeline"]}
   assert all(r["share"] > 0 for r in steps["decode"]["decode"]["rows"])
+  # Then the cache forms, each checked before it is timed.
+  forms = steps["decode"]["forms"]
+  assert forms["status"] == "ok", forms
+  assert [(r["form"], r["impl"], r["status"]) for r in forms["rows"]] == [
+    ("latent", name, "ok")
+    for name in ("latent", "separate_values", "one_read_floor")]
+  assert json.loads((out / "decode_forms.json").read_text())["ratios"]
 
   parts = steps["extra"]["parts"]
   assert parts["tests"]["passed"] == 1 and parts["bench"]["status"] == "ok"

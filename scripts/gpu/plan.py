@@ -40,7 +40,9 @@ JUNIT = "junit.xml"
 BENCH_JSON = "bench.json"
 BENCH_MD = "bench.md"
 DECODE_JSON = "decode.json"
-FILES = (SUMMARY, BUNDLE, JUNIT, BENCH_JSON, BENCH_MD, DECODE_JSON)
+DECODE_FORMS_JSON = "decode_forms.json"
+FILES = (SUMMARY, BUNDLE, JUNIT, BENCH_JSON, BENCH_MD, DECODE_JSON,
+         DECODE_FORMS_JSON)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +87,8 @@ _MAIN = (
     "segments, GQA, soft cap, bias, dropout, Hv != H, H up to "
     "256), tests/test_mosaic_gpu.py, test_triton.py, test_decode.py "
     "(the triton decode kernel, contiguous and paged), "
+    "test_decode_quantized_triton.py and test_decode_latent_triton.py "
+    "(its int8/float8 and latent caches), "
     "test_dropout.py and test_flex.py (score_mod/mask_mod fused "
     "into triton, score_mods into mosaic_gpu); pytest-xdist, a "
     "per-test timeout, --tb=short, no hypothesis shrinking",
@@ -109,11 +113,14 @@ _MAIN = (
     name="decode",
     budget_s=40,
     dry_run_budget_s=30,
-    files=(DECODE_JSON,),
+    files=(DECODE_JSON, DECODE_FORMS_JSON),
     what="triton decode_attention, bf16, B in {1, 8}, S = 32768, K = 8, "
     "H = 128, T_new = 1, with the default split count and 64 splits, "
     "checked against the plain flash_attention call, with the share of "
-    "the measured HBM bandwidth and a timestamp per phase",
+    "the measured HBM bandwidth and a timestamp per phase; then, with the "
+    "time left, the cache forms (decode_benchmark.py --cache_forms): "
+    "bf16, int8 and float8 caches against float32 at B = 1, S = 32768, and "
+    "16 rows sharing a 16k prefix against the materialised concatenation",
   ),
 )
 EXTRA = Step(

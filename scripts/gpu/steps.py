@@ -160,6 +160,8 @@ KERNEL_TESTS = {
       "tests/test_conformance.py",
       "tests/test_triton.py",
       "tests/test_decode.py",
+      "tests/test_decode_quantized_triton.py",
+      "tests/test_decode_latent_triton.py",
       "tests/test_dropout.py",
       "tests/test_flex.py",
     ),
@@ -576,7 +578,51 @@ DECODE_FLAGS = {
 }  # fmt: skip
 
 
+# By --dry-run: the cache forms after the grid (`bench.decode_forms`),
+# each checked against its plain equivalent: triton's quantized caches and
+# shared prefix; the dry run's chunked latent cell.
+DECODE_FORMS_FLAGS = {
+  False: ("--implementations=triton", "--cache_forms=dtype,prefix",
+          "--repeats=10"),
+  True: ("--implementations=chunked", "--cache_forms=latent",
+         "--repeats=2"),
+}  # fmt: skip
+
+
 def step_decode(ctx: Context, timeout: float) -> dict[str, Any]:
+  deadline = time.monotonic() + timeout
+  grid = _decode_grid(ctx, timeout)
+  forms = _decode_forms(ctx, deadline - time.monotonic())
+  problem = "; ".join(filter(None, [grid.pop("reason"), forms["reason"]]))
+  return {**grid, "forms": forms,
+          "status": "failed" if problem else "ok", "reason": problem}
+
+
+def _decode_forms(ctx: Context, timeout: float) -> dict[str, Any]:
+  """The cache forms' cells, in the time the grid left."""
+  path = ctx.out / plan.DECODE_FORMS_JSON
+  path.unlink(missing_ok=True)
+  if timeout < 5:
+    return {"status": "skipped", "reason": "no time left after the grid"}
+  log = ctx.work / "decode_forms.log"
+  cmd = [sys.executable, str(DECODE_BENCHMARK),
+         *DECODE_FORMS_FLAGS[ctx.dry_run], f"--json={path}"]
+  proc = runner.run_logged(cmd, log_path=log, timeout=timeout,
+                           env=runner.child_env())
+  forms = _read_json(path) or {}
+  rows = [{k: r.get(k) for k in ("form", "impl", "status", "ms", "reason")}
+          for r in forms.get("rows") or []]
+  bad = [f"{r['form']} {r['impl']}: {r['status']} {r['reason']}"
+         for r in rows if r["status"] != "ok"]
+  problem = "; ".join(filter(None, [_proc_problem(proc, timeout, log), *bad]))
+  if not problem and not rows:
+    problem = "no cache form was measured"
+  return {"command": ctx.shown(cmd), "rows": rows,
+          "ratios": forms.get("ratios"), **_proc_fields(proc),
+          "status": "failed" if problem else "ok", "reason": problem}
+
+
+def _decode_grid(ctx: Context, timeout: float) -> dict[str, Any]:
   path = ctx.out / plan.DECODE_JSON
   path.unlink(missing_ok=True)
   log = ctx.work / "decode.log"
@@ -611,7 +657,7 @@ def step_decode(ctx: Context, timeout: float) -> dict[str, Any]:
   problem = "; ".join(filter(None, [_proc_problem(proc, timeout, log), *bad]))
   if not problem and not rows:
     problem = "no decode cell was measured"
-  return {**record, "status": "failed" if problem else "ok", "reason": problem}
+  return {**record, "reason": problem}
 
 
 # ---------------------------------------------------------------------------
