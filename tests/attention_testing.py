@@ -123,6 +123,23 @@ def _sub_jaxprs(param):
     yield param
 
 
+def pallas_call_operands(fn, *args) -> list[list]:
+  """The operand avals of every pallas_call in `fn`'s jaxpr (sub-jaxprs
+  included, as `dot_precisions` walks them), in trace order."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+      if eqn.primitive.name == "pallas_call":
+        found.append([v.aval for v in eqn.invars])
+      for param in eqn.params.values():
+        for sub in _sub_jaxprs(param):
+          walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args))
+  return found
+
+
 def check_against_reference(fn, case: Case, dtype, gen):
   """Runs fn and the references on fresh inputs; asserts every result."""
   q, k, v, kw = make_inputs(case, dtype, gen)

@@ -6,12 +6,12 @@ float8 caches dequantized by the key scales, a mask_mod (`partials`)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import pytest
 
 import pallas_fa
 from pallas_fa import flex
+from tests import attention_testing
 from tests import test_decode_prefix_latent as latent
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
@@ -106,24 +106,6 @@ def test_triton_latent_cache_with_a_mask_mod(quantized_as, page_size):
   assert_close("lse", lse, want_lse)
 
 
-def _kernel_operands(fn, *args):
-  """The operand avals of every pallas_call in fn's jaxpr."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append([v.aval for v in eqn.invars])
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (list, tuple)) else [param]:
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
-
-
 @pytest.mark.parametrize("paged", [False, True])
 def test_triton_latent_kernel_has_one_cache_operand(paged):
   """The split kernel's operands: the int8 cache itself, once (no value
@@ -142,7 +124,7 @@ def test_triton_latent_kernel_has_one_cache_operand(paged):
         q, k, None, lengths, block_table=table, value_head_dim=hv,
         key_scale=ks, implementation="triton")
 
-  split, merge = _kernel_operands(step, q, cache, scale)
+  split, merge = attention_testing.pallas_call_operands(step, q, cache, scale)
   del merge
   narrow = [x for x in split if x.dtype == jnp.int8]
   assert [x.shape for x in narrow] == [cache.shape]

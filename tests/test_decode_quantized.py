@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_fa
+from pallas_fa import flex
 from pallas_fa import kv_cache
 from tests import attention_testing
 from tests.attention_testing import assert_close
@@ -185,6 +186,55 @@ def check_quantized_decode(implementation, dtype, page_size, scale_form,
   assert out.dtype == jnp.float32
   assert_close("out", out, ref_out)
   assert_close("lse", lse, ref_lse)
+
+
+def broadcast_scales(gen, args, form):
+  """Scales with broadcast dims in place of `args`' full ones (the
+  quantized values are kept: any positive scale is a valid cache), the
+  cache's leading axis being B (contiguous) or P (the pool's pages):
+  "lead" one key scale per sequence / page and K/V head [B|P, 1, K], one
+  value scale per cache position / page row [1, S_max|page_size, 1];
+  "rows" the key scales [1, S_max|page_size, K] and the value scales
+  [B|P, 1, 1]."""
+  lead, rows, heads = args["key"].shape[:3]
+  shapes = {"lead": ((lead, 1, heads), (1, rows, 1)),
+            "rows": ((1, rows, heads), (lead, 1, 1))}[form]
+  k_scale, v_scale = (gen.uniform(0.01, 0.05, s).astype(np.float32)
+                      for s in shapes)
+  if args["block_table"] is not None:
+    # The pool's pages no sequence uses are never read.
+    unused = np.setdiff1d(np.arange(lead), args["block_table"])
+    for x in (k_scale, v_scale):
+      if x.shape[0] == lead:
+        x[unused] = np.nan
+  return dict(args, key_scale=k_scale, value_scale=v_scale)
+
+
+def check_quantized_decode_with_a_mask_mod(implementation, dtype, page_size,
+                                           scales, *, block_kv, **shape):
+  """`implementation` against `chunked` on the same quantized cache under
+  StreamingLLM's window with sink tokens, whose blocks are hidden (never
+  read), whole (scales applied unmasked) or partly shown; `scales` "full"
+  (per entry, NaN past the lengths) or a `broadcast_scales` form."""
+  gen = rng(f"{implementation} quantized mask_mod", str(dtype), page_size,
+            scales)
+  q, args, lengths, _, _, _ = _case(gen, dtype=dtype, page_size=page_size,
+                                    **shape)
+  if scales != "full":
+    args = broadcast_scales(gen, args, scales)
+  kw = dict(mask_mod=flex.sliding_window_with_sinks,
+            mask_mod_args=(jnp.int32(40), jnp.int32(3)), num_splits=2,
+            return_residual=True,
+            **{name: None if x is None else jnp.asarray(x)
+               for name, x in args.items()})
+  q, lengths = jnp.asarray(q), jnp.asarray(lengths)
+  out, lse = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation=implementation,
+      block_kv=None if page_size else block_kv, **kw)
+  want_out, want_lse = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation=None, **kw)
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)

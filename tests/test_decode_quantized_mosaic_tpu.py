@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pallas_fa
-from pallas_fa import flex
 from pallas_fa.mosaic_tpu import kernel
+from tests import attention_testing
 from tests import test_decode_prefix_latent as latent
 from tests import test_decode_quantized as quantized
 from tests.attention_testing import assert_close
@@ -62,53 +61,15 @@ def test_mosaic_tpu_declines_narrow_blocks_below_a_tile(change, error,
            for name, x in args.items()})
 
 
-def _broadcast_scales(gen, args, form):
-  """Scales with broadcast dims in place of `args`' full ones (any
-  positive scale makes a valid cache of the same values), the cache's
-  leading axis being B (contiguous) or P (pages): "lead" key scales [B|P,
-  1, K] and value scales [1, S_max|page_size, 1]; "rows" key scales [1,
-  S_max|page_size, K] and value scales [B|P, 1, 1]. Pages no sequence
-  uses hold NaN scales (never read)."""
-  lead, rows, heads = args["key"].shape[:3]
-  shapes = {"lead": ((lead, 1, heads), (1, rows, 1)),
-            "rows": ((1, rows, heads), (lead, 1, 1))}[form]
-  k_scale, v_scale = (gen.uniform(0.01, 0.05, s).astype(np.float32)
-                      for s in shapes)
-  if args["block_table"] is not None:
-    unused = np.setdiff1d(np.arange(lead), args["block_table"])
-    for x in (k_scale, v_scale):
-      if x.shape[0] == lead:
-        x[unused] = np.nan
-  return dict(args, key_scale=k_scale, value_scale=v_scale)
-
-
 @pytest.mark.parametrize("dtype, page_size, scales", [
     (jnp.int8, None, "full"), (jnp.float8_e4m3fn, PAGE, "full"),
     (jnp.int8, PAGE, "lead"), (jnp.float8_e5m2, None, "rows")])
 def test_mosaic_tpu_quantized_decode_with_a_mask_mod(dtype, page_size,
                                                      scales):
-  """StreamingLLM's window with sink tokens over 160 keys in blocks of 32:
-  the kernel walks each K/V head's listed blocks, hidden ones never read,
-  whole ones unmasked (their scales applied unmasked), the rest masked;
-  equal to `chunked` on the same quantized inputs."""
-  gen = rng("mosaic_tpu quantized mask_mod", str(dtype), page_size, scales)
-  q, args, lengths, _, _, _ = quantized._case(  # noqa: SLF001
-      gen, dtype=dtype, page_size=page_size, h=128, s_max=160)
-  if scales != "full":
-    args = _broadcast_scales(gen, args, scales)
-  kw = dict(mask_mod=flex.sliding_window_with_sinks,
-            mask_mod_args=(jnp.int32(40), jnp.int32(3)), num_splits=2,
-            return_residual=True,
-            **{name: None if x is None else jnp.asarray(x)
-               for name, x in args.items()})
-  q, lengths = jnp.asarray(q), jnp.asarray(lengths)
-  out, lse = pallas_fa.decode_attention(
-      q, lengths=lengths, implementation="mosaic_tpu",
-      block_kv=None if page_size else 32, **kw)
-  want_out, want_lse = pallas_fa.decode_attention(
-      q, lengths=lengths, implementation=None, **kw)
-  assert_close("out", out, want_out)
-  assert_close("lse", lse, want_lse)
+  """Over 160 keys in blocks of 32: the kernel walks each K/V head's listed
+  blocks."""
+  quantized.check_quantized_decode_with_a_mask_mod(
+      "mosaic_tpu", dtype, page_size, scales, block_kv=32, h=128, s_max=160)
 
 
 def test_mosaic_tpu_quantized_decode_with_a_bfloat16_query():
@@ -162,25 +123,6 @@ def test_mosaic_tpu_latent_cache_reads_values_from_the_keys(
   assert_close("lse", lse, want_lse)
 
 
-def _kernel_operands(fn, *args):
-  """The operand avals of the one pallas_call in fn's jaxpr."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append([v.aval for v in eqn.invars])
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (list, tuple)) else [param]:
-          sub = getattr(sub, "jaxpr", sub)
-          if hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  assert len(found) == 1
-  return found[0]
-
-
 @pytest.mark.parametrize("latent", [False, True])
 def test_mosaic_tpu_kernel_reads_the_narrow_cache_as_stored(latent):
   """The kernel's operands: the int8 cache itself (a free reshape), once
@@ -201,7 +143,8 @@ def test_mosaic_tpu_kernel_reads_the_narrow_cache_as_stored(latent):
         q, k, k, lengths, key_scale=ks, value_scale=ks,
         implementation="mosaic_tpu")
 
-  operands = _kernel_operands(step, q, cache, scale)
+  (operands,) = attention_testing.pallas_call_operands(step, q, cache,
+                                                       scale)
   narrow = [x for x in operands if x.dtype == jnp.int8]
   assert [x.size for x in narrow] == [cache.size] * (1 if latent else 2)
   assert all(x.size < cache.size for x in operands if x.dtype != jnp.int8)
