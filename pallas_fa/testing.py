@@ -12,7 +12,7 @@ share when they check or time an attention implementation:
 - `attention_flops`: FLOP counts by the FlashAttention convention;
 - `Case`, `make_inputs`, `rng`, `normal`: fresh random inputs (never zeros);
 - `time_call`: a device-correct timer (blocks on results, warms up, reports
-  the median of repeated runs).
+  the median of repeated runs); `time_calls` times several in turn.
 
 Example:
 
@@ -39,6 +39,7 @@ import time
 import zlib
 from typing import Any
 from typing import Callable
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -493,20 +494,37 @@ def time_call(fn: Callable, *args, repeats: int = 5, warmup: int = 1,
   Returns:
     The `Timing`.
   """
-  jax.block_until_ready(args)
-  jax.block_until_ready(fn(*args))
-  start = time.perf_counter()
-  for _ in range(max(1, warmup)):
+  return time_calls([(fn, args)], repeats=repeats, warmup=warmup,
+                    min_run_s=min_run_s)[0]
+
+
+def time_calls(calls: Sequence[tuple[Callable, tuple]], *, repeats: int = 5,
+               warmup: int = 1, min_run_s: float = 0.05) -> list[Timing]:
+  """Times several `(fn, args)` as `time_call` does, their runs taken in
+  turn (one run of each, `repeats` times over).
+
+  Interleaving is what makes two calls' ratio trustworthy on a shared
+  machine: a slow phase (another process, a frequency change) then slows
+  every call alike instead of whichever happened to be timed during it.
+  """
+  plans = []
+  for fn, args in calls:
+    jax.block_until_ready(args)
     jax.block_until_ready(fn(*args))
-  per_call = (time.perf_counter() - start) / max(1, warmup)
-  calls = int(min(100, max(1, math.ceil(min_run_s / max(per_call, 1e-9)))))
-  times = []
-  for _ in range(max(1, repeats)):
     start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    # In-order device execution: the last result ready means all are.
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - start) / calls)
-  return Timing(median_s=statistics.median(times), times_s=tuple(times),
-                calls_per_run=calls)
+    for _ in range(max(1, warmup)):
+      jax.block_until_ready(fn(*args))
+    per_call = (time.perf_counter() - start) / max(1, warmup)
+    plans.append(int(min(100, max(1, math.ceil(
+        min_run_s / max(per_call, 1e-9))))))
+  times = [[] for _ in calls]
+  for _ in range(max(1, repeats)):
+    for (fn, args), count, runs in zip(calls, plans, times):
+      start = time.perf_counter()
+      for _ in range(count):
+        out = fn(*args)
+      # In-order device execution: the last result ready means all are.
+      jax.block_until_ready(out)
+      runs.append((time.perf_counter() - start) / count)
+  return [Timing(median_s=statistics.median(runs), times_s=tuple(runs),
+                 calls_per_run=count) for runs, count in zip(times, plans)]

@@ -136,6 +136,18 @@ def test_timer_returns_positive_times():
   assert 1 < batched.calls_per_run <= 100
 
 
+def test_interleaved_timer_times_each_call_in_turn():
+  x = testing.normal(testing.rng("timer"), (64, 64))
+  y = testing.normal(testing.rng("timer big"), (512, 512))
+  small, big = testing.time_calls(
+      [(jax.jit(lambda x: x @ x), (x,)), (jax.jit(lambda y: y @ y @ y), (y,))],
+      repeats=3, min_run_s=0.0)
+  for timing in (small, big):
+    assert len(timing.times_s) == 3 and all(t > 0 for t in timing.times_s)
+  # 512^3 products take far longer than 64^3: the times are each call's.
+  assert big.median_s > small.median_s
+
+
 def test_importing_it_needs_no_test_framework():
   code = ("import sys; import pallas_fa.testing; "
           "assert 'pytest' not in sys.modules, 'pytest imported'")

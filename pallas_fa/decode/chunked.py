@@ -19,14 +19,22 @@ from pallas_fa.flex import mods
 
 Array = Any
 
-# Bytes of K (or V) one block of the contiguous cache spans (all K/V heads):
-# large enough to amortise the per-block loop overhead (on a 2-core x86 CPU
-# at S = 32k, 4 MiB blocks ran several times faster than 512 KiB ones).
+# Bytes of K (or V) one step reads (every row's block, all K/V heads):
+# large enough to amortise the per-step loop overhead, small enough that a
+# step's tiles and their relaid-out copies stay in the CPU's caches. On a
+# 2-core x86 CPU at S = 32k, 4 MiB steps ran several times faster than
+# 512 KiB ones; at B = 16, 64 MiB steps (1k keys a row) ran 3x slower
+# than 4 MiB ones.
 _BLOCK_BYTES = 1 << 22
 
 
-def default_block(s_max: int, num_kv: int, h: int, itemsize: int) -> int:
-  rows = _BLOCK_BYTES // (num_kv * h * itemsize)
+def default_block(s_max: int, batch: int, num_kv: int, h: int,
+                  query_dtype) -> int:
+  """Keys per block of a contiguous cache: a power of two in [16, 2048]
+  whose step's tiles (in `_tile_dtype`) span about `_BLOCK_BYTES` over all
+  rows."""
+  itemsize = jnp.dtype(_tile_dtype(query_dtype)).itemsize
+  rows = _BLOCK_BYTES // (batch * num_kv * h * itemsize)
   block = 1 << max(4, min(11, rows.bit_length() - 1))  # 16 .. 2048
   return min(block, max(16, 1 << (s_max - 1).bit_length()))
 
@@ -228,20 +236,42 @@ def _tile_dtype(query_dtype):
 
 def _stored(cache):
   """The cache as the unsigned integers of its bits when it is a 16-bit
-  float, else itself.
+  float that this XLA:CPU cannot slice in a loop (`_slices_widen`), else
+  itself.
 
-  XLA:CPU has no bfloat16 or float16 slices or gathers: it runs them in
-  float32 and, the cache being loop-invariant, converts the whole cache to
-  float32 once before the loop -- a 2x larger copy of it on every call (a
-  bfloat16 cache at S = 32k decoded 4.8x slower than a float32 one).
   Integer slices stay in the loop, each tile widened on its own
-  (`_widened`). The bitcast is free elsewhere; on a CPU it still costs one
-  16-bit copy of the cache per call (XLA materialises it), which keeps a
-  bfloat16 cache slower than a float32 one there. float8 slices are native.
+  (`_widened`); but XLA:CPU materialises the bit view as one 16-bit copy
+  of the cache per call, which keeps a bfloat16 cache slower than a
+  float32 one there (2x at S = 32k, against 4.8x sliced as floats). Where
+  16-bit slices are native (jax >= 0.11, and every accelerator) the cache
+  is sliced as stored: 0.6x the float32 time. float8 slices are native.
   """
-  if jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 2:
+  if (jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 2
+      and api.platform() == "cpu" and _slices_widen(cache.dtype)):
     return jax.lax.bitcast_convert_type(cache, jnp.uint16)
   return cache
+
+
+@functools.cache
+def _slices_widen(dtype) -> bool:
+  """Whether XLA:CPU widens a loop's slices of a `dtype` array into a
+  float32 copy of the whole array, made before the loop on every call.
+
+  Its float normalization in jaxlib 0.10 had no 16-bit float dynamic
+  slices: it converted the array, and loop-invariant code motion hoisted
+  the conversion out of the loop. Probed by compiling one small loop (a
+  dynamic trip count, so that it is not unrolled).
+  """
+  def loop(x, trips):
+    def body(i, total):
+      tile = jax.lax.dynamic_slice_in_dim(x, i * 8, 8)
+      return total + tile.astype(jnp.float32).sum()
+    return jax.lax.fori_loop(0, trips, body, jnp.float32(0))
+
+  compiled = jax.jit(loop).lower(
+      jax.ShapeDtypeStruct((64, 8), dtype),
+      jax.ShapeDtypeStruct((), jnp.int32)).compile()
+  return "f32[64,8]" in compiled.as_text()
 
 
 def _widened(tile, dtype, tile_dtype):

@@ -27,17 +27,29 @@ from pallas_fa import kv_cache
 from pallas_fa import testing
 
 
-def _row(form, name, fn, args, ref32, ref_same, dtype, repeats, **shape):
-  """Checks `fn(*args)` against the references, then times it."""
-  fn = jax.jit(fn)
-  check = testing.compare("out", fn(*args), ref32, ref_same, dtype=dtype,
-                          precision="default")
-  row = dict(form=form, impl=name, **shape)
-  if not check.ok:
-    return dict(row, status="wrong", reason=check.message())
-  timing = testing.time_call(fn, *args, repeats=repeats)
-  return dict(row, status="ok", ms=timing.ms, max_error=check.error,
-              tolerance=check.tolerance)
+def _rows(form, cells, repeats, **shape):
+  """Checks each cell `(name, fn, args, ref32, ref_same, dtype)` against
+  its references, then times the ones that passed in turn
+  (`testing.time_calls`), so that every ratio of two rows is of
+  interleaved runs."""
+  rows, timed = [], []
+  for name, fn, args, ref32, ref_same, dtype in cells:
+    fn = jax.jit(fn)
+    check = testing.compare("out", fn(*args), ref32, ref_same, dtype=dtype,
+                            precision="default")
+    row = dict(form=form, impl=name, **shape)
+    if check.ok:
+      row.update(status="ok", max_error=check.error,
+                 tolerance=check.tolerance)
+      timed.append((row, fn, args))
+    else:
+      row.update(status="wrong", reason=check.message())
+    rows.append(row)
+  timings = testing.time_calls([(fn, args) for _, fn, args in timed],
+                               repeats=repeats)
+  for (row, _, _), timing in zip(timed, timings):
+    row["ms"] = timing.ms
+  return rows
 
 
 def dtype_rows(implementation: str, repeats: int, *, b=1, s=32768, n=32,
@@ -54,21 +66,19 @@ def dtype_rows(implementation: str, repeats: int, *, b=1, s=32768, n=32,
                                       implementation=implementation, **scales)
 
   ref32 = jax.jit(decode)(q, k, v)
-  rows = [_row("dtype", "float32", decode, (q, k, v), ref32, None,
-               jnp.float32, repeats, **shape)]
   low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  rows.append(_row("dtype", "bfloat16", decode, low, ref32,
-                   jax.jit(decode)(*low), jnp.bfloat16, repeats, **shape))
+  cells = [("float32", decode, (q, k, v), ref32, None, jnp.float32),
+           ("bfloat16", decode, low, ref32, jax.jit(decode)(*low),
+            jnp.bfloat16)]
   for dtype in (jnp.int8, jnp.float8_e4m3fn):
     (k8, ks), (v8, vs) = (kv_cache.quantize(x, dtype) for x in (k, v))
     deq = [x.astype(jnp.float32) * c[..., None] for x, c in ((k8, ks),
                                                              (v8, vs))]
-    rows.append(_row(
-        "dtype", jnp.dtype(dtype).name,
+    cells.append((
+        jnp.dtype(dtype).name,
         lambda q, k, v, ks, vs: decode(q, k, v, key_scale=ks, value_scale=vs),
-        (q, k8, v8, ks, vs), jax.jit(decode)(q, *deq), None, jnp.float32,
-        repeats, **shape))
-  return rows
+        (q, k8, v8, ks, vs), jax.jit(decode)(q, *deq), None, jnp.float32))
+  return _rows("dtype", cells, repeats, **shape)
 
 
 def prefix_rows(implementation: str, repeats: int, *, b=16, s_p=16384,
@@ -93,11 +103,11 @@ def prefix_rows(implementation: str, repeats: int, *, b=16, s_p=16384,
   cat_k, cat_v = (jnp.concatenate([jnp.broadcast_to(p, (b,) + p.shape), x],
                                   axis=1) for p, x in ((pk, k), (pv, v)))
   ref32 = jax.jit(materialised)(q, cat_k, cat_v)
-  return [
-      _row("prefix", "materialised", materialised, (q, cat_k, cat_v), ref32,
-           None, jnp.float32, repeats, **shape),
-      _row("prefix", "prefix", shared, (q, k, v, pk, pv), ref32, None,
-           jnp.float32, repeats, **shape)]
+  return _rows("prefix", [
+      ("materialised", materialised, (q, cat_k, cat_v), ref32, None,
+       jnp.float32),
+      ("prefix", shared, (q, k, v, pk, pv), ref32, None, jnp.float32),
+  ], repeats, **shape)
 
 
 def latent_rows(implementation: str, repeats: int, *, b=1, s=16384, n=16,
@@ -117,14 +127,14 @@ def latent_rows(implementation: str, repeats: int, *, b=1, s=16384, n=16,
   ref32 = jax.jit(decode)(q, latent, values)
   one_column = latent[..., :1]
   ref_floor = jax.jit(decode)(q, latent, one_column)
-  return [
-      _row("latent", "latent", lambda q, k: decode(q, k, None,
-                                                  value_head_dim=hv),
-           (q, latent), ref32, None, jnp.float32, repeats, **shape),
-      _row("latent", "separate_values", decode, (q, latent, values), ref32,
-           None, jnp.float32, repeats, **shape),
-      _row("latent", "one_read_floor", decode, (q, latent, one_column),
-           ref_floor, None, jnp.float32, repeats, **shape)]
+  return _rows("latent", [
+      ("latent", lambda q, k: decode(q, k, None, value_head_dim=hv),
+       (q, latent), ref32, None, jnp.float32),
+      ("separate_values", decode, (q, latent, values), ref32, None,
+       jnp.float32),
+      ("one_read_floor", decode, (q, latent, one_column), ref_floor, None,
+       jnp.float32),
+  ], repeats, **shape)
 
 
 FORMS: dict[str, Callable[..., list[dict]]] = {
