@@ -14,7 +14,6 @@ import pytest
 import pallas_fa
 from pallas_fa import flex
 from pallas_fa import kv_cache
-from pallas_fa.decode import chunked as decode_chunked
 from tests import attention_testing
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
@@ -334,22 +333,3 @@ def test_a_narrow_cache_is_never_widened_whole(dtype, paged):
   assert _largest_float32_array(text) < cache.size // 4, (
       _largest_float32_array(text), cache.size)
 
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_a_16bit_cache_is_copied_only_where_xla_cannot_slice_it(dtype):
-  """The bit view that keeps a 16-bit cache's slices in the loop costs one
-  copy of the cache per call: made only where this XLA:CPU widens the
-  slices (`chunked._slices_widen`, jaxlib 0.10), never where it slices
-  them natively (0.6x the float32 time there, against 2x with the copy)."""
-  b, s_max, num_kv, h = 1, 4096, 2, 64
-  q = jnp.ones((b, 1, 4, h), dtype)
-  cache = jnp.zeros((b, s_max, num_kv, h), dtype)
-  lengths = jnp.full((b,), s_max, jnp.int32)
-  step = jax.jit(lambda q, k, v: pallas_fa.decode_attention(
-      q, k, v, lengths, implementation="chunked", block_kv=256))
-  text = step.lower(q, cache, cache).compile().as_text()
-  sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
-           for dims in re.findall(r"u16\[([\d,]*)\]", text)]
-  copied = max(sizes, default=0) >= cache.size
-  assert copied == decode_chunked._slices_widen(jnp.dtype(dtype)), (
-      copied, jax.__version__)
