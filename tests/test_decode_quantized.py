@@ -244,16 +244,19 @@ def test_quantized_decode_matches_the_dequantized_oracle(
   check_quantized_decode(None, dtype, page_size, scale_form, splits)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_quantized_cache_with_a_narrow_query(dtype):
-  gen = rng("quantized decode narrow query", str(dtype))
-  q, args, lengths, q_pos, k_deq, v_deq = _case(gen, page_size=16)
-  args = {name: None if x is None else jnp.asarray(x)
-          for name, x in args.items()}
+def check_quantized_decode_with_a_narrow_query(implementation, dtype,
+                                               **case):
+  """`implementation` with a `dtype` (16-bit) query over an int8 cache: the
+  FlashAttention rule against the float64 oracle, with the dequantized
+  cache stored in `dtype` through `xla` as the same-dtype reference."""
+  gen = rng("quantized decode narrow query", str(implementation), str(dtype))
+  q, args, lengths, q_pos, k_deq, v_deq = _case(gen, **case)
   out = pallas_fa.decode_attention(
-      jnp.asarray(q, dtype), lengths=jnp.asarray(lengths), **args)
+      jnp.asarray(q, dtype), lengths=jnp.asarray(lengths),
+      implementation=implementation,
+      **{name: None if x is None else jnp.asarray(x)
+         for name, x in args.items()})
   ref32 = _oracle(q, k_deq, v_deq, lengths, q_pos)[0]
-  # The same-dtype reference: the dequantized cache stored in that dtype.
   same = pallas_fa.flash_attention(
       jnp.asarray(q, dtype), jnp.asarray(k_deq, dtype),
       jnp.asarray(v_deq, dtype), key_value_seq_lengths=jnp.asarray(lengths),
@@ -261,6 +264,11 @@ def test_quantized_cache_with_a_narrow_query(dtype):
       implementation="xla")
   assert out.dtype == dtype
   assert_close("out", out, jnp.asarray(ref32, jnp.float32), same, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_quantized_cache_with_a_narrow_query(dtype):
+  check_quantized_decode_with_a_narrow_query(None, dtype, page_size=16)
 
 
 def test_float8_cache_scale_defaults_to_one():

@@ -73,27 +73,9 @@ def test_mosaic_tpu_quantized_decode_with_a_mask_mod(dtype, page_size,
 
 
 def test_mosaic_tpu_quantized_decode_with_a_bfloat16_query():
-  """The tiles widen to bfloat16 (int8 values are exact in it): the
-  FlashAttention rule against the float64 oracle, with the dequantized
-  cache in bfloat16 through `xla` as the same-dtype reference."""
-  gen = rng("mosaic_tpu quantized bfloat16")
-  q, args, lengths, q_pos, k_deq, v_deq = quantized._case(  # noqa: SLF001
-      gen, page_size=PAGE, h=128)
-  out = pallas_fa.decode_attention(
-      jnp.asarray(q, jnp.bfloat16), lengths=jnp.asarray(lengths),
-      implementation="mosaic_tpu",
-      **{name: None if x is None else jnp.asarray(x)
-         for name, x in args.items()})
-  ref32 = quantized._oracle(q, k_deq, v_deq, lengths, q_pos)[0]  # noqa: SLF001
-  same = pallas_fa.flash_attention(
-      jnp.asarray(q, jnp.bfloat16), jnp.asarray(k_deq, jnp.bfloat16),
-      jnp.asarray(v_deq, jnp.bfloat16),
-      key_value_seq_lengths=jnp.asarray(lengths),
-      query_positions=jnp.asarray(q_pos), is_causal=True,
-      implementation="xla")
-  assert out.dtype == jnp.bfloat16
-  assert_close("out", out, jnp.asarray(ref32, jnp.float32), same,
-               jnp.bfloat16)
+  """The tiles widen to bfloat16 (int8 values are exact in it)."""
+  quantized.check_quantized_decode_with_a_narrow_query(
+      "mosaic_tpu", jnp.bfloat16, page_size=PAGE, h=128)
 
 
 @pytest.mark.parametrize("quantized_as, page_size, h, hv", [

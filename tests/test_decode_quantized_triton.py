@@ -9,10 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-import pallas_fa
 from tests import test_decode_quantized as quantized
-from tests.attention_testing import assert_close
-from tests.attention_testing import rng
 
 
 @pytest.mark.parametrize("dtype, page_size, scale_form, splits",
@@ -43,24 +40,6 @@ def test_triton_quantized_decode_with_a_mask_mod(dtype, page_size, scales):
 
 def test_triton_quantized_decode_with_a_bfloat16_query():
   """The tiles convert to the query's dtype (int8 values are exact in
-  bfloat16): the FlashAttention rule against the float64 oracle, with
-  the dequantized cache in bfloat16 through `xla` as the same-dtype
-  reference."""
-  gen = rng("triton quantized bfloat16")
-  q, args, lengths, q_pos, k_deq, v_deq = quantized._case(  # noqa: SLF001
-      gen, page_size=16)
-  out = pallas_fa.decode_attention(
-      jnp.asarray(q, jnp.bfloat16), lengths=jnp.asarray(lengths),
-      implementation="triton",
-      **{name: None if x is None else jnp.asarray(x)
-         for name, x in args.items()})
-  ref32 = quantized._oracle(q, k_deq, v_deq, lengths, q_pos)[0]  # noqa: SLF001
-  same = pallas_fa.flash_attention(
-      jnp.asarray(q, jnp.bfloat16), jnp.asarray(k_deq, jnp.bfloat16),
-      jnp.asarray(v_deq, jnp.bfloat16),
-      key_value_seq_lengths=jnp.asarray(lengths),
-      query_positions=jnp.asarray(q_pos), is_causal=True,
-      implementation="xla")
-  assert out.dtype == jnp.bfloat16
-  assert_close("out", out, jnp.asarray(ref32, jnp.float32), same,
-               jnp.bfloat16)
+  bfloat16)."""
+  quantized.check_quantized_decode_with_a_narrow_query(
+      "triton", jnp.bfloat16, page_size=16)

@@ -305,6 +305,7 @@ def decode_attention(
                    mask_mod=prefix.shifted(mask_mod, s_p, False))
   own = _own_cache(implementation, query, query_positions - s_p, None,
                    cache, tiling, static, shifted)
+
   def decode_one_row(query, query_positions, key, value):
     row = dict(key=key, value=value, value_head_dim=hv, key_scale=None,
                value_scale=None, block_table=None,

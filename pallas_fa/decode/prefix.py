@@ -119,11 +119,6 @@ def attend(query, prefix_key, prefix_value, query_positions, *,
   """
   b, t, n, h = query.shape
   name = "chunked" if implementation is None else implementation
-  if not flex and name == "chunked":
-    out, lse = decode_one_row(query.reshape(1, b * t, n, h),
-                              query_positions.reshape(1, b * t),
-                              prefix_key[None], prefix_value[None])
-    return out.reshape(b, t, n, -1), lse.reshape(b, t, n)
   kw = dict(static, implementation=name, return_residual=True)
   if flex:
     # The mods read the row: the queries keep it, the prefix has batch 1.
@@ -140,9 +135,16 @@ def attend(query, prefix_key, prefix_value, query_positions, *,
     return api.flash_attention(
         query, prefix_key[None], prefix_value[None],
         query_positions=query_positions, **mods, **kw)
-  out, lse = api.flash_attention(
-      query.reshape(1, b * t, n, h), prefix_key[None], prefix_value[None],
-      query_positions=query_positions.reshape(1, b * t), **kw)
+  # Every row's new tokens as one query sequence against the one prefix.
+  tokens, positions = (query.reshape(1, b * t, n, h),
+                       query_positions.reshape(1, b * t))
+  if name == "chunked":
+    out, lse = decode_one_row(tokens, positions, prefix_key[None],
+                              prefix_value[None])
+  else:
+    out, lse = api.flash_attention(tokens, prefix_key[None],
+                                   prefix_value[None],
+                                   query_positions=positions, **kw)
   return out.reshape(b, t, n, -1), lse.reshape(b, t, n)
 
 
