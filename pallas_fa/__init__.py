@@ -11,9 +11,6 @@ multi-device layer (`sharded_flash_attention`, `ring_attention`).
 """
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
 
 from pallas_fa import dropout
 from pallas_fa import flex
@@ -69,39 +66,3 @@ def __getattr__(name):
   if name in _LAZY:
     return getattr(importlib.import_module(_LAZY[name]), name)
   raise AttributeError(f"module 'pallas_fa' has no attribute {name!r}")
-
-
-# Modules that lived at the top level before flex attention and the
-# multi-device layer became packages; `import pallas_fa.ring` and
-# `from pallas_fa.block_mask import BlockMask` still work and give the
-# moved module itself.
-_MOVED = {
-    "pallas_fa.mods": "pallas_fa.flex.mods",
-    "pallas_fa.block_mask": "pallas_fa.flex.block_mask",
-    "pallas_fa.fused_mods": "pallas_fa.flex.fused_mods",
-    "pallas_fa.mesh": "pallas_fa.parallel.mesh",
-    "pallas_fa.ring": "pallas_fa.parallel.ring",
-}
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-  """Imports an old module path as the module at its new one."""
-
-  def find_spec(self, fullname, path=None, target=None):
-    if fullname in _MOVED:
-      return importlib.util.spec_from_loader(fullname, self)
-    return None
-
-  def create_module(self, spec):
-    module = importlib.import_module(_MOVED[spec.name])
-    # The import system stamps the old name's spec on what this returns;
-    # exec_module puts the module's own back.
-    self._own_spec = module.__spec__
-    return module
-
-  def exec_module(self, module):
-    module.__spec__ = self._own_spec
-
-
-if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-  sys.meta_path.append(_MovedModuleFinder())

@@ -36,6 +36,7 @@ from pallas_fa import vjp
 # The argument checks live in `pallas_fa.checks`; the public ones are also
 # reached as `api.check_*` by the rest of the package.
 from pallas_fa.checks import check_bias_and_mask
+from pallas_fa.checks import check_deterministic_backward
 from pallas_fa.checks import check_dropout
 from pallas_fa.checks import check_lengths
 from pallas_fa.checks import check_non_negative
@@ -159,8 +160,9 @@ def canonicalize(
     local_window_size=None, segment_ids=None, query_positions=None,
     key_positions=None, logits_soft_cap=None, dropout_rate=0.0,
     dropout_rng=None, block_sizes=None, precision=None,
-    bias_key_length=None, sinks=None, score_mod=None, score_mod_args=(),
-    mask_mod=None, mask_mod_args=(), block_mask=None, shared_kv=False,
+    deterministic_backward=None, bias_key_length=None, sinks=None,
+    score_mod=None, score_mod_args=(), mask_mod=None, mask_mod_args=(),
+    block_mask=None, shared_kv=False,
 ) -> Call:
   """Validates the arguments of `flash_attention` (same names, same
   meaning) and returns the canonical `Call`.
@@ -296,8 +298,11 @@ def canonicalize(
       dropout_rate=dropout_rate,
       **flex,
   )
-  params = vjp.Params(scale=scale, soft_cap=soft_cap, block_sizes=block_sizes,
-                      precision=check_precision(precision))
+  params = vjp.Params(
+      scale=scale, soft_cap=soft_cap, block_sizes=block_sizes,
+      precision=check_precision(precision),
+      deterministic_backward=check_deterministic_backward(
+          deterministic_backward))
   sinks = check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
   return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
               batch_shape=batch_shape, sinks=sinks)
@@ -489,6 +494,7 @@ def flash_attention(
     implementation: str | None = None,
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
+    deterministic_backward: bool | None = None,
     return_residual: bool = False,
     score_mod: Callable | None = None,
     score_mod_args: Sequence[Array] = (),
@@ -562,6 +568,22 @@ def flash_attention(
       accelerators (DEFAULT float32 is one bfloat16 pass on TPU and
       TensorFloat-32 on recent GPUs). None follows
       `jax.default_matmul_precision` at the time of the call.
+    deterministic_backward: whether the backward must be bitwise
+      reproducible (equal gradients on every rerun of the call). True: it
+      is, on every implementation (one exception below); False: the
+      fastest backward, which on `mosaic_gpu` (its fused one, whose dQ is
+      reduce-added in float32 in no fixed order) may differ in the last
+      bits between runs; None follows XLA: True when `XLA_FLAGS` sets
+      `--xla_gpu_deterministic_ops` or
+      `--xla_gpu_exclude_nondeterministic_ops`, read when the call is
+      traced (inside a jit of yours: when that traces; its cache keeps the
+      choice); True or False given wins over the flags. True also wins
+      over `MosaicGpuBlockSizes(backward="fused")`: the split backward
+      runs. Only `mosaic_gpu` changes path: every other
+      backward is reproducible either way, except that on a GPU the `xla`
+      and `chunked` gradient of score_mod arrays read by a gather (T5's
+      bucket table) is XLA's scatter-add, reproducible only with XLA's
+      flag (README, "Reproducibility").
     return_residual: also return the logsumexp [*B, T, N] (float32, natural
       log; with `sinks`, the sink term included).
     score_mod: flex attention's score function, `(score, batch, head,
@@ -611,6 +633,9 @@ def flash_attention(
   static.update(
       dropout_rate=rate, implementation=implementation,
       block_sizes=block_sizes, score_mod=score_mod, mask_mod=mask_mod,
+      # Resolved now (None reads XLA_FLAGS), so it keys the trace cache.
+      deterministic_backward=check_deterministic_backward(
+          deterministic_backward),
       # Keys the trace cache: kernels built for an ahead-of-time GPU target
       # differ from those built for this machine.
       target=gpu_target.ahead_of_time())
@@ -636,15 +661,16 @@ def clear_cache() -> None:
     jax.jit,
     static_argnames=("scale", "is_causal", "local_window_size",
                      "logits_soft_cap", "dropout_rate", "implementation",
-                     "block_sizes", "precision", "target", "score_mod",
-                     "mask_mod"),
+                     "block_sizes", "precision", "deterministic_backward",
+                     "target", "score_mod", "mask_mod"),
 )
 def _flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
     segment_ids, query_positions, key_positions, dropout_rng, sinks,
     score_mod_args, mask_mod_args, block_mask, *, scale, is_causal,
     local_window_size, logits_soft_cap, dropout_rate, implementation,
-    block_sizes, precision, target, score_mod, mask_mod,
+    block_sizes, precision, deterministic_backward, target, score_mod,
+    mask_mod,
 ):
   del target  # Read by the backends through `gpu_target.current()`.
   # Everything from here on is traced once per shape/static configuration:
@@ -657,9 +683,9 @@ def _flash_attention(
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, dropout_rate=dropout_rate,
       dropout_rng=dropout_rng, block_sizes=block_sizes, precision=precision,
-      sinks=sinks, score_mod=score_mod, score_mod_args=score_mod_args,
-      mask_mod=mask_mod, mask_mod_args=mask_mod_args, block_mask=block_mask,
-      shared_kv=True,
+      deterministic_backward=deterministic_backward, sinks=sinks,
+      score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
+      mask_mod_args=mask_mod_args, block_mask=block_mask, shared_kv=True,
   )
   if call.empty:
     if implementation is not None:

@@ -11,6 +11,7 @@ the public ones under the same names.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -153,6 +154,47 @@ def check_precision(precision) -> jax.lax.Precision:
         "'tensorfloat32', 'float32', 'fastest', 'bfloat16_3x' or a "
         f"jax.lax.Precision, got {precision=}."
     ) from None
+
+
+# XLA's flags that ask for run-to-run reproducible GPU executables; the
+# first implies the second (it also fixes XLA's autotuning choices).
+XLA_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops",
+                         "--xla_gpu_exclude_nondeterministic_ops")
+
+
+def xla_flags_deterministic(flags: str | None = None) -> bool:
+  """Whether XLA flags ask for deterministic ops: `XLA_DETERMINISM_FLAGS`,
+  either set true as XLA parses a boolean flag (bare, "=true" or "=1"), the
+  last occurrence of each winning.
+
+  Args:
+    flags: the flags, as in `XLA_FLAGS`; None reads the environment
+      variable now.
+  """
+  if flags is None:
+    flags = os.environ.get("XLA_FLAGS", "")
+  values = {}
+  for token in flags.split():
+    name, has_value, value = token.partition("=")
+    if name in XLA_DETERMINISM_FLAGS:
+      values[name] = not has_value or value.lower() in ("true", "1")
+  return any(values.values())
+
+
+def check_deterministic_backward(deterministic_backward) -> bool:
+  """`deterministic_backward=` as a bool; None follows XLA's flags, read
+  now (`xla_flags_deterministic`).
+
+  Raises:
+    TypeError: neither None nor a bool.
+  """
+  if deterministic_backward is None:
+    return xla_flags_deterministic()
+  if not isinstance(deterministic_backward, (bool, np.bool_)):
+    raise TypeError(
+        "deterministic_backward must be None (follow XLA_FLAGS), True or "
+        f"False, got {deterministic_backward=}.")
+  return bool(deterministic_backward)
 
 
 def check_sinks(sinks, num_heads, dtype):

@@ -442,7 +442,10 @@ def _forward(q, k, v, bias, info, params):
     out, lse = online_softmax.finalize(m_i, l_i, acc)
     return out.astype(q.dtype), lse
 
-  out, lse = jax.lax.map(q_tile, jnp.arange(lay.nq))
+  # Tile indices are int32, as `masking.block_range`'s bounds: under
+  # jax_enable_x64 a default arange is int64, and lax's slicing takes
+  # start indices of one dtype.
+  out, lse = jax.lax.map(q_tile, jnp.arange(lay.nq, dtype=jnp.int32))
   # [nq, B, K, G, bq, (H)] -> [B, K, G, Tp, (H)]
   out = jnp.moveaxis(out, 0, 3).reshape(
       lay.b, lay.num_kv, lay.g, lay.tp, lay.hv)
@@ -535,7 +538,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
         dargs = tuple(None if a is None else a + b for a, b in zip(dargs, d))
       if dbias is not None:
         d = ds.sum(axis=bias_sum_axes, keepdims=True)
-        starts = [0, 0, 0, 0, 0]
+        starts = [jnp.int32(0)] * 5  # One dtype with the tile's starts.
         if dbias.shape[3] > 1:
           starts[3] = part.q0
         if dbias.shape[4] > 1:
@@ -562,7 +565,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
   dq0 = jnp.zeros(lay.q.shape, lay.acc)
   (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
-      kv_tile, (dq0, dbias, dargs), jnp.arange(lay.nk))
+      kv_tile, (dq0, dbias, dargs), jnp.arange(lay.nk, dtype=jnp.int32))
   # [nk, B|1, K, bk, H] -> [B|1, K, Sp, H]
   dk = jnp.moveaxis(dk, 0, 2).reshape(
       lay.k.shape[0], lay.num_kv, lay.sp, lay.h)

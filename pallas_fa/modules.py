@@ -174,6 +174,7 @@ class MultiHeadAttention(nnx.Module):
       implementation: str | None = None,
       block_sizes: Any = None,
       precision: str | jax.lax.Precision | None = None,
+      deterministic_backward: bool | None = None,
       attention_fn: Callable[..., Array] | None = None,
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
@@ -221,6 +222,11 @@ class MultiHeadAttention(nnx.Module):
       precision: matmul precision of the projections and the attention, as
         in `flash_attention`; None follows `jax.default_matmul_precision`
         and is not passed on to a custom `attention_fn`.
+      deterministic_backward: a bitwise-reproducible backward for every
+        attention call of the layer, as `flash_attention`'s (True: always;
+        False: the fastest; None follows `XLA_FLAGS` where a call is
+        traced, and is not passed on to a custom `attention_fn`). Not
+        `deterministic`, which is Flax's "no dropout".
       attention_fn: replaces `flash_attention` (same keyword interface), for
         baselines; None uses `flash_attention`.
       dtype: computation dtype; default inferred from inputs and params.
@@ -233,7 +239,8 @@ class MultiHeadAttention(nnx.Module):
       ValueError: inconsistent head counts or sizes, a bad precision, or
         score_mod_args without a score_mod.
       TypeError: a score_mod or mask_mod that is not a function of the
-        right arity, or score_mod_args that are not arrays.
+        right arity, score_mod_args that are not arrays, or a
+        deterministic_backward that is not None or a bool.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -277,6 +284,8 @@ class MultiHeadAttention(nnx.Module):
     if precision is not None:
       precision = api.check_precision(precision)
     self.precision = precision
+    self.deterministic_backward = _deterministic_backward(
+        deterministic_backward)
     self.attention_fn = attention_fn or api.flash_attention
     self.dtype = dtype
     kernel_init = kernel_init or nnx.initializers.lecun_normal()
@@ -610,6 +619,8 @@ class MultiHeadAttention(nnx.Module):
   def _attend(self, q, k, v, **kwargs):
     if self.precision is not None:
       kwargs["precision"] = self.precision
+    if self.deterministic_backward is not None:
+      kwargs["deterministic_backward"] = self.deterministic_backward
     kwargs.update(self._sinks())
     return self.attention_fn(
         q, k, v, is_causal=self.is_causal,
@@ -646,6 +657,12 @@ def _default_positions(positions, b, t):
   return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
+def _deterministic_backward(value: bool | None) -> bool | None:
+  """`deterministic_backward=` of a layer or attention_fn, checked once;
+  None stays None, so that XLA_FLAGS is read where each call is traced."""
+  return None if value is None else api.check_deterministic_backward(value)
+
+
 def _flax_precision(precision):
   """Flax's `precision` argument as `flash_attention`'s `precision`.
 
@@ -672,6 +689,7 @@ def make_attention_fn(
     score_mod_args: Sequence[Array] = (),
     mask_mod: Callable[..., Array] | None = None,
     mask_mod_args: Sequence[Array] = (),
+    deterministic_backward: bool | None = None,
 ) -> Callable[..., Array]:
   """An `attention_fn` for Flax's attention modules, using flash attention.
 
@@ -709,18 +727,24 @@ def make_attention_fn(
     mask_mod: flex attention's mask function, as in `flash_attention`,
       intersected with Flax's `mask` and `is_causal`.
     mask_mod_args: the arrays mask_mod reads.
+    deterministic_backward: `flash_attention`'s: True for a bitwise-
+      reproducible backward, False for the fastest, None to follow
+      `XLA_FLAGS` where a call is traced. (Flax's `deterministic`, which
+      the modules pass per call, means "no dropout".)
 
   Returns:
     attention_fn(query, key, value, bias=None, mask=None, **flax_kwargs).
 
   Raises:
-    ValueError / TypeError: bad flex arguments (as `flash_attention`).
+    ValueError / TypeError: bad flex arguments (as `flash_attention`), or
+      a deterministic_backward that is not None or a bool.
   """
   flex = dict(score_mod=score_mod,
               score_mod_args=mods.as_args("score_mod_args", score_mod_args),
               mask_mod=mask_mod,
               mask_mod_args=mods.as_args("mask_mod_args", mask_mod_args))
   mods.check_functions(**flex)
+  deterministic_backward = _deterministic_backward(deterministic_backward)
 
   def attention_fn(
       query: Array,
@@ -776,7 +800,8 @@ def make_attention_fn(
         logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         implementation=implementation, block_sizes=block_sizes,
-        precision=_flax_precision(precision), **flex,
+        precision=_flax_precision(precision),
+        deterministic_backward=deterministic_backward, **flex,
     )
 
   return attention_fn

@@ -18,8 +18,10 @@ the same shapes whatever the caller passed:
 * `info`: the `masking.MaskInfo` -- causal, window, positions, segment ids
   with the padding lengths folded in, dense mask, dropout -- to be read
   through `masking`'s predicates, never re-derived;
-* `params`: `Params` (scale, soft cap, precision and `block_sizes`, the
-  caller's tiling config or None).
+* `params`: `Params` (scale, soft cap, precision, `block_sizes`, the
+  caller's tiling config or None, and `deterministic_backward`: a backward
+  whose summation order can vary between runs takes a reproducible path
+  when it is set).
 
 It provides:
 
@@ -94,12 +96,17 @@ class Params:
     block_sizes: the backend's frozen tiling config, or None for its default.
     precision: the matmul precision of every product of query/key/value-
       derived data (float32 inputs; see `flash_attention`).
+    deterministic_backward: the backward must be bitwise reproducible:
+      a backend with a faster backward whose summation order varies from
+      run to run (mosaic_gpu's fused one) takes its reproducible path
+      instead (`flash_attention(deterministic_backward=...)`, resolved).
   """
 
   scale: float
   soft_cap: float | None = None
   block_sizes: Any = None
   precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
+  deterministic_backward: bool = False
 
 
 Forward = Callable[..., tuple[Array, Array]]

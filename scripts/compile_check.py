@@ -124,8 +124,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_int8", "decode_paged_int8", "decode_fp8",
             "decode_paged_fp8", "decode_latent", "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
-            "flex_document", "flex_t5", "decode_flex", "fused",
-            "fused_causal", "fused_masked", "fused_dropout")
+            "flex_document", "flex_t5", "decode_flex", "split",
+            "split_causal", "split_masked", "split_dropout")
 # The decode variants over a quantized cache: (the variant whose cache
 # layout they have, the cache's dtype); the query's is the case's dtype.
 QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
@@ -151,16 +151,16 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "flex_t5": ("triton",),
                     "decode_flex": ("triton",),
                     **{name: ("mosaic_gpu",) for name in (
-                        "fused", "fused_causal", "fused_masked",
-                        "fused_dropout")}}
+                        "split", "split_causal", "split_masked",
+                        "split_dropout")}}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9)}
 # The widest head dim of a variant (past it, its calls run another variant's
-# kernels): the fused backward runs up to 128, with dropout up to 64
-# (`mosaic_gpu.fused_backward_applies`).
-VARIANT_MAX_HEAD_DIM = {"fused": 128, "fused_causal": 128, "fused_masked": 128,
-                        "fused_dropout": 64}
+# kernels): past 128, or 64 with dropout, a default call's backward is the
+# split one already (`mosaic_gpu.fused_backward_applies`).
+VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
+                        "split_dropout": 64}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}
@@ -210,11 +210,12 @@ class Case:
       bias (`flex.t5_relative_bias`, a [heads, 32] table read at computed
       offsets, its gradient included; triton only); "decode_flex" =
       "decode" with
-      ALiBi and a prefix-LM mask_mod; "fused" / "fused_causal" /
-      "fused_masked" / "fused_dropout" = "plain" / "causal" / "masked" /
-      "dropout" with mosaic_gpu's fused backward
-      (`MosaicGpuBlockSizes(backward="fused")`, head dims <= 128, <= 64
-      with dropout).
+      ALiBi and a prefix-LM mask_mod; "split" / "split_causal" /
+      "split_masked" / "split_dropout" = "plain" / "causal" / "masked" /
+      "dropout" with mosaic_gpu's split backward, the reproducible one
+      that `deterministic_backward=True` runs
+      (`MosaicGpuBlockSizes(backward="split")`; the base variants compile
+      the default, fused one), at head dims <= 128, <= 64 with dropout.
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -234,17 +235,17 @@ class Case:
     return self.head_dim // 2 if self.head_dim > 64 else 2 * self.head_dim
 
   @property
-  def fused(self) -> bool:
-    """Whether the case asks for mosaic_gpu's fused backward."""
-    return self.variant.startswith("fused")
+  def split(self) -> bool:
+    """Whether the case asks for mosaic_gpu's split backward."""
+    return self.variant.startswith("split")
 
   @property
   def base(self) -> str:
-    """The variant whose inputs and masking the case has ("fused" ones:
-    that of their suffix, "plain" for "fused" itself)."""
-    if not self.fused:
+    """The variant whose inputs and masking the case has ("split" ones:
+    that of their suffix, "plain" for "split" itself)."""
+    if not self.split:
       return self.variant
-    return self.variant.removeprefix("fused").removeprefix("_") or "plain"
+    return self.variant.removeprefix("split").removeprefix("_") or "plain"
 
   def __str__(self):
     return (f"{self.backend:10s} h={self.head_dim:<3d} {self.dtype:8s} "
@@ -407,7 +408,7 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     spill_stores, spill_loads, stack_bytes, error; a decode case adds
     "kernels_per_call" (`kernels_per_call`).
   """
-  if case.fused:
+  if case.split:
     # Another length than the base variant's, whose forward kernel would
     # otherwise come from Mosaic's in-process cache (no ptxas report).
     seq //= 2
@@ -431,10 +432,10 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     if block_sizes is None and case.tiles == "heuristic" and not decode:
       block_sizes = _tiles(case, seq, heuristic=True,
                            device_kind=gpu.device_kind)
-    if case.fused:
+    if case.split:
       block_sizes = dataclasses.replace(
           block_sizes or _tiles(case, seq, device_kind=gpu.device_kind),
-          backward="fused")
+          backward="split")
     kwargs: dict[str, Any] = {}
     args = [spec((1, seq, heads, case.head_dim)),
             spec((1, seq, kv_heads, case.head_dim)),

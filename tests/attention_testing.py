@@ -123,21 +123,35 @@ def _sub_jaxprs(param):
     yield param
 
 
+def _equations(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs its equations carry (as
+  `dot_precisions` walks them), in trace order."""
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in _sub_jaxprs(param):
+        yield from _equations(sub)
+
+
 def pallas_call_operands(fn, *args) -> list[list]:
   """The operand avals of every pallas_call in `fn`'s jaxpr (sub-jaxprs
-  included, as `dot_precisions` walks them), in trace order."""
-  found = []
+  included), in trace order."""
+  return [[v.aval for v in eqn.invars]
+          for eqn in _equations(jax.make_jaxpr(fn)(*args))
+          if eqn.primitive.name == "pallas_call"]
 
-  def walk(jaxpr):
-    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-      if eqn.primitive.name == "pallas_call":
-        found.append([v.aval for v in eqn.invars])
-      for param in eqn.params.values():
-        for sub in _sub_jaxprs(param):
-          walk(sub)
 
-  walk(jax.make_jaxpr(fn)(*args))
-  return found
+def kernel_names(fn, *args, prefix: str = "pfa_") -> set[str]:
+  """The names starting with `prefix` of the kernels in `fn`'s jaxpr
+  (traced, never run): a Mosaic GPU kernel's `name` parameter, or a
+  pallas_call's `name_and_src_info`, whichever this jax records."""
+  names = set()
+  for eqn in _equations(jax.make_jaxpr(fn)(*args)):
+    info = eqn.params.get("name_and_src_info")
+    name = eqn.params.get("name", getattr(info, "name", None))
+    if isinstance(name, str) and name.startswith(prefix):
+      names.add(name)
+  return names
 
 
 def check_against_reference(fn, case: Case, dtype, gen):

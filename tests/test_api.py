@@ -337,30 +337,6 @@ def test_package_imports_form_no_circle(toplevel_only):
   assert "pallas_fa.flex.block_mask" in done and "pallas_fa.api" in done
 
 
-def test_moved_module_paths_still_import():
-  # Flex attention and the multi-device layer became packages; the old
-  # module paths give the moved modules themselves.
-  code = (
-      "import pallas_fa.ring, pallas_fa.mesh, pallas_fa.mods\n"
-      "from pallas_fa.block_mask import BlockMask, create_block_mask\n"
-      "from pallas_fa.fused_mods import split\n"
-      "import pallas_fa, pallas_fa.parallel as p\n"
-      "assert pallas_fa.ring is p.ring and pallas_fa.mesh is p.mesh\n"
-      "assert pallas_fa.mods is pallas_fa.flex.mods\n"
-      "assert BlockMask is pallas_fa.BlockMask is pallas_fa.flex.BlockMask\n"
-      "assert create_block_mask is pallas_fa.flex.create_block_mask\n"
-      "assert split is pallas_fa.flex.fused_mods.split\n"
-      "assert pallas_fa.ring.__spec__.name == 'pallas_fa.parallel.ring'\n"
-      "assert pallas_fa.ring_attention is p.ring_attention\n"
-      "assert pallas_fa.sharded_flash_attention is p.sharded_flash_attention\n"
-      "assert callable(pallas_fa.flex.alibi)\n"
-      "print('ok')\n")
-  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, check=False)
-  assert result.returncode == 0 and result.stdout.strip() == "ok", (
-      result.stderr)
-
-
 def test_no_message_names_a_local_placeholder():
   # f"{x.shape=}" prints "x.shape=", a name no caller passed: every message
   # names the argument (key.shape=...) or states the shape plainly.

@@ -308,8 +308,9 @@ def _lower_for_hopper(case: Case, dtype, block_sizes=None):
 
 
 @pytest.mark.parametrize("case, dtype, block_sizes, kernels", [
+    # The default fused backward: one kernel for dQ, dK and dV.
     (Case(b=1, t=256, s=384, n=4, k=2, h=128, causal=True), jnp.bfloat16,
-     None, 3),
+     None, 2),
     (Case(b=2, t=130, s=300, n=2, k=1, h=256, window=(64, 8), segments=True,
           lengths=True, soft_cap=20.0), jnp.float16, None, 4),
     (Case(b=1, t=200, s=200, n=2, k=2, h=72), jnp.bfloat16,
@@ -324,14 +325,16 @@ def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
 
 
 @pytest.mark.parametrize("h, causal", [(128, True), (64, False)])
-def test_fused_backward_lowers_for_hopper(h, causal):
-  """backward="fused": the forward and one backward kernel (dK, dV and dQ
-  by TMA reduce-adds into an aliased float32 buffer)."""
-  bs = mosaic_gpu.MosaicGpuBlockSizes(backward="fused")
+def test_split_backward_lowers_for_hopper(h, causal):
+  """backward="split" (what a reproducible backward runs): the forward and
+  two backward kernels, dQ's and dK/dV's. The default fused one (dK, dV
+  and dQ by TMA reduce-adds into an aliased float32 buffer) is lowered
+  above."""
+  bs = mosaic_gpu.MosaicGpuBlockSizes(backward="split")
   text = _lower_for_hopper(
       Case(b=1, t=256, s=384, n=4, k=2, h=h, causal=causal), jnp.bfloat16,
       bs)
-  assert text.count("custom_call @mosaic_gpu") == 2
+  assert text.count("custom_call @mosaic_gpu") == 3
 
 
 @pytest.mark.parametrize("semantics", ["lane", "warpgroup"])
@@ -341,7 +344,7 @@ def test_both_lowering_semantics_lower(semantics):
   text = _lower_for_hopper(
       Case(b=1, t=128, s=192, n=2, k=1, h=64, causal=True, segments=True),
       jnp.bfloat16, bs)
-  assert text.count("custom_call @mosaic_gpu") == 3
+  assert text.count("custom_call @mosaic_gpu") == 2  # The fused backward.
 
 
 def _dealt(units):
@@ -440,15 +443,15 @@ def test_lowering_enforces_shared_memory_budget():
 
 
 @pytest.mark.parametrize("fields, call, applies", [
-    (dict(backward="fused"), dict(head_dim=128), True),
+    (dict(), dict(head_dim=128), True),  # "fused" is the default
     (dict(backward="fused"), dict(head_dim=64, dropout=True), True),
-    (dict(), dict(head_dim=128), False),  # "split" is the default
+    (dict(backward="split"), dict(head_dim=128), False),
     (dict(backward="fused"), dict(head_dim=256), False),
     (dict(backward="fused"), dict(head_dim=64, value_head_dim=192), False),
     (dict(backward="fused", split_dkv=True), dict(head_dim=128), False),
     (dict(backward="fused"), dict(head_dim=128, dropout=True), False),
     (dict(backward="fused", block_q_dkv=32), dict(head_dim=64), False),
-], ids=["h128", "h64-dropout", "default-split", "h256", "wide-values",
+], ids=["default-h128", "h64-dropout", "split", "h256", "wide-values",
         "split-dkv", "h128-dropout", "32-query-tiles"])
 def test_fused_backward_applies_where_it_fits(fields, call, applies):
   """The fused backward runs where its kernel fits (registers, shared
@@ -596,8 +599,8 @@ def _fused_against_split(case, gen, dtype=jnp.bfloat16, **kw_extra):
   dlse = testing.normal(gen, q.shape[:-1])
   fused = run(flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(
       **_SMALL, backward="fused")), q, k, v, kw, dout, dlse)
-  split = run(flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)),
-              q, k, v, kw, dout, dlse)
+  split = run(flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(
+      **_SMALL, backward="split")), q, k, v, kw, dout, dlse)
   want = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
   same = run(reference_fn(dtype), q, k, v, kw, dout, dlse)
   for name, x, y, r, rs in zip(("dq", "dk", "dv"), fused[2], split[2],
@@ -685,8 +688,8 @@ def _race_detector():
 @pytest.mark.parametrize("config, kernels", [
     # Three persistent CTAs: the causal units are dealt by the balanced
     # schedule (`kernel.Units`), partial last waves included.
-    (dict(num_ctas=3), {"pfa_mgpu_forward", "pfa_mgpu_dq",
-                        "pfa_mgpu_dk_dv"}),
+    (dict(num_ctas=3, backward="split"),
+     {"pfa_mgpu_forward", "pfa_mgpu_dq", "pfa_mgpu_dk_dv"}),
     (dict(num_consumers=1, pingpong=False, num_consumers_dq=1,
           num_consumers_dkv=1, split_dkv=True, num_stages=3,
           num_stages_bwd=3, dropout=True),
@@ -810,17 +813,18 @@ def _small_tiles_that_fit(case, dtype):
 
 @needs_hopper
 @pytest.mark.parametrize("case, dtype", _GPU_CASES, ids=lambda x: str(x))
-@pytest.mark.parametrize("tiles", ["default", "small", "fused"])
+@pytest.mark.parametrize("tiles", ["default", "small", "split"])
 def test_compiled_matches_reference(case, dtype, tiles):
-  """"fused": the default tiles with the fused backward (the split one
-  where it does not apply)."""
+  """"default" (and "small") run the fused backward where it applies;
+  "split": the default tiles with the split backward, the reproducible
+  one."""
   bs = None if tiles == "default" else _small_tiles_that_fit(case, dtype)
-  if tiles == "fused":
+  if tiles == "split":
     bs = dataclasses.replace(
         mosaic_gpu.default_block_sizes(
             q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=dtype,
             is_causal=case.causal),
-        backward="fused")
+        backward="split")
   check_against_reference(
       flash("mosaic_gpu", bs), case, dtype,
       rng("mosaic_gpu", "compiled", str(case), tiles))
@@ -828,9 +832,12 @@ def test_compiled_matches_reference(case, dtype, tiles):
 
 @needs_hopper
 def test_compiled_deterministic_and_chosen_automatically():
+  """The default tiles with a reproducible backward requested (the split
+  one; tests/test_determinism.py checks the request on every backend)."""
   case = Case(b=2, t=700, s=700, n=8, k=2, h=128, causal=True, segments=True)
   gen = rng("mosaic_gpu", "compiled-determinism")
   q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  kw["deterministic_backward"] = True
   dout = jnp.asarray(gen.standard_normal(q.shape, np.float32))
   dlse = jnp.zeros(q.shape[:-1])
   fn = flash("mosaic_gpu")

@@ -475,12 +475,17 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
 def fused_backward_applies(bs: MosaicGpuBlockSizes, head_dim: int,
                            value_head_dim: int, score_mod=None, *,
-                           dropout: bool = False,
-                           interpret: bool = False) -> bool:
+                           dropout: bool = False, interpret: bool = False,
+                           deterministic: bool = False) -> bool:
   """Whether a call with tiling `bs` runs the fused backward
-  (`MosaicGpuBlockSizes.backward`). It needs:
+  (`MosaicGpuBlockSizes.backward`, the default), else the split one. It
+  needs:
 
   * `backward="fused"` and no split dK/dV passes;
+  * no reproducible backward asked for (`deterministic`, the call's
+    `flash_attention(deterministic_backward=...)` resolved): the fused
+    kernel's dQ reduce-adds land in no fixed order, so it wins over
+    `backward="fused"`;
   * query tiles of the dK/dV kernel a multiple of 64 (the M of the dQ
     wgmma; the heuristic's 32 with dropout at H > 64 keeps the split path);
   * padded head dims <= 128, <= 64 with dropout (wider ones leave no
@@ -492,7 +497,8 @@ def fused_backward_applies(bs: MosaicGpuBlockSizes, head_dim: int,
   * compiled, a jax that builds kernels with aliased outputs
     (`kernel.can_accumulate`).
   """
-  if bs.backward != "fused" or bs.split_dkv or bs.block_q_dkv % 64:
+  if deterministic or bs.backward != "fused" or bs.split_dkv or (
+      bs.block_q_dkv % 64):
     return False
   if not interpret and not kernel.can_accumulate():
     return False
@@ -531,9 +537,9 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   operands = (x.q, x.k, x.v, do, lse2, delta, *_meta(x, mask_mod, slot))
   residuals = _residuals(x, score_mod, mask_mod)
 
-  fused = fused_backward_applies(bs, h, v.shape[-1], score_mod,
-                                 dropout=info.has_dropout,
-                                 interpret=interpret)
+  fused = fused_backward_applies(
+      bs, h, v.shape[-1], score_mod, dropout=info.has_dropout,
+      interpret=interpret, deterministic=params.deterministic_backward)
   if not fused:
     sched = schedule(_kinds(x, mask_mod, bs.block_q_dq, bs.block_kv_dq),
                      bs.num_consumers_dq)

@@ -116,7 +116,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       ds_t: the step's dS^T [bk, bq] in the kernel's dtype.
       """
       ds_smem, stage = dq_smem
-      ds_slot = lax.rem(step, 2)  # Double-buffered: see `ds_ready`.
+      ds_slot = kernel.rem(step, 2)  # Double-buffered: see `ds_ready`.
       ds_smem.at[ds_slot, wg][...] = ds_t
       plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
       if shared_dq:
@@ -156,7 +156,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
       def step(i, carry, *, masked):
         dk, dv = carry
-        slot = lax.rem(rep_base + i - ulo, stages)
+        slot = kernel.rem(rep_base + i - ulo, stages)
         plgpu.barrier_wait(q_bar.at[slot])
         w = kernel.stationary_in_step(spec, wg)
         k_tile, v_tile = k_smem.at[w], v_smem.at[w]
@@ -319,7 +319,8 @@ def _sum_partials(parts, sched, writers, block_q):
   """The interpreted fused backward's dQ: its per-unit partials
   [B, P, Tp, N, H] summed over P, each counted only on the query tiles its
   unit visited ([ulo, uhi) of `sched`; the rest was never written)."""
-  tiles = (jnp.arange(parts.shape[2]) // block_q)[None, None, :]
+  tiles = jnp.arange(parts.shape[2], dtype=jnp.int32) // block_q
+  tiles = tiles[None, None, :]
   lo = jnp.repeat(sched[:, :, 0], writers, axis=1)[..., None]
   hi = jnp.repeat(sched[:, :, 1], writers, axis=1)[..., None]
   visited = (tiles >= lo) & (tiles < hi)  # [B, P, Tp]

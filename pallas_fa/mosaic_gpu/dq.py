@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -84,7 +83,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
     def step(j, carry, *, masked):
       dq, dmod = carry
-      slot = lax.rem(base + j - ulo, stages)
+      slot = kernel.rem(base + j - ulo, stages)
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
       w = kernel.stationary_in_step(spec, wg)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -82,7 +81,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
 
     def step(j, carry, *, masked):
       m_i, l_i, acc = carry
-      slot = lax.rem(base + j - ulo, stages)
+      slot = kernel.rem(base + j - ulo, stages)
       plgpu.barrier_wait(k_bar.at[slot])
       qk = ops.mm(
           qo_smem.at[kernel.stationary_in_step(spec, wg)],

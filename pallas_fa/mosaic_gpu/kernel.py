@@ -93,6 +93,22 @@ def interpret_params():
   return None if cls is None else cls()
 
 
+def rem(x, n: int):
+  """lax.rem of an int32 index by a static n.
+
+  The kernels' index math is int32 (CTA, warpgroup and loop indices,
+  schedule entries). lax's integer operations take operands of one dtype,
+  and under `jax_enable_x64` a Python int is int64: n goes in as int32.
+  """
+  return lax.rem(x, np.int32(n))
+
+
+def div(x, n: int):
+  """lax.div (rounding toward zero) of an int32 index by a static n, as
+  `rem`."""
+  return lax.div(x, np.int32(n))
+
+
 # Warpgroups of the widest kernel: a producer and two consumers.
 MAX_WARPGROUPS = 3
 
@@ -542,25 +558,25 @@ class Units:
     n = self.num_ctas
     if self.table is not None:
       u = self._entry(cta, 1 + t)
-      row = lax.rem(u, self.rows)
-      bh = lax.div(u, self.rows)
+      row = rem(u, self.rows)
+      bh = div(u, self.rows)
     elif not self.balance:
       u = cta + t * n
-      row = lax.rem(u, self.rows)
-      bh = lax.div(u, self.rows)
+      row = rem(u, self.rows)
+      bh = div(u, self.rows)
     else:
-      backward = lax.rem(t, 2) == 1
+      backward = rem(t, 2) == 1
       u = t * n + jnp.where(backward, n - 1 - cta, cta)
       per_section = self.section * self.rows
-      g = lax.div(u, per_section)
-      w = lax.rem(u, per_section)
+      g = div(u, per_section)
+      w = rem(u, per_section)
       # The last section may hold fewer pairs.
       size = jnp.minimum(self.section,
                          self.batch * self.heads - g * self.section)
       row = lax.div(w, size)
       bh = g * self.section + lax.rem(w, size)
-    head = lax.rem(bh, self.heads)
-    b = lax.div(bh, self.heads)
+    head = rem(bh, self.heads)
+    b = div(bh, self.heads)
     if self.reverse:
       row = self.rows - 1 - row
     return b, head, row
@@ -589,7 +605,7 @@ def produce(*, units, cta, reps, sched_ref, groups, stages):
     def rep(r, base):
       def load(j, _):
         step = base + j - ulo
-        slot = lax.rem(step, stages)
+        slot = rem(step, stages)
         for loaded, consumed, copies in groups:
           # A slot is refilled only once every consumer released it. The
           # consumers read some of it with plain shared-memory loads (the
@@ -615,7 +631,7 @@ def produce(*, units, cta, reps, sched_ref, groups, stages):
   # Drain: observe the release of the last `stages` steps, so that every
   # phase of every consumed barrier is awaited exactly once.
   def drain(step, _):
-    slot = lax.rem(step, stages)
+    slot = rem(step, stages)
     for _, consumed, _ in groups:
       plgpu.barrier_wait(consumed.at[slot])
 
@@ -639,7 +655,10 @@ def stationary_in_step(spec: Spec, wg):
   """
   if spec.lowering_semantics == "warpgroup" and jax.__version_info__ < (0, 11):
     return wg
-  return lax.optimization_barrier(wg)
+  # A static index goes in as int32: under jax_enable_x64 a Python int is
+  # int64, which Mosaic GPU's barrier does not take.
+  return lax.optimization_barrier(
+      np.int32(wg) if isinstance(wg, int) else wg)
 
 
 def phases(sched_ref, b, row, wg, step_fn, carry, masked: bool):

@@ -366,6 +366,7 @@ def ring_attention(
     implementation: str | None = None,
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
+    deterministic_backward: bool | None = None,
     return_residual: bool = False,
     score_mod: Any = None,
     score_mod_args: Sequence[Array] = (),
@@ -408,6 +409,8 @@ def ring_attention(
     block_sizes: see `pallas_fa.flash_attention`.
     precision: see `pallas_fa.flash_attention` (None follows
       `jax.default_matmul_precision` where this is traced).
+    deterministic_backward: see `pallas_fa.flash_attention` (None follows
+      `XLA_FLAGS` where this is traced); every ring step's backward.
     return_residual: also return the local logsumexp [B, T, N].
     score_mod, score_mod_args, mask_mod, mask_mod_args: flex attention (see
       `pallas_fa.flash_attention`): q_idx and kv_idx are global token
@@ -449,8 +452,9 @@ def ring_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
-      precision=precision, bias_key_length=s * size, sinks=sinks,
-      score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
+      precision=precision, deterministic_backward=deterministic_backward,
+      bias_key_length=s * size, sinks=sinks, score_mod=score_mod,
+      score_mod_args=score_mod_args, mask_mod=mask_mod,
       mask_mod_args=mask_mod_args,
   )
   q, k, v, bias, info, params = call.arrays

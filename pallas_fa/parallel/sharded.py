@@ -320,6 +320,7 @@ def sharded_flash_attention(
     implementation: str | None = None,
     block_sizes: Any = None,
     precision: str | jax.lax.Precision | None = None,
+    deterministic_backward: bool | None = None,
     return_residual: bool = False,
     score_mod: Any = None,
     score_mod_args: Sequence[Array] = (),
@@ -378,6 +379,8 @@ def sharded_flash_attention(
     implementation: see `pallas_fa.flash_attention`.
     block_sizes: see `pallas_fa.flash_attention`.
     precision: see `pallas_fa.flash_attention`.
+    deterministic_backward: see `pallas_fa.flash_attention`; each
+      device's backward (ring steps included).
     return_residual: also return the logsumexp [B, T, N].
     score_mod, score_mod_args, mask_mod, mask_mod_args, block_mask: flex
       attention, see `pallas_fa.flash_attention`. Every shard reads the
@@ -413,6 +416,9 @@ def sharded_flash_attention(
       load_balance=bool(load_balance),
       implementation=implementation,
       block_sizes=block_sizes,
+      # Resolved now (None reads XLA_FLAGS), so it keys the trace cache.
+      deterministic_backward=api.check_deterministic_backward(
+          deterministic_backward),
   )
   # Inputs laid out on another mesh (an earlier call's, say) move onto this
   # one: jit would otherwise give the results their mesh (`onto_mesh`).
@@ -434,15 +440,15 @@ def sharded_flash_attention(
                      "load_balance", "scale", "is_causal",
                      "local_window_size", "logits_soft_cap",
                      "implementation", "block_sizes", "precision",
-                     "score_mod", "mask_mod"),
+                     "deterministic_backward", "score_mod", "mask_mod"),
 )
 def _sharded_flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
     segment_ids, query_positions, key_positions, sinks, score_mod_args,
     mask_mod_args, block_mask, *, mesh, batch_axes, head_axes,
     sequence_axis, load_balance, scale, is_causal, local_window_size,
-    logits_soft_cap, implementation, block_sizes, precision, score_mod,
-    mask_mod,
+    logits_soft_cap, implementation, block_sizes, precision,
+    deterministic_backward, score_mod, mask_mod,
 ):
   # Canonicalised once per trace, like `pallas_fa.flash_attention`: the
   # global mask description (padding folded into segment ids) is built
@@ -454,7 +460,8 @@ def _sharded_flash_attention(
       local_window_size=local_window_size, segment_ids=segment_ids,
       query_positions=query_positions, key_positions=key_positions,
       logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
-      precision=precision, sinks=sinks, score_mod=score_mod,
+      precision=precision, deterministic_backward=deterministic_backward,
+      sinks=sinks, score_mod=score_mod,
       score_mod_args=score_mod_args, mask_mod=mask_mod,
       mask_mod_args=mask_mod_args, block_mask=block_mask,
   )
