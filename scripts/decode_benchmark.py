@@ -33,13 +33,17 @@ and `jax.nn.dot_product_attention` with a [B, 1, T_new, S] mask.
     python scripts/decode_benchmark.py --window_sinks=1024,4  # StreamingLLM
 
 With --cache_forms (no grid) it times the cache forms instead, each
-against its plain equivalent in the same run (`bench.decode_forms`): a
-bfloat16, int8 and float8 cache against a float32 one, a shared prefix
-against the materialised per-row concatenation, a latent (MLA) cache
-against a separate value cache and one 576-wide read:
+against its plain equivalent in the same run (`bench.decode_forms`), with
+bfloat16 queries: int8 and float8 caches against a bfloat16 one (and,
+secondary, float32 queries over float32 and int8 caches), a shared prefix
+against the materialised per-row concatenation (and the prefix through
+`flash_attention`), paged against contiguous, T_new = 4 against 1, a
+latent (MLA) cache against a separate value cache and one 576-wide read:
 
-    python scripts/decode_benchmark.py --cache_forms \
+    python scripts/decode_benchmark.py --cache_forms=all \
         --json=benchmarks/results/decode_forms_cpu.json
+    python scripts/decode_benchmark.py --implementations=triton \
+        --cache_forms=dtype,prefix,paged,tnew,latent --repeats=10
 
 With --window_sinks=W,SINKS every call masks the cache to the last W tokens
 and the first SINKS (`flex.sliding_window_with_sinks`: a mask_mod for
@@ -106,9 +110,9 @@ _NUM_SPLITS = flags.DEFINE_list(
     "implementation with: 'default' (the library's choice for the shape) "
     "or a number.")
 _CACHE_FORMS = flags.DEFINE_list(
-    "cache_forms", [], "Time these cache forms (dtype, prefix, latent; "
-    "'all' for every one) with the first of --implementations instead of "
-    "the grid.")
+    "cache_forms", [], "Time these cache forms (dtype, prefix, paged, "
+    "tnew, latent; 'all' for every one) with the first of "
+    "--implementations instead of the grid.")
 _JSON = flags.DEFINE_string(
     "json", None, "Write the report here (rewritten after every cell).")
 
@@ -164,19 +168,6 @@ def _inputs(b, s, n, num_kv, h, t, dtype, seed=0):
   k = testing.normal(gen, (b, s, num_kv, h), dtype)
   v = testing.normal(gen, (b, s, num_kv, h), dtype)
   return q, k, v, jnp.full((b,), s, jnp.int32)
-
-
-def _paged(k, v, page_size, seed=0):
-  """The contiguous cache as shuffled pages: (k_pages, v_pages, table)."""
-  b, s, num_kv, h = k.shape
-  pages = b * (s // page_size)
-  order = jnp.asarray(np.random.default_rng(seed).permutation(pages),
-                      jnp.int32)
-  # Page order[i] holds the i-th page of the row-major cache.
-  inverse = jnp.argsort(order)
-  k_pages, v_pages = (x.reshape(pages, page_size, num_kv, h)[inverse]
-                      for x in (k, v))
-  return k_pages, v_pages, order.reshape(b, s // page_size)
 
 
 def implementations() -> list[str]:
@@ -281,7 +272,7 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
     q, k, v, lengths = _inputs(b, s, n, num_kv, h, t, dtype)
     args = (q, k, v, lengths, None)
     if page_size:
-      k_pages, v_pages, table = _paged(k, v, page_size)
+      k_pages, v_pages, table = decode_forms.paged_cache(k, v, page_size)
       args = (q, k_pages, v_pages, lengths, table)
     jax.block_until_ready(args)
   # What every candidate must return: the plain call, in float32 and in the
@@ -398,8 +389,7 @@ def main(argv: Sequence[str]) -> None:
       load_average=dict(zip(("1m", "5m", "15m"), os.getloadavg())),
       command=" ".join(sys.argv), rows=rows, timeline=timeline.phases)
   if _CACHE_FORMS.value:
-    forms = (list(decode_forms.FORMS) if _CACHE_FORMS.value == ["all"]
-             else _CACHE_FORMS.value)
+    forms = decode_forms.selected(_CACHE_FORMS.value)
     for form in forms:
       with timeline.phase("cache_form", form=form):
         rows += decode_forms.FORMS[form](implementations()[0],

@@ -1,63 +1,71 @@
-r"""The first command on a lent GPU machine: what decides the next month.
+r"""The prepared commands of a lent GPU machine: what decides the next month.
 
 A GPU machine is lent for 15 minutes in all, its start and idle time
 included, and a command runs at most 10 minutes, of which at most 8 files
-come back. This script spends one command of 480 s (a 450 s budget) on the
-questions that decide what to work on next, in this order, each within its
-share (`gpu/plan.py`; `--plan` prints it):
+come back. A window is two calls (`gpu/plan.py`; `--plan` prints them),
+the second straight after the first while the machine is warm, each step
+within its share:
 
-  env      20 s  versions (jax, CUDA runtime, cuDNN, ptxas), nvidia-smi,
-                 devices, PALLAS_FA_COMMIT and the source hash
-  kernels 150 s  compiled correctness of every GPU kernel, mosaic_gpu first
-                 (conformance for mosaic_gpu and triton, the backends' own
-                 tests, the triton decode kernel, dropout), pytest-xdist
-                 with a per-test timeout and no hypothesis shrinking
-  bench   240 s  bf16, H = 128, T in {16384, 4096}, causal and not, fwd and
-                 fwd+bwd: mosaic_gpu with the split and the fused backward,
-                 cuDNN, triton, JAX's Pallas mha, each implementation in its
-                 own process; then mosaic_gpu's causal forward per
-                 head-section size; a timestamp per phase of each process
-  decode   40 s  triton decode_attention, bf16, B in {1, 8}, S = 32768,
-                 K = 8, H = 128, the default split count and 64, share of
-                 HBM bandwidth
-  extra  the rest: xla/chunked conformance and other tests, XLA and
-                 H = 64 and 256 in the benchmark, the on-device compile
-                 report
+  --call=speed (420 s budget, 450 s limit)
+    env      15 s  versions (jax, CUDA runtime, cuDNN, ptxas), nvidia-smi,
+                   devices, PALLAS_FA_COMMIT and the source hash
+    bench   300 s  bf16, H = 128, T in {16384, 4096}, causal and not, fwd
+                   and fwd+bwd: mosaic_gpu with the split and the fused
+                   backward, cuDNN, the fused backward's and the forward's
+                   tile variants, triton, JAX's Pallas mha, each in its own
+                   process; then mosaic_gpu's causal forward per
+                   head-section size; a timestamp per phase of each process
+    decode  105 s  triton decode_attention, bf16, B in {1, 8}, S = 32768,
+                   K = 8, H = 128, share of HBM bandwidth; then the cache
+                   forms with bf16 queries
+  --call=correctness (250 s budget, 280 s limit)
+    env      15 s  as above
+    kernels 180 s  compiled correctness of every GPU kernel, the tests the
+                   last window did not finish first, pytest-xdist with a
+                   per-test timeout, no hypothesis shrinking, each worker's
+                   stderr kept
+    checks   55 s  every backend with jax_enable_x64 on, the float32 tests
+                   at precision="highest", then each test that crashed a
+                   worker in the last window alone
+  extra (only with --steps): xla/chunked conformance and other tests, XLA
+    and H = 64 and 256 in the benchmark, the on-device compile report
 
 A step may use the time earlier steps left unused, never a later step's
 share. Every step runs in processes of its own with a deadline (a failing,
-hanging or crashing one never stops the next), and at most 6 files are
+hanging or crashing one never stops the next), and at most 7 files are
 written, all at the top of --out:
 
   summary.json  every step's status, time and headline numbers; rewritten
                 after every step and every few seconds within one
   bundle.tgz    every log and per-step report; rewritten after every step
                 and every 30 s
-  junit.xml     the test results (kernels and extra)
+  junit.xml     the test results (kernels, checks and extra)
   bench.json, bench.md  the benchmark table, rewritten after every cell
-  decode.json   the decode cells, rewritten after every cell
+  decode.json, decode_forms.json  the decode cells, rewritten after every
+                cell
 
 A SIGTERM (the command's time limit) stops the running step's processes
 and leaves all of these readable. The package need not be installed.
 
 Commands (from the repository root; BUILD.md has the ones to paste):
 
-  python3 scripts/gpu_check.py --plan            # the plan and commands
-  PYTHONPATH=. python3 scripts/gpu_check.py --out="$OUT"      # 480 s
-  # A rerun of what failed, with the returned summary.json copied to the
-  # repository root as gpu_summary.json (180 s):
+  python3 scripts/gpu_check.py --plan                  # plan and commands
+  PYTHONPATH=. python3 scripts/gpu_check.py --out="$OUT" --call=speed
+  PYTHONPATH=. python3 scripts/gpu_check.py --out="$OUT" --call=correctness
+  # A rerun of what failed, with a returned summary.json copied to the
+  # repository root as gpu_summary.json:
   PYTHONPATH=. python3 scripts/gpu_check.py --out="$OUT" \
       --steps=env,kernels --budget=150 --only=@gpu_summary.json
-  # The CPU rehearsal of the same plan (tests/test_gpu_check.py runs it):
-  python3 scripts/gpu_check.py --dry-run --out=/tmp/gpu_check_dry
+  # The CPU rehearsal of both calls (tests/test_gpu_check.py runs it):
+  python3 scripts/gpu_check.py --dry-run --call=all --out=/tmp/gpu_dry
 
 This file parses the command line and runs the steps, keeping the files
-current; the parts are in `gpu/`: `plan.py` (steps, shares, files),
+current; the parts are in `gpu/`: `plan.py` (steps, calls, shares, files),
 `runner.py` (a subprocess with its log, deadline and process group; atomic
 files and the bundle), `environment.py` (the env record), `steps.py` (the
 steps), `pytest_plugin.py` (test order, selection, results as they finish,
-no shrinking, fresh workers after a CUDA fault) and `report.py` (the
-results read back, the printed summary).
+no shrinking, fresh workers after a CUDA fault, each worker's stderr) and
+`report.py` (the results read back, the printed summary).
 """
 
 from __future__ import annotations
@@ -81,7 +89,7 @@ from gpu import report
 from gpu import runner
 from gpu import steps
 
-DEFAULT_TEST_TIMEOUT = 60
+DEFAULT_TEST_TIMEOUT = 120
 # The GPU machines have 16 cores: 8 processes compile while others run.
 # The dry run runs its few tests in one process (CI has 2 cores).
 DEFAULT_WORKERS = {False: 8, True: 0}
@@ -110,11 +118,15 @@ def _only_patterns(values: Sequence[str]) -> tuple[str, ...]:
 
 def failed_tests(records: dict[str, Any]) -> list[str]:
   """The ids of the tests that failed in a summary's step records (the
-  kernels step's and the extra step's other tests)."""
-  other = ((records.get("extra") or {}).get("parts") or {}).get("tests")
+  kernels step's, and those of the checks and extra steps' test parts)."""
+  parts = [
+    part
+    for name in ("checks", "extra")
+    for part in ((records.get(name) or {}).get("parts") or {}).values()
+  ]
   return [
     test
-    for record in (records.get("kernels"), other)
+    for record in (records.get("kernels"), *parts)
     for test in (record or {}).get("failed_ids") or []
   ]
 
@@ -132,9 +144,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     "plan are written there. Default: %(default)s.",
   )
   parser.add_argument(
+    "--call",
+    choices=sorted(plan.CALLS),
+    default=plan.DEFAULT_CALL,
+    help="Which prepared call of a window: its steps and budget. "
+    "Default: %(default)s.",
+  )
+  parser.add_argument(
     "--steps",
-    default=",".join(plan.NAMES),
-    help=f"Comma list of steps among {','.join(plan.NAMES)}. Default: all.",
+    default=None,
+    help=f"Comma list of steps among {','.join(plan.NAMES)}. Default: "
+    "the call's.",
   )
   parser.add_argument(
     "--plan",
@@ -151,9 +171,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     "--budget",
     type=float,
     default=None,
-    help="Seconds for the whole run. Default: "
-    f"{plan.BUDGET_S} ({plan.DRY_RUN_BUDGET_S} with "
-    "--dry-run).",
+    help="Seconds for the whole run. Default: the call's "
+    f"({', '.join(f'{c.name} {c.budget_s:.0f}' for c in plan.CALLS.values())}"
+    "; less with --dry-run).",
   )
   parser.add_argument(
     "--test-timeout",
@@ -189,6 +209,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   if not args.out.strip():
     # An unset $OUT: the files would land in the working directory.
     parser.error("--out is empty (is $OUT set?)")
+  call = plan.CALLS[args.call]
+  if args.steps is None:
+    args.steps = ",".join(call.steps)
   names = [s.strip() for s in args.steps.split(",") if s.strip()]
   unknown = [s for s in names if s not in plan.NAMES]
   if unknown or not names:
@@ -198,7 +221,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   args.steps = [s for s in plan.NAMES if s in names]
   if args.budget is None:
     args.budget = float(
-      plan.DRY_RUN_BUDGET_S if args.dry_run else plan.BUDGET_S
+      call.dry_run_budget_s if args.dry_run else call.budget_s
     )
   if args.test_timeout is None:
     args.test_timeout = float(DEFAULT_TEST_TIMEOUT)
@@ -393,7 +416,7 @@ def main(argv: Sequence[str]) -> int:
   failed = [n for n, r in run.records.items() if r["status"] == "failed"]
   if failed_tests(run.records):
     # With this summary.json copied to the repository root (see BUILD.md).
-    run.summary["rerun"] = plan.commands(_commit_label())["second"]["command"]
+    run.summary["rerun"] = plan.rerun_command(_commit_label())
   text = report.format_summary(run.summary)
   run.summary["summary_text"] = text
   run.flush()

@@ -482,30 +482,60 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
   """`decode_benchmark.py --cache_forms`' cells on tiny shapes: every
   candidate agrees with its plain equivalent before it is timed, the
   target ratios are computed from the run's own times, and a wrong result
-  is reported as "wrong", never timed."""
+  is reported as "wrong", a raising one as "failed", neither timed."""
   with script_module("decode_benchmark") as module:
     forms = module.decode_forms
-    rows = forms.dtype_rows("chunked", 1, s=256, num_kv=2, n=4, h=16)
+    row = dict(s=256, num_kv=2, n=4, h=16)
+    rows = forms.dtype_rows("chunked", 1, **row)
     rows += forms.prefix_rows("chunked", 1, b=3, s_p=64, s_own=32, n=4,
                               num_kv=2, h=16)
+    rows += forms.paged_rows("chunked", 1, **row)
+    # Two calls a timed program (an accelerator's default is 20).
+    rows += forms.tnew_rows("chunked", 1, calls=2, **row)
     rows += forms.latent_rows("chunked", 1, s=64, n=4, h=24, hv=16)
     assert [(r["form"], r["impl"]) for r in rows] == [
-        ("dtype", "float32"), ("dtype", "bfloat16"), ("dtype", "int8"),
-        ("dtype", "float8_e4m3fn"), ("prefix", "materialised"),
-        ("prefix", "prefix"), ("latent", "latent"),
+        ("dtype", "bfloat16"), ("dtype", "int8"),
+        ("dtype", "float8_e4m3fn"), ("dtype", "float32"),
+        ("dtype", "int8_float32_query"), ("prefix", "materialised"),
+        ("prefix", "prefix"), ("prefix", "prefix_flash"),
+        ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
+        ("tnew", "t_new_1"), ("tnew", "t_new_4"), ("latent", "latent"),
         ("latent", "separate_values"), ("latent", "one_read_floor")]
-    for row in rows:
-      assert row["status"] == "ok", row
-      assert 0 <= row["max_error"] <= row["tolerance"], row
-    ratios = {(r["form"], r["impl"]): r for r in forms.ratios(rows)}
-    assert len(ratios) == len(forms.TARGETS)
+    for r in rows:
+      assert r["status"] == "ok", r
+      assert 0 <= r["max_error"] <= r["tolerance"], r
+      assert r["kv_bytes"] > 0, r
+    by_name = {r["impl"]: r for r in rows}
+    # bfloat16 queries unless the cell says otherwise.
+    assert by_name["int8"]["query_dtype"] == "bfloat16"
+    assert by_name["int8_float32_query"]["query_dtype"] == "float32"
+    assert by_name["t_new_4"]["new_tokens"] == 4
+    assert by_name["t_new_4"]["calls_per_program"] == 2
+    assert by_name["t_new_4"]["ms_one_call"] > 0
+    assert by_name["int8"]["calls_per_program"] == 1
+    assert "ms_one_call" not in by_name["int8"]
+    ratios = {r["name"]: r for r in forms.ratios(rows)}
+    assert set(ratios) == {name for name, *_ in forms.TARGETS}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
-    assert ratios["prefix", "prefix"]["ratio"] == pytest.approx(
+    assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
+    assert ratios["int8_vs_bf16"]["ratio"] == pytest.approx(
+        ms["dtype", "int8"] / ms["dtype", "bfloat16"])
+    assert "int8_vs_bf16: int8 / bfloat16" in forms.format_table(rows)
+    assert forms.selected(["all"]) == list(forms.FORMS)
+    assert forms.selected(["tnew", "dtype"]) == ["tnew", "dtype"]
+    with pytest.raises(ValueError, match="unknown.*'pages'.*paged"):
+      forms.selected(["pages"])
     real = pallas_fa.decode_attention
-    monkeypatch.setattr(
-        pallas_fa, "decode_attention",
-        lambda *a, **kw: real(*a, **kw) * (1.5 if "prefix_key" in kw else 1))
-    (_, prefix) = forms.prefix_rows("chunked", 1, b=3, s_p=64, s_own=32,
-                                    n=4, num_kv=2, h=16)
+
+    def wrong_or_raising(*a, **kw):
+      if kw.get("_fold_prefix") is False:
+        raise NotImplementedError("no such path here")
+      return real(*a, **kw) * (1.5 if "prefix_key" in kw else 1)
+
+    monkeypatch.setattr(pallas_fa, "decode_attention", wrong_or_raising)
+    (_, prefix, flash) = forms.prefix_rows("chunked", 1, b=3, s_p=64,
+                                           s_own=32, n=4, num_kv=2, h=16)
     assert prefix["status"] == "wrong" and "ms" not in prefix, prefix
+    assert flash["status"] == "failed" and "ms" not in flash, flash
+    assert "NotImplementedError: no such path" in flash["reason"]

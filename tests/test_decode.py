@@ -488,6 +488,31 @@ def test_merge_parts_equals_one_softmax():
   np.testing.assert_allclose(lse, jax.nn.logsumexp(s, axis=-1), atol=1e-6)
 
 
+@pytest.mark.parametrize("splits, r, hv, sinks", [
+    (33, 64, 128, True), (5, 12, 48, False), (3, 4, 16, True)])
+def test_triton_merge_of_many_rows_equals_merge_parts(splits, r, hv, sinks):
+  """The triton merge kernel cuts many packed rows (a folded shared
+  prefix's) into blocks of rows: equal to `merge_parts` and the sinks,
+  splits that saw no key included."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+
+  gen = rng("decode", "triton merge", splits, r)
+  out = jnp.asarray(gen.standard_normal((2, 2, splits, r, hv)), jnp.float32)
+  lse = gen.standard_normal((2, 2, splits, r)).astype(np.float32)
+  lse[:, :, -1] = -np.inf
+  lse = jnp.asarray(lse)
+  sink = (jnp.asarray(gen.standard_normal((2, r)), jnp.float32) if sinks
+          else None)
+  got, got_lse = triton_decode.merge_splits(out, lse, sink,
+                                            dtype=jnp.float32,
+                                            value_head_dim=hv - 8)
+  want, want_lse = online_softmax.merge_parts(out, lse, axis=2)
+  if sinks:
+    want, want_lse = online_softmax.add_sink(want, want_lse, sink)
+  np.testing.assert_allclose(got, want[..., :hv - 8], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
 class ComposesWithTransformsTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -214,18 +216,56 @@ def test_latent_value_scale_is_rejected():
                                key_scale=scale, value_scale=scale)
 
 
-@pytest.mark.parametrize("implementation", ["triton", "mosaic_tpu"])
-def test_prefix_on_the_kernels(implementation):
-  """The kernels decode the rows' own caches and their flash_attention
-  reads the prefix once (the rows' queries folded into one sequence)."""
-  gen = rng("prefix kernels", implementation)
-  c = _prefix_case(gen, t=1, hv=32, page_size=16)
+@pytest.mark.parametrize("implementation, t, fold", [
+    ("triton", 1, True), ("triton", 2, True), ("triton", 1, False),
+    ("mosaic_tpu", 1, True)])
+def test_prefix_on_the_kernels(implementation, t, fold):
+  """The kernels decode the rows' own caches; triton decodes the prefix as
+  one row whose packed tile holds every row's queries (its keys split over
+  programs), or with `_fold_prefix=False` in `flash_attention` over the
+  folded queries, as mosaic_tpu does."""
+  import jax  # noqa: PLC0415
+
+  gen = rng("prefix kernels", implementation, t, fold)
+  c = _prefix_case(gen, t=t, hv=32, page_size=16)
   kw = dict(block_table=jnp.asarray(c["table"]),
             prefix_key=jnp.asarray(c["pk"]),
-            prefix_value=jnp.asarray(c["pv"]), return_residual=True)
+            prefix_value=jnp.asarray(c["pv"]), return_residual=True,
+            num_splits=3, implementation=implementation, _fold_prefix=fold)
   args = [jnp.asarray(c[name]) for name in ("q", "k", "v", "lengths")]
-  out, lse = pallas_fa.decode_attention(*args, implementation=implementation,
-                                        **kw)
+  out, lse = pallas_fa.decode_attention(*args, **kw)
+  ref = _reference(c["q"], c["cat_k"], c["cat_v"], c["cat_lengths"],
+                   c["q_pos"], is_causal=True)
+  assert_close("out", out, ref[0])
+  assert_close("lse", lse, ref[1])
+  if implementation == "triton":
+    jaxpr = str(jax.make_jaxpr(
+        lambda *a: pallas_fa.decode_attention(*a, **kw))(*args))
+    assert ("flash_fwd" in jaxpr) == (not fold)
+    assert len(re.findall(r"name=flash_decode\b(?!_)", jaxpr)) == 1 + fold
+
+
+def test_triton_prefix_past_the_folded_rows_takes_flash_attention(
+    monkeypatch):
+  """Folded queries over `MAX_FOLDED_ROWS` keep the `flash_attention`
+  path (a tile that large would spill), with the same result."""
+  import jax  # noqa: PLC0415
+
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+
+  gen = rng("prefix kernels wide")
+  c = _prefix_case(gen, t=2)  # 3 rows x 2 tokens x 2 heads = 12 rows
+  monkeypatch.setattr(triton_decode, "MAX_FOLDED_ROWS", 8)
+  args = [jnp.asarray(c[name]) for name in ("q", "k", "v", "lengths", "pk",
+                                             "pv")]
+
+  def decode(q, k, v, lengths, pk, pv):
+    return pallas_fa.decode_attention(
+        q, k, v, lengths, prefix_key=pk, prefix_value=pv,
+        implementation="triton", return_residual=True)
+
+  assert "flash_fwd" in str(jax.make_jaxpr(decode)(*args))
+  out, lse = decode(*args)
   ref = _reference(c["q"], c["cat_k"], c["cat_v"], c["cat_lengths"],
                    c["q_pos"], is_causal=True)
   assert_close("out", out, ref[0])

@@ -98,6 +98,7 @@ def decode_attention(
     value_head_dim: int | None = None,
     prefix_key: Array | None = None,
     prefix_value: Array | None = None,
+    _fold_prefix: bool = True,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -198,6 +199,9 @@ def decode_attention(
       each row's own part (`decode.prefix`); every implementation.
     prefix_value: [S_p, K, Hv], with prefix_key (defaults to prefix_key's
       first Hv columns with a latent cache).
+    _fold_prefix: private, for A/B benchmarks: False sends the prefix part
+      through `flash_attention` even where the rows' folded queries fit a
+      decode tile (`decode.prefix.attend`).
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -315,7 +319,8 @@ def decode_attention(
 
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
                          implementation=implementation, static=static,
-                         flex=flex, decode_one_row=decode_one_row)
+                         flex=flex, decode_one_row=decode_one_row,
+                         fold=_fold_prefix)
   return _result(*prefix.merge(shared, own, sinks, query.dtype),
                  return_residual)
 

@@ -25,6 +25,17 @@ def _decode_kernel(implementation):
   return importlib.import_module(f"pallas_fa.{implementation}.decode")
 
 
+def folds_rows(implementation, rows: int) -> bool:
+  """Whether `rows` packed query rows (a shared prefix's B * T_new * G
+  folded queries of a K/V head) decode as one row's tile: always on
+  "chunked", within the kernel module's `MAX_FOLDED_ROWS` on a kernel
+  (none: never)."""
+  if implementation == "chunked":
+    return True
+  limit = getattr(_decode_kernel(implementation), "MAX_FOLDED_ROWS", 0)
+  return rows <= limit
+
+
 def run(implementation, query, key, value, lengths, block_table,
         query_positions, sinks, num_splits, block_kv, static):
   """A Pallas kernel (`triton.decode` or `mosaic_tpu.decode`): its block

@@ -7,12 +7,15 @@ keys:
 
 * the prefix, attended by every row's new tokens in one call: the B rows'
   T_new queries folded into one query sequence of B * T_new tokens against
-  the one prefix (`flash_attention` with each token's position), so the
-  prefix is read once per call instead of once per row; with a
-  score_mod/mask_mod (which read the row as `batch`) the queries keep their
-  rows and the prefix is passed with batch 1 (read once by `chunked`,
-  broadcast by the kernels), and they are called with the new tokens'
-  positions as q_idx (`at_positions`), as decoding calls them;
+  the one prefix (decoded as one row whose packed tile holds all B * T_new
+  * G queries of a K/V head, its keys split over the programs, or, where
+  that tile is too large for a kernel, `flash_attention` with each token's
+  position), so the prefix is read once per call instead of once per row;
+  with a score_mod/mask_mod (which read the row as `batch`) the queries
+  keep their rows and the prefix is passed with batch 1 to
+  `flash_attention` (read once by `chunked`, broadcast by the kernels),
+  and they are called with the new tokens' positions as q_idx
+  (`at_positions`), as decoding calls them;
 * each row's own cache, decoded as without a prefix with every position
   shifted by S_p (the mods see the positions of the concatenation).
 
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 
 from pallas_fa import api
 from pallas_fa import online_softmax
+from pallas_fa.decode import kernels
 
 Array = Any
 
@@ -107,15 +111,19 @@ def at_positions(fn, takes_score: bool):
 
 
 def attend(query, prefix_key, prefix_value, query_positions, *,
-           implementation, static, flex, decode_one_row):
+           implementation, static, flex, decode_one_row, fold=True):
   """Every row's new tokens over the prefix: (out [B, T_new, N, Hv] typed
   like the query, lse [B, T_new, N]), without sinks.
 
   `decode_one_row(query, query_positions, key, value)` decodes a one-row
-  cache (the front's own path): without mods, "chunked" folds the rows'
-  tokens into that row's new tokens, so each K/V head's B * T_new * G
-  queries are one packed tile; the kernels, whose packed tile has a size
-  limit, take the prefix in `flash_attention` instead.
+  cache (the front's own path): without mods, the rows' tokens are folded
+  into that row's new tokens, so each K/V head's B * T_new * G queries are
+  one packed tile and the prefix's keys are split over the programs as a
+  long row's are (FlashInfer's cascade planner does the same). A kernel
+  takes this path while the tile is within its `MAX_FOLDED_ROWS`
+  (`kernels.folds_rows`); a larger one, or `fold=False`, takes
+  `flash_attention` over the folded tokens, whose grid has one program per
+  query tile and query head, each walking the whole prefix.
   """
   b, t, n, h = query.shape
   name = "chunked" if implementation is None else implementation
@@ -138,7 +146,7 @@ def attend(query, prefix_key, prefix_value, query_positions, *,
   # Every row's new tokens as one query sequence against the one prefix.
   tokens, positions = (query.reshape(1, b * t, n, h),
                        query_positions.reshape(1, b * t))
-  if name == "chunked":
+  if fold and kernels.folds_rows(name, b * t * (n // prefix_key.shape[1])):
     out, lse = decode_one_row(tokens, positions, prefix_key[None],
                               prefix_value[None])
   else:

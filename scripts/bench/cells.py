@@ -253,6 +253,13 @@ def check_rows(seq_len: int, rows: int) -> np.ndarray:
   return np.concatenate([np.arange(rows), np.arange(seq_len - rows, seq_len)])
 
 
+# The reference is compiled once per shape and run once: XLA:GPU's autotuning
+# of its matmul fusions (several seconds each) would cost more than every
+# cell it checks (35 of 79 s of a process in the first H200 window), and a
+# matmul's algorithm does not change what the check accepts.
+REFERENCE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
 def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype,
                       sinks=None, keys=None):
   """Reference (out, dq, dk, dv) on the query rows `rows` (and dK, dV on the
@@ -282,7 +289,7 @@ def reference_results(shape, q, k, v, dout, rows, grads, compute_dtype,
   keys = np.arange(k.shape[1]) if keys is None else keys
   positions = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (b, len(rows)))
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=REFERENCE_COMPILER_OPTIONS)
   def materialised(qs, k, v, ds):
     def f(qs, k, v):
       return testing.reference(

@@ -1,21 +1,31 @@
 """The plan of scripts/gpu_check.py: its steps in run order, each step's
-share of the budget, and every file a run may write under --out.
+share of the budget, the two calls of a GPU window, and every file a run
+may write under --out.
 
 A GPU machine is lent for 15 minutes in all (its start, every command and
 idle time count) and one command runs at most 10 minutes, of which 8 files
-come back. The first command therefore runs under a 480 s limit and this
-plan fits 450 s, so that the answers that decide the next month of work
-(is every GPU kernel correct, how fast is H = 128 against cuDNN with the
-split and the fused backward, how fast is causal per head-section size,
-what share of the memory bandwidth does decoding reach) come first and are
-on disk whenever it is stopped.
+come back. A window is two calls, each a prepared command:
 
-The shares: `env` took 4 s in the first window, and what a step leaves
-goes to the next, so its 20 s mostly feed `kernels`. `bench` runs five
-processes (about 45 cells); the first window's showed each spending 20-25 s
-before its first cell (starting, then the reference check at T = 16384,
-which the later processes now read back) and 2-4 s per cell. `decode` took
-29 s for four cells and now times six. `extra` runs on what is left.
+* speed (`--call=speed`, 420 s under a 450 s limit): the questions that
+  decide the next kernel work, every T = 16384 and 4096 cell of the
+  implementations, their variants and the peers, then decode;
+* correctness (`--call=correctness`, 250 s under a 280 s limit): the
+  compiled kernel tests (those the last window did not finish first), the
+  x64 and float32 (precision="highest") checks of every backend, and the
+  tests that crashed a pytest-xdist worker in the last window, each alone
+  in its own process.
+
+The second runs straight after the first while the machine is still warm
+(a fresh start costs a minute or more of the 15), so it does not depend on
+the first's results.
+
+The shares: `env` took 4 s in each window, and what a step leaves goes to
+the next. `bench` runs one process per implementation (about 100 cells);
+the first H200 window's showed each spending 10 s before its first cell
+and 1-8 s per cell, and its reference check 35 s of one process's 79 s
+(now compiled without autotuning). `decode` took 29 s for the grid's six
+cells; the cache forms get the rest. `kernels` finished 298 of 619 tests
+in 155 s with 8 workers. `extra` runs only when named in --steps.
 """
 
 from __future__ import annotations
@@ -24,11 +34,9 @@ import dataclasses
 from typing import Any
 from typing import Sequence
 
-# The whole run (--budget), and the margin between it and the time limit of
-# the command that runs it on a GPU machine (480 s for the first command):
-# Python's start, the last flush of the files and the stopping of a step's
-# processes.
-BUDGET_S = 450
+# The margin between a call's budget and the time limit of the command that
+# runs it on a GPU machine: Python's start, the last flush of the files and
+# the stopping of a step's processes.
 MARGIN_S = 30
 DRY_RUN_BUDGET_S = 240
 
@@ -51,7 +59,7 @@ class Step:
 
   Attributes:
     name: the --steps name.
-    budget_s: its share of `BUDGET_S` on a GPU; a step may also use what
+    budget_s: its share of a call's budget on a GPU; a step may also use what
       the steps before it left unused, never the later steps' shares.
     dry_run_budget_s: the same for --dry-run.
     files: the files under --out it writes (besides the summary and the
@@ -66,75 +74,125 @@ class Step:
   what: str
 
 
-_MAIN = (
-  Step(
-    name="env",
-    budget_s=20,
-    dry_run_budget_s=30,
-    files=(),
-    what="versions (python, jax, jaxlib, CUDA plugin, CUDA runtime, "
-    "cuDNN, ptxas), nvidia-smi, jax.devices(), PALLAS_FA_COMMIT "
-    "and the source hash",
-  ),
-  Step(
-    name="kernels",
-    budget_s=150,
-    dry_run_budget_s=90,
-    files=(JUNIT,),
-    what="compiled correctness of every GPU kernel, mosaic_gpu first: "
-    "the conformance suite for mosaic_gpu and triton (forward and "
-    "every gradient against the reference: causal, window, "
-    "segments, GQA, soft cap, bias, dropout, Hv != H, H up to "
-    "256), tests/test_mosaic_gpu.py, test_triton.py, test_decode.py "
-    "(the triton decode kernel, contiguous and paged), "
-    "test_decode_quantized_triton.py and test_decode_latent_triton.py "
-    "(its int8/float8 and latent caches), "
-    "test_dropout.py and test_flex.py (score_mod/mask_mod fused "
-    "into triton, score_mods into mosaic_gpu); pytest-xdist, a "
-    "per-test timeout, --tb=short, no hypothesis shrinking",
-  ),
-  Step(
-    name="bench",
-    budget_s=240,
-    dry_run_budget_s=60,
-    files=(BENCH_JSON, BENCH_MD),
-    what="bf16, H = 128, T in (16384, 4096), causal and not, fwd and "
-    "fwd+bwd (and the backward alone, their difference), each "
-    "implementation in its own process, in this order: mosaic_gpu with "
-    "the split and the fused backward (MosaicGpuBlockSizes(backward="
-    "'fused')), cuDNN through jax.nn, triton, JAX's Pallas mha; then "
-    "mosaic_gpu's causal forward at T = 16384 per head-section size "
-    "(2, 4, 8, 16 and the default) in one process. Each cell checked "
-    "first on its first and last 256 rows; a timestamp per phase "
-    "(start, device init, probes, inputs, reference, compile, check, "
-    "warm-up, timing); the JSON and Markdown rewritten after every cell",
-  ),
-  Step(
-    name="decode",
-    budget_s=40,
-    dry_run_budget_s=30,
-    files=(DECODE_JSON, DECODE_FORMS_JSON),
-    what="triton decode_attention, bf16, B in {1, 8}, S = 32768, K = 8, "
-    "H = 128, T_new = 1, with the default split count and 64 splits, "
-    "checked against the plain flash_attention call, with the share of "
-    "the measured HBM bandwidth and a timestamp per phase; then, with the "
-    "time left, the cache forms (decode_benchmark.py --cache_forms): "
-    "bf16, int8 and float8 caches against float32 at B = 1, S = 32768, and "
-    "16 rows sharing a 16k prefix against the materialised concatenation",
-  ),
+_ENV = Step(
+  name="env",
+  budget_s=15,
+  dry_run_budget_s=30,
+  files=(),
+  what="versions (python, jax, jaxlib, CUDA plugin, CUDA runtime, "
+  "cuDNN, ptxas), nvidia-smi, jax.devices(), PALLAS_FA_COMMIT "
+  "and the source hash",
+)
+_BENCH = Step(
+  name="bench",
+  budget_s=300,
+  dry_run_budget_s=60,
+  files=(BENCH_JSON, BENCH_MD),
+  what="bf16, H = 128, T in (16384, 4096), causal and not, fwd and "
+  "fwd+bwd (and the backward alone, their difference), each "
+  "implementation in its own process, in this order: mosaic_gpu with "
+  "the split and the fused backward (MosaicGpuBlockSizes(backward="
+  "'fused')), cuDNN through jax.nn, the fused backward's tile variants "
+  "(fwd+bwd), the forward's tile variants (fwd), triton, JAX's Pallas "
+  "mha; then mosaic_gpu's causal forward at T = 16384 per head-section "
+  "size (2, 4, 8, 16 and the default) in one process. Each cell checked "
+  "first on its first and last 256 rows against a reference computed "
+  "once per shape (compiled without autotuning) and read back by the "
+  "later processes; a timestamp per phase; the JSON and Markdown "
+  "rewritten after every cell",
+)
+_DECODE = Step(
+  name="decode",
+  budget_s=105,
+  dry_run_budget_s=30,
+  files=(DECODE_JSON, DECODE_FORMS_JSON),
+  what="triton decode_attention, bf16, B in {1, 8}, S = 32768, K = 8, "
+  "H = 128, T_new = 1, with the default split count and 64 splits, "
+  "checked against the plain flash_attention call, with the share of "
+  "the measured HBM bandwidth and a timestamp per phase; then the cache "
+  "forms (decode_benchmark.py --cache_forms) with bf16 queries: int8 "
+  "and float8 caches against bf16, the shared prefix against the "
+  "materialised concatenation, paged against contiguous, T_new = 4 "
+  "against 1, the latent cache against separate K and V, and the "
+  "float32-query cells beside them",
+)
+_KERNELS = Step(
+  name="kernels",
+  budget_s=180,
+  dry_run_budget_s=60,
+  files=(JUNIT,),
+  what="compiled correctness of every GPU kernel, the tests the last "
+  "window did not finish first (its junit.xml under benchmarks/results/): "
+  "the conformance suite for mosaic_gpu and triton (forward and "
+  "every gradient against the reference: causal, window, "
+  "segments, GQA, soft cap, bias, dropout, Hv != H, H up to "
+  "256), tests/test_mosaic_gpu.py, test_triton.py, test_decode.py "
+  "(the triton decode kernel, contiguous and paged), "
+  "test_decode_quantized_triton.py and test_decode_latent_triton.py "
+  "(its int8/float8 and latent caches), "
+  "test_dropout.py and test_flex.py (score_mod/mask_mod fused "
+  "into triton, score_mods into mosaic_gpu); pytest-xdist, a "
+  "per-test timeout, each worker's stderr kept (a crashed worker's last "
+  "lines reported), the references compiled without autotuning, "
+  "--tb=short, no hypothesis shrinking",
+)
+_CHECKS = Step(
+  name="checks",
+  budget_s=55,
+  dry_run_budget_s=30,
+  files=(JUNIT,),
+  what="every backend (mosaic_gpu, triton, xla, chunked; the decode "
+  "kernels) forward and backward with jax_enable_x64 on "
+  "(tests/test_x64.py), the reproducible backward rerun bitwise-equal "
+  "on every backend (tests/test_determinism.py), the float32 tests at precision='highest' "
+  "(test_precision.py, the conformance suite's float32 cases), then "
+  "each test that crashed a worker in the last window alone in a "
+  "process of its own, without pytest-xdist",
 )
 EXTRA = Step(
   name="extra",
-  budget_s=BUDGET_S - sum(s.budget_s for s in _MAIN),
-  dry_run_budget_s=DRY_RUN_BUDGET_S - sum(s.dry_run_budget_s for s in _MAIN),
+  budget_s=120,
+  dry_run_budget_s=60,
   files=(JUNIT, BENCH_JSON, BENCH_MD),
-  what="with the time the other steps leave: the conformance suite for "
-  "xla and chunked and other tests, XLA through jax.nn at T = 4096 and "
-  "H = 64 and 256 in the benchmark, then the on-device compile report "
+  what="only when named in --steps: the conformance suite for xla and "
+  "chunked and other tests, XLA through jax.nn at T = 4096 and H = 64 "
+  "and 256 in the benchmark, then the on-device compile report "
   "(scripts/compile_check.py)",
 )
-STEPS = _MAIN + (EXTRA,)
+STEPS = (_ENV, _BENCH, _DECODE, _KERNELS, _CHECKS, EXTRA)
 NAMES = tuple(s.name for s in STEPS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Call:
+  """One prepared command of a GPU window.
+
+  Attributes:
+    name: the --call name.
+    steps: the steps it runs, in run order.
+    budget_s: seconds for them (the command's limit is MARGIN_S more).
+    dry_run_budget_s: the same for --dry-run.
+  """
+
+  name: str
+  steps: tuple[str, ...]
+  budget_s: float
+  dry_run_budget_s: float
+
+
+CALLS = {
+  c.name: c
+  for c in (
+    Call(name="speed", steps=("env", "bench", "decode"), budget_s=420,
+         dry_run_budget_s=120),
+    Call(name="correctness", steps=("env", "kernels", "checks"),
+         budget_s=250, dry_run_budget_s=120),
+    # The CPU rehearsal of both calls in one process (CI's dry run).
+    Call(name="all", steps=NAMES, budget_s=sum(s.budget_s for s in STEPS),
+         dry_run_budget_s=DRY_RUN_BUDGET_S),
+  )
+}
+DEFAULT_CALL = "speed"
 
 
 def by_name(name: str) -> Step:
@@ -210,16 +268,9 @@ def describe(
   }
 
 
-# The second command reads the first's failed tests from its summary.json,
-# copied to the repository root under this name (an untracked file travels
-# with the working tree).
-RERUN_SUMMARY = "gpu_summary.json"
-RERUN_BUDGET_S = 150
-
-
 def commands(commit: str) -> dict[str, dict[str, Any]]:
-  """The two commands of a 15-minute GPU window, ready to paste: the whole
-  plan, and a rerun of the tests that failed in it.
+  """The two commands of a 15-minute GPU window, ready to paste: the speed
+  call, and the correctness call run straight after it on the warm machine.
 
   Args:
     commit: what PALLAS_FA_COMMIT records (the lent machine's copy of the
@@ -232,11 +283,22 @@ def commands(commit: str) -> dict[str, dict[str, Any]]:
   env = f"PALLAS_FA_COMMIT={commit} PYTHONPATH=. PYTHONUNBUFFERED=1"
   run = f'{env} python3 scripts/gpu_check.py --out="$OUT"'
   return {
-    "first": {"command": run, "timeout_s": BUDGET_S + MARGIN_S},
-    "second": {
-      "command": f"{run} --steps=env,kernels "
-      f"--budget={RERUN_BUDGET_S} "
-      f"--only=@{RERUN_SUMMARY}",
-      "timeout_s": RERUN_BUDGET_S + MARGIN_S,
-    },
+    key: {"command": f"{run} --call={call}",
+          "timeout_s": CALLS[call].budget_s + MARGIN_S}
+    for key, call in (("first", "speed"), ("second", "correctness"))
   }
+
+
+# A rerun reads the failed tests of a returned summary.json, copied to the
+# repository root under this name (an untracked file travels with the
+# working tree).
+RERUN_SUMMARY = "gpu_summary.json"
+RERUN_BUDGET_S = 150
+
+
+def rerun_command(commit: str) -> str:
+  """The command that reruns the tests a summary.json lists as failed."""
+  env = f"PALLAS_FA_COMMIT={commit} PYTHONPATH=. PYTHONUNBUFFERED=1"
+  return (f'{env} python3 scripts/gpu_check.py --out="$OUT" '
+          f"--steps=env,kernels --budget={RERUN_BUDGET_S} "
+          f"--only=@{RERUN_SUMMARY}")

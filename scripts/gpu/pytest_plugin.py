@@ -8,12 +8,21 @@ It changes nothing unless loaded, and then, from environment variables:
 * Hypothesis: the "gpu_check" profile, with no shrinking (a failing
   property test would otherwise recompile kernels for every smaller example
   until its timeout) and no deadline.
+* Last (PALLAS_FA_TEST_LAST=FILE): the tests whose id is one of FILE's
+  lines (those an earlier window finished) run after every other, so that
+  a run stopped at its budget answers for the unknown ones first.
 * Selection (PALLAS_FA_TEST_ONLY=FILE): only the tests whose id contains
   one of FILE's lines run (a rerun of what failed); ids that match nothing
   are printed, not fatal.
 * Results (PALLAS_FA_TEST_RESULTS=FILE): one JSON line per finished test,
   written as it finishes, so that a run killed before pytest writes its
   junit XML still tells what passed and failed.
+* Each worker's stderr (PALLAS_FA_TEST_STDERR_DIR=DIR): a pytest-xdist
+  worker writes its file descriptor 2 (Python's tracebacks, faulthandler's
+  dumps, pytest-timeout's stacks, XLA's and CUDA's messages) to
+  DIR/stderr_<worker>.log, and a test whose worker died is reported with
+  that file's last lines: what killed it (a timeout, a fatal signal, an
+  allocation failure, a CHECK) is then in the results.
 * A CUDA error that leaves the process's context unusable (an illegal
   address, a launch failure) ends that pytest-xdist worker after its test,
   so that xdist starts a fresh one rather than every later test of the
@@ -22,6 +31,7 @@ It changes nothing unless loaded, and then, from environment variables:
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
@@ -38,6 +48,36 @@ STICKY_CUDA_ERROR = re.compile(
 # The exit status of a worker ended for a sticky error (any non-zero one
 # makes xdist replace the worker).
 STICKY_EXIT_STATUS = 70
+# The lines of a dead worker's stderr that its crash report keeps.
+STDERR_TAIL_LINES = 12
+
+
+def _stderr_path(directory: str, worker: str) -> str:
+  return os.path.join(directory, f"stderr_{worker}.log")
+
+
+def _redirect_stderr(directory: str, worker: str) -> None:
+  """Sends this process's file descriptor 2 (C and Python alike) to its
+  own file, and faulthandler's dumps with it."""
+  os.makedirs(directory, exist_ok=True)
+  log = open(_stderr_path(directory, worker), "a", buffering=1)
+  sys.stderr.flush()
+  os.dup2(log.fileno(), 2)
+  # A fatal signal's stacks go to the file too (the file object must stay
+  # open for the process's life: it is kept by faulthandler).
+  faulthandler.enable(file=log, all_threads=True)
+
+
+def stderr_tail(directory: str | None, worker: str | None) -> str:
+  """The last lines of a worker's stderr file, on one line ("" if none)."""
+  if not directory or not worker:
+    return ""
+  try:
+    with open(_stderr_path(directory, worker), errors="replace") as f:
+      lines = [line.rstrip() for line in f if line.strip()]
+  except OSError:
+    return ""
+  return " | ".join(lines[-STDERR_TAIL_LINES:])[-2000:]
 
 
 def _message(report: pytest.TestReport) -> str:
@@ -94,6 +134,14 @@ class GpuCheckPlugin:
           for line in f
           if line.strip() and not line.startswith("#")
         ]
+    self.last = set()
+    last_path = os.environ.get("PALLAS_FA_TEST_LAST")
+    if last_path and os.path.exists(last_path):
+      with open(last_path) as f:
+        self.last = {line.strip() for line in f if line.strip()}
+    self.stderr_dir = os.environ.get("PALLAS_FA_TEST_STDERR_DIR") or None
+    if self.stderr_dir and self.is_worker:
+      _redirect_stderr(self.stderr_dir, config.workerinput["workerid"])
     results = os.environ.get("PALLAS_FA_TEST_RESULTS")
     # Only the controller (or a run without xdist) writes the results: it
     # sees every worker's reports, and its own reports of crashed workers.
@@ -104,11 +152,10 @@ class GpuCheckPlugin:
     )
     self.sticky_error = None
 
-  def _rank(self, item: pytest.Item) -> int:
-    for i, name in enumerate(self.first):
-      if name in item.nodeid:
-        return i
-    return len(self.first)
+  def _rank(self, item: pytest.Item) -> tuple[bool, int]:
+    rank = next((i for i, name in enumerate(self.first)
+                 if name in item.nodeid), len(self.first))
+    return item.nodeid in self.last, rank
 
   @pytest.hookimpl(trylast=True)
   def pytest_collection_modifyitems(
@@ -142,6 +189,11 @@ class GpuCheckPlugin:
       return
     node = getattr(report, "node", None)
     worker = getattr(getattr(node, "gateway", None), "id", None)
+    message = "" if result == "passed" else _message(report)
+    if result == "crashed":
+      tail = stderr_tail(self.stderr_dir, worker)
+      if tail:
+        message = f"{message}; its stderr ended: {tail}"
     self.results.write(
       json.dumps(
         {
@@ -149,7 +201,7 @@ class GpuCheckPlugin:
           "outcome": result,
           "when": report.when,
           "duration_s": round(report.duration or 0.0, 2),
-          "message": "" if result == "passed" else _message(report),
+          "message": message,
           "worker": worker,
         }
       )

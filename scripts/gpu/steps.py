@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -17,6 +18,7 @@ import time
 from typing import Any
 from typing import Callable
 from typing import Sequence
+from xml.etree import ElementTree
 
 from gpu import environment
 from gpu import plan
@@ -123,12 +125,50 @@ class Tests:
       suite's).
     patterns: run only the tests whose id contains one of these (none: all).
     select: more pytest arguments (-k ...).
+    last: ids of tests to run after all others (an earlier window's).
+    env: more environment variables of the pytest process.
   """
 
   files: tuple[str, ...]
   implementations: str
   patterns: tuple[str, ...] = ()
   select: tuple[str, ...] = ()
+  last: tuple[str, ...] = ()
+  env: tuple[tuple[str, str], ...] = ()
+
+
+# The tests' references are XLA programs compiled once and run once:
+# XLA:GPU's autotuning of their matmuls (seconds each, per process) bought
+# nothing in the first window but time; a matmul's algorithm does not change
+# what a test accepts.
+TEST_XLA_FLAGS = ("--xla_gpu_autotune_level=0",)
+
+
+def test_xla_flags() -> str:
+  """XLA_FLAGS of a test process: the outer ones, then `TEST_XLA_FLAGS`."""
+  outer = os.environ.get("XLA_FLAGS", "").split()
+  return " ".join(dict.fromkeys([*outer, *TEST_XLA_FLAGS]))
+
+
+# The last window of record, whose finished tests a kernels step runs last.
+BASELINE_JUNIT = (runner.REPO_ROOT / "benchmarks" / "results" /
+                  "h200_ff8094b" / "junit.xml")
+
+
+def finished_tests(junit: pathlib.Path) -> tuple[str, ...]:
+  """The ids of the tests a junit XML records as finished (passed, failed
+  or skipped; not those whose worker crashed), as pytest names them."""
+  try:
+    root = ElementTree.parse(junit).getroot()
+  except (OSError, ElementTree.ParseError):
+    return ()
+  ids = []
+  for case in root.iter("testcase"):
+    module = case.get("classname")
+    if not module or any(child.tag == "error" for child in case):
+      continue
+    ids.append(f"{module.replace('.', '/')}.py::{case.get('name')}")
+  return tuple(ids)
 
 
 def files_of(patterns: Sequence[str]) -> tuple[str, ...]:
@@ -252,7 +292,10 @@ def run_tests(
   for path in (xml, results):
     path.unlink(missing_ok=True)
   cmd = [sys.executable, "-m", "pytest", *tests.files, *tests.select]
-  cmd += ["-q", "-rfE"]
+  # Python's output is captured per test, file descriptor 2 is not: what C
+  # code (XLA, CUDA) writes there reaches the worker's stderr file, from
+  # which a dead worker's crash report takes its last lines.
+  cmd += ["-q", "-rfE", "--capture=sys"]
   cmd += ["--tb=short", "-p", "no:cacheprovider", "-p", "gpu.pytest_plugin"]
   cmd += [f"--junitxml={xml}"]
   xdist, warnings = _xdist_args(ctx.workers)
@@ -277,7 +320,13 @@ def run_tests(
     "PALLAS_FA_TEST_IMPLEMENTATIONS": tests.implementations,
     "PALLAS_FA_TEST_RESULTS": str(results),
     "PALLAS_FA_TEST_FIRST": _KERNEL_IMPLEMENTATIONS,
+    "PALLAS_FA_TEST_STDERR_DIR": str(ctx.work / f"stderr_{name}"),
+    "XLA_FLAGS": test_xla_flags(),
   }
+  if tests.last:
+    last = ctx.work / f"last_{name}.txt"
+    last.write_text("\n".join(tests.last) + "\n")
+    extra_env["PALLAS_FA_TEST_LAST"] = str(last)
   if tests.patterns:
     only = ctx.work / f"only_{name}.txt"
     only.write_text("\n".join(tests.patterns) + "\n")
@@ -285,6 +334,7 @@ def run_tests(
   if xdist:
     # Several processes share the GPU: each takes memory as it needs it.
     extra_env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  extra_env.update(tests.env)
   base = {
     "command": ctx.shown(cmd),
     "implementations": tests.implementations,
@@ -322,8 +372,83 @@ def run_tests(
 
 
 def step_kernels(ctx: Context, timeout: float) -> dict[str, Any]:
-  tests = rerun_tests(ctx.only) if ctx.only else KERNEL_TESTS[ctx.dry_run]
+  if ctx.only:
+    tests = rerun_tests(ctx.only)
+  else:
+    tests = dataclasses.replace(KERNEL_TESTS[ctx.dry_run],
+                                last=finished_tests(BASELINE_JUNIT))
   return run_tests(ctx, "kernels", timeout, tests)
+
+
+# ---------------------------------------------------------------------------
+# checks: x64, float32 at "highest", and the last window's crashes alone
+
+
+# By --dry-run: every backend with jax_enable_x64 on, the reproducible
+# backward rerun bitwise-equal on every backend, and the float32 tests
+# (conftest sets jax_default_matmul_precision="highest": the triton float32
+# products then run in IEEE float32, not TF32). The dry run: xla and the
+# interpreted triton kernel, one conformance case.
+CHECK_TESTS = {
+  False: Tests(
+    files=("tests/test_x64.py", "tests/test_determinism.py",
+           "tests/test_precision.py", "tests/test_conformance.py"),
+    implementations="mosaic_gpu,triton,xla,chunked",
+    select=("-k", "(test_x64 or test_determinism or test_precision or "
+                  "float32) and not mosaic_tpu"),
+  ),
+  True: Tests(
+    files=("tests/test_x64.py",),
+    implementations="xla,triton",
+    select=("-k", "not mosaic_tpu and not mosaic_gpu"),
+  ),
+}
+# The tests that crashed their pytest-xdist worker in the last window (each
+# passed alone, in about 70 s: over the 60 s per-test timeout, whose thread
+# method ends the whole worker, which xdist reports as a crash). Each runs
+# alone here, with the time it needs, and its duration is recorded. The
+# second was "fused-..." then: the fused tiles are the default now (at
+# H = 256 both take the split kernels). The dry run: one cheap test.
+ALONE_TESTS = {
+  False: (
+    "tests/test_mosaic_gpu.py::test_compiled_matches_reference[default-"
+    "B2T512S512N4K2H128-causal-<class 'jax.numpy.bfloat16'>]",
+    "tests/test_mosaic_gpu.py::test_compiled_matches_reference[default-"
+    "B1T384S640N4K1H256-causal-<class 'jax.numpy.float16'>]",
+  ),
+  True: ("tests/test_mosaic_gpu.py::test_block_sizes_frozen_and_hashable",),
+}
+
+
+def step_checks(ctx: Context, timeout: float) -> dict[str, Any]:
+  deadline = time.monotonic() + timeout
+  alone = ALONE_TESTS[ctx.dry_run]
+  # The alone tests' share: about 70 s each on the GPU, a third of the rest.
+  start = time.monotonic()
+  parts = {"x64_float32": {
+      **run_tests(ctx, "checks", timeout * 0.45, CHECK_TESTS[ctx.dry_run]),
+      "duration_s": round(time.monotonic() - start, 1)}}
+  ctx.progress({"parts": dict(parts)})
+  serial = dataclasses.replace(ctx, workers=0)
+  for i, test in enumerate(alone):
+    left = deadline - time.monotonic()
+    if left < MIN_PART_S[ctx.dry_run]:
+      parts[f"alone_{i}"] = {"status": "skipped", "reason": "out of time",
+                             "test": test}
+      continue
+    tests = Tests(files=files_of([test]),
+                  implementations=_KERNEL_IMPLEMENTATIONS, patterns=(test,))
+    share = left / (len(alone) - i)
+    run = dataclasses.replace(serial, test_timeout=share)
+    start = time.monotonic()
+    parts[f"alone_{i}"] = {**run_tests(run, f"alone_{i}", share, tests),
+                           "test": test,
+                           "duration_s": round(time.monotonic() - start, 1)}
+    ctx.progress({"parts": dict(parts)})
+  failed = [f"{n}: {p['reason']}" for n, p in parts.items()
+            if p["status"] == "failed"]
+  return {"parts": parts, "status": "failed" if failed else "ok",
+          "reason": "; ".join(failed)}
 
 
 # ---------------------------------------------------------------------------
@@ -402,18 +527,53 @@ _T = (16384, 4096)
 # schedule deals together), beside the default one (None: from the L2
 # size and T).
 HEAD_SECTIONS = (2, 4, 8, 16)
+# Tile variants, each timed beside the path it would replace in the same
+# process (predictions.md gives each one's expected rate and what it
+# tells). Every one compiles for sm_90a without a spill at H = 128 (the
+# causal forward at block_q=128 spills 60-68 bytes: measured, not a
+# candidate default). The fused backward: one consumer warpgroup (is it
+# bound by the overlap of the two consumers' softmax/dS chains, or by
+# memory?), with a deeper ring, and a head section of 4 (dQ accumulators
+# of fewer heads in L2 at once).
+FUSED_VARIANTS = (
+  "mosaic_gpu:backward=fused:num_consumers_dkv=1",
+  "mosaic_gpu:backward=fused:num_consumers_dkv=1:num_stages_bwd=3",
+  "mosaic_gpu:backward=fused:head_section=4",
+)
+# The forward: 128-row query tiles over 64-key tiles (half the K/V traffic
+# from L2 per FLOP, more instructions), at two ring depths; 64-key tiles
+# at the default 64 rows; one consumer without ping-pong (what the overlap
+# of the two consumers is worth).
+FORWARD_VARIANTS = (
+  "mosaic_gpu:block_q=128:block_kv=64:num_stages=4",
+  "mosaic_gpu:block_q=128:block_kv=64:num_stages=2",
+  "mosaic_gpu:block_kv=64:num_stages=4",
+  "mosaic_gpu:num_consumers=1:pingpong=false:block_kv=192",
+)
+# triton's forward at 128-key tiles (220 registers, no spill at H = 128),
+# at the heuristic's 3 stages and at 2, against JAX's Pallas mha.
+TRITON_VARIANTS = (
+  "triton:block_kv=128",
+  "triton:block_kv=128:num_stages=2",
+)
 BENCH_RUNS = {
   False: (
-    BenchRun(label="mosaic_gpu", weight=90,
-             impls=("mosaic_gpu", "mosaic_gpu:backward=fused"),
+    BenchRun(label="mosaic_gpu", weight=100,
+             impls=("mosaic_gpu:backward=split", "mosaic_gpu:backward=fused"),
              head_dims=(128,), seq_lens=_T, matmul_size=8192),
     BenchRun(label="cudnn", weight=35, peers=("cudnn",),
              head_dims=(128,), seq_lens=_T),
-    BenchRun(label="triton", weight=40, impls=("triton",),
+    BenchRun(label="mosaic_gpu_fused_tiles", weight=50,
+             impls=("mosaic_gpu:backward=fused", *FUSED_VARIANTS),
+             head_dims=(128,), seq_lens=(16384,)),
+    BenchRun(label="mosaic_gpu_forward_tiles", weight=40,
+             impls=("mosaic_gpu", *FORWARD_VARIANTS),
+             head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    BenchRun(label="triton", weight=40, impls=("triton", *TRITON_VARIANTS),
              head_dims=(128,), seq_lens=_T),
-    BenchRun(label="pallas_mha", weight=40, peers=("pallas_mha",),
-             head_dims=(128,), seq_lens=_T),
-    BenchRun(label="mosaic_gpu_head_sections", weight=35,
+    BenchRun(label="pallas_mha", weight=25, peers=("pallas_mha",),
+             head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    BenchRun(label="mosaic_gpu_head_sections", weight=20,
              impls=("mosaic_gpu", *(f"mosaic_gpu:head_section={n}"
                                     for n in HEAD_SECTIONS)),
              head_dims=(128,), seq_lens=(16384,), causal="true",
@@ -579,10 +739,12 @@ DECODE_FLAGS = {
 
 
 # By --dry-run: the cache forms after the grid (`bench.decode_forms`),
-# each checked against its plain equivalent: triton's quantized caches and
-# shared prefix; the dry run's chunked latent cell.
+# each checked against its plain equivalent, with bf16 queries (the
+# float32-query cells beside them): triton's quantized caches, shared
+# prefix (and the path it replaced), paged, T_new = 4 and latent caches;
+# the dry run's chunked latent cell.
 DECODE_FORMS_FLAGS = {
-  False: ("--implementations=triton", "--cache_forms=dtype,prefix",
+  False: ("--implementations=triton", "--cache_forms=all",
           "--repeats=10"),
   True: ("--implementations=chunked", "--cache_forms=latent",
          "--repeats=2"),
@@ -780,8 +942,9 @@ def step_extra(ctx: Context, timeout: float) -> dict[str, Any]:
 
 RUNNERS = {
   "env": step_env,
-  "kernels": step_kernels,
   "bench": step_bench,
   "decode": step_decode,
+  "kernels": step_kernels,
+  "checks": step_checks,
   "extra": step_extra,
 }
