@@ -6,16 +6,19 @@ between the two markers (`BEGIN`, `END`) is generated here from the files
 named in `SOURCES` under benchmarks/results/, and a test checks that the
 committed README equals what this script makes of the committed JSONs.
 
-After a GPU window, commit its JSONs and plot, point `SOURCES` at them (a
-run on another GPU adds its own files) and run (from the repository root):
+After a GPU window, commit its files (a folder per run, as
+`h200_ff8094b/`), point `SOURCES` at them (a run on another GPU adds its
+own files; a run that names a GPU_COLUMNS candidate otherwise gets a
+GPU_RENAMED entry) and run (from the repository root):
 
   python scripts/readme_performance.py
 
 `--check` only compares (exit status 1 if the README is stale). A JSON that
 lacks a field the section needs is a ValueError naming the file and field.
 The "not measured yet" line is worked out from the data too (GPU kinds,
-causal cuDNN cells, the opt-in backward and head-section variants), so it
-shrinks as windows measure those.
+the table's candidates, causal cuDNN cells, the planned shapes a run lost,
+head dims and dtypes, the tile and head-section variants, the decode
+kernel's pipeline depth), so it shrinks as windows measure those.
 """
 
 from __future__ import annotations
@@ -39,15 +42,31 @@ END = "<!-- performance: end -->"
 
 # Which committed files the section shows, relative to RESULTS.
 SOURCES = {
-    # benchmark.py --json reports of one GPU run (merged per implementation).
-    "gpu_bench": ("h200_bench_16k.json", "h200_bench_4k.json"),
+    # benchmark.py --json reports of the GPU run of record (merged per
+    # implementation).
+    "gpu_bench": ("h200_ff8094b/bench.json",),
     # gpu_check.py's summary.json of that run: CUDA, cuDNN and the commit,
     # which benchmark.py's JSON does not record.
-    "gpu_summary": "h200_gpu_check_summary.json",
-    "gpu_decode": "h200_decode.json",
-    # The run's notes: each file's commit, what did not finish and why.
-    "gpu_notes": "h200.md",
-    "gpu_plot": "h200.png",
+    "gpu_summary": "h200_ff8094b/summary.json",
+    "gpu_decode": "h200_ff8094b/decode.json",
+    # The run's notes: its tables, what did not finish and why.
+    "gpu_notes": "h200_ff8094b/README.md",
+    # The decode cache forms: a later probe's cells are the ones shown (bf16
+    # queries, 20 calls per program); the run of record's own, timed one
+    # call per program with float32 queries, get one line.
+    "gpu_forms": "h200_probe_2026-11-28/decode_forms.json",
+    "gpu_forms_notes": "h200_probe_2026-11-28/README.md",
+    "gpu_forms_of_record": "h200_ff8094b/decode_forms.json",
+    # What those JSONs cannot say: the query dtype of the run of record's
+    # cells, and the triton decode kernel's software-pipeline stages in the
+    # probe (`triton.decode._launch`).
+    "gpu_forms_of_record_query": "float32",
+    "gpu_forms_stages": 2,
+    # The first GPU run (T = 4096 too), linked, not tabled.
+    "gpu_first_bench": ("h200_bench_16k.json", "h200_bench_4k.json"),
+    "gpu_first_summary": "h200_gpu_check_summary.json",
+    "gpu_first_notes": "h200.md",
+    "gpu_first_plot": "h200.png",
     "cpu_bench": "cpu_tokamax.json",
     "cpu_decode": "decode_cpu.json",
     "cpu_plot": "cpu_tokamax.png",
@@ -55,23 +74,51 @@ SOURCES = {
     "cpu_machine": "a shared 2-core x86-64 machine",
 }
 
-# The GPU table's columns: pallas_fa's kernels, then the peer the ratios are
-# taken against (benchmark.py's "speedup_vs_cudnn": cuDNN's time / this
-# time, both in the same process run).
-GPU_IMPLS = ("mosaic_gpu", "triton")
+# The GPU table's columns: (the candidate's name in benchmark.py's JSON,
+# its header). The ratios are taken against GPU_PEER (benchmark.py's
+# "speedup_vs_cudnn": cuDNN's time / this time, both in the same run).
+# mosaic_gpu's default backward is the fused one; the split backward is
+# what `deterministic_backward=True` runs.
+GPU_COLUMNS = (
+    ("mosaic_gpu:backward=fused", "`mosaic_gpu` fused (default)"),
+    ("mosaic_gpu:backward=split", "`mosaic_gpu` split (reproducible)"),
+    ("triton", "`triton`"),
+    ("jax:pallas_mha", "JAX's Pallas `mha`"),
+    ("jax:cudnn", "cuDNN (`jax.nn`)"),
+)
+# Runs made before the fused backward became the default name the split
+# one plain `mosaic_gpu`: {file: {its name: the column's name}}.
+GPU_RENAMED = {
+    "h200_ff8094b/bench.json": {"mosaic_gpu": "mosaic_gpu:backward=split"},
+}
 GPU_PEER = "jax:cudnn"
 CPU_IMPL = "chunked"
 CPU_PEERS = ("jax:xla", "tokamax:xla_chunked")
-# GPUs a user may ask about; those no committed JSON ran on are listed as
-# not measured.
+# GPUs, head dims and input dtypes a user may ask about; those no committed
+# GPU JSON ran are listed as not measured.
 GPU_KINDS = ("H100", "H200", "A100")
-# Opt-in mosaic_gpu variants (benchmark.py `--impls=NAME:FIELD=VALUE`).
+GPU_HEAD_DIMS = (64, 128, 256)
+GPU_DTYPES = ("bfloat16", "float16")
+# mosaic_gpu and triton variants (benchmark.py `--impls=NAME:FIELD=VALUE`,
+# the tile variants of scripts/gpu/steps.py): a pattern matched against
+# the candidates' names, and what the not-measured line calls it.
 VARIANTS = {
-    "backward=fused": 'the opt-in fused backward '
-                      '(`MosaicGpuBlockSizes(backward="fused")`)',
-    "head_section=": "causal head sections (`MosaicGpuBlockSizes."
-                     "head_section`)",
+    r"^mosaic_gpu:backward=fused$":
+        'the fused backward, the default (`MosaicGpuBlockSizes(backward='
+        '"fused")`)',
+    r"^mosaic_gpu:head_section=":
+        "causal head sections (`MosaicGpuBlockSizes.head_section`)",
+    r"^mosaic_gpu:backward=fused:.*(num_consumers_dkv|num_stages_bwd|"
+    r"head_section)=":
+        "the fused backward's tile variants (one dK/dV consumer, a deeper "
+        "ring, head sections)",
+    r"^mosaic_gpu:(block_q|block_kv|num_consumers)=":
+        "the forward's tile variants (128-row query tiles, 64-key tiles, "
+        "one consumer)",
+    r"^triton:(.*:)?block_kv=": "`triton` at 128-key tiles",
 }
+# The triton decode kernel's software-pipeline stages by default.
+DECODE_STAGES = 3
 
 FLAGS = flags.FLAGS
 
@@ -133,145 +180,357 @@ def _versions(field: str, sources: Sequence[_Source]) -> str:
   return " / ".join(sorted({s.get(s.data, "meta", field) for s in sources}))
 
 
-def _gpu(results: pathlib.Path) -> tuple[list[str], set[str], list[dict]]:
-  """The GPU paragraph and table lines; for the not-measured line, the
-  GPU kinds and every ok record."""
+def _sentence_list(items: Sequence[str]) -> str:
+  """'a', 'a and b', 'a, b and c'."""
+  items = list(items)
+  return (", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1
+          else "".join(items))
+
+
+def _env(summary: _Source) -> dict:
+  """gpu_check.py's environment record of a run."""
+  return summary.get(summary.data, "steps", "env", "env")
+
+
+def _commit(summary: _Source) -> str:
+  return str(summary.get(_env(summary), "commit",
+                         where="['steps']['env']['env']"))[:7]
+
+
+# The GPU table's modes, in its order: "bwd" is fwd+bwd less fwd of the
+# same candidate, at 2.5x the forward's FLOPs.
+_GPU_MODES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd alone"}
+
+
+def _gpu(results: pathlib.Path) -> tuple[list[str], dict]:
+  """The GPU paragraph, table and decode lines; for the not-measured line,
+  what the run covered (`facts`)."""
   benches = [_Source(results, n) for n in SOURCES["gpu_bench"]]
   summary = _Source(results, SOURCES["gpu_summary"])
-  env = summary.get(summary.data, "steps", "env", "env")
-  commit = str(summary.get(env, "commit", where="['steps']['env']['env']"))
-  cudnn = int(summary.get(env, "cudnn", where="['steps']['env']['env']"))
-  cuda = int(summary.get(env, "cuda_runtime",
-                         where="['steps']['env']['env']"))
+  env = _env(summary)
+  where_env = "['steps']['env']['env']"
+  cudnn = int(summary.get(env, "cudnn", where=where_env))
+  cuda = int(summary.get(env, "cuda_runtime", where=where_env))
   date = str(summary.get(summary.data, "date_utc"))[:10]
+  columns = [impl for impl, _ in GPU_COLUMNS]
 
   cells: dict[tuple, dict] = {}
   owner: dict[tuple, str] = {}
   shapes, dtypes, head_dims, repeats, records = set(), set(), set(), set(), []
+  planned = set()
   for src in benches:
-    repeats.add(src.get(src.data, "meta", "settings", "repeats"))
+    renamed = GPU_RENAMED.get(src.name, {})
+    settings = src.get(src.data, "meta", "settings")
+    where_settings = "['meta']['settings']"
+    repeats.add(src.get(settings, "repeats", where=where_settings))
+    for i, shape in enumerate(src.get(settings, "shapes",
+                                      where=where_settings)):
+      planned.add(tuple(
+          src.get(shape, f, where=f"{where_settings}['shapes'][{i}]")
+          for f in ("batch", "seq_len", "head_dim")))
     for where, r in src.records("results"):
       if not _ok(src, where, r):
         continue
       impl = src.get(r, "impl", where=where)
+      impl = renamed.get(impl, impl)
       key = tuple(src.get(r, f, where=where)
                   for f in ("mode", "causal", "seq_len"))
       rec = {"impl": impl, "mode": key[0], "causal": key[1],
              "seq_len": key[2],
+             "batch": src.get(r, "batch", where=where),
+             "head_dim": src.get(r, "head_dim", where=where),
+             "dtype": src.get(r, "dtype", where=where),
              "ms": src.get(r, "ms", where=where),
              "flops": src.get(r, "flops", where=where),
              "flops_per_s": src.get(r, "flops_per_s", where=where),
              "vs_peer": src.get(r, "speedup_vs_cudnn", where=where)}
       records.append(rec)
-      if impl not in GPU_IMPLS + (GPU_PEER,):
+      if impl not in columns:
         continue
       if (impl, *key) in cells:
         raise ValueError(
             f"{src.name}: {impl} {key} is also in {owner[(impl, *key)]}; "
             "each cell must come from one file")
       cells[(impl, *key)], owner[(impl, *key)] = rec, src.name
-      shapes.add((src.get(r, "batch", where=where), key[2],
-                  src.get(r, "heads", where=where)))
-      dtypes.add(src.get(r, "dtype", where=where))
-      head_dims.add(src.get(r, "head_dim", where=where))
+      shapes.add((rec["batch"], key[2], src.get(r, "heads", where=where)))
+      dtypes.add(rec["dtype"])
+      head_dims.add(rec["head_dim"])
+
+  # The backward alone: fwd+bwd less fwd of the same candidate and cell.
+  for (impl, mode, causal, t), both in list(cells.items()):
+    fwd = cells.get((impl, "fwd", causal, t))
+    if mode == "fwd_bwd" and fwd and both["ms"] > fwd["ms"]:
+      ms = both["ms"] - fwd["ms"]
+      cells[(impl, "bwd", causal, t)] = {
+          "ms": ms, "flops_per_s": 2.5 * fwd["flops"] / (ms / 1e3)}
+  for (impl, mode, causal, t), rec in cells.items():
+    peer = cells.get((GPU_PEER, mode, causal, t))
+    if mode == "bwd" and peer:
+      rec["vs_peer"] = peer["ms"] / rec["ms"]
 
   device = _versions("device_kind", benches)
   jax_version = _versions("jax_version", benches)
   heads = {n for _, _, n in shapes}
   per_t = [f"B = {b}" + ("" if len(heads) == 1 else f", N = {n}")
-           + f" at T = {t}" for b, t, n in sorted(shapes, key=lambda s: -s[1])]
+           + f", T = {t}" for b, t, n in sorted(shapes, key=lambda s: -s[1])]
   shape_text = " and ".join(per_t) + (
       f", N = {heads.pop()}" if len(heads) == 1 else "")
+  notes = SOURCES["gpu_notes"]
   lines = [
       f"**GPU**: one {device}, jax {jax_version}, CUDA runtime "
       f"{cuda // 1000}.{cuda % 1000 // 10}, cuDNN "
-      f"{cudnn // 10000}.{cudnn % 10000 // 100}, commit `{commit[:7]}`, "
-      f"{date}. {', '.join(sorted(dtypes))}, "
+      f"{cudnn // 10000}.{cudnn % 10000 // 100}, commit "
+      f"`{_commit(summary)}`, {date} (the run of record; its notes and what "
+      f"did not finish: [{notes}]({RESULTS}/{notes})). "
+      f"{', '.join(sorted(dtypes))}, "
       f"H = {', '.join(map(str, sorted(head_dims)))}, {shape_text}; "
       f"TFLOP/s, the median of {' / '.join(map(str, sorted(repeats)))} "
-      "runs; (ratio) = cuDNN's time / this time in the same run; - = not "
-      f"measured (the run's notes, each file's commit and what did not "
-      f"finish: [{SOURCES['gpu_notes']}]({RESULTS}/{SOURCES['gpu_notes']})).",
+      "runs; (ratio) = cuDNN's time / this time in the same run; bwd alone "
+      "= fwd+bwd less fwd of the same candidate, at 2.5x the forward's "
+      "FLOPs; - = not measured. `mosaic_gpu`'s default backward is "
+      "FlashAttention-3's fused one; its split backward is what "
+      "`deterministic_backward=True` runs.",
       "",
-      "| mode | causal | T | "
-      + " | ".join(f"`{i}`" for i in GPU_IMPLS) + " | cuDNN (`jax.nn`) |",
-      "|---" * (3 + len(GPU_IMPLS) + 1) + "|",
+      "| mode | causal | T | " + " | ".join(h for _, h in GPU_COLUMNS)
+      + " |",
+      "|---" * (3 + len(GPU_COLUMNS)) + "|",
   ]
+  order = list(_GPU_MODES)
   rows = sorted({k[1:] for k in cells},
-                key=lambda k: (-k[2], k[0] != "fwd", k[1]))
+                key=lambda k: (-k[2], order.index(k[0]), k[1]))
   for mode, causal, t in rows:
-    row = [mode.replace("_", "+"), "yes" if causal else "no", str(t)]
-    for impl in GPU_IMPLS + (GPU_PEER,):
+    row = [_GPU_MODES[mode], "yes" if causal else "no", str(t)]
+    for impl in columns:
       rec = cells.get((impl, mode, causal, t))
       if rec is None:
         row.append("-")
         continue
       text = f"{rec['flops_per_s'] / 1e12:.1f}"
-      if impl != GPU_PEER and rec["vs_peer"]:
+      if impl != GPU_PEER and rec.get("vs_peer"):
         text += f" ({_fmt_ratio(rec['vs_peer'])})"
       row.append(text)
     lines.append("| " + " | ".join(row) + " |")
+  lines += ["", *_gpu_decode(results), "", *_gpu_forms(results), "",
+            _gpu_first(results)]
 
-  # Backward alone: fwd+bwd less fwd of the same cell, 2.5x forward FLOPs.
-  bwd = []
-  for t in sorted({k[3] for k in cells}, reverse=True):
-    for impl in GPU_IMPLS + (GPU_PEER,):
-      fwd = cells.get((impl, "fwd", False, t))
-      both = cells.get((impl, "fwd_bwd", False, t))
-      if fwd and both and both["ms"] > fwd["ms"]:
-        rate = 2.5 * fwd["flops"] / ((both["ms"] - fwd["ms"]) / 1e3)
-        bwd.append((impl, t, rate))
-    if any(impl == GPU_PEER for impl, _, _ in bwd):
-      break
-    bwd = []
-  if bwd:
-    t = bwd[0][1]
-    peer = dict((i, r) for i, _, r in bwd)[GPU_PEER]
-    parts = [f"`{i}` {r / 1e12:.0f} TFLOP/s ({_fmt_ratio(r / peer)})"
-             for i, _, r in bwd if i != GPU_PEER]
-    lines += ["", f"Backward alone (fwd+bwd less fwd), T = {t}, not causal: "
-              + ", ".join(parts) + f", cuDNN {peer / 1e12:.0f} TFLOP/s."]
-  lines[-1] += " " + _gpu_decode(results)
-  kinds = {b.get(b.data, "meta", "device_kind") for b in benches}
-  return lines, kinds, records
+  measured = {(r["batch"], r["seq_len"], r["head_dim"]) for r in records}
+  bench_step = summary.data.get("steps", {}).get("bench", {})
+  facts = {
+      "kinds": {b.get(b.data, "meta", "device_kind") for b in benches},
+      "records": records,
+      "lost": sorted(planned - measured, key=lambda s: -s[1]),
+      "deadline": "timed out" in str(bench_step.get("reason", "")),
+      "head_dims": {r["head_dim"] for r in records},
+      "dtypes": {r["dtype"] for r in records},
+  }
+  return lines, facts
 
 
-def _gpu_decode(results: pathlib.Path) -> str:
-  """One sentence: the GPU decode kernel's time, its share of the
-  bandwidth measured in the same run, and its speed-up on the plain
-  call."""
+def _gpu_decode(results: pathlib.Path) -> list[str]:
+  """The GPU decode kernel's time per call and its share of the bandwidth
+  measured in the same run: a line per split count (or plain call), a
+  column per batch size."""
   src = _Source(results, SOURCES["gpu_decode"])
   read = src.get(src.data, "memory_bandwidth", "read")
-  ours, plain = {}, {}
+  cells: dict[tuple, str] = {}
+  shape, kernels = set(), set()
   for where, r in src.records("rows"):
     if not _ok(src, where, r):
       continue
     impl = src.get(r, "impl", where=where)
-    b = src.get(r, "batch", where=where)
     if impl.startswith("decode/"):
-      ours[b] = (impl.split("/", 1)[1], r, where)
-    elif impl == "flash_attention":
-      plain[b] = src.get(r, "decode_speedup", where=where)
-  if not ours:
+      kernel, _, fields = impl.split("/", 1)[1].partition(":")
+      kernels.add(kernel)
+      label = ("default splits" if not fields
+               else fields.replace("num_splits=", "") + " splits")
+    else:
+      label = f"plain `{impl}` call"
+    ms = src.get(r, "ms", where=where)
+    cells[(label, src.get(r, "batch", where=where))] = (
+        f"{1e3 * ms:.1f} us "
+        f"({100 * src.get(r, 'bandwidth_share', where=where):.0f} %)")
+    shape.add(tuple(src.get(r, f, where=where) for f in (
+        "dtype", "seq_len", "heads", "kv_heads", "head_dim", "new_tokens")))
+  if not kernels:
     raise ValueError(f"{src.name}: no ok decode/... row")
-  parts = []
-  for i, b in enumerate(sorted(ours)):
-    impl, r, where = ours[b]
-    part = (f"B = {b}: {src.get(r, 'ms', where=where):.3f} ms, "
-            f"{100 * src.get(r, 'bandwidth_share', where=where):.0f} %"
-            + (" of that bandwidth" if i == 0 else ""))
-    if b in plain:
-      part += (f", {plain[b]:.1f}x" + (" the plain `flash_attention` call"
-                                        if i == 0 else ""))
-    parts.append(part)
-  impl, r, where = ours[min(ours)]
-  shape = ", ".join(f"{n} = {src.get(r, f, where=where)}" for n, f in (
-      ("S", "seq_len"), ("N", "heads"), ("K", "kv_heads"),
-      ("T_new", "new_tokens")))
-  return (f"Decode (`{impl}` `decode_attention`, "
-          f"{src.get(r, 'dtype', where=where)}, {shape}; HBM read bandwidth "
-          f"{read / 1e9:.0f} GB/s measured in the same run): "
-          + "; ".join(parts) + ".")
+  if len(shape) != 1:
+    raise ValueError(f"{src.name}: the section expects one (dtype, S, N, "
+                     f"K, H, T_new) in every row, not {sorted(shape)}")
+  (dtype, s, n, k, h, t), = shape
+  labels = list(dict.fromkeys(label for label, _ in cells))
+  batches = sorted({b for _, b in cells})
+  lines = [
+      f"Decode ({', '.join(f'`{x}`' for x in sorted(kernels))} "
+      f"`decode_attention`, {dtype}, S = {s}, N = {n}, K = {k}, H = {h}, "
+      f"T_new = {t}): time per call (share of the HBM read bandwidth, "
+      f"{read / 1e9:.0f} GB/s, measured in the same run).",
+      "",
+      "| call | " + " | ".join(f"B = {b}" for b in batches) + " |",
+      "|---" * (1 + len(batches)) + "|",
+  ]
+  for label in labels:
+    lines.append(f"| {label} | " + " | ".join(
+        cells.get((label, b), "-") for b in batches) + " |")
+  return lines
+
+
+def _form_label(r: dict, base: dict) -> tuple[str, str]:
+  """(the table's label of a cache-form cell, its short name in a ratio);
+  shapes other than `base`'s (the dtype form's) are named."""
+  impl = r["impl"]
+  if r.get("query_dtype", base.get("query_dtype")) != base.get(
+      "query_dtype"):
+    name = r.get("cache_dtype", impl)
+    text = f"`{name}`, {r['query_dtype']} queries"
+    return text, (f"`{name}`" if name == r["query_dtype"] else text)
+  if r["form"] == "dtype":
+    scales = " (float32 scales)" if impl in ("int8", "float8_e4m3fn") else ""
+    return f"`{impl}`{scales}", f"`{impl}`"
+  if r["form"] == "prefix":
+    own, shared, b = r["seq_len"], r["prefix_len"], r["batch"]
+    return {
+        "materialised": (f"{b} rows x ({shared} shared + {own} own) keys, "
+                         "materialised", "materialised"),
+        "prefix": ("the same, the prefix stored once (`prefix_key`)",
+                   "shared prefix"),
+        "prefix_flash": ("the same, the prefix through `flash_attention` "
+                         "(the old path)", "the old path"),
+    }.get(impl, (f"`{impl}`", f"`{impl}`"))
+  if r["form"] == "paged":
+    if r.get("page_size"):
+      return (f"paged, {r['page_size']}-key pages",
+              f"{r['page_size']}-key pages")
+    return "contiguous", "contiguous"
+  if r["form"] == "tnew":
+    return f"T_new = {r['new_tokens']}", f"T_new = {r['new_tokens']}"
+  if r["form"] == "latent":
+    h, hv = r["head_dim"], r["value_head_dim"]
+    shape = (f"S = {r['seq_len']}, N = {r['heads']}, K = "
+             f"{r['kv_heads']}, H = {h}")
+    return {
+        "latent": (f"latent: {shape}, values its first {hv} columns",
+                   "latent"),
+        "separate_values": (f"the same, a separate {hv}-wide value cache",
+                            "separate"),
+        "one_read_floor": (f"the same, a 1-column value cache (one {h}-wide"
+                           " read)", "one read"),
+    }.get(impl, (f"`{impl}`", f"`{impl}`"))
+  return f"`{impl}`", f"`{impl}`"
+
+
+# A cache-form cell under this many ms per call (in a program of many
+# calls) is far from its one-call time: that time is the dispatch.
+_DEVICE_BOUND_MS = 0.05
+
+
+def _bytes(n: int) -> str:
+  return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+def _us(ms: float) -> str:
+  return f"{1e3 * ms:.1f} us"
+
+
+def _gpu_forms(results: pathlib.Path) -> list[str]:
+  """The decode cache forms of the probe (a table: time, bytes, the run's
+  own ratios), then one line on the run of record's timing of them."""
+  src = _Source(results, SOURCES["gpu_forms"])
+  rows = [(w, r) for w, r in src.records("rows") if _ok(src, w, r)]
+  if not rows:
+    raise ValueError(f"{src.name}: no ok row")
+  base = next((r for _, r in rows if r.get("form") == "dtype"), rows[0][1])
+  labels = {}
+  for where, r in rows:
+    src.get(r, "ms", where=where)
+    src.get(r, "kv_bytes", where=where)
+    labels[src.get(r, "impl", where=where)] = _form_label(r, base)
+  ratios: dict[str, list[str]] = {}
+  for where, q in src.records("ratios"):
+    impl, baseline = (src.get(q, f, where=where) for f in ("impl",
+                                                           "baseline"))
+    if impl in labels and baseline in labels:
+      ratios.setdefault(impl, []).append(
+          f"{_fmt_ratio(src.get(q, 'ratio', where=where))} "
+          f"{labels[baseline][1]}")
+  calls = {r.get("calls_per_program", 1) for _, r in rows}
+  commit = src.get(src.data, "commit")
+  tree = (f"the working tree after `{str(commit['commit'])[:7]}`"
+          if commit.get("modified") else f"commit `{commit['commit'][:7]}`")
+  kernels = re.findall(r"--implementations=(\S+)",
+                       src.get(src.data, "command"))
+  stages = SOURCES["gpu_forms_stages"]
+  notes = SOURCES["gpu_forms_notes"]
+  shape = ", ".join(f"{n} = {base[f]}" for n, f in _DECODE_AXES)
+  lines = [
+      f"Decode cache forms ({', '.join(f'`{k}`' for k in kernels)}; a "
+      f"later probe, one {src.get(src.data, 'device')}, jax "
+      f"{src.get(src.data, 'jax')}, on {tree}: "
+      f"[{notes.rsplit('/', 1)[0]}/]({RESULTS}/{notes})): "
+      f"{' / '.join(map(str, sorted(calls)))} calls in one jitted program, "
+      f"time per call; {base.get('query_dtype')} queries and {shape} "
+      "unless named; each cell checked against `chunked` first; TB/s = the "
+      "K/V bytes read / the time; ratio = this time / the named cell's. "
+      f"Measured with {stages} software-pipeline stages (the default is "
+      f"now {DECODE_STAGES}).",
+      "",
+      "| cache | K/V bytes | time | TB/s | ratio |",
+      "|---|---|---|---|---|",
+  ]
+  for _, r in rows:
+    lines.append(
+        f"| {labels[r['impl']][0]} | {_bytes(r['kv_bytes'])} | "
+        f"{_us(r['ms'])} | {r['kv_bytes'] / r['ms'] / 1e9:.2f} |"
+        + "".join(f" {x};" for x in ratios.get(r["impl"], []))[:-1] + " |")
+
+  old = _Source(results, SOURCES["gpu_forms_of_record"])
+  times = {}
+  for where, r in old.records("rows"):
+    if _ok(old, where, r):
+      times[(old.get(r, "form", where=where),
+             old.get(r, "impl", where=where))] = old.get(r, "ms",
+                                                         where=where)
+  dtype_times = ", ".join(f"{impl} {_us(ms)}" for (form, impl), ms
+                          in times.items() if form == "dtype")
+  prefix = ""
+  if ("prefix", "prefix") in times and ("prefix", "materialised") in times:
+    prefix = (f"; the shared prefix {_us(times['prefix', 'prefix'])} "
+              f"against {_us(times['prefix', 'materialised'])} "
+              "materialised")
+  text = (f"The run of record timed the cache forms one call per jitted "
+          f"program, with {SOURCES['gpu_forms_of_record_query']} queries "
+          f"([{old.name}]({RESULTS}/{old.name}): {dtype_times}{prefix})")
+  # The probe timed each cell one call a program too ("ms_one_call"): what
+  # its fast cells took that way is the host's dispatch.
+  dispatch = sorted(r["ms_one_call"] for _, r in rows
+                    if "ms_one_call" in r and r["ms"] < _DEVICE_BOUND_MS)
+  if dispatch:
+    median = dispatch[len(dispatch) // 2]
+    text += (f". Timed that way, the probe's cells under "
+             f"{_us(_DEVICE_BOUND_MS)[:-5]} us take "
+             f"{_us(dispatch[0])[:-3]}-{_us(dispatch[-1])} (median "
+             f"{_us(median)}): a cell timed one call a program is "
+             f"dispatch-bound under about {round(1e3 * median, -1):.0f} us")
+  return lines + ["", text + "."]
+
+
+def _gpu_first(results: pathlib.Path) -> str:
+  """A line linking the first GPU run, which also measured T = 4096."""
+  summary = _Source(results, SOURCES["gpu_first_summary"])
+  seq_lens, impls = set(), set()
+  for name in SOURCES["gpu_first_bench"]:
+    src = _Source(results, name)
+    for where, r in src.records("results"):
+      if _ok(src, where, r):
+        seq_lens.add(src.get(r, "seq_len", where=where))
+        impls.add(src.get(r, "impl", where=where))
+  notes, plot = SOURCES["gpu_first_notes"], SOURCES["gpu_first_plot"]
+  return (f"The first GPU run (commit `{_commit(summary)}`, "
+          f"{str(summary.get(summary.data, 'date_utc'))[:10]}; "
+          f"{_sentence_list(f'`{i}`' for i in sorted(impls))} at "
+          f"T = {_sentence_list(map(str, sorted(seq_lens)))}, "
+          "`mosaic_gpu` with the split backward): "
+          f"[{notes}]({RESULTS}/{notes}), plotted in "
+          f"[{plot}]({RESULTS}/{plot}).")
 
 
 def _cpu(results: pathlib.Path) -> list[str]:
@@ -387,19 +646,38 @@ def _cpu_decode(results: pathlib.Path) -> str:
           "against a KV cache](#decoding-against-a-kv-cache).")
 
 
-def _not_measured(kinds: set[str], gpu_records: list[dict]) -> str:
+def _not_measured(facts: dict) -> str:
   """What a user would ask about that no committed JSON measured."""
+  records = facts["records"]
   missing = [f"an {k}" if k[0] in "AH" else f"a {k}" for k in GPU_KINDS
-             if not any(k in kind for kind in kinds)]
-  if not any(r["impl"] == GPU_PEER and r["causal"] for r in gpu_records):
+             if not any(k in kind for kind in facts["kinds"])]
+  for impl, header in GPU_COLUMNS:
+    if not any(r["impl"] == impl for r in records):
+      missing.append(header)
+  if not any(r["impl"] == GPU_PEER and r["causal"] for r in records):
     missing.append("causal against cuDNN")
-  for marker, text in VARIANTS.items():
-    if not any(marker in r["impl"] for r in gpu_records):
+  lost: dict[int, set[int]] = {}
+  for b, t, _ in facts["lost"]:
+    lost.setdefault(t, set()).add(b)
+  for t, batches in lost.items():
+    missing.append(
+        f"the T = {t} cells (B = {'/'.join(map(str, sorted(batches)))}"
+        + (": lost to the run's deadline" if facts["deadline"] else "")
+        + ")")
+  head_dims = [str(h) for h in GPU_HEAD_DIMS if h not in facts["head_dims"]]
+  if head_dims:
+    missing.append(f"H = {_sentence_list(head_dims)}")
+  missing += [d for d in GPU_DTYPES if d not in facts["dtypes"]]
+  for pattern, text in VARIANTS.items():
+    if not any(re.search(pattern, r["impl"]) for r in records):
       missing.append(text)
+  if SOURCES["gpu_forms_stages"] != DECODE_STAGES:
+    missing.append(f"the decode cache forms at the default {DECODE_STAGES} "
+                   "pipeline stages")
   if not missing:
     return ""
-  return ("Not measured yet: " + ", ".join(missing) + "; what the next GPU "
-          "run should show: [predictions.md]"
+  return ("Not measured yet on a GPU: " + ", ".join(missing) + "; what the "
+          "next GPU run should show: [predictions.md]"
           f"({RESULTS}/predictions.md).")
 
 
@@ -429,10 +707,11 @@ def _wrap(paragraph: str, width: int = 76) -> str:
 
 def render(results: pathlib.Path) -> str:
   """The section's text between the markers (markers excluded)."""
-  gpu_lines, kinds, gpu_records = _gpu(results)
+  gpu_lines, facts = _gpu(results)
   plot = f"{RESULTS}/{{}}"
   names = [n for key in ("gpu_bench", "gpu_summary", "gpu_decode",
-                         "cpu_bench", "cpu_decode")
+                         "gpu_forms", "gpu_forms_of_record", "cpu_bench",
+                         "cpu_decode")
            for n in ((SOURCES[key],) if isinstance(SOURCES[key], str)
                      else SOURCES[key])]
   lines = [
@@ -442,14 +721,12 @@ def render(results: pathlib.Path) -> str:
       "",
       *gpu_lines,
       "",
-      f"![GPU TFLOP/s against T]({plot.format(SOURCES['gpu_plot'])})",
-      "",
       *_cpu(results),
       "",
       f"![CPU GFLOP/s against T]({plot.format(SOURCES['cpu_plot'])})",
       "",
   ]
-  not_measured = _not_measured(kinds, gpu_records)
+  not_measured = _not_measured(facts)
   if not_measured:
     lines += [not_measured, ""]
   lines.append(

@@ -447,24 +447,93 @@ def test_readme_performance_section_is_what_the_committed_jsons_give(
       "python scripts/readme_performance.py")
   # It speaks of the repository's own files, never of this machine's.
   assert str(m.REPO) not in section and "](/" not in section
-  for name in (*m.SOURCES["gpu_bench"], m.SOURCES["cpu_bench"],
-               m.SOURCES["gpu_plot"], m.SOURCES["cpu_plot"]):
+  for name in (*m.SOURCES["gpu_bench"], m.SOURCES["gpu_forms"],
+               m.SOURCES["gpu_forms_of_record"], m.SOURCES["cpu_bench"],
+               m.SOURCES["gpu_notes"], m.SOURCES["gpu_first_plot"],
+               m.SOURCES["cpu_plot"]):
     assert name in section, name
     assert (m.REPO / m.RESULTS / name).is_file(), name
 
 
+def _copy_results(m, tmp_path):
+  """The committed JSONs under tmp_path, in their folders."""
+  results = m.REPO / m.RESULTS
+  for source in results.rglob("*.json"):
+    copy = tmp_path / source.relative_to(results)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(source.read_text())
+  return results
+
+
+def _gpu_table(section):
+  """{(mode, causal, T): {header: cell}} of the section's first table."""
+  lines = [line for line in section.splitlines() if line.startswith("|")]
+  header = [c.strip() for c in lines[0].strip("|").split("|")]
+  table = {}
+  for line in lines[2:]:
+    if not line.startswith("| ") or line.startswith("| call"):
+      break
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    table[tuple(cells[:3])] = dict(zip(header[3:], cells[3:]))
+  return table
+
+
+def test_readme_performance_gpu_table_is_the_runs_own(readme_performance):
+  """Every cell of the GPU table, the backward-alone rows included, is the
+  rate and cuDNN ratio that gpu_check.py's summary of the same run gives,
+  under the column of the candidate that ran it (the run of record's
+  `mosaic_gpu` is the split backward)."""
+  m = readme_performance
+  table = _gpu_table(m.render(m.REPO / m.RESULTS))
+  summary = json.loads(
+      (m.REPO / m.RESULTS / m.SOURCES["gpu_summary"]).read_text())
+  headers = dict(m.GPU_COLUMNS)
+  renamed = m.GPU_RENAMED.get(m.SOURCES["gpu_bench"][0], {})
+  rows = summary["steps"]["bench"]["bench"]["rows"]
+  assert rows and len(table) == len(rows)
+  for row in rows:
+    mode = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd alone"}
+    cells = table[(mode[row["mode"]], "yes" if row["causal"] else "no",
+                   str(row["T"]))]
+    for impl, rate in row["rate"].items():
+      cell = cells[headers[renamed.get(impl, impl)]]
+      assert cell.startswith(f"{rate:.1f}"), (row, impl, cell)
+      if impl in row["vs_cudnn"]:
+        assert f"({row['vs_cudnn'][impl]:.2f}x)" in cell, (row, impl, cell)
+  assert "split (reproducible)" in " ".join(headers.values())
+
+
+def test_readme_performance_not_measured_follows_the_data(
+    readme_performance, tmp_path):
+  """The not-measured line names what the run planned but lost, and drops
+  a variant once a result of it is committed."""
+  m = readme_performance
+  _copy_results(m, tmp_path)
+  section = " ".join(m.render(tmp_path).split())
+  assert "T = 4096 cells (B = 4: lost to the run's deadline)" in section
+  assert "causal head sections" in section
+  assert "H = 64 and 256" in section
+  assert "causal against cuDNN" not in section
+  name = m.SOURCES["gpu_bench"][0]
+  data = json.loads((tmp_path / name).read_text())
+  data["results"].append(dict(data["results"][0],
+                              impl="mosaic_gpu:head_section=4"))
+  (tmp_path / name).write_text(json.dumps(data))
+  assert "causal head sections" not in " ".join(m.render(tmp_path).split())
+
+
 @pytest.mark.parametrize("name, path", [
-    ("h200_bench_4k.json", ("results", 0, "flops_per_s")),
-    ("h200_gpu_check_summary.json", ("steps", "env", "env", "commit")),
+    ("h200_ff8094b/bench.json", ("results", 0, "flops_per_s")),
+    ("h200_ff8094b/summary.json", ("steps", "env", "env", "commit")),
+    ("h200_ff8094b/decode.json", ("rows", 0, "bandwidth_share")),
+    ("h200_probe_2026-11-28/decode_forms.json", ("rows", 0, "kv_bytes")),
     ("cpu_tokamax.json", ("meta", "jax_version")),
     ("decode_cpu.json", ("rows", 0, "bandwidth_share")),
 ])
 def test_readme_performance_names_the_file_that_lacks_a_field(
     readme_performance, tmp_path, name, path):
   m = readme_performance
-  results = m.REPO / m.RESULTS
-  for source in results.glob("*.json"):
-    (tmp_path / source.name).write_text(source.read_text())
+  results = _copy_results(m, tmp_path)
   data = json.loads((tmp_path / name).read_text())
   parent = data
   for key in path[:-1]:
