@@ -152,6 +152,21 @@ def test_default_block_spans_a_bounded_step_over_all_rows():
   assert decode.chunked.default_block(100, 1, 8, 128, jnp.float32) == 128
 
 
+@pytest.mark.parametrize("cache_dtype, per_core", [
+    (None, 2), (jnp.bfloat16, 2), (jnp.float32, 2), (jnp.int8, 4),
+    (jnp.float8_e4m3fn, 4), (jnp.float8_e5m2, 4)])
+def test_default_splits_fill_four_programs_per_core_over_one_byte(
+    cache_dtype, per_core):
+  """Two programs per streaming multiprocessor (an H100's 132 when no GPU
+  says otherwise), four over a 1-byte cache; one split on a CPU."""
+  assert decode.default_num_splits(
+      1, 8, 512, "gpu", cache_dtype=cache_dtype) == per_core * 132 // 8
+  assert decode.default_num_splits(
+      2, 8, 4, "gpu", cache_dtype=cache_dtype) == 4
+  assert decode.default_num_splits(
+      1, 8, 512, "cpu", cache_dtype=cache_dtype) == 1
+
+
 @pytest.mark.parametrize("t, num_splits, paged", [
     (4, 1, False), (1, 3, False), (2, 1, True)])
 def test_one_sequence_one_kv_head(t, num_splits, paged):
@@ -193,6 +208,46 @@ def test_triton_window_softcap_positions():
   _check(implementation="triton", window=(9, 0), soft_cap=5.0,
          positions=True, t=2, n=4, num_kv=2, h=32, hv=48, s_max=60,
          block_kv=16, name="triton features")
+
+
+@pytest.mark.parametrize("page_size, window, t, num_splits", [
+    (None, None, 1, 3), (None, (40, 0), 3, 4), (16, None, 2, 5),
+    (64, (70, 0), 1, 2)])
+def test_triton_interior_blocks_run_unmasked(page_size, window, t,
+                                             num_splits):
+  """The blocks every row sees whole skip the masking; a length that is no
+  multiple of the block, a window's first block and the causal edge of
+  several new tokens stay masked (NaN past the lengths, in unused pages
+  and in the rows of used ones)."""
+  _check(implementation="triton", dtype=jnp.bfloat16, b=3, t=t, n=8,
+         num_kv=2, s_max=150 if page_size is None else 200,
+         page_size=page_size, window=window, num_splits=num_splits,
+         block_kv=None if page_size else 16, name="triton interior")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("window", [None, (5, 0), (37, None), (None, 2)])
+def test_triton_whole_blocks_are_the_full_ones(is_causal, window):
+  """`_whole_blocks`, from scalars in the kernel, gives the FULL blocks of
+  `masking.decode_block_kinds` (and only those) for every sequence."""
+  from pallas_fa import masking  # noqa: PLC0415
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  gen = rng("decode", "whole blocks", is_causal, window)
+  b, t, block, num_blocks = 64, 3, 16, 10
+  lengths = gen.integers(0, num_blocks * block + 1, b).astype(np.int32)
+  q_pos = (lengths[:, None] - t + np.arange(t, dtype=np.int32)[None]
+           - gen.integers(0, 20, (b, 1)).astype(np.int32))
+  kinds = np.asarray(masking.decode_block_kinds(
+      jnp.asarray(lengths), jnp.asarray(q_pos), num_blocks=num_blocks,
+      block=block, is_causal=is_causal, window=window))
+  lo, hi = triton_decode._whole_blocks(
+      jnp.asarray(lengths), jnp.asarray(q_pos.min(1)),
+      jnp.asarray(q_pos.max(1)), block=block, is_causal=is_causal,
+      window=window)
+  blocks = np.arange(num_blocks)[None]
+  whole = (blocks >= np.asarray(lo)[:, None]) & (
+      blocks < np.asarray(hi)[:, None])
+  np.testing.assert_array_equal(whole, kinds == masking.FULL)
 
 
 def test_triton_one_new_token_rows_past_the_group():

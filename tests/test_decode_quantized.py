@@ -14,6 +14,7 @@ import pytest
 import pallas_fa
 from pallas_fa import flex
 from pallas_fa import kv_cache
+from pallas_fa import testing
 from tests import attention_testing
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
@@ -244,13 +245,26 @@ def test_quantized_decode_matches_the_dequantized_oracle(
   check_quantized_decode(None, dtype, page_size, scale_form, splits)
 
 
-def check_quantized_decode_with_a_narrow_query(implementation, dtype,
+def check_quantized_decode_with_a_narrow_query(implementation, dtype, *,
+                                               cache_dtype=jnp.int8,
+                                               query_scale=1, value_scale=1,
                                                **case):
-  """`implementation` with a `dtype` (16-bit) query over an int8 cache: the
-  FlashAttention rule against the float64 oracle, with the dequantized
-  cache stored in `dtype` through `xla` as the same-dtype reference."""
-  gen = rng("quantized decode narrow query", str(implementation), str(dtype))
-  q, args, lengths, q_pos, k_deq, v_deq = _case(gen, **case)
+  """`implementation` with a `dtype` (16-bit) query over a `cache_dtype`
+  cache: the FlashAttention rule against the float64 oracle, with the
+  dequantized cache stored in `dtype` through `xla` as the same-dtype
+  reference. `query_scale` (a power of two) multiplies the queries and
+  divides the key scales, the logits unchanged; `value_scale` (a power of
+  two) divides the value scales and the rule's scale; the first
+  sequence's first K/V head gets all-zero queries."""
+  gen = rng("quantized decode narrow query", str(implementation), str(dtype),
+            str(cache_dtype), query_scale, value_scale)
+  q, args, lengths, q_pos, k_deq, v_deq = _case(gen, dtype=cache_dtype,
+                                                **case)
+  q = q * query_scale
+  q[0, :, :q.shape[2] // k_deq.shape[2]] = 0.0
+  args["key_scale"] = args["key_scale"] / np.float32(query_scale)
+  args["value_scale"] = args["value_scale"] / np.float32(value_scale)
+  k_deq, v_deq = k_deq / query_scale, v_deq / value_scale
   out = pallas_fa.decode_attention(
       jnp.asarray(q, dtype), lengths=jnp.asarray(lengths),
       implementation=implementation,
@@ -263,7 +277,8 @@ def check_quantized_decode_with_a_narrow_query(implementation, dtype,
       query_positions=jnp.asarray(q_pos), is_causal=True,
       implementation="xla")
   assert out.dtype == dtype
-  assert_close("out", out, jnp.asarray(ref32, jnp.float32), same, dtype)
+  testing.assert_close("out", out, jnp.asarray(ref32, jnp.float32), same,
+                       dtype, min_scale=1 / value_scale)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -43,3 +43,25 @@ def test_triton_quantized_decode_with_a_bfloat16_query():
   bfloat16)."""
   quantized.check_quantized_decode_with_a_narrow_query(
       "triton", jnp.bfloat16, page_size=16)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, page_size, scale_form, query_scale, value_scale", [
+        (jnp.float8_e4m3fn, None, "full", 1, 1),
+        (jnp.float8_e5m2, 16, "full", 1, 2**20),
+        (jnp.float8_e4m3fn, 16, "full", 2**16, 2**-24),
+        (jnp.float8_e4m3fn, None, "head", 2**16, 1),
+        (jnp.float8_e5m2, None, "scalar", 1, 1)])
+def test_triton_float8_in_float16_under_a_bfloat16_query(
+    cache_dtype, page_size, scale_form, query_scale, value_scale):
+  """A float8 cache under bfloat16 queries multiplies in float16: the
+  queries scaled by a power of two into float16's range (queries past its
+  largest value, 65504, and all-zero ones decode as in bfloat16), P by
+  one per block from the block's value scales (per entry, NaN past the
+  lengths; 2^20 times smaller or 2^24 larger than the values' own, past
+  float16's range) or by a constant (one per K/V head or for the
+  cache)."""
+  quantized.check_quantized_decode_with_a_narrow_query(
+      "triton", jnp.bfloat16, cache_dtype=cache_dtype,
+      query_scale=query_scale, value_scale=value_scale,
+      page_size=page_size, scale_form=scale_form)

@@ -78,7 +78,8 @@ def run(implementation, query, key, value, lengths, block_table,
     programs = num_kv
   num_blocks = plan.kernel_blocks(key, block_table, block)
   if num_splits is None:
-    num_splits = plan.default_num_splits(b, programs, num_blocks, platform)
+    num_splits = plan.default_num_splits(b, programs, num_blocks, platform,
+                                         cache_dtype=key.dtype)
   splits = int(min(num_splits, num_blocks))
   if implementation == "triton" and static.get("mask_mod") is None:
     # Two kernels in all: the programs find their key runs themselves.

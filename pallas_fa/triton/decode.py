@@ -14,13 +14,16 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   arithmetic on its sequence's length and new-token positions
   (`masking.decode_key_blocks`, `masking.split_run`), so no span arrays
   are computed before the kernel; it runs the online softmax over its run
-  and writes a normalised partial (out, lse). Inside a block every key is
-  masked by `masking.visible` with `key < length` as its dense term, and
-  value rows past the length are zeroed (they may hold NaN). With a
-  mask_mod the visible blocks need not be contiguous: each K/V head's
-  non-empty blocks are listed (`masking.listed_runs`, computed before the
-  kernel, `partials`) and the splits cut the list, so the blocks it hides
-  are never read and those it shows whole skip the masking.
+  and writes a normalised partial (out, lse). The blocks every row sees
+  whole (`_whole_blocks`: inside the length, the causal mask and the
+  window) run unmasked; in the others, at most a block or two at either
+  end of a run, every key is masked by `masking.visible` with `key <
+  length` as its dense term, and value rows past the length are zeroed
+  (they may hold NaN). With a mask_mod the visible blocks need not be
+  contiguous: each K/V head's non-empty blocks are listed
+  (`masking.listed_runs`, computed before the kernel, `partials`) and the
+  splits cut the list, so the blocks it hides are never read and those it
+  shows whole skip the masking.
 * **Merge.** Without a mask_mod (`attention`) a second, small kernel
   merges the splits (`online_softmax.merge_parts`), adds the sinks and
   writes the output in the query's dtype: at T_new = 1 a decode step is
@@ -49,8 +52,13 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   in as they are, a broadcast dim never expanded (`_scale_input`): one
   per key is a [block] load beside the tile, one per page or sequence a
   scalar load, one per program (per K/V head, say) a load before the
-  loop (a value scale then multiplies the output once). float8_e4m3fn
-  needs compute capability 8.9 (Triton's conversions).
+  loop (a value scale then multiplies the output once). Under bfloat16
+  queries a float8 tile converts to float16 instead (one instruction per
+  two values; bfloat16 takes three), and both products run in float16:
+  the queries and P scaled by powers of two into float16's range, which
+  keeps every bit of bfloat16 queries (`_float16_queries`) and more of
+  P's than bfloat16 does. float8_e4m3fn needs compute capability 8.9
+  (Triton's conversions).
 * **Latent caches.** With `value_head_dim` (value=None, `LATENT_CACHES`:
   DeepSeek's absorbed MLA, H = 576, Hv = 512, one K/V head) the values are
   the key's first Hv columns and there is no value operand: a program
@@ -86,10 +94,10 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   rest on each [R, block] tile of logits.
 
 The grid is (B, K, splits * value chunks); `decode.default_num_splits`
-picks the splits (about two programs per streaming multiprocessor, value
-chunks counted). A cache whose head dims need no padding (and that holds at
-least one block) is read in place; otherwise the padded copy costs one
-extra pass over it. Forward only.
+picks the splits (about two programs per streaming multiprocessor, four
+over a 1-byte cache, value chunks counted). A cache whose head dims need
+no padding (and that holds at least one block) is read in place;
+otherwise the padded copy costs one extra pass over it. Forward only.
 """
 
 from __future__ import annotations
@@ -117,6 +125,9 @@ from pallas_fa.triton import kernel as triton_kernel
 
 Array = Any
 _F32 = jnp.float32
+_FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# P's multiplier in float16 products (at most 1: then at most 2^14).
+_P_UNIT = 2.0 ** 14
 # Triton's tl.dot needs every matmul dimension to be at least 16.
 _MIN = triton.MIN_BLOCK
 # Widest key and value head-dim tiles, and the most float32 elements a
@@ -306,6 +317,53 @@ def _positions(refs, raw_length, rows: int, new_tokens: int):
       (jnp.zeros((rows,), jnp.int32), jnp.int32(i32.max), jnp.int32(i32.min)))
 
 
+def _power_of_two(x):
+  """(2^e, 2^-e) in float32 that take x's largest magnitude into [2^14,
+  2^15); clipped to float32's normal range when it is zero (or not
+  finite)."""
+  largest = jnp.abs(x.astype(_F32))
+  while largest.ndim:
+    # One axis at a time: Pallas-Triton lowers a reduction over several
+    # through avals that jax 0.11's explicit meshes reject.
+    largest = jnp.max(largest, axis=-1)
+  bits = jax.lax.bitcast_convert_type(largest, jnp.int32)
+  # e = 14 - x's exponent: 2^e's biased exponent 127 + e.
+  biased = jnp.clip(268 - ((bits >> 23) & 0xFF), 1, 253)
+  return (jax.lax.bitcast_convert_type(biased << 23, _F32),
+          jax.lax.bitcast_convert_type((254 - biased) << 23, _F32))
+
+
+def _float16_queries(q):
+  """(q 2^e in float16, 2^-e in float32): bfloat16 queries for float16
+  products with float16 keys, the power of two taking q's largest
+  magnitude into [2^14, 2^15).
+
+  float16 holds every bfloat16 value from 2^-14 to 65504 exactly (8
+  significant bits of its 11), so q 2^e is exact but for entries 2^28
+  below the largest (float16 subnormals, negligible in q.k), and a float16
+  product is as exact in float32 as a bfloat16 one: the logits, times
+  2^-e, are those of bfloat16 products, rounded alike.
+  """
+  up, down = _power_of_two(q)
+  return (q.astype(_F32) * up).astype(jnp.float16), down
+
+
+def _whole_blocks(length, q_first, q_last, *, block: int, is_causal: bool,
+                  window):
+  """[lo, hi): the key blocks that every new token sees whole, all their
+  keys below the length and inside the causal mask and window of the
+  tokens at positions [q_first, q_last]; empty (lo >= hi) when none. A
+  block past the cache's end (read shifted, `_kernel.key_rows`) lies past
+  the length and is never among them."""
+  # The keys every token sees are those the tokens would see if the
+  # window started at the last token's and ended at the first token's
+  # (`masking.decode_key_blocks` in blocks of one key): whole blocks lie
+  # inside them.
+  start, end = masking.decode_key_blocks(
+      length, q_last, q_first, block=1, is_causal=is_causal, window=window)
+  return (start + block - 1) // block, end // block
+
+
 def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             value_chunk: int, value_chunks: int, per_page: int | None,
             cache_len: int, capacity: int, num_pages: int, splits: int,
@@ -339,6 +397,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
         length, q_first, q_last, block=block, is_causal=is_causal,
         window=window)
     first, end = masking.split_run(lo, hi, splits, split)
+    whole_lo, whole_hi = _whole_blocks(length, q_first, q_last, block=block,
+                                       is_causal=is_causal, window=window)
   row_pos = row_pos[:, None]  # [R, 1]
   # The program's value columns start here.
   value_start = pl.multiple_of(column * value_chunk, value_chunk)
@@ -362,6 +422,24 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   constant = {name: refs[name][(0,) * refs[name].ndim]
               for name in ("k_scale", "v_scale")
               if name in refs and math.prod(refs[name].shape) == 1}
+  # A float8 key tile under bfloat16 queries converts to float16 in one
+  # instruction per two values, to bfloat16 in three (`_float16_queries`).
+  key_dtype, q_keys, key_unscale = compute, q_whole, None
+  if (compute == jnp.bfloat16 and q_whole is not None and not latent
+      and refs["k"].dtype in _FLOAT8):
+    key_dtype = jnp.float16
+    q_keys, key_unscale = _float16_queries(q_whole)
+  # A float8 value tile likewise multiplies P in float16, P scaled by a
+  # power of two that takes its largest entry into [2^14, 2^15), so that
+  # small entries keep their bits (float16's smallest normal is 2^-14):
+  # 2^14 for P alone (at most 1); with per-key value scales c (P c) one
+  # per block from the block's largest c, the accumulator then carried in
+  # the latest block's unit (2^-e, `unit`; the exact change of unit folds
+  # into alpha).
+  value_dtype, per_key_units = compute, False
+  if compute == jnp.bfloat16 and not latent and refs["v"].dtype in _FLOAT8:
+    value_dtype = jnp.float16
+    per_key_units = "v_scale" in refs and "v_scale" not in constant
 
   def key_rows(j):
     """(position of the first key read, (leading index, rows) in the K/V
@@ -408,17 +486,19 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     and 0 * NaN is NaN in P.V) zeroed."""
     cols = pl.ds(pl.multiple_of(value_start + u * part, part) if u else
                  value_start, part)
-    v = refs["k" if latent else "v"][(*lead, cols)].astype(compute)
+    v = refs["k" if latent else "v"][(*lead, cols)].astype(value_dtype)
     if valid is not None:
       v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
     return cols, v
 
   def step(j, carry, *, masked=True):
-    m_i, l_i, acc = carry
+    m_i, l_i, acc, unit = carry
     start, lead = key_rows(j)
     if head_chunks == 1 and not latent:
-      qk = _dot_nt(q_whole, refs["k"][(*lead, slice(None))].astype(compute),
+      qk = _dot_nt(q_keys, refs["k"][(*lead, slice(None))].astype(key_dtype),
                    precision)
+      if key_unscale is not None:
+        qk = qk * key_unscale
     else:
       def chunk(i, qk):
         c = other_chunk(i)
@@ -472,16 +552,23 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     if not latent:
       v_parts = [value_tile(lead, 0, valid)[1]]  # [block, value_chunk]
     v_scale = k_scale if latent else block_scales("v_scale", lead, valid)
+    if per_key_units:
+      up, down = _power_of_two(v_scale)
+      v_scale = v_scale * up
+      alpha = alpha * (up * unit)
+      unit = down
+    elif value_dtype != compute:
+      p = p * _P_UNIT
     if v_scale is not None and v_scale_name not in constant:
       # P . (v * c) = (P * c) . v for the value's scale c (a constant one
       # scales the output once, below).
       p = p * v_scale
     acc = tuple(online_softmax.rescale(a, alpha) + _dot(
-        p.astype(compute), v, precision) for a, v in zip(acc, v_parts))
-    return m_i, l_i, acc
+        p.astype(value_dtype), v, precision) for a, v in zip(acc, v_parts))
+    return m_i, l_i, acc, unit
 
   m_i, l_i, acc = online_softmax.init((rows,), (rows, part))
-  carry = m_i, l_i, (acc,) * parts
+  carry = m_i, l_i, (acc,) * parts, jnp.float32(1) if per_key_units else None
   if "order" in refs:
     # A mask_mod's blocks: positions [first, end) of this K/V head's list,
     # those below n_full FULL (no masking at all).
@@ -497,10 +584,27 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     carry = jax.lax.fori_loop(jnp.maximum(first, n_full), end, listed(True),
                               carry)
   else:
-    carry = jax.lax.fori_loop(first, end, step, carry)
-  m_i, l_i, acc = carry
+    # The run's blocks that every row sees whole (`_whole_blocks`) skip the
+    # masking; the masked loop takes the rest, at most a block or two at
+    # either end of the run (the length's, a window's).
+    whole_first = jnp.clip(whole_lo, first, end)
+    whole_end = jnp.clip(whole_hi, whole_first, end)
+    carry = jax.lax.fori_loop(whole_first, whole_end,
+                              functools.partial(step, masked=False), carry)
+    head = whole_first - first
+
+    def edge(i, carry):
+      return step(jnp.where(i < head, first + i, whole_end + i - head),
+                  carry)
+
+    carry = jax.lax.fori_loop(0, head + end - whole_end, edge, carry)
+  m_i, l_i, acc, unit = carry
+  if value_dtype != compute and not per_key_units:
+    unit = 1 / _P_UNIT
   for u, a in enumerate(acc):
     out, lse = online_softmax.finalize(m_i, l_i, a, base2=True)
+    if unit is not None:
+      out = out * unit
     if v_scale_name in constant:
       out = out * constant[v_scale_name]
     _store(refs["out"] if parts == 1 else
