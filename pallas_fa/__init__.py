@@ -16,17 +16,21 @@ from pallas_fa import dropout
 from pallas_fa import flex
 from pallas_fa import gpu_target
 from pallas_fa import kv_cache
+from pallas_fa import quantize
 from pallas_fa.api import flash_attention
 from pallas_fa.api import implementations
 from pallas_fa.flex.block_mask import BlockMask
 from pallas_fa.flex.block_mask import create_block_mask
 from pallas_fa.masking import SegmentIds
+from pallas_fa.quantize import quantize_fp8
 
 __all__ = [
     "flash_attention",
     "decode_attention",
     "merge_attention",
     "kv_cache",
+    "quantize",
+    "quantize_fp8",
     "implementations",
     "SegmentIds",
     "BlockMask",

@@ -31,6 +31,7 @@ from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize as quantize_lib
 from pallas_fa import vjp
 
 # The argument checks live in `pallas_fa.checks`; the public ones are also
@@ -40,8 +41,10 @@ from pallas_fa.checks import check_deterministic_backward
 from pallas_fa.checks import check_dropout
 from pallas_fa.checks import check_lengths
 from pallas_fa.checks import check_non_negative
+from pallas_fa.checks import check_out_dtype
 from pallas_fa.checks import check_per_token
 from pallas_fa.checks import check_precision
+from pallas_fa.checks import check_scale
 from pallas_fa.checks import check_sinks
 from pallas_fa.checks import check_static_float
 from pallas_fa.checks import check_window
@@ -100,6 +103,12 @@ class Call:
     batch_shape: the public call's batch dims, to unfold results with.
     sinks: [N] sink logits in the stats dtype of q, or None (not a backend
       argument: `vjp.attention` adds them).
+    scales: a float8 call's (q_scale, k_scale, v_scale), float32
+      [B|1, T|1, N|1], [B|1, S|1, K|1] and [B|1, S|1, K|1] (q, k, v are
+      float8); None for any other call.
+    straight_through: the high-precision (q, k, v) that
+      `flash_attention(quantize=...)` quantized into q, k, v, shaped like
+      them (`vjp.attention`); else None.
   """
 
   q: Array
@@ -110,6 +119,8 @@ class Call:
   params: vjp.Params
   batch_shape: tuple[int, ...]
   sinks: Array | None = None
+  scales: tuple[Array, Array, Array] | None = None
+  straight_through: tuple[Array, Array, Array] | None = None
 
   @property
   def arrays(self):
@@ -132,8 +143,17 @@ class Call:
     b = self.q.shape[0]
     if self.k.shape[0] == b or backend.shared_kv:
       return self
-    k, v = (jnp.broadcast_to(x, (b,) + x.shape[1:]) for x in (self.k, self.v))
-    return dataclasses.replace(self, k=k, v=v)
+    wide = lambda x: jnp.broadcast_to(x, (b,) + x.shape[1:])
+    straight = self.straight_through
+    if straight is not None:
+      straight = (straight[0], wide(straight[1]), wide(straight[2]))
+    return dataclasses.replace(self, k=wide(self.k), v=wide(self.v),
+                               straight_through=straight)
+
+  @property
+  def out_dtype(self):
+    """The result's dtype: `params.out_dtype` for a float8 call, else q's."""
+    return self.params.out_dtype or self.q.dtype
 
   @property
   def empty(self) -> bool:
@@ -148,7 +168,7 @@ class Call:
     rows). Constants, so every gradient is zero.
     """
     b, t, n, _ = self.q.shape
-    out = jnp.zeros((b, t, n, self.v.shape[-1]), self.q.dtype)
+    out = jnp.zeros((b, t, n, self.v.shape[-1]), self.out_dtype)
     lse = jnp.full((b, t, n), online_softmax.MASK_VALUE,
                    online_softmax.stats_dtype(self.q.dtype))
     return out, lse
@@ -162,7 +182,8 @@ def canonicalize(
     dropout_rng=None, block_sizes=None, precision=None,
     deterministic_backward=None, bias_key_length=None, sinks=None,
     score_mod=None, score_mod_args=(), mask_mod=None, mask_mod_args=(),
-    block_mask=None, shared_kv=False,
+    block_mask=None, shared_kv=False, query_scale=None, key_scale=None,
+    value_scale=None, quantize=None, out_dtype=None, float8=False,
 ) -> Call:
   """Validates the arguments of `flash_attention` (same names, same
   meaning) and returns the canonical `Call`.
@@ -173,7 +194,9 @@ def canonicalize(
   broadcast against the query's; `shared_kv`: a key/value whose batch dims
   are all 1 stays [1, S, K, H] in the `Call` (see `Call.for_backend`), for
   callers that run it through `choose_backend`; otherwise it is broadcast
-  to the query's batch here.
+  to the query's batch here. `float8`: whether the caller runs float8
+  calls (passes `Call.scales` and `Call.straight_through` on to
+  `vjp.attention`); without it float8 inputs and `quantize` are rejected.
 
   Raises:
     ValueError / TypeError: invalid arguments (the message names them).
@@ -200,20 +223,26 @@ def canonicalize(
           f"where shared by every query row), got {name}.shape={x.shape} "
           f"and {query.shape=}."
       )
+  is_float8 = _check_dtypes(query, key, value, float8)
+  scales = _check_scales(
+      query, key, value, batch_shape, query_scale=query_scale,
+      key_scale=key_scale, value_scale=value_scale)
+  out_dtype = _check_float8_options(query, is_float8, quantize,
+                                    check_out_dtype(out_dtype), float8)
   # Explicit sizes: with an empty dim a -1 would be ambiguous (0 / 0).
   query = query.reshape((math.prod(batch_shape),) + query.shape[-3:])
   key, value = _fold_key_value(key, value, batch_shape, shared_kv)
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if not any(x.dtype == d for d in _FLOAT_DTYPES):
-      raise TypeError(
-          f"{name} must be float32, bfloat16, float16 or float64, got "
-          f"{name}.dtype={x.dtype}."
-      )
-  if not query.dtype == key.dtype == value.dtype:
-    raise TypeError(
-        "query, key and value must share a dtype, got "
-        f"{query.dtype=}, {key.dtype=}, {value.dtype=}."
-    )
+  straight_through = None
+  if quantize is not None:
+    # Quantized here, so the float8 arrays are data; the gradients reach
+    # the high-precision ones straight through (`vjp.attention`).
+    straight_through = (query, key, value)
+    (query, q_scale), (key, k_scale), (value, v_scale) = (
+        quantize_lib.quantize_fp8(jax.lax.stop_gradient(x), quantize)
+        for x in straight_through)
+    scales = tuple(
+        s.reshape((1,) * (3 - s.ndim) + s.shape)
+        for s in (q_scale, k_scale, v_scale))
   b, t, n, h = query.shape
   if key.shape[:-1] != value.shape[:-1]:
     raise ValueError(
@@ -302,10 +331,104 @@ def canonicalize(
       scale=scale, soft_cap=soft_cap, block_sizes=block_sizes,
       precision=check_precision(precision),
       deterministic_backward=check_deterministic_backward(
-          deterministic_backward))
+          deterministic_backward), out_dtype=out_dtype)
   sinks = check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
   return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
-              batch_shape=batch_shape, sinks=sinks)
+              batch_shape=batch_shape, sinks=sinks, scales=scales,
+              straight_through=straight_through)
+
+
+_SCALE_FORMS = {
+    "query_scale": "[*B, T, N] per token, [*B, 1, N] or [N] per head, or a "
+                   "scalar per tensor",
+    "key_scale": "[*B, S, K] per token, [*B, 1, K] or [K] per head, or a "
+                 "scalar per tensor",
+}
+_SCALE_FORMS["value_scale"] = _SCALE_FORMS["key_scale"]
+
+
+def _check_dtypes(query, key, value, float8: bool) -> bool:
+  """Checks the input dtypes; returns whether the call is a float8 one.
+
+  Inputs share one float dtype, or are all float8 (with `float8`): each is
+  dequantized with its own scale, so e4m3 and e5m2 may mix. A float8 array
+  next to a 16/32-bit one has no single meaning (would the float8 one be
+  upcast, or the other quantized?), so that is an error.
+  """
+  named = (("query", query), ("key", key), ("value", value))
+  fp8 = [quantize_lib.is_fp8(x.dtype) for _, x in named]
+  accepted = "float32, bfloat16, float16 or float64"
+  if float8:
+    accepted += " (or float8_e4m3fn or float8_e5m2, with scales)"
+  for (name, x), is_fp8 in zip(named, fp8):
+    if not (any(x.dtype == d for d in _FLOAT_DTYPES) or (is_fp8 and float8)):
+      raise TypeError(f"{name} must be {accepted}, got {name}.dtype="
+                      f"{x.dtype}.")
+  if any(fp8) and not all(fp8):
+    raise TypeError(
+        "query, key and value must all be float8 or none of them (quantize "
+        "the others with pallas_fa.quantize_fp8, or pass quantize=), got "
+        f"query.dtype={query.dtype}, key.dtype={key.dtype}, "
+        f"value.dtype={value.dtype}.")
+  if not any(fp8) and not query.dtype == key.dtype == value.dtype:
+    raise TypeError(
+        "query, key and value must share a dtype, got "
+        f"{query.dtype=}, {key.dtype=}, {value.dtype=}."
+    )
+  return all(fp8)
+
+
+def _check_scales(query, key, value, batch_shape, **scales):
+  """query_scale/key_scale/value_scale (before the batch dims are folded)
+  -> float32 rank-3 [B|1, T|1, N|1] / [B|1, S|1, K|1] (batch folded as the
+  arrays', missing scales 1) for a float8 call, or None."""
+  arrays = {"query_scale": ("query", query), "key_scale": ("key", key),
+            "value_scale": ("value", value)}
+  checked = {
+      name: check_scale(name, scale, arrays[name][1], arrays[name][0],
+                        forms=_SCALE_FORMS[name],
+                        dtypes=quantize_lib.FP8_DTYPES)
+      for name, scale in scales.items()}
+  if not quantize_lib.is_fp8(query.dtype):
+    return None  # check_scale has rejected any scale given.
+  rows = math.prod(batch_shape)
+  folded = []
+  for name in ("query_scale", "key_scale", "value_scale"):
+    scale = checked[name]
+    if scale is None:
+      folded.append(jnp.ones((1, 1, 1), jnp.float32))
+      continue
+    lead, rest = scale.shape[:len(batch_shape)], scale.shape[len(batch_shape):]
+    if math.prod(lead) == 1:  # Shared by every batch row: keep it so.
+      folded.append(scale.reshape((1,) + rest))
+    else:
+      folded.append(jnp.broadcast_to(scale, batch_shape + rest).reshape(
+          (rows,) + rest))
+  return tuple(folded)
+
+
+def _check_float8_options(query, is_float8, quantize, out_dtype, float8):
+  """The `out_dtype` of `vjp.Params` (None for a call that is not a float8
+  one), after checking `quantize=` and `out_dtype=` against the inputs."""
+  if quantize is not None:
+    if not float8:
+      raise ValueError(
+          f"{quantize=} runs through flash_attention's float8 path, which "
+          "this entry point does not take.")
+    quantize_lib.check_granularity("quantize", quantize)
+    if is_float8:
+      raise TypeError(
+          f"quantize= quantizes 16/32-bit inputs, got {query.dtype=} "
+          "(float8 already: pass its scales as query_scale/key_scale/"
+          "value_scale instead).")
+    return out_dtype or query.dtype
+  if is_float8:
+    return out_dtype or jnp.dtype(jnp.bfloat16)
+  if out_dtype is not None and out_dtype != query.dtype:
+    raise ValueError(
+        f"out_dtype applies to float8 calls (float8 inputs, or quantize=); "
+        f"a {query.dtype} call returns {query.dtype}, got {out_dtype=}.")
+  return None
 
 
 def _fold_key_value(key, value, batch_shape, shared):
@@ -501,6 +624,11 @@ def flash_attention(
     mask_mod: Callable | None = None,
     mask_mod_args: Sequence[Array] = (),
     block_mask: block_mask_lib.BlockMask | None = None,
+    query_scale: Array | None = None,
+    key_scale: Array | None = None,
+    value_scale: Array | None = None,
+    quantize: str | None = None,
+    out_dtype: Any = None,
 ):
   """Exact scaled dot-product attention, memory-linear in sequence length.
 
@@ -516,15 +644,16 @@ def flash_attention(
   Args:
     query: [*B, T, N, H]: any number of leading batch dims B (none
       included); float32/bfloat16/float16, or float64 (with x64 enabled;
-      `xla` and `chunked` only, computing in float64).
+      `xla` and `chunked` only, computing in float64); or float8_e4m3fn /
+      float8_e5m2 with `query_scale` (a float8 call, below).
     key: [*B, S, K, H] with N % K == 0 (GQA/MQA without repeating K/V).
       A batch dim of size 1 is shared by every query row along it
       (broadcast, as for bias and PyTorch's FlexAttention; dK/dV come back
       summed over those rows, shaped like key/value). Lengths, positions
       and segment ids stay per query row.
     value: [*B, S, K, Hv], key's dtype (batch dims of size 1 shared, as
-      for key); a value head dim Hv != H (as in MLA) runs on every
-      implementation.
+      for key; in a float8 call any float8 format); a value head dim
+      Hv != H (as in MLA) runs on every implementation.
     bias: float, broadcastable to [*B, N, T, S]; differentiable.
     mask: bool, broadcastable to [*B, N, T, S]; True = may attend.
     scale: logit scale, default 1/sqrt(H).
@@ -610,17 +739,52 @@ def flash_attention(
     block_mask: a `pallas_fa.create_block_mask` of the same mask_mod for
       these T and S, reused across calls (without one, each call classifies
       its tiles itself); it also supplies the mask_mod when none is given.
+    query_scale: float32 scales of a float8 query, broadcastable to
+      query.shape[:-1] = [*B, T, N]: per token ([*B, T, N]), per head
+      ([*B, 1, N] or [N]) or per tensor (a scalar); default 1. The call
+      attends with `query.astype(float32) * query_scale[..., None]`
+      (`pallas_fa.quantize.dequantize`; `pallas_fa.quantize_fp8` makes
+      such pairs). Only with float8 inputs (a ValueError otherwise).
+    key_scale: the same for a float8 key, broadcastable to [*B, S, K].
+    value_scale: the same for a float8 value, broadcastable to [*B, S, K].
+    quantize: None, or "head", "token" or "tensor": the call quantizes
+      its 16/32-bit query, key and value to float8_e4m3fn with scales of
+      that granularity (`quantize_fp8`) and runs the float8 call on them;
+      gradients reach the high-precision arrays straight through (below).
+    out_dtype: the result's dtype in a float8 call: bfloat16, float32 or
+      float16; default bfloat16 for float8 inputs and the query's dtype
+      with `quantize`. Other calls return the query's dtype (out_dtype, if
+      given, must name it).
+
+  Float8 calls: query, key and value all float8 (e4m3 and e5m2 may mix;
+  a float8 array next to a 16/32-bit one is a TypeError), or `quantize`.
+  The result is the attention of the dequantized inputs, every other
+  argument meaning what it always does; the logsumexp residual is float32.
+  `xla` and `chunked` dequantize to float32 and compute as for float32
+  inputs (at `precision`; `chunked` tile by tile, holding no float32 copy);
+  the Pallas kernels have no float8 path yet and raise NotImplementedError
+  (implementation=None moves on). Gradients: the scales (and bias, sinks,
+  score_mod_args) get the exact float32 gradients of that attention, from
+  a backward run on the float32 dequantized inputs. The float8 arrays
+  themselves are not differentiated (a TypeError): JAX types their
+  cotangent float8, which would round typical gradients to zero. With
+  `quantize`, the high-precision query, key and value get the gradient of
+  the attention at the dequantized inputs, cast to their dtypes (the
+  straight-through estimator of quantization-aware training).
 
   Returns:
-    out [*B, T, N, Hv] typed like query, or (out, lse) with
-    return_residual.
+    out [*B, T, N, Hv] typed like query (a float8 call: `out_dtype`), or
+    (out, lse) with return_residual.
 
   Raises:
-    ValueError / TypeError: invalid arguments (the message names them).
+    ValueError / TypeError: invalid arguments (the message names them),
+      including differentiating a float8 input.
     NotImplementedError: the named implementation cannot honour this call.
   """
   rate, rng = check_dropout(dropout_rate, dropout_rng)
   check_implementation(implementation, block_sizes)
+  if quantize is not None:
+    quantize_lib.check_granularity("quantize", quantize)
   static = static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
@@ -638,11 +802,13 @@ def flash_attention(
           deterministic_backward),
       # Keys the trace cache: kernels built for an ahead-of-time GPU target
       # differ from those built for this machine.
-      target=gpu_target.ahead_of_time())
+      target=gpu_target.ahead_of_time(),
+      quantize=quantize, out_dtype=check_out_dtype(out_dtype))
   out, lse = _flash_attention(
       query, key, value, bias, mask, query_seq_lengths,
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
-      rng, sinks, score_mod_args, mask_mod_args, block_mask, **static)
+      rng, sinks, score_mod_args, mask_mod_args, block_mask, query_scale,
+      key_scale, value_scale, **static)
   return (out, lse) if return_residual else out
 
 
@@ -662,15 +828,16 @@ def clear_cache() -> None:
     static_argnames=("scale", "is_causal", "local_window_size",
                      "logits_soft_cap", "dropout_rate", "implementation",
                      "block_sizes", "precision", "deterministic_backward",
-                     "target", "score_mod", "mask_mod"),
+                     "target", "score_mod", "mask_mod", "quantize",
+                     "out_dtype"),
 )
 def _flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
     segment_ids, query_positions, key_positions, dropout_rng, sinks,
-    score_mod_args, mask_mod_args, block_mask, *, scale, is_causal,
-    local_window_size, logits_soft_cap, dropout_rate, implementation,
-    block_sizes, precision, deterministic_backward, target, score_mod,
-    mask_mod,
+    score_mod_args, mask_mod_args, block_mask, query_scale, key_scale,
+    value_scale, *, scale, is_causal, local_window_size, logits_soft_cap,
+    dropout_rate, implementation, block_sizes, precision,
+    deterministic_backward, target, score_mod, mask_mod, quantize, out_dtype,
 ):
   del target  # Read by the backends through `gpu_target.current()`.
   # Everything from here on is traced once per shape/static configuration:
@@ -686,6 +853,8 @@ def _flash_attention(
       deterministic_backward=deterministic_backward, sinks=sinks,
       score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
       mask_mod_args=mask_mod_args, block_mask=block_mask, shared_kv=True,
+      query_scale=query_scale, key_scale=key_scale, value_scale=value_scale,
+      quantize=quantize, out_dtype=out_dtype, float8=True,
   )
   if call.empty:
     if implementation is not None:
@@ -697,4 +866,4 @@ def _flash_attention(
   call = call.for_backend(backend)
   return call.unfold(*vjp.attention(
       backend, call.params, call.q, call.k, call.v, call.bias, call.info,
-      call.sinks))
+      call.sinks, call.scales, call.straight_through))

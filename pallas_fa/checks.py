@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import quantize
+
 
 def _check_int_array(name, x, shape):
   x = jnp.asarray(x)
@@ -195,6 +197,70 @@ def check_deterministic_backward(deterministic_backward) -> bool:
         "deterministic_backward must be None (follow XLA_FLAGS), True or "
         f"False, got {deterministic_backward=}.")
   return bool(deterministic_backward)
+
+
+def check_scale(name, scale, x, x_name, *, forms,
+                dtypes=tuple(quantize.QUANTIZED_DTYPES)):
+  """The float32 scales of a quantized array (`pallas_fa.quantize`).
+
+  Args:
+    name: the argument's name ("key_scale").
+    scale: float, broadcastable to `x.shape[:-1]`, or None.
+    x: the quantized array it scales.
+    x_name: x's argument name, for the messages.
+    forms: the usual shapes of `scale`, for the message of a bad one.
+    dtypes: the dtypes of x that take a scale.
+
+  Returns:
+    None if `scale` is None, else float32 of rank `x.ndim - 1`, each dim 1
+    or x's (leading 1s added).
+
+  Raises:
+    ValueError: x's dtype takes no scale, or the shape does not broadcast.
+    TypeError: scale is not floating.
+  """
+  if scale is None:
+    return None
+  dtypes = tuple(jnp.dtype(d) for d in dtypes)
+  if x.dtype not in dtypes:
+    kind = ("an int8 or float8" if jnp.dtype(jnp.int8) in dtypes
+            else "a float8")
+    raise ValueError(
+        f"{name} applies to {kind} {x_name}, got {x_name}.dtype={x.dtype}.")
+  scale = jnp.asarray(scale)
+  if not jnp.issubdtype(scale.dtype, jnp.floating):
+    raise TypeError(f"{name} must be float32, got {name}.dtype={scale.dtype}.")
+  target = x.shape[:-1]
+  padded = (1,) * (len(target) - scale.ndim) + scale.shape
+  if scale.ndim > len(target) or any(
+      d not in (1, t) for d, t in zip(padded, target)):
+    raise ValueError(
+        f"{name} must broadcast to {x_name}.shape[:-1]={target} ({forms}), "
+        f"got {name}.shape={scale.shape}.")
+  return scale.astype(jnp.float32).reshape(padded)
+
+
+# The dtypes a float8 call may return (`flash_attention(out_dtype=...)`).
+OUT_DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
+
+
+def check_out_dtype(out_dtype):
+  """`out_dtype=` as a `jnp.dtype` (hashable, a static argument), or None.
+
+  Raises:
+    TypeError: not a dtype, or not one of `OUT_DTYPES`.
+  """
+  if out_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(out_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype not in OUT_DTYPES:
+    raise TypeError(
+        f"out_dtype must be None, bfloat16, float32 or float16, got "
+        f"{out_dtype=}.")
+  return dtype
 
 
 def check_sinks(sinks, num_heads, dtype):

@@ -23,6 +23,10 @@ elementwise derivative and accumulates its arrays' gradients tile by tile
 the group by the matmul itself. A K/V shared by every query row (batch 1,
 `vjp.Backend.shared_kv`) is read the same way: the tile products broadcast
 it over the query's batch and the dK/dV products contract that batch too.
+Float8 inputs (`forward(..., scales=...)`) are dequantized to float32 one
+tile at a time, the logit scale folded into the query's scales, so the
+forward holds no float32 copy of them; their backward gets float32 copies
+(`vjp.attention`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pallas_fa import dropout
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 from pallas_fa import vjp
 from pallas_fa.flex import block_mask
 from pallas_fa.flex import mods
@@ -121,7 +126,8 @@ ALIGN = layout.Alignment(rows=8, balanced=True)
 class _Layout(layout.Padded):
   """Inputs padded to whole tiles, in the grouped head-major layout."""
 
-  def __init__(self, q, k, v, bias, info, params, block_q, block_kv):
+  def __init__(self, q, k, v, bias, info, params, block_q, block_kv,
+               scales=None):
     mask_tiles = (None, None)
     if info.block_mask is not None:
       mask_tiles = (info.block_mask.block_q, info.block_mask.block_kv)
@@ -131,12 +137,25 @@ class _Layout(layout.Padded):
     self.acc = online_softmax.stats_dtype(q.dtype)
     # In full precision the logit scale is folded into q once, saving a
     # multiply per logit; in low precision that would round scale * q.
-    self.scale_folded = q.dtype == self.acc
+    # Float8 inputs are dequantized tile by tile (`tile_q`, `tile_kv`) to
+    # float32, where the scale folds into q's scales.
+    self.scale_folded = q.dtype == self.acc or scales is not None
     self.logit_scale = 1.0 if self.scale_folded else params.scale
-    if self.scale_folded:
+    if self.scale_folded and scales is None:
       q = q * params.scale
     super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN)
     self.nq, self.nk = self.tp // self.bq, self.sp // self.bk
+    self.scales = None
+    if scales is not None:
+      # Per-row scales laid out as their rows, [B, K, G, Tp] and
+      # [B|1, K, Sp]: padded rows get 0, as their values do (a NaN or inf
+      # scale stored there must not turn the zeros into NaN).
+      q_scale = scales[0] * params.scale
+      self.scales = tuple(
+          pad(jnp.broadcast_to(x, y.shape[:-1])[..., None])[..., 0]
+          for pad, x, y in ((self.queries, q_scale, q),
+                            (self.keys, scales[1], k),
+                            (self.keys, scales[2], v)))
     # Tiles span the whole batch here, so a tile is empty (full) only if it
     # is empty (full) for every batch row.
     self.kinds = masking.shared_kinds(
@@ -191,6 +210,27 @@ class _Layout(layout.Padded):
     if self.info.score_mod is not None:
       self.score_uses = mods.uses_batch_and_head(
           mods.SCORE_MOD, self.info.score_mod, self.info.score_mod_args)
+
+  def tile_q(self, start, size):
+    """Query rows [start, start + size) of every head, [B, K, G, size, H],
+    dequantized (float32, the logit scale folded in) for float8 inputs."""
+    qi = jax.lax.dynamic_slice_in_dim(self.q, start, size, 3)
+    if self.scales is None:
+      return qi
+    scale = jax.lax.dynamic_slice_in_dim(self.scales[0], start, size, 3)
+    return quantize.dequantize(qi, scale, self.acc)
+
+  def tile_kv(self, j):
+    """Key/value tile j, [B|1, K, bk, H] each, dequantized (float32) for
+    float8 inputs."""
+    kj, vj = (jax.lax.dynamic_slice_in_dim(x, j * self.bk, self.bk, 2)
+              for x in (self.k, self.v))
+    if self.scales is None:
+      return kj, vj
+    return tuple(
+        quantize.dequantize(x, jax.lax.dynamic_slice_in_dim(
+            scale, j * self.bk, self.bk, 2), self.acc)
+        for x, scale in zip((kj, vj), self.scales[1:]))
 
   def queries(self, x):
     """[B, T, N, H] -> [B, K, G, Tp, H], padded rows zeroed (any H)."""
@@ -400,19 +440,20 @@ def _with_keys(spec, x, y, acc, precision):
   return jnp.moveaxis(product, 0, 1)
 
 
-def _forward(q, k, v, bias, info, params):
+def _forward(q, k, v, bias, info, params, scales=None):
   bs = BACKEND.block_sizes(params, q, k, info)
-  lay = _Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
+  lay = _Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv,
+                scales)
   lo, hi = masking.block_range(lay.kinds)
+  out_dtype = params.out_dtype or q.dtype
 
   def q_tile(i):
-    qi = jax.lax.dynamic_slice_in_dim(lay.q, i * lay.bq, lay.bq, 3)
+    qi = lay.tile_q(i * lay.bq, lay.bq)
     rows = (lay.b, lay.num_kv, lay.g, lay.bq)
     carry = online_softmax.init(rows, rows + (lay.hv,), lay.acc)
 
     def step(j, carry, visit):
-      kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
-      vj = jax.lax.dynamic_slice_in_dim(lay.v, j * lay.bk, lay.bk, 2)
+      kj, vj = lay.tile_kv(j)
       parts = lay.parts(i, j, visit)
       if len(parts) == 1:
         return update(qi, kj, vj, carry, parts[0], visit)
@@ -440,7 +481,7 @@ def _forward(q, k, v, bias, info, params):
 
     m_i, l_i, acc = lay.tile_loop(lay.branch[i], lo[i], hi[i], step, carry)
     out, lse = online_softmax.finalize(m_i, l_i, acc)
-    return out.astype(q.dtype), lse
+    return out.astype(out_dtype), lse
 
   # Tile indices are int32, as `masking.block_range`'s bounds: under
   # jax_enable_x64 a default arange is int64, and lax's slicing takes
@@ -490,8 +531,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
   def kv_tile(carry, j):
     dq, dbias, dargs = carry
-    kj = jax.lax.dynamic_slice_in_dim(lay.k, j * lay.bk, lay.bk, 2)
-    vj = jax.lax.dynamic_slice_in_dim(lay.v, j * lay.bk, lay.bk, 2)
+    kj, vj = lay.tile_kv(j)
     # dK and dV of this key tile are accumulated transposed, [B, K, H, bk]:
     # XLA:CPU runs P^T.dO and dS^T.Q, contracted over the tile's query rows,
     # in ~0.7x the time with the head dim as the product's rows rather than
@@ -508,7 +548,7 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
     def update(kj, vj, carry, part, visit):
       dk_all, dv_all, dq, dbias, dargs = carry
       kj, vj = _cols(kj, part), _cols(vj, part)
-      qi = jax.lax.dynamic_slice_in_dim(lay.q, part.q0, part.rows, 3)
+      qi = lay.tile_q(part.q0, part.rows)
       doi = jax.lax.dynamic_slice_in_dim(do, part.q0, part.rows, 3)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, part.q0, part.rows, 3)
       delta_i = jax.lax.dynamic_slice_in_dim(delta, part.q0, part.rows, 3)
@@ -601,7 +641,7 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=ChunkedBlockSizes,
     default_block_sizes=default_block_sizes,
-    dtypes=vjp.WITH_FLOAT64,
+    dtypes=vjp.WITH_FLOAT8,
     value_head_dim=True,
     dropout=True,
     shared_kv=True,

@@ -25,54 +25,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import quantize as quantize_lib
+
 Array = Any
 
 
-# The narrow cache dtypes, each with the largest magnitude it holds.
-QUANTIZED_DTYPES = {
-    jnp.dtype(jnp.int8): 127.0,
-    jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),
-    jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),
-}
-
-
-def is_quantized(dtype) -> bool:
-  """Whether a cache of this dtype stores quantized values (with scales)."""
-  return jnp.dtype(dtype) in QUANTIZED_DTYPES
+# The narrow cache dtypes and their quantization live in `pallas_fa.quantize`
+# (one convention for caches and float8 query/key/value); the names stay
+# reachable here.
+QUANTIZED_DTYPES = quantize_lib.QUANTIZED_DTYPES
+is_quantized = quantize_lib.is_quantized
 
 
 def quantize(x: Array, dtype=jnp.int8) -> tuple[Array, Array]:
-  """Symmetric absmax quantization over the last axis (the head dim).
-
-  Args:
-    x: float keys or values [..., H].
-    dtype: int8, float8_e4m3fn or float8_e5m2.
-
-  Returns:
-    (values, scale): `values` [..., H] of `dtype` and a float32 `scale` of
-    shape `x.shape[:-1]`, absmax / 127 for int8 and absmax / the format's
-    largest finite value for float8, so that `values.astype(float32) *
-    scale[..., None]` approximates x (int8 values are rounded to nearest).
-    A row of zeros gets scale 1 and values 0, which round-trip to zeros.
-
-  Raises:
-    TypeError: `dtype` is not one of the three, or x is not floating.
+  """Symmetric absmax quantization over the last axis (the head dim): one
+  scale per cache entry and K/V head, shaped `x.shape[:-1]`. This is
+  `pallas_fa.quantize.quantize` with its default axes (same dtypes,
+  results and errors).
   """
-  dtype = jnp.dtype(dtype)
-  if dtype not in QUANTIZED_DTYPES:
-    raise TypeError(
-        f"quantize's dtype must be int8, float8_e4m3fn or float8_e5m2, got "
-        f"dtype={dtype}.")
-  x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"quantize takes float values, got x.dtype={x.dtype}.")
-  wide = x.astype(jnp.float32)
-  absmax = jnp.max(jnp.abs(wide), axis=-1)
-  scale = jnp.where(absmax > 0, absmax / QUANTIZED_DTYPES[dtype], 1.0)
-  scaled = wide / scale[..., None]
-  if dtype == jnp.int8:
-    scaled = jnp.clip(jnp.round(scaled), -127, 127)
-  return scaled.astype(dtype), scale.astype(jnp.float32)
+  return quantize_lib.quantize(x, dtype)
 
 
 def _check_positive_int(name: str, x: Any) -> int:

@@ -46,6 +46,7 @@ from pallas_fa import api
 from pallas_fa import decode as decode_lib
 from pallas_fa import kv_cache
 from pallas_fa import masking
+from pallas_fa import quantize
 from pallas_fa.flex import block_mask as block_mask_lib
 from pallas_fa.flex import mods
 
@@ -175,6 +176,7 @@ class MultiHeadAttention(nnx.Module):
       block_sizes: Any = None,
       precision: str | jax.lax.Precision | None = None,
       deterministic_backward: bool | None = None,
+      fp8_attention: str | None = None,
       attention_fn: Callable[..., Array] | None = None,
       dtype: Any = None,
       param_dtype: Any = jnp.float32,
@@ -227,6 +229,17 @@ class MultiHeadAttention(nnx.Module):
         False: the fastest; None follows `XLA_FLAGS` where a call is
         traced, and is not passed on to a custom `attention_fn`). Not
         `deterministic`, which is Flax's "no dropout".
+      fp8_attention: None, or "head" (the usual choice), "token" or
+        "tensor": each attention call through `flash_attention` quantizes
+        the layer's q, k and v to float8_e4m3fn with float32 scales of
+        that granularity (per batch row and head, per token, or one for
+        the tensor) and runs its float8 path (`flash_attention(quantize=
+        ...)`, also passed to a custom `attention_fn`). The layer's output
+        keeps its dtype, and it trains: gradients reach q, k, v (so the
+        projections) straight through the quantization, computed in
+        float32 at the dequantized inputs. Decoding steps through
+        `decode_attention` read the cache as stored
+        (`init_cache(dtype=jnp.float8_e4m3fn)` makes a float8 one).
       attention_fn: replaces `flash_attention` (same keyword interface), for
         baselines; None uses `flash_attention`.
       dtype: computation dtype; default inferred from inputs and params.
@@ -236,8 +249,8 @@ class MultiHeadAttention(nnx.Module):
       rngs: parameter initialisation keys (and dropout keys).
 
     Raises:
-      ValueError: inconsistent head counts or sizes, a bad precision, or
-        score_mod_args without a score_mod.
+      ValueError: inconsistent head counts or sizes, a bad precision,
+        score_mod_args without a score_mod, or an unknown fp8_attention.
       TypeError: a score_mod or mask_mod that is not a function of the
         right arity, score_mod_args that are not arrays, or a
         deterministic_backward that is not None or a bool.
@@ -286,6 +299,9 @@ class MultiHeadAttention(nnx.Module):
     self.precision = precision
     self.deterministic_backward = _deterministic_backward(
         deterministic_backward)
+    if fp8_attention is not None:
+      quantize.check_granularity("fp8_attention", fp8_attention)
+    self.fp8_attention = fp8_attention
     self.attention_fn = attention_fn or api.flash_attention
     self.dtype = dtype
     kernel_init = kernel_init or nnx.initializers.lecun_normal()
@@ -621,6 +637,8 @@ class MultiHeadAttention(nnx.Module):
       kwargs["precision"] = self.precision
     if self.deterministic_backward is not None:
       kwargs["deterministic_backward"] = self.deterministic_backward
+    if self.fp8_attention is not None:
+      kwargs["quantize"] = self.fp8_attention
     kwargs.update(self._sinks())
     return self.attention_fn(
         q, k, v, is_causal=self.is_causal,

@@ -2,7 +2,8 @@
 
 It builds the whole [B, N, T, S] logit tensor, so its memory is quadratic; it
 exists to be obviously right, and is differentiated by plain autodiff. It
-computes in float32 by default; the test suite also runs it in float64 (to
+computes in float32 by default (float8 inputs are dequantized to float32
+first, `quantize.dequantize`); the test suite also runs it in float64 (to
 check it) and in the input dtype (the "same-dtype reference" of the
 FlashAttention error rule).
 """
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from pallas_fa import dropout
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 from pallas_fa import vjp
 
 Array = Any
@@ -99,12 +101,16 @@ def attention(
   return out, lse.astype(online_softmax.stats_dtype(compute_dtype))
 
 
-def _forward(q, k, v, bias, info, params):
-  return attention(
+def _forward(q, k, v, bias, info, params, scales=None):
+  if scales is not None:
+    # Float8 inputs: the attention of the float32 dequantized arrays.
+    q, k, v = (quantize.dequantize(x, s) for x, s in zip((q, k, v), scales))
+  out, lse = attention(
       q, k, v, bias, info, scale=params.scale, soft_cap=params.soft_cap,
       compute_dtype=online_softmax.stats_dtype(q.dtype),
       precision=params.precision,
   )
+  return out.astype(params.out_dtype or out.dtype), lse
 
 
 def _check(q, k, v, bias, info, params):
@@ -113,5 +119,5 @@ def _check(q, k, v, bias, info, params):
 
 # Differentiated by plain autodiff (no custom backward).
 BACKEND = vjp.Backend(
-    name="xla", forward=_forward, check=_check, dtypes=vjp.WITH_FLOAT64,
+    name="xla", forward=_forward, check=_check, dtypes=vjp.WITH_FLOAT8,
     value_head_dim=True, dropout=True)

@@ -27,7 +27,12 @@ It provides:
 
 * `forward(q, k, v, bias, info, params) -> (out, lse)`: out [B, T, N, Hv] in
   q's dtype, lse [B, T, N] the natural-log logsumexp in float32 (float64 for
-  float64 inputs); a row that sees no key gets out = 0 and lse = -inf;
+  float64 inputs); a row that sees no key gets out = 0 and lse = -inf. A
+  backend that lists float8 dtypes in `Backend.dtypes` is also called as
+  `forward(q, k, v, bias, info, params, scales=(q_scale, k_scale,
+  v_scale))` with float8 q/k/v: it computes the attention of
+  `quantize.dequantize(x, x_scale)` (scales float32 [B|1, T|1, N|1] and
+  [B|1, S|1, K|1]) and returns out in `params.out_dtype`;
 * `backward(q, k, v, bias, info, params, lse, dout, delta) -> (dq, dk, dv,
   dbias)`: the gradients in the dtypes and shapes of their inputs (dbias
   None without a bias; dK/dV of a shared batch-1 K/V summed over the rows).
@@ -60,6 +65,16 @@ conformance suite (`tests/test_conformance.py`) then runs the backend.
 Residuals are (out, lse) only -- never the T x S probabilities -- so memory
 stays linear in sequence length.
 
+Float8 calls have a custom_vjp of their own (`attention(..., scales=...)`):
+the forward runs the backend on the float8 inputs; the backward runs its
+backward on the float32 dequantized ones (4x the float8 bytes, still linear
+in T) and turns their gradients into those of the scales
+(`quantize.scale_grad`) and, for inputs `flash_attention(quantize=...)`
+quantized itself, straight through into the high-precision arrays. The
+float8 arrays themselves are not differentiated: their cotangent would be
+float8, which rounds typical gradients to zero, so differentiating one
+raises a TypeError.
+
 Attention sinks (`flash_attention(sinks=...)`) never reach a backend:
 `attention` adds them to the backend's (out, lse) once
 (`online_softmax.add_sink`), and the backward hands the backend the final
@@ -79,9 +94,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import custom_derivatives
 
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 
 Array = Any
 
@@ -100,6 +117,8 @@ class Params:
       a backend with a faster backward whose summation order varies from
       run to run (mosaic_gpu's fused one) takes its reproducible path
       instead (`flash_attention(deterministic_backward=...)`, resolved).
+    out_dtype: the dtype of a float8 call's result (a `jnp.dtype`); None
+      for every other call, whose result has q's dtype.
   """
 
   scale: float
@@ -107,6 +126,7 @@ class Params:
   block_sizes: Any = None
   precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
   deterministic_backward: bool = False
+  out_dtype: Any = None
 
 
 Forward = Callable[..., tuple[Array, Array]]
@@ -129,7 +149,8 @@ class Backend:
     default_block_sizes: (*, q_len, kv_len, head_dim, dtype, is_causal,
       dropout, device_kind, value_head_dim) -> the tiling of a call without
       `block_sizes=`; None if the backend takes none.
-    dtypes: input dtypes it computes in (others raise NotImplementedError).
+    dtypes: input dtypes it computes in (others raise NotImplementedError);
+      float8 ones mean its forward takes `scales=` (see the module doc).
     value_head_dim: whether value (and the output) may have a head dim Hv
       other than the query/key head dim H.
     dropout: whether it implements attention dropout (`pallas_fa.dropout`).
@@ -154,6 +175,11 @@ class Backend:
     """Raises NotImplementedError naming why this backend cannot run the
     call: the input dtype, or its own `check`."""
     if not any(q.dtype == d for d in self.dtypes):
+      if quantize.is_fp8(q.dtype):
+        raise NotImplementedError(
+            f"implementation {self.name!r} has no float8 path ({q.dtype} "
+            "query/key/value with scales); implementation=None runs the "
+            "call on one that has.")
       names = ", ".join(jnp.dtype(d).name for d in self.dtypes)
       raise NotImplementedError(
           f"implementation {self.name!r} computes in {names}, not "
@@ -182,6 +208,8 @@ class Backend:
 
 # The XLA and jax.numpy backends also compute in float64 (with x64 enabled).
 WITH_FLOAT64 = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+# ... and take float8 inputs with scales (`forward(..., scales=...)`).
+WITH_FLOAT8 = WITH_FLOAT64 + quantize.FP8_DTYPES
 
 
 def attention(
@@ -193,19 +221,39 @@ def attention(
     bias: Array | None,
     info: masking.MaskInfo,
     sinks: Array | None = None,
+    scales: tuple[Array, Array, Array] | None = None,
+    straight_through: tuple[Array, Array, Array] | None = None,
 ) -> tuple[Array, Array]:
   """Runs `backend` with its backward wired in as a custom_vjp.
 
-  `sinks`: float [N] (in the stats dtype of q), one sink logit per query
-  head, added to the backend's result (see the module docstring); or None.
+  Args:
+    backend, params, q, k, v, bias, info: the canonical call.
+    sinks: float [N] (in the stats dtype of q), one sink logit per query
+      head, added to the backend's result (see the module docstring); or
+      None.
+    scales: (q_scale, k_scale, v_scale) of a float8 call (q, k, v float8;
+      float32 scales of rank 3, see the module docstring), or None.
+    straight_through: with `scales`, the high-precision (q, k, v) the float8
+      ones were quantized from (`flash_attention(quantize=...)`), shaped
+      like them: they receive the gradients of the dequantized inputs, cast
+      to their dtypes (the straight-through estimator); or None.
   """
+  if scales is not None:
+    dtypes = None
+    if straight_through is not None:
+      dtypes = tuple(x.dtype for x in straight_through)
+    return _fp8_attention(backend, params, dtypes, q, k, v, scales,
+                          straight_through, bias, info, sinks)
   if backend.backward is None:
     return _forward(backend, params, q, k, v, bias, info, sinks)
   return _attention(backend, params, q, k, v, bias, info, sinks)
 
 
-def _forward(backend, params, q, k, v, bias, info, sinks):
-  out, lse = backend.forward(q, k, v, bias, info, params)
+def _forward(backend, params, q, k, v, bias, info, sinks, scales=None):
+  if scales is None:
+    out, lse = backend.forward(q, k, v, bias, info, params)
+  else:
+    out, lse = backend.forward(q, k, v, bias, info, params, scales=scales)
   if sinks is None:
     return out, lse
   return online_softmax.add_sink(out, lse, sinks)
@@ -223,7 +271,18 @@ def _attention_fwd(backend, params, q, k, v, bias, info, sinks):
 
 def _attention_bwd(backend, params, residuals, cotangents):
   q, k, v, bias, info, sinks, out, lse = residuals
-  dout, dlse = cotangents
+  return _backward(backend, params, q, k, v, bias, info, sinks, out, lse,
+                   *cotangents)
+
+
+def _backward(backend, params, q, k, v, bias, info, sinks, out, lse, dout,
+              dlse):
+  """(dq, dk, dv, dbias, info cotangent, dsinks) of `_forward`'s (out, lse)
+  given their cotangents."""
+  if backend.backward is None:  # Plain autodiff of the forward.
+    _, pullback = jax.vjp(functools.partial(_forward, backend, params),
+                          q, k, v, bias, info, sinks)
+    return pullback((dout, dlse))
   delta = online_softmax.delta(out, dout, dlse)
   q_pad = masking.is_padding(info.q_segment_ids, masking.Q_PAD_SEGMENT)
   if q_pad is not None:
@@ -244,6 +303,56 @@ def _attention_bwd(backend, params, residuals, cotangents):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_attention(backend, params, dtypes, q, k, v, scales,
+                   straight_through, bias, info, sinks):
+  """A float8 call (`attention(scales=...)`); `dtypes`: those of
+  `straight_through`, or None."""
+  del dtypes, straight_through  # Only the backward reads them.
+  return _forward(backend, params, q, k, v, bias, info, sinks, scales)
+
+
+def _fp8_attention_fwd(backend, params, dtypes, *args):
+  # With symbolic zeros each argument comes as a `CustomVJPPrimal`, which
+  # tells whether it is differentiated.
+  for name, x in zip(("query", "key", "value"), args):
+    if x.perturbed:
+      raise TypeError(
+          f"flash_attention does not differentiate float8 inputs, and "
+          f"{name} ({x.value.dtype}) is differentiated here: its cotangent "
+          "would be float8 too, which rounds typical gradients to zero. "
+          "Differentiate the high-precision arrays instead (pass them with "
+          "quantize=... for straight-through gradients), or stop_gradient "
+          "the float8 ones (their scales stay differentiable).")
+  q, k, v, scales, _, bias, info, sinks = jax.tree.map(
+      lambda x: x.value, args,
+      is_leaf=lambda x: isinstance(x, custom_derivatives.CustomVJPPrimal))
+  out, lse = _forward(backend, params, q, k, v, bias, info, sinks, scales)
+  return (out, lse), (q, k, v, scales, bias, info, sinks, out, lse)
+
+
+def _fp8_attention_bwd(backend, params, dtypes, residuals, cotangents):
+  q8, k8, v8, scales, bias, info, sinks, out, lse = residuals
+  dout, dlse = (
+      jnp.zeros(ct.aval.shape, ct.aval.dtype)
+      if isinstance(ct, custom_derivatives.SymbolicZero) else ct
+      for ct in cotangents)
+  quantized = (q8, k8, v8)
+  wide = [quantize.dequantize(x, s) for x, s in zip(quantized, scales)]
+  *grads, dbias, info_ct, dsinks = _backward(
+      backend, params, *wide, bias, info, sinks, out, lse, dout, dlse)
+  dscales = tuple(quantize.scale_grad(g, x, s)
+                  for g, x, s in zip(grads, quantized, scales))
+  straight = None
+  if dtypes is not None:
+    straight = tuple(g.astype(d) for g, d in zip(grads, dtypes))
+  return (None, None, None, dscales, straight, dbias, info_ct, dsinks)
+
+
+_fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd,
+                      symbolic_zeros=True)
 
 
 # name -> module defining `BACKEND`. Modules are imported on first use so a

@@ -13,6 +13,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from pallas_fa import api
+from pallas_fa import checks
 from pallas_fa import kv_cache
 from pallas_fa import online_softmax
 from pallas_fa.decode import chunked
@@ -47,28 +48,13 @@ def _check_cache(name, x, query):
 def _check_scale(name, scale, cache, cache_name):
   """A quantized cache's scales as float32 of rank 3 (each dim 1 or the
   cache's), or None for a float8 cache without them (scale 1)."""
-  if scale is None:
-    if cache.dtype == jnp.int8:
-      raise ValueError(
-          f"{name} is required with an int8 {cache_name} cache (its values "
-          f"are integers; kv_cache.quantize returns both).")
-    return None
-  if not kv_cache.is_quantized(cache.dtype):
+  if scale is None and cache.dtype == jnp.int8:
     raise ValueError(
-        f"{name} applies to an int8 or float8 {cache_name} cache, got a "
-        f"{cache.dtype} one.")
-  scale = jnp.asarray(scale)
-  if not jnp.issubdtype(scale.dtype, jnp.floating):
-    raise TypeError(f"{name} must be float32, got {name}.dtype={scale.dtype}.")
-  target = cache.shape[:-1]
-  padded = (1,) * (len(target) - scale.ndim) + scale.shape
-  if scale.ndim > len(target) or any(
-      d not in (1, t) for d, t in zip(padded, target)):
-    raise ValueError(
-        f"{name} must broadcast to {cache_name}.shape[:-1]={target} "
-        f"([B, S_max, K], pages [P, page_size, K], [K] or a scalar), got "
-        f"{name}.shape={scale.shape}.")
-  return scale.astype(jnp.float32).reshape(padded)
+        f"{name} is required with an int8 {cache_name} cache (its values "
+        f"are integers; kv_cache.quantize returns both).")
+  return checks.check_scale(
+      name, scale, cache, cache_name,
+      forms="[B, S_max, K], pages [P, page_size, K], [K] or a scalar")
 
 
 def decode_attention(

@@ -1,0 +1,167 @@
+"""Quantized attention inputs: int8/float8 values with float32 scales.
+
+One convention for every quantized array the library reads (float8
+query/key/value of `flash_attention`, int8/float8 caches of
+`decode_attention`): values `x` of a narrow dtype and a float32 `scale`
+broadcastable to `x.shape[:-1]`, one scale per head-dim vector at most, so
+that the array meant is
+
+    dequantize(x, scale) = x.astype(float32) * scale[..., None].
+
+A scale of shape `x.shape[:-1]` is per token (and head), one of shape
+[*B, 1, N] (or [N]) per head, a scalar per tensor. `quantize` makes such a
+pair by symmetric absmax scaling; `quantize_fp8` is its float8 form for
+query/key/value [*B, T, N, H] at a named granularity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Sequence
+
+import jax.numpy as jnp
+
+Array = Any
+
+# The narrow dtypes, each with the largest magnitude it holds.
+QUANTIZED_DTYPES = {
+    jnp.dtype(jnp.int8): 127.0,
+    jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),
+    jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),
+}
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+# `quantize_fp8` granularities -> the axes of [*B, T, N, H] one scale spans
+# (from the end; the head dim H always).
+GRANULARITIES = {"token": (-1,), "head": (-3, -1), "tensor": None}
+
+
+def is_quantized(dtype) -> bool:
+  """Whether arrays of this dtype hold quantized values (with scales)."""
+  return jnp.dtype(dtype) in QUANTIZED_DTYPES
+
+
+def is_fp8(dtype) -> bool:
+  """Whether `dtype` is one of the float8 formats the library reads."""
+  return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def check_granularity(name: str, granularity: Any) -> str:
+  """`granularity` if it is one of `GRANULARITIES`.
+
+  Raises:
+    ValueError: it is not (the message names `name`).
+  """
+  if not isinstance(granularity, str) or granularity not in GRANULARITIES:
+    raise ValueError(
+        f"{name} must be one of {tuple(GRANULARITIES)}, got {granularity!r}.")
+  return granularity
+
+
+def quantize(x: Array, dtype=jnp.int8,
+             axes: Sequence[int] | None = (-1,)) -> tuple[Array, Array]:
+  """Symmetric absmax quantization, one scale per slice over `axes`.
+
+  Args:
+    x: float values [..., H].
+    dtype: int8, float8_e4m3fn or float8_e5m2.
+    axes: the axes one scale spans, including the last (the head dim);
+      None for all (one scale for the whole array).
+
+  Returns:
+    (values, scale): `values` of `dtype` shaped like x, and a float32
+    `scale` of rank `x.ndim - 1` (shape `x.shape[:-1]` with 1 on the
+    other `axes`; a scalar when `axes` is None) equal to absmax / 127 for
+    int8 and absmax / the format's largest finite value for float8, so
+    that `dequantize(values, scale)` approximates x (int8 values rounded to
+    nearest, float8 ones as the cast rounds). A slice of zeros gets scale
+    1 and values 0, which round-trip to zeros.
+
+  Raises:
+    TypeError: `dtype` is not one of the three, or x is not floating.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in QUANTIZED_DTYPES:
+    raise TypeError(
+        f"quantize's dtype must be int8, float8_e4m3fn or float8_e5m2, got "
+        f"dtype={dtype}.")
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"quantize takes float values, got x.dtype={x.dtype}.")
+  wide = x.astype(jnp.float32)
+  # `initial`: an empty slice (a call with no tokens) has absmax 0.
+  absmax = jnp.max(jnp.abs(wide), axis=None if axes is None else tuple(axes),
+                   keepdims=True, initial=0.0)
+  largest = QUANTIZED_DTYPES[dtype]
+  scale = jnp.where(absmax > 0, absmax / largest, 1.0)
+  # The clip only guards the last ulp of absmax / scale: a float8 value
+  # above the format's largest would become NaN (e4m3fn has no inf).
+  scaled = jnp.clip(wide / scale, -largest, largest)
+  if dtype == jnp.int8:
+    scaled = jnp.round(scaled)
+  scale = scale.reshape(()) if axes is None else scale[..., 0]
+  return scaled.astype(dtype), scale.astype(jnp.float32)
+
+
+def quantize_fp8(x: Array, granularity: str = "head",
+                 dtype=jnp.float8_e4m3fn) -> tuple[Array, Array]:
+  """Float8 query, key or value with float32 scales for `flash_attention`.
+
+  Args:
+    x: float [*B, T, N, H] (any leading batch dims, none included).
+    granularity: what one scale covers: "token" (one head of one token:
+      scale [*B, T, N]), "head" (one head of one batch row over all its
+      tokens: scale [*B, 1, N], FlashAttention-3's per-(batch, head)
+      descale) or "tensor" (the whole array: a scalar).
+    dtype: float8_e4m3fn (the forward format of FP8 attention) or
+      float8_e5m2.
+
+  Returns:
+    (x8, scale), `dequantize(x8, scale)` approximating x: pass them as
+    `flash_attention(x8, ..., query_scale=scale)` (or key_scale /
+    value_scale). Finer granularities lose less to outliers elsewhere in
+    the array; e4m3 keeps 3 mantissa bits, a relative error of at most
+    2**-4 per value.
+
+  Raises:
+    ValueError: x has fewer than 3 dims or `granularity` is unknown.
+    TypeError: `dtype` is not a float8 format, or x is not floating.
+  """
+  granularity = check_granularity("granularity", granularity)
+  if not is_fp8(dtype):
+    raise TypeError(
+        f"quantize_fp8's dtype must be float8_e4m3fn or float8_e5m2, got "
+        f"dtype={jnp.dtype(dtype)}.")
+  x = jnp.asarray(x)
+  if x.ndim < 3:
+    raise ValueError(
+        f"quantize_fp8 takes query/key/value [*B, T, N, H], got "
+        f"x.shape={x.shape}.")
+  return quantize(x, dtype, GRANULARITIES[granularity])
+
+
+def dequantize(x: Array, scale: Array | None, dtype=jnp.float32) -> Array:
+  """The array a quantized pair means: `x.astype(dtype) * scale[..., None]`
+  (a missing scale is 1; `scale` broadcastable to `x.shape[:-1]`)."""
+  x = x.astype(dtype)
+  if scale is None:
+    return x
+  scale = jnp.asarray(scale, dtype)
+  # Explicit leading 1s: callers may run with rank promotion disallowed.
+  return x * scale.reshape((1,) * (x.ndim - 1 - scale.ndim) + scale.shape
+                           + (1,))
+
+
+def scale_grad(dx: Array, x: Array, scale: Array) -> Array:
+  """The gradient of `scale` from the gradient `dx` of `dequantize(x,
+  scale)`: sum(dx * x) over the head dim and over the axes the scale is
+  broadcast along, shaped like `scale` (rank `x.ndim - 1`, float32).
+
+  Where dx is 0 the term is 0 whatever x holds: padded rows get dx = 0 and
+  may store NaN, which must not leak into the scale's gradient.
+  """
+  dx, x = dx.astype(jnp.float32), x.astype(jnp.float32)
+  d = jnp.sum(jnp.where(dx == 0, 0.0, dx * x), axis=-1)
+  axes = tuple(a for a, (n, m) in enumerate(zip(scale.shape, d.shape))
+               if n == 1 and m != 1)
+  return jnp.sum(d, axis=axes, keepdims=True).astype(scale.dtype)
