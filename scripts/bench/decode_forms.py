@@ -207,13 +207,25 @@ def dtype_rows(implementation: str, repeats: int, *,
 
     cells.append(Cell(name, scaled, (q, k8, v8, lengths, ks, vs), *refs,
                       _BF16, dict(query_dtype="bfloat16", cache_dtype=name)))
-    quantized.append((name, scaled, (k8, v8, lengths, ks, vs), refs[0]))
+    quantized.append((name, scaled, (k8, v8, lengths, ks, vs), refs))
+  # The 1-byte tiling beside the one it replaced: int8 at the split count
+  # of a 16-bit cache (two programs an SM, not four), and at 128-key
+  # blocks with that split count.
+  name, scaled, args, int8_refs = quantized[0]
+  for label, tiling in (("int8_33_splits", dict(num_splits=33)),
+                        ("int8_128_keys_33_splits",
+                         dict(num_splits=33, block_kv=128))):
+    def tiled(q, k, v, lengths, ks, vs, tiling=tiling):
+      return decode(q, k, v, lengths, key_scale=ks, value_scale=vs, **tiling)
+
+    cells.append(Cell(label, tiled, (q, *args), *int8_refs, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype=name,
+                           **tiling)))
   # Secondary: float32 queries (the path the first GPU run measured).
   cells.append(Cell("float32", decode, (q32, k.astype(_F32), v.astype(_F32),
                                         lengths), ref32, None, _F32,
                     dict(query_dtype="float32", cache_dtype="float32")))
-  name, scaled, args, int8_ref32 = quantized[0]
-  cells.append(Cell("int8_float32_query", scaled, (q32, *args), int8_ref32,
+  cells.append(Cell("int8_float32_query", scaled, (q32, *args), int8_refs[0],
                     None, _F32, dict(query_dtype="float32",
                                      cache_dtype=name)))
   return _rows("dtype", cells, repeats, calls,
@@ -337,6 +349,9 @@ TARGETS = (
     ("int8_vs_bf16", "dtype", "int8", "bfloat16", 0.6),
     ("fp8_vs_bf16", "dtype", "float8_e4m3fn", "bfloat16", 0.6),
     ("int8_bf16_vs_f32_query", "dtype", "int8", "int8_float32_query", 1.0),
+    # The 1-byte tiling (four programs an SM) no slower than the 16-bit one.
+    ("int8_vs_33_splits", "dtype", "int8", "int8_33_splits", 1.0),
+    ("int8_vs_128_keys", "dtype", "int8", "int8_128_keys_33_splits", 1.0),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
     ("prefix_vs_prefix_flash", "prefix", "prefix", "prefix_flash", 1.0),
     ("paged_vs_contiguous", "paged", "paged_16", "contiguous", 1.1),
