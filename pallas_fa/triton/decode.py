@@ -118,6 +118,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax.
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 from pallas_fa import triton
 from pallas_fa.flex import fused_mods
 from pallas_fa.flex import mods
@@ -125,7 +126,6 @@ from pallas_fa.triton import kernel as triton_kernel
 
 Array = Any
 _F32 = jnp.float32
-_FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 # P's multiplier in float16 products (at most 1: then at most 2^14).
 _P_UNIT = 2.0 ** 14
 # Triton's tl.dot needs every matmul dimension to be at least 16.
@@ -426,7 +426,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   # instruction per two values, to bfloat16 in three (`_float16_queries`).
   key_dtype, q_keys, key_unscale = compute, q_whole, None
   if (compute == jnp.bfloat16 and q_whole is not None and not latent
-      and refs["k"].dtype in _FLOAT8):
+      and quantize.is_fp8(refs["k"].dtype)):
     key_dtype = jnp.float16
     q_keys, key_unscale = _float16_queries(q_whole)
   # A float8 value tile likewise multiplies P in float16, P scaled by a
@@ -437,7 +437,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   # the latest block's unit (2^-e, `unit`; the exact change of unit folds
   # into alpha).
   value_dtype, per_key_units = compute, False
-  if compute == jnp.bfloat16 and not latent and refs["v"].dtype in _FLOAT8:
+  if (compute == jnp.bfloat16 and not latent
+      and quantize.is_fp8(refs["v"].dtype)):
     value_dtype = jnp.float16
     per_key_units = "v_scale" in refs and "v_scale" not in constant
 
