@@ -442,6 +442,22 @@ def test_lowering_enforces_shared_memory_budget():
                       jnp.bfloat16, too_big)
 
 
+def test_backward_tiles_past_shared_memory_name_block_sizes():
+  """Two consumers with three backward stages at H = 128: the fused kernel
+  misses the defaults' margin, so the call takes the split path, whose dQ
+  kernel (267 KB of buffers) can never fit. The call says so, naming
+  block_sizes, before Mosaic does."""
+  bs = dataclasses.replace(
+      mosaic_gpu.heuristic_block_sizes(
+          q_len=256, kv_len=384, head_dim=128, dtype=jnp.bfloat16),
+      num_stages_bwd=3)
+  assert bs.num_consumers_dkv == bs.num_consumers_dq == 2
+  assert mosaic_gpu.shared_memory_bytes(bs, 128)["dq"] > 227 * 1024
+  with pytest.raises(ValueError, match=r"block_sizes=.* dQ kernel"):
+    _lower_for_hopper(Case(b=1, t=256, s=384, n=2, k=2, h=128),
+                      jnp.bfloat16, bs)
+
+
 @pytest.mark.parametrize("fields, call, applies", [
     (dict(), dict(head_dim=128), True),  # "fused" is the default
     (dict(backward="fused"), dict(head_dim=64, dropout=True), True),

@@ -447,6 +447,9 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   b, t, n, _ = q.shape
   s = k.shape[1]
   bs = _block_sizes(params, q, k, v, info)
+  if not interpret:  # The interpreter has no shared memory to run out of.
+    tiles.check_fits(bs, "forward", shared_memory_bytes(
+        bs, q.shape[-1], q.dtype.itemsize, v.shape[-1])["forward"])
   rows = bs.num_consumers * bs.block_q
   x = layout.Padded(
       q, k, v, None, info, q_len=layout.padded_length(t, rows),
@@ -512,6 +515,19 @@ def fused_backward_applies(bs: MosaicGpuBlockSizes, head_dim: int,
       bs, head_dim, value_head_dim=value_head_dim) <= SHARED_MEMORY_BYTES
 
 
+def _check_backward_fits(bs, head_dim, value_head_dim, itemsize, fused):
+  """`tiles.check_fits` for the kernels the backward launches: the fused
+  one, else the dQ and dK/dV ones (a fused tiling past the defaults'
+  margin lands here too, and its split kernels may not fit either)."""
+  if fused:
+    tiles.check_fits(bs, "fused backward", fused_backward_bytes(
+        bs, head_dim, itemsize, value_head_dim))
+    return
+  smem = shared_memory_bytes(bs, head_dim, itemsize, value_head_dim)
+  tiles.check_fits(bs, "dQ", smem["dq"])
+  tiles.check_fits(bs, "dK/dV", smem["dkv"])
+
+
 def backward_impl(q, k, v, info, params, lse, dout, delta, *,
                   interpret: bool):
   """The backward pass with the execution mode given (see `forward_impl`).
@@ -540,6 +556,8 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   fused = fused_backward_applies(
       bs, h, v.shape[-1], score_mod, dropout=info.has_dropout,
       interpret=interpret, deterministic=params.deterministic_backward)
+  if not interpret:  # The interpreter has no shared memory to run out of.
+    _check_backward_fits(bs, h, v.shape[-1], q.dtype.itemsize, fused)
   if not fused:
     sched = schedule(_kinds(x, mask_mod, bs.block_q_dq, bs.block_kv_dq),
                      bs.num_consumers_dq)

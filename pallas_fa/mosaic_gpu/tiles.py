@@ -24,6 +24,9 @@ ALIGN = layout.Alignment(rows=64, head_dim=64)
 # below counts the buffers only, and the compiled kernels measure 2-5 KiB
 # more (barriers, 1 KiB alignment of swizzled tiles; compile_check.py).
 SHARED_MEMORY_BYTES = 227 * 1024 - 8 * 1024
+# What a kernel may have (the sm90 opt-in limit): buffers past it can never
+# compile, whatever the alignment and barriers add.
+SHARED_MEMORY_LIMIT = 227 * 1024
 
 # Values of `MosaicGpuBlockSizes.lowering_semantics` (None: jax's default).
 LOWERING_SEMANTICS = (None, "lane", "warpgroup")
@@ -225,6 +228,21 @@ def fused_backward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
   dkv = shared_memory_bytes(bs, head_dim, itemsize, value_head_dim)["dkv"]
   return dkv + nc * (2 * bs.block_kv_dkv * bs.block_q_dkv * itemsize
                      + bs.block_q_dkv * dq_cols * 4)
+
+
+def check_fits(bs: MosaicGpuBlockSizes, kernel: str, nbytes: int) -> None:
+  """Raises a ValueError naming the tiling when a kernel's buffers alone
+  (`shared_memory_bytes`, `fused_backward_bytes`: a lower bound of what
+  it compiles to) exceed sm90's shared memory, instead of Mosaic's error
+  from deep inside the lowering. Tilings the margin of
+  `SHARED_MEMORY_BYTES` keeps out of the defaults but within the limit
+  are left to the compiler: some of them fit."""
+  if nbytes > SHARED_MEMORY_LIMIT:
+    raise ValueError(
+        f"block_sizes={bs} needs {nbytes:,} bytes of shared memory in the "
+        f"{kernel} kernel, past the {SHARED_MEMORY_LIMIT:,} a Hopper CTA "
+        "has: use fewer stages, consumers or narrower tiles (or "
+        "block_sizes=None for the tuned default).")
 
 
 def heuristic_block_sizes(
