@@ -33,6 +33,7 @@ import functools
 import math
 from typing import Any
 from typing import Callable
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -444,13 +445,25 @@ def merge_parts(out: Array, lse: Array, axis: int) -> tuple[Array, Array]:
     with the cotangents of `merge_grad`, zero for a part with lse = -inf
     (autodiff of the formula would give NaN there).
   """
-  top = jnp.max(lse, axis=axis, keepdims=True)
+  return merge_part_groups(((out, lse),), axis)
+
+
+def merge_part_groups(groups: Sequence[tuple[Array, Array]], axis: int
+                      ) -> tuple[Array, Array]:
+  """`merge_parts` of parts held in several stacks, (out, lse) each with
+  its own number of parts on `axis` and otherwise one shape: the merge of
+  their concatenation, computed without concatenating (a kernel that reads
+  two arrays of partials merges them in registers). Forward only."""
+  top = functools.reduce(jnp.maximum, [
+      jnp.max(lse, axis=axis, keepdims=True) for _, lse in groups])
   top_safe = jnp.where(top == MASK_VALUE, 0.0, top)
-  w = jnp.exp(lse - top_safe)
-  total = jnp.sum(w, axis=axis)
+  weights = [jnp.exp(lse - top_safe) for _, lse in groups]
+  total = functools.reduce(jnp.add, [jnp.sum(w, axis=axis) for w in weights])
   seen = total > 0
   total_safe = jnp.where(seen, total, 1.0)
-  merged = jnp.sum(w[..., None] * out, axis=axis) / total_safe[..., None]
+  merged = functools.reduce(jnp.add, [
+      jnp.sum(w[..., None] * out, axis=axis)
+      for w, (out, _) in zip(weights, groups)]) / total_safe[..., None]
   lse = jnp.where(seen, jnp.squeeze(top_safe, axis) + jnp.log(total_safe),
                   MASK_VALUE)
   return merged, lse

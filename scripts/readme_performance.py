@@ -393,6 +393,8 @@ def _form_label(r: dict, base: dict) -> tuple[str, str]:
                          "materialised", "materialised"),
         "prefix": ("the same, the prefix stored once (`prefix_key`)",
                    "shared prefix"),
+        "prefix_two_merges": ("the same, each part's splits merged on "
+                              "their own first", "two merges"),
         "prefix_flash": ("the same, the prefix through `flash_attention` "
                          "(the old path)", "the old path"),
     }.get(impl, (f"`{impl}`", f"`{impl}`"))

@@ -567,7 +567,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         ("dtype", "float8_e4m3fn"), ("dtype", "int8_33_splits"),
         ("dtype", "int8_128_keys_33_splits"), ("dtype", "float32"),
         ("dtype", "int8_float32_query"), ("prefix", "materialised"),
-        ("prefix", "prefix"), ("prefix", "prefix_flash"),
+        ("prefix", "prefix"), ("prefix", "prefix_two_merges"),
+        ("prefix", "prefix_flash"),
         ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
         ("tnew", "t_new_1"), ("tnew", "t_new_4"), ("latent", "latent"),
         ("latent", "separate_values"), ("latent", "one_read_floor")]
@@ -606,8 +607,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
       return real(*a, **kw) * (1.5 if "prefix_key" in kw else 1)
 
     monkeypatch.setattr(pallas_fa, "decode_attention", wrong_or_raising)
-    (_, prefix, flash) = forms.prefix_rows("chunked", 1, b=3, s_p=64,
-                                           s_own=32, n=4, num_kv=2, h=16)
+    (_, prefix, _, flash) = forms.prefix_rows(
+        "chunked", 1, b=3, s_p=64, s_own=32, n=4, num_kv=2, h=16)
     assert prefix["status"] == "wrong" and "ms" not in prefix, prefix
     assert flash["status"] == "failed" and "ms" not in flash, flash
     assert "NotImplementedError: no such path" in flash["reason"]

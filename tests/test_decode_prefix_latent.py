@@ -12,6 +12,7 @@ import pytest
 import pallas_fa
 from pallas_fa import flex
 from pallas_fa import kv_cache
+from pallas_fa import quantize
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
 
@@ -243,6 +244,68 @@ def test_prefix_on_the_kernels(implementation, t, fold):
         lambda *a: pallas_fa.decode_attention(*a, **kw))(*args))
     assert ("flash_fwd" in jaxpr) == (not fold)
     assert len(re.findall(r"name=flash_decode\b(?!_)", jaxpr)) == 1 + fold
+
+
+@pytest.mark.parametrize("case", ["window_softcap_sinks", "positions_window",
+                                  "int8_paged", "eight_groups"])
+def test_triton_prefix_merges_in_place(case):
+  """One new token a row on triton: the prefix's and the rows' split
+  kernels feed one merge (`triton.decode.attention_with_prefix`), which
+  reads the folded prefix partials in place; the result is the
+  concatenation's, with a window cutting into the prefix, sinks, an int8
+  own cache on pages, and 8 query heads a K/V head over many splits."""
+  import jax  # noqa: PLC0415
+
+  gen = rng("prefix in place", case)
+  shape = dict(t=1, page_size=16 if case == "int8_paged" else None)
+  if case == "eight_groups":
+    shape.update(b=5, n=16, num_kv=2)
+  c = _prefix_case(gen, **shape)
+  n = c["q"].shape[2]
+  kw = dict(prefix_key=jnp.asarray(c["pk"]), prefix_value=jnp.asarray(
+      c["pv"]), return_residual=True, implementation="triton", num_splits=5,
+            block_table=None if c["table"] is None else jnp.asarray(
+                c["table"]))
+  ref_kw = {}
+  k, v, cat_k, cat_v = c["k"], c["v"], c["cat_k"], c["cat_v"]
+  if case == "window_softcap_sinks":
+    ref_kw = dict(local_window_size=(20, 0), logits_soft_cap=20.0,
+                  sinks=jnp.asarray(gen.standard_normal(n), jnp.float32))
+  q_pos = c["q_pos"]
+  if case == "positions_window":  # new tokens not at the end (speculative)
+    q_pos = q_pos - gen.integers(0, 3, q_pos.shape)
+    kw.update(query_positions=jnp.asarray(q_pos, jnp.int32))
+    ref_kw = dict(local_window_size=(25, 0))
+  if case == "int8_paged":
+    k8, k_scale = kv_cache.quantize(jnp.asarray(k), jnp.int8)
+    v8, v_scale = kv_cache.quantize(jnp.asarray(v), jnp.int8)
+    kw.update(key_scale=k_scale, value_scale=v_scale)
+    k, v = k8, v8
+    # Entries past the lengths (NaN, so scales NaN) are never seen.
+    own_k = np.nan_to_num(np.asarray(quantize.dequantize(k8, k_scale)))
+    own_v = np.nan_to_num(np.asarray(quantize.dequantize(v8, v_scale)))
+    # The concatenation of the dequantized pages, in each row's order.
+    table, page = c["table"], 16
+    rows_k = own_k[table].reshape(table.shape[0], -1, *own_k.shape[2:])
+    rows_v = own_v[table].reshape(table.shape[0], -1, *own_v.shape[2:])
+    prefix_k = np.broadcast_to(c["pk"], (table.shape[0],) + c["pk"].shape)
+    prefix_v = np.broadcast_to(c["pv"], (table.shape[0],) + c["pv"].shape)
+    cat_k = np.concatenate([prefix_k, rows_k], axis=1)
+    cat_v = np.concatenate([prefix_v, rows_v], axis=1)
+    assert rows_k.shape[1] == c["k"].shape[0] // table.shape[0] * page
+  args = [jnp.asarray(x) for x in (c["q"], k, v, c["lengths"])]
+
+  def decode(*a):
+    return pallas_fa.decode_attention(*a, **kw, **ref_kw)
+
+  jaxpr = str(jax.make_jaxpr(decode)(*args))
+  assert len(re.findall(r"name=flash_decode\b(?!_)", jaxpr)) == 2
+  assert len(re.findall(r"name=flash_decode_merge\b", jaxpr)) == 1
+  out, lse = decode(*args)
+  ref = _reference(c["q"], cat_k, cat_v, c["cat_lengths"], q_pos,
+                   is_causal=True, **ref_kw)
+  assert_close("out", out, ref[0])
+  assert_close("lse", lse, ref[1])
 
 
 def test_triton_prefix_past_the_folded_rows_takes_flash_attention(

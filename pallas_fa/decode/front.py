@@ -84,7 +84,7 @@ def decode_attention(
     value_head_dim: int | None = None,
     prefix_key: Array | None = None,
     prefix_value: Array | None = None,
-    _fold_prefix: bool = True,
+    _fold_prefix: bool | str = True,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -187,7 +187,9 @@ def decode_attention(
       first Hv columns with a latent cache).
     _fold_prefix: private, for A/B benchmarks: False sends the prefix part
       through `flash_attention` even where the rows' folded queries fit a
-      decode tile (`decode.prefix.attend`).
+      decode tile (`decode.prefix.attend`); "two_merges" folds them but
+      merges each part's splits on its own before merging the parts (the
+      path `kernels.run_with_prefix` replaces).
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -285,6 +287,20 @@ def decode_attention(
     out, lse = _own_cache(implementation, query, query_positions, sinks,
                           cache, tiling, static, flex)
     return _result(out, lse, return_residual)
+  # One new token a row on triton: three kernels (`kernels.run_with_prefix`)
+  # that read the lengths or the positions as given.
+  if (_fold_prefix is True and value is not None
+      and plan.capacity(key, block_table) > 0
+      and kernels.merges_prefix_in_place(implementation, query, prefix_value,
+                                         dict(static, **flex))):
+    scales = {name: x for name, x in (("key_scale", key_scale),
+                                      ("value_scale", value_scale))
+              if x is not None}
+    out, lse = kernels.run_with_prefix(
+        implementation, query, key, value, lengths, block_table,
+        query_positions, sinks, prefix_key, prefix_value, num_splits,
+        block_kv, dict(static, **scales))
+    return _result(out, lse, return_residual)
   s_p = prefix_key.shape[0]
   if query_positions is None:
     query_positions = (lengths[:, None].astype(jnp.int32) - t
@@ -306,7 +322,7 @@ def decode_attention(
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
                          implementation=implementation, static=static,
                          flex=flex, decode_one_row=decode_one_row,
-                         fold=_fold_prefix)
+                         fold=bool(_fold_prefix))
   return _result(*prefix.merge(shared, own, sinks, query.dtype),
                  return_residual)
 

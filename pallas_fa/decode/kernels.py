@@ -58,6 +58,22 @@ def run(implementation, query, key, value, lengths, block_table,
         f"implementation={implementation!r} reads float caches only; a "
         f"quantized key/value cache ({key.dtype}, {value.dtype}) decodes "
         f"with implementation='chunked' (or None).")
+  block, splits = _tiling(kernel, implementation, query, key, value,
+                          block_table, static, num_splits, block_kv)
+  if implementation == "triton" and static.get("mask_mod") is None:
+    # Two kernels in all: the programs find their key runs themselves.
+    return kernel.attention(
+        query, key, value, lengths, block_table, query_positions, sinks,
+        block=block, splits=splits, **static)
+  return _decode_split_kernel(
+      query, key, value, lengths, block_table, query_positions, sinks,
+      partials=kernel.partials, block=block, splits=splits, **static)
+
+
+def _tiling(kernel, implementation, query, key, value, block_table, static,
+            num_splits, block_kv) -> tuple[int, int]:
+  """(keys per block, splits) of a kernel's call: its `block_for` and
+  `plan.default_num_splits` unless the caller chose them."""
   b, t, n, h = query.shape
   num_kv = key.shape[2]
   hv = static.get("value_head_dim") or value.shape[3]
@@ -80,15 +96,53 @@ def run(implementation, query, key, value, lengths, block_table,
   if num_splits is None:
     num_splits = plan.default_num_splits(b, programs, num_blocks, platform,
                                          cache_dtype=key.dtype)
-  splits = int(min(num_splits, num_blocks))
-  if implementation == "triton" and static.get("mask_mod") is None:
-    # Two kernels in all: the programs find their key runs themselves.
-    return kernel.attention(
-        query, key, value, lengths, block_table, query_positions, sinks,
-        block=block, splits=splits, **static)
-  return _decode_split_kernel(
+  return block, int(min(num_splits, num_blocks))
+
+
+def merges_prefix_in_place(implementation, query, prefix_value,
+                           static) -> bool:
+  """Whether `run_with_prefix` takes the call: the triton kernel, one new
+  token a row (the folded prefix partials are then a strided view of each
+  row's), no flex attention, a value cache (not latent) and the prefix's
+  value columns padded as the rows' (`triton.decode.value_tiling`)."""
+  if (implementation != "triton" or query.shape[1] != 1
+      or query.dtype == jnp.float64
+      or static.get("score_mod") is not None
+      or static.get("mask_mod") is not None
+      or static.get("value_head_dim") is not None):
+    return False
+  b, _, n, _ = query.shape
+  groups = n // prefix_value.shape[1]
+  if not folds_rows(implementation, b * groups):
+    return False
+  kernel = _decode_kernel(implementation)
+  hv = prefix_value.shape[2]
+  return (kernel.value_tiling(hv, kernel.packed_rows(groups))
+          == kernel.value_tiling(hv, kernel.packed_rows(b * groups)))
+
+
+def run_with_prefix(implementation, query, key, value, lengths, block_table,
+                    query_positions, sinks, prefix_key, prefix_value,
+                    num_splits, block_kv, static):
+  """`run` over the rows' own caches and a shared prefix at once, where
+  `merges_prefix_in_place`: the prefix's split kernel (every row's new
+  token folded into one row), the rows' split kernel, and one merge of
+  both kernels' partials with the sinks, three kernels and the fold's
+  small transpose in all. `query_positions` [B, 1] are those of the
+  concatenation `[prefix; cache]`."""
+  kernel = _decode_kernel(implementation)
+  s_p = prefix_key.shape[0]
+  b = query.shape[0]
+  block, splits = _tiling(kernel, implementation, query, key, value,
+                          block_table, static, num_splits, block_kv)
+  folded = query.reshape(1, b, *query.shape[2:])
+  prefix_block, prefix_splits = _tiling(
+      kernel, implementation, folded, prefix_key[None], prefix_value[None],
+      None, {}, None, None)
+  return kernel.attention_with_prefix(
       query, key, value, lengths, block_table, query_positions, sinks,
-      partials=kernel.partials, block=block, splits=splits, **static)
+      prefix_key, prefix_value, block=block, splits=splits,
+      prefix_block=prefix_block, prefix_splits=prefix_splits, **static)
 
 
 @functools.partial(jax.jit, static_argnames=plan.STATIC + (

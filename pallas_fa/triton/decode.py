@@ -294,11 +294,12 @@ def _flex_values(refs, mod, cols):
   return values
 
 
-def _positions(refs, raw_length, rows: int, new_tokens: int):
+def _positions(refs, raw_length, rows: int, new_tokens: int,
+               offset: int = 0):
   """(row positions [rows], smallest and largest new-token position) of a
-  program's sequence: the "qpos" input's, or by default the last
-  `new_tokens` positions below the (unclamped) length. Row r holds token
-  r % new_tokens."""
+  program's sequence: the "qpos" input's plus `offset`, or by default the
+  last `new_tokens` positions below the (unclamped) length. Row r holds
+  token r % new_tokens."""
   token = jnp.arange(rows, dtype=jnp.int32) % new_tokens
   if "qpos" not in refs:
     first = raw_length - new_tokens
@@ -307,7 +308,7 @@ def _positions(refs, raw_length, rows: int, new_tokens: int):
 
   def body(t, carry):
     pos, lo, hi = carry
-    p = qpos[t]
+    p = qpos[t] + offset
     return jnp.where(token == t, p, pos), jnp.minimum(lo, p), jnp.maximum(
         hi, p)
 
@@ -369,7 +370,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             cache_len: int, capacity: int, num_pages: int, splits: int,
             new_tokens: int, real_rows: int, scale: float, soft_cap,
             is_causal: bool, window, precision, score_mod=None,
-            mask_mod=None, latent: bool = False):
+            mask_mod=None, latent: bool = False, position_offset: int = 0):
   # Grid indices at the kernel's top level (the interpreter resolves
   # `program_id` there, not inside loop bodies).
   column = pl.program_id(2) % value_chunks
@@ -392,7 +393,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     raw_length = refs["len"][0]
     length = jnp.clip(raw_length, 0, capacity)
     row_pos, q_first, q_last = _positions(refs, raw_length, rows,
-                                          new_tokens)
+                                          new_tokens, position_offset)
     lo, hi = masking.decode_key_blocks(
         length, q_first, q_last, block=block, is_causal=is_causal,
         window=window)
@@ -644,10 +645,11 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
                 is_causal: bool, local_window_size, logits_soft_cap,
                 precision, score_mod=None, score_mod_args=(), mask_mod=None,
                 mask_mod_args=(), lists=None, key_scale=None,
-                value_scale=None, value_head_dim=None):
+                value_scale=None, value_head_dim=None, position_offset=0):
   """The split kernel on packed queries q [B, K, R, H] (R = G * T_new,
   not padded) and the cache as given; `inputs` holds what tells a program
-  its run ("len" and maybe "qpos", or a mask_mod's lists) and `row_pos`,
+  its run ("len" and maybe "qpos", each read plus `position_offset`, or a
+  mask_mod's lists) and `row_pos`,
   [B, R], each packed row's position, is needed with flex attention only.
   A quantized cache comes with its scales or None (`_scale_input`). With
   `value_head_dim` the cache is latent: `value` is ignored (the key's
@@ -749,7 +751,8 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       cache_len=cache_len, capacity=capacity, num_pages=key.shape[0],
       splits=splits, new_tokens=new_tokens, real_rows=r, scale=scale,
       soft_cap=logits_soft_cap, is_causal=is_causal,
-      window=local_window_size, precision=precision, latent=latent)
+      window=local_window_size, precision=precision, latent=latent,
+      position_offset=position_offset)
   warps, stages = _launch(rows, max(head_chunk, value_chunk))
   return triton.pallas_call(
       kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
@@ -867,6 +870,111 @@ def attention(query, key, value, lengths, block_table, query_positions,
   if mask_mod is not None:
     raise NotImplementedError(
         "a mask_mod's block lists take `partials` (decode.kernels.run).")
+  b, t, n, _ = query.shape
+  num_kv = key.shape[2]
+  g = n // num_kv
+  out, lse = _row_partials(
+      query, key, value, lengths, block_table, query_positions, block=block,
+      splits=splits, scale=scale, is_causal=is_causal,
+      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+      precision=precision, score_mod=score_mod,
+      score_mod_args=score_mod_args, key_scale=key_scale,
+      value_scale=value_scale, value_head_dim=value_head_dim)
+  if sinks is not None:
+    # Packed row r of K/V head k belongs to query head k * G + r // T.
+    sinks = sinks.astype(_F32).reshape(num_kv, g)
+    if t > 1:
+      sinks = jnp.repeat(sinks, t, axis=1)
+  hv = value_head_dim or value.shape[3]
+  out, lse = merge_splits(out, lse, sinks, dtype=query.dtype,
+                          value_head_dim=hv)
+  if t == 1:
+    return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
+  out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
+  lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
+  return out.reshape(b, t, n, hv), lse.reshape(b, t, n)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "block", "splits", "prefix_block", "prefix_splits", "scale",
+    "is_causal", "local_window_size", "logits_soft_cap", "precision"))
+def attention_with_prefix(query, key, value, lengths, block_table,
+                          query_positions, sinks, prefix_key, prefix_value,
+                          *, block: int, splits: int, prefix_block: int,
+                          prefix_splits: int, scale: float, is_causal: bool,
+                          local_window_size, logits_soft_cap, precision,
+                          key_scale=None, value_scale=None):
+  """`decode_attention` with a shared prefix, one new token a row, in
+  three kernels and the fold's transpose (`decode.kernels.run_with_prefix`):
+
+  * the prefix's split kernel: the B rows' new tokens are one row's B new
+    tokens (packed row g * B + b: row b's query head k * G + g), the
+    prefix read once for all rows, its keys split over the programs;
+  * the rows' split kernel over their own caches, positions shifted by
+    S_p as in the concatenation `[prefix; cache[b]]`;
+  * one merge of both kernels' partials (`merge_splits(prefix=...)`),
+    which adds the sinks and writes the output.
+
+  Args:
+    query: [B, 1, N, H].
+    key, value, lengths, block_table: the rows' own caches, as for
+      `attention` (not latent).
+    query_positions: None (each row's length plus S_p, less one) or int
+      [B, 1], the new tokens' positions in the concatenation; the kernels
+      read them (or the lengths) with the prefix's offset, so that no
+      fusion runs before them.
+    sinks: None or float32 [N].
+    prefix_key, prefix_value: [S_p, K, H] and [S_p, K, Hv], the query's
+      dtype.
+    block, splits: the rows' kernel's tiling; prefix_block, prefix_splits:
+      the prefix's (`decode.kernels._tiling` of the folded row).
+    scale, is_causal, local_window_size, logits_soft_cap, precision,
+      key_scale, value_scale: as for `attention`.
+
+  Returns:
+    (out [B, 1, N, Hv] in the query's dtype, lse float32 [B, 1, N]).
+  """
+  b, t, n, h = query.shape
+  if t != 1:
+    raise NotImplementedError(
+        "attention_with_prefix folds one new token a row (T_new = 1), got "
+        f"{t}; decode.prefix.attend takes the others.")
+  s_p, num_kv, hv = prefix_key.shape[0], key.shape[2], value.shape[3]
+  static = dict(scale=scale, is_causal=is_causal,
+                local_window_size=local_window_size,
+                logits_soft_cap=logits_soft_cap, precision=precision)
+  if query_positions is None:
+    # The rows' kernel takes its default (its length less one, in its own
+    # cache); the prefix's reads each row's length, plus S_p less one.
+    positions, own_offset, shared_offset = lengths, 0, s_p - 1
+  else:
+    positions, own_offset, shared_offset = query_positions[:, 0], -s_p, 0
+  own = _row_partials(
+      query, key, value, lengths, block_table, query_positions, block=block,
+      splits=splits, key_scale=key_scale, value_scale=value_scale,
+      position_offset=own_offset, **static)
+  shared = _row_partials(
+      query.reshape(1, b, n, h), prefix_key[None], prefix_value[None],
+      jnp.full((1,), s_p, jnp.int32), None, positions.reshape(1, b),
+      block=prefix_block, splits=prefix_splits,
+      position_offset=shared_offset, **static)
+  if sinks is not None:
+    sinks = sinks.astype(_F32).reshape(num_kv, n // num_kv)
+  out, lse = merge_splits(*own, sinks, dtype=query.dtype, value_head_dim=hv,
+                          prefix=shared)
+  return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
+
+
+def _row_partials(query, key, value, lengths, block_table, query_positions,
+                  *, block, splits, scale, is_causal, local_window_size,
+                  logits_soft_cap, precision, score_mod=None,
+                  score_mod_args=(), key_scale=None, value_scale=None,
+                  value_head_dim=None, position_offset=0):
+  """The split kernel's partials (`_split_call`) for the queries [B, T_new,
+  N, H] packed as [B, K, G * T_new, H]: packed row r of K/V head k is new
+  token r % T_new of query head k * G + r // T_new. `query_positions`
+  (None: the last T_new below each length) are read plus
+  `position_offset` (no score_mod)."""
   b, t, n, h = query.shape
   num_kv = key.shape[2]
   g = n // num_kv
@@ -889,26 +997,14 @@ def attention(query, key, value, lengths, block_table, query_positions,
       positions = (lengths[:, None] - t
                    + jnp.arange(t, dtype=jnp.int32)[None, :])
     row_pos = jnp.tile(positions.astype(jnp.int32), (1, g))
-  out, lse = _split_call(
+  return _split_call(
       q, key, value, block_table, inputs, row_pos, r=r, new_tokens=t,
       block=block, splits=splits, scale=scale, is_causal=is_causal,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       precision=precision, score_mod=score_mod,
       score_mod_args=score_mod_args, key_scale=key_scale,
-      value_scale=value_scale, value_head_dim=value_head_dim)
-  if sinks is not None:
-    # Packed row r of K/V head k belongs to query head k * G + r // T.
-    sinks = sinks.astype(_F32).reshape(num_kv, g)
-    if t > 1:
-      sinks = jnp.repeat(sinks, t, axis=1)
-  hv = value_head_dim or value.shape[3]
-  out, lse = merge_splits(out, lse, sinks, dtype=query.dtype,
-                          value_head_dim=hv)
-  if t == 1:
-    return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
-  out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
-  lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
-  return out.reshape(b, t, n, hv), lse.reshape(b, t, n)
+      value_scale=value_scale, value_head_dim=value_head_dim,
+      position_offset=position_offset)
 
 
 # The most float32 elements of a merge program's [splits, rows, columns]
@@ -921,24 +1017,31 @@ _MERGE_MIN_COLUMNS = 16
 
 def _merge_kernel(refs, *, splits: int, real_rows: int, value_head_dim: int,
                   padded_head_dim: int, column_blocks: int,
-                  padded_rows: bool):
+                  padded_rows: bool, prefix_splits: int = 0):
   s_pad, rows, chunk = refs["parts"].shape
   column = pl.program_id(2) % column_blocks
   first_row = pl.program_id(2) // column_blocks * rows
   row_ok = first_row + jnp.arange(rows, dtype=jnp.int32) < real_rows
   if not padded_rows:
     real_rows = rows  # Every program's rows are real: no row masks.
-  part_ok = None
-  if s_pad != splits or rows != real_rows:
-    split_ok = jnp.arange(s_pad, dtype=jnp.int32) < splits
-    part_ok = split_ok[:, None] & row_ok[None, :]  # [S, R]
-  # Splits and rows past the arrays read as parts that saw no key.
-  lse = _load(refs["part_lse"], part_ok, online_softmax.MASK_VALUE)
-  parts = _load(refs["parts"],
-                None if part_ok is None else part_ok[:, :, None], 0.0)
-  # The primals of the custom_vjps (Triton lowers no custom_vjp; this
-  # kernel is forward-only).
-  out, lse = online_softmax.merge_parts.fun(parts, lse, 0)
+
+  def group(prefix: str, s_pad: int, splits: int):
+    part_ok = None
+    if s_pad != splits or rows != real_rows:
+      split_ok = jnp.arange(s_pad, dtype=jnp.int32) < splits
+      part_ok = split_ok[:, None] & row_ok[None, :]  # [S, R]
+    # Splits and rows past the arrays read as parts that saw no key.
+    lse = _load(refs[prefix + "part_lse"], part_ok, online_softmax.MASK_VALUE)
+    parts = _load(refs[prefix + "parts"],
+                  None if part_ok is None else part_ok[:, :, None], 0.0)
+    return parts, lse
+
+  groups = [group("", s_pad, splits)]
+  if "prefix_parts" in refs:
+    groups.append(group("prefix_", refs["prefix_parts"].shape[0],
+                        prefix_splits))
+  # Forward-only math (Triton lowers no custom_vjp).
+  out, lse = online_softmax.merge_part_groups(groups, 0)
   if "sinks" in refs:
     sinks = _load(refs["sinks"], None if rows == real_rows else row_ok, 0.0)
     out, lse = online_softmax.add_sink.fun(out, lse, sinks)
@@ -953,7 +1056,8 @@ def _merge_kernel(refs, *, splits: int, real_rows: int, value_head_dim: int,
     _store(refs["lse"], lse, None if rows == real_rows else row_ok)
 
 
-def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int):
+def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int,
+                 prefix=None):
   """The splits' partial results merged (`online_softmax.merge_parts`) and
   the sinks added once (`online_softmax.add_sink`) in one small Pallas
   kernel, which writes the output in `dtype` (XLA would take three
@@ -965,19 +1069,28 @@ def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int):
     sinks: None or float32 [K, R], each packed row's sink logit.
     dtype: the output's dtype.
     value_head_dim: Hv, the output's head dim (<= out's last dim).
+    prefix: None, or a shared prefix's partials merged in the same pass,
+      (out [1, K, splits_p, R * B, Hv padded], lse [1, K, splits_p, R *
+      B]) as the split kernel leaves them for the B rows' single new
+      tokens folded into one row (`attention_with_prefix`, T_new = 1:
+      folded row g * B + b is row b's packed row g), read in place.
 
   Returns:
     (out [B, K, R, Hv] in `dtype`, lse float32 [B, K, R]).
   """
   b, num_kv, splits, r, hvp = out.shape
   s_pad = layout.next_power_of_2(splits)
+  read = s_pad  # Parts a program reads per row and column.
+  if prefix is not None:
+    prefix_pad = layout.next_power_of_2(prefix[0].shape[2])
+    read += prefix_pad
   padded = layout.next_power_of_2(r)
   min_columns = min(_MERGE_MIN_COLUMNS, hvp & -hvp)
   rows = padded
-  while rows > 1 and s_pad * rows * min_columns > _MERGE_ELEMENTS:
+  while rows > 1 and read * rows * min_columns > _MERGE_ELEMENTS:
     rows //= 2
   chunk = 1
-  while hvp % (2 * chunk) == 0 and s_pad * rows * 2 * chunk <= (
+  while hvp % (2 * chunk) == 0 and read * rows * 2 * chunk <= (
       _MERGE_ELEMENTS):
     chunk *= 2
   columns = hvp // chunk
@@ -992,6 +1105,21 @@ def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int):
       "part_lse": (lse, triton.block_spec(
           (None, None, s_pad, rows), lambda i, k, c: (i, k, 0, rows_of(c)))),
   }
+  prefix_splits = 0
+  if prefix is not None:
+    # [1, K, S_p, R * B, ...] viewed as [K, S_p, R, B, ...]: row b's parts
+    # are a strided slice, read without a transposed copy.
+    prefix_out, prefix_lse = prefix
+    prefix_splits = prefix_out.shape[2]
+    inputs["prefix_parts"] = (
+        prefix_out.reshape(num_kv, prefix_splits, r, b, hvp),
+        triton.block_spec((None, prefix_pad, rows, None, chunk),
+                          lambda i, k, c: (k, 0, rows_of(c), i,
+                                           c % columns)))
+    inputs["prefix_part_lse"] = (
+        prefix_lse.reshape(num_kv, prefix_splits, r, b),
+        triton.block_spec((None, prefix_pad, rows, None),
+                          lambda i, k, c: (k, 0, rows_of(c), i)))
   if sinks is not None:
     inputs["sinks"] = (sinks, triton.block_spec(
         (None, rows), lambda i, k, c: (k, rows_of(c))))
@@ -1007,8 +1135,9 @@ def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int):
   kernel = functools.partial(
       _merge_kernel, splits=splits, real_rows=r,
       value_head_dim=value_head_dim, padded_head_dim=hvp,
-      column_blocks=columns, padded_rows=padded != r)
-  warps = 4 if s_pad * rows * chunk <= _MERGE_ELEMENTS // 2 else 8
+      column_blocks=columns, padded_rows=padded != r,
+      prefix_splits=prefix_splits)
+  warps = 4 if read * rows * chunk <= _MERGE_ELEMENTS // 2 else 8
   return triton.pallas_call(
       kernel, inputs, outputs, (b, num_kv, padded // rows * columns), warps,
       1, "flash_decode_merge")

@@ -13,10 +13,12 @@ and not timed):
   dtype: this is the float32 path an int8 cache took with float32
   queries);
 * `prefix`: B rows sharing a prefix of S_p tokens with S_own tokens each,
-  decoded with `prefix_key`/`prefix_value` ("prefix"; "prefix_flash" the
-  prefix part through `flash_attention` instead of the folded decode
-  tile) against the same rows over the materialised concatenation [B, S_p
-  + S_own];
+  decoded with `prefix_key`/`prefix_value` ("prefix": on triton both
+  parts' splits in one merge; "prefix_two_merges" the folded path that
+  merges each part before merging the two; "prefix_flash" the prefix
+  part through `flash_attention` instead of the folded decode tile)
+  against the same rows over the materialised concatenation [B, S_p +
+  S_own];
 * `paged`: the `dtype` shape's bfloat16 cache as shuffled pages of 16
   keys (vLLM's default block size on CUDA) and of 64 against the
   contiguous cache;
@@ -299,6 +301,10 @@ def prefix_rows(implementation: str, repeats: int, *,
     return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
                   _fold_prefix=False)
 
+  def shared_two_merges(q, k, v, lengths, pk, pv):
+    return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
+                  _fold_prefix="two_merges")
+
   cat_k, cat_v = (jnp.concatenate([jnp.broadcast_to(p, (b,) + p.shape), x],
                                   axis=1) for p, x in ((pk, k), (pv, v)))
   whole = lengths + s_p
@@ -308,6 +314,8 @@ def prefix_rows(implementation: str, repeats: int, *,
       Cell("materialised", decode, (q, cat_k, cat_v, whole), *refs, _BF16,
            {}),
       Cell("prefix", shared, (q, k, v, lengths, pk, pv), *refs, _BF16, {}),
+      Cell("prefix_two_merges", shared_two_merges,
+           (q, k, v, lengths, pk, pv), *refs, _BF16, {}),
       Cell("prefix_flash", shared_flash, (q, k, v, lengths, pk, pv), *refs,
            _BF16, {}),
   ], repeats, calls, **shape)
@@ -354,6 +362,8 @@ TARGETS = (
     ("int8_vs_128_keys", "dtype", "int8", "int8_128_keys_33_splits", 1.0),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
     ("prefix_vs_prefix_flash", "prefix", "prefix", "prefix_flash", 1.0),
+    # Both parts' splits in one merge kernel: four launches instead of eight.
+    ("prefix_vs_two_merges", "prefix", "prefix", "prefix_two_merges", 0.85),
     ("paged_vs_contiguous", "paged", "paged_16", "contiguous", 1.1),
     ("paged64_vs_contiguous", "paged", "paged_64", "contiguous", 1.05),
     ("tnew4_vs_tnew1", "tnew", "t_new_4", "t_new_1", 1.15),
