@@ -272,7 +272,7 @@ def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],
 
 
 def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
-           per_query: PerQuery = queries_first):
+           per_query: PerQuery = queries_first, offset: float = 0.0):
   """One online-softmax step over a tile of logits s [..., rows, keys].
 
   Args:
@@ -281,17 +281,23 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
     s: masked logits of the tile.
     base2: s is in base 2 (`logits(base2=True)`).
     per_query: broadcast of a [..., rows] vector against s.
+    offset: p and l come out exp(offset) (base 2: 2**offset) larger, p's
+      largest entry that value rather than 1 (a low-precision P keeps its
+      small entries above the format's subnormals, FlashAttention-3's
+      FP8 max offset); the caller takes `offset` off the max before
+      `finalize`, whose output it does not change.
 
   Returns:
     (m_new, l_new, p, alpha): the new running max and denominator, the tile's
-    unnormalised probabilities p = exp(s - m_new) and the factor alpha by which
-    the caller rescales its accumulator (`rescale`) before adding p @ v.
+    unnormalised probabilities p = exp(s - m_new + offset) and the factor
+    alpha by which the caller rescales its accumulator (`rescale`) before
+    adding p @ v.
   """
   exp = jnp.exp2 if base2 else jnp.exp
   m_new = jnp.maximum(m_i, s.max(axis=-1))
   m_safe = _finite_or_zero(m_new)
   alpha = exp(m_i - m_safe)
-  p = exp(s - per_query(m_safe, s.shape))
+  p = exp(s - per_query(m_safe - offset if offset else m_safe, s.shape))
   l_new = alpha * l_i + p.sum(axis=-1)
   return m_new, l_new, p, alpha
 

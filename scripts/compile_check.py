@@ -125,7 +125,13 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_paged_fp8", "decode_latent", "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
-            "split_causal", "split_masked", "split_dropout")
+            "split_causal", "split_masked", "split_dropout", "fp8",
+            "fp8_causal", "decode_prefix")
+# The float8 forward variants: `flash_attention` on float8_e4m3fn query,
+# key and value with per-head float32 scales (the case's dtype is the
+# result's, `out_dtype`), their base variant's masking; the backward is the
+# case's-dtype one of the dequantized inputs, compiled by "plain" / "causal".
+FP8_VARIANTS = {"fp8": "plain", "fp8_causal": "causal"}
 # The decode variants over a quantized cache: (the variant whose cache
 # layout they have, the cache's dtype); the query's is the case's dtype.
 QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
@@ -152,10 +158,14 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_flex": ("triton",),
                     **{name: ("mosaic_gpu",) for name in (
                         "split", "split_causal", "split_masked",
-                        "split_dropout")}}
+                        "split_dropout")},
+                    **{name: ("triton", "mosaic_gpu")
+                       for name in FP8_VARIANTS},
+                    "decode_prefix": ("triton",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
-VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9)}
+VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
+                          **{name: (8, 9) for name in FP8_VARIANTS}}
 # The widest head dim of a variant (past it, its calls run another variant's
 # kernels): past 128, or 64 with dropout, a default call's backward is the
 # split one already (`mosaic_gpu.fused_backward_applies`).
@@ -172,6 +182,9 @@ DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
 # does a head dim the kernel pads (H = 72: the padded copy of the cache,
 # `pallas_fa.triton.decode`), which is reported, not checked.
 DECODE_KERNELS = {"decode": 2, "decode_paged": 2,
+                  # Both parts' split kernels, their one merge and the
+                  # fold's transpose of the queries.
+                  "decode_prefix": 4,
                   **{name: 2 for name in QUANTIZED_DECODE},
                   **{name: 2 for name in LATENT_DECODE}}
 HEAD_DIMS = (64, 72, 128, 256)
@@ -210,12 +223,20 @@ class Case:
       bias (`flex.t5_relative_bias`, a [heads, 32] table read at computed
       offsets, its gradient included; triton only); "decode_flex" =
       "decode" with
-      ALiBi and a prefix-LM mask_mod; "split" / "split_causal" /
+      ALiBi and a prefix-LM mask_mod; "decode_prefix" = "decode" with a
+      shared prefix of S keys before the rows' caches (`prefix_key`,
+      `prefix_value`); "split" / "split_causal" /
       "split_masked" / "split_dropout" = "plain" / "causal" / "masked" /
       "dropout" with mosaic_gpu's split backward, the reproducible one
       that `deterministic_backward=True` runs
       (`MosaicGpuBlockSizes(backward="split")`; the base variants compile
-      the default, fused one), at head dims <= 128, <= 64 with dropout.
+      the default, fused one), at head dims <= 128, <= 64 with dropout;
+      "fp8" / "fp8_causal" = the forward of "plain" / "causal" on
+      float8_e4m3fn query, key and value with per-head float32 scales
+      (`FP8_VARIANTS`; compute capability 8.9 and up), the
+      result in the case's dtype (the backward of a float8 call runs on
+      the dequantized inputs: the float32 "plain" / "causal" cases compile
+      it).
     tiles: "default" (what a call without block_sizes gets: tuned records
       for the target, else the heuristic) or "heuristic" (records ignored).
   """
@@ -235,6 +256,12 @@ class Case:
     return self.head_dim // 2 if self.head_dim > 64 else 2 * self.head_dim
 
   @property
+  def input_dtype(self) -> str:
+    """The dtype of query, key and value (a float8 variant's, else the
+    case's)."""
+    return "float8_e4m3fn" if self.variant in FP8_VARIANTS else self.dtype
+
+  @property
   def split(self) -> bool:
     """Whether the case asks for mosaic_gpu's split backward."""
     return self.variant.startswith("split")
@@ -242,7 +269,10 @@ class Case:
   @property
   def base(self) -> str:
     """The variant whose inputs and masking the case has ("split" ones:
-    that of their suffix, "plain" for "split" itself)."""
+    that of their suffix, "plain" for "split" itself; the float8 ones
+    `FP8_VARIANTS`)."""
+    if self.variant in FP8_VARIANTS:
+      return FP8_VARIANTS[self.variant]
     if not self.split:
       return self.variant
     return self.variant.removeprefix("split").removeprefix("_") or "plain"
@@ -286,7 +316,7 @@ def _tiles(case: Case, seq: int, *, heuristic: bool = False,
             else module.default_block_sizes)
   return choose(
       q_len=seq, kv_len=seq, head_dim=case.head_dim,
-      dtype=jnp.dtype(case.dtype), is_causal=case.base != "plain",
+      dtype=jnp.dtype(case.input_dtype), is_causal=case.base != "plain",
       dropout=case.base == "dropout", device_kind=device_kind,
       value_head_dim=case.value_head_dim)
 
@@ -313,6 +343,9 @@ def _decode_call(case: Case, seq: int, spec):
   flex_call = case.variant == "decode_flex"
   if flex_call:  # ALiBi's slopes, prefix-LM's prefix lengths.
     args += [spec((shape["heads"],), jnp.float32), spec((b,), jnp.int32)]
+  shared = case.variant == "decode_prefix"
+  if shared:  # The prefix's keys and values.
+    args += [spec((seq, kv, h)), spec((seq, kv, h))]
   quantized = case.variant in QUANTIZED_DECODE
   if quantized:  # The key and value scales, one per cache entry.
     args += [spec(cache, jnp.float32), spec(cache, jnp.float32)]
@@ -325,6 +358,8 @@ def _decode_call(case: Case, seq: int, spec):
                 mask_mod=flex.prefix_lm, mask_mod_args=(prefix,))
     if quantized:
       kw = dict(key_scale=extra[0], value_scale=extra[1])
+    if shared:
+      kw = dict(prefix_key=extra[0], prefix_value=extra[1])
     return pallas_fa.decode_attention(
         q, k, v, lengths, block_table=table, implementation=case.backend,
         **kw)
@@ -437,9 +472,10 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
           block_sizes or _tiles(case, seq, device_kind=gpu.device_kind),
           backward="split")
     kwargs: dict[str, Any] = {}
-    args = [spec((1, seq, heads, case.head_dim)),
-            spec((1, seq, kv_heads, case.head_dim)),
-            spec((1, seq, kv_heads, case.value_head_dim))]
+    inputs = jnp.dtype(case.input_dtype)
+    args = [spec((1, seq, heads, case.head_dim), inputs),
+            spec((1, seq, kv_heads, case.head_dim), inputs),
+            spec((1, seq, kv_heads, case.value_head_dim), inputs)]
     if case.base == "masked":
       args.append(pallas_fa.SegmentIds(q=spec((1, seq), jnp.int32),
                                        kv=spec((1, seq), jnp.int32)))
@@ -476,6 +512,18 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     # T5's table.
     call = jax.grad(loss, argnums=(0, 1, 2, 3)[:3 + (
         case.base in ("flex_alibi", "flex_softcap", "flex_t5"))])
+    if case.variant in FP8_VARIANTS:
+      # Per-head scales ([1, 1, N] / [1, 1, K]); the forward only.
+      args += [spec((1, 1, heads), jnp.float32),
+               spec((1, 1, kv_heads), jnp.float32),
+               spec((1, 1, kv_heads), jnp.float32)]
+
+      def call(q, k, v, q_scale, k_scale, v_scale):
+        return pallas_fa.flash_attention(
+            q, k, v, query_scale=q_scale, key_scale=k_scale,
+            value_scale=v_scale, is_causal=case.base != "plain",
+            out_dtype=dtype, implementation=case.backend,
+            block_sizes=block_sizes, **kwargs)
     if decode:
       args, call = _decode_call(case, seq, spec)
 

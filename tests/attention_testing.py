@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_fa
+from pallas_fa import gpu_target
 from pallas_fa import testing
 
 # Re-exported so that a test imports its whole toolkit from one place.
@@ -29,6 +30,16 @@ def gpu_jax_only(fn):
   for mark in GPU_JAX_ONLY:
     fn = mark(fn)
   return fn
+
+
+def _on_hopper() -> bool:
+  target = gpu_target.current()
+  return target is not None and target.major == 9
+
+
+# The compiled Mosaic GPU kernels' tests.
+needs_hopper = pytest.mark.skipif(
+    not _on_hopper(), reason="the compiled kernels need an sm90 GPU")
 
 
 def gpu_jax_only_on_cpu(fn):

@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_testing import gpu_jax_only_on_cpu
 from flax import nnx
 
 import pallas_fa
 from pallas_fa import api
+from pallas_fa import gpu_target
 from pallas_fa import kv_cache
 from pallas_fa import quantize
 from pallas_fa import testing
@@ -94,12 +96,31 @@ def _max_error(x, ref):
   return float(np.abs(np.asarray(x, np.float64) - ref).max())
 
 
+# Backends whose products run on the values as stored (converted in
+# registers), P rounded for the second one (the others compute in float32
+# on the dequantized inputs): triton, P in float16, or in e4m3 with
+# `kernel.FLOAT8_OPERANDS`. In e4m3 it is rounded against the running max
+# of its tile's row, not the row's final max as `_emulated_fp8` does: other
+# roundings of the same size, so the largest error is that of the
+# emulation up to this factor (measured <= 1.011).
+ROUNDS_P = ("triton",)
+EMULATION_FACTOR = 1.25
+
+
+def _assert_within_p_rounding(out, ref, v, dropout_rate=0.0):
+  """P rounded to e4m3 (3 mantissa bits, each entry within 2**-4 of its
+  value; float16 keeps more) moves each output by at most 2**-4 of the
+  largest |v| it averages (times dropout's factor)."""
+  bound = 2.0 ** -4 * float(np.abs(v).max()) / (1 - dropout_rate)
+  assert _max_error(out, ref) <= bound, (_max_error(out, ref), bound)
+
+
 # ---------------------------------------------------------------------------
 # The forward against the float64 oracle.
 
 
 @pytest.mark.parametrize("granularity", ["token", "head", "tensor"])
-@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
 def test_matches_float64_attention_of_dequantized_inputs(implementation,
                                                          granularity):
   gen = testing.rng("fp8 forward", implementation, granularity)
@@ -111,23 +132,65 @@ def test_matches_float64_attention_of_dequantized_inputs(implementation,
       return_residual=True)
   assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
   ref, ref_lse = _oracle(*_dequantized64(values, scales), causal=True)
-  testing.assert_close("out", out, ref)
+  # The logits are exact products of float8 values either way.
   testing.assert_close("lse", lse, ref_lse)
   # No worse than XLA's attention computed in float8 on the same inputs.
   emulated = _emulated_fp8(values, scales, causal=True)
+  if implementation in ROUNDS_P:
+    assert _max_error(out, ref) <= EMULATION_FACTOR * _max_error(
+        emulated, ref)
+    return
+  testing.assert_close("out", out, ref)
   assert _max_error(out, ref) <= _max_error(emulated, ref)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked"])
-def test_e5m2_and_mixed_formats(implementation):
-  gen = testing.rng("fp8 e5m2", implementation)
-  (q8, k8, _), scales = _quantized(gen, "token", E5M2)
-  v8, v_scale = quantize.quantize_fp8(_inputs(gen)[2], "token", E4M3)
-  values, scales = (q8, k8, v8), scales[:2] + (v_scale,)
+@gpu_jax_only_on_cpu
+def test_triton_float8_operands(monkeypatch):
+  # The kernel's float8-operand products (`kernel.FLOAT8_OPERANDS`, for a
+  # lowering that reaches FP8 tensor cores): Q.K^T on e4m3, P rounded to
+  # e4m3 for P.V, within the emulated float8 attention's error; with
+  # dropout P stays below 448.
+  from pallas_fa.triton import kernel  # noqa: PLC0415
+  monkeypatch.setattr(kernel, "FLOAT8_OPERANDS", True)
+  gen = testing.rng("fp8 triton operands")
+  values, scales = _quantized(gen, "head")
+  kw = dict(is_causal=True, out_dtype=jnp.float32, implementation="triton",
+            block_sizes=conftest.block_sizes_for("triton"))
+  out = pallas_fa.flash_attention(*values, **_scales(scales), **kw)
+  ref = _oracle(*_dequantized64(values, scales), causal=True)[0]
+  emulated = _emulated_fp8(values, scales, causal=True)
+  assert _max_error(out, ref) <= EMULATION_FACTOR * _max_error(emulated, ref)
+  deq = [jnp.asarray(x, jnp.float32) for x in _dequantized64(values, scales)]
+  kw.update(dropout_rate=0.5, dropout_rng=3)
+  out = pallas_fa.flash_attention(*values, **_scales(scales), **kw)
+  want = pallas_fa.flash_attention(*deq, **{**kw, "implementation": "xla",
+                                            "out_dtype": None,
+                                            "block_sizes": None})
+  _assert_within_p_rounding(out, np.asarray(want, np.float64), deq[2], 0.5)
+
+
+@pytest.mark.parametrize("formats", ["e5m2 q/k, e4m3 v", "e4m3 q, e5m2 k/v"])
+@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
+def test_e5m2_and_mixed_formats(implementation, formats):
+  gen = testing.rng("fp8 e5m2", implementation, formats)
+  wide = _inputs(gen)
+  dtypes = ((E5M2, E5M2, E4M3) if formats.startswith("e5m2")
+            else (E4M3, E5M2, E5M2))
+  granularities = ("token", "token", "head")
+  pairs = [quantize.quantize_fp8(x, g, d)
+           for x, g, d in zip(wide, granularities, dtypes)]
+  values, scales = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
   out = pallas_fa.flash_attention(
       *values, **_scales(scales), out_dtype=jnp.float32,
-      implementation=implementation)
-  testing.assert_close("out", out, _oracle(*_dequantized64(values, scales))[0])
+      implementation=implementation,
+      block_sizes=conftest.block_sizes_for(implementation))
+  ref = _oracle(*_dequantized64(values, scales))[0]
+  if implementation in ROUNDS_P:
+    # Q.K^T exact (float16 holds both formats); P in float16: 11 bits.
+    _assert_within_p_rounding(out, ref, _dequantized64(values, scales)[2])
+    assert _max_error(out, ref) <= 2.0 ** -9 * float(np.abs(ref).max())
+    return
+  testing.assert_close("out", out, ref)
 
 
 def test_result_dtype_is_bfloat16_unless_asked():
@@ -179,11 +242,14 @@ def test_scale_forms_broadcast_as_decode_caches_do():
   assert out.shape == (t, n, h) and out.dtype == jnp.bfloat16
 
 
-def test_every_other_argument_keeps_its_meaning():
+@pytest.mark.parametrize("implementation", ["chunked", "triton"])
+def test_every_other_argument_keeps_its_meaning(implementation):
   # Masks, padding, soft cap, sinks, dropout and a score_mod act on the
-  # dequantized inputs exactly as on float32 ones.
-  gen = testing.rng("fp8 arguments")
-  values, scales = _quantized(gen, "token")
+  # dequantized inputs exactly as on float32 ones. (Per-head scales on
+  # triton: P scaled below its format's largest under dropout.)
+  gen = testing.rng("fp8 arguments", implementation)
+  rounds_p = implementation in ROUNDS_P
+  values, scales = _quantized(gen, "head" if rounds_p else "token")
   b, t, s, n = SHAPE[:4]
   kw = dict(
       local_window_size=(24, 8), logits_soft_cap=20.0,
@@ -201,12 +267,16 @@ def test_every_other_argument_keeps_its_meaning():
   ref = pallas_fa.flash_attention(*deq, implementation="xla", **kw)
   out = pallas_fa.flash_attention(
       *values, **_scales(scales), out_dtype=jnp.float32,
-      implementation="chunked", block_sizes=conftest.block_sizes_for(
-          "chunked"), **kw)
-  testing.assert_close("out", out, ref)
+      implementation=implementation, block_sizes=conftest.block_sizes_for(
+          implementation), **kw)
+  if rounds_p:
+    _assert_within_p_rounding(out, ref, deq[2], kw["dropout_rate"])
+  else:
+    testing.assert_close("out", out, ref)
 
 
-def test_padding_never_leaks():
+@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
+def test_padding_never_leaks(implementation):
   # NaN values and inf scales stored in padded keys reach nothing: not the
   # output, not the scales' gradients.
   gen = testing.rng("fp8 padding")
@@ -227,11 +297,10 @@ def test_padding_never_leaks():
         implementation=implementation, out_dtype=jnp.float32)
     return jnp.sum(out * jnp.cos(out)), out
 
-  for implementation in ("xla", "chunked"):
-    grads, out = jax.grad(loss, has_aux=True)((qs, ks, vs), implementation)
-    assert np.isfinite(np.asarray(out)).all(), implementation
-    for name, g in zip(("query_scale", "key_scale", "value_scale"), grads):
-      assert np.isfinite(np.asarray(g)).all(), (implementation, name)
+  grads, out = jax.grad(loss, has_aux=True)((qs, ks, vs), implementation)
+  assert np.isfinite(np.asarray(out)).all()
+  for name, g in zip(("query_scale", "key_scale", "value_scale"), grads):
+    assert np.isfinite(np.asarray(g)).all(), name
 
 
 def test_error_grows_with_length_no_faster_than_bfloat16():
@@ -258,11 +327,35 @@ def test_error_grows_with_length_no_faster_than_bfloat16():
   assert growth_fp8 <= 1.5 * max(growth_bf16, 1.0), (fp8, bf16)
 
 
+@gpu_jax_only_on_cpu
+def test_triton_error_stays_within_p_rounding_as_length_grows():
+  # triton's float8 forward, as T = S grows: its relative RMS error
+  # against the float64 attention of the dequantized inputs stays within
+  # that of XLA's attention computed in float8 (P rounded to e4m3 once,
+  # float32 sums) at every length: nothing accumulates beyond P's
+  # rounding. (On a CPU the interpreter sums in float32; compiled, this
+  # is where a tensor core's narrower accumulation would show.)
+  gen = testing.rng("fp8 long products")
+  rel = lambda x, ref: (np.sqrt(np.mean((np.asarray(x, np.float64) - ref)
+                                        ** 2)) / np.sqrt(np.mean(ref ** 2)))
+  for t in (256, 4096):
+    wide = _inputs(gen, (1, t, t, 1, 1, 64))
+    pairs = [quantize.quantize_fp8(x, "head") for x in wide]
+    values, scales = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+    ref = _oracle(*_dequantized64(values, scales))[0]
+    out = pallas_fa.flash_attention(*values, **_scales(scales),
+                                    out_dtype=jnp.float32,
+                                    implementation="triton")
+    emulated = rel(_emulated_fp8(values, scales), ref)
+    assert rel(out, ref) <= EMULATION_FACTOR * emulated, (
+        t, rel(out, ref), emulated)
+
+
 # ---------------------------------------------------------------------------
 # Gradients.
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
 def test_scale_gradients_are_those_of_the_dequantized_attention(
     implementation):
   gen = testing.rng("fp8 scale grads", implementation)
@@ -290,7 +383,14 @@ def test_scale_gradients_are_those_of_the_dequantized_attention(
   for name, g, w in zip(("dquery_scale", "dkey_scale", "dvalue_scale"), got,
                         want):
     assert g.dtype == jnp.float32 and g.shape == w.shape
-    testing.assert_close(name, g, w)
+    if implementation in ROUNDS_P:
+      # The backward runs in float32 on the dequantized inputs, but with
+      # the forward's output (delta = rowsum(out * dout)), whose float8 P
+      # rounding (at most 2**-4 of each term) it carries over.
+      error = _max_error(g, np.asarray(w, np.float64))
+      assert error <= 2.0 ** -4 * float(np.abs(w).max()), (name, error)
+    else:
+      testing.assert_close(name, g, w)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -356,15 +456,38 @@ def test_automatic_choice_runs_float8_on_chunked(monkeypatch):
                                    implementation="chunked")
   np.testing.assert_array_equal(np.asarray(out, np.float32),
                                 np.asarray(want, np.float32))
-  # A kernel ahead of chunked in the order declines and the choice moves on.
+  # A kernel ahead of chunked in the order declines and the choice moves on;
+  # triton takes the call.
   call = api.canonicalize(*values, **_scales(scales), float8=True)
   monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
-                      ("triton", "mosaic_tpu", "chunked"))
+                      ("mosaic_tpu", "chunked"))
   assert api.choose_backend(None, call).name == "chunked"
+  monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
+                      ("mosaic_tpu", "triton", "chunked"))
+  assert api.choose_backend(None, call).name == "triton"
+  # On a Hopper GPU, mosaic_gpu (first in the order, and able to run the
+  # call) runs float8 by name only: not yet run on a GPU.
+  with gpu_target.compile_for(gpu_target.H100):
+    assert api.choose_backend(None, call).name == "triton"
+    assert api.choose_backend("mosaic_gpu", call).name == "mosaic_gpu"
+    monkeypatch.setattr(api, "AUTO_FLOAT8_SKIPS", ())
+    assert api.choose_backend(None, call).name == "mosaic_gpu"
 
 
-@pytest.mark.parametrize("implementation",
-                         ["triton", "mosaic_gpu", "mosaic_tpu"])
+def test_triton_declines_float8_below_compute_capability_8_9():
+  # Triton converts float8_e4m3fn from 8.9 on: an A100 call moves on.
+  gen = testing.rng("fp8 triton capability")
+  values, scales = _quantized(gen)
+  call = api.canonicalize(*values, **_scales(scales), float8=True)
+  backend = api.get_backend("triton")
+  with gpu_target.compile_for(gpu_target.A100):
+    with pytest.raises(NotImplementedError, match="compute capability 8.9"):
+      backend.check_call(*call.arrays)
+  with gpu_target.compile_for(gpu_target.H100):
+    backend.check_call(*call.arrays)
+
+
+@pytest.mark.parametrize("implementation", ["mosaic_tpu"])
 def test_a_named_kernel_declines_float8(implementation):
   gen = testing.rng("fp8 kernels", implementation)
   values, scales = _quantized(gen)

@@ -24,6 +24,7 @@ from attention_testing import check_against_reference
 from attention_testing import flash
 from attention_testing import gpu_jax_only
 from attention_testing import make_inputs
+from attention_testing import needs_hopper
 from attention_testing import reference_fn
 from attention_testing import rng
 from attention_testing import run
@@ -42,14 +43,6 @@ _SMALL = dict(
     block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
     block_kv_dkv=64)
 
-
-def _on_hopper() -> bool:
-  target = gpu_target.current()
-  return target is not None and target.major == 9
-
-
-needs_hopper = pytest.mark.skipif(
-    not _on_hopper(), reason="the compiled kernels need an sm90 GPU")
 
 needs_interpreter = pytest.mark.skipif(
     kernel.interpret_params() is None or jax.default_backend() != "cpu",

@@ -9,7 +9,11 @@ this module is everything around them:
   `default_block_sizes`: a tuned record (`scripts/tune.py`), else
   `heuristic_block_sizes`, which fits the tiles into the 227 KiB of shared
   memory of an H100/H200;
-* `check`: bfloat16/float16 only, head dim <= 256, no bias or dense mask, a
+* `check`: bfloat16/float16, or float8_e4m3fn q/k/v with scales (the
+  forward of `forward_fp8`, 8-bit wgmma for both products; no dropout,
+  score_mod or mask_mod, a bfloat16/float16 result; its backward runs the
+  bfloat16 kernels on the dequantized inputs), head dim <= 256, no bias or
+  dense mask, a
   score_mod only if it reads its arrays per (batch, head) (`fused_mods`:
   the kernels take those values, one per program, and run the rest of the
   function on each tile; `dq` also sums their gradients per query), a
@@ -34,6 +38,7 @@ n // (N / K), and dK/dV are summed over each group inside the kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -43,6 +48,7 @@ import jax.numpy as jnp
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
+from pallas_fa import quantize
 from pallas_fa import tuning
 from pallas_fa import vjp
 from pallas_fa.flex import block_mask
@@ -50,12 +56,18 @@ from pallas_fa.flex import fused_mods
 from pallas_fa.mosaic_gpu import dkv as dkv_kernel
 from pallas_fa.mosaic_gpu import dq as dq_kernel
 from pallas_fa.mosaic_gpu import forward as forward_kernel
+from pallas_fa.mosaic_gpu import forward_fp8
 from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import tiles
 
 Array = Any
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+# Float8 calls (`forward_fp8`: 8-bit wgmma for both products): e4m3 only, the
+# format of P in the P V product (jax 0.10's wgmma takes one format for
+# both operands).
+FLOAT8_DTYPES = (jnp.float8_e4m3fn,)
+FLOAT8_OUT_DTYPES = (jnp.bfloat16, jnp.float16)
 MAX_HEAD_DIM = 256
 ALIGN = tiles.ALIGN
 SHARED_MEMORY_BYTES = tiles.SHARED_MEMORY_BYTES
@@ -78,7 +90,8 @@ def default_block_sizes(
   """The tiling of a call made without `block_sizes=`: the tuned record
   nearest to the call (`pallas_fa.tuning`), else `heuristic_block_sizes`,
   whose arguments these are. Returns a `MosaicGpuBlockSizes`."""
-  if value_head_dim not in (None, head_dim):  # Records are tuned with Hv = H.
+  if value_head_dim not in (None, head_dim) or quantize.is_fp8(dtype):
+    # Records are tuned with Hv = H, in bfloat16/float16.
     return heuristic_block_sizes(
         q_len=q_len, kv_len=kv_len, head_dim=head_dim, dtype=dtype,
         is_causal=is_causal, dropout=dropout, device_kind=device_kind,
@@ -170,7 +183,9 @@ def _check(q, k, v, bias, info, params):
   """Raises NotImplementedError for calls these kernels cannot honour."""
   mask = info.mask  # Every other part of the mask description is supported.
   _mods(info)  # Declines what it cannot fuse.
-  if q.dtype not in SUPPORTED_DTYPES:
+  if quantize.is_fp8(q.dtype):
+    _check_fp8(q, k, v, info, params)
+  elif q.dtype not in SUPPORTED_DTYPES:
     raise NotImplementedError(
         f"mosaic_gpu runs bfloat16/float16 (wgmma) only, got {q.dtype=}.")
   if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -194,6 +209,31 @@ def _check(q, k, v, bias, info, params):
       raise NotImplementedError(
           f"mosaic_gpu: masked kernels are miscompiled by ptxas of CUDA "
           f"{version} (12.8.0 <= version < 12.9.1).")
+
+
+def _check_fp8(q, k, v, info, params):
+  """Raises NotImplementedError for float8 calls `forward_fp8` cannot run."""
+  if any(x.dtype not in FLOAT8_DTYPES for x in (q, k, v)):
+    raise NotImplementedError(
+        "mosaic_gpu's float8 kernel takes float8_e4m3fn q, k and v, got "
+        f"{q.dtype=} {k.dtype=} {v.dtype=}; " + _OTHERS)
+  out_dtype = params.out_dtype or jnp.bfloat16
+  if out_dtype not in FLOAT8_OUT_DTYPES:
+    raise NotImplementedError(
+        "mosaic_gpu's float8 kernel writes bfloat16 or float16, got "
+        f"out_dtype={jnp.dtype(out_dtype).name}; " + _OTHERS)
+  if info.has_dropout:
+    raise NotImplementedError(
+        "mosaic_gpu's float8 kernel has no attention dropout; " + _OTHERS)
+  if info.score_mod is not None or info.mask_mod is not None:
+    raise NotImplementedError(
+        "mosaic_gpu's float8 kernel takes no score_mod or mask_mod; "
+        + _OTHERS)
+  bs = _block_sizes(params, q, k, v, info)
+  if bs.block_kv % 64:
+    raise NotImplementedError(
+        "mosaic_gpu's float8 kernel streams key tiles of a multiple of 64 "
+        f"(the 64-byte swizzle of V^T), got {bs.block_kv=}; " + _OTHERS)
 
 
 # --------------------------------------------------------------------------
@@ -429,10 +469,81 @@ def _seed(x: layout.Padded) -> Array | None:
 # --------------------------------------------------------------------------
 
 
-def _forward(q, k, v, bias, info, params):
+def _forward(q, k, v, bias, info, params, scales=None):
   del bias  # Refused by _check.
   bs = _block_sizes(params, q, k, v, info)
+  if scales is not None:
+    return forward_fp8_impl(q, k, v, info, params, scales,
+                            interpret=runs_interpreted(bs))
   return forward_impl(q, k, v, info, params, interpret=runs_interpreted(bs))
+
+
+def _fp8_scales(x: layout.Padded, params, scales):
+  """The scale operands of `forward_fp8.forward` from a float8 call's
+  (q_scale [B|1, T|1, N|1], k_scale, v_scale [B|1, S|1, K|1]):
+  (q_row, k_col, v_col, out_mult, key_scales, value_scales)."""
+  qs, ks, vs = (jnp.asarray(s, jnp.float32) for s in scales)
+  b, t, n, s, kh = x.b, x.t, x.n, x.s, x.num_kv
+  key_scales, value_scales = ks.shape[1] > 1, vs.shape[1] > 1
+  per_head = lambda a: jnp.repeat(  # noqa: E731 - [B, K] -> [B, N].
+      a, x.g, axis=1)
+  q_row = jnp.broadcast_to(qs, (b, t, n)) * params.scale
+  tiny = jnp.zeros((1, 1, 1), jnp.float32)  # An operand never read.
+  if key_scales:
+    k_col = jnp.swapaxes(jnp.pad(jnp.broadcast_to(ks, (b, s, kh)),
+                                 ((0, 0), (0, x.sp - s), (0, 0))), 1, 2)
+  else:
+    q_row = q_row * per_head(jnp.broadcast_to(ks, (b, 1, kh))[:, 0])[:, None]
+    k_col = tiny
+  q_row = jnp.swapaxes(jnp.pad(q_row, ((0, 0), (0, x.tp - t), (0, 0))), 1, 2)
+  if value_scales:
+    full = jnp.broadcast_to(vs, (b, s, kh))
+    top = jnp.max(jnp.abs(full), axis=1)  # [B, K]
+    ratio = jnp.where(top[:, None] > 0, full / jnp.where(
+        top[:, None] > 0, top[:, None], 1.0), 0.0)
+    v_col = jnp.swapaxes(jnp.pad(ratio * forward_fp8.P_SCALE,
+                                 ((0, 0), (0, x.sp - s), (0, 0))), 1, 2)
+  else:
+    top = jnp.broadcast_to(vs, (b, 1, kh))[:, 0]
+    v_col = tiny
+  out_mult = per_head(top) / forward_fp8.P_SCALE
+  return q_row, k_col, v_col, out_mult, key_scales, value_scales
+
+
+def forward_fp8_impl(q, k, v, info, params, scales, *, interpret: bool):
+  """The float8 (e4m3) forward with the execution mode given (see
+  `forward_impl`).
+
+  Returns:
+    (out [B, T, N, Hv] in params.out_dtype (bfloat16 by default), lse
+    float32 [B, T, N]).
+  """
+  t, n = q.shape[1], q.shape[2]
+  s = k.shape[1]
+  bs = _block_sizes(params, q, k, v, info)
+  if not interpret:  # The interpreter has no shared memory to run out of.
+    tiles.check_fits(bs, "float8 forward", tiles.fp8_forward_bytes(
+        bs, q.shape[-1], v.shape[-1]))
+  rows = bs.num_consumers * bs.block_q
+  x = layout.Padded(
+      q, k, v, None, info, q_len=layout.padded_length(t, rows),
+      kv_len=layout.padded_length(s, bs.block_kv), align=ALIGN)
+  q_row, k_col, v_col, out_mult, key_scales, value_scales = _fp8_scales(
+      x, params, scales)
+  sched = schedule(_kinds(x, None, bs.block_q, bs.block_kv),
+                   bs.num_consumers)
+  spec = _spec(
+      x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
+      stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
+      units_per_head=x.tp // rows, heads=n, num_heads=n, forward=True)
+  # The logit scale is in q_row.
+  spec = dataclasses.replace(spec, scale=1.0)
+  out, lse = forward_fp8.forward(
+      spec, x.q, x.k, forward_fp8.layout_v(x.v, interpret=interpret),
+      *_meta(x), q_row, k_col, v_col, out_mult, sched,
+      out_dtype=jnp.dtype(params.out_dtype or jnp.bfloat16),
+      key_scales=key_scales, value_scales=value_scales)
+  return out[:, :t, :, :x.hv], jnp.swapaxes(lse[:, :, :t], 1, 2)
 
 
 def forward_impl(q, k, v, info, params, *, interpret: bool):
@@ -471,6 +582,14 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
   del bias  # Refused by _check.
+  if q.dtype == jnp.float32:
+    # Only a float8 call gets here with float32 (`vjp`: its backward runs on
+    # the dequantized inputs); the kernels compute it in bfloat16.
+    wide = (q, k, v)
+    q, k, v, dout = (a.astype(jnp.bfloat16) for a in (q, k, v, dout))
+    grads = _backward(q, k, v, None, info, params, lse, dout, delta)
+    return (*(g.astype(a.dtype) for g, a in zip(grads[:3], wide)),
+            *grads[3:])
   bs = _block_sizes(params, q, k, v, info)
   return backward_impl(
       q, k, v, info, params, lse, dout, delta, interpret=runs_interpreted(bs))
@@ -611,7 +730,7 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=MosaicGpuBlockSizes,
     default_block_sizes=default_block_sizes,
-    dtypes=SUPPORTED_DTYPES,
+    dtypes=SUPPORTED_DTYPES + FLOAT8_DTYPES,
     value_head_dim=True,
     dropout=True,
 )

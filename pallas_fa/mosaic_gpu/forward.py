@@ -24,6 +24,60 @@ _I32 = jnp.int32
 _ROWS = online_softmax.queries_along(0)
 
 
+def take_turn(schedule):
+  """One ping-pong turn: hand the tensor cores to the other consumer and
+  wait until they are ours again."""
+  plgpu.barrier_arrive(schedule)
+  plgpu.barrier_wait(schedule)
+
+
+def key_tile_products(spec: kernel.Spec, ops, q_smem, wg, k_ready, k_tile,
+                      kpos, kseg, masked: bool, schedule):
+  """Q K^T of one key tile once it has landed, float32 [block_q, block_kv]
+  (a ping-pong turn taken while the wgmma runs), and with `masked` the
+  tile's key positions and segment ids (else None, None)."""
+  plgpu.barrier_wait(k_ready)
+  qk = ops.mm(
+      q_smem.at[kernel.stationary_in_step(spec, wg)], k_tile,
+      transpose_b=True,
+      between=(lambda: take_turn(schedule)) if spec.pingpong else None)
+  if not masked:
+    return qk, None, None
+  return (qk, *kernel.load_meta(spec, ops, kpos, kseg, 1))
+
+
+def await_values(spec: kernel.Spec, v_ready, schedule):
+  """Waits for a V tile after the softmax; with ping-pong, first lets the
+  other consumer's matmuls run, and waits for the tensor cores to be ours
+  again."""
+  if spec.pingpong:
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(v_ready)
+    plgpu.barrier_wait(schedule)
+  else:
+    plgpu.barrier_wait(v_ready)
+
+
+def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
+              schedule):
+  """A consumer's walk over its key tiles (`kernel.phases` of `step` from
+  a fresh online softmax), inside the ping-pong's first and last turns:
+  (out float32 [block_q, Hv], lse [block_q], base 2 undone)."""
+  bq = spec.block_q
+  carry = (
+      ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
+      ops.full_vector(bq, 0.0, 0),
+      ops.full((bq, spec.hv), 0.0),
+  )
+  if spec.pingpong:
+    pl.when(wg == 1)(lambda: take_turn(schedule))
+  m_i, l_i, acc = kernel.phases(
+      sched_ref, b, row, wg, step, carry, spec.masked)
+  if spec.pingpong:
+    pl.when(wg == 0)(lambda: take_turn(schedule))
+  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
+
+
 def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
             seed=None, residuals=()):
   """The forward kernel.
@@ -63,10 +117,6 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
     qo = qo_smem.at[wg]  # Q, then (with one head dim) the output.
     o_own = o_smem[0].at[wg] if own_out else qo
 
-    def perform_schedule_barrier():
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
-
     b, n, row = r.units.decode(r.cta, t)
     ulo = sched_ref[b, row, 0]
     row0 = (row * nc + wg) * bq
@@ -82,16 +132,9 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
     def step(j, carry, *, masked):
       m_i, l_i, acc = carry
       slot = kernel.rem(base + j - ulo, stages)
-      plgpu.barrier_wait(k_bar.at[slot])
-      qk = ops.mm(
-          qo_smem.at[kernel.stationary_in_step(spec, wg)],
-          k_smem.at[slot], transpose_b=True,
-          between=perform_schedule_barrier if spec.pingpong else None,
-      )  # [bq, bk]
-      k_p = k_s = None
-      if masked:
-        k_p, k_s = kernel.load_meta(
-            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
+      qk, k_p, k_s = key_tile_products(
+          spec, ops, qo_smem, wg, k_bar.at[slot], k_smem.at[slot],
+          kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
       plgpu.barrier_arrive(k_free.at[slot])
       s, _, _ = kernel.flex_logits(
           spec, ops, qk, r, batch=b, head=n, q0=row0,
@@ -109,31 +152,12 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
             spec, ops, p, r.seed, batch=b, head=n, q_start=row0,
             kv_start=j * spec.block_kv, q_axis=0)
       p = p.astype(spec.dtype)
-      if spec.pingpong:
-        # Done with the softmax: let the other consumer's matmuls run
-        # and wait for the tensor cores to be ours again.
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_wait(schedule)
-      else:
-        plgpu.barrier_wait(v_bar.at[slot])
+      await_values(spec, v_bar.at[slot], schedule)
       acc = ops.mm(p, v_smem.at[slot], a_in_smem=False, acc=acc)
       plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 
-    carry = (
-        ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
-        ops.full_vector(bq, 0.0, 0),
-        ops.full((bq, hv), 0.0),
-    )
-    if spec.pingpong:
-      pl.when(wg == 1)(perform_schedule_barrier)
-    m_i, l_i, acc = kernel.phases(
-        sched_ref, b, row, wg, step, carry, spec.masked)
-    if spec.pingpong:
-      pl.when(wg == 0)(perform_schedule_barrier)
-    out, lse = online_softmax.finalize(
-        m_i, l_i, acc, base2=True, per_query=_ROWS)
+    out, lse = walk_keys(spec, ops, sched_ref, b, row, wg, step, schedule)
     o_own[...] = out.astype(spec.dtype)
     lse_smem.at[wg][...] = lse
     kernel.store([(o_own, o_ref.at[b, rows, n]),

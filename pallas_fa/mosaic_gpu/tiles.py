@@ -207,6 +207,20 @@ def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
   return {"forward": fwd, "dq": dq, "dkv": dkv}
 
 
+def fp8_forward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
+                      value_head_dim: int | None = None,
+                      out_itemsize: int = 2) -> int:
+  """Shared memory (bytes) of the e4m3 forward kernel (`forward_fp8`):
+  1-byte Q, K and V^T tiles, an output tile of its own (bfloat16 by
+  default: it cannot reuse Q's 1-byte buffer), and per consumer four row
+  vectors, per ring stage four key vectors (positions, segment ids, key
+  scales, value factors)."""
+  hp = layout.padded_head_dim(head_dim, ALIGN)
+  hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
+  return (bs.num_consumers * bs.block_q * (hp + hvp * out_itemsize + 16)
+          + bs.num_stages * bs.block_kv * (hp + hvp + 16))
+
+
 def dq_columns(padded_head_dim: int, consumers: int) -> int:
   """The dQ columns each consumer of the fused backward computes: half the
   head dim with two consumers when a half is whole 64-column swizzle tiles
@@ -268,7 +282,8 @@ def heuristic_block_sizes(
     q_len: T (the tiling does not depend on it).
     kv_len: S (likewise).
     head_dim: H, unpadded.
-    dtype: bfloat16 or float16.
+    dtype: bfloat16, float16, or float8_e4m3fn (the ring depth then
+      fits `fp8_forward_bytes`; the backward tiles are bfloat16's).
     is_causal: whether the call is causal (likewise).
     dropout: whether the call has attention dropout.
     device_kind: a `jax.Device.device_kind` (every sm90 GPU has the same
@@ -298,9 +313,14 @@ def heuristic_block_sizes(
   def smem(bs):
     return shared_memory_bytes(bs, head_dim, itemsize, hv)
 
+  def forward_bytes(bs):
+    if itemsize == 1:  # float8: the e4m3 forward kernel's own buffers.
+      return fp8_forward_bytes(bs, head_dim, hv)
+    return smem(bs)["forward"]
+
   for stages in (4, 3):
     candidate = dataclasses.replace(base, num_stages=stages)
-    if smem(candidate)["forward"] <= SHARED_MEMORY_BYTES:
+    if forward_bytes(candidate) <= SHARED_MEMORY_BYTES:
       base = candidate
       break
   if smem(base)["dq"] > SHARED_MEMORY_BYTES:

@@ -56,6 +56,7 @@ from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 from pallas_fa import tuning
 from pallas_fa import vjp
 from pallas_fa.flex import block_mask as block_mask_lib
@@ -295,6 +296,21 @@ class _Padded(layout.Padded):
         lists_per_head=mask_mod is not None and _mask_reads_head(info),
     )
 
+  def scale_rows(self, scale, *, queries: bool):
+    """A float8 call's scales [B|1, L|1, heads|1] of the queries (or the
+    keys) -> float32 [B, heads, Tp (or Sp)]: broadcast, the caller's
+    padded rows and the tail zeroed (a NaN or inf scale stored there must
+    not turn zero values into NaN)."""
+    if queries:
+      shape, length = (self.b, self.t, self.n), self.tp
+      segments, pad_id = self._q_segments, masking.Q_PAD_SEGMENT
+    else:
+      shape, length = (self.b, self.s, self.num_kv), self.sp
+      segments, pad_id = self._kv_segments, masking.KV_PAD_SEGMENT
+    scale = jnp.broadcast_to(scale, shape).astype(_F32)
+    scale = masking.zero_padding(scale[..., None], segments, pad_id)[..., 0]
+    return masking.pad_axes(scale, {1: length}).transpose(0, 2, 1)
+
   def kinds(self, block_q, block_kv):
     """Tile kinds [B, nq, nk] of the built-in masks; with a mask_mod,
     [B, N|1, nq, nk] of their intersection with it."""
@@ -382,7 +398,7 @@ def _block_sizes(params, q, k, v, info) -> TritonBlockSizes:
 # Forward.
 
 
-def _forward(q, k, v, bias, info, params):
+def _forward(q, k, v, bias, info, params, scales=None):
   bs = _block_sizes(params, q, k, v, info)
   b, t, n, h = q.shape
   s = k.shape[1]
@@ -390,6 +406,10 @@ def _forward(q, k, v, bias, info, params):
   bk, sp = layout.tile(bs.block_kv, s, ALIGN)
   x = _Padded(q, k, v, bias, info, params, tp, sp)
   feat, hp, hvp, g = x.feat, x.hp, x.hvp, x.g
+  fp8_inputs = {}
+  if scales is not None:
+    fp8, fp8_inputs = _fp8_inputs(x, scales, params)
+    feat = x.feat = dataclasses.replace(feat, fp8=fp8)
   nq, nk = x.tp // bq, x.sp // bk
   # Heavier (later, for causal) query blocks first: less tail imbalance.
   if info.is_causal:
@@ -414,8 +434,10 @@ def _forward(q, k, v, bias, info, params):
   _add_row_col_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   _add_dense_inputs(inputs, x, feat, bq, x.sp, row, lambda i: 0)
   _add_mod_inputs(inputs, x, feat, bq, row)
+  _add_fp8_inputs(inputs, fp8_inputs, x, bq, row)
   outputs = {
-      "out": (jax.ShapeDtypeStruct((b, x.tp, n, hvp), q.dtype),
+      "out": (jax.ShapeDtypeStruct((b, x.tp, n, hvp),
+                                   params.out_dtype or q.dtype),
               block_spec((None, bq, None, hvp),
                          lambda i, h, b: (b, row(i), h, 0))),
       "lse": (jax.ShapeDtypeStruct((b, n, x.tp), _F32),
@@ -428,6 +450,78 @@ def _forward(q, k, v, bias, info, params):
   out, lse = pallas_call(body, inputs, outputs, (nq, n, b),
                          bs.num_warps, bs.num_stages, "flash_fwd")
   return out[:, :t, :, :x.hv], lse[:, :, :t].transpose(0, 2, 1)
+
+
+def _per_query_head(scale, x):
+  """A per-program scale of the K/V heads [B|1, 1, K|1] -> [B, N, 1]
+  (query head n reads K/V head n // G)."""
+  scale = jnp.broadcast_to(scale, (x.b, 1, x.num_kv))
+  return jnp.repeat(scale, x.g, axis=2).transpose(0, 2, 1)
+
+
+def _fp8_inputs(x, scales, params):
+  """(`kernel.Fp8`, the kernel's scale inputs) of a float8 call.
+
+  `q_scale` [B, N, Tp | 1]: the query's scale (per row, or one per
+  program), times the key's when that is one per program, times the
+  logit scale and log2(e) when nothing acts between them and the
+  softmax; `k_scale` [B, K, Sp] the key's per key; `v_scale` [B, K, Sp]
+  the value's per key over their largest (per batch row and K/V head),
+  that largest or the value's one scale then `o_scale` [B, N, 1].
+  """
+  q_scale, k_scale, v_scale = scales
+  feat = x.feat
+  q_rows, k_cols, v_cols = (sc.shape[1] > 1 for sc in scales)
+  folded = (feat.soft_cap is None and feat.bias is None
+            and feat.score_mod is None)
+  factor = params.scale * _LOG2_E if folded else 1.0
+  q_factor = q_scale * factor
+  if not k_cols:  # One per program: into the query's.
+    q_factor = q_factor * jnp.repeat(
+        jnp.broadcast_to(k_scale, k_scale.shape[:2] + (x.num_kv,)), x.g,
+        axis=2)
+  inputs = {}
+  if q_rows:
+    inputs["q_scale"] = x.scale_rows(q_factor, queries=True)
+  else:
+    inputs["q_scale"] = jnp.broadcast_to(
+        q_factor, (x.b, 1, x.n)).astype(_F32).transpose(0, 2, 1)
+  if k_cols:
+    inputs["k_scale"] = x.scale_rows(k_scale, queries=False)
+  if v_cols:
+    v_scale = x.scale_rows(v_scale, queries=False)
+    largest = v_scale.max(axis=2, keepdims=True)  # [B, K, 1]
+    largest = jnp.where(largest > 0, largest, 1.0)
+    inputs["v_scale"] = v_scale / largest
+    inputs["o_scale"] = _per_query_head(largest.transpose(0, 2, 1), x)
+  else:
+    inputs["o_scale"] = _per_query_head(v_scale.astype(_F32), x)
+  dtypes = (x.q.dtype, x.k.dtype, x.v.dtype)
+  f16, e4m3 = jnp.dtype(jnp.float16), jnp.dtype(jnp.float8_e4m3fn)
+  qk_dtype = pv_dtype = f16  # Holds every float8 value (`kernel`).
+  if kernel.FLOAT8_OPERANDS:
+    if dtypes[0] == dtypes[1]:
+      qk_dtype = dtypes[0]
+    if dtypes[2] == e4m3 and not v_cols:
+      pv_dtype = e4m3
+  fp8 = kernel.Fp8(
+      qk_dtype=qk_dtype, pv_dtype=pv_dtype, q_rows=q_rows, k_cols=k_cols,
+      v_cols=v_cols, folded=folded,
+      offset=kernel.p_offset(pv_dtype, feat.dropout_rate))
+  return fp8, inputs
+
+
+def _add_fp8_inputs(inputs, fp8_inputs, x, bq, row):
+  """A float8 call's scales (`_fp8_inputs`) for the forward's grid."""
+  g = x.g
+  for name, arr in fp8_inputs.items():
+    if name in ("k_scale", "v_scale"):  # [B, K, Sp], sliced per tile.
+      spec = block_spec((None, None, x.sp), lambda i, h, b: (b, h // g, 0))
+    elif arr.shape[-1] > 1:  # Per query row: the program's rows.
+      spec = block_spec((None, None, bq), lambda i, h, b: (b, h, row(i)))
+    else:
+      spec = block_spec((None, None, 1), lambda i, h, b: (b, h, 0))
+    inputs[name] = (arr, spec)
 
 
 def _add_row_col_inputs(inputs, x, feat, rows, cols, row, col):
@@ -690,14 +784,39 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
 def _check(q, k, v, bias, info, params):
   """Declines calls the Triton lowering cannot run here."""
-  del q, k, v, bias, params
+  del bias, params
   platform = jax.default_backend()
   if platform not in ("cpu", "gpu", "cuda", "rocm"):
     raise NotImplementedError(
         f"the triton implementation needs a GPU (or CPU interpret mode), "
         f"not {platform=}.")
+  if any(quantize.is_fp8(x.dtype) for x in (q, k, v)):
+    target = gpu_target.current()
+    capability = _capability(target)
+    if capability is not None and capability < FP8_MIN_CAPABILITY:
+      raise NotImplementedError(
+          "the triton implementation's float8 forward needs compute "
+          f"capability {'.'.join(map(str, FP8_MIN_CAPABILITY))} or above "
+          "(Triton converts float8_e4m3fn from there on), got "
+          f"{target.compute_capability} ({target.device_kind}).")
   # Declines what it cannot fuse.
   fused_mods.split_call(info, "triton", tables=True)
+
+
+# Triton converts float8_e4m3fn (and runs float8 products) from compute
+# capability 8.9 on.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def _capability(target) -> tuple[int, int] | None:
+  """(major, minor) of a CUDA target, None on CPU or when unknown."""
+  if target is None:
+    return None
+  try:
+    major, minor = target.compute_capability.split(".")
+    return int(major), int(minor)
+  except ValueError:
+    return None
 
 
 BACKEND = vjp.Backend(
@@ -707,6 +826,7 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=TritonBlockSizes,
     default_block_sizes=default_block_sizes,
+    dtypes=(jnp.float32, jnp.bfloat16, jnp.float16) + quantize.FP8_DTYPES,
     value_head_dim=True,
     dropout=True,
 )

@@ -17,12 +17,25 @@ cached in L1), and its gradient (dQ kernel) a scatter-add into a vector of
 the table's size per program, carried across the program's tiles and
 written once (`_scatter_add`), which `triton` sums over the programs
 afterwards: no atomics, so the table's gradient is deterministic too.
+
+Float8 calls (`Fp8`) run the forward on the 1-byte tiles as stored,
+converted in registers for the products (float32 accumulation), the
+scales acting on the float32 logits, on P's columns and on the output.
+The products take float16 operands, which hold every float8 value
+exactly: jax's Pallas-Triton lowering (0.10 and 0.11) builds a float8
+`tt.dot` with max_num_imprecise_acc = 0, which Triton's Hopper path
+(MMAv3, wgmma) refuses for float8, so a float8 dot there becomes float16
+mma.sync after the same conversion (ptxas, H100: `cvt.rn.f16x2.e4m3x2`
+and `mma.sync.aligned.m16n8k16...f16`), while float16 operands get
+wgmma. `FLOAT8_OPERANDS` switches to float8 operands (and P rounded to
+e4m3, FlashAttention-3) for a lowering that sets it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -35,6 +48,68 @@ from pallas_fa import online_softmax
 from pallas_fa.flex import fused_mods
 
 _F32 = jnp.float32
+
+
+# Whether a float8 forward's products take float8 operands (P rounded to
+# e4m3) rather than float16 ones (see the module docstring): not while the
+# Pallas lowering leaves Triton's max_num_imprecise_acc at 0.
+FLOAT8_OPERANDS = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+  """How the forward computes a float8 call (`triton` builds it).
+
+  The kernel reads per program or per query row a float32 `q_scale`
+  (the query's scale times the key's when that is one per program, times
+  the logit scale and log2(e) when `folded`), per key the key's
+  (`k_cols`) and the value's (`v_cols`, divided by their largest over the
+  program's keys so that it is at most 1), and per program `o_scale`,
+  the value's scale (or that largest), which multiplies the output once.
+
+  Attributes:
+    qk_dtype: the operand dtype of Q.K^T: float16, or with
+      `FLOAT8_OPERANDS` the float8 format of query and key when they
+      share it.
+    pv_dtype: that of P.V: float16, or with `FLOAT8_OPERANDS`
+      float8_e4m3fn against an e4m3 V with one scale per program, P
+      rounded to it (FlashAttention-3); never e5m2 (P would keep 2
+      mantissa bits) nor with per-key value scales (P c rounded to e4m3
+      loses the exactness of P's largest entry: 3.5x the largest error of
+      per-head scales on tests/test_fp8.py's inputs).
+    q_rows: `q_scale` is one per query row (else one per program).
+    k_cols: per-key key scales multiply the logits' columns.
+    v_cols: per-key value scales multiply P's columns.
+    folded: the logit scale and log2(e) are in `q_scale` (no soft cap,
+      bias or score_mod): the scaled product is the base-2 logit.
+    offset: P = exp2(s - m + offset) (and the row sum with it), so that
+      P's largest entry, 2**offset, lies near the top of `pv_dtype`'s
+      range and small entries keep their bits above its subnormals
+      (FlashAttention-3's max offset 8 for e4m3; `p_offset`).
+  """
+
+  qk_dtype: Any
+  pv_dtype: Any
+  q_rows: bool
+  k_cols: bool
+  v_cols: bool
+  folded: bool
+  offset: float
+
+
+def p_offset(pv_dtype, dropout_rate: float) -> float:
+  """`Fp8.offset`: the largest power of two P may reach, by the format of
+  P.V's operands: 2**8 below e4m3's 448 (FlashAttention-3), 2**15 below
+  float16's 65504 (its smallest normal is 2**-14), less when dropout's
+  factor 1 / (1 - rate) would take P past that largest value; 0 for
+  bfloat16 (float32's exponent range). A power of two, so an overshoot of
+  exp2 cannot round past the format's largest value."""
+  dtype = jnp.dtype(pv_dtype)
+  if dtype == jnp.dtype(jnp.bfloat16):
+    return 0.0
+  cap = 8 if dtype == jnp.dtype(jnp.float8_e4m3fn) else 15
+  largest = float(jnp.finfo(dtype).max)
+  return float(min(cap, math.floor(math.log2(largest * (1 - dropout_rate)))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +134,8 @@ class Features:
   mask_mod: fused_mods.FusedMod | None = None
   # Whether the tile lists of a mask_mod differ between query heads.
   lists_per_head: bool = False
+  # A float8 forward: how its products and scales run (None: not one).
+  fp8: Fp8 | None = None
 
   @property
   def positions(self) -> bool:
@@ -332,16 +409,22 @@ def _with_mask_mod(refs, feat: Features, visible, tile: Tile):
 
 
 def _tile_logits(refs, feat: Features, q, k, tile: Tile, q_pos, q_seg,
-                 masked, grad=False):
+                 masked, grad=False, dequantize=None):
   """(s, s_capped, score_mod pullback) of the [block_q, block_k] tile of
   the keys `tile.cols` in the query-major kernels (forward, dQ), masked
-  when `masked` (base 2)."""
+  when `masked` (base 2). `dequantize`: a float8 forward's scaling of the
+  float32 products (`_fp8_scales`)."""
   cols = tile.cols
   bias = None
   if feat.bias is not None:
     bias = _dense_tile(refs["bias"], feat.bias, (), slice(None), cols)
-  s, s_capped, pullback = _modded_logits(
-      refs, feat, _dot_nt(q, k, feat), bias, tile, grad)
+  qk = _dot_nt(q, k, feat)
+  if dequantize is not None:
+    qk = dequantize(qk)
+  if feat.fp8 is not None and feat.fp8.folded:
+    s, s_capped, pullback = qk, None, None  # Base-2 logits already.
+  else:
+    s, s_capped, pullback = _modded_logits(refs, feat, qk, bias, tile, grad)
   if masked:
     visible = None
     if feat.builtin_mask:
@@ -370,29 +453,59 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     row = pl.num_programs(0) - 1 - row
   q_pos = refs["q_pos"][...] if feat.positions else None  # [block_q]
   q_seg = refs["q_seg"][...] if feat.segments else None
+  fp8 = feat.fp8
+  offset = 0.0
+  if fp8 is not None:
+    q = q.astype(fp8.qk_dtype)
+    offset = fp8.offset
 
   def tile(j, carry, masked):
     m_i, l_i, acc = carry
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k = refs["k"][cols, :]  # [block_k, Hp]
     v = refs["v"][cols, :]  # [block_k, Hvp]
+    dequantize = None
+    if fp8 is not None:
+      k = k.astype(fp8.qk_dtype)
+      v = v.astype(fp8.pv_dtype)
+      dequantize = functools.partial(_fp8_logits, refs, fp8, cols)
     s, _, _ = _tile_logits(
         refs, feat, q, k, query_major_tile(row * block_q, block_q,
                                            j * block_k, block_k, cols),
-        q_pos, q_seg, masked)
-    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
+        q_pos, q_seg, masked, dequantize=dequantize)
+    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True,
+                                               offset=offset)
     if feat.dropout_rate:
       # On the normalised probabilities: l_i sums the undropped ones.
       p = p * _dropout_factor(refs, feat, batch, head, row * block_q,
                               block_q, j * block_k, block_k)
+    if fp8 is not None and fp8.v_cols:
+      # (P c) . v = P . (v c): the value scales on P's columns.
+      p = p * refs["v_scale"][cols][None, :]
     acc = online_softmax.rescale(acc, alpha) + _dot(p.astype(v.dtype), v, feat)
     return m_i, l_i, acc
 
   carry = online_softmax.init((block_q,), (block_q, hvp))
   m_i, l_i, acc = _visit(refs, tile, carry, feat, num_tiles)
+  # P and its row sum came out 2**offset larger: they cancel in the output,
+  # and the logsumexp takes the offset off its base-2 max.
+  if offset:
+    m_i = m_i - offset
   out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
+  if fp8 is not None:
+    out = out * refs["o_scale"][...][None, :]
   refs["out"][...] = out.astype(refs["out"].dtype)
   refs["lse"][...] = lse
+
+
+def _fp8_logits(refs, fp8: Fp8, cols, qk):
+  """A float8 tile's float32 products -> the dequantized products (the
+  base-2 logits when `fp8.folded`): the per-program or per-query scale
+  on the rows, a per-key key scale on the columns."""
+  qk = qk * refs["q_scale"][...][:, None]
+  if fp8.k_cols:
+    qk = qk * refs["k_scale"][cols][None, :]
+  return qk
 
 
 # ----------------------------------------------------------------------------

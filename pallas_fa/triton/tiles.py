@@ -121,11 +121,14 @@ def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
   # Register budgets below were read off ptxas (`scripts/compile_check.py`):
   # each choice is the largest tiling that compiles without spilling.
   widest, mixed = max(hp, hvp), hp != hvp
+  # Float8 tiles are converted in registers (`kernel`'s float8 forward).
+  fp8 = itemsize == 1
   if widest <= 64:
     fwd = (128, 64 if wide else 128)
     # Four warps fill their registers exactly (255 at H = Hv = 64); a
-    # narrower V already spills there (H=64, Hv=32), so only H = Hv gets it.
-    warps = 4 if hopper and not wide and not mixed else 8
+    # narrower V already spills there (H=64, Hv=32), so only H = Hv gets it
+    # (not float8: 88 B spilled, ptxas, H100).
+    warps = 4 if hopper and not wide and not mixed and not fp8 else 8
   elif widest <= 128:
     fwd = (128, 32 if wide else 64)
     warps = 8

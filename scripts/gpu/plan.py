@@ -131,7 +131,11 @@ _KERNELS = Step(
   "test_decode_quantized_triton.py and test_decode_latent_triton.py "
   "(its int8/float8 and latent caches), "
   "test_dropout.py and test_flex.py (score_mod/mask_mod fused "
-  "into triton, score_mods into mosaic_gpu); pytest-xdist, a "
+  "into triton, score_mods into mosaic_gpu), test_fp8.py and "
+  "test_mosaic_gpu_fp8.py (the float8 forwards of triton and "
+  "mosaic_gpu against the float64 oracle), "
+  "test_decode_prefix_latent.py (the shared prefix's one merge, the "
+  "latent caches); pytest-xdist, a "
   "per-test timeout, each worker's stderr kept (a crashed worker's last "
   "lines reported), the references compiled without autotuning, "
   "--tb=short, no hypothesis shrinking",

@@ -1,0 +1,318 @@
+"""The float8 (e4m3) forward Mosaic GPU kernel of `mosaic_gpu` (Hopper).
+
+The forward of `forward` with both products on 8-bit wgmma: Q K^T reads
+e4m3 Q and K tiles from shared memory, and P V takes P from registers,
+converted from the float32 logit layout to e4m3.
+
+Hopper's 8-bit wgmma reads its shared-memory operands K-major only (no
+transposed B), so V enters the kernel transposed, [B, K, Hv, S] (`layout_v`,
+one pass of XLA over V outside the kernel), and its [Hv, block_kv] tiles are
+the B operand of P V directly.
+
+P in registers: the float32 accumulator layout gives a thread, in each
+16-key slice of a row, keys {2c, 2c+1, 8+2c, 9+2c} (c = lane % 4), and the
+8-bit A-operand layout wants four consecutive keys {4c, ..., 4c+3}. Rather
+than exchanging registers between lanes, `p_operand` packs each thread's
+four values as they are and `layout_v` permutes the keys of every 16-key
+slice of V^T the same way (new key 4c + j holds old key (2c, 2c+1, 8+2c,
+9+2c)[j]): a contraction does not depend on the order of its terms, so
+P V is unchanged and the conversion is two cvt.e4m3x2 and a mov per four
+probabilities.
+
+Scales (`quantize.dequantize`): the logits are scale * (q_scale[t] *
+k_scale[s]) * (q8 . k8). The query scales (and the logit scale, and key
+scales that are one per (batch, head)) form one float32 factor per query row,
+loaded with the Q tile; key scales per token also stream with each K tile,
+one factor per key. The probabilities enter P V as p * 256 * r[s] with r =
+v_scale / max|v_scale| (1 with one value scale per (batch, head)), so P
+spans e4m3's range (FlashAttention-3's +8 exponent offset) and per-token
+value scales cost one multiply before the single e4m3 rounding; the output
+is multiplied by v_scale / 256 (one per (batch, head)) or max|v_scale| /
+256. The running sums and the logsumexp use the unscaled p, so they are
+those of the dequantized attention.
+
+Cost model (per [64-row consumer tile] x [block_kv keys] step, H = Hv,
+e4m3): bytes streamed into shared memory per step are block_kv * 2H (half
+of bfloat16's); tensor-core work 4 * 64 * block_kv * H FLOPs at twice the
+bfloat16 rate (H100: 1979 vs 989 dense TFLOP/s); the softmax work per step
+is that of bfloat16 (exp2, max, sum over 64 x block_kv) plus one multiply
+per probability (the 256 * r factor), one more per logit with per-token key
+scales, and the P conversion (0.75 instructions per probability instead of
+0.5 for bfloat16's cvt.bf16x2). The matmuls halve, the softmax does not, so
+as in FlashAttention-3 the ratio to the bfloat16 forward is set by how much
+of the softmax the ping-pong hides: expected 1.3-1.5x the bfloat16 forward's
+TFLOP/s at H = 128/256 and long sequences (cuDNN measures 1.5x on an H200,
+FlashAttention-3 1.6x on an H100), nearer 1.1-1.2x at H = 64, where the
+softmax already bounds the bfloat16 kernel. The V^T pass outside the kernel
+reads and writes B * S * K * Hv bytes; the kernel streams (N * T / 128) * S *
+(H + Hv) bytes of K/V per batch row through L2, so the pass adds 128 K / (N T)
+of that: under 1% at T = 16k, about 25% at T = 512 (H = Hv, K = N), where
+it is worth keeping V transposed in memory (a cache stored [B, K, Hv, S]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa import online_softmax
+from pallas_fa.mosaic_gpu import forward as forward_lib
+from pallas_fa.mosaic_gpu import kernel
+from pallas_fa.mosaic_gpu import ops as gpu_ops
+
+_F32 = jnp.float32
+_I32 = jnp.int32
+_ROWS = online_softmax.queries_along(0)
+FP8 = jnp.float8_e4m3fn
+# P is multiplied by this before its e4m3 cast (2^8: FlashAttention-3's
+# exponent offset of 8); the output divides it out.
+P_SCALE = 256.0
+# Keys of one 16-key slice of V^T in the order the e4m3 P operand holds
+# them (`p_operand`): position 4c + j holds key (2c, 2c + 1, 8 + 2c,
+# 9 + 2c)[j].
+KEY_ORDER = tuple(int(x) for x in np.arange(16).reshape(2, 4, 2)
+                  .transpose(1, 0, 2).reshape(16))
+
+
+def layout_v(v, *, interpret: bool):
+  """V [B, Sp, K, Hv] (Sp a multiple of 16) as the kernel reads it:
+  [B, K, Hv, Sp], the keys of each 16-key slice in `KEY_ORDER` when
+  compiled (the interpreter multiplies P in its natural order)."""
+  b, s, kh, hv = v.shape
+  if interpret:
+    return jnp.transpose(v, (0, 2, 3, 1))
+  # Key 16i + 8h + 2c + e goes to 16i + 4c + 2h + e.
+  x = v.reshape(b, s // 16, 2, 4, 2, kh, hv)
+  return jnp.transpose(x, (0, 5, 6, 1, 3, 2, 4)).reshape(b, kh, hv, s)
+
+
+def p_operand(p):
+  """float32 P [M, N] in the wgmma accumulator layout -> e4m3 P in the
+  8-bit A-operand layout, keys of each 16-key slice in `KEY_ORDER` (see
+  the module doc). Mosaic GPU has no such layout conversion; this one moves
+  no data between lanes."""
+  # Imported here: only compiled kernels reach this.
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import vector  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import (  # noqa: PLC0415
+      fragmented_array as fa)
+
+  p = plgpu.layout_cast(p, plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(
+          p.shape, FP8, layout=plgpu.Layout.WGMMA_8BIT))
+  def relabel(_, x):
+    shape = x.shape
+    old = x.registers
+    new_shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(shape)
+    if old.shape[1] != 2 * new_shape[1] or (
+        old.shape[:1] + old.shape[2:] != new_shape[:1] + new_shape[2:]):
+      raise NotImplementedError(
+          f"p_operand: unexpected register shapes {old.shape} -> "
+          f"{new_shape}")
+    i32 = ir.IntegerType.get_signless(32)
+    out_ty = ir.VectorType.get((4,), ir.Float8E4M3FNType.get())
+
+    def element(reg, i):
+      return llvm.extractelement(
+          reg, llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, i)).result)
+
+    regs = np.empty(new_shape, dtype=object)
+    for idx in np.ndindex(*new_shape):
+      lo = old[(idx[0], 2 * idx[1], *idx[2:])]
+      hi = old[(idx[0], 2 * idx[1] + 1, *idx[2:])]
+      if ir.VectorType(lo.type).shape != [2]:
+        raise NotImplementedError(
+            f"p_operand: unexpected register type {lo.type}")
+      # cvt.e4m3x2 d, a, b puts a in d's upper byte.
+      packed = llvm.inline_asm(
+          i32, [element(lo, 0), element(lo, 1), element(hi, 0),
+                element(hi, 1)],
+          "{ .reg .b16 plo, phi;\n"
+          "cvt.rn.satfinite.e4m3x2.f32 plo, $2, $1;\n"
+          "cvt.rn.satfinite.e4m3x2.f32 phi, $4, $3;\n"
+          "mov.b32 $0, {plo, phi}; }",
+          "=r,f,f,f,f", asm_dialect=0)
+      as_vec = vector.broadcast(ir.VectorType.get((1,), i32), packed)
+      regs[idx] = vector.bitcast(out_ty, as_vec)
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT_8BIT,
+                              _is_signed=None)
+
+  return relabel(p)
+
+
+def _smem(interpret: bool, shape, dtype, minor_bytes: int):
+  """A swizzled SMEM tile whose rows are `minor_bytes` long (the swizzle:
+  128 bytes, or the row when shorter)."""
+  ops = gpu_ops.Ops(interpret, swizzle=min(128, minor_bytes))
+  return ops.smem(shape, dtype, True)
+
+
+def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
+            q_row, k_col, v_col, out_mult, sched, *, out_dtype,
+            key_scales: bool, value_scales: bool):
+  """The e4m3 forward kernel.
+
+  Args:
+    spec: launch parameters (`spec.dtype` e4m3; `spec.scale` 1: the logit
+      scale is in `q_row`).
+    q: e4m3 [B, Tp, N, Hp]; padded rows zeroed.
+    k: e4m3 [B, Sp, K, Hp]; padded rows zeroed.
+    vt: e4m3 [B, K, Hvp, Sp] (`layout_v`); padded keys zeroed.
+    q_pos, q_seg, kv_pos, kv_seg: int32 metadata as in `forward.forward`.
+    q_row: float32 [B, N, Tp]: scale * q_scale (* k_scale when
+      `key_scales` is off) per query row.
+    k_col: float32 [B, K, Sp]: k_scale per key (read with `key_scales`).
+    v_col: float32 [B, K, Sp]: 256 * v_scale / max|v_scale| per key (read
+      with `value_scales`; else P is multiplied by 256).
+    out_mult: float32 [B, N]: max|v_scale| / 256 of the query head's K/V
+      head.
+    sched: int32 [B, Tp / (2 block_q), 6], as in `forward.forward`.
+    out_dtype: bfloat16 or float16.
+    key_scales: whether key scales differ by key.
+    value_scales: whether value scales differ by key.
+
+  Returns:
+    (out [B, Tp, N, Hvp] in out_dtype, lse float32 [B, N, Tp], natural log).
+  """
+  interpret = spec.interpret
+  ops = kernel.ops_for(spec)
+  bq, bk, h, hv, stages = (spec.block_q, spec.block_kv, spec.head_dim,
+                           spec.hv, spec.stages)
+  nc = spec.consumers
+  units = kernel.q_units(spec, table=True)
+
+  def unit(r: kernel.Refs, t, base):
+    (q_ref, _, _, qpos_ref, qseg_ref, _, _, qrow_ref, _, _, omult_ref,
+     sched_ref) = r.inputs
+    o_ref, lse_ref = r.outputs
+    (q_smem, o_smem, lse_smem, qpos_smem, qseg_smem, qrow_smem, k_smem,
+     vt_smem, kpos_smem, kseg_smem, kcol_smem, vcol_smem) = r.smem
+    q_bar, k_bar, v_bar, k_free, v_free, schedule = r.barriers
+    wg = r.wg
+    o_own = o_smem.at[wg]
+
+    b, n, row = r.units.decode(r.cta, t)
+    ulo = sched_ref[b, row, 0]
+    row0 = (row * nc + wg) * bq
+    rows = pl.ds(row0, bq)
+    kernel.load_stationary(
+        [(q_ref.at[b, rows, n], q_smem.at[wg]),
+         (qrow_ref.at[b, n, rows], qrow_smem.at[wg]),
+         *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
+                             (qpos_smem.at[wg], qseg_smem.at[wg]), b, rows)],
+        q_bar.at[wg])
+    q_p, q_s = kernel.load_meta(
+        spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
+    q_factor = ops.load_vector(qrow_smem.at[wg], 0)  # [bq]
+
+    def step(j, carry, *, masked):
+      m_i, l_i, acc = carry
+      slot = kernel.rem(base + j - ulo, stages)
+      qk, k_p, k_s = forward_lib.key_tile_products(  # e4m3 -> float32
+          spec, ops, q_smem, wg, k_bar.at[slot], k_smem.at[slot],
+          kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
+      qk = qk * jax.lax.broadcast_in_dim(q_factor, qk.shape, (0,))
+      if key_scales:
+        k_factor = ops.load_vector(kcol_smem.at[slot], 1)
+        qk = qk * jax.lax.broadcast_in_dim(k_factor, qk.shape, (1,))
+      plgpu.barrier_arrive(k_free.at[slot])
+      s, _ = kernel.logits(spec, qk)
+      if masked:
+        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
+      m_i, l_i, p, alpha = online_softmax.update(
+          m_i, l_i, s, base2=True, per_query=_ROWS)
+      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      forward_lib.await_values(spec, v_bar.at[slot], schedule)
+      if value_scales:
+        v_factor = ops.load_vector(vcol_smem.at[slot], 1)
+        p = p * jax.lax.broadcast_in_dim(v_factor, p.shape, (1,))
+      else:
+        p = p * P_SCALE
+      p = p.astype(FP8) if interpret else p_operand(p)
+      acc = ops.mm(p, vt_smem.at[slot], a_in_smem=False, transpose_b=True,
+                   acc=acc)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return m_i, l_i, acc
+
+    out, lse = forward_lib.walk_keys(spec, ops, sched_ref, b, row, wg, step,
+                                     schedule)
+    o_own[...] = (out * omult_ref[b, n]).astype(out_dtype)
+    lse_smem.at[wg][...] = lse
+    kernel.store([(o_own, o_ref.at[b, rows, n]),
+                  (lse_smem.at[wg], lse_ref.at[b, n, rows])])
+    return base + sched_ref[b, row, 1] - ulo
+
+  def producer_groups(r: kernel.Refs):
+    k_ref, vt_ref = r.inputs[1], r.inputs[2]
+    kpos_ref, kseg_ref = r.inputs[5], r.inputs[6]
+    kcol_ref, vcol_ref = r.inputs[8], r.inputs[9]
+    (*_, k_smem, vt_smem, kpos_smem, kseg_smem, kcol_smem,
+     vcol_smem) = r.smem
+    k_bar, v_bar, k_free, v_free = r.barriers[1:5]
+
+    def k_copies(b, n, rep, j, slot):
+      del rep
+      cols = pl.ds(j * bk, bk)
+      kh = n // spec.group
+      return [
+          (k_ref.at[b, cols, kh], k_smem.at[slot]),
+          *kernel.meta_copies(spec, (kpos_ref, kseg_ref),
+                              (kpos_smem.at[slot], kseg_smem.at[slot]), b,
+                              cols),
+          *([(kcol_ref.at[b, kh, cols], kcol_smem.at[slot])]
+            if key_scales else []),
+      ]
+
+    def v_copies(b, n, rep, j, slot):
+      del rep
+      cols = pl.ds(j * bk, bk)
+      kh = n // spec.group
+      return [
+          (vt_ref.at[b, kh, :, cols], vt_smem.at[slot]),
+          *([(vcol_ref.at[b, kh, cols], vcol_smem.at[slot])]
+            if value_scales else []),
+      ]
+
+    return [(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)]
+
+  smem = (
+      _smem(interpret, (nc, bq, h), FP8, h),  # Q
+      _smem(interpret, (nc, bq, hv), out_dtype,
+            hv * jnp.dtype(out_dtype).itemsize),  # output
+      plgpu.SMEM((nc, bq), _F32),  # lse
+      plgpu.SMEM((nc, bq), _I32),  # query positions
+      plgpu.SMEM((nc, bq), _I32),  # query segment ids
+      plgpu.SMEM((nc, bq), _F32),  # query row factors
+      _smem(interpret, (stages, bk, h), FP8, h),  # K ring
+      _smem(interpret, (stages, hv, bk), FP8, bk),  # V^T ring
+      plgpu.SMEM((stages, bk), _I32),  # key positions ring
+      plgpu.SMEM((stages, bk), _I32),  # key segment ids ring
+      plgpu.SMEM((stages, bk), _F32),  # key scales ring
+      plgpu.SMEM((stages, bk), _F32),  # value factors ring
+  )
+  barriers = (
+      gpu_ops.barrier(nc, 2 + spec.num_meta),  # Q, row factors (+ meta).
+      gpu_ops.barrier(stages, 1 + spec.num_meta + int(key_scales)),
+      gpu_ops.barrier(stages, 1 + int(value_scales)),
+      gpu_ops.barrier(stages, nc),  # K slot released.
+      gpu_ops.barrier(stages, nc),  # V slot released.
+      gpu_ops.barrier(1, nc),  # ping-pong schedule.
+  )
+  out_types = (
+      jax.ShapeDtypeStruct(q.shape[:-1] + (hv,), out_dtype),
+      jax.ShapeDtypeStruct((spec.batch, spec.num_heads, spec.q_len), _F32),
+  )
+  return kernel.launch(
+      spec, name="pfa_mgpu_forward_fp8", units=units, reps=1,
+      operands=(q, k, vt, q_pos, q_seg, kv_pos, kv_seg, q_row, k_col, v_col,
+                out_mult, sched),
+      out_types=out_types, smem_types=smem, barrier_types=barriers,
+      unit=unit, producer_groups=producer_groups)
+

@@ -1,0 +1,166 @@
+"""Tests of `mosaic_gpu`'s float8 (e4m3) forward that run without a GPU.
+
+* The kernel lowers ahead of time for an H100 (8-bit wgmma operands, the
+  transposed V ring and the P conversion included).
+* The key order of the e4m3 P operand (`forward_fp8.p_operand`, from the
+  wgmma register fragments of the PTX ISA) matches the order `layout_v`
+  gives V^T.
+* The kernel body runs in the Mosaic GPU interpreter against the float64
+  attention of the dequantized inputs; `check` declines what it cannot run.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_testing import gpu_jax_only
+from attention_testing import needs_hopper
+
+import pallas_fa
+from pallas_fa import api
+from pallas_fa import gpu_target
+from pallas_fa import mosaic_gpu
+from pallas_fa import quantize
+from pallas_fa import testing
+from pallas_fa.mosaic_gpu import forward_fp8
+from pallas_fa.mosaic_gpu import kernel
+
+E4M3 = jnp.float8_e4m3fn
+
+needs_interpreter = pytest.mark.skipif(
+    kernel.interpret_params() is None or jax.default_backend() != "cpu",
+    reason="the Mosaic GPU interpreter runs on CPU only")
+
+
+def _quantized(gen, b, t, s, n, kh, h, granularity):
+  shapes = ((b, t, n, h), (b, s, kh, h), (b, s, kh, h))
+  pairs = [quantize.quantize_fp8(testing.normal(gen, shape) * 2.0,
+                                 granularity) for shape in shapes]
+  return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+
+def _scales(scales):
+  return dict(zip(("query_scale", "key_scale", "value_scale"), scales))
+
+
+def _oracle(values, scales, causal):
+  """float64 (out, lse) of the dequantized inputs (numpy)."""
+  q, k, v = (np.asarray(quantize.dequantize(x, s), np.float64)
+             for x, s in zip(values, scales))
+  g = q.shape[2] // k.shape[2]
+  k, v = (np.repeat(x, g, axis=2) for x in (k, v))
+  q, k, v = (np.moveaxis(x, 2, 1) for x in (q, k, v))
+  s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+  if causal:
+    s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  p = np.exp(s - m)
+  out = (p / p.sum(-1, keepdims=True)) @ v
+  lse = np.log(p.sum(-1)) + m[..., 0]
+  return np.moveaxis(out, 1, 2), np.moveaxis(lse, 1, 2)
+
+
+def test_p_operand_key_order_matches_layout_v():
+  """P V == P' V' where P' is P as `p_operand` packs it: a thread's
+  float32 accumulator values (PTX wgmma D fragment: row lane / 4 (+ 8),
+  columns 8j + 2 (lane % 4) + {0, 1}) placed in the 8-bit A fragment
+  (row lane / 4 (+ 8), columns 16i + 4 (lane % 4) + {0..3}), two 8-column
+  groups per 16 keys; V' is `layout_v`'s compiled V^T."""
+  gen = np.random.default_rng(0)
+  m, s, hv = 64, 64, 32
+  p = gen.standard_normal((m, s))
+  v = gen.standard_normal((1, s, 1, hv)).astype(np.float32)
+  packed = np.empty_like(p)
+  for lane in range(32):
+    c = lane % 4
+    for row in (lane // 4, lane // 4 + 8):
+      for rows in range(0, m, 16):
+        for i in range(s // 16):
+          # What the thread holds, in register order: groups 2i, 2i + 1.
+          held = [p[rows + row, 8 * (2 * i + grp) + 2 * c + e]
+                  for grp in (0, 1) for e in (0, 1)]
+          packed[rows + row, 16 * i + 4 * c:16 * i + 4 * c + 4] = held
+  vt = np.asarray(forward_fp8.layout_v(jnp.asarray(v), interpret=False))
+  np.testing.assert_allclose(packed @ vt[0, 0].T, p @ v[0, :, 0],
+                             rtol=1e-10, atol=1e-10)
+  assert sorted(forward_fp8.KEY_ORDER) == list(range(16))
+
+
+def test_check_declines_what_the_float8_kernel_cannot_run():
+  gen = testing.rng("mosaic_gpu fp8 check")
+  values, scales = _quantized(gen, 1, 64, 64, 2, 2, 64, "head")
+  bs = mosaic_gpu.MosaicGpuBlockSizes(interpret=True)
+  backend = api.get_backend("mosaic_gpu")
+  for kw, reason in (
+      (dict(out_dtype=jnp.float32), "writes bfloat16 or float16"),
+      (dict(dropout_rate=0.1, dropout_rng=1), "dropout"),
+      (dict(block_sizes=mosaic_gpu.MosaicGpuBlockSizes(
+          block_kv=32, interpret=True)), "multiple of 64"),
+  ):
+    call = api.canonicalize(*values, **_scales(scales), float8=True,
+                            **{"block_sizes": bs, **kw})
+    with pytest.raises(NotImplementedError, match=reason):
+      backend.check_call(*call.arrays)
+  e5m2 = tuple(x.astype(jnp.float8_e5m2) for x in values)
+  call = api.canonicalize(*e5m2, **_scales(scales), float8=True,
+                          block_sizes=bs)
+  with pytest.raises(NotImplementedError, match="float8"):
+    backend.check_call(*call.arrays)
+
+
+def test_float8_forward_lowers_for_hopper():
+  gen = testing.rng("mosaic_gpu fp8 lower")
+  values, scales = _quantized(gen, 1, 256, 256, 4, 2, 128, "token")
+
+  def fwd(*args):
+    return pallas_fa.flash_attention(
+        *args[:3], **_scales(args[3:]), is_causal=True,
+        implementation="mosaic_gpu")
+
+  with gpu_target.compile_for(gpu_target.H100):
+    text = jax.jit(fwd).trace(*values, *scales).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("granularity, causal", [
+    ("head", True), ("token", False)])
+def test_interpreted_float8_forward(granularity, causal):
+  """Ragged lengths, GQA, a head dim padded to 64; head scales fold into
+  the row factors, token scales stream with K and V."""
+  gen = testing.rng("mosaic_gpu fp8", granularity, causal)
+  values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
+                                      interpret=True)
+  out, lse = pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=causal,
+      implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
+  assert out.dtype == jnp.bfloat16
+  want_out, want_lse = _oracle(values, scales, causal)
+  # e4m3 P (3 mantissa bits) against float64: the error of FlashAttention-3
+  # style float8 attention, a few percent of |V|.
+  err = np.abs(np.asarray(out, np.float64) - want_out).max()
+  assert err <= 0.05 * np.abs(want_out).max() + 1e-2, err
+  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-3)
+
+
+@needs_hopper
+@pytest.mark.parametrize("granularity, causal, h", [
+    ("head", True, 128), ("token", False, 128), ("tensor", True, 64),
+    ("head", False, 256)])
+def test_compiled_float8_forward(granularity, causal, h):
+  """The compiled kernel (8-bit wgmma, P packed in registers against the
+  reordered V^T, `p_operand`) against the float64 attention of the
+  dequantized inputs: ragged lengths, GQA, several key tiles."""
+  gen = testing.rng("mosaic_gpu fp8 compiled", granularity, causal, h)
+  values, scales = _quantized(gen, 2, 333, 517, 4, 2, h, granularity)
+  out, lse = pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=causal,
+      implementation="mosaic_gpu", return_residual=True)
+  assert out.dtype == jnp.bfloat16
+  want_out, want_lse = _oracle(values, scales, causal)
+  err = np.abs(np.asarray(out, np.float64) - want_out).max()
+  assert err <= 0.05 * np.abs(want_out).max() + 1e-2, err
+  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-3)
