@@ -49,10 +49,28 @@ Commands (from the repository root):
   python scripts/benchmark.py --grid=cpu --seq_lens=256,512 --modes=fwd \
       --repeats=3 --noisolate
 
+  # FP8 (e4m3) forward cells beside an earlier bf16 run of the same grid:
+  # the float8 columns are labelled '<impl>+e4m3', with their speed-up
+  # against cuDNN's bf16 cells and against their own bf16 cells.
+  python scripts/benchmark.py --grid=fa --head_dim=128 \
+      --impls=mosaic_gpu --dtype=float8_e4m3fn \
+      --json=benchmarks/results/h100_d128.json --merge
+
 Every preset value can be overridden by its flag (`--seq_lens`, `--impls`,
 `--peers`, `--dtype`, `--batch`, `--heads`, `--head_dim`, `--causal`,
 `--modes`, `--repeats`, ...). `--peers=none` times no peer. `--sinks` also
 times each implementation with attention sinks, as `<impl>+sinks`.
+
+`--dtype=float8_e4m3fn` times the implementations on float8 query/key/value:
+bfloat16 normals quantized per head once per shape
+(`pallas_fa.quantize_fp8`), each implementation called with the float8
+values and their float32 scales (bfloat16 result), checked against the
+attention of the dequantized inputs (the bfloat16 rule plus 2**-4 max|v|,
+the rounding of P to e4m3). FLOPs as for bfloat16. Forward only (the
+default --modes becomes fwd; fwd_bwd is an error: there is no gradient with
+respect to float8 arrays), no peers and no matmul ceiling: the peers'
+bfloat16 cells of another run, merged with `--merge`, are the float8
+cells' baselines.
 
 The options are declared once, in `bench/options.py`; the cells (candidates,
 check, timing, isolation) are in `bench/cells.py`, the table, JSON and plot in
@@ -80,21 +98,26 @@ from pallas_fa import api
 FLAGS = flags.FLAGS
 
 
-def define_flags() -> None:
+def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   """Defines the command-line flags, one per `options.OPTIONS` entry.
 
   Called only when this file runs as a script, so importing it (as the tests
   do) registers no global flags that could clash with another script's.
   Defined here rather than in `bench.options` so that `--help` lists them
   under this script.
+
+  Args:
+    flag_values: where to define them (a test parses a command line into
+      its own `flags.FlagValues`).
   """
   for option in options.OPTIONS:
     if option.kind == "enum":
       flags.DEFINE_enum(option.name, option.default, option.choices,
-                        option.help)
+                        option.help, flag_values=flag_values)
     else:
       define = getattr(flags, f"DEFINE_{option.kind}")
-      define(option.name, option.default, option.help)
+      define(option.name, option.default, option.help,
+             flag_values=flag_values)
 
 
 def _say(verbose: bool):
@@ -145,10 +168,14 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
 
   dtype = settings.shapes[0].dtype if settings.shapes else "float32"
 
+  # A float8 run measures no ceiling: a float8 product's rate would replace
+  # the (slower) bfloat16 one that the merged bfloat16 cells are held to.
+  matmul_size = 0 if options.is_fp8(dtype) else settings.matmul_size
+
   def probe():
     with timeline.phase("matmul_probe"):
       return cells.matmul_ceiling(
-          settings.matmul_size, dtype, repeats=settings.repeats,
+          matmul_size, dtype, repeats=settings.repeats,
           warmup=settings.warmup, seed=settings.seed,
           min_repeat_s=settings.min_repeat_s)
 
@@ -158,7 +185,8 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
         f"{report_lib.rate(ceiling['flops_per_s'], platform)}")
   report = report_lib.merged(earlier, report_lib.meta(settings, argv),
                              ceiling)
-  this_run = {"candidates": [c.label for c in candidates],
+  this_run = {"candidates": [options.cell_label(c.label, dtype)
+                             for c in candidates],
               "head_dims": sorted({s.head_dim for s in settings.shapes})}
   report["timelines"].append(timeline.record(**this_run))
 

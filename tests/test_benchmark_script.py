@@ -163,6 +163,73 @@ def test_check_catches_wrong_gradient(benchmark, monkeypatch):
   assert r["reason"].startswith("dk disagrees"), r["reason"]
 
 
+def test_float8_cells_are_checked_on_the_dequantized_inputs(
+    benchmark, monkeypatch):
+  """--dtype=float8_e4m3fn: the implementation gets the float8 values and
+  their per-head scales; its cells, '<impl>+e4m3', forward only and with no
+  peers, are checked against the attention of the dequantized inputs (a
+  wrong result is reported "wrong", not timed), counted as bf16's FLOPs,
+  and their ratios are against the bf16 cells of a merged earlier run."""
+  fp8 = "float8_e4m3fn"
+  calls = []
+  real = pallas_fa.flash_attention
+
+  def recording(q, k, v, **kw):
+    calls.append((q.dtype, k.dtype, v.dtype,
+                  *(kw.get(f"{n}_scale") for n in ("query", "key", "value"))))
+    return real(q, k, v, **kw)
+
+  monkeypatch.setattr(pallas_fa, "flash_attention", recording)
+  bf16 = benchmark.run(_settings(benchmark, dtype="bfloat16", modes=["fwd"],
+                                 matmul_size=0), verbose=False)
+  assert calls and all(c[0] == jax.numpy.bfloat16 for c in calls)
+  calls.clear()
+  # The float8 defaults: fwd only, no peers.
+  settings = _settings(benchmark, dtype=fp8, modes=None, peers=None)
+  assert settings.modes == ("fwd",)
+  assert [c.label for c in settings.candidates] == ["chunked"]
+  report = benchmark.run(settings, verbose=False, earlier=bf16)
+  assert calls
+  for call in calls:
+    assert all(d == jax.numpy.float8_e4m3fn for d in call[:3])
+    assert all(s.shape == (1, 1, 2) and s.dtype == jax.numpy.float32
+               for s in call[3:])  # Per head: [B, 1, N].
+  got = {(r["impl"], r["dtype"], r["causal"]): r for r in report["results"]}
+  assert set(got) == {(impl, dtype, causal) for causal in (False, True)
+                      for impl, dtype in (("chunked", "bfloat16"),
+                                          ("jax:xla", "bfloat16"),
+                                          ("chunked+e4m3", fp8))}
+  for causal in (False, True):
+    r = got[("chunked+e4m3", fp8, causal)]
+    assert r["status"] == "ok" and r["ms"] > 0, r
+    assert r["mode"] == "fwd" and set(r["check"]) == {"out"}
+    assert r["check"]["out"]["err"] <= r["check"]["out"]["tol"]
+    plain = got[("chunked", "bfloat16", causal)]
+    assert r["flops"] == plain["flops"]
+    assert r["speedup_vs_bf16"] == pytest.approx(plain["ms"] / r["ms"])
+    assert r["speedup_vs_xla"] == pytest.approx(
+        got[("jax:xla", "bfloat16", causal)]["ms"] / r["ms"])
+    assert plain["speedup_vs_bf16"] is None
+  markdown = benchmark.report_lib.format_markdown(report)
+  assert "| chunked | jax:xla | chunked+e4m3 |" in markdown
+  assert "x bf16)" in markdown and "bfloat16, float8_e4m3fn" in markdown
+  assert "vs bf16" in benchmark.report_lib.format_table(report)
+
+  # A wrong result (the value scales dropped) is reported, not timed.
+  monkeypatch.setattr(
+      pallas_fa, "flash_attention",
+      lambda q, k, v, **kw: real(q, k, v, **{**kw, "value_scale": None}))
+  wrong = benchmark.run(settings, verbose=False)
+  for r in wrong["results"]:
+    assert r["status"] == "wrong" and r["ms"] is None, r
+    assert r["reason"].startswith("out disagrees"), r["reason"]
+    assert "e4m3 rounding of P" in r["reason"]
+
+  for bad in (dict(modes=["fwd", "fwd_bwd"]), dict(peers=["xla"])):
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+      _settings(benchmark, dtype=fp8, **{"modes": ["fwd"], **bad})
+
+
 def _fake_tokamax(calls, *, honour_causal=True):
   """A stand-in for the `tokamax` package: its `dot_product_attention`
   records its keyword arguments and computes with `jax.nn`."""

@@ -100,7 +100,8 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   """The bench step's processes: one implementation each (its variants
   beside it), mosaic_gpu's split and fused backward at T = 16384 and 4096,
   causal and not, fwd and fwd+bwd; cuDNN and triton on the same cells,
-  JAX's Pallas mha forward; the tile variants beside the path they would
+  JAX's Pallas mha forward; mosaic_gpu's and triton's float8 forward on
+  the headline's cells; the tile variants beside the path they would
   replace; mosaic_gpu's causal forward per head-section size; each variant
   a config that validates, and otherwise the default tiling; decode at
   B = 1 and 8 with two split counts, then the cache forms."""
@@ -108,6 +109,7 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fused_tiles",
                         "mosaic_gpu_forward_tiles", "triton", "pallas_mha",
+                        "mosaic_gpu_fp8", "triton_fp8",
                         "mosaic_gpu_head_sections"]
   for run in runs.values():
     names = {spec.split(":")[0] for spec in run.impls} | set(run.peers)
@@ -123,6 +125,28 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   assert runs["mosaic_gpu"].matmul_size  # The first run's ceiling.
   assert runs["pallas_mha"].peers == ("pallas_mha",)
   assert runs["pallas_mha"].modes == ("fwd",)
+  # The float8 forwards: the run's --dtype follows the step's bfloat16 one
+  # and wins (absl keeps a flag's last value).
+  with script_module("benchmark") as benchmark:
+    from absl import flags  # noqa: PLC0415
+    for label, impl in (("mosaic_gpu_fp8", "mosaic_gpu"),
+                        ("triton_fp8", "triton")):
+      run = runs[label]
+      assert (run.impls, run.peers, run.dtype, run.modes) == (
+        (impl,), (), "float8_e4m3fn", ("fwd",)), run
+      assert (run.seq_lens, run.causal) == ((16384, 4096), "both"), run
+      values = flags.FlagValues()
+      benchmark.define_flags(values)
+      values(["benchmark.py", *steps.BENCH_FLAGS[False], *run.args()])
+      settings = benchmark.options.make_settings(
+        platform="gpu",
+        **{n: values[n].value for n in benchmark.options.SETTING_NAMES})
+      assert {s.dtype for s in settings.shapes} == {"float8_e4m3fn"}
+      assert settings.modes == ("fwd",)
+      assert [c.label for c in settings.candidates] == [impl]
+  dry = {run.label: run for run in steps.BENCH_RUNS[True]}
+  assert (dry["chunked_fp8"].dtype, dry["chunked_fp8"].modes) == (
+    "float8_e4m3fn", ("fwd",))
   # Each variant beside the path it would replace.
   fused = runs["mosaic_gpu_fused_tiles"]
   assert fused.impls[0] == "mosaic_gpu:backward=fused"
@@ -568,7 +592,13 @@ def test_dry_run(gpu_check, tmp_path):
     r["speedup_vs_xla"]
     for r in bench["results"]
     if r["seq_len"] == 128 and r["head_dim"] == 16
+    and r["dtype"] == "float32"
   )
+  # The float8 forward, checked like the others (its ratios are against
+  # bfloat16 cells, which the float32 dry run has none of).
+  fp8 = [r for r in bench["results"] if r["impl"] == "chunked+e4m3"]
+  assert {(r["dtype"], r["mode"], r["seq_len"], r["causal"]) for r in fp8} == {
+    ("float8_e4m3fn", "fwd", 128, causal) for causal in (False, True)}
   assert (
     "| chunked | chunked:block_q_bwd=64 | jax:xla | chunked:block_kv=64 |"
     in (out / "bench.md").read_text()
@@ -589,7 +619,7 @@ def test_dry_run(gpu_check, tmp_path):
   # back.
   timelines = steps["bench"]["bench"]["timelines"]
   assert [t["candidates"] for t in timelines] == [
-    f"chunked,{variant}", "jax:xla", f"chunked,{tiles}"]
+    f"chunked,{variant}", "jax:xla", f"chunked,{tiles}", "chunked+e4m3"]
   for t in timelines:
     assert {"start", "device_init", "inputs", "reference"} <= set(
       t["by_phase"]), t

@@ -5,6 +5,11 @@ one `options.Shape`, and "fwd" or "fwd_bwd". It is checked against the float32
 reference of `pallas_fa.testing` (the FlashAttention error rule for low
 precision) and timed with `testing.time_call`, either here or in a fresh
 child process (`run_isolated`) that also reports the cell's peak memory.
+
+Float8 shapes (`options.FP8_DTYPES`): query, key and value are (values,
+scales) pairs, bfloat16 normals quantized per head by
+`pallas_fa.quantize_fp8`; an implementation gets both, and its result is
+checked against the attention of the dequantized inputs (`compare`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 import pallas_fa
 from bench import options
 from pallas_fa import api
+from pallas_fa import quantize
 from pallas_fa import testing
 
 Array = Any
@@ -113,13 +119,15 @@ def attention_fn(candidate: options.Candidate,
     shape: the problem (its causal flag is baked in).
 
   Returns:
-    A traceable function of (q, k, v), each [B, T, N, H].
+    A traceable function of (q, k, v), each [B, T, N, H] (for a float8
+    shape, each a (values, scales) pair of `make_inputs`).
 
   Raises:
     NotImplementedError: the candidate cannot run here.
   """
   causal = shape.causal
   scale = 1.0 / math.sqrt(shape.head_dim)
+  fp8 = options.is_fp8(shape.dtype)
   if candidate.kind == "impl":
     name = candidate.name
     extra = {"sinks": sinks_for(shape)} if candidate.sinks else {}
@@ -127,12 +135,20 @@ def attention_fn(candidate: options.Candidate,
       extra["block_sizes"] = block_sizes_for(candidate, shape)
 
     def ours(q, k, v):
+      kw = dict(extra)
+      if fp8:  # (values, scales) pairs.
+        (q, qs), (k, ks), (v, vs) = q, k, v
+        kw.update(query_scale=qs, key_scale=ks, value_scale=vs)
       # Looked up at call time so tests can substitute the entry point.
       return pallas_fa.flash_attention(
-          q, k, v, is_causal=causal, implementation=name, **extra)
+          q, k, v, is_causal=causal, implementation=name, **kw)
 
     return ours
 
+  if fp8:
+    raise NotImplementedError(
+        f"the peers take no {shape.dtype} inputs (their bfloat16 cells are "
+        "the baselines)")
   name = candidate.name
   reason = peer_unavailable_reason(name, api.platform())
   if reason is not None:
@@ -226,12 +242,29 @@ def make_inputs(shape: options.Shape, seed: int) -> tuple[Array, ...]:
     seed: random seed.
 
   Returns:
-    (q, k, v, dout), each [B, T, N, H] in the shape's dtype.
+    (q, k, v, dout), each [B, T, N, H] in the shape's dtype. For a float8
+    shape, q, k and v are (values, scales) pairs: the bfloat16 inputs of
+    the same seed quantized per head (`quantize.quantize_fp8`, scales
+    float32 [B, 1, N]), and dout is bfloat16.
   """
   gen = testing.rng(seed)
-  dtype = options.DTYPES[shape.dtype]
+  fp8 = options.is_fp8(shape.dtype)
+  dtype = jnp.bfloat16 if fp8 else options.DTYPES[shape.dtype]
   q, k, v, _ = testing.make_inputs(shape.case(), dtype, gen)
-  return q, k, v, testing.normal(gen, q.shape, dtype)
+  dout = testing.normal(gen, q.shape, dtype)
+  if fp8:
+    quantized = functools.partial(quantize.quantize_fp8, granularity="head",
+                                  dtype=options.DTYPES[shape.dtype])
+    q, k, v = (tuple(quantized(x)) for x in (q, k, v))
+  return q, k, v, dout
+
+
+def dequantized(x) -> Array:
+  """An input of `make_inputs` as the float32 array it means: a float8
+  (values, scales) pair dequantized, any other array as it is."""
+  if isinstance(x, tuple):
+    return quantize.dequantize(*x, dtype=jnp.float32)
+  return x
 
 
 # ---------------------------------------------------------------------------
@@ -317,6 +350,7 @@ class Reference:
   f32: tuple  # (out, dq, dk, dv) float32 reference, on rows and keys
   same: tuple | None  # the same in the input dtype (low precision only)
   loaded: bool = False  # read back from `reference_dir`
+  value_max: float | None = None  # max|dequantized v| (float8 only)
 
 
 _RESULT_NAMES = ("out", "dq", "dk", "dv")
@@ -328,8 +362,10 @@ def _reference_path(directory, shape, seed, rows, grads, sinks):
   return pathlib.Path(directory) / f"ref_{fields}_s{seed}_r{rows}{extra}.npz"
 
 
-def _save_reference(path, f32, same) -> None:
+def _save_reference(path, f32, same, value_max=None) -> None:
   arrays = {}
+  if value_max is not None:
+    arrays["value_max"] = np.float32(value_max)
   for prefix, results in (("f32", f32), ("same", same)):
     for name, x in zip(_RESULT_NAMES, results or ()):
       if x is not None:
@@ -352,9 +388,11 @@ def _load_reference(path, low_precision: bool):
       same = (tuple(jnp.asarray(data[f"same_{n}"]) if f"same_{n}" in data
                     else None for n in _RESULT_NAMES)
               if low_precision else None)
+      value_max = (float(data["value_max"]) if "value_max" in data
+                   else None)
   except (OSError, ValueError, KeyError):
     return None
-  return f32, same
+  return f32, same, value_max
 
 
 def make_reference(shape, inputs, rows: int, grads: bool,
@@ -375,9 +413,12 @@ def make_reference(shape, inputs, rows: int, grads: bool,
     directory: see `seed`; None computes every time.
 
   Returns:
-    The shape's `Reference`.
+    The shape's `Reference`. For a float8 shape: that of the dequantized
+    inputs (`dequantized`), "same" computed in bfloat16 (the result's
+    dtype), with the largest |dequantized v| for `compare`'s bound.
   """
-  q, k, v, dout = inputs
+  fp8 = options.is_fp8(shape.dtype)
+  q, k, v, dout = (dequantized(x) for x in inputs)
   idx = check_rows(shape.seq_len, rows)
   keys = check_rows(k.shape[1], rows)
   masked = jnp.zeros_like(dout).at[:, idx].set(dout[:, idx])
@@ -386,27 +427,39 @@ def make_reference(shape, inputs, rows: int, grads: bool,
   if directory is not None and seed is not None:
     path = _reference_path(directory, shape, seed, rows, grads, sinks)
     loaded = _load_reference(path, low_precision) if path.exists() else None
-    if loaded is not None:
+    if loaded is not None and (loaded[2] is not None or not fp8):
       return Reference(rows=idx, keys=keys, dout_masked=masked, f32=loaded[0],
-                       same=loaded[1], loaded=True)
+                       same=loaded[1], loaded=True, value_max=loaded[2])
   extra = {"sinks": sinks_for(shape)} if sinks else {}
   f32 = reference_results(shape, q, k, v, masked, idx, grads, jnp.float32,
                           keys=keys, **extra)
   same = None
   if low_precision:
-    same = reference_results(shape, q, k, v, masked, idx, grads,
-                             options.DTYPES[shape.dtype], keys=keys, **extra)
+    same_dtype = jnp.bfloat16 if fp8 else options.DTYPES[shape.dtype]
+    same = reference_results(shape, q, k, v, masked, idx, grads, same_dtype,
+                             keys=keys, **extra)
+  value_max = float(jnp.max(jnp.abs(v))) if fp8 else None
   if path is not None:
-    _save_reference(path, f32, same)
+    _save_reference(path, f32, same, value_max)
   return Reference(rows=idx, keys=keys, dout_masked=masked, f32=f32,
-                   same=same)
+                   same=same, value_max=value_max)
+
+
+# A float8 forward may round P to e4m3 for the P.V product (FlashAttention-3;
+# mosaic_gpu's float8 kernel, triton's with float8 operands): each
+# probability within 2**-4 of itself (3 mantissa bits), so each output
+# within 2**-4 of the largest |v| it averages.
+FP8_P_ROUNDING = 2.0**-4
 
 
 def compare(results, ref: Reference, dtype: str) -> dict[str, dict]:
   """Compares candidate (out, dq, dk, dv) with the reference.
 
   The rule is `testing.compare`'s at the default matmul precision, scale-
-  free (`min_scale=0`): long sequences have small gradients.
+  free (`min_scale=0`): long sequences have small gradients. A float8
+  cell's output (bfloat16) is held to the bfloat16 rule against the
+  reference of the dequantized inputs, plus `FP8_P_ROUNDING` times the
+  largest |dequantized v| (`ref.value_max`): the rounding of P to e4m3.
 
   Args:
     results: the candidate's outputs (out on every row; grads with
@@ -430,10 +483,19 @@ def compare(results, ref: Reference, dtype: str) -> dict[str, dict]:
     if ref.f32[i] is None:
       continue
     got = np.asarray(jax.device_get(result))[:, index[i]]
+    fp8 = options.is_fp8(dtype)
     comparison = testing.compare(
         names[i], got, ref.f32[i], None if ref.same is None else ref.same[i],
-        dtype=options.DTYPES[dtype], precision="default", min_scale=0.0)
-    comparison.check(f"rows checked: {len(ref.rows)}")
+        dtype=jnp.bfloat16 if fp8 else options.DTYPES[dtype],
+        precision="default", min_scale=0.0)
+    context = f"rows checked: {len(ref.rows)}"
+    if fp8:
+      rounding = FP8_P_ROUNDING * ref.value_max
+      comparison = dataclasses.replace(
+          comparison, tolerance=comparison.tolerance + rounding)
+      context += (f"; tol includes the e4m3 rounding of P, 2**-4 * "
+                  f"max|v| = {rounding:.3g}")
+    comparison.check(context)
     report[names[i]] = {"err": comparison.error,
                         "tol": comparison.tolerance,
                         "ref_max": comparison.ref_max}
@@ -658,7 +720,8 @@ def classify(e: BaseException) -> tuple[str, str]:
 
 def base_record(candidate, shape, mode) -> dict:
   """The fields every record of a cell has, before it runs."""
-  return {"impl": candidate.label, "kind": candidate.kind, "mode": mode,
+  return {"impl": options.cell_label(candidate.label, shape.dtype),
+          "kind": candidate.kind, "mode": mode,
           **dataclasses.asdict(shape), "flops": shape.flops(mode),
           "status": "ok", "reason": "", "ms": None}
 

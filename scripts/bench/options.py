@@ -6,11 +6,25 @@ import dataclasses
 from typing import Any
 from typing import Sequence
 
+import jax.numpy as jnp
+
 from pallas_fa import api
 from pallas_fa import testing
 
 MODES = ("fwd", "fwd_bwd")
-DTYPES = testing.DTYPES
+# Float8 inputs: query/key/value quantized per head (`quantize_fp8`), the
+# implementation given the float8 values and their float32 scales. Forward
+# only: `flash_attention` has no gradient with respect to float8 arrays.
+FP8_DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn}
+FP8_MODES = ("fwd",)
+DTYPES = {**testing.DTYPES, **FP8_DTYPES}
+# A float8 cell's candidate label ends with this ("mosaic_gpu+e4m3"), so
+# that the float8 and bfloat16 cells of one implementation are two columns
+# of a merged table, not one.
+FP8_LABEL_SUFFIX = "+e4m3"
+# The ratio of a float8 cell to the same candidate's bfloat16 cell (its
+# time / ours), beside those against `BASELINES`.
+BF16_RATIO = "speedup_vs_bf16"
 # Peers: `jax.nn.dot_product_attention` (xla, cudnn), JAX's Pallas Triton
 # `mha`, its Hopper Mosaic GPU `attention_mgpu` and its TPU `flash_attention`,
 # and tokamax's `dot_product_attention` (its Pallas Triton and Mosaic GPU
@@ -41,7 +55,26 @@ MATERIALISING = ("jax:xla", "xla")
 # The peers ratios are taken against: record field -> peer label. Each
 # record gets every field (None where that peer has no time for the cell).
 # In order of preference: the Markdown table shows the first with a time.
+# A float8 cell's are taken against the peer's bfloat16 cell (the peers
+# take no float8 inputs): what FP8 attention replaces.
 BASELINES = {"speedup_vs_cudnn": "jax:cudnn", "speedup_vs_xla": "jax:xla"}
+
+
+def is_fp8(dtype: str) -> bool:
+  """Whether the dtype name is a float8 one (`FP8_DTYPES`)."""
+  return dtype in FP8_DTYPES
+
+
+def cell_label(label: str, dtype: str) -> str:
+  """The label of a candidate's cells of `dtype` (the record's "impl"):
+  the candidate's own, `FP8_LABEL_SUFFIX` added for a float8 dtype."""
+  return label + FP8_LABEL_SUFFIX if is_fp8(dtype) else label
+
+
+def baseline_dtype(dtype: str) -> str:
+  """The dtype of the cells a `dtype` cell's ratios are taken against:
+  bfloat16 for a float8 one, else its own."""
+  return "bfloat16" if is_fp8(dtype) else dtype
 
 PRESETS = {
     # The foundation's CPU targets.
@@ -116,7 +149,16 @@ OPTIONS = (
     Option("peers", "list",
            f"Peers among {PEERS}, or 'none'; default: those for this "
            "platform."),
-    Option("dtype", "enum", "Input dtype.", choices=tuple(sorted(DTYPES))),
+    Option("dtype", "enum",
+           "Input dtype. float8_e4m3fn: bfloat16 normals quantized per head "
+           "(pallas_fa.quantize_fp8), the implementations called with the "
+           "float8 values and their scales and checked against the "
+           "attention of the dequantized inputs; forward only (--modes "
+           "defaults to fwd; fwd_bwd is an error), no peers (their "
+           "bfloat16 cells, merged from another run, are the ratios' "
+           "baselines), no matmul ceiling; its cells are labelled "
+           f"'<impl>{FP8_LABEL_SUFFIX}'.",
+           choices=tuple(sorted(DTYPES))),
     Option("batch", "integer", "B; 0 = tokens // T."),
     Option("tokens", "integer", "B * T when --batch=0."),
     Option("heads", "integer", "N; 0 = model_dim // H."),
@@ -124,7 +166,8 @@ OPTIONS = (
     Option("head_dim", "list", "H values."),
     Option("causal", "enum", "Causal masking.",
            choices=("both", "true", "false")),
-    Option("modes", "list", f"Subset of {MODES}."),
+    Option("modes", "list",
+           f"Subset of {MODES} (float8: {FP8_MODES} only)."),
     Option("sinks", "bool",
            "Also time every pallas_fa implementation with attention sinks, "
            "as '<impl>+sinks' (checked against the reference with the same "
@@ -427,14 +470,28 @@ def make_settings(*, platform: str | None = None, **values) -> Settings:
       return given
     return preset[name] if name in preset else defaults[name]
 
-  modes = tuple(value("modes"))
+  dtype = value("dtype")
+  fp8 = is_fp8(dtype)
+  modes = tuple(FP8_MODES if fp8 and values.get("modes") is None
+                else value("modes"))
   for mode in modes:
     if mode not in MODES:
       raise ValueError(f"modes must be a subset of {MODES}, got {modes=}.")
+  if fp8 and set(modes) - set(FP8_MODES):
+    raise ValueError(
+        f"dtype={dtype!r} is forward only (flash_attention has no gradient "
+        f"with respect to float8 inputs): pass --modes=fwd, got {modes=}.")
   impls = value("impls")
   impls = default_impls(platform) if impls is None else impls
   peers = value("peers")
-  peers = DEFAULT_PEERS.get(platform, ("xla",)) if peers is None else peers
+  if peers is None:
+    peers = () if fp8 else DEFAULT_PEERS.get(platform, ("xla",))
+  if fp8 and any(p != "none" for p in peers):
+    raise ValueError(
+        f"dtype={dtype!r} times pallas_fa's implementations only (the peers "
+        f"take no float8 inputs; their bfloat16 cells, merged with --merge, "
+        f"are the float8 cells' baselines): pass --peers=none, got "
+        f"peers={tuple(peers)}.")
   isolate = value("isolate")
   return Settings(
       grid=grid,

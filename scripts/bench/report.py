@@ -25,20 +25,34 @@ def _cell_key(r: dict) -> tuple:
           r["causal"], r["dtype"])
 
 
+def _baseline_key(r: dict) -> tuple:
+  """The cell key of the cells `r`'s ratios are taken against: the same
+  cell in `options.baseline_dtype` (bfloat16 for a float8 cell)."""
+  return _cell_key({**r, "dtype": options.baseline_dtype(r["dtype"])})
+
+
 def add_ratios(results: list[dict], ceiling: dict | None) -> None:
   """Adds each record's speed-up against every baseline peer
-  (`options.BASELINES`: peer time / this time) and its percentage of the
-  matmul ceiling (None where either is unknown)."""
+  (`options.BASELINES`: peer time / this time; a float8 cell's against
+  the peer's bfloat16 cell), a float8 cell's against the same candidate's
+  bfloat16 cell (`options.BF16_RATIO`), and its percentage of the matmul
+  ceiling (of the cell's dtype) (None where any is unknown)."""
+  ms_of = {(r["impl"], _cell_key(r)): r["ms"] for r in results if r["ms"]}
   for field, label in options.BASELINES.items():
-    peer_ms = {_cell_key(r): r["ms"] for r in results
-               if r["impl"] == label and r["ms"]}
     for r in results:
-      ms = peer_ms.get(_cell_key(r))
+      ms = ms_of.get((label, _baseline_key(r)))
       r[field] = ms / r["ms"] if ms and r["ms"] else None
+  for r in results:
+    ms = None
+    if options.is_fp8(r["dtype"]):
+      label = r["impl"].removesuffix(options.FP8_LABEL_SUFFIX)
+      ms = ms_of.get((label, _baseline_key(r)))
+    r[options.BF16_RATIO] = ms / r["ms"] if ms and r["ms"] else None
   for r in results:
     r["pct_matmul"] = (
         100.0 * r["flops_per_s"] / ceiling["flops_per_s"]
-        if ceiling and r.get("flops_per_s") else None)
+        if ceiling and r.get("flops_per_s")
+        and ceiling.get("dtype", r["dtype"]) == r["dtype"] else None)
 
 
 def merged(earlier: dict | None, run_meta: dict,
@@ -170,7 +184,7 @@ def format_table(report: dict) -> str:
                  "+ temporaries); --isolate measures the real peak")
   ratios = _ratio_columns(results)
   for field in ratios:
-    lines.append(f"{_ratio_title(field)}: {options.BASELINES[field]} time / "
+    lines.append(f"{_ratio_title(field)}: {_baseline_name(field)} time / "
                  "this time (speed-up)")
   header = (f"{'mode':7} {'causal':6} {'B':>3} {'N':>3} {'H':>3} {'T':>6} "
             f"{'impl':20} {'ms':>10} {unit:>8} {'%mm':>5} "
@@ -192,8 +206,21 @@ def format_table(report: dict) -> str:
 
 
 def _ratio_columns(results: list[dict]) -> list[str]:
-  """The `options.BASELINES` fields that some record has a value for."""
-  return [f for f in options.BASELINES if any(r.get(f) for r in results)]
+  """The `options.BASELINES` fields (and `options.BF16_RATIO`) that some
+  record has a value for."""
+  return [f for f in (*options.BASELINES, options.BF16_RATIO)
+          if any(r.get(f) for r in results)]
+
+
+def _baseline_name(field: str) -> str:
+  if field == options.BF16_RATIO:
+    return "the same implementation's bfloat16 cell"
+  return options.BASELINES[field]
+
+
+def _dtypes(results: list[dict]) -> str:
+  """The records' dtypes, in order of appearance, comma-separated."""
+  return ", ".join(dict.fromkeys(r["dtype"] for r in results))
 
 
 def _ratio_title(field: str) -> str:
@@ -208,7 +235,9 @@ def format_markdown(report: dict) -> str:
   """The results as one Markdown table: a row per (mode, causal, H, T), a
   column per candidate with its FLOP/s and its speed-up against the first
   of `options.BASELINES` that has a time for the cell (cuDNN where it ran,
-  else xla).
+  else xla); a float8 candidate's column (`options.FP8_LABEL_SUFFIX`)
+  against the peer's bfloat16 cell, and also against its own bfloat16
+  column ("1.50x bf16").
 
   Args:
     report: the value of `benchmark.run`.
@@ -218,7 +247,7 @@ def format_markdown(report: dict) -> str:
   """
   meta, results = report["meta"], report["results"]
   unit, div = _unit(meta["platform"])
-  ratios = _ratio_columns(results)
+  ratios = [f for f in _ratio_columns(results) if f in options.BASELINES]
   labels = list(dict.fromkeys(r["impl"] for r in results))
   rows = {}
   for r in results:
@@ -227,9 +256,13 @@ def format_markdown(report: dict) -> str:
     rows.setdefault(key, {})[r["impl"]] = r
   peers = ", else ".join(options.BASELINES[f] for f in ratios)
   ratio_note = f"; (ratio) = {peers} time / this time" if ratios else ""
+  if any(r.get(options.BF16_RATIO) for r in results):
+    ratio_note += (f"; float8 columns ({options.FP8_LABEL_SUFFIX}): the "
+                   "peers' bfloat16 time, and (x bf16) the same "
+                   "implementation's bfloat16 time, / this time")
   lines = [
       f"{meta['device_kind']}, jax {meta['jax_version']}, "
-      f"{results[0]['dtype'] if results else ''}; {unit}{ratio_note}",
+      f"{_dtypes(results)}; {unit}{ratio_note}",
       "",
       "| mode | causal | H | T | " + " | ".join(labels) + " |",
       "|---|---|---|---|" + "---|" * len(labels),
@@ -244,7 +277,10 @@ def format_markdown(report: dict) -> str:
         cells.append(r["status"])
       else:
         field = next((f for f in ratios if r.get(f)), None)
-        ratio = f" ({r[field]:.2f}x)" if field else ""
+        shown = [f"{r[field]:.2f}x"] if field else []
+        if r.get(options.BF16_RATIO):
+          shown.append(f"{r[options.BF16_RATIO]:.2f}x bf16")
+        ratio = f" ({'; '.join(shown)})" if shown else ""
         cells.append(f"{r['flops_per_s'] / div:.1f}{ratio}")
     lines.append(f"| {options.MODES[mode]} | {'yes' if causal else 'no'} | "
                  f"{h} | {t} | " + " | ".join(cells) + " |")
@@ -345,7 +381,7 @@ def plot(report: dict, path: str, metric: str = "flops") -> None:
                    f"{'causal' if causal else 'non-causal'}")
       ax.grid(True, alpha=0.3)
       ax.legend(fontsize=7)
-  dtype = report["results"][0]["dtype"] if report["results"] else ""
+  dtype = _dtypes(report["results"])
   fig.suptitle(f"{meta['device_kind']} - jax {meta['jax_version']} - {dtype}")
   fig.tight_layout()
   _make_parent(path)

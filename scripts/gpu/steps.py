@@ -474,6 +474,8 @@ class BenchRun:
     causal: "both", "true" or "false".
     modes: of `--modes`.
     matmul_size: of the matmul ceiling (0: none; the first run measures it).
+    dtype: `--dtype`, after the step's flags (absl keeps a flag's last
+      value), or None for theirs.
   """
 
   label: str
@@ -485,6 +487,7 @@ class BenchRun:
   causal: str = "both"
   modes: tuple[str, ...] = ("fwd", "fwd_bwd")
   matmul_size: int = 0
+  dtype: str | None = None
 
   def args(self) -> list[str]:
     join = lambda values: ",".join(map(str, values))  # noqa: E731
@@ -496,6 +499,7 @@ class BenchRun:
       f"--causal={self.causal}",
       f"--modes={join(self.modes)}",
       f"--matmul_size={self.matmul_size}",
+      *([f"--dtype={self.dtype}"] if self.dtype else []),
     ]
 
 
@@ -515,8 +519,13 @@ class BenchRun:
 # first run to need a shape computes and the others read back
 # (`--reference_dir`, a scratch folder of the step): the first GPU window
 # lost most of each process's share before its first cell.
+# The float8 forwards (e4m3 query/key/value quantized per head, bf16 result)
+# of mosaic_gpu and triton, each in a process of its own like the others,
+# on the forward cells of the headline: their columns ('<impl>+e4m3') carry
+# the speed-up against cuDNN's bf16 cells and against their own bf16 ones.
 # The dry run: chunked stands for our implementations (a block size for a
-# variant), xla for the peers; float32 on a CPU, tiny.
+# variant, float8 for the float8 runs), xla for the peers; float32 on a
+# CPU, tiny.
 _BENCH_COMMON = ("--warmup=1", "--noisolate")
 BENCH_FLAGS = {
   False: ("--grid=fa", "--dtype=bfloat16", "--repeats=5", *_BENCH_COMMON),
@@ -530,6 +539,7 @@ _T = (16384, 4096)
 # schedule deals together), beside the default one (None: from the L2
 # size and T).
 HEAD_SECTIONS = (2, 4, 8, 16)
+FP8 = "float8_e4m3fn"
 # Tile variants, each timed beside the path it would replace in the same
 # process (predictions.md gives each one's expected rate and what it
 # tells). Every one compiles for sm_90a without a spill at H = 128 (the
@@ -576,6 +586,10 @@ BENCH_RUNS = {
              head_dims=(128,), seq_lens=_T),
     BenchRun(label="pallas_mha", weight=25, peers=("pallas_mha",),
              head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    BenchRun(label="mosaic_gpu_fp8", weight=18, impls=("mosaic_gpu",),
+             dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    BenchRun(label="triton_fp8", weight=12, impls=("triton",),
+             dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     BenchRun(label="mosaic_gpu_head_sections", weight=20,
              impls=("mosaic_gpu", *(f"mosaic_gpu:head_section={n}"
                                     for n in HEAD_SECTIONS)),
@@ -592,6 +606,8 @@ BENCH_RUNS = {
              impls=("chunked", "chunked:block_kv=64"),
              head_dims=(16,), seq_lens=(256,), causal="true",
              modes=("fwd",)),
+    BenchRun(label="chunked_fp8", weight=10, impls=("chunked",),
+             dtype=FP8, head_dims=(16,), seq_lens=(128,), modes=("fwd",)),
   ),
 }  # fmt: skip
 OTHER_BENCH_RUNS = {
