@@ -121,7 +121,7 @@ BACKENDS = {"h100": ("triton", "mosaic_gpu"), "a100": ("triton",)}
 DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
-            "decode_int8", "decode_paged_int8", "decode_fp8",
+            "decode_paged16", "decode_int8", "decode_paged_int8", "decode_fp8",
             "decode_paged_fp8", "decode_latent", "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
@@ -148,6 +148,7 @@ LATENT_SHAPE = dict(head_dim=576, value_head_dim=512, heads=16, kv_heads=1)
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_paged": ("triton",),
+                    "decode_paged16": ("triton",),
                     **{name: ("triton",) for name in QUANTIZED_DECODE},
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
@@ -176,12 +177,17 @@ VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}
 # `decode_attention`'s shape: new tokens, query heads, K/V heads, page size.
 DECODE_SHAPE = dict(new_tokens=1, heads=8, kv_heads=2, page_size=64)
+# The paged decode layouts and their page sizes: "decode_paged16" has
+# vLLM's 16-key pages (on CUDA), smaller than the kernel's block, which
+# then gathers several pages into one.
+PAGED_DECODE = {"decode_paged": DECODE_SHAPE["page_size"],
+                "decode_paged16": 16}
 # The most kernels one decode step may launch (the split kernel and the
 # merge): a step moves so few bytes that each further launch costs about as
 # much as its work. The flex variant's mask_mod lists take more, and so
 # does a head dim the kernel pads (H = 72: the padded copy of the cache,
 # `pallas_fa.triton.decode`), which is reported, not checked.
-DECODE_KERNELS = {"decode": 2, "decode_paged": 2,
+DECODE_KERNELS = {"decode": 2, "decode_paged": 2, "decode_paged16": 2,
                   # Both parts' split kernels, their one merge and the
                   # fold's transpose of the queries.
                   "decode_prefix": 4,
@@ -203,6 +209,7 @@ class Case:
       "dropout" = causal + attention dropout; "decode" /
       "decode_paged" = `decode_attention`'s forward (triton only) against
       a contiguous / paged cache of S keys (`DECODE_SHAPE`, B = 2);
+      "decode_paged16" = "decode_paged" in 16-key pages (`PAGED_DECODE`);
       "decode_int8" / "decode_paged_int8" / "decode_fp8" /
       "decode_paged_fp8" = the same over a quantized cache, int8 or
       float8_e4m3fn with float32 scales per entry ([B, S, K] / [P,
@@ -327,11 +334,12 @@ def _decode_call(case: Case, seq: int, spec):
     return _latent_decode_call(case, seq, spec)
   shape = DECODE_SHAPE
   b, h = 2, case.head_dim
-  kv, page = shape["kv_heads"], shape["page_size"]
+  kv = shape["kv_heads"]
   layout, cache_dtype = QUANTIZED_DECODE.get(
       case.variant, (case.variant, case.dtype))
   args = [spec((b, shape["new_tokens"], shape["heads"], h))]
-  if layout == "decode_paged":
+  if layout in PAGED_DECODE:
+    page = PAGED_DECODE[layout]
     pages = b * seq // page
     cache = (pages, page, kv)
     args += [spec((*cache, h), cache_dtype), spec((*cache, h), cache_dtype),
@@ -409,8 +417,8 @@ def _decode_tiles(case: Case) -> str:
   block = triton_decode.block_for(
       head_dim=h, value_head_dim=hv, groups=groups,
       new_tokens=shape["new_tokens"], block_kv=None,
-      page_size=shape["page_size"] if case.variant.startswith("decode_paged")
-      else None)
+      page_size=PAGED_DECODE.get(QUANTIZED_DECODE.get(
+          case.variant, (case.variant,))[0]))
   return (f"rows={rows} block_kv={block} head_dim={padded}/{chunk} "
           f"value_head_dim={value_padded}/{value_chunk}")
 

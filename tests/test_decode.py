@@ -51,7 +51,7 @@ def _cache(gen, b, s_max, num_kv, h, hv, dtype, *, page_size=None):
 def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
            dtype=jnp.float32, page_size=None, window=None, soft_cap=None,
            positions=False, num_splits=None, block_kv=None,
-           implementation=None, sinks=False, name=""):
+           implementation=None, sinks=False, lengths=None, name=""):
   hv = hv or h
   gen = rng("decode", name, b, t, n, num_kv, h, hv, s_max, str(dtype),
             page_size, window, soft_cap, positions, num_splits, block_kv,
@@ -59,8 +59,10 @@ def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,
   q = gen.standard_normal((b, t, n, h)).astype(np.float32)
   k, v, table, k_flat, v_flat = _cache(
       gen, b, s_max, num_kv, h, hv, dtype, page_size=page_size)
-  lengths = gen.integers(t, s_max + 1, b).astype(np.int32)
-  lengths[0] = s_max  # one full sequence
+  if lengths is None:
+    lengths = gen.integers(t, s_max + 1, b).astype(np.int32)
+    lengths[0] = s_max  # one full sequence
+  lengths = np.asarray(lengths, np.int32)
   kw = dict(is_causal=True, local_window_size=window,
             logits_soft_cap=soft_cap)
   if sinks:
@@ -195,6 +197,50 @@ def test_triton_layouts(dtype, paged, group):
   _check(implementation="triton", dtype=dtype, t=2, n=2 * group, num_kv=2,
          h=64, s_max=70, page_size=16 if paged else None, num_splits=3,
          name="triton")
+
+
+@pytest.mark.parametrize("dtype, page_size, t, group, window, splits", [
+    (jnp.bfloat16, 16, 1, 4, None, 3),
+    (jnp.float32, 16, 3, 2, (50, 0), 4),
+    (jnp.bfloat16, 32, 2, 4, (70, 0), 2),
+    # A page size the block does not divide: blocks cross page edges.
+    (jnp.float32, 48, 2, 1, None, 3),
+])
+def test_triton_blocks_span_small_pages(dtype, page_size, t, group, window,
+                                        splits):
+  """Pages smaller than the block (vLLM's 16 keys) are read several to a
+  64-key block, each key's row gathered through its own table entry:
+  shuffled pages, NaN in the unused ones and past every length, lengths
+  that end mid-page and mid-block, a last block past the table (S_max =
+  200 is no whole number of pages or blocks), GQA, new tokens, a
+  window."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  assert triton_decode.block_for(
+      head_dim=64, value_head_dim=64, groups=group, new_tokens=t,
+      page_size=page_size, block_kv=None) == 64
+  _check(implementation="triton", dtype=dtype, b=4, t=t, n=2 * group,
+         num_kv=2, h=64, s_max=200, page_size=page_size, window=window,
+         num_splits=splits, lengths=[200, 75, 128, 37],
+         name="triton small pages")
+
+
+def test_triton_paged_blocks_are_the_contiguous_ones():
+  """A paged cache's block is the contiguous default whatever the page
+  size (a slice of a page, or several pages), and a kernel indexes enough
+  blocks to cover a row's pages."""
+  from pallas_fa.decode import plan  # noqa: PLC0415
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  for h in (64, 128, 256):
+    shape = dict(head_dim=h, value_head_dim=h, groups=4, new_tokens=1)
+    default = triton_decode.block_for(**shape, page_size=None,
+                                      block_kv=None)
+    for page_size in (16, 32, 48, 64, 128, 256):
+      assert triton_decode.block_for(
+          **shape, page_size=page_size, block_kv=None) == default
+  key = jnp.zeros((9, 16, 1, 8))
+  assert plan.kernel_blocks(key, jnp.zeros((2, 5), jnp.int32), 64) == 2
+  assert plan.kernel_blocks(key, jnp.zeros((2, 8), jnp.int32), 64) == 2
+  assert plan.kernel_blocks(key, None, 64) == 1
 
 
 def test_triton_head_dim_past_256():

@@ -9,7 +9,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
+import pallas_fa
+from tests import test_decode_prefix_latent as latent
 from tests import test_decode_quantized as quantized
+from tests.attention_testing import assert_close
+from tests.attention_testing import rng
 
 
 @pytest.mark.parametrize("dtype, page_size, scale_form, splits",
@@ -65,3 +69,42 @@ def test_triton_float8_in_float16_under_a_bfloat16_query(
       "triton", jnp.bfloat16, cache_dtype=cache_dtype,
       query_scale=query_scale, value_scale=value_scale,
       page_size=page_size, scale_form=scale_form)
+
+
+@pytest.mark.parametrize("dtype, scale_form, t, splits", [
+    (jnp.int8, "full", 2, 3), (jnp.int8, "head", 1, 2),
+    (jnp.float8_e4m3fn, "full", 3, 2)])
+def test_triton_quantized_decode_over_16_key_pages(dtype, scale_form, t,
+                                                   splits):
+  """A 1-byte cache in 16-key pages, read four pages to a 64-key block
+  (each row and its scale gathered through the key's table entry): GQA,
+  lengths that end mid-page and mid-block (S_max = 200 is no whole number
+  of blocks), extreme values and NaN scales past them, shuffled pages;
+  against the float64 oracle of the dequantized cache."""
+  gen = rng("triton quantized 16-key pages", str(dtype), scale_form, t,
+            splits)
+  q, args, lengths, q_pos, k_deq, v_deq = quantized._case(
+      gen, b=3, t=t, n=8, num_kv=2, h=64, s_max=200, dtype=dtype,
+      page_size=16, scale_form=scale_form)
+  out, lse = pallas_fa.decode_attention(
+      jnp.asarray(q), lengths=jnp.asarray(lengths), num_splits=splits,
+      return_residual=True, implementation="triton",
+      **{name: None if x is None else jnp.asarray(x)
+         for name, x in args.items()})
+  ref_out, ref_lse = quantized._oracle(q, k_deq, v_deq, lengths, q_pos)
+  assert_close("out", out, ref_out)
+  assert_close("lse", lse, ref_lse)
+
+
+def test_triton_quantized_latent_cache_over_16_key_pages():
+  """A latent int8 cache (H = 128, Hv = 64) in 16-key pages: the key
+  tiles, their value columns and the key scales gathered four pages to a
+  block; equal to `chunked` on the same inputs."""
+  gen = rng("triton latent 16-key pages")
+  args = latent.latent_case(gen, quantized_as=jnp.int8, page_size=16,
+                            h=128, hv=64, n=4, t=1, s_max=112)
+  kw = dict(return_residual=True, num_splits=2, **args)
+  out, lse = pallas_fa.decode_attention(implementation="triton", **kw)
+  want_out, want_lse = pallas_fa.decode_attention(implementation=None, **kw)
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)

@@ -133,8 +133,10 @@ def decode_attention(
     block_kv: keys per block of a contiguous cache (a power of two >= 16
       for "triton", a multiple of 8 for "mosaic_tpu", of 32 for its
       quantized caches); default from the head dim. A paged cache reads one
-      page per block ("chunked") or a divisor of it ("triton": a power of
-      two, "mosaic_tpu": a multiple of 8, or of 32 when quantized).
+      page per block ("chunked"), a divisor of it ("mosaic_tpu": a multiple
+      of 8, or of 32 when quantized) or the contiguous default ("triton":
+      a slice of a page, or pages smaller than it gathered several to a
+      block).
     implementation: None or "chunked" (jax.numpy, any platform, any head
       dim), "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
       mode, page sizes multiples of 16; float, quantized and latent caches, a

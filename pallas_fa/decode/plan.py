@@ -84,11 +84,10 @@ def in_range(lengths, block_table, key):
 
 
 def kernel_blocks(key, block_table, block: int) -> int:
-  """Blocks of `block` keys per sequence that a kernel indexes: every
-  page's, or enough to cover a contiguous cache."""
-  if block_table is not None:
-    return block_table.shape[1] * (key.shape[1] // block)
-  return -(-key.shape[1] // block)
+  """Blocks of `block` keys per sequence that a kernel indexes: enough to
+  cover a row of the cache (every page's, paged; a block may span pages
+  where it is wider than one, `triton.decode`)."""
+  return -(-capacity(key, block_table) // block)
 
 
 # Elements of a mask_mod tile that `block_kinds` evaluates at once (the

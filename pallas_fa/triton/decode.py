@@ -36,10 +36,19 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   `block` keys (a `pl.ds` slice; when S_max is not a multiple of `block`,
   the last block is the cache's last `block` rows, its keys already read
   masked). A paged cache is read through the block
-  table: `block` is the largest power of two <= the contiguous default that
-  divides `page_size` (so a block never straddles two pages), and block j
-  of a sequence is rows [(j % per_page) * block, ...) of page
-  `block_table[b, j // per_page]`. Page sizes must be multiples of 16.
+  table in blocks of the contiguous default. Where the page size is a
+  multiple of it, block j of a sequence is rows [(j % per_page) * block,
+  ...) of page `block_table[b, j // per_page]`. Smaller pages (vLLM's
+  16 keys on CUDA) or sizes it does not divide give blocks that span
+  pages: key i of block j, at position p = j * block + i, is row p %
+  page_size of page `block_table[b, p // page_size]`, one [block, H] tile
+  loaded with a pointer per row (a gather whose rows stay contiguous
+  along H, so its loads are as wide as a slice's), and the products and
+  the softmax run once per block as for a contiguous cache (16-key pages
+  in 16-key blocks paid each step's fixed cost four times per 64 keys:
+  1.96x the contiguous time on an H200). The table entries past the
+  row's (a last block may run past `max_pages * page_size`) read its last
+  page, keys the length masks. Page sizes must be multiples of 16.
 * **Quantized caches.** An int8, float8_e4m3fn or float8_e5m2 cache
   (`QUANTIZED_CACHES`) is read as stored, in the same tiles at one byte
   an element (never a float copy of it in memory); each tile is converted
@@ -214,8 +223,9 @@ def default_block(head_dim: int, value_head_dim: int, rows: int) -> int:
 def block_for(*, head_dim: int, value_head_dim: int, groups: int,
               new_tokens: int, page_size: int | None,
               block_kv: int | None) -> int:
-  """Keys per block: `block_kv` or the default (contiguous), or the largest
-  power-of-two divisor of `page_size` no wider than the default (paged).
+  """Keys per block: `block_kv` or the default (contiguous); the default
+  (paged), read a slice of a page when `page_size` is a multiple of it,
+  else gathered from several pages (`_kernel.key_rows`).
 
   Raises:
     ValueError: `block_kv` is not a power of two >= 16.
@@ -232,12 +242,9 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
     return block
   if page_size % _MIN:
     raise NotImplementedError(
-        f"implementation='triton' reads pages in blocks of at least {_MIN} "
-        f"keys: page_size must be a multiple of {_MIN}, got {page_size}.")
-  block = default
-  while page_size % block:
-    block //= 2
-  return block
+        f"implementation='triton' reads paged caches whose page_size is a "
+        f"multiple of {_MIN}, got {page_size}.")
+  return default
 
 
 def _listed_spans(lengths, lists, split_of):
@@ -349,6 +356,16 @@ def _float16_queries(q):
   return (q.astype(_F32) * up).astype(jnp.float16), down
 
 
+def _div_rem(x, d: int):
+  """(x // d, x % d) of non-negative int32 x: a shift and a mask when d is
+  a power of two (jnp's floor division would add sign fix-ups)."""
+  if d & (d - 1) == 0:
+    shift = d.bit_length() - 1
+    return (jax.lax.shift_right_logical(x, jnp.int32(shift)),
+            jax.lax.bitwise_and(x, jnp.int32(d - 1)))
+  return jax.lax.div(x, jnp.int32(d)), jax.lax.rem(x, jnp.int32(d))
+
+
 def _whole_blocks(length, q_first, q_last, *, block: int, is_causal: bool,
                   window):
   """[lo, hi): the key blocks that every new token sees whole, all their
@@ -366,9 +383,10 @@ def _whole_blocks(length, q_first, q_last, *, block: int, is_causal: bool,
 
 
 def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
-            value_chunk: int, value_chunks: int, per_page: int | None,
-            cache_len: int, capacity: int, num_pages: int, splits: int,
-            new_tokens: int, real_rows: int, scale: float, soft_cap,
+            value_chunk: int, value_chunks: int, page_size: int | None,
+            max_pages: int | None, cache_len: int, capacity: int,
+            num_pages: int, splits: int, new_tokens: int, real_rows: int,
+            scale: float, soft_cap,
             is_causal: bool, window, precision, score_mod=None,
             mask_mod=None, latent: bool = False, position_offset: int = 0):
   # Grid indices at the kernel's top level (the interpreter resolves
@@ -446,7 +464,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   def key_rows(j):
     """(position of the first key read, (leading index, rows) in the K/V
     refs) of block j."""
-    if per_page is None:
+    if page_size is None:
       # A last block that would run past the cache reads the cache's last
       # `block` rows instead (no padded copy); the keys of block j - 1
       # among them are masked.
@@ -454,9 +472,21 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
       return start, (pl.ds(start, block),)
     # Traced block-table entries outside the pool read a page inside it
     # (`decode.decode_attention`).
-    page = jnp.clip(refs["table"][j // per_page], 0, num_pages - 1)
-    offset = pl.multiple_of((j % per_page) * block, block)
-    return j * block, (page, pl.ds(offset, block))
+    if page_size % block == 0:
+      per_page = page_size // block
+      page = jnp.clip(refs["table"][j // per_page], 0, num_pages - 1)
+      offset = pl.multiple_of((j % per_page) * block, block)
+      return j * block, (page, pl.ds(offset, block))
+    # The block spans pages: each key's row is gathered through its own
+    # table entry ([block] int32 each; a load with per-row addresses,
+    # contiguous along the head dim). Entries past the row's table (a
+    # last block past max_pages * page_size) read its last one: keys past
+    # the length, masked.
+    pos = j * block + jnp.arange(block, dtype=jnp.int32)
+    entry, row = _div_rem(pos, page_size)
+    entry = jnp.minimum(entry, max_pages - 1)
+    page = jnp.clip(refs["table"][entry], 0, num_pages - 1)
+    return j * block, (page, row)
 
   def block_scales(name, lead, valid):
     """The scales of a block's keys: [1, block], or a scalar when they are
@@ -679,16 +709,18 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
     key = masking.pad_axes(key, {1: cache_len, 3: hp})
     if not latent:
       value = masking.pad_axes(value, {1: cache_len, 3: hvp})
-    per_page = None
+    page_size = max_pages = None
     cache_block = (None, cache_len, None)
 
     def cache_index(i, k, j):
       return (i, 0, k, 0)
   else:
     page_size = cache_len = key.shape[1]
-    per_page = page_size // block
-    num_blocks = block_table.shape[1] * per_page
-    capacity = block_table.shape[1] * page_size
+    max_pages = block_table.shape[1]
+    capacity = max_pages * page_size
+    # A block spans pages where `block` does not divide the page size
+    # (`_kernel.key_rows`); the last may run past the capacity.
+    num_blocks = -(-capacity // block)
     key = masking.pad_axes(key, {3: hp})
     if not latent:
       value = masking.pad_axes(value, {3: hvp})
@@ -741,19 +773,20 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
   }
   fused = _add_flex_inputs(
       inputs, row_pos, num_kv=num_kv, rows=rows, r=r, new_tokens=new_tokens,
-      kv_positions=num_blocks * block if per_page else cache_len,
+      kv_positions=num_blocks * block if page_size else cache_len,
       flex=((mods.SCORE_MOD, score_mod, score_mod_args),
             (mods.MASK_MOD, mask_mod, mask_mod_args)))
   kernel = functools.partial(
       _kernel, **fused, block=block, head_chunk=head_chunk,
       head_chunks=hp // head_chunk, value_chunk=value_chunk,
-      value_chunks=num_value_chunks, per_page=per_page,
-      cache_len=cache_len, capacity=capacity, num_pages=key.shape[0],
-      splits=splits, new_tokens=new_tokens, real_rows=r, scale=scale,
-      soft_cap=logits_soft_cap, is_causal=is_causal,
-      window=local_window_size, precision=precision, latent=latent,
-      position_offset=position_offset)
-  warps, stages = _launch(rows, max(head_chunk, value_chunk))
+      value_chunks=num_value_chunks, page_size=page_size,
+      max_pages=max_pages, cache_len=cache_len, capacity=capacity,
+      num_pages=key.shape[0], splits=splits, new_tokens=new_tokens,
+      real_rows=r, scale=scale, soft_cap=logits_soft_cap,
+      is_causal=is_causal, window=local_window_size, precision=precision,
+      latent=latent, position_offset=position_offset)
+  warps, stages = _launch(rows, max(head_chunk, value_chunk),
+                          paged=page_size is not None)
   return triton.pallas_call(
       kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
       stages, "flash_decode")
@@ -1176,7 +1209,7 @@ def _add_flex_inputs(inputs, row_pos, *, num_kv, rows, r, new_tokens,
   return out
 
 
-def _launch(rows: int, chunk: int) -> tuple[int, int]:
+def _launch(rows: int, chunk: int, paged: bool = False) -> tuple[int, int]:
   """(warps, software-pipeline stages): 4 warps cover a 16-row tile; wider
   tiles take 8 so the per-thread share of the accumulator stays small.
 
@@ -1187,7 +1220,16 @@ def _launch(rows: int, chunk: int) -> tuple[int, int]:
   stages: bfloat16 42.5 -> 38.3 us, int8 44.3 -> 38.3, float8 50.2 ->
   42.1, 16 rows sharing a 16k prefix 79.3 -> 65.5; four stages were
   slower than three.
+
+  A paged cache takes two more: Triton's pipeliner gives a load whose
+  address comes from another load in the loop (the K/V tiles, from the
+  block table's entries) its own share of the stages, so three stages
+  kept one K/V block in flight (the shared memory of two stages) and
+  five keep two, as three do for a contiguous cache (ptxas, sm_90a, jax
+  0.10.2 and 0.11.2, H = 128, bfloat16, 4 query heads per K/V head:
+  88,576 B of shared memory over 16-key pages against 88,064 contiguous,
+  and 121 registers against 125 with three stages).
   """
   warps = 4 if rows * chunk <= 16 * 128 else 8
-  return warps, 3
+  return warps, 5 if paged else 3
 
