@@ -73,6 +73,26 @@ def test_block_sizes_pingpong_needs_two_consumers():
   mosaic_gpu.MosaicGpuBlockSizes(num_consumers=1, pingpong=False)
 
 
+def test_block_sizes_intra_overlap_is_a_bool():
+  with pytest.raises(ValueError, match="intra_overlap"):
+    mosaic_gpu.MosaicGpuBlockSizes(intra_overlap=1)
+  assert not mosaic_gpu.MosaicGpuBlockSizes().intra_overlap
+
+
+def test_check_refuses_intra_overlap_in_float8():
+  """The float8 kernel has no pipelined loop: a tiling asking for one is
+  refused (the automatic choice moves on), not ignored."""
+  for overlap in (False, True):
+    q, k, v, bias, info, params = _canonical(
+        block_sizes=mosaic_gpu.MosaicGpuBlockSizes(intra_overlap=overlap))
+    fp8 = [x.astype(jnp.float8_e4m3fn) for x in (q, k, v)]
+    if not overlap:
+      mosaic_gpu.BACKEND.check(*fp8, bias, info, params)
+      continue
+    with pytest.raises(NotImplementedError, match="intra_overlap"):
+      mosaic_gpu.BACKEND.check(*fp8, bias, info, params)
+
+
 def test_block_sizes_frozen_and_hashable():
   bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
   assert hash(bs) == hash(mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))
@@ -692,6 +712,28 @@ def _race_detector():
   return get_races, reset
 
 
+def _race_verdicts(monkeypatch, describe):
+  """Makes every kernel launch run eagerly under the race detector (which
+  keeps one kernel's verdict) and returns the list that collects
+  `describe(spec, name, races_found)` of each launch, and the detector's
+  reset (for the test's end)."""
+  get_races, reset = _race_detector()
+  real_params, real_launch = kernel.interpret_params, kernel.launch
+  monkeypatch.setattr(
+      kernel, "interpret_params",
+      lambda: dataclasses.replace(real_params(), detect_races=True))
+  verdicts = []
+
+  def launch(spec, *, name, **kwargs):
+    reset()
+    outputs = jax.block_until_ready(real_launch(spec, name=name, **kwargs))
+    verdicts.append(describe(spec, name, get_races().races_found))
+    return outputs
+
+  monkeypatch.setattr(kernel, "launch", launch)
+  return verdicts, reset
+
+
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 @pytest.mark.parametrize("config, kernels", [
@@ -720,23 +762,11 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   keeps one kernel's verdict, so the kernels run eagerly and each verdict
   is read after its launch; the results are checked against the reference
   too."""
-  get_races, reset = _race_detector()
   config = dict(config)
   dropout = config.pop("dropout", False)
   h = config.pop("h", 32)
-  real_params, real_launch = kernel.interpret_params, kernel.launch
-  monkeypatch.setattr(
-      kernel, "interpret_params",
-      lambda: dataclasses.replace(real_params(), detect_races=True))
-  verdicts = []
-
-  def launch(spec, *, name, **kwargs):
-    reset()
-    outputs = jax.block_until_ready(real_launch(spec, name=name, **kwargs))
-    verdicts.append((name, get_races().races_found))
-    return outputs
-
-  monkeypatch.setattr(kernel, "launch", launch)
+  verdicts, reset = _race_verdicts(
+      monkeypatch, lambda spec, name, races: (name, races))
   case = Case(b=1, t=160, s=256, n=4, k=2, h=h, causal=True, segments=True,
               lengths=True)
   gen = rng("mosaic_gpu", "races", *sorted(config))
@@ -790,6 +820,102 @@ def test_interpreted_padding_never_leaks():
                   strict=True):
     assert not np.any(np.isnan(np.asarray(b, np.float32)))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _check_forward(fn, case, gen, **extra):
+  """fn's (out, lse) on fresh bfloat16 inputs of `case` (kwargs updated by
+  `extra`) against the float32 reference under the FlashAttention rule;
+  rows without a visible key: lse -inf on both."""
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  kw.update(extra)
+  _assert_forward(fn(q, k, v, **kw), q, k, v, kw)
+
+
+def _assert_forward(got, q, k, v, kw):
+  """`_check_forward`'s assertions on got = (out, lse)."""
+  out, lse = got
+  ref_out, ref_lse = flash("xla")(
+      *(x.astype(jnp.float32) for x in (q, k, v)), **kw)
+  same_out, same_lse = flash("xla")(q, k, v, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert_close("out", out, ref_out, same_out, jnp.bfloat16)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  finite = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_allclose(
+      np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=2e-3)
+
+
+# The software-pipelined forward (`intra_overlap`): several key tiles per
+# unit so that its prologue, steady state and epilogue all run; causal
+# masks put the first tile, the masked prefix and suffix and the unmasked
+# middle in different phases; padding and segments leave units with no
+# key tile (the zero-trip prologue and epilogue).
+# The padding lengths are fixed (random ones may leave a single key tile).
+_OVERLAP_CASES = {
+    "plain-ragged-gqa": (
+        Case(b=2, t=100, s=300, n=4, k=2, h=64), {},
+        dict(query_seq_lengths=[100, 61], key_value_seq_lengths=[300, 187])),
+    "causal-softcap": (
+        Case(b=1, t=200, s=330, n=2, k=1, h=32, causal=True, soft_cap=5.0),
+        dict(block_kv=32),
+        dict(query_seq_lengths=[170], key_value_seq_lengths=[301])),
+    "window-segments-one-consumer": (
+        Case(b=1, t=150, s=260, n=2, k=2, h=64, window=(60, 20),
+             segments=True),
+        dict(num_consumers=1, pingpong=False, num_stages=1, num_ctas=2), {}),
+    "dropout-two-ctas": (
+        Case(b=1, t=130, s=200, n=2, k=1, h=32, causal=True), dict(num_ctas=2),
+        dict(dropout_rate=0.25)),
+}
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("name", sorted(_OVERLAP_CASES))
+def test_interpreted_forward_intra_overlap(name):
+  case, fields, extra = _OVERLAP_CASES[name]
+  gen = rng("mosaic_gpu", "intra-overlap", name)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(
+      **{**_SMALL, **fields, "intra_overlap": True})
+  extra = {n: jnp.asarray(x, jnp.int32) if isinstance(x, list) else x
+           for n, x in extra.items()}
+  if "dropout_rate" in extra:
+    extra["dropout_rng"] = int(gen.integers(1 << 30))
+  _check_forward(flash("mosaic_gpu", bs), case, gen, **extra)
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("stages", [1, 2])
+def test_interpreted_intra_overlap_race_free(monkeypatch, stages):
+  """The pipelined forward under the race detector: a V slot is released
+  a step later than the K slot of the same tile, and each step reads the
+  previous step's V slot while the producer refills the ring (one slot:
+  every step refills the slot just read; two: K and V of one step in
+  different slots), 2 to 5 key tiles per unit, two consumers, two CTAs.
+  The default loop runs beside it, under the detector too."""
+  verdicts, reset = _race_verdicts(
+      monkeypatch,
+      lambda spec, name, races: (name, spec.intra_overlap, races))
+  case = Case(b=1, t=256, s=320, n=2, k=1, h=32, causal=True)
+  gen = rng("mosaic_gpu", "intra-overlap-races", stages)
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
+  kw.update(query_seq_lengths=jnp.asarray([250], jnp.int32),
+            key_value_seq_lengths=jnp.asarray([290], jnp.int32))
+  results = []
+  try:
+    with jax.disable_jit():
+      for overlap in (True, False):
+        bs = mosaic_gpu.MosaicGpuBlockSizes(
+            **_SMALL, num_stages=stages, num_ctas=2, intra_overlap=overlap)
+        results.append(flash("mosaic_gpu", bs)(q, k, v, **kw))
+  finally:
+    reset()
+  assert [(n, o) for n, o, _ in verdicts] == [
+      ("pfa_mgpu_forward", True), ("pfa_mgpu_forward", False)], verdicts
+  assert not any(found for _, _, found in verdicts), verdicts
+  for got in results:
+    _assert_forward(got, q, k, v, kw)
 
 
 # --------------------------------------------------------------------------

@@ -234,6 +234,10 @@ def _check_fp8(q, k, v, info, params):
     raise NotImplementedError(
         "mosaic_gpu's float8 kernel streams key tiles of a multiple of 64 "
         f"(the 64-byte swizzle of V^T), got {bs.block_kv=}; " + _OTHERS)
+  if bs.intra_overlap:
+    raise NotImplementedError(
+        "mosaic_gpu's float8 kernel has no intra-warpgroup overlap, got "
+        f"{bs.intra_overlap=}; " + _OTHERS)
 
 
 # --------------------------------------------------------------------------
@@ -351,7 +355,8 @@ def _head_section(x: layout.Padded, bs, forward: bool) -> int | None:
 
 def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
           consumers, pingpong, units_per_head, heads, num_heads,
-          score_mod=None, mask_mod=None, mod_slot=None, forward=False):
+          score_mod=None, mask_mod=None, mod_slot=None, forward=False,
+          intra_overlap=False):
   q_len, kv_len = x.q.shape[1], x.k.shape[1]
   units = x.q.shape[0] * heads * units_per_head
   return kernel.Spec(
@@ -369,6 +374,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       consumers=consumers,
       num_ctas=_num_ctas(bs, interpret, units),
       pingpong=pingpong,
+      intra_overlap=intra_overlap,
       is_causal=x.info.is_causal,
       window=x.info.window,
       # The padding's segment ids give way to a mask_mod's values (the
@@ -573,7 +579,8 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
       x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
       stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
       units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod,
-      mask_mod=mask_mod, mod_slot=slot, forward=True)
+      mask_mod=mask_mod, mod_slot=slot, forward=True,
+      intra_overlap=bs.intra_overlap)
   out, lse = forward_kernel.forward(
       spec, x.q, x.k, x.v, *_meta(x, mask_mod, slot), sched, _seed(x),
       _residuals(x, score_mod, mask_mod))

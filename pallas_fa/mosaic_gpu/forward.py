@@ -5,13 +5,19 @@ consumer keeps a [block_q, H] query tile in shared memory while the producer
 streams K (+ key positions / segment ids) and V through the ring; the online
 softmax runs in registers in base 2. Two consumers ping-pong through a shared
 barrier so that the softmax of one overlaps the matmuls of the other
-(FlashAttention-3, §3.2).
+(FlashAttention-3, §3.2). With `Spec.intra_overlap` each consumer's key loop
+is also software-pipelined (FlashAttention-3, §3.2, Algorithm 2): step j
+issues Q K_j^T and P_{j-1} V_{j-1} together and runs the softmax of tile j
+while P_{j-1} V_{j-1} is still on the tensor cores (`walk_keys_overlapped`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -78,6 +84,70 @@ def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
   return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
 
 
+def take_turn_before(spec: kernel.Spec, ready, schedule):
+  """Waits for a step's tiles (`ready`: the loaded barriers); with
+  ping-pong, arriving at the schedule first, and then waiting until the
+  tensor cores are ours."""
+  if spec.pingpong:
+    plgpu.barrier_arrive(schedule)
+  for bar in ready:
+    plgpu.barrier_wait(bar)
+  if spec.pingpong:
+    plgpu.barrier_wait(schedule)
+
+
+def _clamped(x, lo, hi):
+  return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
+                         first, step, last, schedule):
+  """`walk_keys` of the software-pipelined loop (`Spec.intra_overlap`).
+
+  Over the unit's key tiles [ulo, uhi): `first` (Q K^T of tile ulo and its
+  softmax), `step` over ulo + 1 .. uhi - 1 in `kernel.phases`' masked /
+  unmasked / masked runs (Q K_j^T with P_{j-1} V_{j-1}, then the softmax of
+  tile j), `last` (P V of tile uhi - 1). `first` and `last` are loops of
+  zero or one trip, so that a unit without key tiles runs neither. The
+  first tile is softmaxed masked whenever the call masks at all (masking a
+  full tile changes nothing). The carry is (m_i, l_i, acc, p): p, the
+  probabilities of the last tile softmaxed, in spec.dtype.
+
+  Returns:
+    (out float32 [block_q, Hv], lse [block_q], base 2 undone).
+  """
+  bq = spec.block_q
+  carry = (
+      ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
+      ops.full_vector(bq, 0.0, 0),
+      ops.full((bq, spec.hv), 0.0),
+      ops.full((bq, spec.block_kv), 0.0, spec.dtype),
+  )
+  if spec.pingpong:
+    pl.when(wg == 1)(lambda: take_turn(schedule))
+  ulo = sched_ref[b, row, 0]
+  uhi = sched_ref[b, row, 1]
+  some = (uhi > ulo).astype(ulo.dtype)
+  carry = lax.fori_loop(
+      ulo, ulo + some, functools.partial(first, masked=spec.masked), carry)
+  start = ulo + 1
+  end = jnp.maximum(uhi, start)
+  if spec.masked:
+    flo = _clamped(sched_ref[b, row, 2 + 2 * wg], start, end)
+    fhi = _clamped(sched_ref[b, row, 3 + 2 * wg], flo, end)
+    runs = ((start, flo, True), (flo, fhi, False), (fhi, end, True))
+  else:
+    runs = ((start, end, False),)
+  for lo, hi, masked in runs:
+    carry = lax.fori_loop(
+        lo, hi, functools.partial(step, masked=masked), carry)
+  carry = lax.fori_loop(uhi - some, uhi, last, carry)
+  if spec.pingpong:
+    pl.when(wg == 0)(lambda: take_turn(schedule))
+  m_i, l_i, acc, _ = carry
+  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
+
+
 def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
             seed=None, residuals=()):
   """The forward kernel.
@@ -129,13 +199,9 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
     q_p, q_s = kernel.load_meta(
         spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
 
-    def step(j, carry, *, masked):
-      m_i, l_i, acc = carry
-      slot = kernel.rem(base + j - ulo, stages)
-      qk, k_p, k_s = key_tile_products(
-          spec, ops, qo_smem, wg, k_bar.at[slot], k_smem.at[slot],
-          kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
-      plgpu.barrier_arrive(k_free.at[slot])
+    def probs(j, qk, k_p, k_s, m_i, l_i, acc, *, masked):
+      """The softmax of key tile j: (m_i, l_i, p in spec.dtype, acc
+      rescaled (None: not given), alpha)."""
       s, _, _ = kernel.flex_logits(
           spec, ops, qk, r, batch=b, head=n, q0=row0,
           kv0=j * spec.block_kv, q_axis=0)
@@ -146,18 +212,92 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s, mod)
       m_i, l_i, p, alpha = online_softmax.update(
           m_i, l_i, s, base2=True, per_query=_ROWS)
-      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      if acc is not None:
+        acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       if spec.dropout_rate:  # After the running sums: they are undropped.
         p = kernel.apply_dropout(
             spec, ops, p, r.seed, batch=b, head=n, q_start=row0,
             kv_start=j * spec.block_kv, q_axis=0)
-      p = p.astype(spec.dtype)
+      return m_i, l_i, p.astype(spec.dtype), acc, alpha
+
+    def step(j, carry, *, masked):
+      m_i, l_i, acc = carry
+      slot = kernel.rem(base + j - ulo, stages)
+      qk, k_p, k_s = key_tile_products(
+          spec, ops, qo_smem, wg, k_bar.at[slot], k_smem.at[slot],
+          kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
+      plgpu.barrier_arrive(k_free.at[slot])
+      m_i, l_i, p, acc, _ = probs(
+          j, qk, k_p, k_s, m_i, l_i, acc, masked=masked)
       await_values(spec, v_bar.at[slot], schedule)
       acc = ops.mm(p, v_smem.at[slot], a_in_smem=False, acc=acc)
       plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 
-    out, lse = walk_keys(spec, ops, sched_ref, b, row, wg, step, schedule)
+    # The software-pipelined loop (`Spec.intra_overlap`). Every tensor-core
+    # turn (Q K^T of the first tile; Q K_j^T with P_{j-1} V_{j-1}; P V of
+    # the last tile) is bracketed by two ping-pong rendezvous, as the two
+    # turns of a `step`.
+    between = (lambda: take_turn(schedule)) if spec.pingpong else None
+
+    def softmax_k(j, slot, qk, m_i, l_i, *, masked):
+      """The softmax of key tile j once Q K_j^T is in: reads the tile's
+      key metadata, releases its K slot."""
+      k_p = k_s = None
+      if masked:
+        k_p, k_s = kernel.load_meta(
+            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
+      plgpu.barrier_arrive(k_free.at[slot])
+      m_i, l_i, p, _, alpha = probs(
+          j, qk, k_p, k_s, m_i, l_i, None, masked=masked)
+      return m_i, l_i, p, alpha
+
+    def first(j, carry, *, masked):
+      m_i, l_i, acc, _ = carry
+      slot = kernel.rem(base + j - ulo, stages)
+      take_turn_before(spec, [k_bar.at[slot]], schedule)
+      qk = ops.mm(
+          qo_smem.at[kernel.stationary_in_step(spec, wg)], k_smem.at[slot],
+          transpose_b=True, between=between)
+      # acc is zero: no rescale.
+      m_i, l_i, p, _ = softmax_k(j, slot, qk, m_i, l_i, masked=masked)
+      return m_i, l_i, acc, p
+
+    def overlapped(j, carry, *, masked):
+      m_i, l_i, acc, p = carry
+      slot = kernel.rem(base + j - ulo, stages)
+      prev = kernel.rem(base + j - 1 - ulo, stages)
+      take_turn_before(spec, [k_bar.at[slot], v_bar.at[prev]], schedule)
+      acc, (m_i, l_i, p, alpha) = ops.mm_overlapped(
+          dict(a=qo_smem.at[kernel.stationary_in_step(spec, wg)],
+               b=k_smem.at[slot], transpose_b=True),
+          dict(a=p, b=v_smem.at[prev], a_in_smem=False, acc=acc),
+          # p and alpha are state for their shape only: overwritten.
+          then=lambda qk, m_i, l_i, _, __: softmax_k(
+              j, slot, qk, m_i, l_i, masked=masked),
+          state=(m_i, l_i, p, m_i), between=between,
+          # l_i is the last value the softmax computes (after every exp);
+          # the lse buffer is free until the unit's end.
+          pin=(lse_smem.at[wg], 1))
+      plgpu.barrier_arrive(v_free.at[prev])
+      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      return m_i, l_i, acc, p
+
+    def last(j, carry):
+      m_i, l_i, acc, p = carry
+      slot = kernel.rem(base + j - ulo, stages)
+      take_turn_before(spec, [v_bar.at[slot]], schedule)
+      acc = ops.mm(p, v_smem.at[slot], a_in_smem=False, acc=acc,
+                   between=between)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return m_i, l_i, acc, p
+
+    if spec.intra_overlap:
+      out, lse = walk_keys_overlapped(
+          spec, ops, sched_ref, b, row, wg, first, overlapped, last,
+          schedule)
+    else:
+      out, lse = walk_keys(spec, ops, sched_ref, b, row, wg, step, schedule)
     o_own[...] = out.astype(spec.dtype)
     lse_smem.at[wg][...] = lse
     kernel.store([(o_own, o_ref.at[b, rows, n]),

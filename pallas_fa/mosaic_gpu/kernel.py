@@ -173,6 +173,9 @@ class Spec:
     consumers: consumer warpgroups per CTA (1 or 2).
     num_ctas: persistent grid size.
     pingpong: forward only: alternate the two consumers on the tensor cores.
+    intra_overlap: forward only: each consumer issues Q K_j^T and
+      P_{j-1} V_{j-1} together and runs the softmax of tile j while the
+      second is in flight (`MosaicGpuBlockSizes.intra_overlap`).
     is_causal: causal masking on positions.
     window: (left, right) or None; a None side is unbounded.
     has_segments: whether segment ids (padding included) take part.
@@ -209,6 +212,7 @@ class Spec:
   consumers: int = 2
   num_ctas: int = 1
   pingpong: bool = True
+  intra_overlap: bool = False
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
   has_segments: bool = False

@@ -158,6 +158,86 @@ class Ops:
     return pl.run_state(issue)(
         tuple(plgpu.ACC.init(acc) for _, _, acc in operands))
 
+  def mm_overlapped(self, first: dict[str, Any], second: dict[str, Any], *,
+                    then: Callable[..., tuple], state: tuple,
+                    between: Callable[[], None] | None = None,
+                    pin: tuple[Any, int] | None = None):
+    """Two `mm`s (keyword dicts) issued back to back, and `then` run on
+    the first's result while the second is still in flight.
+
+    The first is a fresh product (no `acc`), the second may accumulate.
+    wgmma groups complete in order, so waiting until one group is pending
+    (`wgmma_wait_group 1`) completes the first and leaves the second
+    running: the register work of `then` overlaps the second's tensor-core
+    time (FlashAttention-3's intra-warpgroup overlap, §3.2). The second's
+    result is awaited only when `then` returns.
+
+    Args:
+      first: `mm` keywords of the product awaited first; no `acc`.
+      second: `mm` keywords of the product left in flight; `a` may be a
+        register array (`a_in_smem=False`), which must then stay unchanged
+        until the product completes (it is `then`'s closure, not state).
+      then: then(first_result, *state) -> new state: arrays of the shapes,
+        dtypes and layouts of `state`.
+      state: the arrays `then` updates (its initial values).
+      between: called once both products are issued, before the first is
+        awaited (the ping-pong schedule barrier).
+      pin: (an SMEM ref, i): `then`'s new state[i] is stored to the ref
+        before the second product is awaited. ptxas hoists a wgmma wait
+        over register-only work up to the previous memory operation, which
+        would drain the second product before `then`'s work; a store of a
+        value computed at the end of `then` keeps the wait after it.
+        (The ref is scratch: its contents are not read.)
+
+    Returns:
+      (the second's result, float32; `then`'s new state, a tuple).
+    """
+    if first.get("acc") is not None:
+      raise ValueError("mm_overlapped: the first product takes no acc.")
+    if self.interpret:
+      first_out = self.mm(**first)
+      second_out = self.mm(**second)
+      if between is not None:
+        between()
+      new_state = tuple(then(first_out, *state))
+      if pin is not None:
+        pin[0][...] = new_state[pin[1]]
+      return second_out, new_state
+    issued = []
+    for m in (first, second):
+      a, b = m["a"], m["b"]
+      transpose_b = m.get("transpose_b", False)
+      shape = (a.shape[0], b.shape[0] if transpose_b else b.shape[1])
+      acc = m.get("acc")
+      issued.append((
+          a, plgpu.transpose_ref(b, (1, 0)) if transpose_b else b,
+          self.full(shape, 0.0) if acc is None else acc))
+
+    def products(refs):
+      acc_refs, state_refs = refs
+      for acc_ref, (a, b, _) in zip(acc_refs, issued, strict=True):
+        plgpu.wgmma(acc_ref, a, b)
+      if between is not None:
+        between()
+      first_out = plgpu.wgmma_accumulator_load(acc_refs[0], wait_n=1)
+      new = then(first_out, *(r[...] for r in state_refs))
+      for r, x in zip(state_refs, new, strict=True):
+        r[...] = x
+      if pin is not None:
+        pin[0][...] = new[pin[1]]
+
+    (_, second_out), new_state = pl.run_state(products)((
+        tuple(plgpu.ACC.init(acc) for _, _, acc in issued), tuple(state)))
+    if second.get("a_in_smem", True):
+      return second_out, tuple(new_state)
+    # The register operand stays live, beside the new state, until after
+    # the product is awaited (run_state's exit): a new value carried in a
+    # loop then never takes its registers while the wgmma still reads
+    # them (ptxas would serialize the wgmmas instead, C7513). A
+    # side-effecting barrier, so not hoisted above the wait.
+    _, *new_state = lax.optimization_barrier((second["a"], *new_state))
+    return second_out, tuple(new_state)
+
 
 def barrier(num_barriers, num_arrivals=1):
   """`num_barriers` barriers, each completed by `num_arrivals` arrivals."""

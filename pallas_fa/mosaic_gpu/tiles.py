@@ -59,6 +59,17 @@ class MosaicGpuBlockSizes:
     num_consumers: forward: consumer warpgroups per CTA (1 or 2).
     pingpong: forward: alternate the two consumers on the tensor cores
       (FlashAttention-3 §3.2); needs num_consumers == 2.
+    intra_overlap: forward: software-pipeline each consumer's key loop
+      (FlashAttention-3 §3.2, Algorithm 2): Q K_j^T and P_{j-1} V_{j-1}
+      are issued together and the softmax of tile j runs while the
+      P_{j-1} V_{j-1} product is still on the tensor cores, instead of
+      draining P V before the next Q K^T. Composes with `pingpong`. It
+      costs registers: P_{j-1} stays live beside P_j until its product
+      completes, block_kv / 4 more a thread (at H = 128, block_kv = 128:
+      about 193 of a consumer's 240 instead of 154, no spill; with
+      dropout's hashing beside it at H = 128 the forward spills 12 bytes,
+      not a candidate there). Not a default until a GPU run times it. The
+      float8 forward does not implement it.
     block_q_dq: dQ kernel: query rows per consumer warpgroup.
     block_kv_dq: dQ kernel: keys per streamed tile.
     num_consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
@@ -102,6 +113,7 @@ class MosaicGpuBlockSizes:
   num_stages: int = 2
   num_consumers: int = 2
   pingpong: bool = True
+  intra_overlap: bool = False
   block_q_dq: int = 64
   block_kv_dq: int = 64
   num_consumers_dq: int = 2
@@ -138,7 +150,7 @@ class MosaicGpuBlockSizes:
       value = getattr(self, name)
       if value not in (1, 2) or not is_int(value):
         raise ValueError(f"{cls}.{name} must be 1 or 2, got {value!r}.")
-    for name in ("pingpong", "split_dkv"):
+    for name in ("pingpong", "intra_overlap", "split_dkv"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
             f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")

@@ -556,8 +556,12 @@ FUSED_VARIANTS = (
 # The forward: 128-row query tiles over 64-key tiles (half the K/V traffic
 # from L2 per FLOP, more instructions), at two ring depths; 64-key tiles
 # at the default 64 rows; one consumer without ping-pong (what the overlap
-# of the two consumers is worth).
+# of the two consumers is worth); the software-pipelined key loop
+# (`intra_overlap`: P V of a tile in flight under the next tile's softmax),
+# with and without ping-pong.
 FORWARD_VARIANTS = (
+  "mosaic_gpu:intra_overlap=true",
+  "mosaic_gpu:intra_overlap=true:pingpong=false",
   "mosaic_gpu:block_q=128:block_kv=64:num_stages=4",
   "mosaic_gpu:block_q=128:block_kv=64:num_stages=2",
   "mosaic_gpu:block_kv=64:num_stages=4",
