@@ -614,6 +614,7 @@ def test_readme_performance_names_the_file_that_lacks_a_field(
   assert m.render(tmp_path) == m.render(results)
 
 
+@pytest.mark.slow  # 40 s: every cache form's cells on chunked
 def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
   """`decode_benchmark.py --cache_forms`' cells on tiny shapes: every
   candidate agrees with its plain equivalent before it is timed, the
