@@ -122,6 +122,9 @@ def test_heuristic_fits_shared_memory(head_dim, dtype):
       bs, head_dim=head_dim, dtype=dtype, passes=("forward",))
   assert all(c.block_q_dkv == bs.block_q_dkv and c.split_dkv == bs.split_dkv
              for c in forward)
+  # The pipelined key loop is searched too, never past 128 keys.
+  assert any(c.intra_overlap for c in forward)
+  assert all(c.block_kv <= 128 for c in forward if c.intra_overlap)
 
 
 def test_tuned_records_win_over_heuristic(monkeypatch):

@@ -370,10 +370,13 @@ def for_score_mod(bs: MosaicGpuBlockSizes, score_mod):
 # What autotuning varies, per pass: the forward fields, then (with the
 # forward fixed) the backward ones.
 _SEARCH = {
+    # The pipelined key loop keeps a second P tile live: up to 128 keys.
     "forward": [
-        dict(block_q=bq, block_kv=bk, num_stages=st, pingpong=pp)
+        dict(block_q=bq, block_kv=bk, num_stages=st, pingpong=pp,
+             intra_overlap=ov)
         for bq in (64, 128) for bk in (32, 64, 128, 192)
         for st in (2, 3, 4) for pp in (True, False)
+        for ov in ((False, True) if bk <= 128 else (False,))
     ],
     "backward": [
         dict(block_kv_dq=bk, block_q_dkv=bq, num_consumers_dq=c,
