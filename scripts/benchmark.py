@@ -68,9 +68,16 @@ values and their float32 scales (bfloat16 result), checked against the
 attention of the dequantized inputs (the bfloat16 rule plus 2**-4 max|v|,
 the rounding of P to e4m3). FLOPs as for bfloat16. Forward only (the
 default --modes becomes fwd; fwd_bwd is an error: there is no gradient with
-respect to float8 arrays), no peers and no matmul ceiling: the peers'
-bfloat16 cells of another run, merged with `--merge`, are the float8
-cells' baselines.
+respect to float8 arrays), no bfloat16 peers and no matmul ceiling: the
+peers' bfloat16 cells of another run, merged with `--merge`, are the float8
+cells' baselines. The one float8 peer, `--peers=cudnn_fp8`, is cuDNN's FP8
+attention forward (jax's private
+`jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` with
+`fp8_params`, where this JAX has it; a GPU only) on the same normals
+quantized per tensor (cuDNN takes one scale per tensor, ours take one per
+head), checked against the attention of its own dequantized inputs, its
+output (float8 in cuDNN) dequantized to bfloat16 in the timed call; the
+float8 cells of the same shape get `speedup_vs_cudnn_fp8` (its time / ours).
 
 The options are declared once, in `bench/options.py`; the cells (candidates,
 check, timing, isolation) are in `bench/cells.py`, the table, JSON and plot in
@@ -198,20 +205,28 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
 
   grads = "fwd_bwd" in settings.modes
   for shape in settings.shapes:
+    # A float8 shape's inputs per scale granularity its candidates take
+    # (`cells.input_granularity`): per head, per tensor for cuDNN's FP8.
+    granularity = {c: (cells.input_granularity(c)
+                       if options.is_fp8(shape.dtype) else "head")
+                   for c in candidates}
     with timeline.phase("inputs", shape=str(shape)):
-      inputs = cells.make_inputs(shape, settings.seed)
-      jax.block_until_ready(inputs)
+      inputs_of = {g: cells.make_inputs(shape, settings.seed, g)
+                   for g in sorted(set(granularity.values()) or {"head"})}
+      jax.block_until_ready(inputs_of)
     try:
-      # One reference with sinks (`--sinks`), one without; read back from
-      # --reference_dir where an earlier process left it.
+      # One reference with sinks (`--sinks`), one without, for each set of
+      # inputs; read back from --reference_dir where an earlier process
+      # left it.
       refs = {}
-      for sinks in {c.sinks for c in candidates}:
+      for key in {(c.sinks, granularity[c]) for c in candidates}:
         start = timeline.now_s()
-        refs[sinks] = cells.make_reference(
-            shape, inputs, settings.check_rows, grads, sinks,
-            seed=settings.seed, directory=settings.reference_dir)
+        refs[key] = cells.make_reference(
+            shape, inputs_of[key[1]], settings.check_rows, grads, key[0],
+            seed=settings.seed, directory=settings.reference_dir,
+            granularity=key[1])
         timeline.add("reference", start, timeline.now_s() - start,
-                     shape=str(shape), loaded=refs[sinks].loaded)
+                     shape=str(shape), loaded=refs[key].loaded)
     except Exception as e:  # The reference itself did not fit.
       status, reason = cells.classify(e)
       say(f"{shape}: reference failed ({reason}); cells skipped")
@@ -229,8 +244,9 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
         report_lib.add_ceiling(report, probe())
         for c in candidates:
           start = timeline.now_s()
-          record = cells.run_cell(c, shape, mode, inputs, refs[c.sinks],
-                                  settings)
+          key = (c.sinks, granularity[c])
+          record = cells.run_cell(c, shape, mode, inputs_of[key[1]],
+                                  refs[key], settings)
           for phase, seconds in record.get("phases_s", {}).items():
             timeline.add(phase, start, seconds, cell=f"{c.label} {mode}",
                          shape=str(shape))
@@ -241,7 +257,7 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
               f"{record['reason']}", flush=True)
       for c in candidates:
         add(fastest_round(rounds[c]))
-    del inputs, refs
+    del inputs_of, refs
   cells.release_matmul_probe()
   return report
 

@@ -284,6 +284,109 @@ def test_missing_tokamax_is_reported_not_raised(benchmark, monkeypatch):
   assert {r["impl"] for r in report["results"]} == {"chunked"}
 
 
+def _fake_cudnn_fp8(calls, *, fp8=True):
+  """A stand-in for jax's private cuDNN attention module: with `fp8`, its
+  `dot_product_attention(..., fp8_params=, use_fp8=True)` records its
+  arguments and computes with `jax.nn` on the descaled inputs, writing the
+  output scaled by scale_o in the inputs' float8 dtype like cuDNN."""
+  module = types.ModuleType("fused_attention_stablehlo")
+  module.MaskType = types.SimpleNamespace(NO_MASK="no_mask", CAUSAL="causal")
+  if not fp8:  # jax 0.10's: no FP8 path.
+    module.dot_product_attention = lambda query, key, value, *, scale: None
+    return module
+  module.fp8_params_keys = ["amax_dQ", "descale_q", "descale_k", "descale_v",
+                            "descale_s", "scale_s", "scale_o", "scale_dQ"]
+
+  def dot_product_attention(query, key, value, bias=None, mask=None,
+                            fp8_params=None, *, scale=1.0, mask_type=None,
+                            qkv_layout="BTNH", use_fp8=False):
+    params = fp8_params
+    calls.append(dict(dtypes=(query.dtype, key.dtype, value.dtype),
+                      keys=sorted(params), scale=scale, mask_type=mask_type,
+                      layout=qkv_layout, use_fp8=use_fp8,
+                      shapes={p.shape for p in params.values()}))
+    descaled = [x.astype(jax.numpy.float32) * params[f"descale_{n}"].reshape(())
+                for x, n in ((query, "q"), (key, "k"), (value, "v"))]
+    out = jax.nn.dot_product_attention(
+        *descaled, scale=scale, is_causal=mask_type == "causal")
+    amax = jax.numpy.ones((1, 1, 1, 1), jax.numpy.float32)
+    return (out * params["scale_o"].reshape(())).astype(query.dtype), amax, amax
+
+  module.dot_product_attention = dot_product_attention
+  return module
+
+
+def test_cudnn_fp8_peer_is_feature_detected_not_raised(
+    benchmark, monkeypatch):
+  cells = benchmark.cells
+  assert cells.peer_unavailable_reason(
+      "cudnn_fp8", "cpu") == "cuDNN runs only on GPU"
+  monkeypatch.setitem(sys.modules, cells.CUDNN_FP8_MODULE,
+                      _fake_cudnn_fp8([], fp8=False))
+  reason = cells.peer_unavailable_reason("cudnn_fp8", "gpu")
+  assert "has no cuDNN FP8 attention" in reason, reason
+  monkeypatch.setitem(sys.modules, cells.CUDNN_FP8_MODULE, None)
+  reason = cells.peer_unavailable_reason("cudnn_fp8", "gpu")
+  assert reason.startswith("cannot import jax._src.cudnn"), reason
+  # Here (a CPU): our float8 cells only, no ratio, nothing raised.
+  settings = _settings(benchmark, dtype="float8_e4m3fn", modes=["fwd"],
+                       peers=["cudnn_fp8"], matmul_size=0)
+  assert [c.label for c in settings.candidates] == ["chunked",
+                                                    "jax:cudnn_fp8"]
+  report = benchmark.run(settings, verbose=False)
+  assert {r["impl"] for r in report["results"]} == {"chunked+e4m3"}
+  assert all(r["status"] == "ok" and r["speedup_vs_cudnn_fp8"] is None
+             for r in report["results"])
+  # The float8 peer on bfloat16 inputs is refused.
+  with pytest.raises(ValueError, match="take float8 inputs"):
+    _settings(benchmark, peers=["cudnn_fp8"])
+
+
+def test_cudnn_fp8_peer_gets_per_tensor_inputs_and_gives_the_ratio(
+    benchmark, monkeypatch):
+  calls = []
+  cells = benchmark.cells
+  monkeypatch.setitem(sys.modules, cells.CUDNN_FP8_MODULE,
+                      _fake_cudnn_fp8(calls))
+  real = cells.peer_unavailable_reason
+  monkeypatch.setattr(  # As on a GPU.
+      cells, "peer_unavailable_reason",
+      lambda name, platform: real(name, "gpu" if name == "cudnn_fp8"
+                                  else platform))
+  settings = _settings(benchmark, dtype="float8_e4m3fn", modes=["fwd"],
+                       peers=["cudnn_fp8"], matmul_size=0)
+  report = benchmark.run(settings, verbose=False)
+  got = _by_cell(report)
+  assert set(got) == {(label, "fwd", causal) for causal in (False, True)
+                      for label in ("chunked+e4m3", "jax:cudnn_fp8+e4m3")}
+  for r in report["results"]:
+    assert r["status"] == "ok" and r["ms"], r["reason"]
+  for causal in (False, True):
+    ours = got[("chunked+e4m3", "fwd", causal)]
+    peer = got[("jax:cudnn_fp8+e4m3", "fwd", causal)]
+    assert ours["speedup_vs_cudnn_fp8"] == pytest.approx(
+        peer["ms"] / ours["ms"])
+    assert peer["speedup_vs_cudnn_fp8"] is None
+  fp8 = jax.numpy.dtype(jax.numpy.float8_e4m3fn)
+  assert {c["mask_type"] for c in calls} == {"no_mask", "causal"}
+  for call in calls:
+    assert call["dtypes"] == (fp8,) * 3 and call["use_fp8"], call
+    assert call["layout"] == "BTNH" and call["scale"] == 0.25, call
+    assert call["keys"] == sorted(_fake_cudnn_fp8([]).fp8_params_keys)
+    assert call["shapes"] == {(1, 1, 1, 1)}  # One scale per tensor.
+  # Its inputs: the same normals, quantized per tensor.
+  shape = settings.shapes[0]
+  per_head = cells.make_inputs(shape, settings.seed)
+  per_tensor = cells.make_inputs(shape, settings.seed, "tensor")
+  assert per_tensor[0][1].shape == () and per_head[0][1].ndim == 3
+  for a, b in zip(per_head[:3], per_tensor[:3]):
+    assert float(jax.numpy.max(jax.numpy.abs(
+        cells.dequantized(a) - cells.dequantized(b)))) < 0.5
+  markdown = benchmark.report_lib.format_markdown(report)
+  assert "x cudnn fp8" in markdown, markdown
+  assert "vs cudnn fp8" in benchmark.report_lib.format_table(report)
+
+
 @pytest.mark.slow
 def test_isolated_cell_reports_peak_memory(benchmark):
   settings = _settings(benchmark, causal="false", modes=["fwd"],

@@ -101,7 +101,7 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   beside it), mosaic_gpu's split and fused backward at T = 16384 and 4096,
   causal and not, fwd and fwd+bwd; cuDNN and triton on the same cells,
   JAX's Pallas mha forward; mosaic_gpu's and triton's float8 forward on
-  the headline's cells; the tile variants beside the path they would
+  the headline's cells, and cuDNN's FP8 forward beside them; the tile variants beside the path they would
   replace; mosaic_gpu's causal forward per head-section size; each variant
   a config that validates, and otherwise the default tiling; decode at
   B = 1 and 8 with two split counts, then the cache forms."""
@@ -109,7 +109,7 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fused_tiles",
                         "mosaic_gpu_forward_tiles", "triton", "pallas_mha",
-                        "mosaic_gpu_fp8", "triton_fp8",
+                        "mosaic_gpu_fp8", "triton_fp8", "cudnn_fp8",
                         "mosaic_gpu_head_sections"]
   for run in runs.values():
     names = {spec.split(":")[0] for spec in run.impls} | set(run.peers)
@@ -129,11 +129,13 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   # and wins (absl keeps a flag's last value).
   with script_module("benchmark") as benchmark:
     from absl import flags  # noqa: PLC0415
-    for label, impl in (("mosaic_gpu_fp8", "mosaic_gpu"),
-                        ("triton_fp8", "triton")):
+    for label, impl, peer in (("mosaic_gpu_fp8", "mosaic_gpu", None),
+                              ("triton_fp8", "triton", None),
+                              ("cudnn_fp8", None, "cudnn_fp8")):
       run = runs[label]
       assert (run.impls, run.peers, run.dtype, run.modes) == (
-        (impl,), (), "float8_e4m3fn", ("fwd",)), run
+        (impl,) if impl else (), (peer,) if peer else (), "float8_e4m3fn",
+        ("fwd",)), run
       assert (run.seq_lens, run.causal) == ((16384, 4096), "both"), run
       values = flags.FlagValues()
       benchmark.define_flags(values)
@@ -143,7 +145,8 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
         **{n: values[n].value for n in benchmark.options.SETTING_NAMES})
       assert {s.dtype for s in settings.shapes} == {"float8_e4m3fn"}
       assert settings.modes == ("fwd",)
-      assert [c.label for c in settings.candidates] == [impl]
+      assert [c.label for c in settings.candidates] == [
+        impl or f"jax:{peer}"]
   dry = {run.label: run for run in steps.BENCH_RUNS[True]}
   assert (dry["chunked_fp8"].dtype, dry["chunked_fp8"].modes) == (
     "float8_e4m3fn", ("fwd",))

@@ -9,7 +9,10 @@ child process (`run_isolated`) that also reports the cell's peak memory.
 Float8 shapes (`options.FP8_DTYPES`): query, key and value are (values,
 scales) pairs, bfloat16 normals quantized per head by
 `pallas_fa.quantize_fp8`; an implementation gets both, and its result is
-checked against the attention of the dequantized inputs (`compare`).
+checked against the attention of the dequantized inputs (`compare`). The
+float8 peer cudnn_fp8 (cuDNN's FP8 forward) takes one scale per tensor: its
+inputs are the same bfloat16 normals quantized per tensor
+(`input_granularity`), checked against the reference of those.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import json
 import math
 import os
@@ -56,6 +60,38 @@ def _import(module: str):
     raise NotImplementedError(f"cannot import {module}: {e}") from e
 
 
+# cuDNN's FP8 attention: not in jax's public API; in jax 0.11 the
+# `fp8_params=` of this private module's `dot_product_attention`.
+CUDNN_FP8_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
+
+
+def _cudnn_fp8_module():
+  """The module with cuDNN's FP8 attention forward.
+
+  Raises:
+    NotImplementedError: it does not import, or has no FP8 path.
+  """
+  module = _import(CUDNN_FP8_MODULE)
+  fn = getattr(module, "dot_product_attention", None)
+  try:
+    fp8 = fn is not None and "fp8_params" in inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    fp8 = False
+  if not fp8 or not hasattr(module, "fp8_params_keys"):
+    raise NotImplementedError(
+        f"jax {jax.__version__} has no cuDNN FP8 attention "
+        f"({CUDNN_FP8_MODULE}.dot_product_attention takes no fp8_params)")
+  return module
+
+
+def input_granularity(candidate: options.Candidate) -> str:
+  """The `quantize_fp8` granularity of a candidate's float8 inputs: "tensor"
+  for the float8 peers (cuDNN takes one scale per tensor), else "head"."""
+  if candidate.kind == "peer" and candidate.name in options.FP8_PEERS:
+    return "tensor"
+  return "head"
+
+
 def _is_hopper() -> bool:
   capability = getattr(jax.devices()[0], "compute_capability", None)
   return capability is not None and str(capability).startswith("9")
@@ -76,6 +112,14 @@ def peer_unavailable_reason(name: str, platform: str) -> str | None:
     return None
   if name == "cudnn":
     return None if platform == "gpu" else "cuDNN runs only on GPU"
+  if name == "cudnn_fp8":
+    if platform != "gpu":
+      return "cuDNN runs only on GPU"
+    try:
+      _cudnn_fp8_module()
+    except NotImplementedError as e:
+      return str(e)
+    return None
   if name in ("pallas_mha", "pallas_mgpu"):
     # Interpret mode elsewhere would time an emulator, not a kernel.
     if platform != "gpu":
@@ -145,14 +189,17 @@ def attention_fn(candidate: options.Candidate,
 
     return ours
 
-  if fp8:
-    raise NotImplementedError(
-        f"the peers take no {shape.dtype} inputs (their bfloat16 cells are "
-        "the baselines)")
   name = candidate.name
+  if fp8 != (name in options.FP8_PEERS):
+    raise NotImplementedError(
+        f"peer {name} takes float8 inputs" if not fp8 else
+        f"peer {name} takes no {shape.dtype} inputs (its bfloat16 cells are "
+        "the baselines)")
   reason = peer_unavailable_reason(name, api.platform())
   if reason is not None:
     raise NotImplementedError(reason)
+  if name == "cudnn_fp8":
+    return _cudnn_fp8_fn(_cudnn_fp8_module(), shape, scale)
   if name in ("xla", "cudnn"):
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation=name)
@@ -184,6 +231,35 @@ def attention_fn(candidate: options.Candidate,
         q, k, v, scale=scale, is_causal=causal,
         implementation=implementation)
   raise NotImplementedError(f"unknown peer {name!r}")
+
+
+def _cudnn_fp8_fn(module, shape: options.Shape, scale: float) -> Callable:
+  """cuDNN's FP8 forward on per-tensor (values, scale) pairs, [B, T, N, H].
+
+  `module.dot_product_attention(q, k, v, fp8_params=..., use_fp8=True,
+  qkv_layout="BTNH")` with descale_q/k/v the inputs' scalar scales, the
+  softmax P stored unscaled (scale_s = descale_s = 1: P is in [0, 1]), and
+  the output, which cuDNN writes in the inputs' float8 dtype, scaled by
+  1 / descale_v (|O| <= max|v|: the whole e4m3 range) and dequantized to
+  bfloat16 like ours (one elementwise pass, inside the timed call). The
+  other keys it requires (backward scales, amax placeholders) are 1.
+  """
+  mask_type = (module.MaskType.CAUSAL if shape.causal
+               else module.MaskType.NO_MASK)
+
+  def cudnn_fp8(q, k, v):
+    (q, qs), (k, ks), (v, vs) = q, k, v
+    scalar = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+    params = dict.fromkeys(module.fp8_params_keys, scalar(1.0))
+    params.update(descale_q=scalar(qs), descale_k=scalar(ks),
+                  descale_v=scalar(vs), scale_o=1.0 / scalar(vs))
+    out, _, _ = module.dot_product_attention(
+        q, k, v, fp8_params=params, scale=scale, mask_type=mask_type,
+        qkv_layout="BTNH", use_fp8=True)
+    return quantize.dequantize(out, jnp.reshape(vs, ()),
+                               dtype=jnp.bfloat16)
+
+  return cudnn_fp8
 
 
 def block_sizes_for(candidate: options.Candidate, shape: options.Shape):
@@ -234,12 +310,15 @@ def sinks_for(shape: options.Shape) -> Array:
   return jnp.linspace(0.0, 4.0, shape.heads, dtype=jnp.float32)
 
 
-def make_inputs(shape: options.Shape, seed: int) -> tuple[Array, ...]:
+def make_inputs(shape: options.Shape, seed: int,
+                granularity: str = "head") -> tuple[Array, ...]:
   """Random inputs of one shape (`testing.make_inputs`).
 
   Args:
     shape: the problem.
     seed: random seed.
+    granularity: of a float8 shape's scales (`input_granularity`): "head"
+      or "tensor" (then each scale is a float32 scalar).
 
   Returns:
     (q, k, v, dout), each [B, T, N, H] in the shape's dtype. For a float8
@@ -253,7 +332,8 @@ def make_inputs(shape: options.Shape, seed: int) -> tuple[Array, ...]:
   q, k, v, _ = testing.make_inputs(shape.case(), dtype, gen)
   dout = testing.normal(gen, q.shape, dtype)
   if fp8:
-    quantized = functools.partial(quantize.quantize_fp8, granularity="head",
+    quantized = functools.partial(quantize.quantize_fp8,
+                                  granularity=granularity,
                                   dtype=options.DTYPES[shape.dtype])
     q, k, v = (tuple(quantized(x)) for x in (q, k, v))
   return q, k, v, dout
@@ -356,9 +436,12 @@ class Reference:
 _RESULT_NAMES = ("out", "dq", "dk", "dv")
 
 
-def _reference_path(directory, shape, seed, rows, grads, sinks):
+def _reference_path(directory, shape, seed, rows, grads, sinks,
+                    granularity="head"):
   fields = "_".join(f"{v}" for v in dataclasses.asdict(shape).values())
   extra = ("_grads" if grads else "") + ("_sinks" if sinks else "")
+  if options.is_fp8(shape.dtype) and granularity != "head":
+    extra += f"_{granularity}"
   return pathlib.Path(directory) / f"ref_{fields}_s{seed}_r{rows}{extra}.npz"
 
 
@@ -397,7 +480,8 @@ def _load_reference(path, low_precision: bool):
 
 def make_reference(shape, inputs, rows: int, grads: bool,
                    sinks: bool = False, seed: int | None = None,
-                   directory: str | None = None) -> Reference:
+                   directory: str | None = None,
+                   granularity: str = "head") -> Reference:
   """Computes the float32 (and same-dtype) reference for `shape`.
 
   Args:
@@ -411,6 +495,8 @@ def make_reference(shape, inputs, rows: int, grads: bool,
       read back instead of computed when a file is there (the inputs of a
       seed are the same in every process).
     directory: see `seed`; None computes every time.
+    granularity: that of a float8 shape's `inputs` (`make_inputs`): the
+      inputs of another granularity are other arrays, kept apart.
 
   Returns:
     The shape's `Reference`. For a float8 shape: that of the dequantized
@@ -425,7 +511,8 @@ def make_reference(shape, inputs, rows: int, grads: bool,
   low_precision = shape.dtype != "float32"
   path = None
   if directory is not None and seed is not None:
-    path = _reference_path(directory, shape, seed, rows, grads, sinks)
+    path = _reference_path(directory, shape, seed, rows, grads, sinks,
+                           granularity)
     loaded = _load_reference(path, low_precision) if path.exists() else None
     if loaded is not None and (loaded[2] is not None or not fp8):
       return Reference(rows=idx, keys=keys, dout_masked=masked, f32=loaded[0],
@@ -607,7 +694,7 @@ def _run_child(spec: dict) -> dict:
   candidate = options.Candidate(**{
       **fields, "block_sizes": tuple(map(tuple, fields["block_sizes"]))})
   shape = options.Shape(**spec["shape"])
-  inputs = make_inputs(shape, spec["seed"])
+  inputs = make_inputs(shape, spec["seed"], input_granularity(candidate))
   jax.block_until_ready(inputs)
   base_bytes, source = _memory_now()
   start = time.perf_counter()

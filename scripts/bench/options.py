@@ -33,6 +33,12 @@ BF16_RATIO = "speedup_vs_bf16"
 PEERS = ("xla", "cudnn", "pallas_mha", "pallas_mgpu", "pallas_tpu",
          "tokamax_triton", "tokamax_mosaic", "tokamax_xla_chunked")
 _TOKAMAX_PREFIX = "tokamax_"
+# Peers of the float8 runs only, on float8 inputs: cuDNN's FP8 attention
+# forward (`jax._src.cudnn.fused_attention_stablehlo`, where this JAX has
+# it), given the same bfloat16 normals quantized per tensor (cuDNN takes one
+# scale per tensor), checked against the reference of its own dequantized
+# inputs.
+FP8_PEERS = ("cudnn_fp8",)
 
 
 def tokamax_implementation(peer: str) -> str | None:
@@ -58,6 +64,10 @@ MATERIALISING = ("jax:xla", "xla")
 # A float8 cell's are taken against the peer's bfloat16 cell (the peers
 # take no float8 inputs): what FP8 attention replaces.
 BASELINES = {"speedup_vs_cudnn": "jax:cudnn", "speedup_vs_xla": "jax:xla"}
+# A float8 cell's ratios against the float8 peers' cells of the same shape
+# and dtype (record field -> peer cell label): FP8 against FP8. Every record
+# gets every field (None where there is no such cell, and on the peer's own).
+FP8_BASELINES = {"speedup_vs_cudnn_fp8": "jax:cudnn_fp8+e4m3"}
 
 
 def is_fp8(dtype: str) -> bool:
@@ -148,15 +158,18 @@ OPTIONS = (
            "mosaic_gpu:head_section=4), as a candidate of its own."),
     Option("peers", "list",
            f"Peers among {PEERS}, or 'none'; default: those for this "
-           "platform."),
+           f"platform. A float8 --dtype takes only {FP8_PEERS} (default "
+           "none)."),
     Option("dtype", "enum",
            "Input dtype. float8_e4m3fn: bfloat16 normals quantized per head "
            "(pallas_fa.quantize_fp8), the implementations called with the "
            "float8 values and their scales and checked against the "
            "attention of the dequantized inputs; forward only (--modes "
-           "defaults to fwd; fwd_bwd is an error), no peers (their "
+           "defaults to fwd; fwd_bwd is an error), no bfloat16 peers (their "
            "bfloat16 cells, merged from another run, are the ratios' "
-           "baselines), no matmul ceiling; its cells are labelled "
+           "baselines) but the float8 ones (cudnn_fp8: cuDNN's FP8 "
+           "forward on the same normals quantized per tensor), no matmul "
+           "ceiling; its cells are labelled "
            f"'<impl>{FP8_LABEL_SUFFIX}'.",
            choices=tuple(sorted(DTYPES))),
     Option("batch", "integer", "B; 0 = tokens // T."),
@@ -425,8 +438,9 @@ def _candidates(impls, peers, sinks=False) -> list[Candidate]:
   parsed = [parse_impl(spec) for spec in impls]
   peers = [p for p in peers if p != "none"]
   for name in peers:
-    if name not in PEERS:
-      raise ValueError(f"Unknown peer {name!r}; expected one of {PEERS}.")
+    if name not in PEERS + FP8_PEERS:
+      raise ValueError(f"Unknown peer {name!r}; expected one of "
+                       f"{PEERS + FP8_PEERS}.")
   return ([Candidate(kind="impl", name=n, block_sizes=b) for n, b in parsed]
           + [Candidate(kind="impl", name=n, block_sizes=b, sinks=True)
              for n, b in (parsed if sinks else ())]
@@ -486,11 +500,18 @@ def make_settings(*, platform: str | None = None, **values) -> Settings:
   peers = value("peers")
   if peers is None:
     peers = () if fp8 else DEFAULT_PEERS.get(platform, ("xla",))
-  if fp8 and any(p != "none" for p in peers):
+  named = [p for p in peers if p != "none"]
+  if fp8 and set(named) - set(FP8_PEERS):
     raise ValueError(
-        f"dtype={dtype!r} times pallas_fa's implementations only (the peers "
-        f"take no float8 inputs; their bfloat16 cells, merged with --merge, "
-        f"are the float8 cells' baselines): pass --peers=none, got "
+        f"dtype={dtype!r} times pallas_fa's implementations and the float8 "
+        f"peers {FP8_PEERS} only (the other peers take no float8 inputs; "
+        f"their bfloat16 cells, merged with --merge, are the float8 cells' "
+        f"baselines): pass --peers=none or some of {FP8_PEERS}, got "
+        f"peers={tuple(peers)}.")
+  if not fp8 and set(named) & set(FP8_PEERS):
+    raise ValueError(
+        f"the peers {FP8_PEERS} take float8 inputs: pass "
+        f"--dtype={next(iter(FP8_DTYPES))}, got dtype={dtype!r} and "
         f"peers={tuple(peers)}.")
   isolate = value("isolate")
   return Settings(

@@ -34,13 +34,20 @@ def _baseline_key(r: dict) -> tuple:
 def add_ratios(results: list[dict], ceiling: dict | None) -> None:
   """Adds each record's speed-up against every baseline peer
   (`options.BASELINES`: peer time / this time; a float8 cell's against
-  the peer's bfloat16 cell), a float8 cell's against the same candidate's
-  bfloat16 cell (`options.BF16_RATIO`), and its percentage of the matmul
+  the peer's bfloat16 cell), a float8 cell's against every float8 peer's
+  cell of the same shape and dtype (`options.FP8_BASELINES`) and against
+  the same candidate's bfloat16 cell (`options.BF16_RATIO`), and its percentage of the matmul
   ceiling (of the cell's dtype) (None where any is unknown)."""
   ms_of = {(r["impl"], _cell_key(r)): r["ms"] for r in results if r["ms"]}
   for field, label in options.BASELINES.items():
     for r in results:
       ms = ms_of.get((label, _baseline_key(r)))
+      r[field] = ms / r["ms"] if ms and r["ms"] else None
+  for field, label in options.FP8_BASELINES.items():
+    for r in results:
+      ms = None
+      if options.is_fp8(r["dtype"]) and r["impl"] != label:
+        ms = ms_of.get((label, _cell_key(r)))
       r[field] = ms / r["ms"] if ms and r["ms"] else None
   for r in results:
     ms = None
@@ -206,15 +213,18 @@ def format_table(report: dict) -> str:
 
 
 def _ratio_columns(results: list[dict]) -> list[str]:
-  """The `options.BASELINES` fields (and `options.BF16_RATIO`) that some
-  record has a value for."""
-  return [f for f in (*options.BASELINES, options.BF16_RATIO)
+  """The `options.BASELINES` fields (and `options.FP8_BASELINES`,
+  `options.BF16_RATIO`) that some record has a value for."""
+  return [f for f in (*options.BASELINES, *options.FP8_BASELINES,
+                      options.BF16_RATIO)
           if any(r.get(f) for r in results)]
 
 
 def _baseline_name(field: str) -> str:
   if field == options.BF16_RATIO:
     return "the same implementation's bfloat16 cell"
+  if field in options.FP8_BASELINES:
+    return options.FP8_BASELINES[field]
   return options.BASELINES[field]
 
 
@@ -260,6 +270,9 @@ def format_markdown(report: dict) -> str:
     ratio_note += (f"; float8 columns ({options.FP8_LABEL_SUFFIX}): the "
                    "peers' bfloat16 time, and (x bf16) the same "
                    "implementation's bfloat16 time, / this time")
+  if any(r.get(f) for r in results for f in options.FP8_BASELINES):
+    ratio_note += ("; (x cudnn fp8) = jax:cudnn_fp8+e4m3 time (cuDNN's FP8 "
+                   "forward, per-tensor scales) / this time")
   lines = [
       f"{meta['device_kind']}, jax {meta['jax_version']}, "
       f"{_dtypes(results)}; {unit}{ratio_note}",
@@ -278,6 +291,9 @@ def format_markdown(report: dict) -> str:
       else:
         field = next((f for f in ratios if r.get(f)), None)
         shown = [f"{r[field]:.2f}x"] if field else []
+        for fp8_field in options.FP8_BASELINES:
+          if r.get(fp8_field):
+            shown.append(f"{r[fp8_field]:.2f}x {_ratio_title(fp8_field)[3:]}")
         if r.get(options.BF16_RATIO):
           shown.append(f"{r[options.BF16_RATIO]:.2f}x bf16")
         ratio = f" ({'; '.join(shown)})" if shown else ""

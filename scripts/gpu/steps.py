@@ -594,6 +594,9 @@ BENCH_RUNS = {
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     BenchRun(label="triton_fp8", weight=12, impls=("triton",),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    # cuDNN's FP8 forward (per-tensor scales): the float8 rows' FP8 peer.
+    BenchRun(label="cudnn_fp8", weight=12, peers=("cudnn_fp8",),
+             dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     BenchRun(label="mosaic_gpu_head_sections", weight=20,
              impls=("mosaic_gpu", *(f"mosaic_gpu:head_section={n}"
                                     for n in HEAD_SECTIONS)),
