@@ -79,20 +79,6 @@ def test_block_sizes_intra_overlap_is_a_bool():
   assert not mosaic_gpu.MosaicGpuBlockSizes().intra_overlap
 
 
-def test_check_refuses_intra_overlap_in_float8():
-  """The float8 kernel has no pipelined loop: a tiling asking for one is
-  refused (the automatic choice moves on), not ignored."""
-  for overlap in (False, True):
-    q, k, v, bias, info, params = _canonical(
-        block_sizes=mosaic_gpu.MosaicGpuBlockSizes(intra_overlap=overlap))
-    fp8 = [x.astype(jnp.float8_e4m3fn) for x in (q, k, v)]
-    if not overlap:
-      mosaic_gpu.BACKEND.check(*fp8, bias, info, params)
-      continue
-    with pytest.raises(NotImplementedError, match="intra_overlap"):
-      mosaic_gpu.BACKEND.check(*fp8, bias, info, params)
-
-
 def test_block_sizes_frozen_and_hashable():
   bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
   assert hash(bs) == hash(mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))

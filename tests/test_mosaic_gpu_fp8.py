@@ -108,14 +108,16 @@ def test_check_declines_what_the_float8_kernel_cannot_run():
     backend.check_call(*call.arrays)
 
 
-def test_float8_forward_lowers_for_hopper():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_float8_forward_lowers_for_hopper(overlap):
   gen = testing.rng("mosaic_gpu fp8 lower")
   values, scales = _quantized(gen, 1, 256, 256, 4, 2, 128, "token")
+  bs = mosaic_gpu.MosaicGpuBlockSizes(intra_overlap=True) if overlap else None
 
   def fwd(*args):
     return pallas_fa.flash_attention(
         *args[:3], **_scales(args[3:]), is_causal=True,
-        implementation="mosaic_gpu")
+        implementation="mosaic_gpu", block_sizes=bs)
 
   with gpu_target.compile_for(gpu_target.H100):
     text = jax.jit(fwd).trace(*values, *scales).lower(
@@ -125,15 +127,19 @@ def test_float8_forward_lowers_for_hopper():
 
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
-@pytest.mark.parametrize("granularity, causal", [
-    ("head", True), ("token", False)])
-def test_interpreted_float8_forward(granularity, causal):
+@pytest.mark.parametrize("granularity, causal, overlap", [
+    ("head", True, False), ("token", False, False),
+    ("head", True, True), ("head", False, True), ("token", True, True),
+    ("token", False, True)])
+def test_interpreted_float8_forward(granularity, causal, overlap):
   """Ragged lengths, GQA, a head dim padded to 64; head scales fold into
-  the row factors, token scales stream with K and V."""
+  the row factors, token scales stream with K and V. With `overlap` the
+  software-pipelined key loop (`intra_overlap`: P_{j-1} V_{j-1} with
+  Q K_j^T; token scales wait for V_j with K_j)."""
   gen = testing.rng("mosaic_gpu fp8", granularity, causal)
   values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
   bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
-                                      interpret=True)
+                                      intra_overlap=overlap, interpret=True)
   out, lse = pallas_fa.flash_attention(
       *values, **_scales(scales), is_causal=causal,
       implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
@@ -147,18 +153,25 @@ def test_interpreted_float8_forward(granularity, causal):
 
 
 @needs_hopper
-@pytest.mark.parametrize("granularity, causal, h", [
-    ("head", True, 128), ("token", False, 128), ("tensor", True, 64),
-    ("head", False, 256)])
-def test_compiled_float8_forward(granularity, causal, h):
+@pytest.mark.parametrize("granularity, causal, h, overlap", [
+    ("head", True, 128, False), ("token", False, 128, False),
+    ("tensor", True, 64, False), ("head", False, 256, False),
+    ("head", False, 128, True), ("token", True, 128, True),
+    ("token", False, 256, True)])
+def test_compiled_float8_forward(granularity, causal, h, overlap):
   """The compiled kernel (8-bit wgmma, P packed in registers against the
   reordered V^T, `p_operand`) against the float64 attention of the
-  dequantized inputs: ragged lengths, GQA, several key tiles."""
+  dequantized inputs: ragged lengths, GQA, several key tiles; with
+  `overlap`, the software-pipelined key loop (`intra_overlap`)."""
   gen = testing.rng("mosaic_gpu fp8 compiled", granularity, causal, h)
   values, scales = _quantized(gen, 2, 333, 517, 4, 2, h, granularity)
+  # With `overlap`, the default forward tiles of the head dim.
+  bs = mosaic_gpu.MosaicGpuBlockSizes(
+      block_kv=64 if h > 128 else 128, num_stages=3 if h > 128 else 4,
+      intra_overlap=True) if overlap else None
   out, lse = pallas_fa.flash_attention(
       *values, **_scales(scales), is_causal=causal,
-      implementation="mosaic_gpu", return_residual=True)
+      implementation="mosaic_gpu", return_residual=True, block_sizes=bs)
   assert out.dtype == jnp.bfloat16
   want_out, want_lse = _oracle(values, scales, causal)
   err = np.abs(np.asarray(out, np.float64) - want_out).max()

@@ -234,10 +234,6 @@ def _check_fp8(q, k, v, info, params):
     raise NotImplementedError(
         "mosaic_gpu's float8 kernel streams key tiles of a multiple of 64 "
         f"(the 64-byte swizzle of V^T), got {bs.block_kv=}; " + _OTHERS)
-  if bs.intra_overlap:
-    raise NotImplementedError(
-        "mosaic_gpu's float8 kernel has no intra-warpgroup overlap, got "
-        f"{bs.intra_overlap=}; " + _OTHERS)
 
 
 # --------------------------------------------------------------------------
@@ -541,7 +537,8 @@ def forward_fp8_impl(q, k, v, info, params, scales, *, interpret: bool):
   spec = _spec(
       x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
       stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
-      units_per_head=x.tp // rows, heads=n, num_heads=n, forward=True)
+      units_per_head=x.tp // rows, heads=n, num_heads=n, forward=True,
+      intra_overlap=bs.intra_overlap)
   # The logit scale is in q_row.
   spec = dataclasses.replace(spec, scale=1.0)
   out, lse = forward_fp8.forward(

@@ -101,7 +101,7 @@ def _clamped(x, lo, hi):
 
 
 def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
-                         first, step, last, schedule):
+                         first, step, last, schedule, p0=None):
   """`walk_keys` of the software-pipelined loop (`Spec.intra_overlap`).
 
   Over the unit's key tiles [ulo, uhi): `first` (Q K^T of tile ulo and its
@@ -111,7 +111,8 @@ def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
   zero or one trip, so that a unit without key tiles runs neither. The
   first tile is softmaxed masked whenever the call masks at all (masking a
   full tile changes nothing). The carry is (m_i, l_i, acc, p): p, the
-  probabilities of the last tile softmaxed, in spec.dtype.
+  probabilities of the last tile softmaxed as P V takes them; `p0`, its
+  initial value (None: zeros in spec.dtype in the accumulator layout).
 
   Returns:
     (out float32 [block_q, Hv], lse [block_q], base 2 undone).
@@ -121,7 +122,7 @@ def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
       ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
       ops.full_vector(bq, 0.0, 0),
       ops.full((bq, spec.hv), 0.0),
-      ops.full((bq, spec.block_kv), 0.0, spec.dtype),
+      ops.full((bq, spec.block_kv), 0.0, spec.dtype) if p0 is None else p0,
   )
   if spec.pingpong:
     pl.when(wg == 1)(lambda: take_turn(schedule))
@@ -146,6 +147,72 @@ def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
     pl.when(wg == 0)(lambda: take_turn(schedule))
   m_i, l_i, acc, _ = carry
   return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
+
+
+def pipelined_steps(spec: kernel.Spec, ops, *, slot_of, q_tile, k_tile,
+                    v_operand, probs, ready, last_ready, v_free, schedule,
+                    pin, settle=None):
+  """(first, overlapped, last) of `walk_keys_overlapped` for a Q-stationary
+  forward. Every tensor-core turn (Q K^T of the first tile; Q K_j^T with
+  P_{j-1} V_{j-1}; P V of the last tile) is bracketed by two ping-pong
+  rendezvous, as the two turns of a plain step.
+
+  Args:
+    slot_of: key tile j -> its ring slot.
+    q_tile: () -> the consumer's Q tile ref (built inside each step).
+    k_tile: slot -> the K tile ref.
+    v_operand: slot -> the `mm` keywords of the V side of P V (`b`, and
+      `transpose_b` for a transposed V).
+    probs: (j, slot, qk, m_i, l_i, *, masked) -> (m_i, l_i, p, alpha): the
+      softmax of tile j from its Q K^T, P as P V's A operand; releases the
+      K slot.
+    ready: (slot, prev) -> the barriers a step waits for (prev: the
+      previous tile's slot, None for the first tile).
+    last_ready: slot -> those the last P V waits for.
+    v_free: the V slots' release barriers.
+    schedule: the ping-pong barrier.
+    pin: `Ops.mm_overlapped`'s.
+    settle: p -> p after each overlapped step (compiled float8: registers
+      of its own, `forward_fp8.own_registers`), or None.
+  """
+  between = (lambda: take_turn(schedule)) if spec.pingpong else None
+
+  def first(j, carry, *, masked):
+    m_i, l_i, acc, _ = carry
+    slot = slot_of(j)
+    take_turn_before(spec, ready(slot, None), schedule)
+    qk = ops.mm(q_tile(), k_tile(slot), transpose_b=True, between=between)
+    # acc is zero: no rescale.
+    m_i, l_i, p, _ = probs(j, slot, qk, m_i, l_i, masked=masked)
+    return m_i, l_i, acc, p
+
+  def overlapped(j, carry, *, masked):
+    m_i, l_i, acc, p = carry
+    slot, prev = slot_of(j), slot_of(j - 1)
+    take_turn_before(spec, ready(slot, prev), schedule)
+    acc, (m_i, l_i, p, alpha) = ops.mm_overlapped(
+        dict(a=q_tile(), b=k_tile(slot), transpose_b=True),
+        dict(a=p, a_in_smem=False, acc=acc, **v_operand(prev)),
+        # p and alpha are state for their shape only: overwritten.
+        then=lambda qk, m_i, l_i, _, __: probs(
+            j, slot, qk, m_i, l_i, masked=masked),
+        state=(m_i, l_i, p, m_i), between=between, pin=pin)
+    plgpu.barrier_arrive(v_free.at[prev])
+    if settle is not None:
+      p = settle(p)
+    acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+    return m_i, l_i, acc, p
+
+  def last(j, carry):
+    m_i, l_i, acc, p = carry
+    slot = slot_of(j)
+    take_turn_before(spec, last_ready(slot), schedule)
+    acc = ops.mm(p, a_in_smem=False, acc=acc, between=between,
+                 **v_operand(slot))
+    plgpu.barrier_arrive(v_free.at[slot])
+    return m_i, l_i, acc, p
+
+  return first, overlapped, last
 
 
 def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
@@ -234,12 +301,6 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 
-    # The software-pipelined loop (`Spec.intra_overlap`). Every tensor-core
-    # turn (Q K^T of the first tile; Q K_j^T with P_{j-1} V_{j-1}; P V of
-    # the last tile) is bracketed by two ping-pong rendezvous, as the two
-    # turns of a `step`.
-    between = (lambda: take_turn(schedule)) if spec.pingpong else None
-
     def softmax_k(j, slot, qk, m_i, l_i, *, masked):
       """The softmax of key tile j once Q K_j^T is in: reads the tile's
       key metadata, releases its K slot."""
@@ -252,49 +313,19 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
           j, qk, k_p, k_s, m_i, l_i, None, masked=masked)
       return m_i, l_i, p, alpha
 
-    def first(j, carry, *, masked):
-      m_i, l_i, acc, _ = carry
-      slot = kernel.rem(base + j - ulo, stages)
-      take_turn_before(spec, [k_bar.at[slot]], schedule)
-      qk = ops.mm(
-          qo_smem.at[kernel.stationary_in_step(spec, wg)], k_smem.at[slot],
-          transpose_b=True, between=between)
-      # acc is zero: no rescale.
-      m_i, l_i, p, _ = softmax_k(j, slot, qk, m_i, l_i, masked=masked)
-      return m_i, l_i, acc, p
-
-    def overlapped(j, carry, *, masked):
-      m_i, l_i, acc, p = carry
-      slot = kernel.rem(base + j - ulo, stages)
-      prev = kernel.rem(base + j - 1 - ulo, stages)
-      take_turn_before(spec, [k_bar.at[slot], v_bar.at[prev]], schedule)
-      acc, (m_i, l_i, p, alpha) = ops.mm_overlapped(
-          dict(a=qo_smem.at[kernel.stationary_in_step(spec, wg)],
-               b=k_smem.at[slot], transpose_b=True),
-          dict(a=p, b=v_smem.at[prev], a_in_smem=False, acc=acc),
-          # p and alpha are state for their shape only: overwritten.
-          then=lambda qk, m_i, l_i, _, __: softmax_k(
-              j, slot, qk, m_i, l_i, masked=masked),
-          state=(m_i, l_i, p, m_i), between=between,
-          # l_i is the last value the softmax computes (after every exp);
-          # the lse buffer is free until the unit's end.
-          pin=(lse_smem.at[wg], 1))
-      plgpu.barrier_arrive(v_free.at[prev])
-      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
-      return m_i, l_i, acc, p
-
-    def last(j, carry):
-      m_i, l_i, acc, p = carry
-      slot = kernel.rem(base + j - ulo, stages)
-      take_turn_before(spec, [v_bar.at[slot]], schedule)
-      acc = ops.mm(p, v_smem.at[slot], a_in_smem=False, acc=acc,
-                   between=between)
-      plgpu.barrier_arrive(v_free.at[slot])
-      return m_i, l_i, acc, p
-
     if spec.intra_overlap:
       out, lse = walk_keys_overlapped(
-          spec, ops, sched_ref, b, row, wg, first, overlapped, last,
+          spec, ops, sched_ref, b, row, wg, *pipelined_steps(
+              spec, ops,
+              slot_of=lambda j: kernel.rem(base + j - ulo, stages),
+              q_tile=lambda: qo_smem.at[kernel.stationary_in_step(spec, wg)],
+              k_tile=lambda slot: k_smem.at[slot],
+              v_operand=lambda slot: dict(b=v_smem.at[slot]),
+              probs=softmax_k,
+              ready=lambda slot, prev: [k_bar.at[slot]] + (
+                  [] if prev is None else [v_bar.at[prev]]),
+              last_ready=lambda slot: [v_bar.at[slot]], v_free=v_free,
+              schedule=schedule, pin=(lse_smem.at[wg], 1)),
           schedule)
     else:
       out, lse = walk_keys(spec, ops, sched_ref, b, row, wg, step, schedule)

@@ -4,6 +4,12 @@ The forward of `forward` with both products on 8-bit wgmma: Q K^T reads
 e4m3 Q and K tiles from shared memory, and P V takes P from registers,
 converted from the float32 logit layout to e4m3.
 
+With `Spec.intra_overlap` the key loop is software-pipelined as in
+`forward` (`forward.walk_keys_overlapped`): step j issues Q K_j^T with
+P_{j-1} V_{j-1} and runs tile j's softmax and P conversion while P_{j-1}
+V_{j-1} is still on the tensor cores; the carried P is e4m3 in the 8-bit
+A-operand layout.
+
 Hopper's 8-bit wgmma reads its shared-memory operands K-major only (no
 transposed B), so V enters the kernel transposed, [B, K, Hv, S] (`layout_v`,
 one pass of XLA over V outside the kernel), and its [Hv, block_kv] tiles are
@@ -147,6 +153,44 @@ def p_operand(p):
   return relabel(p)
 
 
+def own_registers(p):
+  """e4m3 P in the 8-bit A-operand layout, moved into registers of its own
+  (an inline `mov` per register, ordered as a side effect).
+
+  In the pipelined loop, P_j is converted while P_{j-1} V_{j-1} is in
+  flight; the loop's exit value, which the last P V reads, would otherwise
+  be the conversion's own registers, and ptxas serializes every wgmma of a
+  kernel where a wgmma's input register is defined inside another's
+  pipeline stage (C7513). Moved after the wait, P is defined outside it."""
+  # Imported here: only compiled kernels reach this.
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
+  from jax._src.lib.mlir.dialects import vector  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import (  # noqa: PLC0415
+      fragmented_array as fa)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA_8BIT,),
+      return_type=plgpu.ShapeDtypeStruct(
+          p.shape, FP8, layout=plgpu.Layout.WGMMA_8BIT))
+  def move(_, x):
+    i32 = ir.IntegerType.get_signless(32)
+    word_ty = ir.VectorType.get((1,), i32)
+    regs = np.empty(x.registers.shape, dtype=object)
+    for idx, reg in np.ndenumerate(x.registers):
+      word = vector.extract(
+          vector.bitcast(word_ty, reg), dynamic_position=[],
+          static_position=ir.DenseI64ArrayAttr.get([0]))
+      moved = llvm.inline_asm(i32, [word], "mov.b32 $0, $1;", "=r,r",
+                              has_side_effects=True, asm_dialect=0)
+      regs[idx] = vector.bitcast(reg.type,
+                                 vector.broadcast(word_ty, moved))
+    return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_LAYOUT_8BIT,
+                              _is_signed=None)
+
+  return move(p)
+
+
 def _smem(interpret: bool, shape, dtype, minor_bytes: int):
   """A swizzled SMEM tile whose rows are `minor_bytes` long (the swizzle:
   128 bytes, or the row when shorter)."""
@@ -212,37 +256,87 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
     q_factor = ops.load_vector(qrow_smem.at[wg], 0)  # [bq]
 
+    def softmax(j, slot, qk, m_i, l_i, *, masked, k_meta=None):
+      """The online softmax of key tile j from its e4m3 Q K^T (scaled
+      here), releasing its K slot: (m_i, l_i, float32 p, alpha).
+      `k_meta`: the tile's key positions and segment ids when already
+      loaded (else read here when `masked`)."""
+      qk = qk * jax.lax.broadcast_in_dim(q_factor, qk.shape, (0,))
+      if key_scales:
+        k_factor = ops.load_vector(kcol_smem.at[slot], 1)
+        qk = qk * jax.lax.broadcast_in_dim(k_factor, qk.shape, (1,))
+      if masked and k_meta is None:
+        k_meta = kernel.load_meta(
+            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
+      plgpu.barrier_arrive(k_free.at[slot])
+      s, _ = kernel.logits(spec, qk)
+      if masked:
+        s = kernel.apply_mask(spec, s, 0, q_p, q_s, *k_meta)
+      return online_softmax.update(m_i, l_i, s, base2=True, per_query=_ROWS)
+
+    def operand(p, slot):
+      """float32 p of the V tile in `slot` (landed) -> the e4m3 A operand
+      of P V: times the tile's value factors (or P_SCALE), converted."""
+      if value_scales:
+        v_factor = ops.load_vector(vcol_smem.at[slot], 1)
+        p = p * jax.lax.broadcast_in_dim(v_factor, p.shape, (1,))
+      else:
+        p = p * P_SCALE
+      return p.astype(FP8) if interpret else p_operand(p)
+
     def step(j, carry, *, masked):
       m_i, l_i, acc = carry
       slot = kernel.rem(base + j - ulo, stages)
       qk, k_p, k_s = forward_lib.key_tile_products(  # e4m3 -> float32
           spec, ops, q_smem, wg, k_bar.at[slot], k_smem.at[slot],
           kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
-      qk = qk * jax.lax.broadcast_in_dim(q_factor, qk.shape, (0,))
-      if key_scales:
-        k_factor = ops.load_vector(kcol_smem.at[slot], 1)
-        qk = qk * jax.lax.broadcast_in_dim(k_factor, qk.shape, (1,))
-      plgpu.barrier_arrive(k_free.at[slot])
-      s, _ = kernel.logits(spec, qk)
-      if masked:
-        s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s)
-      m_i, l_i, p, alpha = online_softmax.update(
-          m_i, l_i, s, base2=True, per_query=_ROWS)
+      m_i, l_i, p, alpha = softmax(j, slot, qk, m_i, l_i, masked=masked,
+                                   k_meta=(k_p, k_s))
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       forward_lib.await_values(spec, v_bar.at[slot], schedule)
-      if value_scales:
-        v_factor = ops.load_vector(vcol_smem.at[slot], 1)
-        p = p * jax.lax.broadcast_in_dim(v_factor, p.shape, (1,))
-      else:
-        p = p * P_SCALE
-      p = p.astype(FP8) if interpret else p_operand(p)
-      acc = ops.mm(p, vt_smem.at[slot], a_in_smem=False, transpose_b=True,
-                   acc=acc)
+      acc = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
+                   transpose_b=True, acc=acc)
       plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 
-    out, lse = forward_lib.walk_keys(spec, ops, sched_ref, b, row, wg, step,
-                                     schedule)
+    # The software-pipelined loop (`Spec.intra_overlap`), as
+    # `forward.forward`'s: step j issues Q K_j^T with P_{j-1} V_{j-1} and
+    # runs tile j's softmax and P conversion while P_{j-1} V_{j-1} is in
+    # flight. With per-key value factors P_j needs V_j's factors, which
+    # land with V_j: step j then waits for V_j (with K_j) rather than for
+    # V_{j-1}; else V_{j-1}, as in bfloat16.
+    def ready(slot, prev):
+      """The barriers of step j's tiles (`prev`: V_{j-1}'s slot, None for
+      the first tile)."""
+      if value_scales:
+        return [k_bar.at[slot], v_bar.at[slot]]
+      return [k_bar.at[slot]] + ([] if prev is None else [v_bar.at[prev]])
+
+    def probs(j, slot, qk, m_i, l_i, *, masked):
+      m_i, l_i, p, alpha = softmax(j, slot, qk, m_i, l_i, masked=masked)
+      return m_i, l_i, operand(p, slot), alpha
+
+    if spec.intra_overlap:
+      zeros = ops.full((bq, bk), 0.0)
+      out, lse = forward_lib.walk_keys_overlapped(
+          spec, ops, sched_ref, b, row, wg, *forward_lib.pipelined_steps(
+              spec, ops,
+              slot_of=lambda j: kernel.rem(base + j - ulo, stages),
+              q_tile=lambda: q_smem.at[kernel.stationary_in_step(spec, wg)],
+              k_tile=lambda slot: k_smem.at[slot],
+              v_operand=lambda slot: dict(b=vt_smem.at[slot],
+                                          transpose_b=True),
+              probs=probs, ready=ready,
+              last_ready=lambda slot: [] if value_scales else [
+                  v_bar.at[slot]],
+              v_free=v_free, schedule=schedule,
+              # The lse buffer is free until the unit's end.
+              pin=(lse_smem.at[wg], 1),
+              settle=None if interpret else own_registers),
+          schedule, p0=zeros.astype(FP8) if interpret else p_operand(zeros))
+    else:
+      out, lse = forward_lib.walk_keys(spec, ops, sched_ref, b, row, wg,
+                                       step, schedule)
     o_own[...] = (out * omult_ref[b, n]).astype(out_dtype)
     lse_smem.at[wg][...] = lse
     kernel.store([(o_own, o_ref.at[b, rows, n]),
