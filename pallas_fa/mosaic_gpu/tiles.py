@@ -69,7 +69,7 @@ class MosaicGpuBlockSizes:
       about 193 of a consumer's 240 instead of 154, no spill; with
       dropout's hashing beside it at H = 128 the forward spills 12 bytes,
       not a candidate there). Not a default until a GPU run times it. The
-      float8 forward does not implement it.
+      float8 forward has it too (`forward.pipelined_steps`).
     block_q_dq: dQ kernel: query rows per consumer warpgroup.
     block_kv_dq: dQ kernel: keys per streamed tile.
     num_consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
