@@ -38,6 +38,7 @@ from pallas_fa import testing
 from pallas_fa import tuning
 from pallas_fa import vjp
 from pallas_fa.mosaic_gpu import kernel
+from pallas_fa.mosaic_gpu import tiles
 
 _SMALL = dict(
     block_q=64, block_kv=64, block_q_dq=64, block_kv_dq=64, block_q_dkv=64,
@@ -60,7 +61,7 @@ needs_interpreter = pytest.mark.skipif(
     ("num_stages", 0), ("num_stages_bwd", 9), ("num_consumers_dq", 3),
     ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
     ("lowering_semantics", "Lane"), ("backward", "fast"),
-    ("head_section", 0), ("head_section", 2.0),
+    ("head_section", 0), ("head_section", 2.0), ("dq_split", "rows"),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
@@ -469,8 +470,9 @@ def test_backward_tiles_past_shared_memory_name_block_sizes():
     (dict(backward="fused", split_dkv=True), dict(head_dim=128), False),
     (dict(backward="fused"), dict(head_dim=128, dropout=True), False),
     (dict(backward="fused", block_q_dkv=32), dict(head_dim=64), False),
+    (dict(dq_split="keys"), dict(head_dim=128), True),
 ], ids=["default-h128", "h64-dropout", "split", "h256", "wide-values",
-        "split-dkv", "h128-dropout", "32-query-tiles"])
+        "split-dkv", "h128-dropout", "32-query-tiles", "dq-split-keys"])
 def test_fused_backward_applies_where_it_fits(fields, call, applies):
   """The fused backward runs where its kernel fits (registers, shared
   memory, a 64-row dQ wgmma); elsewhere "fused" takes the split path
@@ -483,6 +485,28 @@ def test_fused_backward_applies_where_it_fits(fields, call, applies):
     smem = mosaic_gpu.fused_backward_bytes(
         bs, call["head_dim"], value_head_dim=call["value_head_dim"])
     assert smem <= mosaic_gpu.SHARED_MEMORY_BYTES
+
+
+@pytest.mark.parametrize("split, columns, slots, nbytes", [
+    # K, V and the Q/dO rings (134,144 B), two dS^T tiles per consumer,
+    # half of dQ's columns staged per consumer.
+    ("columns", 64, 2, 134_144 + 2 * (2 * 8_192 + 16_384)),
+    # One dS^T tile per consumer (its only reader wrote it), a whole dQ
+    # row of tiles staged per consumer.
+    ("keys", 128, 1, 134_144 + 2 * (8_192 + 32_768)),
+])
+def test_fused_backward_dq_split(split, columns, slots, nbytes):
+  """How the fused backward's two consumers divide dQ at H = 128, and the
+  shared memory each way takes; at H = 64 (whose halves are not whole
+  swizzle tiles) and with one consumer both are split by keys."""
+  assert tiles.dq_columns(128, 2, split) == columns
+  assert tiles.ds_slots(128, 2, split) == slots
+  assert tiles.dq_columns(64, 2, split) == 64
+  assert tiles.dq_columns(128, 1, split) == 128
+  assert tiles.ds_slots(64, 2, split) == 1
+  bs = mosaic_gpu.MosaicGpuBlockSizes(dq_split=split)
+  assert mosaic_gpu.fused_backward_bytes(bs, 128) == nbytes
+  assert nbytes <= mosaic_gpu.SHARED_MEMORY_BYTES
 
 
 def test_fused_backward_declines_score_mod_gradients():
@@ -739,7 +763,12 @@ def _race_verdicts(monkeypatch, describe):
     # end of each unit while the other consumer may still read it.
     (dict(num_ctas=2, backward="fused", h=128),
      {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
-], ids=["two-consumers", "one-consumer-split-dropout", "fused"])
+    # Each consumer its own keys' dQ over every column (`dq_split`): one
+    # dS^T tile per consumer rewritten every step, two staged chunks.
+    (dict(num_ctas=2, backward="fused", h=128, dq_split="keys"),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+], ids=["two-consumers", "one-consumer-split-dropout", "fused",
+        "fused-dq-by-keys"])
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
   producer refills ring slots (more steps than stages, several units and
@@ -755,7 +784,7 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   dropout = config.pop("dropout", False)
   h = config.pop("h", 32)
   verdicts, reset = _race_verdicts(
-      monkeypatch, lambda spec, name, races: (name, races))
+      monkeypatch, lambda spec, name, races: (name, races, spec.dq_split))
   case = Case(b=1, t=160, s=256, n=4, k=2, h=h, causal=True, segments=True,
               lengths=True)
   gen = rng("mosaic_gpu", "races", *sorted(config))
@@ -767,8 +796,10 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
       _check_interpreted(q, k, v, kw, gen, **config)
   finally:
     reset()
-  assert {name for name, _ in verdicts} == kernels, verdicts
-  raced = [name for name, found in verdicts if found]
+  assert {name for name, _, _ in verdicts} == kernels, verdicts
+  split = config.get("dq_split", "columns")
+  assert all(s == split for _, _, s in verdicts), verdicts
+  raced = [name for name, found, _ in verdicts if found]
   assert not raced, f"races reported (printed above) in {raced}"
 
 

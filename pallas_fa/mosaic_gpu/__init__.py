@@ -371,6 +371,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       num_ctas=_num_ctas(bs, interpret, units),
       pingpong=pingpong,
       intra_overlap=intra_overlap,
+      dq_split=bs.dq_split,
       is_causal=x.info.is_causal,
       window=x.info.window,
       # The padding's segment ids give way to a mask_mod's values (the

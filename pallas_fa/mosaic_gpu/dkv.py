@@ -12,10 +12,11 @@ step's dS^T also goes to shared memory, and dQ = dS K for the step's query
 tile is added to a float32 dQ in global memory with a TMA reduce-add, so
 the separate dQ kernel (which recomputes QK^T and dO V^T) is not needed:
 5 tile products instead of 7. Where each consumer's half of the head dim
-is whole 64-column swizzle tiles (H = 128 with two consumers) the two
-consumers split dQ by columns, each summing both consumers' keys (their
-dS^T are exchanged through shared memory behind a barrier); otherwise each
-adds its own keys' partial over every column. The Mosaic GPU interpreter
+is whole 64-column swizzle tiles (H = 128 with two consumers) and
+`dq_split` is "columns" (the default) the two consumers split dQ by
+columns, each summing both consumers' keys (their dS^T are exchanged
+through shared memory behind a barrier); otherwise each adds its own keys'
+partial over every column, 64 columns at a time. The Mosaic GPU interpreter
 has no TMA reductions: there every unit writes its partials to an output
 of their own, which XLA sums.
 """
@@ -35,6 +36,9 @@ from pallas_fa.mosaic_gpu import tiles
 
 _F32 = jnp.float32
 _I32 = jnp.int32
+# dQ columns per product, staging tile and reduce-add: one 128-byte swizzle
+# tile of float32 wide (head dims are padded to multiples of 64).
+_DQ_CHUNK = 64
 # Tiles are [keys, queries]: per-query vectors run along axis 1.
 _COLUMNS = online_softmax.queries_along(1)
 
@@ -78,8 +82,10 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     raise ValueError("the fused backward takes no score_mod gradients.")
   # dQ columns per consumer; both consumers' keys go into each when they
   # share dQ (`tiles.dq_columns`).
-  dq_cols = tiles.dq_columns(h, nc)
+  dq_cols = tiles.dq_columns(h, nc, spec.dq_split)
   shared_dq = want_dq and dq_cols < h
+  ds_slots = tiles.ds_slots(h, nc, spec.dq_split)
+  chunks = dq_cols // _DQ_CHUNK
   # Interpreted: dQ partials, one per unit (shared dQ) or consumer tile.
   writers = 1 if shared_dq else nc
   kv_rows = spec.kv_len // (nc * bk)
@@ -116,7 +122,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       ds_t: the step's dS^T [bk, bq] in the kernel's dtype.
       """
       ds_smem, stage = dq_smem
-      ds_slot = kernel.rem(step, 2)  # Double-buffered: see `ds_ready`.
+      # See `tiles.ds_slots`.
+      ds_slot = kernel.rem(step, 2) if ds_slots == 2 else 0
       ds_smem.at[ds_slot, wg][...] = ds_t
       plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
       if shared_dq:
@@ -129,27 +136,32 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         col0, sources = wg * dq_cols, range(nc)
       else:
         col0, sources = 0, (wg,)
-      dq = None
-      for w in sources:
-        # Opaque, so that K's descriptors are built here, not kept live
-        # across the loop (`kernel.stationary_in_step`).
-        w = kernel.stationary_in_step(spec, w)
-        dq = ops.mm(ds_smem.at[ds_slot, w],
-                    k_smem.at[w, :, pl.ds(col0, dq_cols)],
-                    transpose_a=True, acc=dq)  # [bq, dq_cols]
-      # The previous step's reduce-add has read the staging tile.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      stage.at[wg][...] = dq
+      rows = pl.ds(i * bq, bq)
+      # In 64-column chunks: one chunk's float32 product is live at a time.
+      for c in range(chunks):
+        cols = pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
+        dq = None
+        for w in sources:
+          # Opaque, so that K's descriptors are built here, not kept live
+          # across the loop (`kernel.stationary_in_step`).
+          w = kernel.stationary_in_step(spec, w)
+          dq = ops.mm(ds_smem.at[ds_slot, w], k_smem.at[w, :, cols],
+                      transpose_a=True, acc=dq)  # [bq, _DQ_CHUNK]
+        if c == 0:
+          # The previous step's reduce-adds have read the staging tiles.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage.at[wg, c][...] = dq
       plgpu.commit_smem()
-      rows, cols = pl.ds(i * bq, bq), pl.ds(col0, dq_cols)
-      if spec.interpret:
-        part = row if shared_dq else row * nc + wg
-        plgpu.copy_smem_to_gmem(
-            stage.at[wg], r.outputs[-1].at[b, part, rows, head, cols])
-      else:  # The output shares the zeroed accumulator's buffer.
-        plgpu.copy_smem_to_gmem(
-            stage.at[wg], r.outputs[-1].at[b, rows, head, cols],
-            reduction_op="add")
+      for c in range(chunks):
+        cols = pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
+        if spec.interpret:
+          part = row if shared_dq else row * nc + wg
+          plgpu.copy_smem_to_gmem(
+              stage.at[wg, c], r.outputs[-1].at[b, part, rows, head, cols])
+        else:  # The output shares the zeroed accumulator's buffer.
+          plgpu.copy_smem_to_gmem(
+              stage.at[wg, c], r.outputs[-1].at[b, rows, head, cols],
+              reduction_op="add")
 
     def group_member(rep, carry):
       rep_base = base + rep * length
@@ -286,8 +298,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   accumulators = ()
   if want_dq:
     smem += (
-        ops.smem((2, nc, bk, bq), spec.dtype, True),  # dS^T, per consumer
-        ops.smem((nc, bq, dq_cols), _F32, True),  # dQ staging
+        ops.smem((ds_slots, nc, bk, bq), spec.dtype, True),  # dS^T
+        ops.smem((nc, chunks, bq, _DQ_CHUNK), _F32, True),  # dQ staging
     )
     if shared_dq:
       barriers += (

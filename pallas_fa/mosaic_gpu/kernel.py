@@ -176,6 +176,8 @@ class Spec:
     intra_overlap: forward only: each consumer issues Q K_j^T and
       P_{j-1} V_{j-1} together and runs the softmax of tile j while the
       second is in flight (`MosaicGpuBlockSizes.intra_overlap`).
+    dq_split: fused backward only: "columns" or "keys", how two consumers
+      divide dQ (`MosaicGpuBlockSizes.dq_split`, `tiles.dq_columns`).
     is_causal: causal masking on positions.
     window: (left, right) or None; a None side is unbounded.
     has_segments: whether segment ids (padding included) take part.
@@ -213,6 +215,7 @@ class Spec:
   num_ctas: int = 1
   pingpong: bool = True
   intra_overlap: bool = False
+  dq_split: str = "columns"
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
   has_segments: bool = False

@@ -33,6 +33,8 @@ LOWERING_SEMANTICS = (None, "lane", "warpgroup")
 
 # Values of `MosaicGpuBlockSizes.backward`.
 BACKWARDS = ("split", "fused")
+# Values of `MosaicGpuBlockSizes.dq_split` (`dq_columns`).
+DQ_SPLITS = ("columns", "keys")
 
 
 # The tiles that are a wgmma's M (stationary rows per consumer) and those that
@@ -93,6 +95,16 @@ class MosaicGpuBlockSizes:
       True)`, or XLA's `--xla_gpu_deterministic_ops`, which win over
       "fused"); other calls take the split path, so "fused" never refuses
       a call (`mosaic_gpu.fused_backward_applies`).
+    dq_split: the fused backward's dQ with two consumers at a head dim
+      whose halves are whole 64-column swizzle tiles (H = 128). "columns"
+      (the default, FlashAttention-3's): each consumer multiplies both
+      consumers' dS by its half of K's columns and reduce-adds a
+      [block_q_dkv, H / 2] tile, so the two exchange dS through shared
+      memory behind a barrier each step and run in lockstep. "keys": each
+      consumer multiplies its own dS by its own K over every column and
+      reduce-adds its own [block_q_dkv, H] partial: no exchange and no
+      lockstep, at twice the reduce-add bytes into L2. Other head dims and
+      one consumer always split by keys.
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
@@ -123,6 +135,7 @@ class MosaicGpuBlockSizes:
   num_stages_bwd: int = 2
   split_dkv: bool = False
   backward: str = "fused"
+  dq_split: str = "columns"
   head_section: int | None = None
   num_ctas: int | None = None
   interpret: bool | None = None
@@ -162,6 +175,10 @@ class MosaicGpuBlockSizes:
       raise ValueError(
           f"{cls}.backward must be one of {BACKWARDS}, got "
           f"{self.backward!r}.")
+    if self.dq_split not in DQ_SPLITS:
+      raise ValueError(
+          f"{cls}.dq_split must be one of {DQ_SPLITS}, got "
+          f"{self.dq_split!r}.")
     if self.head_section is not None and (
         not is_int(self.head_section) or self.head_section < 1):
       raise ValueError(
@@ -233,26 +250,42 @@ def fp8_forward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
           + bs.num_stages * bs.block_kv * (hp + hvp + 16))
 
 
-def dq_columns(padded_head_dim: int, consumers: int) -> int:
+def dq_columns(padded_head_dim: int, consumers: int,
+               split: str = "columns") -> int:
   """The dQ columns each consumer of the fused backward computes: half the
   head dim with two consumers when a half is whole 64-column swizzle tiles
-  (FlashAttention-3's split at H = 128: each consumer multiplies both
-  consumers' dS by its half of K, one [bq, H / 2] reduce-add each per
-  step), else all of them (each consumer its own keys' partial)."""
+  and `split` is "columns" (FlashAttention-3's split at H = 128: each
+  consumer multiplies both consumers' dS by its half of K, one [bq, H / 2]
+  reduce-add each per step), else all of them (each consumer its own keys'
+  partial; `MosaicGpuBlockSizes.dq_split`)."""
   half = padded_head_dim // consumers
-  return half if consumers > 1 and half % 64 == 0 else padded_head_dim
+  if split == "columns" and consumers > 1 and half % 64 == 0:
+    return half
+  return padded_head_dim
+
+
+def ds_slots(padded_head_dim: int, consumers: int,
+             split: str = "columns") -> int:
+  """dS^T tiles per consumer in the fused backward: two when the consumers
+  exchange them (a slot is rewritten only after the other consumer has read
+  it, `dq_columns`), else one (its one reader is the consumer that wrote
+  it, which awaits its wgmma before the next step's store)."""
+  shared = dq_columns(padded_head_dim, consumers, split) < padded_head_dim
+  return 2 if shared else 1
 
 
 def fused_backward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
                          itemsize: int = 2,
                          value_head_dim: int | None = None) -> int:
   """Shared memory (bytes) of the fused backward's kernel: the dK/dV
-  kernel's (`shared_memory_bytes`) plus two dS^T tiles per consumer and a
-  float32 dQ staging tile of `dq_columns` per consumer."""
+  kernel's (`shared_memory_bytes`) plus `ds_slots` dS^T tiles per consumer
+  and a float32 dQ staging tile of `dq_columns` per consumer."""
   nc = bs.num_consumers_dkv
-  dq_cols = dq_columns(layout.padded_head_dim(head_dim, ALIGN), nc)
+  hp = layout.padded_head_dim(head_dim, ALIGN)
+  dq_cols = dq_columns(hp, nc, bs.dq_split)
+  slots = ds_slots(hp, nc, bs.dq_split)
   dkv = shared_memory_bytes(bs, head_dim, itemsize, value_head_dim)["dkv"]
-  return dkv + nc * (2 * bs.block_kv_dkv * bs.block_q_dkv * itemsize
+  return dkv + nc * (slots * bs.block_kv_dkv * bs.block_q_dkv * itemsize
                      + bs.block_q_dkv * dq_cols * 4)
 
 

@@ -544,13 +544,14 @@ FP8 = "float8_e4m3fn"
 # process (predictions.md gives each one's expected rate and what it
 # tells). Every one compiles for sm_90a without a spill at H = 128 (the
 # causal forward at block_q=128 spills 60-68 bytes: measured, not a
-# candidate default). The fused backward: one consumer warpgroup (is it
-# bound by the overlap of the two consumers' softmax/dS chains, or by
-# memory?), with a deeper ring, and a head section of 4 (dQ accumulators
-# of fewer heads in L2 at once).
+# candidate default). The fused backward: dQ split by keys (each consumer
+# reduce-adds its own keys' partial: no dS exchange and no lockstep, at
+# twice the reduce-add bytes), one consumer warpgroup (is it bound by the
+# overlap of the two consumers' softmax/dS chains, or by memory?), and a
+# head section of 4 (dQ accumulators of fewer heads in L2 at once).
 FUSED_VARIANTS = (
+  "mosaic_gpu:backward=fused:dq_split=keys",
   "mosaic_gpu:backward=fused:num_consumers_dkv=1",
-  "mosaic_gpu:backward=fused:num_consumers_dkv=1:num_stages_bwd=3",
   "mosaic_gpu:backward=fused:head_section=4",
 )
 # The forward: 128-row query tiles over 64-key tiles (half the K/V traffic
