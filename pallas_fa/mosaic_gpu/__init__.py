@@ -513,6 +513,36 @@ def _fp8_scales(x: layout.Padded, params, scales):
   return q_row, k_col, v_col, out_mult, key_scales, value_scales
 
 
+def _forward_plan(q, k, v, info, params, interpret, *, kernel_name,
+                  smem_bytes, score_mod=None, mask_mod=None, slot=None):
+  """What a forward kernel (bf16/f16 or float8) launches with: the inputs
+  padded to its tiles, its schedule and its `kernel.Spec`. Compiled, a
+  tiling whose buffers (`smem_bytes(block_sizes)`) exceed shared memory is
+  a ValueError naming `kernel_name` (the interpreter has none to run out
+  of).
+
+  Returns:
+    (layout.Padded, schedule, kernel.Spec).
+  """
+  n = q.shape[2]
+  bs = _block_sizes(params, q, k, v, info)
+  if not interpret:
+    tiles.check_fits(bs, kernel_name, smem_bytes(bs))
+  rows = bs.num_consumers * bs.block_q
+  x = layout.Padded(
+      q, k, v, None, info, q_len=layout.padded_length(q.shape[1], rows),
+      kv_len=layout.padded_length(k.shape[1], bs.block_kv), align=ALIGN)
+  sched = schedule(_kinds(x, mask_mod, bs.block_q, bs.block_kv),
+                   bs.num_consumers)
+  spec = _spec(
+      x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
+      stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
+      units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod,
+      mask_mod=mask_mod, mod_slot=slot, forward=True,
+      intra_overlap=bs.intra_overlap)
+  return x, sched, spec
+
+
 def forward_fp8_impl(q, k, v, info, params, scales, *, interpret: bool):
   """The float8 (e4m3) forward with the execution mode given (see
   `forward_impl`).
@@ -521,25 +551,13 @@ def forward_fp8_impl(q, k, v, info, params, scales, *, interpret: bool):
     (out [B, T, N, Hv] in params.out_dtype (bfloat16 by default), lse
     float32 [B, T, N]).
   """
-  t, n = q.shape[1], q.shape[2]
-  s = k.shape[1]
-  bs = _block_sizes(params, q, k, v, info)
-  if not interpret:  # The interpreter has no shared memory to run out of.
-    tiles.check_fits(bs, "float8 forward", tiles.fp8_forward_bytes(
-        bs, q.shape[-1], v.shape[-1]))
-  rows = bs.num_consumers * bs.block_q
-  x = layout.Padded(
-      q, k, v, None, info, q_len=layout.padded_length(t, rows),
-      kv_len=layout.padded_length(s, bs.block_kv), align=ALIGN)
+  t = q.shape[1]
+  x, sched, spec = _forward_plan(
+      q, k, v, info, params, interpret, kernel_name="float8 forward",
+      smem_bytes=lambda bs: tiles.fp8_forward_bytes(
+          bs, q.shape[-1], v.shape[-1]))
   q_row, k_col, v_col, out_mult, key_scales, value_scales = _fp8_scales(
       x, params, scales)
-  sched = schedule(_kinds(x, None, bs.block_q, bs.block_kv),
-                   bs.num_consumers)
-  spec = _spec(
-      x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
-      stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
-      units_per_head=x.tp // rows, heads=n, num_heads=n, forward=True,
-      intra_overlap=bs.intra_overlap)
   # The logit scale is in q_row.
   spec = dataclasses.replace(spec, scale=1.0)
   out, lse = forward_fp8.forward(
@@ -559,26 +577,14 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   Returns:
     (out [B, T, N, Hv], lse float32 [B, T, N]).
   """
-  b, t, n, _ = q.shape
-  s = k.shape[1]
-  bs = _block_sizes(params, q, k, v, info)
-  if not interpret:  # The interpreter has no shared memory to run out of.
-    tiles.check_fits(bs, "forward", shared_memory_bytes(
-        bs, q.shape[-1], q.dtype.itemsize, v.shape[-1])["forward"])
-  rows = bs.num_consumers * bs.block_q
-  x = layout.Padded(
-      q, k, v, None, info, q_len=layout.padded_length(t, rows),
-      kv_len=layout.padded_length(s, bs.block_kv), align=ALIGN)
+  t = q.shape[1]
   score_mod, mask_mod = _mods(info)
   slot = _mod_slot(info, mask_mod)
-  sched = schedule(_kinds(x, mask_mod, bs.block_q, bs.block_kv),
-                   bs.num_consumers)
-  spec = _spec(
-      x, params, bs, interpret, block_q=bs.block_q, block_kv=bs.block_kv,
-      stages=bs.num_stages, consumers=bs.num_consumers, pingpong=bs.pingpong,
-      units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod,
-      mask_mod=mask_mod, mod_slot=slot, forward=True,
-      intra_overlap=bs.intra_overlap)
+  x, sched, spec = _forward_plan(
+      q, k, v, info, params, interpret, kernel_name="forward",
+      smem_bytes=lambda bs: shared_memory_bytes(
+          bs, q.shape[-1], q.dtype.itemsize, v.shape[-1])["forward"],
+      score_mod=score_mod, mask_mod=mask_mod, slot=slot)
   out, lse = forward_kernel.forward(
       spec, x.q, x.k, x.v, *_meta(x, mask_mod, slot), sched, _seed(x),
       _residuals(x, score_mod, mask_mod))
