@@ -272,7 +272,8 @@ def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],
 
 
 def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
-           per_query: PerQuery = queries_first, offset: float = 0.0):
+           per_query: PerQuery = queries_first, offset: float = 0.0,
+           tile_exp: Callable[[Array], Array] | None = None):
   """One online-softmax step over a tile of logits s [..., rows, keys].
 
   Args:
@@ -286,6 +287,9 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
       small entries above the format's subnormals, FlashAttention-3's
       FP8 max offset); the caller takes `offset` off the max before
       `finalize`, whose output it does not change.
+    tile_exp: computes the tile's exponentials (in the base of s) in place
+      of jnp's, e.g. partly by a polynomial (`mosaic_gpu.exp2`); alpha's
+      are jnp's.
 
   Returns:
     (m_new, l_new, p, alpha): the new running max and denominator, the tile's
@@ -297,7 +301,8 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
   m_new = jnp.maximum(m_i, s.max(axis=-1))
   m_safe = _finite_or_zero(m_new)
   alpha = exp(m_i - m_safe)
-  p = exp(s - per_query(m_safe - offset if offset else m_safe, s.shape))
+  p = (tile_exp or exp)(
+      s - per_query(m_safe - offset if offset else m_safe, s.shape))
   l_new = alpha * l_i + p.sum(axis=-1)
   return m_new, l_new, p, alpha
 

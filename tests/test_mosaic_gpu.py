@@ -37,6 +37,7 @@ from pallas_fa import mosaic_gpu
 from pallas_fa import testing
 from pallas_fa import tuning
 from pallas_fa import vjp
+from pallas_fa.mosaic_gpu import exp2
 from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import tiles
 
@@ -62,6 +63,7 @@ needs_interpreter = pytest.mark.skipif(
     ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
     ("lowering_semantics", "Lane"), ("backward", "fast"),
     ("head_section", 0), ("head_section", 2.0), ("dq_split", "rows"),
+    ("poly_exp2", 17), ("poly_exp2", -1),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
@@ -902,6 +904,50 @@ def test_interpreted_forward_intra_overlap(name):
   if "dropout_rate" in extra:
     extra["dropout_rng"] = int(gen.integers(1 << 30))
   _check_forward(flash("mosaic_gpu", bs), case, gen, **extra)
+
+
+def test_poly_exp2_matches_exp2():
+  """The cubic's 2^x (`exp2.poly_exp2`, the compiled kernels' arithmetic)
+  against float64 over the softmax's range and past it: relative error
+  below 9e-5 wherever 2^x is a normal float32, 0 below 2^-127 and for
+  -inf (masked logits), never negative or NaN."""
+  gen = rng("mosaic_gpu", "poly-exp2")
+  x = np.concatenate([
+      gen.uniform(-140.0, 9.0, 100_000), np.linspace(-3.0, 0.0, 30_001),
+      [-np.inf, -1e30, -127.0, -126.0, 0.0, 8.0]]).astype(np.float32)
+  got = np.asarray(exp2.poly_exp2(jnp.asarray(x)), np.float64)
+  want = np.exp2(x.astype(np.float64))
+  normal = x >= -126.0
+  assert np.max(np.abs(got[normal] / want[normal] - 1.0)) < 9e-5
+  assert np.all(got[x <= -127.0] == 0.0)
+  assert np.all(got >= 0.0) and not np.any(np.isnan(got))
+  assert got[-2] == 1.0 and got[-1] == 256.0
+  # One 8-key group in `every` on the FMA pipe: the last of each run.
+  cols = np.flatnonzero(np.asarray(exp2.on_fma((1, 64), 4))[0])
+  np.testing.assert_array_equal(cols, np.r_[24:32, 56:64])
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("every, overlap", [(4, False), (1, True)])
+def test_interpreted_forward_poly_exp2(monkeypatch, every, overlap):
+  """Part (every = 4) or all (1) of each logit tile's exponentials by the
+  cubic (`poly_exp2`), in the plain and the pipelined key loop: causal
+  with GQA and ragged lengths, against the reference under the
+  FlashAttention rule; every key tile went through the split."""
+  calls, real = [], exp2.split_exp2
+
+  def split(x, every, *, interpret):
+    calls.append(every)
+    return real(x, every, interpret=interpret)
+
+  monkeypatch.setattr(exp2, "split_exp2", split)
+  case = Case(b=1, t=150, s=260, n=4, k=2, h=64, causal=True, lengths=True)
+  gen = rng("mosaic_gpu", "poly-exp2", every, overlap)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(
+      **_SMALL, poly_exp2=every, intra_overlap=overlap)
+  _check_forward(flash("mosaic_gpu", bs), case, gen)
+  assert calls and set(calls) == {every}
 
 
 @gpu_jax_only  # the Mosaic GPU interpreter

@@ -119,11 +119,12 @@ def test_check_declines_what_the_float8_kernel_cannot_run():
     backend.check_call(*call.arrays)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_float8_forward_lowers_for_hopper(overlap):
+@pytest.mark.parametrize("overlap, poly", [(False, 0), (True, 0), (True, 4)])
+def test_float8_forward_lowers_for_hopper(overlap, poly):
   gen = testing.rng("mosaic_gpu fp8 lower")
   values, scales = _quantized(gen, 1, 256, 256, 4, 2, 128, "token")
-  bs = mosaic_gpu.MosaicGpuBlockSizes(intra_overlap=True) if overlap else None
+  bs = mosaic_gpu.MosaicGpuBlockSizes(
+      intra_overlap=True, poly_exp2=poly) if overlap else None
 
   def fwd(*args):
     return pallas_fa.flash_attention(
@@ -138,19 +139,21 @@ def test_float8_forward_lowers_for_hopper(overlap):
 
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
-@pytest.mark.parametrize("granularity, causal, overlap", [
-    ("head", True, False), ("token", False, False),
-    ("head", True, True), ("head", False, True), ("token", True, True),
-    ("token", False, True)])
-def test_interpreted_float8_forward(granularity, causal, overlap):
+@pytest.mark.parametrize("granularity, causal, overlap, poly", [
+    ("head", True, False, 0), ("token", False, False, 0),
+    ("head", True, True, 0), ("head", False, True, 0), ("token", True, True, 0),
+    ("token", False, True, 0), ("token", True, True, 2)])
+def test_interpreted_float8_forward(granularity, causal, overlap, poly):
   """Ragged lengths, GQA, a head dim padded to 64; head scales fold into
   the row factors, token scales stream with K and V. With `overlap` the
   software-pipelined key loop (`intra_overlap`: P_{j-1} V_{j-1} with
-  Q K_j^T; token scales wait for V_j with K_j)."""
+  Q K_j^T; token scales wait for V_j with K_j); with `poly`, half the
+  exponentials by the cubic (`poly_exp2`)."""
   gen = testing.rng("mosaic_gpu fp8", granularity, causal)
   values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
   bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
-                                      intra_overlap=overlap, interpret=True)
+                                      intra_overlap=overlap, poly_exp2=poly,
+                                      interpret=True)
   out, lse = pallas_fa.flash_attention(
       *values, **_scales(scales), is_causal=causal,
       implementation="mosaic_gpu", block_sizes=bs, return_residual=True)

@@ -22,12 +22,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_fa import online_softmax
+from pallas_fa.mosaic_gpu import exp2
 from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import ops as gpu_ops
 
 _F32 = jnp.float32
 _I32 = jnp.int32
 _ROWS = online_softmax.queries_along(0)
+
+
+def tile_exp(spec: kernel.Spec):
+  """The logit tiles' exponentials for `online_softmax.update`: partly on
+  the FMA pipe with `Spec.poly_exp2` (`exp2.split_exp2`), else None
+  (jnp's, MUFU.EX2)."""
+  if not spec.poly_exp2:
+    return None
+  return functools.partial(exp2.split_exp2, every=spec.poly_exp2,
+                           interpret=spec.interpret)
 
 
 def take_turn(schedule):
@@ -278,7 +289,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
             head=n, q0=row0, kv0=j * spec.block_kv, q_axis=0)
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s, mod)
       m_i, l_i, p, alpha = online_softmax.update(
-          m_i, l_i, s, base2=True, per_query=_ROWS)
+          m_i, l_i, s, base2=True, per_query=_ROWS, tile_exp=tile_exp(spec))
       if acc is not None:
         acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       if spec.dropout_rate:  # After the running sums: they are undropped.

@@ -272,7 +272,8 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
       s, _ = kernel.logits(spec, qk)
       if masked:
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, *k_meta)
-      return online_softmax.update(m_i, l_i, s, base2=True, per_query=_ROWS)
+      return online_softmax.update(m_i, l_i, s, base2=True, per_query=_ROWS,
+                                   tile_exp=forward_lib.tile_exp(spec))
 
     def operand(p, slot):
       """float32 p of the V tile in `slot` (landed) -> the e4m3 A operand

@@ -176,6 +176,9 @@ class Spec:
     intra_overlap: forward only: each consumer issues Q K_j^T and
       P_{j-1} V_{j-1} together and runs the softmax of tile j while the
       second is in flight (`MosaicGpuBlockSizes.intra_overlap`).
+    poly_exp2: forward only: one 8-key column group in poly_exp2 of each
+      logit tile's exponentials on the FMA pipe (0: none;
+      `MosaicGpuBlockSizes.poly_exp2`).
     dq_split: fused backward only: "columns" or "keys", how two consumers
       divide dQ (`MosaicGpuBlockSizes.dq_split`, `tiles.dq_columns`).
     is_causal: causal masking on positions.
@@ -215,6 +218,7 @@ class Spec:
   num_ctas: int = 1
   pingpong: bool = True
   intra_overlap: bool = False
+  poly_exp2: int = 0
   dq_split: str = "columns"
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None

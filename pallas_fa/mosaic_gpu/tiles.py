@@ -72,6 +72,12 @@ class MosaicGpuBlockSizes:
       dropout's hashing beside it at H = 128 the forward spills 12 bytes,
       not a candidate there). Not a default until a GPU run times it. The
       float8 forward has it too (`forward.pipelined_steps`).
+    poly_exp2: forward (both dtypes): compute one 8-key column group in
+      `poly_exp2` of each logit tile's exponentials with a cubic on the
+      FMA pipe instead of MUFU.EX2 (`exp2`, FlashAttention-4's split:
+      MUFU issues 16 a clock per SM, the FMA pipe 128); 1: all of them;
+      0 (the default): none. Its relative error is below 9e-5. Not a
+      default until a GPU run times it.
     block_q_dq: dQ kernel: query rows per consumer warpgroup.
     block_kv_dq: dQ kernel: keys per streamed tile.
     num_consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
@@ -126,6 +132,7 @@ class MosaicGpuBlockSizes:
   num_consumers: int = 2
   pingpong: bool = True
   intra_overlap: bool = False
+  poly_exp2: int = 0
   block_q_dq: int = 64
   block_kv_dq: int = 64
   num_consumers_dq: int = 2
@@ -167,6 +174,10 @@ class MosaicGpuBlockSizes:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
             f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")
+    if not is_int(self.poly_exp2) or not 0 <= self.poly_exp2 <= 16:
+      raise ValueError(
+          f"{cls}.poly_exp2 must be an int in [0, 16], got "
+          f"{self.poly_exp2!r}.")
     if self.pingpong and self.num_consumers != 2:
       raise ValueError(
           f"{cls}.pingpong needs num_consumers == 2, got "
