@@ -109,12 +109,19 @@ VARIANTS = {
     r"^mosaic_gpu:head_section=":
         "causal head sections (`MosaicGpuBlockSizes.head_section`)",
     r"^mosaic_gpu:backward=fused:.*(num_consumers_dkv|num_stages_bwd|"
-    r"head_section)=":
-        "the fused backward's tile variants (one dK/dV consumer, a deeper "
-        "ring, head sections)",
+    r"head_section|dq_split)=":
+        "the fused backward's variants (dQ split by keys, one dK/dV "
+        "consumer, head sections)",
     r"^mosaic_gpu:(block_q|block_kv|num_consumers)=":
         "the forward's tile variants (128-row query tiles, 64-key tiles, "
         "one consumer)",
+    r"^mosaic_gpu:(.*:)?intra_overlap=true":
+        "the forward's software-pipelined key loop "
+        "(`MosaicGpuBlockSizes.intra_overlap`)",
+    r"\+e4m3$": "float8 (e4m3) inputs and cuDNN's FP8",
+    r"^mosaic_gpu:(.*:)?poly_exp2=":
+        "part of the exponentials on the FMA pipe "
+        "(`MosaicGpuBlockSizes.poly_exp2`)",
     r"^triton:(.*:)?block_kv=": "`triton` at 128-key tiles",
 }
 # The triton decode kernel's software-pipeline stages by default.
