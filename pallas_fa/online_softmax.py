@@ -273,7 +273,8 @@ def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],
 
 def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
            per_query: PerQuery = queries_first, offset: float = 0.0,
-           tile_exp: Callable[[Array], Array] | None = None):
+           tile_exp: Callable[[Array], Array] | None = None,
+           scale: float | None = None):
   """One online-softmax step over a tile of logits s [..., rows, keys].
 
   Args:
@@ -287,9 +288,17 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
       small entries above the format's subnormals, FlashAttention-3's
       FP8 max offset); the caller takes `offset` off the max before
       `finalize`, whose output it does not change.
-    tile_exp: computes the tile's exponentials (in the base of s) in place
-      of jnp's, e.g. partly by a polynomial (`mosaic_gpu.exp2`); alpha's
-      are jnp's.
+    tile_exp: `tile_exp(s, shift, scale)`, the tile's exponentials
+      exp(s * scale - shift) (scale None: exp(s - shift); shift broadcast
+      to s) in the base of s, in place of jnp's (`shifted_exp`): partly
+      by a polynomial (`mosaic_gpu.exp2`), or one FMA and one MUFU an
+      element (`triton.exp2`); alpha's are jnp's.
+    scale: s holds the logits divided by `scale` (a positive Python float:
+      the q.k products, masked, before a logit scale that is all their
+      transformation); None: s holds the logits. The max is taken on s and
+      scaled once a row (scaling is monotonic: the same value), so that
+      the exponent s * scale - m can be one fused multiply-add an element
+      instead of a multiply and a subtract.
 
   Returns:
     (m_new, l_new, p, alpha): the new running max and denominator, the tile's
@@ -298,13 +307,24 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
     adding p @ v.
   """
   exp = jnp.exp2 if base2 else jnp.exp
-  m_new = jnp.maximum(m_i, s.max(axis=-1))
+  top = s.max(axis=-1)
+  m_new = jnp.maximum(m_i, top if scale is None else top * scale)
   m_safe = _finite_or_zero(m_new)
   alpha = exp(m_i - m_safe)
-  p = (tile_exp or exp)(
-      s - per_query(m_safe - offset if offset else m_safe, s.shape))
+  shift = per_query(m_safe - offset if offset else m_safe, s.shape)
+  p = (tile_exp or shifted_exp(exp))(s, shift, scale)
   l_new = alpha * l_i + p.sum(axis=-1)
   return m_new, l_new, p, alpha
+
+
+def shifted_exp(exp: Callable[[Array], Array]):
+  """The `tile_exp` of an elementwise exp: (s, shift, scale) ->
+  exp(s * scale - shift), or exp(s - shift) when scale is None."""
+
+  def tile_exp(s: Array, shift: Array, scale: float | None = None) -> Array:
+    return exp((s if scale is None else s * scale) - shift)
+
+  return tile_exp
 
 
 def rescale(acc: Array, alpha: Array, *,
@@ -365,7 +385,8 @@ def lse_for_probs(lse: Array, *, base2: bool = False) -> Array:
 
 
 def probs(s: Array, lse: Array, *, base2: bool = False,
-          per_query: PerQuery = queries_first) -> Array:
+          per_query: PerQuery = queries_first,
+          tile_exp: Callable[[Array], Array] | None = None) -> Array:
   """Normalised probabilities exp(s - lse) for the backward recomputation.
 
   Args:
@@ -373,16 +394,20 @@ def probs(s: Array, lse: Array, *, base2: bool = False,
     lse: per-query logsumexp from `lse_for_probs`, in the base of s.
     base2: s and lse are in base 2.
     per_query: broadcast of the lse against s.
+    tile_exp: as for `update`.
   """
-  exp = jnp.exp2 if base2 else jnp.exp
-  return exp(s - per_query(lse, s.shape))
+  exp = tile_exp or shifted_exp(jnp.exp2 if base2 else jnp.exp)
+  return exp(s, per_query(lse, s.shape))
 
 
 def probs_from_lse(s: Array, lse: Array, *, base2: bool = False,
-                   per_query: PerQuery = queries_first) -> Array:
+                   per_query: PerQuery = queries_first,
+                   tile_exp: Callable[[Array], Array] | None = None
+                   ) -> Array:
   """`probs` from a logsumexp in the base of s, -inf for queries with no
   visible key (which get probability 0 everywhere)."""
-  return probs(s, lse_for_probs(lse), base2=base2, per_query=per_query)
+  return probs(s, lse_for_probs(lse), base2=base2, per_query=per_query,
+               tile_exp=tile_exp)
 
 
 def softmax_grad(p: Array, dp: Array, delta: Array, *,

@@ -352,6 +352,26 @@ def _decode_step(paged: bool, extras: bool):
   return step, args
 
 
+@pytest.mark.parametrize("paged, tile, smem, stages", [
+    (False, 32_768, gpu_target.A100.shared_memory_per_block, 3),
+    # float32, H = 128, 64 keys: 176,128 B at three stages on an A100.
+    (False, 65_536, gpu_target.A100.shared_memory_per_block, 2),
+    (False, 65_536, gpu_target.H100.shared_memory_per_block, 3),
+    (True, 65_536, gpu_target.H100.shared_memory_per_block, 5),
+    (True, 65_536, gpu_target.A100.shared_memory_per_block, 4),
+    (True, 1 << 20, gpu_target.A100.shared_memory_per_block, 4),
+    (False, 1 << 20, None, 3),
+])
+def test_triton_decode_stages_fit_shared_memory(paged, tile, smem, stages):
+  """The decode kernel's pipeline keeps fewer K/V blocks in flight where
+  the target's shared memory would not hold them (about one block more
+  than in flight), never none; interpreted (no limit) it keeps its
+  designed depth."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  assert triton_decode._launch(16, 128, paged, tile_bytes=tile,
+                               shared_memory=smem) == (4, stages)
+
+
 @pytest.mark.parametrize("paged, extras", [(False, False), (True, True)])
 def test_triton_decode_step_lowers_to_two_kernels(paged, extras):
   """Lowered for an H100 (no GPU needed), a one-token step is the split

@@ -26,6 +26,7 @@ from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import triton
 from pallas_fa import tuning
+from pallas_fa.triton import exp2 as exp2_lib
 
 SMALL = triton.TritonBlockSizes(
     block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16,
@@ -365,6 +366,53 @@ def test_declines_tpu(monkeypatch):
 
 
 # --- Lowering to Triton ------------------------------------------------------
+
+
+def test_logit_tiles_take_one_mufu_per_exponential(monkeypatch):
+  """Built for CUDA, every kernel's tile exponentials are
+  `ex2.approx.ftz.f32` (`triton.exp2`: libdevice's exp2f would wrap each
+  MUFU.EX2 in subnormal rescaling), the forward's with the logit scale in
+  an FMA before it; interpreted on CPU, jnp.exp2."""
+  asm = []
+  real = exp2_lib.pltriton.elementwise_inline_asm
+
+  def spy(code, **kwargs):
+    asm.append(code)
+    return real(code, **kwargs)
+
+  monkeypatch.setattr(exp2_lib.pltriton, "elementwise_inline_asm", spy)
+  spec = jax.ShapeDtypeStruct
+  q = spec((1, 100, 4, 64), jnp.bfloat16)
+  kv = spec((1, 77, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = pallas_fa.flash_attention(q, k, v, is_causal=True,
+                                    implementation="triton")
+    return out.astype(jnp.float32).sum()
+
+  def decode(q, k, v):
+    return pallas_fa.decode_attention(
+        q, k, v, jnp.full((1,), 60, jnp.int32), implementation="triton")
+
+  with gpu_target.compile_for(gpu_target.H100):
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",))
+    # The forward, dK/dV and dQ kernels, each traced for its masked and
+    # its unmasked tiles.
+    training = len(asm)
+    assert training >= 6, asm
+    jax.jit(decode).trace(spec((1, 1, 4, 64), jnp.bfloat16), kv, kv).lower(
+        lowering_platforms=("cuda",))
+    assert len(asm) > training, asm
+  assert all("ex2.approx.ftz.f32" in code for code in asm), asm
+  # The forward leaves the logit scale to one FMA with the exponential.
+  assert any("fma.rn.f32" in code for code in asm[:training]), asm
+  built = len(asm)
+  gen = rng("triton", "exp2-interpreted")
+  x = jnp.asarray(gen.standard_normal((1, 64, 2, 32)), jnp.bfloat16)
+  pallas_fa.flash_attention(x, x, x, implementation="triton")
+  assert len(asm) == built, asm
+
 
 
 @pytest.mark.parametrize("dtype, h, features", [

@@ -37,8 +37,8 @@ def tile_exp(spec: kernel.Spec):
   (jnp's, MUFU.EX2)."""
   if not spec.poly_exp2:
     return None
-  return functools.partial(exp2.split_exp2, every=spec.poly_exp2,
-                           interpret=spec.interpret)
+  return online_softmax.shifted_exp(functools.partial(
+      exp2.split_exp2, every=spec.poly_exp2, interpret=spec.interpret))
 
 
 def take_turn(schedule):

@@ -124,6 +124,7 @@ try:  # The Triton-specific Pallas API (`jax.experimental.pallas.gpu` once).
 except ImportError:  # pragma: no cover - depends on the installed jax.
   from jax.experimental.pallas import gpu as plgpu
 
+from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
@@ -131,6 +132,7 @@ from pallas_fa import quantize
 from pallas_fa import triton
 from pallas_fa.flex import fused_mods
 from pallas_fa.flex import mods
+from pallas_fa.triton import exp2
 from pallas_fa.triton import kernel as triton_kernel
 
 Array = Any
@@ -580,7 +582,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             _flex_values(refs, mask_mod, cols), q_idx=row_pos,
             kv_idx=kv_pos[None, :])
       s = online_softmax.apply_mask(s, visible)
-    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True)
+    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True,
+                                               tile_exp=exp2.exp2)
     if not latent:
       v_parts = [value_tile(lead, 0, valid)[1]]  # [block, value_chunk]
     v_scale = k_scale if latent else block_scales("v_scale", lead, valid)
@@ -785,8 +788,14 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       real_rows=r, scale=scale, soft_cap=logits_soft_cap,
       is_causal=is_causal, window=local_window_size, precision=precision,
       latent=latent, position_offset=position_offset)
-  warps, stages = _launch(rows, max(head_chunk, value_chunk),
-                          paged=page_size is not None)
+  target = gpu_target.current()
+  # 0: the local GPU did not say.
+  smem = target.shared_memory_per_block if target else 0
+  warps, stages = _launch(
+      rows, max(head_chunk, value_chunk), paged=page_size is not None,
+      tile_bytes=block * (hp + (0 if latent else value_chunk))
+      * key.dtype.itemsize,
+      shared_memory=smem or None)
   return triton.pallas_call(
       kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
       stages, "flash_decode")
@@ -1209,7 +1218,9 @@ def _add_flex_inputs(inputs, row_pos, *, num_kv, rows, r, new_tokens,
   return out
 
 
-def _launch(rows: int, chunk: int, paged: bool = False) -> tuple[int, int]:
+def _launch(rows: int, chunk: int, paged: bool = False, *,
+            tile_bytes: int = 0, shared_memory: int | None = None
+            ) -> tuple[int, int]:
   """(warps, software-pipeline stages): 4 warps cover a 16-row tile; wider
   tiles take 8 so the per-thread share of the accumulator stays small.
 
@@ -1229,7 +1240,19 @@ def _launch(rows: int, chunk: int, paged: bool = False) -> tuple[int, int]:
   0.10.2 and 0.11.2, H = 128, bfloat16, 4 query heads per K/V head:
   88,576 B of shared memory over 16-key pages against 88,064 contiguous,
   and 121 registers against 125 with three stages).
+
+  Fewer stages where the blocks in flight would not fit the target's
+  shared memory (`shared_memory` bytes a block; None: no limit, as
+  interpreted): Triton holds about one K/V block (`tile_bytes`) more than
+  it keeps in flight (float32, H = 128, 64 keys: 176,128 B at three
+  stages, past an A100's 166,912), and never fewer than one in flight.
   """
   warps = 4 if rows * chunk <= 16 * 128 else 8
-  return warps, 5 if paged else 3
+  # Stages the pipeliner spends on other than K/V blocks in flight.
+  spare = 3 if paged else 1
+  stages = 5 if paged else 3
+  while (shared_memory is not None and stages > spare + 1
+         and (stages - spare + 1) * tile_bytes > shared_memory):
+    stages -= 1
+  return warps, stages
 

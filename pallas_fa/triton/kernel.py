@@ -46,6 +46,7 @@ from pallas_fa import dropout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa.flex import fused_mods
+from pallas_fa.triton import exp2
 
 _F32 = jnp.float32
 
@@ -149,6 +150,15 @@ class Features:
   @property
   def masked(self) -> bool:
     return self.builtin_mask or self.mask_mod is not None
+
+  @property
+  def linear_logits(self) -> bool:
+    """Whether a tile's base-2 logits are its products times one constant
+    (no cap, bias, score_mod or float8 scaling): the forward leaves that
+    multiply to the softmax's fused multiply-add
+    (`online_softmax.update(scale=...)`)."""
+    return (self.soft_cap is None and self.bias is None
+            and self.score_mod is None and self.fp8 is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,11 +419,12 @@ def _with_mask_mod(refs, feat: Features, visible, tile: Tile):
 
 
 def _tile_logits(refs, feat: Features, q, k, tile: Tile, q_pos, q_seg,
-                 masked, grad=False, dequantize=None):
+                 masked, grad=False, dequantize=None, unscaled=False):
   """(s, s_capped, score_mod pullback) of the [block_q, block_k] tile of
   the keys `tile.cols` in the query-major kernels (forward, dQ), masked
   when `masked` (base 2). `dequantize`: a float8 forward's scaling of the
-  float32 products (`_fp8_scales`)."""
+  float32 products (`_fp8_scales`). `unscaled` (`Features.linear_logits`
+  only): s is the masked products, the logit scale left to the caller."""
   cols = tile.cols
   bias = None
   if feat.bias is not None:
@@ -421,8 +432,9 @@ def _tile_logits(refs, feat: Features, q, k, tile: Tile, q_pos, q_seg,
   qk = _dot_nt(q, k, feat)
   if dequantize is not None:
     qk = dequantize(qk)
-  if feat.fp8 is not None and feat.fp8.folded:
-    s, s_capped, pullback = qk, None, None  # Base-2 logits already.
+  if unscaled or (feat.fp8 is not None and feat.fp8.folded):
+    # Base-2 logits already, or the products the caller scales.
+    s, s_capped, pullback = qk, None, None
   else:
     s, s_capped, pullback = _modded_logits(refs, feat, qk, bias, tile, grad)
   if masked:
@@ -455,6 +467,8 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
   q_seg = refs["q_seg"][...] if feat.segments else None
   fp8 = feat.fp8
   offset = 0.0
+  # The logit scale goes into the softmax's FMA (`Features.linear_logits`).
+  unscaled = feat.linear_logits and feat.scale > 0
   if fp8 is not None:
     q = q.astype(fp8.qk_dtype)
     offset = fp8.offset
@@ -472,9 +486,10 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     s, _, _ = _tile_logits(
         refs, feat, q, k, query_major_tile(row * block_q, block_q,
                                            j * block_k, block_k, cols),
-        q_pos, q_seg, masked, dequantize=dequantize)
-    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True,
-                                               offset=offset)
+        q_pos, q_seg, masked, dequantize=dequantize, unscaled=unscaled)
+    m_i, l_i, p, alpha = online_softmax.update(
+        m_i, l_i, s, base2=True, offset=offset, tile_exp=exp2.exp2,
+        scale=feat.scale * online_softmax.LOG2_E if unscaled else None)
     if feat.dropout_rate:
       # On the normalised probabilities: l_i sums the undropped ones.
       p = p * _dropout_factor(refs, feat, batch, head, row * block_q,
@@ -560,7 +575,8 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
         s = online_softmax.apply_mask(
             s, _with_mask_mod(refs, feat, visible, flex_tile))
       p = online_softmax.probs_from_lse(
-          s, lse, base2=True, per_query=online_softmax.queries_last)
+          s, lse, base2=True, per_query=online_softmax.queries_last,
+          tile_exp=exp2.exp2)
       dp = _dot_nt(v, do, feat)  # [block_kv, block_q]
       p_used = p
       if feat.dropout_rate:
@@ -618,7 +634,8 @@ def backward_dq(refs, *, feat: Features, block_k: int, num_tiles: int):
         refs, feat, q, k, query_major_tile(q_block * block_q, block_q,
                                            j * block_k, block_k, cols),
         q_pos, q_seg, masked, grad=True)
-    p = online_softmax.probs_from_lse(s, lse, base2=True)
+    p = online_softmax.probs_from_lse(s, lse, base2=True,
+                                      tile_exp=exp2.exp2)
     dp = _dot_nt(do, v, feat)  # [block_q, block_k]
     if feat.dropout_rate:
       dp = dp * _dropout_factor(refs, feat, batch, head, q_block * block_q,
