@@ -273,7 +273,7 @@ def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],
 
 def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
            per_query: PerQuery = queries_first, offset: float = 0.0,
-           tile_exp: Callable[[Array], Array] | None = None,
+           tile_exp: Callable[..., Array] | None = None,
            scale: float | None = None):
   """One online-softmax step over a tile of logits s [..., rows, keys].
 
@@ -386,7 +386,8 @@ def lse_for_probs(lse: Array, *, base2: bool = False) -> Array:
 
 def probs(s: Array, lse: Array, *, base2: bool = False,
           per_query: PerQuery = queries_first,
-          tile_exp: Callable[[Array], Array] | None = None) -> Array:
+          tile_exp: Callable[..., Array] | None = None,
+          scale: float | None = None) -> Array:
   """Normalised probabilities exp(s - lse) for the backward recomputation.
 
   Args:
@@ -394,20 +395,21 @@ def probs(s: Array, lse: Array, *, base2: bool = False,
     lse: per-query logsumexp from `lse_for_probs`, in the base of s.
     base2: s and lse are in base 2.
     per_query: broadcast of the lse against s.
-    tile_exp: as for `update`.
+    tile_exp, scale: as for `update` (with `scale`, s holds the logits
+      divided by it).
   """
   exp = tile_exp or shifted_exp(jnp.exp2 if base2 else jnp.exp)
-  return exp(s, per_query(lse, s.shape))
+  return exp(s, per_query(lse, s.shape), scale)
 
 
 def probs_from_lse(s: Array, lse: Array, *, base2: bool = False,
                    per_query: PerQuery = queries_first,
-                   tile_exp: Callable[[Array], Array] | None = None
-                   ) -> Array:
+                   tile_exp: Callable[..., Array] | None = None,
+                   scale: float | None = None) -> Array:
   """`probs` from a logsumexp in the base of s, -inf for queries with no
   visible key (which get probability 0 everywhere)."""
   return probs(s, lse_for_probs(lse), base2=base2, per_query=per_query,
-               tile_exp=tile_exp)
+               tile_exp=tile_exp, scale=scale)
 
 
 def softmax_grad(p: Array, dp: Array, delta: Array, *,

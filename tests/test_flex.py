@@ -798,18 +798,11 @@ def test_triton_visits_only_the_block_masks_tiles(monkeypatch):
         lambda i, j: visits[kind].append((int(i), int(j), rows, cols)),
         tile.q_idx.min(), tile.kv_idx.min())
 
-  logits, with_mod = kernel._modded_logits, kernel._with_mask_mod
-  tile_logits = kernel._tile_logits
+  logits, with_mod = kernel._tile_scores, kernel._with_mask_mod
 
   def counted_logits(refs, feat, qk, bias, tile, grad, **kw):
     record("logits", tile)
     return logits(refs, feat, qk, bias, tile, grad, **kw)
-
-  def counted_tile_logits(refs, feat, q, k, tile, *args, **kw):
-    # The forward's products, scaled by its softmax (no `_modded_logits`).
-    if kw.get("unscaled"):
-      record("logits", tile)
-    return tile_logits(refs, feat, q, k, tile, *args, **kw)
 
   def counted_mod(refs, feat, visible, tile):
     record("mask_mod", tile)
@@ -817,8 +810,7 @@ def test_triton_visits_only_the_block_masks_tiles(monkeypatch):
 
   # Interpreted on a GPU too: compiled Triton kernels cannot call back.
   monkeypatch.setattr(triton, "_interpret", lambda: True)
-  monkeypatch.setattr(kernel, "_modded_logits", counted_logits)
-  monkeypatch.setattr(kernel, "_tile_logits", counted_tile_logits)
+  monkeypatch.setattr(kernel, "_tile_scores", counted_logits)
   monkeypatch.setattr(kernel, "_with_mask_mod", counted_mod)
   api.clear_cache()
   try:

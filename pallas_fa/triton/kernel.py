@@ -152,13 +152,16 @@ class Features:
     return self.builtin_mask or self.mask_mod is not None
 
   @property
-  def linear_logits(self) -> bool:
-    """Whether a tile's base-2 logits are its products times one constant
-    (no cap, bias, score_mod or float8 scaling): the forward leaves that
-    multiply to the softmax's fused multiply-add
-    (`online_softmax.update(scale=...)`)."""
-    return (self.soft_cap is None and self.bias is None
-            and self.score_mod is None and self.fp8 is None)
+  def softmax_scale(self) -> float | None:
+    """When a tile's base-2 logits are its products times one positive
+    constant (no cap, bias, score_mod or float8 scaling), that constant:
+    the kernels then leave the multiply to the exponential's fused
+    multiply-add (`online_softmax.update(scale=...)`, `probs(scale=...)`,
+    `exp2`). Else None: the logits come scaled."""
+    c = self.scale * online_softmax.LOG2_E
+    linear = (self.soft_cap is None and self.bias is None
+              and self.score_mod is None and self.fp8 is None)
+    return c if linear and c > 0 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +412,15 @@ def _modded_logits(refs, feat: Features, qk, bias, tile: Tile, grad: bool,
   return s * online_softmax.LOG2_E, s_capped, pullback
 
 
+def _tile_scores(refs, feat: Features, qk, bias, tile: Tile, grad: bool,
+                 args: bool = True):
+  """`_modded_logits` of a tile, or its products themselves when the
+  exponential applies the logit scale (`Features.softmax_scale`)."""
+  if feat.softmax_scale is not None:
+    return qk, None, None
+  return _modded_logits(refs, feat, qk, bias, tile, grad, args)
+
+
 def _with_mask_mod(refs, feat: Features, visible, tile: Tile):
   """`visible` (None: all) intersected with the mask_mod on the tile."""
   if feat.mask_mod is None:
@@ -419,12 +431,12 @@ def _with_mask_mod(refs, feat: Features, visible, tile: Tile):
 
 
 def _tile_logits(refs, feat: Features, q, k, tile: Tile, q_pos, q_seg,
-                 masked, grad=False, dequantize=None, unscaled=False):
+                 masked, grad=False, dequantize=None):
   """(s, s_capped, score_mod pullback) of the [block_q, block_k] tile of
   the keys `tile.cols` in the query-major kernels (forward, dQ), masked
-  when `masked` (base 2). `dequantize`: a float8 forward's scaling of the
-  float32 products (`_fp8_scales`). `unscaled` (`Features.linear_logits`
-  only): s is the masked products, the logit scale left to the caller."""
+  when `masked` (base 2; with a `Features.softmax_scale`, the masked
+  products: the exponential scales them). `dequantize`: a float8
+  forward's scaling of the float32 products (`_fp8_scales`)."""
   cols = tile.cols
   bias = None
   if feat.bias is not None:
@@ -432,11 +444,10 @@ def _tile_logits(refs, feat: Features, q, k, tile: Tile, q_pos, q_seg,
   qk = _dot_nt(q, k, feat)
   if dequantize is not None:
     qk = dequantize(qk)
-  if unscaled or (feat.fp8 is not None and feat.fp8.folded):
-    # Base-2 logits already, or the products the caller scales.
-    s, s_capped, pullback = qk, None, None
+  if feat.fp8 is not None and feat.fp8.folded:
+    s, s_capped, pullback = qk, None, None  # Base-2 logits already.
   else:
-    s, s_capped, pullback = _modded_logits(refs, feat, qk, bias, tile, grad)
+    s, s_capped, pullback = _tile_scores(refs, feat, qk, bias, tile, grad)
   if masked:
     visible = None
     if feat.builtin_mask:
@@ -467,8 +478,6 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
   q_seg = refs["q_seg"][...] if feat.segments else None
   fp8 = feat.fp8
   offset = 0.0
-  # The logit scale goes into the softmax's FMA (`Features.linear_logits`).
-  unscaled = feat.linear_logits and feat.scale > 0
   if fp8 is not None:
     q = q.astype(fp8.qk_dtype)
     offset = fp8.offset
@@ -486,10 +495,10 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     s, _, _ = _tile_logits(
         refs, feat, q, k, query_major_tile(row * block_q, block_q,
                                            j * block_k, block_k, cols),
-        q_pos, q_seg, masked, dequantize=dequantize, unscaled=unscaled)
+        q_pos, q_seg, masked, dequantize=dequantize)
     m_i, l_i, p, alpha = online_softmax.update(
         m_i, l_i, s, base2=True, offset=offset, tile_exp=exp2.exp2,
-        scale=feat.scale * online_softmax.LOG2_E if unscaled else None)
+        scale=feat.softmax_scale)
     if feat.dropout_rate:
       # On the normalised probabilities: l_i sums the undropped ones.
       p = p * _dropout_factor(refs, feat, batch, head, row * block_q,
@@ -557,7 +566,7 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
           rows=rows, group=g)
       # [block_kv, block_q]
       # The score_mod's arrays take their gradients in dQ.
-      s, s_capped, score_mod_pullback = _modded_logits(
+      s, s_capped, score_mod_pullback = _tile_scores(
           refs, feat, _dot_nt(k, q, feat), bias, flex_tile, grad=True,
           args=False)
       if masked:
@@ -576,7 +585,7 @@ def backward_dkv(refs, *, feat: Features, block_q: int, num_tiles: int):
             s, _with_mask_mod(refs, feat, visible, flex_tile))
       p = online_softmax.probs_from_lse(
           s, lse, base2=True, per_query=online_softmax.queries_last,
-          tile_exp=exp2.exp2)
+          tile_exp=exp2.exp2, scale=feat.softmax_scale)
       dp = _dot_nt(v, do, feat)  # [block_kv, block_q]
       p_used = p
       if feat.dropout_rate:
@@ -635,7 +644,8 @@ def backward_dq(refs, *, feat: Features, block_k: int, num_tiles: int):
                                            j * block_k, block_k, cols),
         q_pos, q_seg, masked, grad=True)
     p = online_softmax.probs_from_lse(s, lse, base2=True,
-                                      tile_exp=exp2.exp2)
+                                      tile_exp=exp2.exp2,
+                                      scale=feat.softmax_scale)
     dp = _dot_nt(do, v, feat)  # [block_q, block_k]
     if feat.dropout_rate:
       dp = dp * _dropout_factor(refs, feat, batch, head, q_block * block_q,
