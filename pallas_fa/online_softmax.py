@@ -209,6 +209,21 @@ def logits(
   return s, None if cap is None else s_capped
 
 
+def exponent_scale(scale: float, *, cap: float | None = None,
+                   has_bias: bool = False, has_score_mod: bool = False,
+                   base2: bool = True) -> float | None:
+  """The factor that `update` and `probs` can apply to a tile's raw
+  products in the exponent (their `scale`: one fused multiply-add with
+  the max's subtraction) in place of `logits` multiplying every product:
+  the logit scale (times log2(e) in base 2) when the logits are the
+  products times it alone (no cap, bias or score_mod) and it is positive
+  (the max of the products then scales to the max of the logits); else
+  None."""
+  c = scale * LOG2_E if base2 else scale
+  linear = cap is None and not has_bias and not has_score_mod
+  return c if linear and c > 0 else None
+
+
 def logits_grad(
     ds: Array,
     s_capped: Array | None,

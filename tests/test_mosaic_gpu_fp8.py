@@ -43,7 +43,7 @@ def _scales(scales):
   return dict(zip(("query_scale", "key_scale", "value_scale"), scales))
 
 
-def _oracle(values, scales, causal):
+def _oracle(values, scales, causal, soft_cap=None):
   """float64 (out, lse) of the dequantized inputs (numpy)."""
   q, k, v = (np.asarray(quantize.dequantize(x, s), np.float64)
              for x, s in zip(values, scales))
@@ -51,6 +51,8 @@ def _oracle(values, scales, causal):
   k, v = (np.repeat(x, g, axis=2) for x in (k, v))
   q, k, v = (np.moveaxis(x, 2, 1) for x in (q, k, v))
   s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+  if soft_cap is not None:
+    s = soft_cap * np.tanh(s / soft_cap)
   if causal:
     s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
   m = s.max(-1, keepdims=True)
@@ -60,12 +62,12 @@ def _oracle(values, scales, causal):
   return np.moveaxis(out, 1, 2), np.moveaxis(lse, 1, 2)
 
 
-def _assert_near_oracle(out, lse, values, scales, causal):
+def _assert_near_oracle(out, lse, values, scales, causal, soft_cap=None):
   """A bfloat16 result within e4m3 P's error of the float64 attention of
   the dequantized inputs (3 mantissa bits: the error of FlashAttention-3
   style float8 attention, a few percent of |V|), its lse near exact."""
   assert out.dtype == jnp.bfloat16
-  want_out, want_lse = _oracle(values, scales, causal)
+  want_out, want_lse = _oracle(values, scales, causal, soft_cap)
   err = np.abs(np.asarray(out, np.float64) - want_out).max()
   assert err <= 0.05 * np.abs(want_out).max() + 1e-2, err
   np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-3)
@@ -158,6 +160,27 @@ def test_interpreted_float8_forward(granularity, causal, overlap, poly):
       *values, **_scales(scales), is_causal=causal,
       implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
   _assert_near_oracle(out, lse, values, scales, causal)
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("granularity", ["head", "token"])
+def test_interpreted_float8_forward_soft_cap(granularity):
+  """A soft cap acts on the natural logits: the row factors stay natural
+  there (without one they carry log2(e)), the cap and base change run in
+  the kernel; with per-token value scales P_SCALE rides in their factors,
+  else in the softmax's offset."""
+  gen = testing.rng("mosaic_gpu fp8 soft cap", granularity)
+  values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
+  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
+                                      interpret=True)
+  out, lse = pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=True, logits_soft_cap=2.0,
+      implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
+  _assert_near_oracle(out, lse, values, scales, True, soft_cap=2.0)
+  # The cap matters at this size: the uncapped attention is far off.
+  uncapped, _ = _oracle(values, scales, True)
+  assert np.abs(np.asarray(out, np.float64) - uncapped).max() > 0.1
 
 
 @needs_hopper

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
+from pallas_fa import online_softmax
 from pallas_fa import quantize
 from pallas_fa import tuning
 from pallas_fa import vjp
@@ -491,7 +492,9 @@ def _fp8_scales(x: layout.Padded, params, scales):
   key_scales, value_scales = ks.shape[1] > 1, vs.shape[1] > 1
   per_head = lambda a: jnp.repeat(  # noqa: E731 - [B, K] -> [B, N].
       a, x.g, axis=1)
-  q_row = jnp.broadcast_to(qs, (b, t, n)) * params.scale
+  # Without a soft cap the kernel's logits are base 2: log2(e) rides here.
+  base = online_softmax.LOG2_E if params.soft_cap is None else 1.0
+  q_row = jnp.broadcast_to(qs, (b, t, n)) * (params.scale * base)
   tiny = jnp.zeros((1, 1, 1), jnp.float32)  # An operand never read.
   if key_scales:
     k_col = jnp.swapaxes(jnp.pad(jnp.broadcast_to(ks, (b, s, kh)),
@@ -510,7 +513,8 @@ def _fp8_scales(x: layout.Padded, params, scales):
   else:
     top = jnp.broadcast_to(vs, (b, 1, kh))[:, 0]
     v_col = tiny
-  out_mult = per_head(top) / forward_fp8.P_SCALE
+  # P_SCALE: in v_col with value scales, else in P and l alike (it cancels).
+  out_mult = per_head(top) / (forward_fp8.P_SCALE if value_scales else 1.0)
   return q_row, k_col, v_col, out_mult, key_scales, value_scales
 
 

@@ -75,11 +75,21 @@ def await_values(spec: kernel.Spec, v_ready, schedule):
     plgpu.barrier_wait(v_ready)
 
 
+def _finalize(m_i, l_i, acc, offset: float):
+  """(out, lse) of the walk's sums; P and l came out 2^offset larger
+  (`online_softmax.update(offset=...)`): they cancel in the output, and
+  the logsumexp takes the offset off the max."""
+  if offset:
+    m_i = m_i - offset
+  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
+
+
 def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
-              schedule):
+              schedule, offset: float = 0.0):
   """A consumer's walk over its key tiles (`kernel.phases` of `step` from
   a fresh online softmax), inside the ping-pong's first and last turns:
-  (out float32 [block_q, Hv], lse [block_q], base 2 undone)."""
+  (out float32 [block_q, Hv], lse [block_q], base 2 undone; `offset` as
+  in `_finalize`)."""
   bq = spec.block_q
   carry = (
       ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
@@ -92,7 +102,7 @@ def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
       sched_ref, b, row, wg, step, carry, spec.masked)
   if spec.pingpong:
     pl.when(wg == 0)(lambda: take_turn(schedule))
-  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
+  return _finalize(m_i, l_i, acc, offset)
 
 
 def take_turn_before(spec: kernel.Spec, ready, schedule):
@@ -112,7 +122,8 @@ def _clamped(x, lo, hi):
 
 
 def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
-                         first, step, last, schedule, p0=None):
+                         first, step, last, schedule, p0=None,
+                         offset: float = 0.0):
   """`walk_keys` of the software-pipelined loop (`Spec.intra_overlap`).
 
   Over the unit's key tiles [ulo, uhi): `first` (Q K^T of tile ulo and its
@@ -124,6 +135,7 @@ def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
   full tile changes nothing). The carry is (m_i, l_i, acc, p): p, the
   probabilities of the last tile softmaxed as P V takes them; `p0`, its
   initial value (None: zeros in spec.dtype in the accumulator layout).
+  `offset`: as in `_finalize`.
 
   Returns:
     (out float32 [block_q, Hv], lse [block_q], base 2 undone).
@@ -157,7 +169,7 @@ def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
   if spec.pingpong:
     pl.when(wg == 0)(lambda: take_turn(schedule))
   m_i, l_i, acc, _ = carry
-  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
+  return _finalize(m_i, l_i, acc, offset)
 
 
 def pipelined_steps(spec: kernel.Spec, ops, *, slot_of, q_tile, k_tile,
@@ -277,19 +289,28 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
     q_p, q_s = kernel.load_meta(
         spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
 
+    # The logit scale in the exponent (no multiply for the max's sake).
+    scale = online_softmax.exponent_scale(
+        spec.scale, cap=spec.soft_cap,
+        has_score_mod=spec.score_mod is not None)
+
     def probs(j, qk, k_p, k_s, m_i, l_i, acc, *, masked):
       """The softmax of key tile j: (m_i, l_i, p in spec.dtype, acc
       rescaled (None: not given), alpha)."""
-      s, _, _ = kernel.flex_logits(
-          spec, ops, qk, r, batch=b, head=n, q0=row0,
-          kv0=j * spec.block_kv, q_axis=0)
+      if scale is None:
+        s, _, _ = kernel.flex_logits(
+            spec, ops, qk, r, batch=b, head=n, q0=row0,
+            kv0=j * spec.block_kv, q_axis=0)
+      else:  # The products, scaled in the exponent's FMA.
+        s = qk
       if masked:
         mod = kernel.mask_mod_tile(
             spec, ops, r, s.shape, (q_p, q_s), (k_p, k_s), batch=b,
             head=n, q0=row0, kv0=j * spec.block_kv, q_axis=0)
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s, mod)
       m_i, l_i, p, alpha = online_softmax.update(
-          m_i, l_i, s, base2=True, per_query=_ROWS, tile_exp=tile_exp(spec))
+          m_i, l_i, s, base2=True, per_query=_ROWS, tile_exp=tile_exp(spec),
+          scale=scale)
       if acc is not None:
         acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       if spec.dropout_rate:  # After the running sums: they are undropped.

@@ -58,6 +58,8 @@ it is worth keeping V transposed in memory (a cache stored [B, K, Hv, S]).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,9 +75,11 @@ _F32 = jnp.float32
 _I32 = jnp.int32
 _ROWS = online_softmax.queries_along(0)
 FP8 = jnp.float8_e4m3fn
-# P is multiplied by this before its e4m3 cast (2^8: FlashAttention-3's
-# exponent offset of 8); the output divides it out.
+# P is this much larger at its e4m3 cast (2^8: FlashAttention-3's exponent
+# offset of 8): by the softmax's offset (P and l alike), or with per-key
+# value scales in their factors (the output divides it out).
 P_SCALE = 256.0
+P_OFFSET = math.log2(P_SCALE)
 # Keys of one 16-key slice of V^T in the order the e4m3 P operand holds
 # them (`p_operand`): position 4c + j holds key (2c, 2c + 1, 8 + 2c,
 # 9 + 2c)[j].
@@ -256,6 +260,10 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
     q_factor = ops.load_vector(qrow_smem.at[wg], 0)  # [bq]
 
+    # P_SCALE: in the exponent (2^(s - m + 8), P and l alike, no multiply)
+    # unless per-key value factors multiply P anyway (they carry it).
+    p_offset = 0.0 if value_scales else P_OFFSET
+
     def softmax(j, slot, qk, m_i, l_i, *, masked, k_meta=None):
       """The online softmax of key tile j from its e4m3 Q K^T (scaled
       here), releasing its K slot: (m_i, l_i, float32 p, alpha).
@@ -269,20 +277,23 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         k_meta = kernel.load_meta(
             spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
       plgpu.barrier_arrive(k_free.at[slot])
-      s, _ = kernel.logits(spec, qk)
+      if spec.soft_cap is None:
+        s = qk  # q_factor carries log2(e): base-2 logits (`_fp8_scales`).
+      else:
+        s, _ = kernel.logits(spec, qk)
       if masked:
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, *k_meta)
       return online_softmax.update(m_i, l_i, s, base2=True, per_query=_ROWS,
-                                   tile_exp=forward_lib.tile_exp(spec))
+                                   tile_exp=forward_lib.tile_exp(spec),
+                                   offset=p_offset)
 
     def operand(p, slot):
       """float32 p of the V tile in `slot` (landed) -> the e4m3 A operand
-      of P V: times the tile's value factors (or P_SCALE), converted."""
+      of P V: times the tile's value factors (else P_SCALE is in P
+      already, `p_offset`), converted."""
       if value_scales:
         v_factor = ops.load_vector(vcol_smem.at[slot], 1)
         p = p * jax.lax.broadcast_in_dim(v_factor, p.shape, (1,))
-      else:
-        p = p * P_SCALE
       return p.astype(FP8) if interpret else p_operand(p)
 
     def step(j, carry, *, masked):
@@ -334,10 +345,11 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
               # The lse buffer is free until the unit's end.
               pin=(lse_smem.at[wg], 1),
               settle=None if interpret else own_registers),
-          schedule, p0=zeros.astype(FP8) if interpret else p_operand(zeros))
+          schedule, p0=zeros.astype(FP8) if interpret else p_operand(zeros),
+          offset=p_offset)
     else:
       out, lse = forward_lib.walk_keys(spec, ops, sched_ref, b, row, wg,
-                                       step, schedule)
+                                       step, schedule, offset=p_offset)
     o_own[...] = (out * omult_ref[b, n]).astype(out_dtype)
     lse_smem.at[wg][...] = lse
     kernel.store([(o_own, o_ref.at[b, rows, n]),

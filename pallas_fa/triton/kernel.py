@@ -158,10 +158,11 @@ class Features:
     the kernels then leave the multiply to the exponential's fused
     multiply-add (`online_softmax.update(scale=...)`, `probs(scale=...)`,
     `exp2`). Else None: the logits come scaled."""
-    c = self.scale * online_softmax.LOG2_E
-    linear = (self.soft_cap is None and self.bias is None
-              and self.score_mod is None and self.fp8 is None)
-    return c if linear and c > 0 else None
+    if self.fp8 is not None:
+      return None
+    return online_softmax.exponent_scale(
+        self.scale, cap=self.soft_cap, has_bias=self.bias is not None,
+        has_score_mod=self.score_mod is not None)
 
 
 @dataclasses.dataclass(frozen=True)
