@@ -301,7 +301,7 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
     offset: p and l come out exp(offset) (base 2: 2**offset) larger, p's
       largest entry that value rather than 1 (a low-precision P keeps its
       small entries above the format's subnormals, FlashAttention-3's
-      FP8 max offset); the caller takes `offset` off the max before
+      FP8 max offset); the caller passes the same `offset` to
       `finalize`, whose output it does not change.
     tile_exp: `tile_exp(s, shift, scale)`, the tile's exponentials
       exp(s * scale - shift) (scale None: exp(s - shift); shift broadcast
@@ -350,7 +350,7 @@ def rescale(acc: Array, alpha: Array, *,
 
 
 def finalize(m_i: Array, l_i: Array, acc: Array, *, base2: bool = False,
-             per_query: PerQuery = queries_first):
+             per_query: PerQuery = queries_first, offset: float = 0.0):
   """Normalises acc [..., rows, H]; returns (out, lse), lse in natural log.
 
   A row with l_i == 0 saw no visible key: its output is 0 and lse is -inf.
@@ -361,7 +361,11 @@ def finalize(m_i: Array, l_i: Array, acc: Array, *, base2: bool = False,
     acc: accumulator [..., rows, H].
     base2: m_i is in base 2 (the kernel ran with exp2).
     per_query: broadcast of a [..., rows] vector against acc.
+    offset: `update`'s: P and l came out exp(offset) larger; they cancel in
+      the output, and the logsumexp takes the offset off the max.
   """
+  if offset:
+    m_i = m_i - offset
   seen = l_i > 0
   l_safe = jnp.where(seen, l_i, 1.0)
   out = acc / per_query(l_safe, acc.shape)

@@ -137,9 +137,10 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       else:
         col0, sources = 0, (wg,)
       rows = pl.ds(i * bq, bq)
+      chunk_cols = [pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
+                    for c in range(chunks)]
       # In 64-column chunks: one chunk's float32 product is live at a time.
-      for c in range(chunks):
-        cols = pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
+      for c, cols in enumerate(chunk_cols):
         dq = None
         for w in sources:
           # Opaque, so that K's descriptors are built here, not kept live
@@ -152,8 +153,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         stage.at[wg, c][...] = dq
       plgpu.commit_smem()
-      for c in range(chunks):
-        cols = pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
+      for c, cols in enumerate(chunk_cols):
         if spec.interpret:
           part = row if shared_dq else row * nc + wg
           plgpu.copy_smem_to_gmem(

@@ -75,21 +75,12 @@ def await_values(spec: kernel.Spec, v_ready, schedule):
     plgpu.barrier_wait(v_ready)
 
 
-def _finalize(m_i, l_i, acc, offset: float):
-  """(out, lse) of the walk's sums; P and l came out 2^offset larger
-  (`online_softmax.update(offset=...)`): they cancel in the output, and
-  the logsumexp takes the offset off the max."""
-  if offset:
-    m_i = m_i - offset
-  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS)
-
-
 def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
               schedule, offset: float = 0.0):
   """A consumer's walk over its key tiles (`kernel.phases` of `step` from
   a fresh online softmax), inside the ping-pong's first and last turns:
-  (out float32 [block_q, Hv], lse [block_q], base 2 undone; `offset` as
-  in `_finalize`)."""
+  (out float32 [block_q, Hv], lse [block_q], base 2 undone; `offset`:
+  the softmax's, `online_softmax.finalize`)."""
   bq = spec.block_q
   carry = (
       ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
@@ -102,7 +93,8 @@ def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
       sched_ref, b, row, wg, step, carry, spec.masked)
   if spec.pingpong:
     pl.when(wg == 0)(lambda: take_turn(schedule))
-  return _finalize(m_i, l_i, acc, offset)
+  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS,
+                                 offset=offset)
 
 
 def take_turn_before(spec: kernel.Spec, ready, schedule):
@@ -135,7 +127,7 @@ def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
   full tile changes nothing). The carry is (m_i, l_i, acc, p): p, the
   probabilities of the last tile softmaxed as P V takes them; `p0`, its
   initial value (None: zeros in spec.dtype in the accumulator layout).
-  `offset`: as in `_finalize`.
+  `offset`: as in `walk_keys`.
 
   Returns:
     (out float32 [block_q, Hv], lse [block_q], base 2 undone).
@@ -169,7 +161,8 @@ def walk_keys_overlapped(spec: kernel.Spec, ops, sched_ref, b, row, wg,
   if spec.pingpong:
     pl.when(wg == 0)(lambda: take_turn(schedule))
   m_i, l_i, acc, _ = carry
-  return _finalize(m_i, l_i, acc, offset)
+  return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS,
+                                 offset=offset)
 
 
 def pipelined_steps(spec: kernel.Spec, ops, *, slot_of, q_tile, k_tile,

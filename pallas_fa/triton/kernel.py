@@ -512,11 +512,8 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
 
   carry = online_softmax.init((block_q,), (block_q, hvp))
   m_i, l_i, acc = _visit(refs, tile, carry, feat, num_tiles)
-  # P and its row sum came out 2**offset larger: they cancel in the output,
-  # and the logsumexp takes the offset off its base-2 max.
-  if offset:
-    m_i = m_i - offset
-  out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True)
+  out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True,
+                                    offset=offset)
   if fp8 is not None:
     out = out * refs["o_scale"][...][None, :]
   refs["out"][...] = out.astype(refs["out"].dtype)
