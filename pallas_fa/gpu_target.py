@@ -84,6 +84,14 @@ def current() -> GpuTarget | None:
   )
 
 
+def builds_ptx() -> bool:
+  """Whether kernels are built for an NVIDIA GPU (PTX: inline assembly
+  applies), not interpreted and not for ROCm."""
+  if current() is None:
+    return False
+  return ahead_of_time() is not None or jax.devices()[0].platform != "rocm"
+
+
 def device_kind() -> str:
   """`device_kind` of the target, else of the default device ("cpu"...)."""
   target = ahead_of_time()

@@ -46,10 +46,12 @@ FLEX_IMPLEMENTATIONS = ("xla", "chunked") + tuple(
 DECLINED: set = set()
 # The interpreted kernels are slow: three examples on triton (a per-head
 # score_mod, a per-query/key mask_mod, a per-batch one) and two on the TPU
-# interpreter by default, the others in the slow leg.
+# interpreter by default (T5's table there: test_mosaic_tpu), the others
+# in the slow leg.
 _SLOW_RUNS = {(impl, name) for impl, names in (
     ("mosaic_tpu", ("tanh_soft_cap", "prefix_lm", "chunked_causal",
-                    "sliding_window_with_sinks", "causal_with_offset")),
+                    "sliding_window_with_sinks", "causal_with_offset",
+                    "t5")),
     ("triton", ("tanh_soft_cap", "chunked_causal",
                 "sliding_window_with_sinks", "causal_with_offset")),
 ) for name in names}
@@ -889,7 +891,10 @@ def _window_by_head(batch, head, q_idx, kv_idx, windows):
   return q_idx - kv_idx < windows[head]
 
 
+# 10 s on the TPU interpreter: the slow leg (its listed blocks run by
+# default in test_decode_quantized_mosaic_tpu).
 @pytest.mark.parametrize("implementation", _DECODE_FLEX)
+@pytest.mark.slow_for("mosaic_tpu")
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("mask_mod, mask_mod_args", [
     (flex.sliding_window_with_sinks, (jnp.int32(64), jnp.int32(3))),
@@ -1109,7 +1114,10 @@ _TABLE_CASES = {
     "shared_buckets": (_shared_buckets, None, 16, True),
 }
 # The backends that fuse a table read into their kernels.
-_TABLE_RUNS = [pytest.param(i, name, id=f"{name}-{i}")
+# On the TPU interpreter in the slow leg (14 s): test_mosaic_tpu's table
+# tests run its table reads by default.
+_TABLE_RUNS = [pytest.param(i, name, id=f"{name}-{i}",
+                            marks=pytest.mark.slow if i == "mosaic_tpu" else ())
                for i in ("triton", "mosaic_tpu") if i in FLEX_IMPLEMENTATIONS
                for name in sorted(_TABLE_CASES)]
 

@@ -62,8 +62,9 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   per key is a [block] load beside the tile, one per page or sequence a
   scalar load, one per program (per K/V head, say) a load before the
   loop (a value scale then multiplies the output once). Under bfloat16
-  queries a float8 tile converts to float16 instead (one instruction per
-  two values; bfloat16 takes three), and both products run in float16:
+  queries a 1-byte tile converts to float16 instead (float8: one
+  instruction per two values; int8: five per four, `int8.to_float16`;
+  bfloat16 takes two or three a value), and both products run in float16:
   the queries and P scaled by powers of two into float16's range, which
   keeps every bit of bfloat16 queries (`_float16_queries`) and more of
   P's than bfloat16 does. float8_e4m3fn needs compute capability 8.9
@@ -133,6 +134,7 @@ from pallas_fa import triton
 from pallas_fa.flex import fused_mods
 from pallas_fa.flex import mods
 from pallas_fa.triton import exp2
+from pallas_fa.triton import int8
 from pallas_fa.triton import kernel as triton_kernel
 
 Array = Any
@@ -358,6 +360,20 @@ def _float16_queries(q):
   return (q.astype(_F32) * up).astype(jnp.float16), down
 
 
+def _float16_tiles(cache_dtype) -> bool:
+  """Whether a cache's tiles convert to float16 for bfloat16 queries: the
+  1-byte ones (float16 holds every int8 and float8 value)."""
+  return quantize.is_fp8(cache_dtype) or cache_dtype == jnp.int8
+
+
+def _tile_as(tile, dtype):
+  """A cache tile in the products' dtype: an int8 one to float16 by
+  `int8.to_float16` (five instructions per four values)."""
+  if tile.dtype == jnp.int8 and dtype == jnp.float16:
+    return int8.to_float16(tile)
+  return tile.astype(dtype)
+
+
 def _div_rem(x, d: int):
   """(x // d, x % d) of non-negative int32 x: a shift and a mask when d is
   a power of two (jnp's floor division would add sign fix-ups)."""
@@ -443,14 +459,15 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   constant = {name: refs[name][(0,) * refs[name].ndim]
               for name in ("k_scale", "v_scale")
               if name in refs and math.prod(refs[name].shape) == 1}
-  # A float8 key tile under bfloat16 queries converts to float16 in one
-  # instruction per two values, to bfloat16 in three (`_float16_queries`).
+  # A 1-byte key tile under bfloat16 queries converts to float16 (float8:
+  # one instruction per two values, int8: five per four, `int8`), to
+  # bfloat16 in three per value (`_float16_queries`).
   key_dtype, q_keys, key_unscale = compute, q_whole, None
   if (compute == jnp.bfloat16 and q_whole is not None and not latent
-      and quantize.is_fp8(refs["k"].dtype)):
+      and _float16_tiles(refs["k"].dtype)):
     key_dtype = jnp.float16
     q_keys, key_unscale = _float16_queries(q_whole)
-  # A float8 value tile likewise multiplies P in float16, P scaled by a
+  # A 1-byte value tile likewise multiplies P in float16, P scaled by a
   # power of two that takes its largest entry into [2^14, 2^15), so that
   # small entries keep their bits (float16's smallest normal is 2^-14):
   # 2^14 for P alone (at most 1); with per-key value scales c (P c) one
@@ -459,9 +476,15 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   # into alpha).
   value_dtype, per_key_units = compute, False
   if (compute == jnp.bfloat16 and not latent
-      and quantize.is_fp8(refs["v"].dtype)):
+      and _float16_tiles(refs["v"].dtype)):
     value_dtype = jnp.float16
     per_key_units = "v_scale" in refs and "v_scale" not in constant
+
+  # The logits are the products times the scale alone (no cap or
+  # score_mod): the max is taken on the products and the scale is applied
+  # in the exponent's FMA (`online_softmax.exponent_scale`).
+  exponent_scale = online_softmax.exponent_scale(
+      scale, cap=soft_cap, has_score_mod=score_mod is not None)
 
   def key_rows(j):
     """(position of the first key read, (leading index, rows) in the K/V
@@ -520,7 +543,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     and 0 * NaN is NaN in P.V) zeroed."""
     cols = pl.ds(pl.multiple_of(value_start + u * part, part) if u else
                  value_start, part)
-    v = refs["k" if latent else "v"][(*lead, cols)].astype(value_dtype)
+    v = _tile_as(refs["k" if latent else "v"][(*lead, cols)], value_dtype)
     if valid is not None:
       v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
     return cols, v
@@ -529,16 +552,14 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     m_i, l_i, acc, unit = carry
     start, lead = key_rows(j)
     if head_chunks == 1 and not latent:
-      qk = _dot_nt(q_keys, refs["k"][(*lead, slice(None))].astype(key_dtype),
-                   precision)
-      if key_unscale is not None:
-        qk = qk * key_unscale
+      qk = _dot_nt(q_keys, _tile_as(refs["k"][(*lead, slice(None))],
+                                    key_dtype), precision)
     else:
       def chunk(i, qk):
         c = other_chunk(i)
         cols = pl.ds(pl.multiple_of(c * head_chunk, head_chunk), head_chunk)
         q = _load(refs["q"].at[:, cols], q_mask, 0)
-        return qk + _dot_nt(q, refs["k"][(*lead, cols)].astype(compute),
+        return qk + _dot_nt(q, _tile_as(refs["k"][(*lead, cols)], compute),
                             precision)
 
       qk = jnp.zeros((rows, block), _F32)
@@ -560,12 +581,18 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
         qk = qk + _dot_nt(q, v, precision)
         v_parts.append(v)
     k_scale = block_scales("k_scale", lead, valid)
-    if k_scale is not None:
-      # Dequantizing: q . (k * c) = (q . k) * c for the key's scale c.
-      qk = qk * k_scale
+    # Dequantizing: q . (k * c) = (q . k) * c for the key's scale c, and
+    # float16 queries' power of two with it (one multiply a logit).
+    key_factor = k_scale
+    if key_unscale is not None:
+      key_factor = key_unscale if k_scale is None else k_scale * key_unscale
+    if key_factor is not None:
+      qk = qk * key_factor
     # The cache positions' per-key flex values (paged: logical positions).
     cols = pl.ds(start, block)
-    if score_mod is None:
+    if exponent_scale is not None:
+      s = qk  # The logit scale goes into the exponent's FMA (`update`).
+    elif score_mod is None:
       s, _ = online_softmax.logits(qk, scale=scale, cap=soft_cap,
                                    base2=True)
     else:
@@ -582,8 +609,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             _flex_values(refs, mask_mod, cols), q_idx=row_pos,
             kv_idx=kv_pos[None, :])
       s = online_softmax.apply_mask(s, visible)
-    m_i, l_i, p, alpha = online_softmax.update(m_i, l_i, s, base2=True,
-                                               tile_exp=exp2.exp2)
+    m_i, l_i, p, alpha = online_softmax.update(
+        m_i, l_i, s, base2=True, tile_exp=exp2.exp2, scale=exponent_scale)
     if not latent:
       v_parts = [value_tile(lead, 0, valid)[1]]  # [block, value_chunk]
     v_scale = k_scale if latent else block_scales("v_scale", lead, valid)

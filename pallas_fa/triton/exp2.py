@@ -28,19 +28,11 @@ _FMA_EX2 = ("{ .reg .f32 t; fma.rn.f32 t, $1, $2, $3; "
             "ex2.approx.ftz.f32 $0, t; }")
 
 
-def _nvidia() -> bool:
-  """Whether the kernels are built for an NVIDIA GPU (PTX)."""
-  if gpu_target.current() is None:
-    return False
-  return gpu_target.ahead_of_time() is not None or (
-      jax.devices()[0].platform != "rocm")
-
-
 def exp2(s, shift, scale: float | None = None):
   """2^(s * scale - shift) (scale None: 2^(s - shift)) of a float32 tile,
   results below 2^-126 flushed to 0 (`online_softmax.update`'s
   `tile_exp`)."""
-  if s.dtype != jnp.float32 or not _nvidia():
+  if s.dtype != jnp.float32 or not gpu_target.builds_ptx():
     return online_softmax.shifted_exp(jnp.exp2)(s, shift, scale)
   out_type = [jax.ShapeDtypeStruct(s.shape, jnp.float32)]
   shift = jnp.broadcast_to(shift, s.shape).astype(jnp.float32)
