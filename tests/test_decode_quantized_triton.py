@@ -13,7 +13,7 @@ import pytest
 
 import pallas_fa
 from pallas_fa import gpu_target
-from pallas_fa.triton import int8 as int8_lib
+from pallas_fa.triton import one_byte
 from tests import test_decode_prefix_latent as latent
 from tests import test_decode_quantized as quantized
 from tests.attention_testing import assert_close
@@ -116,69 +116,143 @@ def test_triton_quantized_latent_cache_over_16_key_pages():
   assert_close("lse", lse, want_lse)
 
 
-def _emulated_to_float16(words):
-  """`int8.to_float16`'s PTX on uint32 words (four int8 values each, value
-  i in byte i), instruction by instruction: uint16 [n, 4], the float16
-  bits of values 0-3."""
-  t = words ^ np.uint32(int8_lib.SIGN_FLIP)  # xor.b32
-  out = []
-  for word in t:
-    pool = [(int(word) >> 8 * i) & 0xFF for i in range(4)] + [
-        (int8_lib.EXPONENT >> 8 * i) & 0xFF for i in range(4)]
-    for sel in int8_lib.SELECTORS:  # prmt.b32: result byte i <- nibble i.
-      d = sum(pool[(sel >> 4 * i) & 0x7] << 8 * i for i in range(4))
-      halves = np.array([d & 0xFFFF, d >> 16], np.uint16).view(np.float16)
-      offset = np.array([int8_lib.OFFSET & 0xFFFF, int8_lib.OFFSET >> 16],
-                        np.uint16).view(np.float16)
-      out.append(halves - offset)  # sub.f16x2, exact.
-  return np.concatenate(out).reshape(len(words), 4)
+def _prmt(a, b, selector):
+  """PTX prmt.b32 (default mode) on Python ints."""
+  pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [
+      (b >> 8 * i) & 0xFF for i in range(4)]
+  return sum(pool[(selector >> 4 * i) & 0x7] << 8 * i for i in range(4))
+
+
+def _halves(word):
+  """float16x2 bits -> float16 [low, high]."""
+  return np.array([word & 0xFFFF, word >> 16], np.uint16).view(np.float16)
+
+
+def _values(gen):
+  """int8 [256, 4]: each byte position holds every value once, in its own
+  order."""
+  return np.stack([gen.permutation(np.arange(-128, 128, dtype=np.int8))
+                   for _ in range(4)], axis=1)
 
 
 def test_int8_to_float16_instructions_are_exact_for_every_value():
-  """Every int8 value in every byte of the packed word, through the
-  conversion's instructions (xor, two prmt, two float16x2 subtractions;
-  their constants are the module's): each float16 equals the int8."""
-  gen = rng("int8 to float16 words")
-  # Each byte position holds every value once, in its own order.
-  values = np.stack([gen.permutation(np.arange(-128, 128, dtype=np.int8))
-                     for _ in range(4)], axis=1)
+  """Every int8 value in every byte of the packed word, through the key
+  tiles' conversion instruction by instruction (xor, two prmt, two
+  float16x2 subtractions; the module's constants): each float16 equals
+  its int8."""
+  values = _values(rng("int8 to float16 words"))
   words = np.ascontiguousarray(values).view(np.uint32).reshape(-1)
-  got = _emulated_to_float16(words)
-  np.testing.assert_array_equal(got, values.astype(np.float16))
+  offset = _halves(one_byte.OFFSET)
+  got = []
+  for word in words:
+    t = int(word) ^ one_byte.SIGN_FLIP  # xor.b32
+    for sel in one_byte.SELECTORS:
+      got.append(_halves(_prmt(t, one_byte.EXPONENT, sel)) - offset)
+  np.testing.assert_array_equal(np.concatenate(got).reshape(-1, 4),
+                                values.astype(np.float16))
 
 
-def test_int8_tiles_convert_by_the_inline_conversion_when_built(monkeypatch):
-  """Built for CUDA, an int8 cache under bfloat16 queries converts its K
-  and V tiles by `int8.to_float16` (packed four to an instruction group);
-  interpreted, by astype (the same float16 values)."""
+def test_value_words_instructions_are_exact_for_every_value():
+  """Value j of two words (consecutive keys) to one float16x2, for every
+  j and every byte value, instruction by instruction: int8 by prmt, the
+  LOP3 (a & b) ^ c and a float16x2 subtraction; float8 by prmt and the
+  float8x2 conversion (emulated by ml_dtypes). The low half is the first
+  word's value."""
+  gen = rng("value words")
+  offset = _halves(one_byte.OFFSET)
+  first, second = _values(gen), _values(gen)
+  words = [np.ascontiguousarray(v).view(np.uint32).reshape(-1)
+           for v in (first, second)]
+  for j in range(4):
+    got = []
+    for a, b in zip(*words):
+      x = _prmt(int(a), int(b), one_byte.pair_selector(j))
+      x = (x & one_byte.LOW_BYTES) ^ one_byte.OFFSET  # lop3 0x6a
+      got.append(_halves(x) - offset)
+    np.testing.assert_array_equal(
+        np.stack(got), np.stack([first[:, j], second[:, j]], 1).astype(
+            np.float16))
+    assert f"{one_byte.pair_selector(j):#x}" in one_byte._int8_pair(j)
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+      code = one_byte._float8_pair(j, dtype)
+      selector = int(code.split("prmt.b32 x, $1, $2, ")[1].split(";")[0], 16)
+      got = []
+      for a, b in zip(*words):
+        low = _prmt(int(a), int(b), selector) & 0xFFFF  # mov {lo, hi}
+        got.append(np.array([low & 0xFF, low >> 8], np.uint8))
+      want = np.stack([first[:, j], second[:, j]], 1).view(np.uint8)
+      np.testing.assert_array_equal(np.stack(got), want)
+      kind = "e4m3x2" if dtype == jnp.float8_e4m3fn else "e5m2x2"
+      assert f"cvt.rn.f16x2.{kind} $0, lo;" in code
+
+
+def test_as_words_and_word_values_take_value_j_of_each_word():
+  """`as_words` packs four values along the head dim (value j in byte j);
+  `word_values(w, j)` interpreted is the float16 of columns j, j + 4, ...,
+  for int8 and both float8 dtypes."""
+  gen = rng("as words")
+  raw = gen.integers(-128, 128, (3, 16, 32)).astype(np.int8)
+  for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
+    x = jax.lax.bitcast_convert_type(jnp.asarray(raw), dtype)
+    words = one_byte.as_words(x)
+    assert words.shape == (3, 16, 8) and words.dtype == jnp.int32
+    for j in range(4):
+      got = one_byte.word_values(words, j, dtype)
+      want = np.asarray(x[..., j::4].astype(jnp.float16))
+      np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_1_byte_tiles_convert_inline_when_built(monkeypatch):
+  """Built for CUDA, a 1-byte cache under bfloat16 queries comes in as
+  value words (an int32 cache operand) and converts inline: int8 keys by
+  `to_float16` (four values an instance), each value tile as four word
+  parts (two words an instance); interpreted, jax.numpy (the same
+  float16 values)."""
   calls = []
-  real = int8_lib.pltriton.elementwise_inline_asm
+  real = one_byte.pltriton.elementwise_inline_asm
 
   def spy(code, **kwargs):
-    calls.append((code, kwargs["pack"], kwargs["args"][0].shape))
+    calls.append((code, kwargs["pack"], kwargs["args"][0].dtype))
     return real(code, **kwargs)
 
-  monkeypatch.setattr(int8_lib.pltriton, "elementwise_inline_asm", spy)
+  monkeypatch.setattr(one_byte.pltriton, "elementwise_inline_asm", spy)
   spec = jax.ShapeDtypeStruct
-  kv = spec((1, 96, 2, 64), jnp.int8)
-  scales = spec((1, 96, 2), jnp.float32)
 
-  def decode(q, k, v, ks, vs):
-    return pallas_fa.decode_attention(
-        q, k, v, jnp.full((1,), 90, jnp.int32), key_scale=ks,
-        value_scale=vs, implementation="triton")
+  def lowered(dtype):
+    kv = spec((1, 96, 2, 64), dtype)
+    scales = spec((1, 96, 2), jnp.float32)
 
-  with gpu_target.compile_for(gpu_target.H100):
-    jax.jit(decode).trace(spec((1, 1, 4, 64), jnp.bfloat16), kv, kv, scales,
-                          scales).lower(lowering_platforms=("cuda",))
+    def decode(q, k, v, ks, vs):
+      return pallas_fa.decode_attention(
+          q, k, v, jnp.full((1,), 90, jnp.int32), key_scale=ks,
+          value_scale=vs, implementation="triton")
+
+    with gpu_target.compile_for(gpu_target.H100):
+      return jax.jit(decode).trace(
+          spec((1, 1, 4, 64), jnp.bfloat16), kv, kv, scales,
+          scales).lower(lowering_platforms=("cuda",)).as_text()
+
+  text = lowered(jnp.int8)
+  # The key tiles (the unmasked and the masked loop): to_float16.
+  keys = [c for c in calls if c[0] == one_byte._TO_FLOAT16]
+  assert len(keys) >= 2 and all(
+      pack == 4 and dtype == jnp.int8 for _, pack, dtype in keys), calls
+  # The value tiles: four word parts each.
+  for j in range(4):
+    parts = [c for c in calls if c[0] == one_byte._int8_pair(j)]
+    assert len(parts) == len(keys) and all(
+        pack == 2 and dtype == jnp.int32 for _, pack, dtype in parts), calls
+  assert "tensor<1x96x2x16xi32>" in text.replace(" ", ""), text[:2000]
   built = len(calls)
-  # The K and V tiles of each traced loop body (the others: exponentials).
-  tiles = [(pack, shape) for code, pack, shape in calls
-           if code == int8_lib._TO_FLOAT16]
-  assert len(tiles) >= 4 and len(tiles) % 2 == 0, calls
-  assert all(pack == 4 for pack, _ in tiles), tiles
-  gen = rng("int8 tiles interpreted")
+  lowered(jnp.float8_e4m3fn)
+  fp8 = calls[built:]
+  for j in range(4):
+    assert one_byte._float8_pair(j, jnp.float8_e4m3fn) in [
+        c[0] for c in fp8], fp8
+  built = len(calls)
+  gen = rng("1-byte tiles interpreted")
   x = jnp.asarray(gen.integers(-128, 128, (16, 64)), jnp.int8)
-  np.testing.assert_array_equal(int8_lib.to_float16(x),
+  np.testing.assert_array_equal(one_byte.to_float16(x),
                                 np.asarray(x).astype(np.float16))
+  one_byte.word_values(one_byte.as_words(x), 1, jnp.int8)
   assert len(calls) == built

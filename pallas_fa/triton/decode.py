@@ -63,11 +63,16 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   scalar load, one per program (per K/V head, say) a load before the
   loop (a value scale then multiplies the output once). Under bfloat16
   queries a 1-byte tile converts to float16 instead (float8: one
-  instruction per two values; int8: five per four, `int8.to_float16`;
-  bfloat16 takes two or three a value), and both products run in float16:
-  the queries and P scaled by powers of two into float16's range, which
+  instruction per two values; int8: five per four; `one_byte`; bfloat16
+  takes two or three a value), and both products run in float16: the
+  queries and P scaled by powers of two into float16's range, which
   keeps every bit of bfloat16 queries (`_float16_queries`) and more of
-  P's than bfloat16 does. float8_e4m3fn needs compute capability 8.9
+  P's than bfloat16 does. Under 16-bit queries a 1-byte value cache is
+  read as int32 words of four values along the head dim (a bitcast), and
+  each value tile as four parts of a quarter of its columns
+  (`one_byte.word_values`: Triton then loads a word, not a byte, per
+  value pair of the product's operand), the parts' results stored with a
+  column stride of 4. float8_e4m3fn needs compute capability 8.9
   (Triton's conversions).
 * **Latent caches.** With `value_head_dim` (value=None, `LATENT_CACHES`:
   DeepSeek's absorbed MLA, H = 576, Hv = 512, one K/V head) the values are
@@ -134,8 +139,8 @@ from pallas_fa import triton
 from pallas_fa.flex import fused_mods
 from pallas_fa.flex import mods
 from pallas_fa.triton import exp2
-from pallas_fa.triton import int8
 from pallas_fa.triton import kernel as triton_kernel
+from pallas_fa.triton import one_byte
 
 Array = Any
 _F32 = jnp.float32
@@ -368,9 +373,9 @@ def _float16_tiles(cache_dtype) -> bool:
 
 def _tile_as(tile, dtype):
   """A cache tile in the products' dtype: an int8 one to float16 by
-  `int8.to_float16` (five instructions per four values)."""
+  `one_byte.to_float16` (five instructions per four values)."""
   if tile.dtype == jnp.int8 and dtype == jnp.float16:
-    return int8.to_float16(tile)
+    return one_byte.to_float16(tile)
   return tile.astype(dtype)
 
 
@@ -406,7 +411,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             num_pages: int, splits: int, new_tokens: int, real_rows: int,
             scale: float, soft_cap,
             is_causal: bool, window, precision, score_mod=None,
-            mask_mod=None, latent: bool = False, position_offset: int = 0):
+            mask_mod=None, latent: bool = False, position_offset: int = 0,
+            value_words=None):
   # Grid indices at the kernel's top level (the interpreter resolves
   # `program_id` there, not inside loop bodies).
   column = pl.program_id(2) % value_chunks
@@ -446,7 +452,10 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   # chunks, then reads these `parts` once, each serving its Q.K^T term and
   # then P.V into its own [R, chunk] part of the accumulator (see the
   # module docstring: not one [R, Hv] x [Hv, block] product).
-  parts = value_chunk // head_chunk if latent else 1
+  # A 1-byte value cache read as int32 words (`value_words`: its dtype)
+  # takes four parts too, each word's value u (`one_byte.word_values`):
+  # columns u, u + 4, ... of the chunk.
+  parts = value_chunk // head_chunk if latent else 4 if value_words else 1
   part = value_chunk // parts
   other_chunks = head_chunks - parts if latent else head_chunks
   # The value scales: a latent cache's are the key's.
@@ -476,7 +485,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   # into alpha).
   value_dtype, per_key_units = compute, False
   if (compute == jnp.bfloat16 and not latent
-      and _float16_tiles(refs["v"].dtype)):
+      and _float16_tiles(value_words or refs["v"].dtype)):
     value_dtype = jnp.float16
     per_key_units = "v_scale" in refs and "v_scale" not in constant
 
@@ -539,11 +548,17 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
 
   def value_tile(lead, u, valid):
     """Part u of the block's value tile, [block, part]: columns of the key
-    (latent) or of the value, rows past the length (which may hold NaN,
-    and 0 * NaN is NaN in P.V) zeroed."""
-    cols = pl.ds(pl.multiple_of(value_start + u * part, part) if u else
-                 value_start, part)
-    v = _tile_as(refs["k" if latent else "v"][(*lead, cols)], value_dtype)
+    (latent) or of the value (words: each word's value u), rows past the
+    length (which may hold NaN, and 0 * NaN is NaN in P.V) zeroed."""
+    if value_words:
+      cols = None
+      words = refs["v"][(*lead, pl.ds(pl.multiple_of(column * part, part),
+                                      part))]
+      v = one_byte.word_values(words, u, value_words)
+    else:
+      cols = pl.ds(pl.multiple_of(value_start + u * part, part) if u else
+                   value_start, part)
+      v = _tile_as(refs["k" if latent else "v"][(*lead, cols)], value_dtype)
     if valid is not None:
       v = jnp.where(valid[:, None], v, jnp.zeros((), v.dtype))
     return cols, v
@@ -612,7 +627,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     m_i, l_i, p, alpha = online_softmax.update(
         m_i, l_i, s, base2=True, tile_exp=exp2.exp2, scale=exponent_scale)
     if not latent:
-      v_parts = [value_tile(lead, 0, valid)[1]]  # [block, value_chunk]
+      # [block, value_chunk], or its four word parts.
+      v_parts = [value_tile(lead, u, valid)[1] for u in range(parts)]
     v_scale = k_scale if latent else block_scales("v_scale", lead, valid)
     if per_key_units:
       up, down = _power_of_two(v_scale)
@@ -663,14 +679,25 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   m_i, l_i, acc, unit = carry
   if value_dtype != compute and not per_key_units:
     unit = 1 / _P_UNIT
-  for u, a in enumerate(acc):
+  outs = []
+  for a in acc:
     out, lse = online_softmax.finalize(m_i, l_i, a, base2=True)
     if unit is not None:
       out = out * unit
     if v_scale_name in constant:
       out = out * constant[v_scale_name]
-    _store(refs["out"] if parts == 1 else
-           refs["out"].at[:, u * part:(u + 1) * part], out, q_mask)
+    outs.append(out)
+  if parts == 1:
+    _store(refs["out"], outs[0], q_mask)
+  elif not value_words:
+    for u, out in enumerate(outs):
+      _store(refs["out"].at[:, u * part:(u + 1) * part], out, q_mask)
+  elif gpu_target.builds_ptx():
+    # Word part u holds columns u, u + 4, ...: strided stores.
+    for u, out in enumerate(outs):
+      _store(refs["out"].at[:, pl.ds(u, part, stride=parts)], out, q_mask)
+  else:  # The interpreter stores no strided slice: interleaved here.
+    _store(refs["out"], jnp.stack(outs, axis=-1).reshape(rows, -1), q_mask)
   _store(refs["lse"], lse, row_ok)
 
 
@@ -731,6 +758,12 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
   hvp, value_chunk = value_tiling(hv, rows)
   num_value_chunks = hvp // value_chunk
   q = masking.pad_axes(q, {3: hp})
+  # A 1-byte value cache under 16-bit queries (float16 products) is read
+  # as int32 words of four values along the head dim (`one_byte`).
+  value_words = None
+  if (not latent and q.dtype in (jnp.bfloat16, jnp.float16)
+      and one_byte.takes_words(value.dtype)):
+    value_words = value.dtype
   if block_table is None:
     num_blocks = -(-key.shape[1] // block)
     capacity = key.shape[1]
@@ -774,7 +807,10 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       **inputs,
       "k": (key, triton.block_spec((*cache_block, hp), cache_index)),
   }
-  if not latent:
+  if value_words is not None:
+    inputs["v"] = (one_byte.as_words(value), triton.block_spec(
+        (*cache_block, hvp // 4), cache_index))
+  elif not latent:
     inputs["v"] = (value, triton.block_spec((*cache_block, hvp),
                                             cache_index))
   for name, x in (("k_scale", key_scale), ("v_scale", value_scale)):
@@ -814,7 +850,8 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       num_pages=key.shape[0], splits=splits, new_tokens=new_tokens,
       real_rows=r, scale=scale, soft_cap=logits_soft_cap,
       is_causal=is_causal, window=local_window_size, precision=precision,
-      latent=latent, position_offset=position_offset)
+      latent=latent, position_offset=position_offset,
+      value_words=value_words)
   target = gpu_target.current()
   # 0: the local GPU did not say.
   smem = target.shared_memory_per_block if target else 0
