@@ -469,8 +469,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
               for name in ("k_scale", "v_scale")
               if name in refs and math.prod(refs[name].shape) == 1}
   # A 1-byte key tile under bfloat16 queries converts to float16 (float8:
-  # one instruction per two values, int8: five per four, `int8`), to
-  # bfloat16 in three per value (`_float16_queries`).
+  # one instruction per two values, int8: five per four, `one_byte`), not
+  # to bfloat16 (two or three a value; `_float16_queries`).
   key_dtype, q_keys, key_unscale = compute, q_whole, None
   if (compute == jnp.bfloat16 and q_whole is not None and not latent
       and _float16_tiles(refs["k"].dtype)):
