@@ -759,7 +759,9 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     assert by_name["int8"]["calls_per_program"] == 1
     assert "ms_one_call" not in by_name["int8"]
     ratios = {r["name"]: r for r in forms.ratios(rows)}
-    assert set(ratios) == {name for name, *_ in forms.TARGETS}
+    # Every target but the triton-only two-warp cells'.
+    assert set(ratios) == {name for name, *_ in forms.TARGETS} - {
+        "int8_2_warps_vs_4", "fp8_2_warps_vs_4"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])

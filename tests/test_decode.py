@@ -372,6 +372,76 @@ def test_triton_decode_stages_fit_shared_memory(paged, tile, smem, stages):
                                shared_memory=smem) == (4, stages)
 
 
+def test_num_warps_is_checked():
+  """num_warps is triton's (every other implementation, the default
+  included, rejects it by name) and one of Triton's warp counts."""
+  gen = rng("decode num_warps checks")
+  q = jnp.asarray(gen.standard_normal((1, 1, 4, 16)), jnp.float32)
+  k = jnp.asarray(gen.standard_normal((1, 40, 2, 16)), jnp.float32)
+  lengths = jnp.asarray([33])
+  for implementation in (None, "chunked"):
+    with pytest.raises(ValueError, match="num_warps applies to "
+                       "implementation='triton'"):
+      pallas_fa.decode_attention(q, k, k, lengths, num_warps=2,
+                                 implementation=implementation)
+  for bad in (3, 0, True, 2.0, 32):
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or"):
+      pallas_fa.decode_attention(q, k, k, lengths, num_warps=bad,
+                                 implementation="triton")
+
+
+@attention_testing.gpu_jax_only_on_cpu
+def test_triton_num_warps_reaches_every_split_kernel(monkeypatch):
+  """decode_attention(num_warps=2) launches the split kernels (the rows'
+  and a shared prefix's, an int8 cache's under bfloat16 queries) with two
+  warps and leaves the merge's; the results equal the default launch's
+  (interpreted) and the chunked reference."""
+  from pallas_fa import triton as triton_pkg  # noqa: PLC0415
+  launches = []
+  real = triton_pkg.pallas_call
+
+  def spy(kernel, inputs, outputs, grid, warps, stages, name):
+    launches.append((name, warps))
+    return real(kernel, inputs, outputs, grid, warps, stages, name)
+
+  monkeypatch.setattr(triton_pkg, "pallas_call", spy)
+  gen = rng("decode num_warps launches")
+  b, n, num_kv, h, s = 2, 8, 2, 32, 70
+  q = jnp.asarray(gen.standard_normal((b, 1, n, h)), jnp.bfloat16)
+  k, v = (gen.standard_normal((b, s, num_kv, h)).astype(np.float32)
+          for _ in range(2))
+  (k8, ks), (v8, vs) = (pallas_fa.kv_cache.quantize(jnp.asarray(x),
+                                                    jnp.int8)
+                        for x in (k, v))
+  pk, pv = (jnp.asarray(gen.standard_normal((48, num_kv, h)), jnp.bfloat16)
+            for _ in range(2))
+  lengths = jnp.asarray([61, 9])
+  kw = dict(key_scale=ks, value_scale=vs, num_splits=2, block_kv=16,
+            return_residual=True)
+  calls = [dict(), dict(prefix_key=pk, prefix_value=pv)]
+  for extra in calls:
+    got = pallas_fa.decode_attention(q, k8, v8, lengths, num_warps=2,
+                                     implementation="triton", **kw, **extra)
+    default = pallas_fa.decode_attention(q, k8, v8, lengths,
+                                         implementation="triton", **kw,
+                                         **extra)
+    reference = {key: x for key, x in kw.items() if key != "block_kv"}
+    want32, same = (pallas_fa.decode_attention(
+        q.astype(dtype), k8, v8, lengths, implementation="chunked",
+        **reference, **{key: x.astype(dtype) for key, x in extra.items()})
+        for dtype in (jnp.float32, jnp.bfloat16))
+    for a, d, w, w16, part in zip(got, default, want32, same,
+                                  ("out", "lse")):
+      np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                    np.asarray(d, np.float32))
+      assert_close(part, a, w, w16, jnp.bfloat16)
+  split = [warps for name, warps in launches if name == "flash_decode"]
+  merges = {warps for name, warps in launches if name == "flash_decode_merge"}
+  # The rows' kernel with two warps, then by default (four); then the
+  # prefix's and the rows' with two warps each, then by default.
+  assert split == [2, 4, 2, 2, 4, 4] and merges == {4}, launches
+
+
 @pytest.mark.parametrize("paged, extras", [(False, False), (True, True)])
 def test_triton_decode_step_lowers_to_two_kernels(paged, extras):
   """Lowered for an H100 (no GPU needed), a one-token step is the split

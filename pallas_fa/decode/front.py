@@ -72,6 +72,7 @@ def decode_attention(
     sinks: Array | None = None,
     num_splits: int | None = None,
     block_kv: int | None = None,
+    num_warps: int | None = None,
     implementation: str | None = None,
     precision: str | jax.lax.Precision | None = None,
     return_residual: bool = False,
@@ -137,6 +138,11 @@ def decode_attention(
       of 8, or of 32 when quantized) or the contiguous default ("triton":
       a slice of a page, or pages smaller than it gathered several to a
       block).
+    num_warps: "triton" only: warps per program, 1, 2, 4, 8 or 16; default
+      4 for a packed tile of up to 16 rows x 128 value columns, else 8.
+      Fewer warps split a block's keys fewer ways (each warp's share of the
+      softmax reductions is exchanged through shared memory) at more
+      registers a thread.
     implementation: None or "chunked" (jax.numpy, any platform, any head
       dim), "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
       mode, page sizes multiples of 16; float, quantized and latent caches, a
@@ -260,6 +266,7 @@ def decode_attention(
     if x is not None and (not isinstance(x, (int, np.integer))
                           or isinstance(x, bool) or x < 1):
       raise ValueError(f"{name} must be a positive int or None, got {x!r}.")
+  warps = _check_num_warps(num_warps, implementation)
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
   prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv)
@@ -284,7 +291,7 @@ def decode_attention(
   cache = dict(key=key, value=value, value_head_dim=hv, key_scale=key_scale,
                value_scale=value_scale, lengths=lengths,
                block_table=block_table)
-  tiling = dict(num_splits=num_splits, block_kv=block_kv)
+  tiling = dict(num_splits=num_splits, block_kv=block_kv, warps=warps)
   if prefix_key is None:
     out, lse = _own_cache(implementation, query, query_positions, sinks,
                           cache, tiling, static, flex)
@@ -301,7 +308,7 @@ def decode_attention(
     out, lse = kernels.run_with_prefix(
         implementation, query, key, value, lengths, block_table,
         query_positions, sinks, prefix_key, prefix_value, num_splits,
-        block_kv, dict(static, **scales))
+        block_kv, dict(static, **scales, **warps))
     return _result(out, lse, return_residual)
   s_p = prefix_key.shape[0]
   if query_positions is None:
@@ -319,7 +326,8 @@ def decode_attention(
                value_scale=None, block_table=None,
                lengths=jnp.full((1,), s_p, jnp.int32))
     return _own_cache(implementation, query, query_positions, None, row,
-                      dict(num_splits=None, block_kv=None), static, {})
+                      dict(num_splits=None, block_kv=None, warps={}), static,
+                      {})
 
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
                          implementation=implementation, static=static,
@@ -365,7 +373,8 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
     return kernels.run(
         implementation, query, key, value, cache["lengths"],
         cache["block_table"], query_positions, sinks, tiling["num_splits"],
-        tiling["block_kv"], dict(static, **flex, **scales, **latent))
+        tiling["block_kv"],
+        dict(static, **flex, **scales, **latent, **tiling["warps"]))
   if cache["block_table"] is None:
     block = tiling["block_kv"] or chunked.default_block(
         key.shape[1], b, num_kv, h, query.dtype)
@@ -382,6 +391,26 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
       cache["key_scale"], cache["value_scale"], block=int(block),
       splits=int(min(splits, num_blocks)), score_mod=flex["score_mod"],
       mask_mod=flex["mask_mod"], value_head_dim=hv, **static)
+
+
+def _check_num_warps(num_warps, implementation) -> dict:
+  """{"num_warps": n} for the triton kernel's launch, or {} (the default).
+
+  Raises:
+    ValueError: num_warps is not 1, 2, 4, 8 or 16, or is given to an
+      implementation other than "triton" (which has no warps to set).
+  """
+  if num_warps is None:
+    return {}
+  if implementation != "triton":
+    raise ValueError(
+        f"num_warps applies to implementation='triton', got "
+        f"implementation={implementation!r}.")
+  if (not isinstance(num_warps, (int, np.integer))
+      or isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16)):
+    raise ValueError(
+        f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}.")
+  return {"num_warps": int(num_warps)}
 
 
 def _check_value(value, value_head_dim, key, query):

@@ -146,7 +146,7 @@ def run_with_prefix(implementation, query, key, value, lengths, block_table,
 
 
 @functools.partial(jax.jit, static_argnames=plan.STATIC + (
-    "partials", "score_mod", "mask_mod", "value_head_dim"))
+    "partials", "score_mod", "mask_mod", "value_head_dim", "num_warps"))
 def _decode_split_kernel(query, key, value, lengths, block_table,
                          query_positions, sinks, *, partials, block, splits,
                          **static):

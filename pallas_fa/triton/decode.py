@@ -732,7 +732,8 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
                 is_causal: bool, local_window_size, logits_soft_cap,
                 precision, score_mod=None, score_mod_args=(), mask_mod=None,
                 mask_mod_args=(), lists=None, key_scale=None,
-                value_scale=None, value_head_dim=None, position_offset=0):
+                value_scale=None, value_head_dim=None, position_offset=0,
+                num_warps=None):
   """The split kernel on packed queries q [B, K, R, H] (R = G * T_new,
   not padded) and the cache as given; `inputs` holds what tells a program
   its run ("len" and maybe "qpos", each read plus `position_offset`, or a
@@ -857,6 +858,7 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
   smem = target.shared_memory_per_block if target else 0
   warps, stages = _launch(
       rows, max(head_chunk, value_chunk), paged=page_size is not None,
+      warps=num_warps,
       tile_bytes=block * (hp + (0 if latent else value_chunk))
       * key.dtype.itemsize,
       shared_memory=smem or None)
@@ -870,7 +872,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
              local_window_size, logits_soft_cap, precision, score_mod=None,
              score_mod_args=(), mask_mod=None, mask_mod_args=(),
              kinds=None, key_scale=None, value_scale=None,
-             value_head_dim=None):
+             value_head_dim=None, num_warps=None):
   """The kernel's per-split results on the packed layout of `decode`
   (`decode_attention` takes this path with a mask_mod; without one,
   `attention` runs the whole call in two kernels).
@@ -898,6 +900,7 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       (`decode.front`), whose first Hv columns the kernel reads as the
       values from the key tiles (no value operand), the key scales
       dequantizing both.
+    num_warps: None (`_launch`'s default) or the warps per program.
 
   Returns:
     (out float32 [B, K, splits, R, Hv], lse float32 [B, K, splits, R]):
@@ -924,7 +927,8 @@ def partials(q, row_pos, query_positions, key, value, lengths, block_table,
       logits_soft_cap=logits_soft_cap, precision=precision,
       score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
       mask_mod_args=mask_mod_args, lists=lists, key_scale=key_scale,
-      value_scale=value_scale, value_head_dim=value_head_dim)
+      value_scale=value_scale, value_head_dim=value_head_dim,
+      num_warps=num_warps)
   return out[..., :value_head_dim or value.shape[3]], lse
 
 
@@ -938,13 +942,13 @@ def _qpos_input(query_positions):
 @functools.partial(jax.jit, static_argnames=(
     "block", "splits", "scale", "is_causal", "local_window_size",
     "logits_soft_cap", "precision", "score_mod", "mask_mod",
-    "value_head_dim"))
+    "value_head_dim", "num_warps"))
 def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, score_mod=None, score_mod_args=(), mask_mod=None,
               mask_mod_args=(), key_scale=None, value_scale=None,
-              value_head_dim=None):
+              value_head_dim=None, num_warps=None):
   """`decode_attention(implementation="triton")` without a mask_mod, as
   two kernels: the split kernel and the merge.
 
@@ -967,7 +971,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
     sinks: None or float32 [N].
     block, splits, scale, is_causal, local_window_size, logits_soft_cap,
       precision, score_mod, score_mod_args, key_scale, value_scale,
-      value_head_dim: as for `partials` (`mask_mod` must be None).
+      value_head_dim, num_warps: as for `partials` (`mask_mod` must be
+      None).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new,
@@ -985,7 +990,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
       precision=precision, score_mod=score_mod,
       score_mod_args=score_mod_args, key_scale=key_scale,
-      value_scale=value_scale, value_head_dim=value_head_dim)
+      value_scale=value_scale, value_head_dim=value_head_dim,
+      num_warps=num_warps)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = sinks.astype(_F32).reshape(num_kv, g)
@@ -1003,13 +1009,14 @@ def attention(query, key, value, lengths, block_table, query_positions,
 
 @functools.partial(jax.jit, static_argnames=(
     "block", "splits", "prefix_block", "prefix_splits", "scale",
-    "is_causal", "local_window_size", "logits_soft_cap", "precision"))
+    "is_causal", "local_window_size", "logits_soft_cap", "precision",
+    "num_warps"))
 def attention_with_prefix(query, key, value, lengths, block_table,
                           query_positions, sinks, prefix_key, prefix_value,
                           *, block: int, splits: int, prefix_block: int,
                           prefix_splits: int, scale: float, is_causal: bool,
                           local_window_size, logits_soft_cap, precision,
-                          key_scale=None, value_scale=None):
+                          key_scale=None, value_scale=None, num_warps=None):
   """`decode_attention` with a shared prefix, one new token a row, in
   three kernels and the fold's transpose (`decode.kernels.run_with_prefix`):
 
@@ -1035,7 +1042,7 @@ def attention_with_prefix(query, key, value, lengths, block_table,
     block, splits: the rows' kernel's tiling; prefix_block, prefix_splits:
       the prefix's (`decode.kernels._tiling` of the folded row).
     scale, is_causal, local_window_size, logits_soft_cap, precision,
-      key_scale, value_scale: as for `attention`.
+      key_scale, value_scale, num_warps: as for `attention`.
 
   Returns:
     (out [B, 1, N, Hv] in the query's dtype, lse float32 [B, 1, N]).
@@ -1048,7 +1055,8 @@ def attention_with_prefix(query, key, value, lengths, block_table,
   s_p, num_kv, hv = prefix_key.shape[0], key.shape[2], value.shape[3]
   static = dict(scale=scale, is_causal=is_causal,
                 local_window_size=local_window_size,
-                logits_soft_cap=logits_soft_cap, precision=precision)
+                logits_soft_cap=logits_soft_cap, precision=precision,
+                num_warps=num_warps)
   if query_positions is None:
     # The rows' kernel takes its default (its length less one, in its own
     # cache); the prefix's reads each row's length, plus S_p less one.
@@ -1075,7 +1083,7 @@ def _row_partials(query, key, value, lengths, block_table, query_positions,
                   *, block, splits, scale, is_causal, local_window_size,
                   logits_soft_cap, precision, score_mod=None,
                   score_mod_args=(), key_scale=None, value_scale=None,
-                  value_head_dim=None, position_offset=0):
+                  value_head_dim=None, position_offset=0, num_warps=None):
   """The split kernel's partials (`_split_call`) for the queries [B, T_new,
   N, H] packed as [B, K, G * T_new, H]: packed row r of K/V head k is new
   token r % T_new of query head k * G + r // T_new. `query_positions`
@@ -1110,7 +1118,7 @@ def _row_partials(query, key, value, lengths, block_table, query_positions,
       precision=precision, score_mod=score_mod,
       score_mod_args=score_mod_args, key_scale=key_scale,
       value_scale=value_scale, value_head_dim=value_head_dim,
-      position_offset=position_offset)
+      position_offset=position_offset, num_warps=num_warps)
 
 
 # The most float32 elements of a merge program's [splits, rows, columns]
@@ -1283,10 +1291,11 @@ def _add_flex_inputs(inputs, row_pos, *, num_kv, rows, r, new_tokens,
 
 
 def _launch(rows: int, chunk: int, paged: bool = False, *,
-            tile_bytes: int = 0, shared_memory: int | None = None
-            ) -> tuple[int, int]:
+            tile_bytes: int = 0, shared_memory: int | None = None,
+            warps: int | None = None) -> tuple[int, int]:
   """(warps, software-pipeline stages): 4 warps cover a 16-row tile; wider
-  tiles take 8 so the per-thread share of the accumulator stays small.
+  tiles take 8 so the per-thread share of the accumulator stays small
+  (`warps`: the caller's choice instead, `decode_attention(num_warps=)`).
 
   Three stages keep two blocks of keys in flight per program while it
   computes on a third: with two programs an SM (a B = 1 step's grid), two
@@ -1311,7 +1320,8 @@ def _launch(rows: int, chunk: int, paged: bool = False, *,
   it keeps in flight (float32, H = 128, 64 keys: 176,128 B at three
   stages, past an A100's 166,912), and never fewer than one in flight.
   """
-  warps = 4 if rows * chunk <= 16 * 128 else 8
+  if warps is None:
+    warps = 4 if rows * chunk <= 16 * 128 else 8
   # Stages the pipeliner spends on other than K/V blocks in flight.
   spare = 3 if paged else 1
   stages = 5 if paged else 3

@@ -11,7 +11,8 @@ and not timed):
   (with scales), and, secondary, a float32 cache with float32 queries and
   the int8 cache with float32 queries (the kernels compute in the query's
   dtype: this is the float32 path an int8 cache took with float32
-  queries);
+  queries); on triton last, both 1-byte caches with two warps a program
+  (`num_warps=2`) against the default four;
 * `prefix`: B rows sharing a prefix of S_p tokens with S_own tokens each,
   decoded with `prefix_key`/`prefix_value` ("prefix": on triton both
   parts' splits in one merge; "prefix_two_merges" the folded path that
@@ -230,6 +231,21 @@ def dtype_rows(implementation: str, repeats: int, *,
   cells.append(Cell("int8_float32_query", scaled, (q32, *args), int8_refs[0],
                     None, _F32, dict(query_dtype="float32",
                                      cache_dtype=name)))
+  if implementation == "triton":
+    # Last (the window's decode step has a deadline): both 1-byte caches
+    # with two warps a program instead of four (`num_warps`): a block's
+    # keys split two ways, not four, so each warp's softmax reductions
+    # cross fewer warps (SASS per program and 64 keys: 1,794 warp
+    # instructions against 2,216 for int8).
+    for form, _, form_args, form_refs in quantized:
+      def warped(q, k, v, lengths, ks, vs):
+        return decode(q, k, v, lengths, key_scale=ks, value_scale=vs,
+                      num_warps=2)
+
+      cells.append(Cell(f"{form}_2_warps", warped, (q, *form_args),
+                        *form_refs, _BF16,
+                        dict(query_dtype="bfloat16", cache_dtype=form,
+                             num_warps=2)))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -360,6 +376,10 @@ TARGETS = (
     # The 1-byte tiling (four programs an SM) no slower than the 16-bit one.
     ("int8_vs_33_splits", "dtype", "int8", "int8_33_splits", 1.0),
     ("int8_vs_128_keys", "dtype", "int8", "int8_128_keys_33_splits", 1.0),
+    # Two warps a program (triton only) against the default four.
+    ("int8_2_warps_vs_4", "dtype", "int8_2_warps", "int8", 1.0),
+    ("fp8_2_warps_vs_4", "dtype", "float8_e4m3fn_2_warps", "float8_e4m3fn",
+     1.0),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
     ("prefix_vs_prefix_flash", "prefix", "prefix", "prefix_flash", 1.0),
     # Both parts' splits in one merge kernel: four launches instead of eight.

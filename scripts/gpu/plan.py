@@ -117,8 +117,9 @@ _DECODE = Step(
   "forms (decode_benchmark.py --cache_forms) with bf16 queries: int8 "
   "and float8 caches against bf16, the shared prefix against the "
   "materialised concatenation, paged against contiguous, T_new = 4 "
-  "against 1, the latent cache against separate K and V, and the "
-  "float32-query cells beside them",
+  "against 1, the latent cache against separate K and V, the "
+  "float32-query cells beside them, and both 1-byte caches with two "
+  "warps a program against four",
 )
 _KERNELS = Step(
   name="kernels",
