@@ -682,7 +682,8 @@ def _not_measured(facts: dict) -> str:
       missing.append(text)
   if SOURCES["gpu_forms_stages"] != DECODE_STAGES:
     missing.append(f"the decode cache forms at the default {DECODE_STAGES} "
-                   "pipeline stages")
+                   "pipeline stages (and the 1-byte caches' float16 "
+                   "conversions, values read as words, `num_warps=2`)")
   if not missing:
     return ""
   return ("Not measured yet on a GPU: " + ", ".join(missing) + "; what the "
