@@ -54,27 +54,28 @@ def test_triton_quantized_decode_with_a_bfloat16_query():
 
 
 @pytest.mark.parametrize(
-    "cache_dtype, page_size, scale_form, query_scale, value_scale", [
-        (jnp.float8_e4m3fn, None, "full", 1, 1),
-        (jnp.float8_e5m2, 16, "full", 1, 2**20),
-        (jnp.float8_e4m3fn, 16, "full", 2**16, 2**-24),
-        (jnp.float8_e4m3fn, None, "head", 2**16, 1),
-        (jnp.float8_e5m2, None, "scalar", 1, 1),
-        (jnp.int8, None, "full", 2**16, 2**-24),
-        (jnp.int8, 16, "head", 1, 2**20)])
+    "cache_dtype, page_size, scale_form, query_scale, value_scale, h", [
+        (jnp.float8_e4m3fn, None, "full", 1, 1, 32),
+        (jnp.float8_e5m2, 16, "full", 1, 2**20, 128),
+        (jnp.float8_e4m3fn, 16, "full", 2**16, 2**-24, 32),
+        (jnp.float8_e4m3fn, None, "head", 2**16, 1, 128),
+        (jnp.float8_e5m2, None, "scalar", 1, 1, 32),
+        (jnp.int8, None, "full", 2**16, 2**-24, 128),
+        (jnp.int8, 16, "head", 1, 2**20, 128),
+        (jnp.int8, None, "full", 1, 1, 32)])
 def test_triton_1_byte_cache_in_float16_under_a_bfloat16_query(
-    cache_dtype, page_size, scale_form, query_scale, value_scale):
+    cache_dtype, page_size, scale_form, query_scale, value_scale, h):
   """A float8 or int8 cache under bfloat16 queries multiplies in float16: the
   queries scaled by a power of two into float16's range (queries past its
   largest value, 65504, and all-zero ones decode as in bfloat16), P by
   one per block from the block's value scales (per entry, NaN past the
   lengths; 2^20 times smaller or 2^24 larger than the values' own, past
   float16's range) or by a constant (one per K/V head or for the
-  cache)."""
+  cache); at H = 128 the values read as int32 words (`one_byte`)."""
   quantized.check_quantized_decode_with_a_narrow_query(
       "triton", jnp.bfloat16, cache_dtype=cache_dtype,
       query_scale=query_scale, value_scale=value_scale,
-      page_size=page_size, scale_form=scale_form)
+      page_size=page_size, scale_form=scale_form, h=h)
 
 
 @pytest.mark.parametrize("dtype, scale_form, t, splits", [
@@ -218,8 +219,8 @@ def test_1_byte_tiles_convert_inline_when_built(monkeypatch):
   monkeypatch.setattr(one_byte.pltriton, "elementwise_inline_asm", spy)
   spec = jax.ShapeDtypeStruct
 
-  def lowered(dtype):
-    kv = spec((1, 96, 2, 64), dtype)
+  def lowered(dtype, h=128):
+    kv = spec((1, 96, 2, h), dtype)
     scales = spec((1, 96, 2), jnp.float32)
 
     def decode(q, k, v, ks, vs):
@@ -229,7 +230,7 @@ def test_1_byte_tiles_convert_inline_when_built(monkeypatch):
 
     with gpu_target.compile_for(gpu_target.H100):
       return jax.jit(decode).trace(
-          spec((1, 1, 4, 64), jnp.bfloat16), kv, kv, scales,
+          spec((1, 1, 4, h), jnp.bfloat16), kv, kv, scales,
           scales).lower(lowering_platforms=("cuda",)).as_text()
 
   text = lowered(jnp.int8)
@@ -242,13 +243,20 @@ def test_1_byte_tiles_convert_inline_when_built(monkeypatch):
     parts = [c for c in calls if c[0] == one_byte._int8_pair(j)]
     assert len(parts) == len(keys) and all(
         pack == 2 and dtype == jnp.int32 for _, pack, dtype in parts), calls
-  assert "tensor<1x96x2x16xi32>" in text.replace(" ", ""), text[:2000]
+  assert "tensor<1x96x2x32xi32>" in text.replace(" ", ""), text[:2000]
   built = len(calls)
   lowered(jnp.float8_e4m3fn)
   fp8 = calls[built:]
   for j in range(4):
     assert one_byte._float8_pair(j, jnp.float8_e4m3fn) in [
         c[0] for c in fp8], fp8
+  # Value chunks under 128 columns stay byte tiles (their quarter-width
+  # products would take about twice the registers).
+  built = len(calls)
+  text = lowered(jnp.int8, h=64)
+  assert not any(c[0] == one_byte._int8_pair(0) for c in calls[built:])
+  assert "tensor<1x96x2x16xi32>" not in text.replace(" ", "")
+  assert "tensor<1x96x2x64xi8>" in text.replace(" ", "")
   built = len(calls)
   gen = rng("1-byte tiles interpreted")
   x = jnp.asarray(gen.integers(-128, 128, (16, 64)), jnp.int8)

@@ -67,8 +67,9 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   takes two or three a value), and both products run in float16: the
   queries and P scaled by powers of two into float16's range, which
   keeps every bit of bfloat16 queries (`_float16_queries`) and more of
-  P's than bfloat16 does. Under 16-bit queries a 1-byte value cache is
-  read as int32 words of four values along the head dim (a bitcast), and
+  P's than bfloat16 does. Under 16-bit queries a 1-byte value cache with
+  value chunks of 128 columns or more (`_WORDS_MIN_COLUMNS`) is read as
+  int32 words of four values along the head dim (a bitcast), and
   each value tile as four parts of a quarter of its columns
   (`one_byte.word_values`: Triton then loads a word, not a byte, per
   value pair of the product's operand), the parts' results stored with a
@@ -153,6 +154,12 @@ _MIN = triton.MIN_BLOCK
 # ptxas (`scripts/compile_check.py --variants=decode`) so that nothing
 # spills. The value tile may be wider: every value chunk past the first
 # re-reads K.
+# The narrowest value chunk read as words (`one_byte.word_values`): its
+# four products are a quarter as wide, and under 32 columns each Triton
+# lays them out at about twice the registers (sm_90a, bf16 queries, 16
+# rows: int8 at H = 64, 80 -> 200; float8 96 -> 168; at H = 128 and 256
+# no more than before), which would halve the programs an SM holds.
+_WORDS_MIN_COLUMNS = 128
 _KEY_CHUNK = 256
 _VALUE_CHUNK = 1024
 _TILE_ELEMENTS = 1 << 14
@@ -760,10 +767,12 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
   num_value_chunks = hvp // value_chunk
   q = masking.pad_axes(q, {3: hp})
   # A 1-byte value cache under 16-bit queries (float16 products) is read
-  # as int32 words of four values along the head dim (`one_byte`).
+  # as int32 words of four values along the head dim (`one_byte`), where
+  # each program's value chunk is wide enough.
   value_words = None
   if (not latent and q.dtype in (jnp.bfloat16, jnp.float16)
-      and one_byte.takes_words(value.dtype)):
+      and one_byte.takes_words(value.dtype)
+      and value_chunk >= _WORDS_MIN_COLUMNS):
     value_words = value.dtype
   if block_table is None:
     num_blocks = -(-key.shape[1] // block)

@@ -17,7 +17,8 @@ Triton reads a 1-byte tile into that layout from shared memory one byte
 a value (LDS.U8, then byte permutes to pack them: 64 loads and 48 PRMT
 per thread per 64 keys at H = 128, in both 1-byte forms). So the value
 cache comes in as int32 words of four values along the head dim
-(`as_words`, a bitcast of the cache, no copy), the tile as [keys, Hv / 4]
+(`as_words`, a bitcast of the cache, no copy; where a program's value
+chunk has 128 columns or more), the tile as [keys, Hv / 4]
 words, and `word_values(w, j)` is the float16 tile of each word's value j
 (head-dim columns j, j + 4, ...): one instance takes the words of two
 consecutive keys, which Triton loads 4 bytes at a time straight into the
