@@ -372,12 +372,6 @@ def _float16_queries(q):
   return (q.astype(_F32) * up).astype(jnp.float16), down
 
 
-def _float16_tiles(cache_dtype) -> bool:
-  """Whether a cache's tiles convert to float16 for bfloat16 queries: the
-  1-byte ones (float16 holds every int8 and float8 value)."""
-  return quantize.is_fp8(cache_dtype) or cache_dtype == jnp.int8
-
-
 def _tile_as(tile, dtype):
   """A cache tile in the products' dtype: an int8 one to float16 by
   `one_byte.to_float16` (five instructions per four values)."""
@@ -480,7 +474,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   # to bfloat16 (two or three a value; `_float16_queries`).
   key_dtype, q_keys, key_unscale = compute, q_whole, None
   if (compute == jnp.bfloat16 and q_whole is not None and not latent
-      and _float16_tiles(refs["k"].dtype)):
+      and quantize.is_quantized(refs["k"].dtype)):
     key_dtype = jnp.float16
     q_keys, key_unscale = _float16_queries(q_whole)
   # A 1-byte value tile likewise multiplies P in float16, P scaled by a
@@ -492,7 +486,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
   # into alpha).
   value_dtype, per_key_units = compute, False
   if (compute == jnp.bfloat16 and not latent
-      and _float16_tiles(value_words or refs["v"].dtype)):
+      and quantize.is_quantized(value_words or refs["v"].dtype)):
     value_dtype = jnp.float16
     per_key_units = "v_scale" in refs and "v_scale" not in constant
 
@@ -771,7 +765,7 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
   # each program's value chunk is wide enough.
   value_words = None
   if (not latent and q.dtype in (jnp.bfloat16, jnp.float16)
-      and one_byte.takes_words(value.dtype)
+      and quantize.is_quantized(value.dtype)
       and value_chunk >= _WORDS_MIN_COLUMNS):
     value_words = value.dtype
   if block_table is None:

@@ -40,7 +40,6 @@ import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_fa import gpu_target
-from pallas_fa import quantize
 
 # `prmt.b32 d, a, b, sel` takes result byte i (from the lowest) from byte
 # `sel`'s nibble i of {b, a} (0-3: a's, 4-7: b's).
@@ -99,11 +98,6 @@ def to_float16(x):
       _TO_FLOAT16, args=[x], constraints="=r,=r,r", pack=4,
       result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
   return out
-
-
-def takes_words(dtype) -> bool:
-  """Whether a value cache of this dtype comes in as words (`as_words`)."""
-  return jnp.dtype(dtype) == jnp.int8 or quantize.is_fp8(dtype)
 
 
 def as_words(x):
