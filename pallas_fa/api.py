@@ -61,13 +61,6 @@ AUTO_ORDER = {
     "tpu": ("mosaic_tpu", "chunked"),
     "cpu": ("chunked",),
 }
-# Backends the automatic choice passes over for float8 inputs, which they
-# run only when named: mosaic_gpu's e4m3 forward has compiled for the H100
-# but not yet run on one (its P operand's register order comes from the
-# PTX ISA's fragment tables), so until a GPU run confirms it a float8 call
-# without `implementation` goes to triton.
-AUTO_FLOAT8_SKIPS = ("mosaic_gpu",)
-
 _FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
 
@@ -561,11 +554,7 @@ def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
     backend.check_call(*call.for_backend(backend).arrays)
     return backend
   reasons = []
-  float8 = call.scales is not None
   for name in AUTO_ORDER.get(platform(), ("chunked",)):
-    if float8 and name in AUTO_FLOAT8_SKIPS:
-      reasons.append(f"{name}: runs float8 when named only")
-      continue
     try:
       backend = get_backend(name)
     except NotImplementedError as e:
@@ -776,14 +765,17 @@ def flash_attention(
   the 1-byte tiles and runs both products on them converted in registers
   to float16 (exact), float32 accumulation, P rounded to float16, the
   scales applied to the float32 logits, P and the output;
-  `mosaic_gpu` (Hopper, e4m3; by name only for now, `AUTO_FLOAT8_SKIPS`)
-  runs both products on 8-bit wgmma, V transposed outside the kernel and
-  P rounded to e4m3 in registers with FlashAttention-3's offset of 2^8;
+  `mosaic_gpu` (Hopper, e4m3; the automatic choice there) runs both
+  products on 8-bit wgmma, V transposed outside the kernel and P rounded
+  to e4m3 in registers with FlashAttention-3's offset of 2^8 (the 8-bit
+  products accumulate in fewer bits than float32: its logsumexp is within
+  about 2^-12 of sum_i |q_i k_i| * scale, against float32's rounding);
   `mosaic_tpu` raises NotImplementedError (implementation=None moves on).
   Gradients: the scales (and bias, sinks, score_mod_args) get the
   float32 gradients of that attention, from a backward run on the float32
   dequantized inputs with the forward's output (exact after `xla` and
-  `chunked`, within `triton`'s rounding of P after it). The float8 arrays
+  `chunked`, within `triton`'s rounding of P and `mosaic_gpu`'s logits
+  after them). The float8 arrays
   themselves are not differentiated (a TypeError): JAX types their
   cotangent float8, which would round typical gradients to zero. With
   `quantize`, the high-precision query, key and value get the gradient of

@@ -6,10 +6,20 @@ between the two markers (`BEGIN`, `END`) is generated here from the files
 named in `SOURCES` under benchmarks/results/, and a test checks that the
 committed README equals what this script makes of the committed JSONs.
 
+The GPU run of record is `h200_b85705a/`: its benchmark.py JSONs (the main
+one first; a later process's file fills cells the main one lost, and where
+two hold a cell the earlier file's is shown), gpu_check.py's summary (the
+date and deadlines; the commit and toolchain versions where its env step
+ran, else the `environment.json` written beside it by a separate command),
+its decode.json, and its decode cache forms (`decode_forms.json`,
+`decode_latent.json`) with the targets decode_benchmark.py sets. Earlier
+GPU runs are linked as history (`gpu_history`), not tabled.
+
 After a GPU window, commit its files (a folder per run, as
-`h200_ff8094b/`), point `SOURCES` at them (a run on another GPU adds its
-own files; a run that names a GPU_COLUMNS candidate otherwise gets a
-GPU_RENAMED entry) and run (from the repository root):
+`h200_b85705a/`), point `SOURCES` at them, move the previous run of record
+into `gpu_history` (a run on another GPU adds its own files; a run that
+names a GPU_COLUMNS candidate otherwise gets a GPU_RENAMED entry) and run
+(from the repository root):
 
   python scripts/readme_performance.py
 
@@ -17,8 +27,8 @@ GPU_RENAMED entry) and run (from the repository root):
 lacks a field the section needs is a ValueError naming the file and field.
 The "not measured yet" line is worked out from the data too (GPU kinds,
 the table's candidates, causal cuDNN cells, the planned shapes a run lost,
-head dims and dtypes, the tile and head-section variants, the decode
-kernel's pipeline depth), so it shrinks as windows measure those.
+head dims and dtypes, the tile, head-section and float8 variants, cuDNN's
+FP8), so it shrinks as windows measure those.
 """
 
 from __future__ import annotations
@@ -42,31 +52,39 @@ END = "<!-- performance: end -->"
 
 # Which committed files the section shows, relative to RESULTS.
 SOURCES = {
-    # benchmark.py --json reports of the GPU run of record (merged per
-    # implementation).
-    "gpu_bench": ("h200_ff8094b/bench.json",),
-    # gpu_check.py's summary.json of that run: CUDA, cuDNN and the commit,
-    # which benchmark.py's JSON does not record.
-    "gpu_summary": "h200_ff8094b/summary.json",
-    "gpu_decode": "h200_ff8094b/decode.json",
+    # benchmark.py --json reports of the GPU run of record, merged per
+    # cell. Where two hold the same cell the earlier file's is shown: the
+    # later ones are other processes that measured what the first lost
+    # (the T = 4096 causal fwd+bwd cells) or apart from it (head sections).
+    "gpu_bench": ("h200_b85705a/bench.json",
+                  "h200_b85705a/bench_4k_fwd_bwd.json",
+                  "h200_b85705a/bench_head_sections.json"),
+    # gpu_check.py's summary.json of that run: the date and the deadlines;
+    # the commit, CUDA, cuDNN and ptxas where its env step ran.
+    "gpu_summary": "h200_b85705a/summary_speed.json",
+    # The same versions, read by a separate command: this run's env step
+    # was skipped. Read only for what the summary lacks (None: no file).
+    "gpu_environment": "h200_b85705a/environment.json",
+    "gpu_decode": "h200_b85705a/decode.json",
+    # decode_benchmark.py --cache_forms reports (cells and target ratios),
+    # merged as the bench files are: the latent form ran in its own process.
+    "gpu_forms": ("h200_b85705a/decode_forms.json",
+                  "h200_b85705a/decode_latent.json"),
     # The run's notes: its tables, what did not finish and why.
-    "gpu_notes": "h200_ff8094b/README.md",
-    # The decode cache forms: a later probe's cells are the ones shown (bf16
-    # queries, 20 calls per program); the run of record's own, timed one
-    # call per program with float32 queries, get one line.
-    "gpu_forms": "h200_probe_2026-11-28/decode_forms.json",
-    "gpu_forms_notes": "h200_probe_2026-11-28/README.md",
-    "gpu_forms_of_record": "h200_ff8094b/decode_forms.json",
-    # What those JSONs cannot say: the query dtype of the run of record's
-    # cells, and the triton decode kernel's software-pipeline stages in the
-    # probe (`triton.decode._launch`).
-    "gpu_forms_of_record_query": "float32",
-    "gpu_forms_stages": 2,
-    # The first GPU run (T = 4096 too), linked, not tabled.
-    "gpu_first_bench": ("h200_bench_16k.json", "h200_bench_4k.json"),
-    "gpu_first_summary": "h200_gpu_check_summary.json",
-    "gpu_first_notes": "h200.md",
-    "gpu_first_plot": "h200.png",
+    "gpu_notes": "h200_b85705a/README.md",
+    # Earlier GPU runs, newest first: linked with what they measured, not
+    # tabled. Each names its notes and any of: gpu_check.py's summary (the
+    # commit and date), benchmark.py JSONs, cache-form JSONs, a plot.
+    "gpu_history": (
+        {"summary": "h200_ff8094b/summary.json",
+         "bench": ("h200_ff8094b/bench.json",),
+         "notes": "h200_ff8094b/README.md"},
+        {"forms": ("h200_probe_2026-11-28/decode_forms.json",),
+         "notes": "h200_probe_2026-11-28/README.md"},
+        {"summary": "h200_gpu_check_summary.json",
+         "bench": ("h200_bench_16k.json", "h200_bench_4k.json"),
+         "notes": "h200.md", "plot": "h200.png"},
+    ),
     "cpu_bench": "cpu_tokamax.json",
     "cpu_decode": "decode_cpu.json",
     "cpu_plot": "cpu_tokamax.png",
@@ -76,7 +94,8 @@ SOURCES = {
 
 # The GPU table's columns: (the candidate's name in benchmark.py's JSON,
 # its header). The ratios are taken against GPU_PEER (benchmark.py's
-# "speedup_vs_cudnn": cuDNN's time / this time, both in the same run).
+# "speedup_vs_cudnn": cuDNN's time / this time, both in the same run; for
+# a file that timed no cuDNN cell, against the table's cuDNN cell).
 # mosaic_gpu's default backward is the fused one; the split backward is
 # what `deterministic_backward=True` runs.
 GPU_COLUMNS = (
@@ -89,7 +108,9 @@ GPU_COLUMNS = (
 # Runs made before the fused backward became the default name the split
 # one plain `mosaic_gpu`: {file: {its name: the column's name}}.
 GPU_RENAMED = {
-    "h200_ff8094b/bench.json": {"mosaic_gpu": "mosaic_gpu:backward=split"},
+    name: {"mosaic_gpu": "mosaic_gpu:backward=split"}
+    for name in ("h200_ff8094b/bench.json", "h200_bench_16k.json",
+                 "h200_bench_4k.json")
 }
 GPU_PEER = "jax:cudnn"
 CPU_IMPL = "chunked"
@@ -100,8 +121,9 @@ GPU_KINDS = ("H100", "H200", "A100")
 GPU_HEAD_DIMS = (64, 128, 256)
 GPU_DTYPES = ("bfloat16", "float16")
 # mosaic_gpu and triton variants (benchmark.py `--impls=NAME:FIELD=VALUE`,
-# the tile variants of scripts/gpu/steps.py): a pattern matched against
-# the candidates' names, and what the not-measured line calls it.
+# the tile variants of scripts/gpu/steps.py) and the float8 candidates: a
+# pattern matched against the candidates' names, and what the not-measured
+# line calls it.
 VARIANTS = {
     r"^mosaic_gpu:backward=fused$":
         'the fused backward, the default (`MosaicGpuBlockSizes(backward='
@@ -118,14 +140,13 @@ VARIANTS = {
     r"^mosaic_gpu:(.*:)?intra_overlap=true":
         "the forward's software-pipelined key loop "
         "(`MosaicGpuBlockSizes.intra_overlap`)",
-    r"\+e4m3$": "float8 (e4m3) inputs and cuDNN's FP8",
+    r"^(?!jax:).*\+e4m3$": "float8 (e4m3) inputs",
+    r"^jax:cudnn_fp8\+e4m3$": "cuDNN's FP8 forward",
     r"^mosaic_gpu:(.*:)?poly_exp2=":
         "part of the exponentials on the FMA pipe "
         "(`MosaicGpuBlockSizes.poly_exp2`)",
     r"^triton:(.*:)?block_kv=": "`triton` at 128-key tiles",
 }
-# The triton decode kernel's software-pipeline stages by default.
-DECODE_STAGES = 3
 
 FLAGS = flags.FLAGS
 
@@ -194,149 +215,367 @@ def _sentence_list(items: Sequence[str]) -> str:
           else "".join(items))
 
 
-def _env(summary: _Source) -> dict:
-  """gpu_check.py's environment record of a run."""
-  return summary.get(summary.data, "steps", "env", "env")
+def _names(key: str) -> tuple[str, ...]:
+  """The file names of a SOURCES entry: one, several or none."""
+  value = SOURCES.get(key)
+  if value is None:
+    return ()
+  return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _commit(summary: _Source) -> str:
-  return str(summary.get(_env(summary), "commit",
-                         where="['steps']['env']['env']"))[:7]
+# The run's environment as gpu_check.py's env step records it, under the
+# summary's "steps"; environment.json holds the same fields at its top.
+_ENV_WHERE = "['steps']['env']['env']"
+
+
+def _env_record(summary: _Source) -> dict:
+  """gpu_check.py's environment record of a run; {} where its env step
+  did not run."""
+  steps = summary.get(summary.data, "steps")
+  return (steps.get("env") or {}).get("env") or {}
+
+
+def _run_value(field: str, summary: _Source,
+               environment: _Source | None = None,
+               required: bool = True) -> Any:
+  """A field of the run's environment: the summary's env record's, else
+  environment.json's; None if neither has it and it is not `required`."""
+  for obj in (_env_record(summary),
+              environment.data if environment else {}):
+    if isinstance(obj, dict) and field in obj:
+      return obj[field]
+  if not required:
+    return None
+  if environment is None:
+    raise ValueError(f"{summary.name}: no field {_ENV_WHERE}[{field!r}] "
+                     "(the README's Performance section needs it)")
+  raise ValueError(
+      f"{environment.name}: no field [{field!r}], nor has {summary.name} "
+      f"one under {_ENV_WHERE} (the README's Performance section needs it)")
+
+
+# The toolchain the GPU paragraph names: (its name there, the environment
+# field, whether the section needs it). gpu_check.py writes the CUDA
+# runtime and cuDNN as integers (13000, 91900), ptxas as its banner;
+# environment.json as version strings, without the CUDA runtime.
+_TOOLCHAIN = (("CUDA runtime", "cuda_runtime", False),
+              ("cuDNN", "cudnn", True), ("ptxas", "ptxas", True))
+# An integer version's (major, minor) divisors.
+_INT_VERSION = {"cuda_runtime": (1000, 10), "cudnn": (10000, 100)}
+
+
+def _version(field: str, value: Any) -> str:
+  """A toolchain version as major.minor, from either way of writing it."""
+  if isinstance(value, int) and field in _INT_VERSION:
+    major, minor = _INT_VERSION[field]
+    return f"{value // major}.{value % major // minor}"
+  match = re.search(r"\d+\.\d+", str(value))
+  return match.group(0) if match else str(value)
+
+
+def _toolchain(summary: _Source, environment: _Source | None) -> str:
+  """'CUDA runtime 13.0, cuDNN 9.19, ptxas 13.0', what the run recorded."""
+  parts = []
+  for name, field, required in _TOOLCHAIN:
+    value = _run_value(field, summary, environment, required)
+    if value is not None:
+      parts.append(f"{name} {_version(field, value)}")
+  return ", ".join(parts)
+
+
+def _date(summary: _Source) -> str:
+  return str(summary.get(summary.data, "date_utc"))[:10]
+
+
+def _tree(src: _Source) -> str:
+  """What a decode_benchmark.py JSON ran: a commit, or the working tree
+  after one."""
+  commit = src.get(src.data, "commit")
+  sha = str(src.get(commit, "commit", where="['commit']"))[:7]
+  return (f"the working tree after `{sha}`" if commit.get("modified")
+          else f"commit `{sha}`")
 
 
 # The GPU table's modes, in its order: "bwd" is fwd+bwd less fwd of the
 # same candidate, at 2.5x the forward's FLOPs.
 _GPU_MODES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd alone"}
+# The fields of a benchmark.py result the section reads: {its name here:
+# the JSON's}.
+_RECORD_FIELDS = {
+    "impl": "impl", "mode": "mode", "causal": "causal", "batch": "batch",
+    "seq_len": "seq_len", "heads": "heads", "head_dim": "head_dim",
+    "dtype": "dtype", "ms": "ms", "flops": "flops",
+    "flops_per_s": "flops_per_s", "vs_peer": "speedup_vs_cudnn"}
+# benchmark.py names a float8 candidate '<impl>+e4m3' and gives it its
+# speed-ups against its own bfloat16 cell and against cuDNN's FP8 one.
+_FLOAT8 = "+e4m3"
+_FLOAT8_FIELDS = {"vs_bf16": "speedup_vs_bf16",
+                  "vs_fp8_peer": "speedup_vs_cudnn_fp8"}
+# A planned shape: the fields of a settings['shapes'] entry.
+_SHAPE_FIELDS = ("dtype", "batch", "seq_len", "head_dim", "causal")
+
+
+def _bench_records(src: _Source) -> list[dict]:
+  """The ok cells of a benchmark.py JSON, under the columns' names, each
+  with the file it came from."""
+  renamed = GPU_RENAMED.get(src.name, {})
+  records = []
+  for where, r in src.records("results"):
+    if not _ok(src, where, r):
+      continue
+    fields = dict(_RECORD_FIELDS)
+    if str(src.get(r, "impl", where=where)).endswith(_FLOAT8):
+      fields.update(_FLOAT8_FIELDS)
+    rec = {k: src.get(r, f, where=where) for k, f in fields.items()}
+    rec["impl"] = renamed.get(rec["impl"], rec["impl"])
+    rec["source"] = src.name
+    records.append(rec)
+  return records
+
+
+def _planned(src: _Source) -> set[tuple]:
+  """The shapes a benchmark.py JSON's command planned (_SHAPE_FIELDS)."""
+  where = "['meta']['settings']['shapes']"
+  return {tuple(src.get(shape, f, where=f"{where}[{i}]")
+                for f in _SHAPE_FIELDS)
+          for i, shape in enumerate(
+              src.get(src.data, "meta", "settings", "shapes"))}
+
+
+def _table_cells(records: list[dict]) -> tuple[dict, dict]:
+  """{(impl, mode, causal, T): cell} of the table's candidates, the
+  earlier file's where two hold a cell, with the backward alone and every
+  ratio against cuDNN; and {file: [its time / the shown cell's]} of the
+  cells a later file repeats."""
+  columns = {impl for impl, _ in GPU_COLUMNS}
+  cells: dict[tuple, dict] = {}
+  repeated: dict[str, list[float]] = {}
+  for rec in records:
+    if rec["impl"] not in columns:
+      continue
+    key = (rec["impl"], rec["mode"], rec["causal"], rec["seq_len"])
+    if key in cells:
+      repeated.setdefault(rec["source"], []).append(
+          rec["ms"] / cells[key]["ms"])
+    else:
+      cells[key] = dict(rec)
+  _add_backward_alone(cells)
+  for (impl, mode, causal, t), cell in cells.items():
+    peer = cells.get((GPU_PEER, mode, causal, t))
+    if impl != GPU_PEER and cell.get("vs_peer") is None and peer:
+      cell["vs_peer"] = peer["ms"] / cell["ms"]
+  return cells, repeated
+
+
+def _add_backward_alone(cells: dict) -> None:
+  """The backward alone: fwd+bwd less fwd of the same candidate and cell,
+  both from one file (two processes' times are not subtracted)."""
+  for (impl, mode, causal, t), both in list(cells.items()):
+    fwd = cells.get((impl, "fwd", causal, t))
+    if (mode == "fwd_bwd" and fwd and fwd["source"] == both["source"]
+        and both["ms"] > fwd["ms"]):
+      ms = both["ms"] - fwd["ms"]
+      cells[(impl, "bwd", causal, t)] = {
+          "ms": ms, "flops_per_s": 2.5 * fwd["flops"] / (ms / 1e3),
+          "source": both["source"], "vs_peer": None}
 
 
 def _gpu(results: pathlib.Path) -> tuple[list[str], dict]:
-  """The GPU paragraph, table and decode lines; for the not-measured line,
-  what the run covered (`facts`)."""
-  benches = [_Source(results, n) for n in SOURCES["gpu_bench"]]
+  """The GPU paragraphs and tables; for the not-measured line, what the
+  run covered (`facts`)."""
+  benches = [_Source(results, n) for n in _names("gpu_bench")]
   summary = _Source(results, SOURCES["gpu_summary"])
-  env = _env(summary)
-  where_env = "['steps']['env']['env']"
-  cudnn = int(summary.get(env, "cudnn", where=where_env))
-  cuda = int(summary.get(env, "cuda_runtime", where=where_env))
-  date = str(summary.get(summary.data, "date_utc"))[:10]
-  columns = [impl for impl, _ in GPU_COLUMNS]
+  environment = next(
+      (_Source(results, n) for n in _names("gpu_environment")), None)
+  records = [rec for src in benches for rec in _bench_records(src)]
+  cells, repeated = _table_cells(records)
+  forms = _forms(results)
+  lines = [_gpu_paragraph(benches, summary, environment, cells), "",
+           *_gpu_table(cells, benches[0].name)]
+  footnote = _gpu_footnote(records, cells, repeated, benches[0].name)
+  if footnote:
+    lines += ["", footnote]
+  float8 = _gpu_float8(records)
+  if float8:
+    lines += ["", *float8]
+  lines += ["", *_gpu_decode(results, forms), "", *_gpu_forms(forms), "",
+            _gpu_history(results)]
+  return lines, _gpu_facts(benches, summary, records)
 
-  cells: dict[tuple, dict] = {}
-  owner: dict[tuple, str] = {}
-  shapes, dtypes, head_dims, repeats, records = set(), set(), set(), set(), []
-  planned = set()
-  for src in benches:
-    renamed = GPU_RENAMED.get(src.name, {})
-    settings = src.get(src.data, "meta", "settings")
-    where_settings = "['meta']['settings']"
-    repeats.add(src.get(settings, "repeats", where=where_settings))
-    for i, shape in enumerate(src.get(settings, "shapes",
-                                      where=where_settings)):
-      planned.add(tuple(
-          src.get(shape, f, where=f"{where_settings}['shapes'][{i}]")
-          for f in ("batch", "seq_len", "head_dim")))
-    for where, r in src.records("results"):
-      if not _ok(src, where, r):
-        continue
-      impl = src.get(r, "impl", where=where)
-      impl = renamed.get(impl, impl)
-      key = tuple(src.get(r, f, where=where)
-                  for f in ("mode", "causal", "seq_len"))
-      rec = {"impl": impl, "mode": key[0], "causal": key[1],
-             "seq_len": key[2],
-             "batch": src.get(r, "batch", where=where),
-             "head_dim": src.get(r, "head_dim", where=where),
-             "dtype": src.get(r, "dtype", where=where),
-             "ms": src.get(r, "ms", where=where),
-             "flops": src.get(r, "flops", where=where),
-             "flops_per_s": src.get(r, "flops_per_s", where=where),
-             "vs_peer": src.get(r, "speedup_vs_cudnn", where=where)}
-      records.append(rec)
-      if impl not in columns:
-        continue
-      if (impl, *key) in cells:
-        raise ValueError(
-            f"{src.name}: {impl} {key} is also in {owner[(impl, *key)]}; "
-            "each cell must come from one file")
-      cells[(impl, *key)], owner[(impl, *key)] = rec, src.name
-      shapes.add((rec["batch"], key[2], src.get(r, "heads", where=where)))
-      dtypes.add(rec["dtype"])
-      head_dims.add(rec["head_dim"])
 
-  # The backward alone: fwd+bwd less fwd of the same candidate and cell.
-  for (impl, mode, causal, t), both in list(cells.items()):
-    fwd = cells.get((impl, "fwd", causal, t))
-    if mode == "fwd_bwd" and fwd and both["ms"] > fwd["ms"]:
-      ms = both["ms"] - fwd["ms"]
-      cells[(impl, "bwd", causal, t)] = {
-          "ms": ms, "flops_per_s": 2.5 * fwd["flops"] / (ms / 1e3)}
-  for (impl, mode, causal, t), rec in cells.items():
-    peer = cells.get((GPU_PEER, mode, causal, t))
-    if mode == "bwd" and peer:
-      rec["vs_peer"] = peer["ms"] / rec["ms"]
-
-  device = _versions("device_kind", benches)
-  jax_version = _versions("jax_version", benches)
+def _gpu_paragraph(benches: list[_Source], summary: _Source,
+                   environment: _Source | None, cells: dict) -> str:
+  """The run: device, versions, commit, shapes, and how to read the
+  table."""
+  shapes = {(c["batch"], c["seq_len"], c["heads"]) for c in cells.values()
+            if "batch" in c}
   heads = {n for _, _, n in shapes}
   per_t = [f"B = {b}" + ("" if len(heads) == 1 else f", N = {n}")
            + f", T = {t}" for b, t, n in sorted(shapes, key=lambda s: -s[1])]
   shape_text = " and ".join(per_t) + (
       f", N = {heads.pop()}" if len(heads) == 1 else "")
+  dtypes = sorted({c["dtype"] for c in cells.values() if "dtype" in c})
+  head_dims = sorted({c["head_dim"] for c in cells.values()
+                      if "head_dim" in c})
+  repeats = {b.get(b.data, "meta", "settings", "repeats") for b in benches}
+  commit = str(_run_value("commit", summary, environment))[:7]
   notes = SOURCES["gpu_notes"]
-  lines = [
-      f"**GPU**: one {device}, jax {jax_version}, CUDA runtime "
-      f"{cuda // 1000}.{cuda % 1000 // 10}, cuDNN "
-      f"{cudnn // 10000}.{cudnn % 10000 // 100}, commit "
-      f"`{_commit(summary)}`, {date} (the run of record; its notes and what "
-      f"did not finish: [{notes}]({RESULTS}/{notes})). "
-      f"{', '.join(sorted(dtypes))}, "
-      f"H = {', '.join(map(str, sorted(head_dims)))}, {shape_text}; "
-      f"TFLOP/s, the median of {' / '.join(map(str, sorted(repeats)))} "
-      "runs; (ratio) = cuDNN's time / this time in the same run; bwd alone "
-      "= fwd+bwd less fwd of the same candidate, at 2.5x the forward's "
+  return (
+      f"**GPU**: one {_versions('device_kind', benches)}, jax "
+      f"{_versions('jax_version', benches)}, "
+      f"{_toolchain(summary, environment)}, commit `{commit}`, "
+      f"{_date(summary)} (the run of record; its notes and what did not "
+      f"finish: [{notes}]({RESULTS}/{notes})). {', '.join(dtypes)}, "
+      f"H = {', '.join(map(str, head_dims))}, {shape_text}; TFLOP/s, the "
+      f"median of {' / '.join(map(str, sorted(repeats)))} runs; (ratio) = "
+      "cuDNN's time / this time in the same run; bwd alone = fwd+bwd less "
+      "fwd of the same candidate from the same file, at 2.5x the forward's "
       "FLOPs; - = not measured. `mosaic_gpu`'s default backward is "
       "FlashAttention-3's fused one; its split backward is what "
-      "`deterministic_backward=True` runs.",
-      "",
+      "`deterministic_backward=True` runs.")
+
+
+def _gpu_table(cells: dict, first: str) -> list[str]:
+  """A row per (T, mode, causal) a candidate ran (cuDNN alone compares
+  nothing), a column per GPU_COLUMNS candidate; a cell from a file other
+  than `first` is starred."""
+  lines = [
       "| mode | causal | T | " + " | ".join(h for _, h in GPU_COLUMNS)
       + " |",
       "|---" * (3 + len(GPU_COLUMNS)) + "|",
   ]
   order = list(_GPU_MODES)
-  rows = sorted({k[1:] for k in cells},
+  rows = sorted({k[1:] for k in cells if k[0] != GPU_PEER},
                 key=lambda k: (-k[2], order.index(k[0]), k[1]))
   for mode, causal, t in rows:
     row = [_GPU_MODES[mode], "yes" if causal else "no", str(t)]
-    for impl in columns:
-      rec = cells.get((impl, mode, causal, t))
-      if rec is None:
-        row.append("-")
-        continue
-      text = f"{rec['flops_per_s'] / 1e12:.1f}"
-      if impl != GPU_PEER and rec.get("vs_peer"):
-        text += f" ({_fmt_ratio(rec['vs_peer'])})"
-      row.append(text)
+    row += [_gpu_cell(cells.get((impl, mode, causal, t)), impl, first)
+            for impl, _ in GPU_COLUMNS]
     lines.append("| " + " | ".join(row) + " |")
-  lines += ["", *_gpu_decode(results), "", *_gpu_forms(results), "",
-            _gpu_first(results)]
+  return lines
 
-  measured = {(r["batch"], r["seq_len"], r["head_dim"]) for r in records}
+
+def _gpu_cell(cell: dict | None, impl: str, first: str) -> str:
+  """'TFLOP/s (ratio)', starred when not from the `first` file."""
+  if cell is None:
+    return "-"
+  text = f"{cell['flops_per_s'] / 1e12:.1f}"
+  if impl != GPU_PEER and cell.get("vs_peer"):
+    text += f" ({_fmt_ratio(cell['vs_peer'])})"
+  return text + ("*" if cell["source"] != first else "")
+
+
+def _gpu_footnote(records: list[dict], cells: dict, repeated: dict,
+                  first: str) -> str:
+  """Where the starred cells come from, and how the cells those files
+  repeat compare with the `first` file's."""
+  others = sorted({c["source"] for c in cells.values()} - {first})
+  parts = []
+  for name in others:
+    text = f"`{name}`, another process"
+    if not any(r["source"] == name and r["impl"] == GPU_PEER
+               for r in records):
+      text += (" that timed no cuDNN cell (its ratios are against the "
+               "table's cuDNN cells)")
+    again = repeated.get(name, [])
+    if again:
+      worst = max(abs(x - 1) for x in again)
+      text += (f"; its {len(again)} cells that `{first}` also holds (shown "
+               f"from there) are within {100 * worst:.1f} % of those")
+    parts.append(text)
+  if not parts:
+    return ""
+  return "\\* From " + _sentence_list(parts) + "."
+
+
+def _gpu_float8(records: list[dict]) -> list[str]:
+  """The float8 forward's cells against cuDNN's bfloat16 cell, their own
+  bfloat16 cell and (where it ran) cuDNN's FP8 cell."""
+  rows = sorted((r for r in records if r["impl"].endswith(_FLOAT8)),
+                key=lambda r: (-r["seq_len"], r["causal"]))
+  if not rows:
+    return []
+  ratios = [("vs_peer", "vs cuDNN bf16"), ("vs_bf16", "vs its own bf16")]
+  if any(r["vs_fp8_peer"] for r in rows):
+    ratios.append(("vs_fp8_peer", "vs cuDNN FP8"))
+  files = sorted({r["source"] for r in rows})
+  lines = [
+      f"Float8 forward (`<candidate>{_FLOAT8}` in "
+      f"{_sentence_list([f'`{f}`' for f in files])}: e4m3 query, key and "
+      "value quantized per head with float32 scales, checked against the "
+      "attention of the dequantized inputs): TFLOP/s at the bfloat16 "
+      "FLOPs; ratio = the named cell's time / this time, in the same file; "
+      "- = not measured.",
+      "",
+      "| candidate | causal | T | TFLOP/s | "
+      + " | ".join(h for _, h in ratios) + " |",
+      "|---" * (4 + len(ratios)) + "|",
+  ]
+  for r in rows:
+    lines.append(
+        f"| `{r['impl'][:-len(_FLOAT8)]}` | "
+        f"{'yes' if r['causal'] else 'no'} | {r['seq_len']} | "
+        f"{r['flops_per_s'] / 1e12:.1f} | "
+        + " | ".join(_fmt_ratio(r[k]) if r[k] else "-" for k, _ in ratios)
+        + " |")
+  return lines
+
+
+def _gpu_facts(benches: list[_Source], summary: _Source,
+               records: list[dict]) -> dict:
+  """What the run covered, for the not-measured line."""
+  planned = set().union(*(_planned(b) for b in benches))
+  measured = {tuple(r[f] for f in _SHAPE_FIELDS) for r in records}
   bench_step = summary.data.get("steps", {}).get("bench", {})
-  facts = {
+  return {
       "kinds": {b.get(b.data, "meta", "device_kind") for b in benches},
       "records": records,
-      "lost": sorted(planned - measured, key=lambda s: -s[1]),
+      "lost": planned - measured,
       "deadline": "timed out" in str(bench_step.get("reason", "")),
       "head_dims": {r["head_dim"] for r in records},
       "dtypes": {r["dtype"] for r in records},
   }
-  return lines, facts
 
 
-def _gpu_decode(results: pathlib.Path) -> list[str]:
+# A cache-form cell's fields the section reads; a target ratio's.
+_FORM_FIELDS = ("form", "impl", "ms", "batch", "kv_bytes")
+_RATIO_FIELDS = ("name", "form", "impl", "baseline", "ratio", "target",
+                 "met")
+
+
+def _forms(results: pathlib.Path) -> dict:
+  """The decode cache forms of SOURCES["gpu_forms"], merged: their files,
+  ok cells ({(form, impl): row, with its "file"}) and target ratios (in
+  file order; where two files hold a cell or ratio, the earlier file's)."""
+  sources = [_Source(results, n) for n in _names("gpu_forms")]
+  cells: dict[tuple, dict] = {}
+  ratios: dict[str, dict] = {}
+  for src in sources:
+    for where, r in src.records("rows"):
+      if _ok(src, where, r):
+        row = {f: src.get(r, f, where=where) for f in _FORM_FIELDS}
+        cells.setdefault((row["form"], row["impl"]),
+                         dict(r, **row, file=src.name))
+    for where, q in src.records("ratios"):
+      ratio = {f: src.get(q, f, where=where) for f in _RATIO_FIELDS}
+      ratios.setdefault(ratio["name"], ratio)
+  if not cells:
+    raise ValueError(f"{', '.join(s.name for s in sources)}: no ok row")
+  return {"sources": sources, "cells": cells,
+          "ratios": list(ratios.values())}
+
+
+def _forms_base(forms: dict) -> dict:
+  """The cache forms' reference cell: the first dtype cell (bfloat16)."""
+  cells = list(forms["cells"].values())
+  return next((c for c in cells if c["form"] == "dtype"), cells[0])
+
+
+def _gpu_decode(results: pathlib.Path, forms: dict) -> list[str]:
   """The GPU decode kernel's time per call and its share of the bandwidth
   measured in the same run: a line per split count (or plain call), a
-  column per batch size."""
+  column per batch size; the same call in a program of many calls from
+  the cache forms beside them, and what timing one alone measures."""
   src = _Source(results, SOURCES["gpu_decode"])
   read = src.get(src.data, "memory_bandwidth", "read")
   cells: dict[tuple, str] = {}
@@ -352,25 +591,29 @@ def _gpu_decode(results: pathlib.Path) -> list[str]:
                else fields.replace("num_splits=", "") + " splits")
     else:
       label = f"plain `{impl}` call"
-    ms = src.get(r, "ms", where=where)
-    cells[(label, src.get(r, "batch", where=where))] = (
-        f"{1e3 * ms:.1f} us "
-        f"({100 * src.get(r, 'bandwidth_share', where=where):.0f} %)")
-    shape.add(tuple(src.get(r, f, where=where) for f in (
-        "dtype", "seq_len", "heads", "kv_heads", "head_dim", "new_tokens")))
+    cells[(label, src.get(r, "batch", where=where))] = _decode_cell(
+        src.get(r, "ms", where=where),
+        src.get(r, "bandwidth_share", where=where))
+    shape.add(tuple(src.get(r, f, where=where) for f in _DECODE_SHAPE))
   if not kernels:
     raise ValueError(f"{src.name}: no ok decode/... row")
   if len(shape) != 1:
     raise ValueError(f"{src.name}: the section expects one (dtype, S, N, "
                      f"K, H, T_new) in every row, not {sorted(shape)}")
   (dtype, s, n, k, h, t), = shape
+  many = _forms_same_call(forms, (dtype, s, n, k, h, t))
+  if many:
+    cells[(f"default splits, {many['calls_per_program']} calls a program "
+           f"(`{many['file']}`)", many["batch"])] = _decode_cell(
+               many["ms"], many["kv_bytes"] / (many["ms"] / 1e3) / read)
   labels = list(dict.fromkeys(label for label, _ in cells))
   batches = sorted({b for _, b in cells})
   lines = [
       f"Decode ({', '.join(f'`{x}`' for x in sorted(kernels))} "
       f"`decode_attention`, {dtype}, S = {s}, N = {n}, K = {k}, H = {h}, "
       f"T_new = {t}): time per call (share of the HBM read bandwidth, "
-      f"{read / 1e9:.0f} GB/s, measured in the same run).",
+      f"{read / 1e9:.0f} GB/s, measured in the same run), each call timed "
+      "alone (one a jitted program) unless named.",
       "",
       "| call | " + " | ".join(f"B = {b}" for b in batches) + " |",
       "|---" * (1 + len(batches)) + "|",
@@ -378,53 +621,35 @@ def _gpu_decode(results: pathlib.Path) -> list[str]:
   for label in labels:
     lines.append(f"| {label} | " + " | ".join(
         cells.get((label, b), "-") for b in batches) + " |")
-  return lines
+  dispatch = _dispatch(forms, many)
+  return lines + (["", dispatch] if dispatch else [])
 
 
-def _form_label(r: dict, base: dict) -> tuple[str, str]:
-  """(the table's label of a cache-form cell, its short name in a ratio);
-  shapes other than `base`'s (the dtype form's) are named."""
-  impl = r["impl"]
-  if r.get("query_dtype", base.get("query_dtype")) != base.get(
-      "query_dtype"):
-    name = r.get("cache_dtype", impl)
-    text = f"`{name}`, {r['query_dtype']} queries"
-    return text, (f"`{name}`" if name == r["query_dtype"] else text)
-  if r["form"] == "dtype":
-    scales = " (float32 scales)" if impl in ("int8", "float8_e4m3fn") else ""
-    return f"`{impl}`{scales}", f"`{impl}`"
-  if r["form"] == "prefix":
-    own, shared, b = r["seq_len"], r["prefix_len"], r["batch"]
-    return {
-        "materialised": (f"{b} rows x ({shared} shared + {own} own) keys, "
-                         "materialised", "materialised"),
-        "prefix": ("the same, the prefix stored once (`prefix_key`)",
-                   "shared prefix"),
-        "prefix_two_merges": ("the same, each part's splits merged on "
-                              "their own first", "two merges"),
-        "prefix_flash": ("the same, the prefix through `flash_attention` "
-                         "(the old path)", "the old path"),
-    }.get(impl, (f"`{impl}`", f"`{impl}`"))
-  if r["form"] == "paged":
-    if r.get("page_size"):
-      return (f"paged, {r['page_size']}-key pages",
-              f"{r['page_size']}-key pages")
-    return "contiguous", "contiguous"
-  if r["form"] == "tnew":
-    return f"T_new = {r['new_tokens']}", f"T_new = {r['new_tokens']}"
-  if r["form"] == "latent":
-    h, hv = r["head_dim"], r["value_head_dim"]
-    shape = (f"S = {r['seq_len']}, N = {r['heads']}, K = "
-             f"{r['kv_heads']}, H = {h}")
-    return {
-        "latent": (f"latent: {shape}, values its first {hv} columns",
-                   "latent"),
-        "separate_values": (f"the same, a separate {hv}-wide value cache",
-                            "separate"),
-        "one_read_floor": (f"the same, a 1-column value cache (one {h}-wide"
-                           " read)", "one read"),
-    }.get(impl, (f"`{impl}`", f"`{impl}`"))
-  return f"`{impl}`", f"`{impl}`"
+# The decode rows' shape fields (besides the batch), as decode.json names
+# them; the cache forms' cells name all but the dtype the same way.
+_DECODE_SHAPE = ("dtype", "seq_len", "heads", "kv_heads", "head_dim",
+                 "new_tokens")
+
+
+def _decode_cell(ms: float, share: float) -> str:
+  return f"{1e3 * ms:.1f} us ({100 * share:.0f} %)"
+
+
+def _forms_same_call(forms: dict, shape: tuple) -> dict | None:
+  """The cache forms' cell that is decode.json's default call (the same
+  dtype for cache and queries, the same shape, default splits, tiles and
+  warps) timed in a program of many calls; None if none is."""
+  dtype, *rest = shape
+  for (form, impl), c in forms["cells"].items():
+    same = (form == "dtype" and impl == dtype
+            and c.get("cache_dtype") == c.get("query_dtype") == dtype
+            and [c.get(f) for f in _DECODE_SHAPE[1:]] == rest
+            and not any(c.get(f) for f in ("num_splits", "block_kv",
+                                           "num_warps"))
+            and c.get("calls_per_program", 1) > 1)
+    if same:
+      return c
+  return None
 
 
 # A cache-form cell under this many ms per call (in a program of many
@@ -432,114 +657,187 @@ def _form_label(r: dict, base: dict) -> tuple[str, str]:
 _DEVICE_BOUND_MS = 0.05
 
 
-def _bytes(n: int) -> str:
-  return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
-
-
 def _us(ms: float) -> str:
   return f"{1e3 * ms:.1f} us"
 
 
-def _gpu_forms(results: pathlib.Path) -> list[str]:
-  """The decode cache forms of the probe (a table: time, bytes, the run's
-  own ratios), then one line on the run of record's timing of them."""
-  src = _Source(results, SOURCES["gpu_forms"])
-  rows = [(w, r) for w, r in src.records("rows") if _ok(src, w, r)]
-  if not rows:
-    raise ValueError(f"{src.name}: no ok row")
-  base = next((r for _, r in rows if r.get("form") == "dtype"), rows[0][1])
-  labels = {}
-  for where, r in rows:
-    src.get(r, "ms", where=where)
-    src.get(r, "kv_bytes", where=where)
-    labels[src.get(r, "impl", where=where)] = _form_label(r, base)
-  ratios: dict[str, list[str]] = {}
-  for where, q in src.records("ratios"):
-    impl, baseline = (src.get(q, f, where=where) for f in ("impl",
-                                                           "baseline"))
-    if impl in labels and baseline in labels:
-      ratios.setdefault(impl, []).append(
-          f"{_fmt_ratio(src.get(q, 'ratio', where=where))} "
-          f"{labels[baseline][1]}")
-  calls = {r.get("calls_per_program", 1) for _, r in rows}
-  commit = src.get(src.data, "commit")
-  tree = (f"the working tree after `{str(commit['commit'])[:7]}`"
-          if commit.get("modified") else f"commit `{commit['commit'][:7]}`")
-  kernels = re.findall(r"--implementations=(\S+)",
-                       src.get(src.data, "command"))
-  stages = SOURCES["gpu_forms_stages"]
-  notes = SOURCES["gpu_forms_notes"]
-  shape = ", ".join(f"{n} = {base[f]}" for n, f in _DECODE_AXES)
+def _dispatch(forms: dict, many: dict | None) -> str:
+  """What a call timed alone measures: the cache forms' fast cells timed
+  one call a program take the host's dispatch time, whatever the kernel's;
+  a call whose kernel is faster than that is dispatch-bound timed alone."""
+  alone = sorted(c["ms_one_call"] for c in forms["cells"].values()
+                 if "ms_one_call" in c and c["ms"] < _DEVICE_BOUND_MS)
+  if (not alone or not many or "ms_one_call" not in many
+      or many["ms"] >= alone[0]):
+    return ""
+  median = alone[len(alone) // 2]
+  return (
+      f"At B = {many['batch']} a call timed alone is dispatch-bound: the "
+      f"same call took {_us(many['ms'])} a call in a program of "
+      f"{many['calls_per_program']} and {_us(many['ms_one_call'])} timed "
+      f"alone (`{many['file']}`), and every cache-form cell under "
+      f"{_us(_DEVICE_BOUND_MS)[:-5]} us a call takes "
+      f"{_us(alone[0])[:-3]}-{_us(alone[-1])} (median {_us(median)}) "
+      "timed alone: the host's dispatch, not the kernel.")
+
+
+# Names of the prefix and latent cells in the cache forms' ratio table.
+_FORM_NAMES = {
+    ("prefix", "materialised"): "materialised rows",
+    ("prefix", "prefix"): "shared prefix",
+    ("prefix", "prefix_two_merges"): "two merges",
+    ("prefix", "prefix_flash"): "prefix through `flash_attention`",
+    ("latent", "latent"): "latent",
+    ("latent", "separate_values"): "separate values",
+    ("latent", "one_read_floor"): "one-read floor",
+}
+
+
+def _form_name(c: dict, base: dict) -> str:
+  """A cache-form cell's name in the ratio table: a dtype cell by its
+  cache dtype and what it sets that `base` does not."""
+  form, impl = c["form"], c["impl"]
+  if form == "dtype":
+    parts = [f"`{c.get('cache_dtype', impl)}`"]
+    query = c.get("query_dtype", base.get("query_dtype"))
+    if query != base.get("query_dtype"):
+      parts.append(f"{query} queries")
+    for field, unit in (("block_kv", "-key blocks"),
+                        ("num_splits", " splits"), ("num_warps", " warps")):
+      if c.get(field):
+        parts.append(f"{c[field]}{unit}")
+    return ", ".join(parts)
+  if form == "paged":
+    page = c.get("page_size")
+    return f"{page}-key pages" if page else "contiguous"
+  if form == "tnew":
+    return f"T_new = {c.get('new_tokens')}"
+  return _FORM_NAMES.get((form, impl), f"`{impl}`")
+
+
+def _form_shapes(forms: dict) -> list[str]:
+  """The prefix and latent forms' shapes, which differ from the dtype
+  cells'."""
+  cells = forms["cells"]
+  text = []
+  prefix = cells.get(("prefix", "prefix"))
+  if prefix and {"prefix_len", "seq_len"} <= prefix.keys():
+    text.append(
+        f"the shared prefix is {prefix['batch']} rows of "
+        f"({prefix['prefix_len']} shared + {prefix['seq_len']} own) keys, "
+        "the prefix stored once (`prefix_key`)")
+  latent = cells.get(("latent", "latent"))
+  if latent and "value_head_dim" in latent:
+    text.append(
+        f"the latent cache (MLA) is S = {latent.get('seq_len')}, N = "
+        f"{latent.get('heads')}, K = {latent.get('kv_heads')}, H = "
+        f"{latent.get('head_dim')}, its values the first "
+        f"{latent['value_head_dim']} columns; the one-read floor reads a "
+        "1-column value cache")
+  return text
+
+
+def _ratio_value(ratio: float, target: float) -> str:
+  """The ratio to two decimals, three where two would read as the target
+  it is on the other side of."""
+  text = f"{ratio:.2f}"
+  return f"{ratio:.3f}" if text == f"{target:.2f}" else text
+
+
+def _gpu_forms(forms: dict) -> list[str]:
+  """The decode cache forms' target ratios: the two cells' times, the
+  ratio, its target and whether met."""
+  base = _forms_base(forms)
+  cells = forms["cells"]
+  calls = sorted({c.get("calls_per_program", 1) for c in cells.values()})
+  kernels = sorted({k for s in forms["sources"] for k in re.findall(
+      r"--implementations=(\S+)", str(s.get(s.data, "command")))})
+  trees = sorted({_tree(s) for s in forms["sources"]})
+  shape = ", ".join(f"{n} = {base.get(f)}" for n, f in _DECODE_AXES)
   lines = [
-      f"Decode cache forms ({', '.join(f'`{k}`' for k in kernels)}; a "
-      f"later probe, one {src.get(src.data, 'device')}, jax "
-      f"{src.get(src.data, 'jax')}, on {tree}: "
-      f"[{notes.rsplit('/', 1)[0]}/]({RESULTS}/{notes})): "
-      f"{' / '.join(map(str, sorted(calls)))} calls in one jitted program, "
-      f"time per call; {base.get('query_dtype')} queries and {shape} "
-      "unless named; each cell checked against `chunked` first; TB/s = the "
-      "K/V bytes read / the time; ratio = this time / the named cell's. "
-      f"Measured with {stages} software-pipeline stages (the default is "
-      f"now {DECODE_STAGES}).",
+      f"Decode cache forms ({', '.join(f'`{k}`' for k in kernels)}; "
+      f"{_sentence_list(trees)}; "
+      f"{_sentence_list([f'`{s.name}`' for s in forms['sources']])}): "
+      f"{' / '.join(map(str, calls))} calls in one jitted program, time per "
+      "call, each cell checked against `chunked` first; "
+      f"{base.get('query_dtype')} queries and {shape} unless named; "
+      + "".join(f"{t}; " for t in _form_shapes(forms))
+      + "ratio = the first cell's time / the second's; the targets are "
+      "decode_benchmark.py's (met: ratio <= target).",
       "",
-      "| cache | K/V bytes | time | TB/s | ratio |",
+      "| cells | time | against | ratio | target |",
       "|---|---|---|---|---|",
   ]
-  for _, r in rows:
+  for q in forms["ratios"]:
+    a, b = cells.get((q["form"], q["impl"])), cells.get(
+        (q["form"], q["baseline"]))
+    if a is None or b is None:
+      continue
     lines.append(
-        f"| {labels[r['impl']][0]} | {_bytes(r['kv_bytes'])} | "
-        f"{_us(r['ms'])} | {r['kv_bytes'] / r['ms'] / 1e9:.2f} |"
-        + "".join(f" {x};" for x in ratios.get(r["impl"], []))[:-1] + " |")
-
-  old = _Source(results, SOURCES["gpu_forms_of_record"])
-  times = {}
-  for where, r in old.records("rows"):
-    if _ok(old, where, r):
-      times[(old.get(r, "form", where=where),
-             old.get(r, "impl", where=where))] = old.get(r, "ms",
-                                                         where=where)
-  dtype_times = ", ".join(f"{impl} {_us(ms)}" for (form, impl), ms
-                          in times.items() if form == "dtype")
-  prefix = ""
-  if ("prefix", "prefix") in times and ("prefix", "materialised") in times:
-    prefix = (f"; the shared prefix {_us(times['prefix', 'prefix'])} "
-              f"against {_us(times['prefix', 'materialised'])} "
-              "materialised")
-  text = (f"The run of record timed the cache forms one call per jitted "
-          f"program, with {SOURCES['gpu_forms_of_record_query']} queries "
-          f"([{old.name}]({RESULTS}/{old.name}): {dtype_times}{prefix})")
-  # The probe timed each cell one call a program too ("ms_one_call"): what
-  # its fast cells took that way is the host's dispatch.
-  dispatch = sorted(r["ms_one_call"] for _, r in rows
-                    if "ms_one_call" in r and r["ms"] < _DEVICE_BOUND_MS)
-  if dispatch:
-    median = dispatch[len(dispatch) // 2]
-    text += (f". Timed that way, the probe's cells under "
-             f"{_us(_DEVICE_BOUND_MS)[:-5]} us take "
-             f"{_us(dispatch[0])[:-3]}-{_us(dispatch[-1])} (median "
-             f"{_us(median)}): a cell timed one call a program is "
-             f"dispatch-bound under about {round(1e3 * median, -1):.0f} us")
-  return lines + ["", text + "."]
+        f"| {_form_name(a, base)} / {_form_name(b, base)} | {_us(a['ms'])} "
+        f"| {_us(b['ms'])} | {_ratio_value(q['ratio'], q['target'])} | "
+        f"<= {q['target']:.2f}: {'met' if q['met'] else 'missed'} |")
+  return lines
 
 
-def _gpu_first(results: pathlib.Path) -> str:
-  """A line linking the first GPU run, which also measured T = 4096."""
-  summary = _Source(results, SOURCES["gpu_first_summary"])
-  seq_lens, impls = set(), set()
-  for name in SOURCES["gpu_first_bench"]:
+def _gpu_history(results: pathlib.Path) -> str:
+  """One paragraph linking the earlier GPU runs, with what each
+  measured."""
+  runs = [_history_run(results, run) for run in SOURCES["gpu_history"]]
+  return ("Earlier GPU runs, not tabled: " + "; ".join(runs) + "."
+          if runs else "")
+
+
+def _history_run(results: pathlib.Path, run: dict) -> str:
+  """'commit `x`, date (what it measured): [notes](...)'."""
+  what, when = [], ""
+  if "summary" in run:
+    summary = _Source(results, run["summary"])
+    when = (f"commit `{str(_run_value('commit', summary))[:7]}`, "
+            f"{_date(summary)}")
+  if "bench" in run:
+    what.append(_history_bench(results, run["bench"]))
+  for name in run.get("forms", ()):
     src = _Source(results, name)
+    when = when or _tree(src)
+    what.append(_history_forms(src))
+  notes = run["notes"]
+  text = f"{when} ({'; '.join(what)}): [{notes}]({RESULTS}/{notes})"
+  if "plot" in run:
+    text += f", plotted in [{run['plot']}]({RESULTS}/{run['plot']})"
+  return text
+
+
+def _history_bench(results: pathlib.Path, names: Sequence[str]) -> str:
+  """'`a` and `b` at T = 4096 and 16384': the candidates a run's
+  benchmark.py JSONs measured."""
+  seq_lens, impls = set(), set()
+  for name in names:
+    src = _Source(results, name)
+    renamed = GPU_RENAMED.get(name, {})
     for where, r in src.records("results"):
       if _ok(src, where, r):
         seq_lens.add(src.get(r, "seq_len", where=where))
-        impls.add(src.get(r, "impl", where=where))
-  notes, plot = SOURCES["gpu_first_notes"], SOURCES["gpu_first_plot"]
-  return (f"The first GPU run (commit `{_commit(summary)}`, "
-          f"{str(summary.get(summary.data, 'date_utc'))[:10]}; "
-          f"{_sentence_list(f'`{i}`' for i in sorted(impls))} at "
-          f"T = {_sentence_list(map(str, sorted(seq_lens)))}, "
-          "`mosaic_gpu` with the split backward): "
-          f"[{notes}]({RESULTS}/{notes}), plotted in "
-          f"[{plot}]({RESULTS}/{plot}).")
+        impl = src.get(r, "impl", where=where)
+        impls.add(renamed.get(impl, impl))
+  return (f"{_sentence_list([f'`{i}`' for i in sorted(impls)])} at "
+          f"T = {_sentence_list([str(t) for t in sorted(seq_lens)])}")
+
+
+def _history_forms(src: _Source) -> str:
+  """'the decode cache forms of `triton`, 20 calls a program, bfloat16
+  queries', as far as the JSON says."""
+  kernels = re.findall(r"--implementations=(\S+)",
+                       str(src.get(src.data, "command")))
+  rows = [r for w, r in src.records("rows") if _ok(src, w, r)]
+  calls = sorted({r.get("calls_per_program", 1) for r in rows})
+  base = next((r for r in rows if r.get("form") == "dtype"), {})
+  return (f"the decode cache forms of "
+          f"{_sentence_list([f'`{k}`' for k in kernels])}, "
+          f"{' / '.join(map(str, calls))} call"
+          f"{'' if calls == [1] else 's'} a program"
+          + (f", {base['query_dtype']} queries" if "query_dtype" in base
+             else ""))
 
 
 def _cpu(results: pathlib.Path) -> list[str]:
@@ -655,6 +953,24 @@ def _cpu_decode(results: pathlib.Path) -> str:
           "against a KV cache](#decoding-against-a-kv-cache).")
 
 
+def _lost(facts: dict) -> list[str]:
+  """The planned cells no file measured, by dtype: 'the bfloat16 cells
+  lost to the run's deadline (T = 4096 with B = 4, full and causal)'."""
+  by_dtype: dict[str, dict[tuple, set]] = {}
+  for dtype, b, t, _, causal in facts["lost"]:
+    by_dtype.setdefault(dtype, {}).setdefault((t, b), set()).add(causal)
+  why = ("lost to the run's deadline" if facts["deadline"]
+         else "the run planned but lost")
+  items = []
+  for dtype, shapes in sorted(by_dtype.items()):
+    where = [f"T = {t} with B = {b}, "
+             + " and ".join("causal" if c else "full" for c in sorted(kinds))
+             for (t, b), kinds in sorted(shapes.items(),
+                                         key=lambda s: (-s[0][0], s[0][1]))]
+    items.append(f"the {dtype} cells {why} ({'; '.join(where)})")
+  return items
+
+
 def _not_measured(facts: dict) -> str:
   """What a user would ask about that no committed JSON measured."""
   records = facts["records"]
@@ -665,14 +981,7 @@ def _not_measured(facts: dict) -> str:
       missing.append(header)
   if not any(r["impl"] == GPU_PEER and r["causal"] for r in records):
     missing.append("causal against cuDNN")
-  lost: dict[int, set[int]] = {}
-  for b, t, _ in facts["lost"]:
-    lost.setdefault(t, set()).add(b)
-  for t, batches in lost.items():
-    missing.append(
-        f"the T = {t} cells (B = {'/'.join(map(str, sorted(batches)))}"
-        + (": lost to the run's deadline" if facts["deadline"] else "")
-        + ")")
+  missing += _lost(facts)
   head_dims = [str(h) for h in GPU_HEAD_DIMS if h not in facts["head_dims"]]
   if head_dims:
     missing.append(f"H = {_sentence_list(head_dims)}")
@@ -680,10 +989,6 @@ def _not_measured(facts: dict) -> str:
   for pattern, text in VARIANTS.items():
     if not any(re.search(pattern, r["impl"]) for r in records):
       missing.append(text)
-  if SOURCES["gpu_forms_stages"] != DECODE_STAGES:
-    missing.append(f"the decode cache forms at the default {DECODE_STAGES} "
-                   "pipeline stages (and the 1-byte caches' float16 "
-                   "conversions, values read as words, `num_warps=2`)")
   if not missing:
     return ""
   return ("Not measured yet on a GPU: " + ", ".join(missing) + "; what the "
@@ -719,11 +1024,10 @@ def render(results: pathlib.Path) -> str:
   """The section's text between the markers (markers excluded)."""
   gpu_lines, facts = _gpu(results)
   plot = f"{RESULTS}/{{}}"
-  names = [n for key in ("gpu_bench", "gpu_summary", "gpu_decode",
-                         "gpu_forms", "gpu_forms_of_record", "cpu_bench",
+  names = [n for key in ("gpu_bench", "gpu_summary", "gpu_environment",
+                         "gpu_decode", "gpu_forms", "cpu_bench",
                          "cpu_decode")
-           for n in ((SOURCES[key],) if isinstance(SOURCES[key], str)
-                     else SOURCES[key])]
+           for n in _names(key)]
   lines = [
       "Measured, every cell checked against a float32 reference before it "
       "is timed; FLOPs by the FlashAttention convention (forward "

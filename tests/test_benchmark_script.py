@@ -617,9 +617,11 @@ def test_readme_performance_section_is_what_the_committed_jsons_give(
       "python scripts/readme_performance.py")
   # It speaks of the repository's own files, never of this machine's.
   assert str(m.REPO) not in section and "](/" not in section
-  for name in (*m.SOURCES["gpu_bench"], m.SOURCES["gpu_forms"],
-               m.SOURCES["gpu_forms_of_record"], m.SOURCES["cpu_bench"],
-               m.SOURCES["gpu_notes"], m.SOURCES["gpu_first_plot"],
+  history = [run[k] for run in m.SOURCES["gpu_history"]
+             for k in ("notes", "plot") if k in run]
+  for name in (*m.SOURCES["gpu_bench"], *m.SOURCES["gpu_forms"],
+               m.SOURCES["gpu_summary"], m.SOURCES["gpu_environment"],
+               m.SOURCES["gpu_notes"], *history, m.SOURCES["cpu_bench"],
                m.SOURCES["cpu_plot"]):
     assert name in section, name
     assert (m.REPO / m.RESULTS / name).is_file(), name
@@ -641,7 +643,7 @@ def _gpu_table(section):
   header = [c.strip() for c in lines[0].strip("|").split("|")]
   table = {}
   for line in lines[2:]:
-    if not line.startswith("| ") or line.startswith("| call"):
+    if not line.startswith("| ") or line.startswith("| candidate"):
       break
     cells = [c.strip() for c in line.strip("|").split("|")]
     table[tuple(cells[:3])] = dict(zip(header[3:], cells[3:]))
@@ -651,8 +653,9 @@ def _gpu_table(section):
 def test_readme_performance_gpu_table_is_the_runs_own(readme_performance):
   """Every cell of the GPU table, the backward-alone rows included, is the
   rate and cuDNN ratio that gpu_check.py's summary of the same run gives,
-  under the column of the candidate that ran it (the run of record's
-  `mosaic_gpu` is the split backward)."""
+  under the column of the candidate that ran it; a cell the main file
+  lost comes from the later process's file, starred, its ratio against
+  the main file's cuDNN cell."""
   m = readme_performance
   table = _gpu_table(m.render(m.REPO / m.RESULTS))
   summary = json.loads(
@@ -660,43 +663,97 @@ def test_readme_performance_gpu_table_is_the_runs_own(readme_performance):
   headers = dict(m.GPU_COLUMNS)
   renamed = m.GPU_RENAMED.get(m.SOURCES["gpu_bench"][0], {})
   rows = summary["steps"]["bench"]["bench"]["rows"]
-  assert rows and len(table) == len(rows)
+  mode = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd alone"}
+  compared = 0
   for row in rows:
-    mode = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd alone"}
-    cells = table[(mode[row["mode"]], "yes" if row["causal"] else "no",
-                   str(row["T"]))]
-    for impl, rate in row["rate"].items():
-      cell = cells[headers[renamed.get(impl, impl)]]
-      assert cell.startswith(f"{rate:.1f}"), (row, impl, cell)
+    key = (mode[row["mode"]], "yes" if row["causal"] else "no", str(row["T"]))
+    shown = {renamed.get(impl, impl): rate
+             for impl, rate in row["rate"].items()
+             if renamed.get(impl, impl) in headers}
+    if set(shown) <= {m.GPU_PEER}:
+      assert key not in table or "*" in " ".join(table[key].values()), key
+      continue
+    cells = table[key]
+    for impl, rate in shown.items():
+      cell = cells[headers[impl]]
+      assert cell.startswith(f"{rate:.1f}") and "*" not in cell, (
+          row, impl, cell)
       if impl in row["vs_cudnn"]:
         assert f"({row['vs_cudnn'][impl]:.2f}x)" in cell, (row, impl, cell)
+      compared += 1
+  assert compared > 40
   assert "split (reproducible)" in " ".join(headers.values())
+  # The T = 4096 causal fwd+bwd cells: the later file's, against the
+  # main file's cuDNN cell (its time / theirs).
+  later = table[("fwd+bwd", "yes", "4096")]
+  fused = later[headers["mosaic_gpu:backward=fused"]]
+  assert fused.endswith("x)*"), fused
+  assert table[("fwd+bwd", "no", "4096")][headers[m.GPU_PEER]] != "-"
 
 
 def test_readme_performance_not_measured_follows_the_data(
     readme_performance, tmp_path):
-  """The not-measured line names what the run planned but lost, and drops
-  a variant once a result of it is committed."""
+  """The not-measured line names what the run planned but lost, and names a
+  variant again once its results are gone."""
   m = readme_performance
   _copy_results(m, tmp_path)
   section = " ".join(m.render(tmp_path).split())
-  assert "T = 4096 cells (B = 4: lost to the run's deadline)" in section
-  assert "causal head sections" in section
+  assert ("the float8_e4m3fn cells lost to the run's deadline (T = 16384 "
+          "with B = 1, causal; T = 4096 with B = 4, full and causal)"
+          ) in section
+  assert "cuDNN's FP8 forward" in section
   assert "H = 64 and 256" in section
-  assert "causal against cuDNN" not in section
-  name = m.SOURCES["gpu_bench"][0]
+  for measured in ("causal against cuDNN", "causal head sections",
+                   "float8 (e4m3) inputs", "the decode cache forms at"):
+    assert measured not in section, measured
+  (name,) = [n for n in m.SOURCES["gpu_bench"] if "head_sections" in n]
   data = json.loads((tmp_path / name).read_text())
-  data["results"].append(dict(data["results"][0],
-                              impl="mosaic_gpu:head_section=4"))
+  data["results"] = [r for r in data["results"]
+                     if "head_section=" not in r["impl"]]
   (tmp_path / name).write_text(json.dumps(data))
-  assert "causal head sections" not in " ".join(m.render(tmp_path).split())
+  assert "causal head sections" in " ".join(m.render(tmp_path).split())
+
+
+def test_readme_performance_versions_from_the_summary_first(
+    readme_performance, tmp_path):
+  """The toolchain comes from gpu_check.py's env record where its env step
+  ran, from environment.json where it was skipped; a ValueError names the
+  file and field where neither has it."""
+  m = readme_performance
+  _copy_results(m, tmp_path)
+  section = " ".join(m.render(tmp_path).split())
+  assert "cuDNN 9.19, ptxas 13.0, commit `b85705a`" in section
+  summary_name = m.SOURCES["gpu_summary"]
+  summary = json.loads((tmp_path / summary_name).read_text())
+  summary["steps"]["env"]["env"] = {
+      "cuda_runtime": 13010, "cudnn": 92000, "commit": "0123456789",
+      "ptxas": "Cuda compilation tools, release 13.1, V13.1.80"}
+  (tmp_path / summary_name).write_text(json.dumps(summary))
+  section = " ".join(m.render(tmp_path).split())
+  assert ("CUDA runtime 13.1, cuDNN 9.20, ptxas 13.1, commit `0123456`"
+          ) in section
+  del summary["steps"]["env"]["env"]
+  (tmp_path / summary_name).write_text(json.dumps(summary))
+  env_name = m.SOURCES["gpu_environment"]
+  env = json.loads((tmp_path / env_name).read_text())
+  del env["ptxas"]
+  (tmp_path / env_name).write_text(json.dumps(env))
+  with pytest.raises(ValueError, match=rf"^{env_name}: .*'ptxas'.*"
+                     rf"{summary_name}"):
+    m.render(tmp_path)
 
 
 @pytest.mark.parametrize("name, path", [
-    ("h200_ff8094b/bench.json", ("results", 0, "flops_per_s")),
+    ("h200_b85705a/bench.json", ("results", 0, "flops_per_s")),
+    ("h200_b85705a/bench.json", ("results", 60, "speedup_vs_bf16")),
+    ("h200_b85705a/bench_4k_fwd_bwd.json", ("results", 0, "ms")),
+    ("h200_b85705a/summary_speed.json", ("date_utc",)),
+    ("h200_b85705a/environment.json", ("cudnn",)),
+    ("h200_b85705a/decode.json", ("rows", 0, "bandwidth_share")),
+    ("h200_b85705a/decode_forms.json", ("rows", 0, "kv_bytes")),
+    ("h200_b85705a/decode_forms.json", ("ratios", 0, "target")),
+    ("h200_b85705a/decode_latent.json", ("ratios", 0, "met")),
     ("h200_ff8094b/summary.json", ("steps", "env", "env", "commit")),
-    ("h200_ff8094b/decode.json", ("rows", 0, "bandwidth_share")),
-    ("h200_probe_2026-11-28/decode_forms.json", ("rows", 0, "kv_bytes")),
     ("cpu_tokamax.json", ("meta", "jax_version")),
     ("decode_cpu.json", ("rows", 0, "bandwidth_share")),
 ])

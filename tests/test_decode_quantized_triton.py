@@ -187,10 +187,12 @@ def test_value_words_instructions_are_exact_for_every_value():
       assert f"cvt.rn.f16x2.{kind} $0, lo;" in code
 
 
-def test_as_words_and_word_values_take_value_j_of_each_word():
+def test_as_words_and_word_values_take_value_j_of_each_word(monkeypatch):
   """`as_words` packs four values along the head dim (value j in byte j);
   `word_values(w, j)` interpreted is the float16 of columns j, j + 4, ...,
   for int8 and both float8 dtypes."""
+  # Interpreted (on a GPU too, with no GPU target): jax.numpy.
+  monkeypatch.setattr(gpu_target, "current", lambda: None)
   gen = rng("as words")
   raw = gen.integers(-128, 128, (3, 16, 32)).astype(np.int8)
   for dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
@@ -258,6 +260,8 @@ def test_1_byte_tiles_convert_inline_when_built(monkeypatch):
   assert "tensor<1x96x2x16xi32>" not in text.replace(" ", "")
   assert "tensor<1x96x2x64xi8>" in text.replace(" ", "")
   built = len(calls)
+  # Interpreted (on a GPU too, with no GPU target): jax.numpy.
+  monkeypatch.setattr(gpu_target, "current", lambda: None)
   gen = rng("1-byte tiles interpreted")
   x = jnp.asarray(gen.integers(-128, 128, (16, 64)), jnp.int8)
   np.testing.assert_array_equal(one_byte.to_float16(x),

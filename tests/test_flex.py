@@ -33,6 +33,7 @@ import pallas_fa
 from pallas_fa import api
 from pallas_fa import chunked
 from pallas_fa import flex
+from pallas_fa import gpu_target
 from pallas_fa import masking
 from pallas_fa import testing
 from pallas_fa.flex import block_mask as block_mask_lib
@@ -810,8 +811,9 @@ def test_triton_visits_only_the_block_masks_tiles(monkeypatch):
     record("mask_mod", tile)
     return with_mod(refs, feat, visible, tile)
 
-  # Interpreted on a GPU too: compiled Triton kernels cannot call back.
-  monkeypatch.setattr(triton, "_interpret", lambda: True)
+  # Interpreted on a GPU too (no GPU target: no inline PTX either):
+  # compiled Triton kernels cannot call back.
+  monkeypatch.setattr(gpu_target, "current", lambda: None)
   monkeypatch.setattr(kernel, "_tile_scores", counted_logits)
   monkeypatch.setattr(kernel, "_with_mask_mod", counted_mod)
   api.clear_cache()

@@ -1003,12 +1003,18 @@ _GPU_CASES = [
 
 
 def _small_tiles_that_fit(case, dtype):
-  """64-row tiles, a persistent grid of 5 CTAs, and 3 ring stages where
-  they fit the shared memory (at H = 256 two do)."""
+  """64-row tiles and a persistent grid of 5 CTAs, with 3 ring stages, two
+  consumers a kernel and a fused dK/dV pass where they fit the shared
+  memory; at H = 256 they take 2 stages, one dQ and one dK/dV consumer,
+  and split dK/dV passes, as the defaults there do."""
   bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL, num_stages=3, num_ctas=5)
-  smem = mosaic_gpu.shared_memory_bytes(bs, case.h, jnp.dtype(dtype).itemsize)
-  if max(smem.values()) > mosaic_gpu.SHARED_MEMORY_BYTES:
-    bs = dataclasses.replace(bs, num_stages=2)
+  for smaller in (dict(num_stages=2), dict(num_consumers_dq=1),
+                  dict(num_consumers_dkv=1, split_dkv=True)):
+    smem = mosaic_gpu.shared_memory_bytes(bs, case.h,
+                                          jnp.dtype(dtype).itemsize)
+    if max(smem.values()) <= mosaic_gpu.SHARED_MEMORY_BYTES:
+      break
+    bs = dataclasses.replace(bs, **smaller)
   return bs
 
 

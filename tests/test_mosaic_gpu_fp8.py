@@ -44,33 +44,52 @@ def _scales(scales):
 
 
 def _oracle(values, scales, causal, soft_cap=None):
-  """float64 (out, lse) of the dequantized inputs (numpy)."""
+  """float64 (out, lse, reach) of the dequantized inputs (numpy); reach:
+  per query row, the largest sum_i |q_i k_i| * scale over its visible keys
+  (what an accumulator's relative rounding of Q K^T scales with)."""
   q, k, v = (np.asarray(quantize.dequantize(x, s), np.float64)
              for x, s in zip(values, scales))
   g = q.shape[2] // k.shape[2]
   k, v = (np.repeat(x, g, axis=2) for x in (k, v))
   q, k, v = (np.moveaxis(x, 2, 1) for x in (q, k, v))
-  s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+  scale = 1 / np.sqrt(q.shape[-1])
+  s = q @ np.swapaxes(k, -1, -2) * scale
+  reach = np.abs(q) @ np.swapaxes(np.abs(k), -1, -2) * scale
   if soft_cap is not None:
     s = soft_cap * np.tanh(s / soft_cap)
   if causal:
-    s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    visible = np.tril(np.ones(s.shape[-2:], bool))
+    s = np.where(visible, s, -np.inf)
+    reach = np.where(visible, reach, 0.0)
   m = s.max(-1, keepdims=True)
   p = np.exp(s - m)
   out = (p / p.sum(-1, keepdims=True)) @ v
   lse = np.log(p.sum(-1)) + m[..., 0]
-  return np.moveaxis(out, 1, 2), np.moveaxis(lse, 1, 2)
+  return (np.moveaxis(out, 1, 2), np.moveaxis(lse, 1, 2),
+          np.moveaxis(reach.max(-1), 1, 2))
 
 
-def _assert_near_oracle(out, lse, values, scales, causal, soft_cap=None):
+# Hopper's 8-bit wgmma adds its products into an accumulator narrower than
+# float32 (DeepSeek-V3's report measured about 14 bits kept), so a compiled
+# logit is off by a fraction of sum_i |q_i k_i|, not of the logit: an H200
+# run (b85705a) measured up to 2.6e-4 of it in the logsumexp at H = 256.
+# The interpreter's products are float32.
+_WGMMA_FP8_ROUNDING = 2.0 ** -10
+
+
+def _assert_near_oracle(out, lse, values, scales, causal, soft_cap=None, *,
+                        compiled=False):
   """A bfloat16 result within e4m3 P's error of the float64 attention of
   the dequantized inputs (3 mantissa bits: the error of FlashAttention-3
-  style float8 attention, a few percent of |V|), its lse near exact."""
+  style float8 attention, a few percent of |V|), its lse near exact
+  (compiled: within the 8-bit products' accumulation, `reach`)."""
   assert out.dtype == jnp.bfloat16
-  want_out, want_lse = _oracle(values, scales, causal, soft_cap)
+  want_out, want_lse, reach = _oracle(values, scales, causal, soft_cap)
   err = np.abs(np.asarray(out, np.float64) - want_out).max()
   assert err <= 0.05 * np.abs(want_out).max() + 1e-2, err
-  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-3)
+  bound = 2e-3 + (_WGMMA_FP8_ROUNDING * reach if compiled else 0.0)
+  lse_err = np.abs(np.asarray(lse, np.float64) - want_lse)
+  assert (lse_err <= bound).all(), (lse_err.max(), (lse_err / bound).max())
 
 
 def test_p_operand_key_order_matches_layout_v():
@@ -179,7 +198,7 @@ def test_interpreted_float8_forward_soft_cap(granularity):
       implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
   _assert_near_oracle(out, lse, values, scales, True, soft_cap=2.0)
   # The cap matters at this size: the uncapped attention is far off.
-  uncapped, _ = _oracle(values, scales, True)
+  uncapped, _, _ = _oracle(values, scales, True)
   assert np.abs(np.asarray(out, np.float64) - uncapped).max() > 0.1
 
 
@@ -203,4 +222,4 @@ def test_compiled_float8_forward(granularity, causal, h, overlap):
   out, lse = pallas_fa.flash_attention(
       *values, **_scales(scales), is_causal=causal,
       implementation="mosaic_gpu", return_residual=True, block_sizes=bs)
-  _assert_near_oracle(out, lse, values, scales, causal)
+  _assert_near_oracle(out, lse, values, scales, causal, compiled=True)
