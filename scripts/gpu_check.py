@@ -7,26 +7,31 @@ the second straight after the first while the machine is warm, each step
 within its share:
 
   --call=speed (420 s budget, 450 s limit)
-    env      15 s  versions (jax, CUDA runtime, cuDNN, ptxas), nvidia-smi,
-                   devices, PALLAS_FA_COMMIT and the source hash
-    bench   300 s  bf16, H = 128, T in {16384, 4096}, causal and not, fwd
-                   and fwd+bwd: mosaic_gpu with the split and the fused
-                   backward, cuDNN, the fused backward's and the forward's
-                   tile variants, triton, JAX's Pallas mha, each in its own
-                   process; then mosaic_gpu's causal forward per
-                   head-section size; a timestamp per phase of each process
-    decode  105 s  triton decode_attention, bf16, B in {1, 8}, S = 32768,
-                   K = 8, H = 128, share of HBM bandwidth; then the cache
-                   forms with bf16 queries
+    env      20 s  versions (jax, CUDA runtime, cuDNN, ptxas), nvidia-smi,
+                   devices, PALLAS_FA_COMMIT and the source hash; it
+                   always runs, for at least 10 s
+    bench   265 s  bf16, H = 128, T in {16384, 4096}, causal and not, fwd
+                   and fwd+bwd: each implementation in its own process
+                   with the seconds it needs, those that answer the
+                   window's questions first: mosaic_gpu with the split and
+                   the fused backward, cuDNN, the float8 forwards of
+                   mosaic_gpu, cuDNN and triton; then, in what they
+                   leave, the fused backward's tile variants, a forward
+                   variant and triton's bf16 cells; a timestamp per phase
+                   of each process
+    decode  135 s  triton decode_attention's cache forms with bf16
+                   queries, then the grid (B in {1, 8}, S = 32768, K = 8,
+                   H = 128, share of HBM bandwidth)
   --call=correctness (250 s budget, 280 s limit)
-    env      15 s  as above
-    kernels 180 s  compiled correctness of every GPU kernel, the tests the
-                   last window did not finish first, pytest-xdist with a
-                   per-test timeout, no hypothesis shrinking, each worker's
-                   stderr kept
-    checks   55 s  every backend with jax_enable_x64 on, the float32 tests
+    env      20 s  as above
+    kernels 180 s  compiled correctness of every GPU kernel: the tests
+                   that failed in the last window first, then those no
+                   window finished, then the stalest window's finished
+                   ones; pytest-xdist with a per-test timeout, no
+                   hypothesis shrinking, each worker's stderr kept
+    checks   50 s  every backend with jax_enable_x64 on, the float32 tests
                    at precision="highest", then each test that crashed a
-                   worker in the last window alone
+                   worker in the last window alone, if its time is left
   extra (only with --steps): xla/chunked conformance and other tests, XLA
     and H = 64 and 256 in the benchmark, the on-device compile report
 
@@ -65,7 +70,9 @@ current; the parts are in `gpu/`: `plan.py` (steps, calls, shares, files),
 files and the bundle), `environment.py` (the env record), `steps.py` (the
 steps), `pytest_plugin.py` (test order, selection, results as they finish,
 no shrinking, fresh workers after a CUDA fault, each worker's stderr) and
-`report.py` (the results read back, the printed summary).
+`report.py` (the results read back, the printed summary). The last
+windows' test results, which order the test steps, are their files under
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -316,6 +323,30 @@ def _interrupt(signum, frame):
   raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def step_timeout(
+  name: str, step_shares: dict[str, float], until_end: float
+) -> float | None:
+  """The timeout of step `name`'s processes when it starts `until_end`
+  seconds before the run's budget ends.
+
+  A step ends where the later steps' shares begin, its processes' stop
+  included (`runner.STOP_GRACE`): it may use what the earlier steps left,
+  never a later step's share. A step with a `plan.Step.min_timeout_s`
+  (env) always gets at least that: its share, whatever the budget, is
+  never too short to start it.
+
+  Returns:
+    The seconds, or None when they are not worth starting a process for
+    (the step is then skipped).
+  """
+  timeout = (until_end - plan.reserved_after(name, step_shares)
+             - sum(runner.STOP_GRACE))
+  floor = plan.by_name(name).min_timeout_s
+  if floor is not None:
+    return max(timeout, floor)
+  return timeout if timeout >= steps.MIN_STEP_S else None
+
+
 def run_steps(args: argparse.Namespace, run: _Run) -> str | None:
   """Runs the chosen steps in order, each by its deadline.
 
@@ -334,13 +365,11 @@ def run_steps(args: argparse.Namespace, run: _Run) -> str | None:
   )
   stopped_by = None
   for name in args.steps:
-    # A stopped step's processes get their grace after its deadline.
-    deadline = end - plan.reserved_after(name, shares)
-    timeout = deadline - time.monotonic() - sum(runner.STOP_GRACE)
     step_start = time.monotonic()
+    timeout = step_timeout(name, shares, end - step_start)
     if stopped_by:
       record = {"status": "skipped", "reason": f"gpu_check got {stopped_by}"}
-    elif timeout < steps.MIN_STEP_S:
+    elif timeout is None:
       record = {
         "status": "skipped",
         "reason": f"out of time (--budget={args.budget:.0f} s)",
@@ -370,7 +399,7 @@ def run_steps(args: argparse.Namespace, run: _Run) -> str | None:
           "reason": f"gpu_check error: {type(e).__name__}: {e}",
         }
     record["duration_s"] = round(time.monotonic() - step_start, 1)
-    record["timeout_s"] = round(max(timeout, 0), 1)
+    record["timeout_s"] = round(max(timeout or 0, 0), 1)
     run.records[name] = record
     try:
       run.flush()

@@ -7,25 +7,34 @@ idle time count) and one command runs at most 10 minutes, of which 8 files
 come back. A window is two calls, each a prepared command:
 
 * speed (`--call=speed`, 420 s under a 450 s limit): the questions that
-  decide the next kernel work, every T = 16384 and 4096 cell of the
-  implementations, their variants and the peers, then decode;
+  decide the next kernel work, the T = 16384 and 4096 cells of mosaic_gpu,
+  cuDNN and the float8 forwards first, then the variants in the time they
+  leave, then decode's cache forms and grid;
 * correctness (`--call=correctness`, 250 s under a 280 s limit): the
-  compiled kernel tests (those the last window did not finish first), the
-  x64 and float32 (precision="highest") checks of every backend, and the
-  tests that crashed a pytest-xdist worker in the last window, each alone
-  in its own process.
+  compiled kernel tests (those that failed in the last window first, then
+  those no window finished), the x64 and float32 (precision="highest")
+  checks of every backend, and the tests that crashed a pytest-xdist
+  worker in the last window, each alone in its own process.
 
 The second runs straight after the first while the machine is still warm
 (a fresh start costs a minute or more of the 15), so it does not depend on
 the first's results.
 
-The shares: `env` took 4 s in each window, and what a step leaves goes to
-the next. `bench` runs one process per implementation (about 100 cells);
-the first H200 window's showed each spending 10 s before its first cell
-and 1-8 s per cell, and its reference check 35 s of one process's 79 s
-(now compiled without autotuning). `decode` took 29 s for the grid's six
-cells; the cache forms get the rest. `kernels` finished 298 of 619 tests
-in 155 s with 8 workers. `extra` runs only when named in --steps.
+The shares, from the window at b85705a (every process's phases were
+timed, `steps.BenchRun.need_s`): `env` takes 2-4 s; its share is its 10 s
+timeout and the 10 s grace of stopping it (at b85705a its 15 s share less
+that grace was under the 5 s a step is started with: it was skipped in
+both calls). `bench`'s essential runs need 255 s of its 270 (mosaic_gpu's
+split and fused backward 100, cuDNN with the matmul ceiling 34, the
+float8 forwards of mosaic_gpu, cuDNN and triton 44, 44 and 33); the rest
+run in what they leave. `decode`: the cache forms took 87 s (the latent
+one 17 s, lost at b85705a to the 73 s the grid left them), the grid 31 s.
+`kernels` finished 423 of 792 tests in 185 s with 8 workers (712 without
+the xla and chunked cases); the next window runs the 13 that failed, the
+64 no window finished and the 280 only ff8094b finished first, about
+160 s. `checks` finished 54 of 212 tests in 22 s; 164 without the cases
+the kernels step runs, about 35 s. `extra` runs only when named in
+--steps.
 """
 
 from __future__ import annotations
@@ -65,6 +74,9 @@ class Step:
     files: the files under --out it writes (besides the summary and the
       bundle, which every step rewrites).
     what: what it runs, for --plan.
+    min_timeout_s: None: the step is skipped when its time is spent; else
+      it always runs (unless a signal stopped the run), for at least this
+      long: the env record says what every other step ran on.
   """
 
   name: str
@@ -72,33 +84,44 @@ class Step:
   dry_run_budget_s: float
   files: tuple[str, ...]
   what: str
+  min_timeout_s: float | None = None
 
 
+# The env collection took 2-4 s in every window (one Python process: jax's
+# import, nvidia-smi, ptxas --version); its share is this timeout and the
+# grace of stopping it (`runner.STOP_GRACE`, 10 s).
+ENV_TIMEOUT_S = 10
 _ENV = Step(
   name="env",
-  budget_s=15,
+  budget_s=20,
   dry_run_budget_s=30,
   files=(),
   what="versions (python, jax, jaxlib, CUDA plugin, CUDA runtime, "
   "cuDNN, ptxas), nvidia-smi, jax.devices(), PALLAS_FA_COMMIT "
-  "and the source hash",
+  "and the source hash; it always runs, for at least 10 s",
+  min_timeout_s=ENV_TIMEOUT_S,
 )
 _BENCH = Step(
   name="bench",
-  budget_s=300,
+  budget_s=265,
   dry_run_budget_s=60,
   files=(BENCH_JSON, BENCH_MD),
   what="bf16, H = 128, T in (16384, 4096), causal and not, fwd and "
   "fwd+bwd (and the backward alone, their difference), each "
-  "implementation in its own process, in this order: mosaic_gpu with "
-  "the split and the fused backward (MosaicGpuBlockSizes(backward="
-  "'fused')), cuDNN through jax.nn, the fused backward's tile variants "
-  "(fwd+bwd), the forward's tile variants (fwd), triton, JAX's Pallas "
-  "mha, the float8 forwards of mosaic_gpu and triton (e4m3 inputs "
-  "quantized per head, fwd, their speed-up against cuDNN's and their own "
-  "bf16 cells) and cuDNN's FP8 forward (per-tensor scales, through jax's "
-  "private cudnn module); then mosaic_gpu's causal forward at T = 16384 per "
-  "head-section size (2, 4, 8, 16 and the default) in one process. Each "
+  "implementation in its own process with the seconds it needs, those "
+  "that answer the window's questions first and with their time kept: "
+  "mosaic_gpu with the split and the fused backward "
+  "(MosaicGpuBlockSizes(backward='fused')), cuDNN through jax.nn (and "
+  "the matmul ceiling), the float8 forward of mosaic_gpu (e4m3 inputs "
+  "quantized per head, fwd, its speed-up against cuDNN's bf16 and FP8 "
+  "cells and its own bf16 ones; the pipelined key loop without "
+  "ping-pong beside it), cuDNN's FP8 forward (per-tensor scales, "
+  "through jax's private cudnn module) and triton's float8 forward; then, "
+  "in the time those leave, the forward's pipelined key loop "
+  "without ping-pong (intra_overlap=true:pingpong=false, causal fwd), "
+  "triton's bf16 forward with its 128-key tiles against its former "
+  "64-key ones and JAX's Pallas mha, and the fused backward's tile "
+  "variants (T = 16384, causal, fwd+bwd). Each "
   "cell checked "
   "first on its first and last 256 rows against a reference computed "
   "once per shape (compiled without autotuning) and read back by the "
@@ -107,27 +130,30 @@ _BENCH = Step(
 )
 _DECODE = Step(
   name="decode",
-  budget_s=105,
+  budget_s=135,
   dry_run_budget_s=30,
   files=(DECODE_JSON, DECODE_FORMS_JSON),
-  what="triton decode_attention, bf16, B in {1, 8}, S = 32768, K = 8, "
+  what="triton decode_attention's cache forms first "
+  "(decode_benchmark.py --cache_forms), with bf16 queries: int8 "
+  "and float8 caches against bf16 (the float32-query cells beside them) "
+  "and both 1-byte caches with two warps a program against four, the "
+  "latent cache against separate K and V, the shared prefix against the "
+  "materialised concatenation, paged against contiguous, T_new = 4 "
+  "against 1; then the grid: bf16, B in {1, 8}, S = 32768, K = 8, "
   "H = 128, T_new = 1, with the default split count and 64 splits, "
   "checked against the plain flash_attention call, with the share of "
-  "the measured HBM bandwidth and a timestamp per phase; then the cache "
-  "forms (decode_benchmark.py --cache_forms) with bf16 queries: int8 "
-  "and float8 caches against bf16, the shared prefix against the "
-  "materialised concatenation, paged against contiguous, T_new = 4 "
-  "against 1, the latent cache against separate K and V, the "
-  "float32-query cells beside them, and both 1-byte caches with two "
-  "warps a program against four",
+  "the measured HBM bandwidth and a timestamp per phase",
 )
 _KERNELS = Step(
   name="kernels",
   budget_s=180,
   dry_run_budget_s=60,
   files=(JUNIT,),
-  what="compiled correctness of every GPU kernel, the tests the last "
-  "window did not finish first (its junit.xml under benchmarks/results/): "
+  what="compiled correctness of every GPU kernel, in this order: the "
+  "tests that failed in the last window, those no window of record "
+  "finished, then those each finished, the stalest window's first "
+  "(benchmarks/results/h200_ff8094b/junit.xml, "
+  "h200_b85705a/tests_kernels.jsonl): "
   "the conformance suite for mosaic_gpu and triton (forward and "
   "every gradient against the reference: causal, window, "
   "segments, GQA, soft cap, bias, dropout, Hv != H, H up to "
@@ -140,23 +166,27 @@ _KERNELS = Step(
   "test_mosaic_gpu_fp8.py (the float8 forwards of triton and "
   "mosaic_gpu against the float64 oracle), "
   "test_decode_prefix_latent.py (the shared prefix's one merge, the "
-  "latent caches); pytest-xdist, a "
+  "latent caches), without their xla and chunked cases (no GPU kernel); "
+  "pytest-xdist, a "
   "per-test timeout, each worker's stderr kept (a crashed worker's last "
   "lines reported), the references compiled without autotuning, "
   "--tb=short, no hypothesis shrinking",
 )
 _CHECKS = Step(
   name="checks",
-  budget_s=55,
+  budget_s=50,
   dry_run_budget_s=30,
   files=(JUNIT,),
   what="every backend (mosaic_gpu, triton, xla, chunked; the decode "
   "kernels) forward and backward with jax_enable_x64 on "
   "(tests/test_x64.py), the reproducible backward rerun bitwise-equal "
-  "on every backend (tests/test_determinism.py), the float32 tests at precision='highest' "
-  "(test_precision.py, the conformance suite's float32 cases), then "
+  "on every backend (tests/test_determinism.py), the float32 tests at "
+  "precision='highest' (test_precision.py, the conformance suite's "
+  "float32 cases of xla and chunked: the kernels step runs mosaic_gpu's "
+  "and triton's), those the last window did not finish first; then "
   "each test that crashed a worker in the last window alone in a "
-  "process of its own, without pytest-xdist",
+  "process of its own, without pytest-xdist, if its time is left (none "
+  "crashed one at b85705a)",
 )
 EXTRA = Step(
   name="extra",

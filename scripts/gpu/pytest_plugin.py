@@ -8,15 +8,23 @@ It changes nothing unless loaded, and then, from environment variables:
 * Hypothesis: the "gpu_check" profile, with no shrinking (a failing
   property test would otherwise recompile kernels for every smaller example
   until its timeout) and no deadline.
-* Last (PALLAS_FA_TEST_LAST=FILE): the tests whose id is one of FILE's
-  lines (those an earlier window finished) run after every other, so that
-  a run stopped at its budget answers for the unknown ones first.
+* Order by earlier windows (PALLAS_FA_TEST_ORDER=FILE, JSON {"first":
+  [ids], "last": [[ids], ...]}): the tests of "first" (those that failed
+  in the last window) run before every other; those of each group of
+  "last" (the tests an earlier window finished, the stalest window's
+  group first) after every test in no group and after the groups before
+  it (a test in several groups goes with the last of them), so that a run
+  stopped at its budget answers for the unknown ones first.
 * Selection (PALLAS_FA_TEST_ONLY=FILE): only the tests whose id contains
   one of FILE's lines run (a rerun of what failed); ids that match nothing
-  are printed, not fatal.
+  are printed, not fatal. PALLAS_FA_TEST_DROP=REGEX: the tests whose id
+  it finds are left out (deselected).
 * Results (PALLAS_FA_TEST_RESULTS=FILE): one JSON line per finished test,
   written as it finishes, so that a run killed before pytest writes its
-  junit XML still tells what passed and failed.
+  junit XML still tells what passed and failed; and one ("outcome":
+  "started") as each test starts, so that a run stopped in a test tells
+  which (pytest's own summary of a run stopped in its only selected test
+  counts nothing but the deselected ones).
 * Each worker's stderr (PALLAS_FA_TEST_STDERR_DIR=DIR): a pytest-xdist
   worker writes its file descriptor 2 (Python's tracebacks, faulthandler's
   dumps, pytest-timeout's stacks, XLA's and CUDA's messages) to
@@ -134,11 +142,17 @@ class GpuCheckPlugin:
           for line in f
           if line.strip() and not line.startswith("#")
         ]
-    self.last = set()
-    last_path = os.environ.get("PALLAS_FA_TEST_LAST")
-    if last_path and os.path.exists(last_path):
-      with open(last_path) as f:
-        self.last = {line.strip() for line in f if line.strip()}
+    self.drop = os.environ.get("PALLAS_FA_TEST_DROP") or None
+    # Test id -> its tier: 0 first, 1 (by default) none, 2 + i the i-th
+    # group of "last".
+    self.tiers: dict[str, int] = {}
+    order_path = os.environ.get("PALLAS_FA_TEST_ORDER")
+    if order_path and os.path.exists(order_path):
+      with open(order_path) as f:
+        order = json.load(f)
+      for i, group in enumerate(order.get("last") or ()):
+        self.tiers.update(dict.fromkeys(group, 2 + i))
+      self.tiers.update(dict.fromkeys(order.get("first") or (), 0))
     self.stderr_dir = os.environ.get("PALLAS_FA_TEST_STDERR_DIR") or None
     if self.stderr_dir and self.is_worker:
       _redirect_stderr(self.stderr_dir, config.workerinput["workerid"])
@@ -152,10 +166,10 @@ class GpuCheckPlugin:
     )
     self.sticky_error = None
 
-  def _rank(self, item: pytest.Item) -> tuple[bool, int]:
+  def _rank(self, item: pytest.Item) -> tuple[int, int]:
     rank = next((i for i, name in enumerate(self.first)
                  if name in item.nodeid), len(self.first))
-    return item.nodeid in self.last, rank
+    return self.tiers.get(item.nodeid, 1), rank
 
   @pytest.hookimpl(trylast=True)
   def pytest_collection_modifyitems(
@@ -174,8 +188,22 @@ class GpuCheckPlugin:
         )
       config.hook.pytest_deselected(items=[i for i in items if i not in keep])
       items[:] = keep
+    if self.drop is not None:
+      dropped = [i for i in items if re.search(self.drop, i.nodeid)]
+      if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [i for i in items if i not in dropped]
     # A stable sort: within a rank the collection order stays.
     items.sort(key=self._rank)
+
+  def _write(self, record: dict) -> None:
+    self.results.write(json.dumps(record) + "\n")
+
+  def pytest_runtest_logstart(self, nodeid: str, location) -> None:
+    del location  # Unused.
+    # Under pytest-xdist the controller hears of each test a worker starts.
+    if self.results is not None:
+      self._write({"test": nodeid, "outcome": "started"})
 
   def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
     result = outcome(report)
@@ -194,18 +222,15 @@ class GpuCheckPlugin:
       tail = stderr_tail(self.stderr_dir, worker)
       if tail:
         message = f"{message}; its stderr ended: {tail}"
-    self.results.write(
-      json.dumps(
-        {
-          "test": report.nodeid,
-          "outcome": result,
-          "when": report.when,
-          "duration_s": round(report.duration or 0.0, 2),
-          "message": message,
-          "worker": worker,
-        }
-      )
-      + "\n"
+    self._write(
+      {
+        "test": report.nodeid,
+        "outcome": result,
+        "when": report.when,
+        "duration_s": round(report.duration or 0.0, 2),
+        "message": message,
+        "worker": worker,
+      }
     )
 
   @pytest.hookimpl(hookwrapper=True)

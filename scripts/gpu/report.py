@@ -17,6 +17,8 @@ from bench import timeline
 # with its own message; "crashed" alone is a worker that died in the test
 # (a per-test timeout, or a fault).
 _SEVERITY = ("failed", "error", "crashed", "passed", "skipped")
+# The outcome of the line written as a test starts (no outcome yet).
+STARTED = "started"
 
 
 def summarise_tests(
@@ -32,17 +34,23 @@ def summarise_tests(
   Returns:
     {"tests", "passed", "failed", "errors", "crashed", "skipped",
     "failed_ids": every test id that did not pass or skip, "problems": [{
-    "test", "outcome", "message"}]}, or None when there is no file.
+    "test", "outcome", "message"}], "running": the tests that started and
+    have no outcome yet (those a stopped run was in)}, or None when there
+    is no file.
   """
   try:
     lines = path.read_text().splitlines()
   except OSError:
     return None
   seen: dict[str, dict[str, str]] = {}
+  started: dict[str, None] = {}
   for line in lines:
     try:
       record = json.loads(line)
     except ValueError:  # A line cut short by a kill.
+      continue
+    if record.get("outcome") == STARTED:
+      started[record["test"]] = None
       continue
     outcomes = seen.setdefault(record["test"], {})
     # The first message of each outcome is the one that says why.
@@ -61,7 +69,9 @@ def summarise_tests(
       problems.append(
         {"test": test, "outcome": result, "message": outcomes[result][:300]}
       )
-  return {**counts, "failed_ids": failed_ids, "problems": problems}
+  running = [test for test in started if test not in seen]
+  return {**counts, "failed_ids": failed_ids, "problems": problems,
+          "running": running}
 
 
 def merge_junit(paths: list[pathlib.Path]) -> str | None:
