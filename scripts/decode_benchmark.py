@@ -23,6 +23,16 @@ timing). Peers in the same run: `flash_attention` on the same cache (key
 lengths and query positions; the plain call that decoding used before),
 and `jax.nn.dot_product_attention` with a [B, 1, T_new, S] mask.
 
+A decode step on a GPU takes about what one call of a jitted program costs
+the host, so each candidate is timed --calls_per_program calls to one
+jitted program (`bench.repeated`; 20 on an accelerator, 1 on a CPU): "ms"
+is the time per call in that program, and the rates, shares and speed-ups
+are taken from it; with more than one call, "ms_one_call" is the same call
+timed one to a program (the host's dispatch included). A cell's
+candidates are checked first, then timed in turn, the candidates and both
+programs of each, so that every ratio of two of its rows is of
+interleaved runs.
+
     python scripts/decode_benchmark.py                    # CPU subset
     python scripts/decode_benchmark.py --batch=1,8,32 \
         --seq_lens=1024,4096,16384,32768,65536,131072 --kv_heads=32,8,1 \
@@ -69,6 +79,7 @@ from absl import app
 from absl import flags
 from bench import cells
 from bench import decode_forms
+from bench import repeated
 from bench import report as report_lib
 from bench import timeline as timeline_lib
 from gpu import environment
@@ -99,6 +110,12 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
 _PEERS = flags.DEFINE_list(
     "peers", ["flash_attention", "jax_nn"], "Peers timed in the same run.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
+_CALLS = flags.DEFINE_integer(
+    "calls_per_program", None, "Calls of each candidate (and of each cache "
+    "form's cell) in one timed jitted program: \"ms\" is per call, and with "
+    "more than one, \"ms_one_call\" is one call a program (the host's "
+    "dispatch included). Default: 20 on an accelerator, 1 on a CPU.",
+    lower_bound=1)
 _MATMUL_SIZE = flags.DEFINE_integer(
     "matmul_size", 2048, "M = N = K of the matmul-rate probe of the roofline "
     "(0: memory-only roofline).")
@@ -246,10 +263,12 @@ def _candidates(t, s, page_size, impls, streaming=None, splits=(None,)):
 
 
 def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
-             timeline=None):
-  """Times every candidate on one shape; returns one row per candidate
-  (their shares of the machine's rates come from `add_shares`), and adds
-  its phases to `timeline` (a `bench.timeline.Timeline`) when given."""
+             timeline=None, calls=1):
+  """Times every candidate on one shape, `calls` calls to a jitted program
+  (`bench.repeated`), the candidates in turn once each has passed its
+  check; returns one row per candidate (their shares of the machine's
+  rates come from `add_shares`), and adds its phases to `timeline` (a
+  `bench.timeline.Timeline`) when given."""
   timeline = timeline or timeline_lib.Timeline()
   cell = f"B={b} S={s} K={num_kv} H={h} T={t}"
   itemsize = jnp.dtype(dtype).itemsize
@@ -283,7 +302,7 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
     ref32 = jax.jit(plain)(*up, lengths, None)
     ref_same = jax.jit(plain)(q, k, v, lengths, None)
     jax.block_until_ready((ref32, ref_same))
-  rows, times = [], {}
+  rows, timed = [], []
   candidates = _candidates(t, s, page_size, implementations(), streaming,
                            split_counts())
   first = next(iter(candidates))
@@ -295,8 +314,9 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
       with timeline.phase("compile_check", cell=cell, impl=name):
         check = testing.compare("out", fn(*args), ref32, ref_same,
                                 precision="default")
-      with timeline.phase("timing", cell=cell, impl=name):
-        timing = testing.time_call(fn, *args, repeats=repeats)
+        program = repeated.program(fn, calls)
+        if check.ok:
+          jax.block_until_ready(program(*args))  # Compiled here.
     except Exception as e:  # noqa: BLE001  (reported, never hidden)
       rows.append(dict(base, impl=name, status="error",
                        reason=str(e).splitlines()[0][:200]))
@@ -305,12 +325,24 @@ def run_cell(b, s, n, num_kv, h, t, dtype, page_size, peers, repeats,
       rows.append(dict(base, impl=name, status="wrong",
                        reason=check.message()))
       continue
-    times[name] = timing.median_s
-    rows.append(dict(base, impl=name, status="ok", ms=timing.ms,
-                     bytes_per_s=kv_bytes / timing.median_s,
-                     max_error=check.error, tolerance=check.tolerance))
-  for row in rows:
-    if first in times and row.get("status") == "ok":
+    row = dict(base, impl=name, status="ok", max_error=check.error,
+               tolerance=check.tolerance)
+    rows.append(row)
+    timed.append((row, (program, fn, args)))
+  if timed:
+    with timeline.phase("timing", cell=cell,
+                        impl=",".join(row["impl"] for row, _ in timed)):
+      timings = repeated.time_in_turn(
+          [entry for _, entry in timed], calls, repeats)
+  else:
+    timings = []
+  times = {}
+  for (row, _), timing in zip(timed, timings):
+    # The rates and ratios of the time per call within a program.
+    row.update(timing, bytes_per_s=kv_bytes / (timing["ms"] / 1e3))
+    times[row["impl"]] = timing["ms"]
+  for row, _ in timed:
+    if first in times:
       row["decode_speedup"] = times[row["impl"]] / times[first]
   return rows
 
@@ -339,7 +371,7 @@ def best_rates(report: dict, probes: dict, matmul: dict | None) -> None:
 
 def format_table(rows, header: bool = True) -> str:
   lines = ([f"{'B':>3} {'S':>7} {'K':>3} {'H':>5} {'T':>2} "
-            f"{'impl':<28} {'ms':>9} {'GB/s':>7} {'of bw':>6} "
+            f"{'impl':<28} {'ms':>9} {'1-call ms':>9} {'GB/s':>7} {'of bw':>6} "
             f"{'roof ms':>8} {'of roof':>7} {'decode x':>8}"]
            if header else [])
   for r in rows:
@@ -348,8 +380,10 @@ def format_table(rows, header: bool = True) -> str:
     if r["status"] != "ok":
       lines.append(f"{head} {r['status']}: {r['reason']}")
       continue
+    alone = (f"{r['ms_one_call']:>9.3f}" if "ms_one_call" in r
+             else f"{'-':>9}")
     lines.append(
-        f"{head} {r['ms']:>9.3f} {r['bytes_per_s'] / 1e9:>7.2f} "
+        f"{head} {r['ms']:>9.3f} {alone} {r['bytes_per_s'] / 1e9:>7.2f} "
         f"{r['bandwidth_share']:>6.0%} {r['roofline_ms']:>8.3f} "
         f"{r['roofline_share']:>7.0%} {r.get('decode_speedup', 0):>8.2f}")
   return "\n".join(lines)
@@ -393,12 +427,13 @@ def main(argv: Sequence[str]) -> None:
     for form in forms:
       with timeline.phase("cache_form", form=form):
         rows += decode_forms.FORMS[form](implementations()[0],
-                                         _REPEATS.value)
+                                         _REPEATS.value, calls=_CALLS.value)
       report["ratios"] = decode_forms.ratios(rows)
       if _JSON.value:
         report_lib.write_json(report, _JSON.value)
     print(decode_forms.format_table(rows))
     return
+  calls = _CALLS.value or repeated.default_calls()
   with timeline.phase("probes"):
     best_rates(report, *machine_rates(dtype))
   for b in ints(_BATCH.value):
@@ -414,7 +449,7 @@ def main(argv: Sequence[str]) -> None:
             print(f"  probes: {describe_rates(probes, matmul)}")
             cell = run_cell(b, s, _HEADS.value, num_kv, h, t, dtype,
                             _PAGE.value, _PEERS.value, _REPEATS.value,
-                            timeline)
+                            timeline, calls)
             rows += cell
             add_shares(rows, report["memory_bandwidth"]["peak"],
                        report["matmul"] and report["matmul"]["flops_per_s"])

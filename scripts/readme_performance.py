@@ -573,9 +573,11 @@ def _forms_base(forms: dict) -> dict:
 
 def _gpu_decode(results: pathlib.Path, forms: dict) -> list[str]:
   """The GPU decode kernel's time per call and its share of the bandwidth
-  measured in the same run: a line per split count (or plain call), a
-  column per batch size; the same call in a program of many calls from
-  the cache forms beside them, and what timing one alone measures."""
+  measured in the same run: a line per split count (or plain call) and
+  calls a program (a row without "calls_per_program" timed one; one with
+  more names them, and its "ms_one_call" is a line of its own), a column
+  per batch size; the same call in a program of many calls from the cache
+  forms beside them, and what timing one alone measures."""
   src = _Source(results, SOURCES["gpu_decode"])
   read = src.get(src.data, "memory_bandwidth", "read")
   cells: dict[tuple, str] = {}
@@ -591,9 +593,19 @@ def _gpu_decode(results: pathlib.Path, forms: dict) -> list[str]:
                else fields.replace("num_splits=", "") + " splits")
     else:
       label = f"plain `{impl}` call"
-    cells[(label, src.get(r, "batch", where=where))] = _decode_cell(
-        src.get(r, "ms", where=where),
-        src.get(r, "bandwidth_share", where=where))
+    batch = src.get(r, "batch", where=where)
+    ms = src.get(r, "ms", where=where)
+    share = src.get(r, "bandwidth_share", where=where)
+    calls = r.get("calls_per_program", 1)
+    if calls > 1:
+      cells[(f"{label}, {calls} calls a program", batch)] = _decode_cell(
+          ms, share)
+      if "ms_one_call" in r:
+        # The same bytes in the one-call time.
+        cells[(f"{label}, one call a program", batch)] = _decode_cell(
+            r["ms_one_call"], share * ms / r["ms_one_call"])
+    else:
+      cells[(label, batch)] = _decode_cell(ms, share)
     shape.add(tuple(src.get(r, f, where=where) for f in _DECODE_SHAPE))
   if not kernels:
     raise ValueError(f"{src.name}: no ok decode/... row")

@@ -426,6 +426,8 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
   assert row["impl"] == "decode/chunked" and row["status"] == "ok", row
   assert 0 <= row["max_error"] <= row["tolerance"], row
   assert row["bytes_per_s"] > 0 and row["page_size"] == 32
+  # One call a program on a CPU (`bench.repeated.default_calls`).
+  assert row["calls_per_program"] == 1 and "ms_one_call" not in row, row
   # The roofline: the slower of the reads at the bandwidth and the FLOPs at
   # the matmul rate, both the fastest of their timings in the run (at the
   # start and before the cell).
@@ -441,6 +443,63 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
   assert row["roofline_ms"] == pytest.approx(roofline_ms), row
   assert row["roofline_share"] == pytest.approx(
       row["roofline_ms"] / row["ms"]), row
+
+
+@pytest.mark.slow  # A child process per cell: CI runs it in the slow leg.
+def test_decode_benchmark_times_calls_per_program_in_turn(tmp_path):
+  """--calls_per_program=3: every candidate, the peers too, is timed three
+  calls to a jitted program, and its rates, shares and speed-up are of that
+  time per call; its one-call time is beside it, and one timing phase
+  holds the cell's candidates (timed in turn)."""
+  report = _decode_benchmark(tmp_path, "--calls_per_program=3",
+                             "--num_splits=default,2", "--dtype=float32")
+  rows = report["rows"]
+  assert [r["impl"] for r in rows] == [
+      "decode/chunked", "decode/chunked:num_splits=2", "flash_attention",
+      "jax_nn"]
+  peak = report["memory_bandwidth"]["peak"]
+  for row in rows:
+    assert row["status"] == "ok", row
+    assert row["calls_per_program"] == 3 and row["ms_one_call"] > 0, row
+    assert row["bytes_per_s"] == pytest.approx(
+        row["kv_bytes"] / (row["ms"] / 1e3)), row
+    assert row["bandwidth_share"] == pytest.approx(
+        row["bytes_per_s"] / peak), row
+    assert row["roofline_share"] == pytest.approx(
+        row["roofline_ms"] / row["ms"]), row
+    assert row["decode_speedup"] == pytest.approx(
+        row["ms"] / rows[0]["ms"]), row
+  (timing,) = [p for p in report["timeline"] if p["phase"] == "timing"]
+  assert timing["impl"] == ",".join(r["impl"] for r in rows), timing
+
+
+def test_repeated_program_makes_each_call_its_own():
+  """`bench.repeated.program`: `calls` calls of `fn` in one program, each
+  with its own lengths (a `minimum` XLA cannot fold), their results summed;
+  `fn` itself for one call. `time_in_turn` gives each entry its time per
+  call and, with more than one call, its one-call time."""
+  with script_module("decode_benchmark") as module:
+    repeated = module.repeated
+  traced = []
+
+  def fn(q, k, v, lengths, table):
+    del table
+    traced.append(lengths)
+    return q * k.sum() + v * lengths.sum()
+
+  args = (jax.numpy.ones((2, 3)), jax.numpy.ones(4), jax.numpy.ones((2, 3)),
+          jax.numpy.full((2,), 5, jax.numpy.int32), None)
+  assert repeated.program(fn, 1) is fn
+  out = repeated.program(fn, 3)(*args)
+  assert len(traced) == 3 and out.dtype == jax.numpy.float32
+  assert jax.numpy.allclose(out, 3 * fn(*args))
+  twice = repeated.program(fn, 2)
+  fields = repeated.time_in_turn([(twice, fn, args)] * 2, 2, 1)
+  assert [sorted(f) for f in fields] == [
+      ["calls_per_program", "ms", "ms_one_call"]] * 2
+  assert all(f["calls_per_program"] == 2 and f["ms"] > 0 for f in fields)
+  (one,) = repeated.time_in_turn([(fn, fn, args)], 1, 1)
+  assert one["calls_per_program"] == 1 and "ms_one_call" not in one
 
 
 @pytest.mark.slow  # A child process per cell: CI runs it in the slow leg.
@@ -741,6 +800,46 @@ def test_readme_performance_versions_from_the_summary_first(
   with pytest.raises(ValueError, match=rf"^{env_name}: .*'ptxas'.*"
                      rf"{summary_name}"):
     m.render(tmp_path)
+
+
+def test_readme_performance_names_the_decode_rows_calls_a_program(
+    readme_performance, tmp_path):
+  """A decode.json row timed many calls to a jitted program is labelled
+  with them, and its one-call time ("ms_one_call") is a line of its own at
+  the share of the same bytes; a row with one call a program, named or
+  not (the committed file names none), keeps the plain label."""
+  m = readme_performance
+  results = _copy_results(m, tmp_path)
+  name = m.SOURCES["gpu_decode"]
+  data = json.loads((tmp_path / name).read_text())
+  default = {}
+  for r in data["rows"]:
+    if r["impl"] == "decode/triton":
+      r.update(calls_per_program=20, ms_one_call=2 * r["ms"])
+      default[r["batch"]] = r
+    else:
+      r["calls_per_program"] = 1
+  assert sorted(default) == [1, 8]
+  (tmp_path / name).write_text(json.dumps(data))
+  lines = m.render(tmp_path).splitlines()
+
+  def line(label, cells):
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+  in_loop = [m._decode_cell(default[b]["ms"], default[b]["bandwidth_share"])
+             for b in (1, 8)]
+  alone = [m._decode_cell(2 * default[b]["ms"],
+                          default[b]["bandwidth_share"] / 2)
+           for b in (1, 8)]
+  assert line("default splits, 20 calls a program", in_loop) in lines
+  assert line("default splits, one call a program", alone) in lines
+  assert not any(x.startswith("| default splits |") for x in lines)
+  assert any(x.startswith("| 64 splits |") for x in lines)
+  assert not any(x.startswith("| 64 splits, ") for x in lines)
+  # The committed decode.json (no calls_per_program): one call a program.
+  committed = m.render(results).splitlines()
+  assert any(x.startswith("| default splits |") for x in committed)
+  assert not any(" calls a program |" in x for x in committed)
 
 
 @pytest.mark.parametrize("name, path", [

@@ -230,6 +230,9 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   assert "--batch=1,8" in decode and "--seq_lens=32768" in decode
   assert "--kv_heads=8" in decode and "--head_dims=128" in decode
   assert "--num_splits=default,64" in decode
+  # In-loop times: one call a program is the host's dispatch at B = 1.
+  assert "--calls_per_program=20" in decode
+  assert "--calls_per_program=2" in steps.DECODE_FLAGS[True]
   # Every cache form, the latent one (lost at b85705a) second.
   with script_module("decode_benchmark") as decode_benchmark:
     forms = decode_benchmark.decode_forms.FORMS
@@ -963,6 +966,9 @@ def test_dry_run(gpu_check, tmp_path):
   }
   assert {"probes", "reference", "timing"} <= {
     p["phase"] for p in decode["timeline"]}
+  # Two calls a program in the dry run, the one-call time beside them.
+  assert all(r["calls_per_program"] == 2 and r["ms_one_call"] > 0
+             for r in decode["rows"]), decode["rows"]
   assert all(r["share"] > 0 for r in steps["decode"]["decode"]["rows"])
   # Then the cache forms, each checked before it is timed.
   forms = steps["decode"]["forms"]

@@ -47,9 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench import cells
+from bench import repeated
 
 import pallas_fa
-from pallas_fa import api
 from pallas_fa import kv_cache
 from pallas_fa import testing
 
@@ -82,44 +82,13 @@ def _kv_bytes(args) -> int:
   return int(sum(x.nbytes for x in args[1:] if hasattr(x, "nbytes")))
 
 
-def default_calls() -> int:
-  """Calls of a cell per timed program: 20 on an accelerator, 1 on a CPU.
-
-  A decode step takes tens of microseconds on a GPU, about what one call
-  of a jitted function costs its host (the first H200 run's bfloat16,
-  int8 and float8 cells all took 55 us, its latent ones 60-66 us, whatever
-  their bytes): timed one call at a time, a cell measures the dispatch.
-  Twenty calls in one program keep the device busy while the host
-  dispatches the next; a CPU's calls cost far more than their dispatch.
-  """
-  return 1 if api.platform() == "cpu" else 20
-
-
-def _repeated(fn, calls: int):
-  """`fn` called `calls` times in one jitted program, the sum of its
-  results returned. Each call's lengths (the fourth argument) pass through
-  a `minimum` with a different bound past any length, a no-op XLA cannot
-  fold, so that no two calls are the same computation (one would be
-  dropped)."""
-  bound = jnp.iinfo(jnp.int32).max
-
-  def run(*args):
-    total = 0
-    for i in range(calls):
-      lengths = jnp.minimum(args[3], bound - i)
-      total += fn(*args[:3], lengths, *args[4:]).astype(_F32)
-    return total
-
-  return jax.jit(run)
-
-
 def _rows(form, cells, repeats, calls, **shape):
   """Checks each cell against its references, then times the ones that
-  passed in turn (`testing.time_calls`), so that every ratio of two rows
-  is of interleaved runs: `calls` calls per program ("ms" per call; with
-  more than one, "ms_one_call" is one call a program, its dispatch
-  included)."""
-  calls = calls or default_calls()
+  passed in turn (`repeated.time_in_turn`), so that every ratio of two rows
+  is of interleaved runs: `calls` calls per program (default
+  `repeated.default_calls()`; "ms" per call; with more than one,
+  "ms_one_call" is one call a program, its dispatch included)."""
+  calls = calls or repeated.default_calls()
   rows, timed = [], []
   for cell in cells:
     fn = jax.jit(cell.fn)
@@ -129,6 +98,9 @@ def _rows(form, cells, repeats, calls, **shape):
       check = testing.compare("out", fn(*cell.args), cell.ref32,
                               cell.ref_same, dtype=cell.dtype,
                               precision="default")
+      program = repeated.program(fn, calls)
+      if check.ok:
+        jax.block_until_ready(program(*cell.args))  # Compiled here.
     except Exception as e:  # noqa: BLE001 - a failing cell is a result.
       row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:2000])
       rows.append(row)
@@ -136,18 +108,14 @@ def _rows(form, cells, repeats, calls, **shape):
     if check.ok:
       row.update(status="ok", max_error=check.error,
                  tolerance=check.tolerance)
-      timed.append((row, fn, cell.args))
+      timed.append((row, (program, fn, cell.args)))
     else:
       row.update(status="wrong", reason=check.message())
     rows.append(row)
-  programs = [(_repeated(fn, calls), args) for _, fn, args in timed]
-  if calls > 1:
-    programs += [(fn, args) for _, fn, args in timed]
-  timings = testing.time_calls(programs, repeats=repeats)
-  for (row, _, _), timing in zip(timed, timings):
-    row.update(ms=timing.ms / calls, calls_per_program=calls)
-  for (row, _, _), timing in zip(timed, timings[len(timed):]):
-    row["ms_one_call"] = timing.ms
+  timings = repeated.time_in_turn(
+      [entry for _, entry in timed], calls, repeats)
+  for (row, _), timing in zip(timed, timings):
+    row.update(timing)
   return rows
 
 

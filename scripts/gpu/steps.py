@@ -840,21 +840,27 @@ def step_bench(ctx: Context, timeout: float) -> dict[str, Any]:
 # GPU, 264 and 256 programs; 64 is about twice B = 1's and gives B = 8
 # 4096 programs, a finer tail); the plain flash_attention call is each
 # cell's reference, but not timed (the first window measured it: 4.6-4.9x
-# slower). The dry run's chunked one, tiny, with the plain call timed.
+# slower). Each call is timed DECODE_CALLS to a jitted program, and one to
+# a program beside it: the B = 1 call took 47.3, 51.2 and 68.5 us timed
+# one to a program in three processes (ff8094b, b85705a twice: the host's
+# dispatch) and 37.8 us a call in a program of 20 (b85705a's cache forms).
+# The dry run's chunked one, tiny, with the plain call timed, two calls to
+# a program.
 DECODE_SPLITS = 64
+DECODE_CALLS = 20
 DECODE_FLAGS = {
   False: (
     "--implementations=triton", "--peers=none",
     f"--num_splits=default,{DECODE_SPLITS}", "--batch=1,8",
     "--seq_lens=32768", "--kv_heads=8", "--heads=32", "--head_dims=128",
     "--new_tokens=1", "--dtype=bfloat16", "--max_cache_gib=4",
-    "--repeats=10",
+    "--repeats=10", f"--calls_per_program={DECODE_CALLS}",
   ),
   True: (
     "--implementations=chunked", "--peers=flash_attention",
     "--num_splits=default,2", "--batch=1,2", "--seq_lens=256",
     "--kv_heads=2", "--heads=4", "--head_dims=16", "--new_tokens=1",
-    "--dtype=float32", "--repeats=2",
+    "--dtype=float32", "--repeats=2", "--calls_per_program=2",
   ),
 }  # fmt: skip
 
