@@ -179,18 +179,20 @@ def dtype_rows(implementation: str, repeats: int, *,
     cells.append(Cell(name, scaled, (q, k8, v8, lengths, ks, vs), *refs,
                       _BF16, dict(query_dtype="bfloat16", cache_dtype=name)))
     quantized.append((name, scaled, (k8, v8, lengths, ks, vs), refs))
-  # The 1-byte tiling beside the one it replaced: int8 at the split count
-  # of a 16-bit cache (two programs an SM, not four), and at 128-key
-  # blocks with that split count.
+  # The 1-byte tiling beside others: int8 at the split count of a 16-bit
+  # cache (two programs an SM, not four), and both 1-byte caches at
+  # 128-key blocks with that split count (int8 0.96x the default's time
+  # at b85705a: the candidate default).
   name, scaled, args, int8_refs = quantized[0]
-  for label, tiling in (("int8_33_splits", dict(num_splits=33)),
-                        ("int8_128_keys_33_splits",
-                         dict(num_splits=33, block_kv=128))):
+  tilings = (("int8_33_splits", quantized[0], dict(num_splits=33)),
+             *((f"{form[0]}_128_keys_33_splits", form,
+                dict(num_splits=33, block_kv=128)) for form in quantized))
+  for label, (form, _, form_args, form_refs), tiling in tilings:
     def tiled(q, k, v, lengths, ks, vs, tiling=tiling):
       return decode(q, k, v, lengths, key_scale=ks, value_scale=vs, **tiling)
 
-    cells.append(Cell(label, tiled, (q, *args), *int8_refs, _BF16,
-                      dict(query_dtype="bfloat16", cache_dtype=name,
+    cells.append(Cell(label, tiled, (q, *form_args), *form_refs, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype=form,
                            **tiling)))
   # Secondary: float32 queries (the path the first GPU run measured).
   cells.append(Cell("float32", decode, (q32, k.astype(_F32), v.astype(_F32),
@@ -344,6 +346,8 @@ TARGETS = (
     # The 1-byte tiling (four programs an SM) no slower than the 16-bit one.
     ("int8_vs_33_splits", "dtype", "int8", "int8_33_splits", 1.0),
     ("int8_vs_128_keys", "dtype", "int8", "int8_128_keys_33_splits", 1.0),
+    ("fp8_vs_128_keys", "dtype", "float8_e4m3fn",
+     "float8_e4m3fn_128_keys_33_splits", 1.0),
     # Two warps a program (triton only) against the default four.
     ("int8_2_warps_vs_4", "dtype", "int8_2_warps", "int8", 1.0),
     ("fp8_2_warps_vs_4", "dtype", "float8_e4m3fn_2_warps", "float8_e4m3fn",
