@@ -899,7 +899,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         ("prefix", "prefix_flash"),
         ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
         ("tnew", "t_new_1"), ("tnew", "t_new_4"), ("latent", "latent"),
-        ("latent", "separate_values"), ("latent", "one_read_floor")]
+        ("latent", "separate_values"), ("latent", "one_read_floor"),
+        ("latent", "latent_66_splits"), ("latent", "latent_132_splits")]
     for r in rows:
       assert r["status"] == "ok", r
       assert 0 <= r["max_error"] <= r["tolerance"], r

@@ -328,6 +328,13 @@ def latent_rows(implementation: str, repeats: int, *,
            _BF16, {}),
       Cell("one_read_floor", decode, (q, latent, one_column, lengths),
            *_refs(q, latent, one_column, lengths), _BF16, {}),
+      # Fewer splits: each writes (and the merge reads) a float32 [N, Hv]
+      # partial, 32 KB here, so the default's 264 splits move 17 MB of
+      # partials beside the 19 MB cache.
+      *(Cell(f"latent_{splits}_splits", lambda q, k, v, lengths, splits=splits:
+             decode(q, k, v, lengths, value_head_dim=hv, num_splits=splits),
+             (q, latent, None, lengths), *refs, _BF16,
+             dict(num_splits=splits)) for splits in (66, 132)),
   ], repeats, calls, **shape)
 
 
@@ -361,6 +368,9 @@ TARGETS = (
     ("tnew4_vs_tnew1", "tnew", "t_new_4", "t_new_1", 1.15),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
     ("latent_vs_floor", "latent", "latent", "one_read_floor", 1.15),
+    # The split count against the partials' traffic.
+    ("latent_vs_66_splits", "latent", "latent", "latent_66_splits", 1.0),
+    ("latent_vs_132_splits", "latent", "latent", "latent_132_splits", 1.0),
 )
 
 
