@@ -975,7 +975,8 @@ def test_dry_run(gpu_check, tmp_path):
   assert forms["status"] == "ok", forms
   assert [(r["form"], r["impl"], r["status"]) for r in forms["rows"]] == [
     ("latent", name, "ok")
-    for name in ("latent", "separate_values", "one_read_floor")]
+    for name in ("latent", "separate_values", "one_read_floor",
+                 "latent_66_splits", "latent_132_splits")]
   assert json.loads((out / "decode_forms.json").read_text())["ratios"]
 
   parts = steps["extra"]["parts"]
