@@ -33,10 +33,11 @@ def summarise_tests(
 
   Returns:
     {"tests", "passed", "failed", "errors", "crashed", "skipped",
-    "failed_ids": every test id that did not pass or skip, "problems": [{
-    "test", "outcome", "message"}], "running": the tests that started and
-    have no outcome yet (those a stopped run was in)}, or None when there
-    is no file.
+    "failed_ids": every test id that did not pass or skip, "finished":
+    every test id with an outcome, in the order they finished, "problems":
+    [{"test", "outcome", "message"}], "running": the tests that started
+    and have no outcome yet (those a stopped run was in)}, or None when
+    there is no file.
   """
   try:
     lines = path.read_text().splitlines()
@@ -70,8 +71,8 @@ def summarise_tests(
         {"test": test, "outcome": result, "message": outcomes[result][:300]}
       )
   running = [test for test in started if test not in seen]
-  return {**counts, "failed_ids": failed_ids, "problems": problems,
-          "running": running}
+  return {**counts, "failed_ids": failed_ids, "finished": list(seen),
+          "problems": problems, "running": running}
 
 
 def merge_junit(paths: list[pathlib.Path]) -> str | None:
