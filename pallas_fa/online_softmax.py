@@ -289,7 +289,7 @@ def init(rows_shape: tuple[int, ...], acc_shape: tuple[int, ...],
 def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
            per_query: PerQuery = queries_first, offset: float = 0.0,
            tile_exp: Callable[..., Array] | None = None,
-           scale: float | None = None):
+           scale: float | Array | None = None):
   """One online-softmax step over a tile of logits s [..., rows, keys].
 
   Args:
@@ -308,10 +308,12 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
       to s) in the base of s, in place of jnp's (`shifted_exp`): partly
       by a polynomial (`mosaic_gpu.exp2`), or one FMA and one MUFU an
       element (`triton.exp2`); alpha's are jnp's.
-    scale: s holds the logits divided by `scale` (a positive Python float:
-      the q.k products, masked, before a logit scale that is all their
-      transformation); None: s holds the logits. The max is taken on s and
-      scaled once a row (scaling is monotonic: the same value), so that
+    scale: s holds the logits divided by `scale` (the q.k products,
+      masked, before a logit scale that is all their transformation): a
+      positive Python float, or a positive per-query vector [..., rows]
+      (a float8 call's per-row factor, `mosaic_gpu.forward_fp8`); None: s
+      holds the logits. The max is taken on s and scaled once a row
+      (scaling by a positive factor is monotonic: the same value), so that
       the exponent s * scale - m can be one fused multiply-add an element
       instead of a multiply and a subtract.
 
@@ -327,6 +329,8 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
   m_safe = _finite_or_zero(m_new)
   alpha = exp(m_i - m_safe)
   shift = per_query(m_safe - offset if offset else m_safe, s.shape)
+  if scale is not None and jnp.ndim(scale):
+    scale = per_query(scale, s.shape)
   p = (tile_exp or shifted_exp(exp))(s, shift, scale)
   l_new = alpha * l_i + p.sum(axis=-1)
   return m_new, l_new, p, alpha

@@ -219,11 +219,17 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
       # inputs; read back from --reference_dir where an earlier process
       # left it.
       refs = {}
-      for key in {(c.sinks, granularity[c]) for c in candidates}:
+      # (sinks, reference granularity) -> the inputs it is computed from.
+      ref_inputs = {}
+      for c in candidates:
+        ref_inputs.setdefault(
+            (c.sinks, cells.reference_granularity(granularity[c])),
+            granularity[c])
+      for key, inputs_key in ref_inputs.items():
         start = timeline.now_s()
         refs[key] = cells.make_reference(
-            shape, inputs_of[key[1]], settings.check_rows, grads, key[0],
-            seed=settings.seed, directory=settings.reference_dir,
+            shape, inputs_of[inputs_key], settings.check_rows, grads,
+            key[0], seed=settings.seed, directory=settings.reference_dir,
             granularity=key[1])
         timeline.add("reference", start, timeline.now_s() - start,
                      shape=str(shape), loaded=refs[key].loaded)
@@ -244,9 +250,10 @@ def run(settings: options.Settings, argv: Sequence[str] | None = None,
         report_lib.add_ceiling(report, probe())
         for c in candidates:
           start = timeline.now_s()
-          key = (c.sinks, granularity[c])
-          record = cells.run_cell(c, shape, mode, inputs_of[key[1]],
-                                  refs[key], settings)
+          record = cells.run_cell(
+              c, shape, mode, inputs_of[granularity[c]],
+              refs[(c.sinks, cells.reference_granularity(granularity[c]))],
+              settings)
           for phase, seconds in record.get("phases_s", {}).items():
             timeline.add(phase, start, seconds, cell=f"{c.label} {mode}",
                          shape=str(shape))

@@ -131,8 +131,10 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   beside it), the ones that answer the window's questions first with their
   time kept: mosaic_gpu's split and fused backward and cuDNN at T = 16384
   and 4096, causal and not, fwd and fwd+bwd; the float8 forwards of
-  mosaic_gpu, cuDNN and triton on the headline's forward cells; then, in
-  what those leave, a forward variant on the causal forward cells,
+  mosaic_gpu (beside the multiply-first loop its default replaced), cuDNN
+  and triton on the headline's forward cells; then, in what those leave,
+  mosaic_gpu's float8 forward variant at T = 16384, a forward variant on
+  the causal forward cells,
   triton's bf16 forward with its former tiles beside it and JAX's Pallas
   mha at T = 16384, the fused backward's variants on the causal fwd+bwd
   cell; each variant a config that validates, and otherwise the
@@ -141,12 +143,14 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   steps = gpu_check.steps
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fp8", "cudnn_fp8",
-                        "triton_fp8", "mosaic_gpu_forward_tiles", "triton",
+                        "triton_fp8", "mosaic_gpu_fp8_tiles",
+                        "mosaic_gpu_forward_tiles", "triton",
                         "pallas_mha", "mosaic_gpu_fused_tiles"]
   essential = [label for label, run in runs.items() if run.essential]
   assert essential == list(runs)[:5]
   for run in runs.values():
-    names = {spec.split(":")[0] for spec in run.impls} | set(run.peers)
+    names = {spec.split(":")[0].removesuffix("+negated_query")
+             for spec in run.impls} | set(run.peers)
     assert len(names) == 1, run  # One implementation per process.
     assert run.head_dims == (128,)
   headline = dict(seq_lens=(16384, 4096), causal="both",
@@ -164,7 +168,7 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   with script_module("benchmark") as benchmark:
     from absl import flags  # noqa: PLC0415
     for label, impls, peer in (
-        ("mosaic_gpu_fp8", ("mosaic_gpu", *steps.FORWARD_VARIANTS), None),
+        ("mosaic_gpu_fp8", ("mosaic_gpu", "mosaic_gpu+negated_query"), None),
         ("triton_fp8", ("triton",), None),
         ("cudnn_fp8", (), "cudnn_fp8")):
       run = runs[label]
@@ -185,6 +189,12 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   assert (dry["chunked_fp8"].dtype, dry["chunked_fp8"].modes) == (
     "float8_e4m3fn", ("fwd",))
   assert [run.essential for run in dry.values()] == [True] * 3 + [False]
+  assert dry["chunked_fp8"].impls == ("chunked", "chunked+negated_query")
+  # The float8 forward without ping-pong, beside the default.
+  fp8_tiles = runs["mosaic_gpu_fp8_tiles"]
+  assert fp8_tiles.impls == ("mosaic_gpu", *steps.FORWARD_VARIANTS)
+  assert (fp8_tiles.dtype, fp8_tiles.seq_lens, fp8_tiles.modes) == (
+    "float8_e4m3fn", (16384,), ("fwd",))
   # Each variant beside the path it would replace, on the cells the last
   # window lost.
   fused = runs["mosaic_gpu_fused_tiles"]
@@ -930,8 +940,14 @@ def test_dry_run(gpu_check, tmp_path):
     ("float8_e4m3fn", "fwd", 128, causal) for causal in (False, True)}
   assert (
     "| chunked | chunked:block_q_bwd=64 | jax:xla | chunked+e4m3 | "
-    "chunked:block_kv=64 |" in (out / "bench.md").read_text()
+    "chunked+negated_query+e4m3 | chunked:block_kv=64 |"
+    in (out / "bench.md").read_text()
   )
+  # The negated query: the same attention, checked against the reference
+  # of the inputs it negates (no reference of its own, below).
+  negated = [r for r in bench["results"]
+             if r["impl"] == "chunked+negated_query+e4m3"]
+  assert len(negated) == 2 and all(r["status"] == "ok" for r in negated)
   # H = 16, T 128 and 256, causal and not, fwd, fwd_bwd and the backward
   # alone (fwd_bwd less fwd).
   rows = steps["bench"]["bench"]["rows"]
@@ -948,7 +964,8 @@ def test_dry_run(gpu_check, tmp_path):
   # back.
   timelines = steps["bench"]["bench"]["timelines"]
   assert [t["candidates"] for t in timelines] == [
-    f"chunked,{variant}", "jax:xla", "chunked+e4m3", f"chunked,{tiles}"]
+    f"chunked,{variant}", "jax:xla",
+    "chunked+e4m3,chunked+negated_query+e4m3", f"chunked,{tiles}"]
   for t in timelines:
     assert {"start", "device_init", "inputs", "reference"} <= set(
       t["by_phase"]), t

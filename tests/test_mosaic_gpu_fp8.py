@@ -183,6 +183,35 @@ def test_interpreted_float8_forward(granularity, causal, overlap, poly):
 
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
+@pytest.mark.parametrize("causal", [True, False])
+def test_interpreted_float8_forward_signed_query_scales(causal):
+  """Zero and negative query scales are legal and exact. The kernel folds
+  the row factor into the exponent (the max on the raw products) for
+  64-row tiles whose factors are all positive, zeros included (made the
+  smallest normal), and multiplies it into the logits first in tiles with
+  a negative one (`forward_fp8.row_factors`): here head 0's first tile
+  holds a zero, its second a negative and a zero factor, head 1's first
+  tile is all negative."""
+  gen = testing.rng("mosaic_gpu fp8 signed scales", causal)
+  values, (qs, ks, vs) = _quantized(gen, 1, 100, 150, 2, 1, 48, "token")
+  sign = np.ones(qs.shape, np.float32)
+  sign[:, 70, 0] = -1.0
+  sign[:, 5, 0] = sign[:, 75, 0] = 0.0
+  sign[:, :64, 1] = -1.0
+  scales = (qs * sign, ks, vs)
+  _, mixed = forward_fp8.row_factors(
+      jnp.swapaxes(jnp.pad(scales[0], ((0, 0), (0, 28), (0, 0))), 1, 2), 64)
+  np.testing.assert_array_equal(mixed[0], [[0, 1], [1, 0]])
+  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
+                                      interpret=True)
+  out, lse = pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=causal,
+      implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
+  _assert_near_oracle(out, lse, values, scales, causal)
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
 @pytest.mark.parametrize("granularity", ["head", "token"])
 def test_interpreted_float8_forward_soft_cap(granularity):
   """A soft cap acts on the natural logits: the row factors stay natural

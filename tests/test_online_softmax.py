@@ -196,6 +196,29 @@ def test_hooks_give_the_plain_formulas():
                                     atol=0, custom_message=name)
 
 
+@pytest.mark.parametrize("per_query", ["first", "along"])
+def test_update_with_a_per_row_scale_is_the_scaled_update(per_query):
+  """`update(scale=)` with a positive vector a row (float8's row factors):
+  the max on the unscaled tile, the factor in the exponent, the same
+  (m, l, p, alpha) as the update of the scaled logits, dead rows and tiny
+  factors included."""
+  gen = rng("per-row scale", per_query)
+  s, _ = _masked_logits(gen)
+  scale = jnp.abs(_normal(gen, ROWS)) + 0.1
+  scale = scale.at[3].set(jnp.finfo(jnp.float32).tiny)
+  m_i = _normal(gen, ROWS).at[1].set(MASK)
+  l_i = jnp.abs(_normal(gen, ROWS)).at[1].set(0.0)
+  kw = dict(base2=True, offset=8.0)
+  if per_query == "along":
+    kw["per_query"] = online_softmax.queries_along(0)
+  want = online_softmax.update(m_i, l_i, s * scale[:, None], **kw)
+  got = online_softmax.update(m_i, l_i, s, scale=scale, **kw)
+  _assert_finite(got)
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  # A dead row stays dead: p 0, l its rescaled old value.
+  assert not np.asarray(got[2])[DEAD_ROWS].any()
+
+
 # --------------------------------------------------------------------------
 # Backward: probabilities from the logsumexp, dS, delta.
 # --------------------------------------------------------------------------

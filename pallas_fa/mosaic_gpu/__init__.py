@@ -563,11 +563,12 @@ def forward_fp8_impl(q, k, v, info, params, scales, *, interpret: bool):
           bs, q.shape[-1], v.shape[-1]))
   q_row, k_col, v_col, out_mult, key_scales, value_scales = _fp8_scales(
       x, params, scales)
+  q_row, q_mixed = forward_fp8.row_factors(q_row, spec.block_q)
   # The logit scale is in q_row.
   spec = dataclasses.replace(spec, scale=1.0)
   out, lse = forward_fp8.forward(
       spec, x.q, x.k, forward_fp8.layout_v(x.v, interpret=interpret),
-      *_meta(x), q_row, k_col, v_col, out_mult, sched,
+      *_meta(x), q_row, k_col, v_col, out_mult, q_mixed, sched,
       out_dtype=jnp.dtype(params.out_dtype or jnp.bfloat16),
       key_scales=key_scales, value_scales=value_scales)
   return out[:, :t, :, :x.hv], jnp.swapaxes(lse[:, :, :t], 1, 2)

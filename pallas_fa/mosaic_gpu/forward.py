@@ -76,11 +76,13 @@ def await_values(spec: kernel.Spec, v_ready, schedule):
 
 
 def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
-              schedule, offset: float = 0.0):
+              schedule, offset: float = 0.0, alternate=None):
   """A consumer's walk over its key tiles (`kernel.phases` of `step` from
   a fresh online softmax), inside the ping-pong's first and last turns:
   (out float32 [block_q, Hv], lse [block_q], base 2 undone; `offset`:
-  the softmax's, `online_softmax.finalize`)."""
+  the softmax's, `online_softmax.finalize`). `alternate`: None, or
+  (other_step, use_other), an int32 scalar 0 or 1 that picks which of the
+  two steps walks the unit's keys."""
   bq = spec.block_q
   carry = (
       ops.full_vector(bq, online_softmax.MASK_VALUE, 0),
@@ -89,8 +91,15 @@ def walk_keys(spec: kernel.Spec, ops, sched_ref, b, row, wg, step,
   )
   if spec.pingpong:
     pl.when(wg == 1)(lambda: take_turn(schedule))
-  m_i, l_i, acc = kernel.phases(
-      sched_ref, b, row, wg, step, carry, spec.masked)
+  if alternate is None:
+    m_i, l_i, acc = kernel.phases(
+        sched_ref, b, row, wg, step, carry, spec.masked)
+  else:
+    other, use_other = alternate
+    carry = kernel.phases(sched_ref, b, row, wg, step, carry, spec.masked,
+                          gate=1 - use_other)
+    m_i, l_i, acc = kernel.phases(sched_ref, b, row, wg, other, carry,
+                                  spec.masked, gate=use_other)
   if spec.pingpong:
     pl.when(wg == 0)(lambda: take_turn(schedule))
   return online_softmax.finalize(m_i, l_i, acc, base2=True, per_query=_ROWS,

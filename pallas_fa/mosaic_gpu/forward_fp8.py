@@ -37,6 +37,18 @@ is multiplied by v_scale / 256 (one per (batch, head)) or max|v_scale| /
 256. The running sums and the logsumexp use the unscaled p, so they are
 those of the dequantized attention.
 
+The row factor in the exponent: without a soft cap the logits are the
+products times the row factor (times the key factor), so the row max is
+taken on the products and scaled once a row, and the factor rides in the
+exponent's fused multiply-add (`online_softmax.update`'s `scale`): one
+multiply a logit fewer, on the softmax chain that bounds this loop. That
+needs the factor positive, and a scale may be zero or negative (the max
+of the products is then the wrong end): zero factors enter as the
+smallest normal float32 (a logit of at most 2^-100, exp2 of it 1, as for
+0), and a 64-row tile holding a negative factor (`q_mixed`, one int32 a
+tile) walks its keys with the factor multiplied into every logit first.
+Both loops are in the kernel; each unit runs one of them.
+
 Cost model (per [64-row consumer tile] x [block_kv keys] step, H = Hv,
 e4m3): bytes streamed into shared memory per step are block_kv * 2H (half
 of bfloat16's); tensor-core work 4 * 64 * block_kv * H FLOPs at twice the
@@ -58,6 +70,7 @@ it is worth keeping V transposed in memory (a cache stored [B, K, Hv, S]).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -97,6 +110,20 @@ def layout_v(v, *, interpret: bool):
   # Key 16i + 8h + 2c + e goes to 16i + 4c + 2h + e.
   x = v.reshape(b, s // 16, 2, 4, 2, kh, hv)
   return jnp.transpose(x, (0, 5, 6, 1, 3, 2, 4)).reshape(b, kh, hv, s)
+
+
+def row_factors(q_row, block_q: int):
+  """The kernel's row factors from the signed ones, float32 [B, N, Tp]:
+  (q_row with every factor under the smallest normal float32 in magnitude
+  made that normal, q_mixed int32 [B, N, Tp / block_q]: 1 for a tile of
+  block_q rows holding a negative factor). See the module doc: a zero
+  factor would turn a masked logit's -inf into NaN in the exponent's
+  multiply, and the replacement moves no logit off 0 by more than 2^-100."""
+  tiny = jnp.finfo(jnp.float32).tiny
+  q_row = jnp.where(jnp.abs(q_row) < tiny, tiny, q_row)
+  b, n, tp = q_row.shape
+  mixed = (q_row < 0).reshape(b, n, tp // block_q, block_q).any(axis=-1)
+  return q_row, mixed.astype(_I32)
 
 
 def p_operand(p):
@@ -203,7 +230,7 @@ def _smem(interpret: bool, shape, dtype, minor_bytes: int):
 
 
 def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
-            q_row, k_col, v_col, out_mult, sched, *, out_dtype,
+            q_row, k_col, v_col, out_mult, q_mixed, sched, *, out_dtype,
             key_scales: bool, value_scales: bool):
   """The e4m3 forward kernel.
 
@@ -215,12 +242,14 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
     vt: e4m3 [B, K, Hvp, Sp] (`layout_v`); padded keys zeroed.
     q_pos, q_seg, kv_pos, kv_seg: int32 metadata as in `forward.forward`.
     q_row: float32 [B, N, Tp]: scale * q_scale (* k_scale when
-      `key_scales` is off) per query row.
+      `key_scales` is off) per query row, none zero (`row_factors`).
     k_col: float32 [B, K, Sp]: k_scale per key (read with `key_scales`).
     v_col: float32 [B, K, Sp]: 256 * v_scale / max|v_scale| per key (read
       with `value_scales`; else P is multiplied by 256).
     out_mult: float32 [B, N]: max|v_scale| / 256 of the query head's K/V
       head.
+    q_mixed: int32 [B, N, Tp / block_q]: 1 where a block_q-row tile of
+      q_row holds a negative factor (`row_factors`), else 0.
     sched: int32 [B, Tp / (2 block_q), 6], as in `forward.forward`.
     out_dtype: bfloat16 or float16.
     key_scales: whether key scales differ by key.
@@ -238,7 +267,7 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
 
   def unit(r: kernel.Refs, t, base):
     (q_ref, _, _, qpos_ref, qseg_ref, _, _, qrow_ref, _, _, omult_ref,
-     sched_ref) = r.inputs
+     qmixed_ref, sched_ref) = r.inputs
     o_ref, lse_ref = r.outputs
     (q_smem, o_smem, lse_smem, qpos_smem, qseg_smem, qrow_smem, k_smem,
      vt_smem, kpos_smem, kseg_smem, kcol_smem, vcol_smem) = r.smem
@@ -264,12 +293,14 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
     # unless per-key value factors multiply P anyway (they carry it).
     p_offset = 0.0 if value_scales else P_OFFSET
 
-    def softmax(j, slot, qk, m_i, l_i, *, masked, k_meta=None):
+    def softmax(j, slot, qk, m_i, l_i, *, masked, k_meta=None, fold=False):
       """The online softmax of key tile j from its e4m3 Q K^T (scaled
       here), releasing its K slot: (m_i, l_i, float32 p, alpha).
       `k_meta`: the tile's key positions and segment ids when already
-      loaded (else read here when `masked`)."""
-      qk = qk * jax.lax.broadcast_in_dim(q_factor, qk.shape, (0,))
+      loaded (else read here when `masked`). `fold`: the row factors are
+      positive and ride in the exponent (the module doc)."""
+      if not fold:
+        qk = qk * jax.lax.broadcast_in_dim(q_factor, qk.shape, (0,))
       if key_scales:
         k_factor = ops.load_vector(kcol_smem.at[slot], 1)
         qk = qk * jax.lax.broadcast_in_dim(k_factor, qk.shape, (1,))
@@ -285,7 +316,8 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, *k_meta)
       return online_softmax.update(m_i, l_i, s, base2=True, per_query=_ROWS,
                                    tile_exp=forward_lib.tile_exp(spec),
-                                   offset=p_offset)
+                                   offset=p_offset,
+                                   scale=q_factor if fold else None)
 
     def operand(p, slot):
       """float32 p of the V tile in `slot` (landed) -> the e4m3 A operand
@@ -296,14 +328,14 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         p = p * jax.lax.broadcast_in_dim(v_factor, p.shape, (1,))
       return p.astype(FP8) if interpret else p_operand(p)
 
-    def step(j, carry, *, masked):
+    def step(j, carry, *, masked, fold=False):
       m_i, l_i, acc = carry
       slot = kernel.rem(base + j - ulo, stages)
       qk, k_p, k_s = forward_lib.key_tile_products(  # e4m3 -> float32
           spec, ops, q_smem, wg, k_bar.at[slot], k_smem.at[slot],
           kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
       m_i, l_i, p, alpha = softmax(j, slot, qk, m_i, l_i, masked=masked,
-                                   k_meta=(k_p, k_s))
+                                   k_meta=(k_p, k_s), fold=fold)
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       forward_lib.await_values(spec, v_bar.at[slot], schedule)
       acc = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
@@ -347,6 +379,11 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
               settle=None if interpret else own_registers),
           schedule, p0=zeros.astype(FP8) if interpret else p_operand(zeros),
           offset=p_offset)
+    elif spec.soft_cap is None:  # Linear logits: the factor can fold.
+      out, lse = forward_lib.walk_keys(
+          spec, ops, sched_ref, b, row, wg,
+          functools.partial(step, fold=True), schedule, offset=p_offset,
+          alternate=(step, qmixed_ref[b, n, row * nc + wg]))
     else:
       out, lse = forward_lib.walk_keys(spec, ops, sched_ref, b, row, wg,
                                        step, schedule, offset=p_offset)
@@ -419,7 +456,7 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
   return kernel.launch(
       spec, name="pfa_mgpu_forward_fp8", units=units, reps=1,
       operands=(q, k, vt, q_pos, q_seg, kv_pos, kv_seg, q_row, k_col, v_col,
-                out_mult, sched),
+                out_mult, q_mixed, sched),
       out_types=out_types, smem_types=smem, barrier_types=barriers,
       unit=unit, producer_groups=producer_groups)
 

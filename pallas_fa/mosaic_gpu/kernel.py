@@ -672,26 +672,29 @@ def stationary_in_step(spec: Spec, wg):
       np.int32(wg) if isinstance(wg, int) else wg)
 
 
-def phases(sched_ref, b, row, wg, step_fn, carry, masked: bool):
+def phases(sched_ref, b, row, wg, step_fn, carry, masked: bool, gate=None):
   """Runs step_fn over [ulo, uhi) as masked / unmasked / masked phases.
 
   The ranges come from the tile classification of `masking.classify_blocks`
   (`mosaic_gpu.schedule`), so causal, window, padding and sorted segments
-  all shrink the loops.
+  all shrink the loops. `gate`: an int32 scalar, 0 or 1; with 0 every loop
+  runs zero trips (so that a kernel can hold two versions of its loop and
+  run the one its data needs), None: 1.
   """
   ulo = sched_ref[b, row, 0]
   uhi = sched_ref[b, row, 1]
-  if not masked:
-    return lax.fori_loop(
-        ulo, uhi, functools.partial(step_fn, masked=False), carry)
-  flo = sched_ref[b, row, 2 + 2 * wg]
-  fhi = sched_ref[b, row, 3 + 2 * wg]
-  carry = lax.fori_loop(
-      ulo, flo, functools.partial(step_fn, masked=True), carry)
-  carry = lax.fori_loop(
-      flo, fhi, functools.partial(step_fn, masked=False), carry)
-  return lax.fori_loop(
-      fhi, uhi, functools.partial(step_fn, masked=True), carry)
+  if masked:
+    flo = sched_ref[b, row, 2 + 2 * wg]
+    fhi = sched_ref[b, row, 3 + 2 * wg]
+    runs = ((ulo, flo, True), (flo, fhi, False), (fhi, uhi, True))
+  else:
+    runs = ((ulo, uhi, False),)
+  for lo, hi, masked_run in runs:
+    if gate is not None:
+      hi = lo + (hi - lo) * gate
+    carry = lax.fori_loop(
+        lo, hi, functools.partial(step_fn, masked=masked_run), carry)
+  return carry
 
 
 def q_units(spec: Spec, *, table: bool) -> Units:

@@ -86,10 +86,18 @@ def _cudnn_fp8_module():
 
 def input_granularity(candidate: options.Candidate) -> str:
   """The `quantize_fp8` granularity of a candidate's float8 inputs: "tensor"
-  for the float8 peers (cuDNN takes one scale per tensor), else "head"."""
+  for the float8 peers (cuDNN takes one scale per tensor), else "head";
+  followed by `options.NEGATED_QUERY` for a candidate that takes the query
+  negated (`make_inputs`)."""
   if candidate.kind == "peer" and candidate.name in options.FP8_PEERS:
     return "tensor"
-  return "head"
+  return "head" + (options.NEGATED_QUERY if candidate.negated_query else "")
+
+
+def reference_granularity(granularity: str) -> str:
+  """The granularity whose reference checks inputs of `granularity`: a
+  negated query dequantizes to the same attention."""
+  return granularity.removesuffix(options.NEGATED_QUERY)
 
 
 def _is_hopper() -> bool:
@@ -174,6 +182,9 @@ def attention_fn(candidate: options.Candidate,
   fp8 = options.is_fp8(shape.dtype)
   if candidate.kind == "impl":
     name = candidate.name
+    if candidate.negated_query and not fp8:
+      raise NotImplementedError(
+          f"{options.NEGATED_QUERY} times float8 inputs only")
     extra = {"sinks": sinks_for(shape)} if candidate.sinks else {}
     if candidate.block_sizes:
       extra["block_sizes"] = block_sizes_for(candidate, shape)
@@ -318,7 +329,9 @@ def make_inputs(shape: options.Shape, seed: int,
     shape: the problem.
     seed: random seed.
     granularity: of a float8 shape's scales (`input_granularity`): "head"
-      or "tensor" (then each scale is a float32 scalar).
+      or "tensor" (then each scale is a float32 scalar); with
+      `options.NEGATED_QUERY` after it, the query's values and scales are
+      both negated (exact in float8: the same attention).
 
   Returns:
     (q, k, v, dout), each [B, T, N, H] in the shape's dtype. For a float8
@@ -333,9 +346,12 @@ def make_inputs(shape: options.Shape, seed: int,
   dout = testing.normal(gen, q.shape, dtype)
   if fp8:
     quantized = functools.partial(quantize.quantize_fp8,
-                                  granularity=granularity,
+                                  granularity=reference_granularity(
+                                      granularity),
                                   dtype=options.DTYPES[shape.dtype])
     q, k, v = (tuple(quantized(x)) for x in (q, k, v))
+    if granularity.endswith(options.NEGATED_QUERY):
+      q = (-q[0], -q[1])
   return q, k, v, dout
 
 

@@ -155,7 +155,10 @@ OPTIONS = (
            "choice would try on this platform. NAME:FIELD=VALUE[:...] times "
            "NAME with its default tiling for each shape but those fields "
            "replaced (e.g. mosaic_gpu:backward=fused, "
-           "mosaic_gpu:head_section=4), as a candidate of its own."),
+           "mosaic_gpu:head_section=4), as a candidate of its own. An "
+           "entry ending in +negated_query takes float8 inputs whose query "
+           "values and scales are negated: the same attention, through the "
+           "path a negative query scale takes."),
     Option("peers", "list",
            f"Peers among {PEERS}, or 'none'; default: those for this "
            f"platform. A float8 --dtype takes only {FP8_PEERS} (default "
@@ -273,6 +276,14 @@ class Shape:
             f"T={self.seq_len} causal={self.causal} {self.dtype}")
 
 
+# An --impls entry ending in this times the implementation on float8 inputs
+# whose query values and scales are negated (the same attention): where a
+# kernel takes another path for a negative scale (`mosaic_gpu`'s float8
+# forward multiplies its row factor into the logits first), the A/B of
+# that path against the default in one process.
+NEGATED_QUERY = "+negated_query"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Candidate:
   """Something to time: a pallas_fa implementation or a JAX peer.
@@ -285,18 +296,23 @@ class Candidate:
       implementation's default tiling of each shape (`parse_impl`): two
       variants of one kernel (a backward path, a schedule) compared in the
       same process, each with every other tile the default call gets.
+    negated_query: an implementation called on float8 inputs whose query
+      values and scales are both negated (`NEGATED_QUERY`): the same
+      attention, through the path a negative query scale takes.
   """
 
   kind: str
   name: str
   sinks: bool = False
   block_sizes: tuple[tuple[str, Any], ...] = ()
+  negated_query: bool = False
 
   @property
   def label(self) -> str:
     if self.kind == "impl":
       fields = "".join(f":{k}={_show(v)}" for k, v in self.block_sizes)
-      return self.name + fields + ("+sinks" if self.sinks else "")
+      return (self.name + fields + ("+sinks" if self.sinks else "")
+              + (NEGATED_QUERY if self.negated_query else ""))
     implementation = tokamax_implementation(self.name)
     if implementation is not None:
       return f"tokamax:{implementation}"
@@ -435,13 +451,16 @@ def parse_impl(spec: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
 
 
 def _candidates(impls, peers, sinks=False) -> list[Candidate]:
-  parsed = [parse_impl(spec) for spec in impls]
+  negated = [spec.strip().endswith(NEGATED_QUERY) for spec in impls]
+  parsed = [parse_impl(spec.strip().removesuffix(NEGATED_QUERY))
+            for spec in impls]
   peers = [p for p in peers if p != "none"]
   for name in peers:
     if name not in PEERS + FP8_PEERS:
       raise ValueError(f"Unknown peer {name!r}; expected one of "
                        f"{PEERS + FP8_PEERS}.")
-  return ([Candidate(kind="impl", name=n, block_sizes=b) for n, b in parsed]
+  return ([Candidate(kind="impl", name=n, block_sizes=b, negated_query=neg)
+           for (n, b), neg in zip(parsed, negated)]
           + [Candidate(kind="impl", name=n, block_sizes=b, sinks=True)
              for n, b in (parsed if sinks else ())]
           + [Candidate(kind="peer", name=n) for n in peers])

@@ -609,8 +609,10 @@ def run_share(runs: Sequence[BenchRun], i: int, left: float) -> float:
 # mosaic_gpu's 14 of 16 cells took 79 s (7 of them the matmul probe), its
 # two lost causal fwd+bwd cells at T = 4096 compiled in 8.3 and 6.4 s in a
 # later process; cuDNN's 8 cells 20 s; the float8 forwards' first cells
-# 8-15 s. The essential runs need 255 s of the bench step's 270; those
-# after them, in what is left: the fused backward's variants on the cells
+# 8-15 s. The essential runs need 255 s of the bench step's 270 (the
+# float8 one times the default and the multiply-first loop it replaced);
+# those after them, in what is left: the float8 forward without ping-pong
+# (T = 16384), the fused backward's variants on the cells
 # b85705a lost (T = 16384, causal, fwd+bwd; their forward is the fused
 # default's), the one forward variant that matched cuDNN at T = 16384
 # (full) on the causal cells, and triton's bf16 cells at T = 4096 (b85705a
@@ -649,6 +651,11 @@ FUSED_VARIANTS = (
 # tile in flight under the next tile's softmax) without ping-pong, 600
 # TFLOP/s at T = 16384 (full) at b85705a against the default's 593.
 FORWARD_VARIANTS = ("mosaic_gpu:intra_overlap=true:pingpong=false",)
+# The float8 forward's key loop that multiplies the row factor into every
+# logit before the max: the path the exponent fold replaced as the
+# default, which a negative query scale still takes (its A/B, in the
+# essential float8 run).
+FP8_MULTIPLY_FIRST = "mosaic_gpu+negated_query"
 # triton's forward at the 64-key tiles it had on Hopper before b85705a's
 # run measured 128 (its default since).
 TRITON_VARIANTS = ("triton:block_kv=64",)
@@ -660,13 +667,18 @@ BENCH_RUNS = {
     BenchRun(label="cudnn", need_s=34, peers=("cudnn",),
              head_dims=(128,), seq_lens=_T, matmul_size=8192),
     BenchRun(label="mosaic_gpu_fp8", need_s=44,
-             impls=("mosaic_gpu", *FORWARD_VARIANTS),
+             impls=("mosaic_gpu", FP8_MULTIPLY_FIRST),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     # cuDNN's FP8 forward (per-tensor scales): the float8 rows' FP8 peer.
     BenchRun(label="cudnn_fp8", need_s=44, peers=("cudnn_fp8",),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     BenchRun(label="triton_fp8", need_s=33, impls=("triton",),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    # FORWARD_VARIANTS' loop in float8 (predictions.md section 7), beside
+    # the default in its own process.
+    BenchRun(label="mosaic_gpu_fp8_tiles", need_s=20, essential=False,
+             impls=("mosaic_gpu", *FORWARD_VARIANTS),
+             dtype=FP8, head_dims=(128,), seq_lens=(16384,), modes=("fwd",)),
     BenchRun(label="mosaic_gpu_forward_tiles", need_s=24, essential=False,
              impls=("mosaic_gpu", *FORWARD_VARIANTS),
              head_dims=(128,), seq_lens=_T, causal="true", modes=("fwd",)),
@@ -689,7 +701,8 @@ BENCH_RUNS = {
              head_dims=(16,), seq_lens=(128, 256), matmul_size=128),
     BenchRun(label="xla", need_s=8, peers=("xla",),
              head_dims=(16,), seq_lens=(128,)),
-    BenchRun(label="chunked_fp8", need_s=8, impls=("chunked",),
+    BenchRun(label="chunked_fp8", need_s=8,
+             impls=("chunked", "chunked+negated_query"),
              dtype=FP8, head_dims=(16,), seq_lens=(128,), modes=("fwd",)),
     BenchRun(label="chunked_tiles", need_s=8, essential=False,
              impls=("chunked", "chunked:block_kv=64"),
