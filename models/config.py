@@ -29,7 +29,8 @@ class TransformerConfig:
     rope_base: RoPE maximum wavelength (position_bias "rope").
     norm_eps: RMSNorm epsilon.
     attention_impl: `flash_attention`'s implementation; None = automatic.
-      "flax" is the baseline: Flax's default attention, materialising T x S.
+      The baselines (`layers.BASELINES`): "flax", Flax's default
+      attention, materialising T x S; "cudnn", cuDNN's through `jax.nn`.
     attention_block_sizes: the implementation's tiling config, or None.
     dtype: activation dtype name.
     param_dtype: parameter dtype name.

@@ -6,6 +6,7 @@ import functools
 from typing import Any
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -73,6 +74,50 @@ def flax_attention(
   return nnx.dot_product_attention(query, key, value, mask=mask)
 
 
+def cudnn_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    *,
+    is_causal: bool = False,
+    segment_ids: Any = None,
+    query_positions: Array | None = None,
+    key_positions: Array | None = None,
+    key_value_seq_lengths: Array | None = None,
+    local_window_size: Any = None,
+    logits_soft_cap: float | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
+    block_sizes: Any = None,
+    sinks: Array | None = None,
+    score_mod: Any = None,
+    score_mod_args: Any = (),
+) -> Array:
+  """Baseline: cuDNN's fused attention (`jax.nn.dot_product_attention`,
+  implementation "cudnn"; NVIDIA GPUs only) behind `flash_attention`'s
+  interface, for the end-to-end comparison a model's users make.
+
+  Raises:
+    NotImplementedError: segments, positions, window, soft cap, sinks, a
+      score_mod or a custom scale.
+  """
+  del implementation, block_sizes, score_mod_args
+  if any(x is not None for x in (
+      segment_ids, query_positions, key_positions, local_window_size,
+      logits_soft_cap, scale, sinks, score_mod)):
+    raise NotImplementedError(
+        "the cuDNN baseline supports only causal attention and key lengths."
+    )
+  return jax.nn.dot_product_attention(
+      query, key, value, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, implementation="cudnn")
+
+
+# Attention functions other than `flash_attention` that `attention_impl`
+# can name, as baselines: the name -> the function.
+BASELINES = {"flax": flax_attention, "cudnn": cudnn_attention}
+
+
 def _position_bias(cfg: config_lib.TransformerConfig) -> dict[str, Any]:
   """The attention layer's arguments for cfg.position_bias: RoPE, or ALiBi
   with the paper's fixed slopes (constants, not learned)."""
@@ -123,10 +168,9 @@ class Block(nnx.Module):
         cfg.num_heads, cfg.embed_dim, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.resolved_head_dim, is_causal=True,
         use_sinks=cfg.use_sinks, **_position_bias(cfg),
-        implementation=None if impl == "flax" else impl,
+        implementation=None if impl in BASELINES else impl,
         block_sizes=cfg.attention_block_sizes,
-        attention_fn=attention_fn or (
-            flax_attention if impl == "flax" else None),
+        attention_fn=attention_fn or BASELINES.get(impl),
         dtype=dtype, param_dtype=param_dtype, rngs=rngs,
     )
     self.mlp_norm = norm()

@@ -36,6 +36,7 @@ from models import checkpoint
 from models import config as config_lib
 from models import data as data_lib
 from models import generate as generate_lib
+from models import layers
 from models import metrics as metrics_lib
 from models import sharding
 from models import transformer
@@ -81,8 +82,9 @@ class Options:
   model: str = option("tiny", "Preset.", ("tiny", "small"))
   attention_impl: str = option(
       "auto",
-      "flash_attention implementation (auto = fastest available), or 'flax' "
-      "for Flax's default (materialised) attention as a baseline.")
+      "flash_attention implementation (auto = fastest available), or a "
+      "baseline: 'flax' (Flax's default, materialised attention) or "
+      "'cudnn' (cuDNN's through jax.nn, NVIDIA GPUs).")
   dtype: str = option(
       "float32", "Activation dtype.", ("float32", "bfloat16"))
   remat: bool = option(False, "Rematerialise blocks.")
@@ -201,6 +203,10 @@ def make_config(opts: Options, dataset) -> config_lib.TransformerConfig:
   """The model preset of `opts`, sized for `dataset`."""
   preset = getattr(config_lib.TransformerConfig, opts.model)
   impl = opts.attention_impl
+  if impl == "cudnn" and jax.default_backend() != "gpu":
+    raise app.UsageError(
+        f"--attention_impl=cudnn needs an NVIDIA GPU; this is "
+        f"{jax.default_backend()}.")
   kw = dict(
       vocab_size=dataset.vocab_size,
       attention_impl=None if impl in (None, "auto") else impl,
@@ -247,10 +253,10 @@ def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:
         f"--seq_len={dataset.seq_len} must be a multiple of 2 x "
         f"--sequence_parallel={2 * seq} (the zig-zag layout cuts each "
         "sequence into 2 chunks per device).")
-  if opts.attention_impl == "flax":
+  if opts.attention_impl in layers.BASELINES:
     raise app.UsageError(
-        "--attention_impl=flax cannot be sharded; choose a flash_attention "
-        "implementation.")
+        f"--attention_impl={opts.attention_impl} cannot be sharded; choose a "
+        "flash_attention implementation.")
   return sharding.make_mesh(data, seq)
 
 

@@ -11,7 +11,8 @@ Other datasets and settings:
     python scripts/train.py --task=pystdlib        # Python's stdlib sources
     python scripts/train.py --text=PATH --seq_len=512 --model=small
     python scripts/train.py --attention_impl=xla   # any flash_attention impl,
-                                                   # or "flax" (baseline)
+                                                   # or a baseline: "flax",
+                                                   # "cudnn" (jax.nn, GPU)
     python scripts/train.py --position_bias=alibi  # ALiBi (flex attention)
                                                    # instead of RoPE
     python scripts/train.py --task=pystdlib --seq_len=4096 --batch_size=1 \

@@ -998,6 +998,12 @@ def test_dry_run(gpu_check, tmp_path):
 
   parts = steps["extra"]["parts"]
   assert parts["tests"]["passed"] == 1 and parts["bench"]["status"] == "ok"
+  # End to end: the training script's tokens/s, one process an attention.
+  train = parts["train"]
+  assert train["status"] == "ok", train
+  assert [(r["attention_impl"], r["status"]) for r in train["rows"]] == [
+    ("chunked", "ok"), ("xla", "ok")]
+  assert all(r["tokens_per_s"] > 0 for r in train["rows"])
   assert parts["compile"]["status"] in ("ok", "skipped")
 
   with tarfile.open(out / "bundle.tgz") as tar:

@@ -13,6 +13,7 @@ from models import config
 from models import data
 from models import generate
 from models import layers
+from models import train_lib
 from models import transformer
 from pallas_fa import chunked
 from pallas_fa import flex
@@ -130,6 +131,22 @@ def test_chunked_and_xla_give_same_loss_and_gradients():
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
         results[impl][1], results["xla"][1])
   assert float(results["xla"][0]) > 1.0  # A real loss, not a degenerate one.
+
+
+def test_cudnn_baseline_refuses_what_jax_nn_cannot_take():
+  """The cuDNN baseline (`--attention_impl=cudnn`) is jax.nn's attention:
+  what that cannot express is a NotImplementedError naming it, and without
+  a GPU the training script refuses it before building anything."""
+  for kw in (dict(sinks=jnp.zeros(4)), dict(scale=0.5),
+             dict(local_window_size=(8, 0)), dict(score_mod=flex.alibi)):
+    with pytest.raises(NotImplementedError, match="cuDNN baseline"):
+      layers.cudnn_attention(*(jnp.ones((1, 3, 4, 8)),) * 3, **kw)
+  assert set(layers.BASELINES) == {"flax", "cudnn"}
+  if jax.default_backend() != "gpu":
+    from absl import app  # noqa: PLC0415
+    opts = train_lib.Options(attention_impl="cudnn")
+    with pytest.raises(app.UsageError, match="needs an NVIDIA GPU"):
+      train_lib.make_config(opts, train_lib.make_dataset(opts))
 
 
 def test_alibi_replaces_rope_with_constant_slopes():

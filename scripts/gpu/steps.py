@@ -29,6 +29,7 @@ GPU_CHECK = runner.SCRIPTS / "gpu_check.py"
 COMPILE_CHECK = runner.SCRIPTS / "compile_check.py"
 BENCHMARK = runner.SCRIPTS / "benchmark.py"
 DECODE_BENCHMARK = runner.SCRIPTS / "decode_benchmark.py"
+TRAIN = runner.SCRIPTS / "train.py"
 # Less time than this is not worth starting a process for.
 MIN_STEP_S = 5
 MIN_PART_S = {False: 20, True: 5}  # By dry_run.
@@ -1051,8 +1052,59 @@ def _other_head_dims(ctx: Context, timeout: float) -> dict[str, Any]:
   return run_benchmarks(ctx, timeout, OTHER_BENCH_RUNS[ctx.dry_run])
 
 
+# End to end: training tokens/s of the default model (scripts/train.py
+# --benchmark_steps) at a long context, one process an attention
+# implementation (ours, and the baselines cuDNN and XLA through jax.nn,
+# `models.layers.BASELINES`), each with an equal share of the part's time.
+# pystdlib: Python's own sources, read locally.
+TRAIN_RUNS = {
+  False: (("mosaic_gpu", "cudnn", "xla"),
+          ("--task=pystdlib", "--seq_len=4096", "--batch_size=8",
+           "--dtype=bfloat16", "--benchmark_steps=10")),
+  True: (("chunked", "xla"), ("--task=sort", "--batch_size=2",
+                              "--benchmark_steps=2")),
+}
+_TOKENS_PER_S = re.compile(r'^\{.*"tokens_per_s".*\}$', re.M)
+
+
+def _train(ctx: Context, timeout: float) -> dict[str, Any]:
+  """`TRAIN_RUNS`: {"rows": [{"attention_impl", "tokens_per_s", ...}]},
+  each run's training tokens/s (its printed JSON line) or why it has
+  none."""
+  deadline = time.monotonic() + timeout
+  impls, flags = TRAIN_RUNS[ctx.dry_run]
+  rows = []
+  for i, impl in enumerate(impls):
+    share = (deadline - time.monotonic()) / (len(impls) - i)
+    if share < MIN_PART_S[ctx.dry_run]:
+      rows.append({"attention_impl": impl, "status": "skipped",
+                   "reason": "out of time"})
+      continue
+    log = ctx.work / f"train_{impl}.log"
+    cmd = [sys.executable, str(TRAIN), *flags, f"--attention_impl={impl}"]
+    proc = runner.run_logged(cmd, log_path=log, timeout=share,
+                             env=runner.child_env())
+    found = _TOKENS_PER_S.findall(log.read_text(errors="replace"))
+    problem = _proc_problem(proc, share, log)
+    rows.append({
+      "command": ctx.shown(cmd),
+      **(json.loads(found[-1]) if found else {"attention_impl": impl}),
+      "status": "failed" if problem or not found else "ok",
+      "reason": problem or ("" if found else "no tokens/s printed"),
+    })
+    ctx.progress({"rows": rows})
+  failed = [f"{r['attention_impl']}: {r['reason']}" for r in rows
+            if r["status"] == "failed"]
+  if failed:
+    return {"rows": rows, "status": "failed", "reason": "; ".join(failed)}
+  if all(r["status"] == "skipped" for r in rows):
+    return {"rows": rows, "status": "skipped", "reason": "out of time"}
+  return {"rows": rows, "status": "ok", "reason": ""}
+
+
 # The extra step's parts in order, with their relative shares.
 EXTRA_PARTS = (
+  ("train", 2, _train),
   ("tests", 3, _other_tests),
   ("bench", 2, _other_head_dims),
   ("compile", 1, step_compile),
