@@ -80,33 +80,26 @@ def cudnn_attention(
     value: Array,
     *,
     is_causal: bool = False,
-    segment_ids: Any = None,
-    query_positions: Array | None = None,
-    key_positions: Array | None = None,
     key_value_seq_lengths: Array | None = None,
-    local_window_size: Any = None,
-    logits_soft_cap: float | None = None,
-    scale: float | None = None,
     implementation: str | None = None,
     block_sizes: Any = None,
-    sinks: Array | None = None,
-    score_mod: Any = None,
     score_mod_args: Any = (),
+    **others: Any,
 ) -> Array:
   """Baseline: cuDNN's fused attention (`jax.nn.dot_product_attention`,
   implementation "cudnn"; NVIDIA GPUs only) behind `flash_attention`'s
   interface, for the end-to-end comparison a model's users make.
 
   Raises:
-    NotImplementedError: segments, positions, window, soft cap, sinks, a
-      score_mod or a custom scale.
+    NotImplementedError: any other of `flash_attention`'s arguments given
+      (segments, positions, window, soft cap, sinks, a score_mod, a scale).
   """
   del implementation, block_sizes, score_mod_args
-  if any(x is not None for x in (
-      segment_ids, query_positions, key_positions, local_window_size,
-      logits_soft_cap, scale, sinks, score_mod)):
+  given = sorted(name for name, x in others.items() if x is not None)
+  if given:
     raise NotImplementedError(
-        "the cuDNN baseline supports only causal attention and key lengths."
+        "the cuDNN baseline supports only causal attention and key lengths, "
+        f"not {', '.join(given)}."
     )
   return jax.nn.dot_product_attention(
       query, key, value, is_causal=is_causal,

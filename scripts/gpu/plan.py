@@ -196,10 +196,11 @@ EXTRA = Step(
   dry_run_budget_s=60,
   files=(JUNIT, BENCH_JSON, BENCH_MD),
   what="only when named in --steps: training tokens/s of the default "
-  "model at T = 4096 (scripts/train.py --benchmark_steps) with mosaic_gpu, "
-  "cuDNN and XLA attention, each in a process of its own; the conformance "
-  "suite for xla and chunked and other tests, XLA through jax.nn at T = 4096 and H = 64 "
-  "and 256 in the benchmark, then the on-device compile report "
+  "model at T = 4096 (scripts/train.py --benchmark_steps) with "
+  "mosaic_gpu, cuDNN and XLA attention, each in a process of its own; the "
+  "conformance suite for xla and chunked and other tests, XLA through "
+  "jax.nn at T = 4096 and H = 64 and 256 in the benchmark, then the "
+  "on-device compile report "
   "(scripts/compile_check.py)",
 )
 STEPS = (_ENV, _BENCH, _DECODE, _KERNELS, _CHECKS, EXTRA)
