@@ -896,7 +896,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         ("dtype", "float8_e4m3fn_128_keys_33_splits"), ("dtype", "float32"),
         ("dtype", "int8_float32_query"), ("prefix", "materialised"),
         ("prefix", "prefix"), ("prefix", "prefix_two_merges"),
-        ("prefix", "prefix_flash"),
+        ("prefix", "prefix_flash"), ("prefix", "prefix_pass_alone"),
+        ("prefix", "own_parts_alone"),
         ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
         ("tnew", "t_new_1"), ("tnew", "t_new_4"), ("latent", "latent"),
         ("latent", "separate_values"), ("latent", "one_read_floor"),
@@ -940,8 +941,11 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
       return real(*a, **kw) * (1.5 if "prefix_key" in kw else 1)
 
     monkeypatch.setattr(pallas_fa, "decode_attention", wrong_or_raising)
-    (_, prefix, _, flash) = forms.prefix_rows(
+    (_, prefix, _, flash, alone, own) = forms.prefix_rows(
         "chunked", 1, b=3, s_p=64, s_own=32, n=4, num_kv=2, h=16)
+    # The prefix alone is checked against attention over the prefix only;
+    # the own parts, without a prefix, are right.
+    assert alone["status"] == "wrong" and own["status"] == "ok", alone
     assert prefix["status"] == "wrong" and "ms" not in prefix, prefix
     assert flash["status"] == "failed" and "ms" not in flash, flash
     assert "NotImplementedError: no such path" in flash["reason"]

@@ -19,7 +19,9 @@ and not timed):
   merges each part before merging the two; "prefix_flash" the prefix
   part through `flash_attention` instead of the folded decode tile)
   against the same rows over the materialised concatenation [B, S_p +
-  S_own];
+  S_own]; and each part alone ("prefix_pass_alone": the own caches
+  empty; "own_parts_alone": no prefix), which says whose kernels hold the
+  call's time;
 * `paged`: the `dtype` shape's bfloat16 cache as shuffled pages of 16
   keys (vLLM's default block size on CUDA) and of 64 against the
   contiguous cache;
@@ -291,11 +293,19 @@ def prefix_rows(implementation: str, repeats: int, *,
     return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
                   _fold_prefix="two_merges")
 
-  cat_k, cat_v = (jnp.concatenate([jnp.broadcast_to(p, (b,) + p.shape), x],
-                                  axis=1) for p, x in ((pk, k), (pv, v)))
+  shared_k, shared_v = (jnp.broadcast_to(p, (b,) + p.shape) for p in (pk, pv))
+  cat_k, cat_v = (jnp.concatenate([p, x], axis=1)
+                  for p, x in ((shared_k, k), (shared_v, v)))
   whole = lengths + s_p
-  # One reference for all three: the materialised concatenation.
+  # One reference for the four that read both parts: the materialised
+  # concatenation.
   refs = _refs(q, cat_k, cat_v, whole)
+  # Each part alone, to tell which kernels hold the call's time: the rows'
+  # own caches empty (the prefix pass, the own parts' launch with no block
+  # to read, the merge), and no prefix (the own parts and their merge).
+  empty = jnp.zeros_like(lengths)
+  prefix_refs = _refs(q, shared_k, shared_v, empty + s_p)
+  own_refs = _refs(q, k, v, lengths)
   return _rows("prefix", [
       Cell("materialised", decode, (q, cat_k, cat_v, whole), *refs, _BF16,
            {}),
@@ -304,6 +314,10 @@ def prefix_rows(implementation: str, repeats: int, *,
            (q, k, v, lengths, pk, pv), *refs, _BF16, {}),
       Cell("prefix_flash", shared_flash, (q, k, v, lengths, pk, pv), *refs,
            _BF16, {}),
+      Cell("prefix_pass_alone", shared, (q, k, v, empty, pk, pv),
+           *prefix_refs, _BF16, {}),
+      Cell("own_parts_alone", decode, (q, k, v, lengths), *own_refs, _BF16,
+           {}),
   ], repeats, calls, **shape)
 
 
@@ -363,6 +377,10 @@ TARGETS = (
     ("prefix_vs_prefix_flash", "prefix", "prefix", "prefix_flash", 1.0),
     # Both parts' splits in one merge kernel: four launches instead of eight.
     ("prefix_vs_two_merges", "prefix", "prefix", "prefix_two_merges", 0.85),
+    # Each part reads half the call's bytes: above about 0.6 of the call's
+    # time, that part's kernels are where it loses its time.
+    ("prefix_pass_share", "prefix", "prefix_pass_alone", "prefix", 0.6),
+    ("own_parts_share", "prefix", "own_parts_alone", "prefix", 0.6),
     ("paged_vs_contiguous", "paged", "paged_16", "contiguous", 1.1),
     ("paged64_vs_contiguous", "paged", "paged_64", "contiguous", 1.05),
     ("tnew4_vs_tnew1", "tnew", "t_new_4", "t_new_1", 1.15),

@@ -138,7 +138,7 @@ _DECODE = Step(
   "and float8 caches against bf16 (the float32-query cells beside them) "
   "and both 1-byte caches with two warps a program against four, the "
   "latent cache against separate K and V, the shared prefix against the "
-  "materialised concatenation, paged against contiguous, T_new = 4 "
+  "materialised concatenation (and each of its parts alone), paged against contiguous, T_new = 4 "
   "against 1; then the grid: bf16, B in {1, 8}, S = 32768, K = 8, "
   "H = 128, T_new = 1, with the default split count and 64 splits, "
   "checked against the plain flash_attention call, then timed 20 calls "
