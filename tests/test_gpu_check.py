@@ -192,7 +192,8 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   assert dry["chunked_fp8"].impls == ("chunked", "chunked+negated_query")
   # The float8 forward without ping-pong, beside the default.
   fp8_tiles = runs["mosaic_gpu_fp8_tiles"]
-  assert fp8_tiles.impls == ("mosaic_gpu", *steps.FORWARD_VARIANTS)
+  assert fp8_tiles.impls == ("mosaic_gpu", *steps.FORWARD_VARIANTS,
+                             "mosaic_gpu:float8_two_level=true")
   assert (fp8_tiles.dtype, fp8_tiles.seq_lens, fp8_tiles.modes) == (
     "float8_e4m3fn", (16384,), ("fwd",))
   # Each variant beside the path it would replace, on the cells the last

@@ -82,6 +82,14 @@ def test_block_sizes_intra_overlap_is_a_bool():
   assert not mosaic_gpu.MosaicGpuBlockSizes().intra_overlap
 
 
+def test_block_sizes_float8_two_level_is_a_bool_without_intra_overlap():
+  with pytest.raises(ValueError, match="float8_two_level"):
+    mosaic_gpu.MosaicGpuBlockSizes(float8_two_level=1)
+  with pytest.raises(ValueError, match="float8_two_level.*intra_overlap"):
+    mosaic_gpu.MosaicGpuBlockSizes(float8_two_level=True, intra_overlap=True)
+  assert not mosaic_gpu.MosaicGpuBlockSizes().float8_two_level
+
+
 def test_block_sizes_frozen_and_hashable():
   bs = mosaic_gpu.MosaicGpuBlockSizes(**_SMALL)
   assert hash(bs) == hash(mosaic_gpu.MosaicGpuBlockSizes(**_SMALL))

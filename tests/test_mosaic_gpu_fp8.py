@@ -160,20 +160,25 @@ def test_float8_forward_lowers_for_hopper(overlap, poly):
 
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
-@pytest.mark.parametrize("granularity, causal, overlap, poly", [
-    ("head", True, False, 0), ("token", False, False, 0),
-    ("head", True, True, 0), ("head", False, True, 0), ("token", True, True, 0),
-    ("token", False, True, 0), ("token", True, True, 2)])
-def test_interpreted_float8_forward(granularity, causal, overlap, poly):
+@pytest.mark.parametrize("granularity, causal, overlap, poly, two_level", [
+    ("head", True, False, 0, False), ("token", False, False, 0, False),
+    ("head", True, True, 0, False), ("head", False, True, 0, False),
+    ("token", True, True, 0, False), ("token", False, True, 0, False),
+    ("token", True, True, 2, False), ("token", True, False, 0, True),
+    ("head", False, False, 0, True)])
+def test_interpreted_float8_forward(granularity, causal, overlap, poly,
+                                    two_level):
   """Ragged lengths, GQA, a head dim padded to 64; head scales fold into
   the row factors, token scales stream with K and V. With `overlap` the
   software-pipelined key loop (`intra_overlap`: P_{j-1} V_{j-1} with
   Q K_j^T; token scales wait for V_j with K_j); with `poly`, half the
-  exponentials by the cubic (`poly_exp2`)."""
+  exponentials by the cubic (`poly_exp2`); with `two_level`, each tile's
+  P V added to the float32 accumulator (`float8_two_level`)."""
   gen = testing.rng("mosaic_gpu fp8", granularity, causal)
   values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
   bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
                                       intra_overlap=overlap, poly_exp2=poly,
+                                      float8_two_level=two_level,
                                       interpret=True)
   out, lse = pallas_fa.flash_attention(
       *values, **_scales(scales), is_causal=causal,
@@ -272,15 +277,20 @@ def _rows_attention(q, k, v, *, p_dtype=None):
 
 
 @needs_hopper
-def test_compiled_float8_error_does_not_grow_with_length():
+@pytest.mark.parametrize("two_level", [False, True])
+def test_compiled_float8_error_does_not_grow_with_length(two_level):
   """The long-context trap of FP8 attention (a vLLM study: FlashAttention-3
   in FP8 fell from 91 % to 13 % on a 128k needle test, fixed by float32
   P V partials): at T = S = 4k, 32k and 128k, the float8 forward's error
   against the float64 attention of its dequantized inputs (on 128 query
   rows spread over the sequence) stays within P's e4m3 rounding (the
   emulated float8 attention's error) at every length, and grows with T no
-  faster than the bfloat16 forward's against its own inputs' attention."""
+  faster than the bfloat16 forward's against its own inputs' attention;
+  with `two_level` (`float8_two_level`), each tile's P V added in
+  float32, the fix should the default accumulation fail here."""
   gen = testing.rng("mosaic_gpu fp8 long context")
+  bs = mosaic_gpu.MosaicGpuBlockSizes(float8_two_level=True) if (
+      two_level) else None
   fp8, emulated, bf16 = [], [], []
   for t in (4096, 32768, 131072):
     wide = [testing.normal(gen, (1, t, 1, 128)) for _ in range(3)]
@@ -291,7 +301,8 @@ def test_compiled_float8_error_does_not_grow_with_length():
                for x, sc in zip(values, scales))
     ref = _rows_attention(q[rows], k, v)
     out = pallas_fa.flash_attention(*values, **_scales(scales),
-                                    implementation="mosaic_gpu")
+                                    implementation="mosaic_gpu",
+                                    block_sizes=bs)
     fp8.append(_rel_rms(np.asarray(out, np.float64)[0, rows, 0], ref))
     emulated.append(_rel_rms(_rows_attention(q[rows], k, v, p_dtype=E4M3),
                              ref))

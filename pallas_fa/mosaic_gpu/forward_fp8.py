@@ -49,6 +49,12 @@ smallest normal float32 (a logit of at most 2^-100, exp2 of it 1, as for
 tile) walks its keys with the factor multiplied into every logit first.
 Both loops are in the kernel; each unit runs one of them.
 
+P V accumulates in the 8-bit wgmma's adder across every key tile by
+default; with `Spec.two_level` (`MosaicGpuBlockSizes.float8_two_level`)
+each tile's P V is a fresh product added to the float32 accumulator as
+acc * alpha + P V, the two-level accumulation that FP8 attention needs if
+long contexts lose bits in that adder.
+
 Cost model (per [64-row consumer tile] x [block_kv keys] step, H = Hv,
 e4m3): bytes streamed into shared memory per step are block_kv * 2H (half
 of bfloat16's); tensor-core work 4 * 64 * block_kv * H FLOPs at twice the
@@ -336,10 +342,16 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
           kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
       m_i, l_i, p, alpha = softmax(j, slot, qk, m_i, l_i, masked=masked,
                                    k_meta=(k_p, k_s), fold=fold)
-      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
-      forward_lib.await_values(spec, v_bar.at[slot], schedule)
-      acc = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
-                   transpose_b=True, acc=acc)
+      if spec.two_level:  # The tile's P V apart, then added in float32.
+        forward_lib.await_values(spec, v_bar.at[slot], schedule)
+        pv = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
+                    transpose_b=True)
+        acc = online_softmax.rescale(acc, alpha, per_query=_ROWS) + pv
+      else:
+        acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+        forward_lib.await_values(spec, v_bar.at[slot], schedule)
+        acc = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
+                     transpose_b=True, acc=acc)
       plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 

@@ -179,6 +179,9 @@ class Spec:
     poly_exp2: forward only: one 8-key column group in poly_exp2 of each
       logit tile's exponentials on the FMA pipe (0: none;
       `MosaicGpuBlockSizes.poly_exp2`).
+    two_level: float8 forward only: each tile's P V in a fresh
+      accumulator, added to the float32 running one
+      (`MosaicGpuBlockSizes.float8_two_level`).
     dq_split: fused backward only: "columns" or "keys", how two consumers
       divide dQ (`MosaicGpuBlockSizes.dq_split`, `tiles.dq_columns`).
     is_causal: causal masking on positions.
@@ -219,6 +222,7 @@ class Spec:
   pingpong: bool = True
   intra_overlap: bool = False
   poly_exp2: int = 0
+  two_level: bool = False
   dq_split: str = "columns"
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None

@@ -78,6 +78,15 @@ class MosaicGpuBlockSizes:
       MUFU issues 16 a clock per SM, the FMA pipe 128); 1: all of them;
       0 (the default): none. Its relative error is below 9e-5. Not a
       default until a GPU run times it.
+    float8_two_level: float8 forward: each key tile's P V into a fresh
+      accumulator, added to the running float32 one (acc * alpha + P V,
+      one FMA an element in place of the rescale's multiply) instead of
+      accumulating every tile in the 8-bit wgmma's adder, which keeps
+      fewer bits than float32 (the accumulation that FP8
+      FlashAttention-3 needed at 128k-token contexts). 64 more registers
+      a consumer thread at Hv = 128; not with `intra_overlap`. Not a
+      default until a GPU run times it and the long-context test asks
+      for it.
     block_q_dq: dQ kernel: query rows per consumer warpgroup.
     block_kv_dq: dQ kernel: keys per streamed tile.
     num_consumers_dq: dQ kernel: consumer warpgroups per CTA (1 or 2).
@@ -133,6 +142,7 @@ class MosaicGpuBlockSizes:
   pingpong: bool = True
   intra_overlap: bool = False
   poly_exp2: int = 0
+  float8_two_level: bool = False
   block_q_dq: int = 64
   block_kv_dq: int = 64
   num_consumers_dq: int = 2
@@ -170,7 +180,8 @@ class MosaicGpuBlockSizes:
       value = getattr(self, name)
       if value not in (1, 2) or not is_int(value):
         raise ValueError(f"{cls}.{name} must be 1 or 2, got {value!r}.")
-    for name in ("pingpong", "intra_overlap", "split_dkv"):
+    for name in ("pingpong", "intra_overlap", "float8_two_level",
+                 "split_dkv"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
             f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")
@@ -178,6 +189,10 @@ class MosaicGpuBlockSizes:
       raise ValueError(
           f"{cls}.poly_exp2 must be an int in [0, 16], got "
           f"{self.poly_exp2!r}.")
+    if self.float8_two_level and self.intra_overlap:
+      raise ValueError(
+          f"{cls}.float8_two_level is not implemented with intra_overlap "
+          "(the pipelined loop accumulates P V in the wgmma).")
     if self.pingpong and self.num_consumers != 2:
       raise ValueError(
           f"{cls}.pingpong needs num_consumers == 2, got "

@@ -675,10 +675,12 @@ BENCH_RUNS = {
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     BenchRun(label="triton_fp8", need_s=33, impls=("triton",),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
-    # FORWARD_VARIANTS' loop in float8 (predictions.md section 7), beside
-    # the default in its own process.
-    BenchRun(label="mosaic_gpu_fp8_tiles", need_s=20, essential=False,
-             impls=("mosaic_gpu", *FORWARD_VARIANTS),
+    # FORWARD_VARIANTS' loop and the two-level P V accumulation in
+    # float8 (predictions.md section 7), beside the default in their own
+    # process.
+    BenchRun(label="mosaic_gpu_fp8_tiles", need_s=26, essential=False,
+             impls=("mosaic_gpu", *FORWARD_VARIANTS,
+                    "mosaic_gpu:float8_two_level=true"),
              dtype=FP8, head_dims=(128,), seq_lens=(16384,), modes=("fwd",)),
     BenchRun(label="mosaic_gpu_forward_tiles", need_s=24, essential=False,
              impls=("mosaic_gpu", *FORWARD_VARIANTS),
