@@ -141,10 +141,10 @@ _DECODE = Step(
   "materialised concatenation (and each of its parts alone), paged "
   "against contiguous, T_new = 4 against 1; then the grid: bf16, B in "
   "{1, 8}, S = 32768, K = 8, H = 128, T_new = 1, with the default split "
-  "count and 64 splits, checked against the plain flash_attention call, then timed 20 calls "
-  "to a jitted program (and one to a program beside them: the host's "
-  "dispatch), in turn, with the share of the measured HBM bandwidth and "
-  "a timestamp per phase",
+  "count and 64 splits, checked against the plain flash_attention "
+  "call, then timed 20 calls to a jitted program (and one to a program "
+  "beside them: the host's dispatch), in turn, with the share of the "
+  "measured HBM bandwidth and a timestamp per phase",
 )
 _KERNELS = Step(
   name="kernels",
