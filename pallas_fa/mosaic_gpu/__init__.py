@@ -719,7 +719,7 @@ def backward_impl(q, k, v, info, params, lse, dout, delta, *,
   if fused:
     dk, dv, dq = dkv_kernel.backward_dkv(
         spec, *operands, sched, seed, residuals, outputs=("dk", "dv", "dq"))
-    dq, dmod = dq.astype(q.dtype), ()
+    dq, dmod = kernel.scale_grad(spec, dq).astype(q.dtype), ()
   elif bs.split_dkv:
     (dv,) = dkv_kernel.backward_dkv(
         spec, *operands, sched, seed, residuals, outputs=("dv",))

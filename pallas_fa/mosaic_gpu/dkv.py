@@ -68,7 +68,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   Returns:
     A tuple with the requested of dk [B, Sp, K, Hp] and dv [B, Sp, K, Hvp]
     (Hvp: the padded value head dim), in k.dtype, and dq float32
-    [B, Tp, N, Hp] (dS K, scaled; its summation order is not fixed).
+    [B, Tp, N, Hp] (dS K, the logit scale not applied: `kernel.scale_grad`
+    of it is dQ; its summation order is not fixed).
   """
   ops = kernel.ops_for(spec)
   bq, bk, h, stages = spec.block_q, spec.block_kv, spec.head_dim, spec.stages
@@ -234,7 +235,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       plgpu.barrier_wait(unit_done.at[0])
     results = []
     if want_dk:
-      k_own[...] = dk.astype(spec.dtype)
+      k_own[...] = kernel.scale_grad(spec, dk).astype(spec.dtype)
       results.append(k_own)
     if want_dv:
       v_own[...] = dv.astype(spec.dtype)

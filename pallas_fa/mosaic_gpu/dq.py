@@ -121,7 +121,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     dq, dmod = kernel.phases(
         sched_ref, b, row, wg, step, (ops.full((bq, h), 0.0), dmod),
         spec.masked)
-    q_own[...] = dq.astype(spec.dtype)
+    q_own[...] = kernel.scale_grad(spec, dq).astype(spec.dtype)
     for x, ref in zip(dmod, dmod_smem):
       ref.at[wg][...] = x
     kernel.store([(q_own, dq_ref.at[b, rows, n]),

@@ -393,9 +393,17 @@ def mask_mod_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
 
 
 def logits_grad(spec: Spec, ds, capped):
-  """Chains dS (w.r.t. the natural logits) back to the raw q.k products."""
-  return online_softmax.logits_grad(
-      ds, capped, scale=spec.scale, cap=spec.soft_cap)
+  """Chains dS (w.r.t. the natural logits) back to the raw q.k products,
+  all but the logit scale: the kernels multiply their dQ and dK sums by
+  it once (`scale_grad`) rather than every dS element (one multiply an
+  element fewer on the backward's dS chain)."""
+  return online_softmax.logits_grad(ds, capped, cap=spec.soft_cap)
+
+
+def scale_grad(spec: Spec, total):
+  """A dQ or dK sum of `logits_grad`'s dS products times the logit
+  scale."""
+  return total if spec.scale == 1.0 else total * spec.scale
 
 
 def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg,
