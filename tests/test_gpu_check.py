@@ -143,7 +143,8 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   steps = gpu_check.steps
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fp8", "cudnn_fp8",
-                        "triton_fp8", "mosaic_gpu_fp8_tiles",
+                        "triton_fp8", "mosaic_gpu_poly_exp2",
+                        "mosaic_gpu_fp8_tiles",
                         "mosaic_gpu_forward_tiles", "triton",
                         "pallas_mha", "mosaic_gpu_fused_tiles"]
   essential = [label for label, run in runs.items() if run.essential]
@@ -190,6 +191,11 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
     "float8_e4m3fn", ("fwd",))
   assert [run.essential for run in dry.values()] == [True] * 3 + [False]
   assert dry["chunked_fp8"].impls == ("chunked", "chunked+negated_query")
+  poly = runs["mosaic_gpu_poly_exp2"]
+  assert poly.impls == ("mosaic_gpu", "mosaic_gpu:poly_exp2=8",
+                        "mosaic_gpu:poly_exp2=4")
+  assert (poly.seq_lens, poly.causal, poly.modes) == (
+    (16384,), "false", ("fwd",))
   # The float8 forward without ping-pong, beside the default.
   fp8_tiles = runs["mosaic_gpu_fp8_tiles"]
   assert fp8_tiles.impls == ("mosaic_gpu", *steps.FORWARD_VARIANTS,

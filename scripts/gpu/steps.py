@@ -652,6 +652,11 @@ FUSED_VARIANTS = (
 # tile in flight under the next tile's softmax) without ping-pong, 600
 # TFLOP/s at T = 16384 (full) at b85705a against the default's 593.
 FORWARD_VARIANTS = ("mosaic_gpu:intra_overlap=true:pingpong=false",)
+# The bf16 forward with one 8-key column group in 8 (in 4) of each tile's
+# exponentials by a cubic on the FMA pipe (`poly_exp2`): its softmax
+# chain, serial with the consumer's own Q K^T in ping-pong, is MUFU-bound
+# (predictions.md section 7).
+POLY_VARIANTS = ("mosaic_gpu:poly_exp2=8", "mosaic_gpu:poly_exp2=4")
 # The float8 forward's key loop that multiplies the row factor into every
 # logit before the max: the path the exponent fold replaced as the
 # default, which a negative query scale still takes (its A/B, in the
@@ -675,6 +680,11 @@ BENCH_RUNS = {
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     BenchRun(label="triton_fp8", need_s=33, impls=("triton",),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    # Part of the bf16 forward's exponentials on the FMA pipe, beside the
+    # default (T = 16384, full): the softmax chain is MUFU-bound.
+    BenchRun(label="mosaic_gpu_poly_exp2", need_s=20, essential=False,
+             impls=("mosaic_gpu", *POLY_VARIANTS), head_dims=(128,),
+             seq_lens=(16384,), causal="false", modes=("fwd",)),
     # FORWARD_VARIANTS' loop and the two-level P V accumulation in
     # float8 (predictions.md section 7), beside the default in their own
     # process.
