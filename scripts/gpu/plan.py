@@ -24,8 +24,8 @@ The shares, from the window at b85705a (every process's phases were
 timed, `steps.BenchRun.need_s`): `env` takes 2-4 s; its share is its 10 s
 timeout and the 10 s grace of stopping it (at b85705a its 15 s share less
 that grace was under the 5 s a step is started with: it was skipped in
-both calls). `bench`'s essential runs need 255 s of its 270 (mosaic_gpu's
-split and fused backward 100, cuDNN with the matmul ceiling 34, the
+both calls). `bench`'s essential runs need 215 s of its 270 (mosaic_gpu's
+fused backward 60, cuDNN with the matmul ceiling 34, the
 float8 forwards of mosaic_gpu, cuDNN and triton 44, 44 and 33); the rest
 run in what they leave. `decode`: the cache forms took 87 s (the latent
 one 17 s, lost at b85705a to the 73 s the grid left them), the grid 31 s.
