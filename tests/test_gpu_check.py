@@ -135,12 +135,11 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   and triton on the headline's forward cells; then, in what those leave,
   the bf16 forward's exponentials partly on the FMA pipe, mosaic_gpu's
   float8 forward variants at T = 16384, a forward variant on the causal
-  forward cells,
-  triton's bf16 forward with its former tiles beside it and JAX's Pallas
-  mha at T = 16384, the split backward at T = 16384, the fused
-  backward's variants on the causal fwd+bwd cell; each variant a config that validates, and otherwise the
-  default tiling; the cache forms, then decode at B = 1 and 8 with two
-  split counts."""
+  forward cells, triton's bf16 forward with its former tiles beside it
+  and JAX's Pallas mha at T = 16384, the split backward at T = 16384,
+  the fused backward's variants on the causal fwd+bwd cell; each variant
+  a config that validates, and otherwise the default tiling; the cache
+  forms, then decode at B = 1 and 8 with two split counts."""
   steps = gpu_check.steps
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fp8", "cudnn_fp8",
