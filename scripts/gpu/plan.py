@@ -192,7 +192,7 @@ _CHECKS = Step(
 )
 EXTRA = Step(
   name="extra",
-  budget_s=120,
+  budget_s=300,
   dry_run_budget_s=60,
   files=(JUNIT, BENCH_JSON, BENCH_MD),
   what="only when named in --steps: training tokens/s of the default "

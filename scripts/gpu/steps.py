@@ -1122,7 +1122,7 @@ def _train(ctx: Context, timeout: float) -> dict[str, Any]:
 
 # The extra step's parts in order, with their relative shares.
 EXTRA_PARTS = (
-  ("train", 2, _train),
+  ("train", 6, _train),
   ("tests", 3, _other_tests),
   ("bench", 2, _other_head_dims),
   ("compile", 1, step_compile),
