@@ -9,6 +9,8 @@
   attention of the dequantized inputs; `check` declines what it cannot run.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,6 +278,30 @@ def _rows_attention(q, k, v, *, p_dtype=None):
   return rounded @ v / p.sum(-1, keepdims=True)
 
 
+_LONG_CONTEXT = (4096, 32768, 131072)
+_LONG_CONTEXT_ROWS = 128
+
+
+@functools.cache
+def _long_context_case(t: int):
+  """Fresh inputs [1, t, 1, 128] of the long-context test (the same for
+  both of its cases) and the query rows it checks."""
+  gen = testing.rng("mosaic_gpu fp8 long context", t)
+  wide = tuple(testing.normal(gen, (1, t, 1, 128)) for _ in range(3))
+  return wide, np.linspace(0, t - 1, _LONG_CONTEXT_ROWS).astype(int)
+
+
+@functools.cache
+def _long_context_bf16_error(t: int) -> float:
+  """The compiled bf16 forward's error on `_long_context_case(t)`."""
+  wide, rows = _long_context_case(t)
+  narrow = [x.astype(jnp.bfloat16) for x in wide]
+  q, k, v = (np.asarray(x, np.float64)[0, :, 0] for x in narrow)
+  out = pallas_fa.flash_attention(*narrow, implementation="mosaic_gpu")
+  return _rel_rms(np.asarray(out, np.float64)[0, rows, 0],
+                  _rows_attention(q[rows], k, v))
+
+
 @needs_hopper
 @pytest.mark.parametrize("two_level", [False, True])
 def test_compiled_float8_error_does_not_grow_with_length(two_level):
@@ -288,15 +314,13 @@ def test_compiled_float8_error_does_not_grow_with_length(two_level):
   faster than the bfloat16 forward's against its own inputs' attention;
   with `two_level` (`float8_two_level`), each tile's P V added in
   float32, the fix should the default accumulation fail here."""
-  gen = testing.rng("mosaic_gpu fp8 long context")
   bs = mosaic_gpu.MosaicGpuBlockSizes(float8_two_level=True) if (
       two_level) else None
   fp8, emulated, bf16 = [], [], []
-  for t in (4096, 32768, 131072):
-    wide = [testing.normal(gen, (1, t, 1, 128)) for _ in range(3)]
+  for t in _LONG_CONTEXT:
+    wide, rows = _long_context_case(t)
     pairs = [quantize.quantize_fp8(x, "head") for x in wide]
     values, scales = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
-    rows = np.linspace(0, t - 1, 128).astype(int)
     q, k, v = (np.asarray(quantize.dequantize(x, sc), np.float64)[0, :, 0]
                for x, sc in zip(values, scales))
     ref = _rows_attention(q[rows], k, v)
@@ -306,11 +330,7 @@ def test_compiled_float8_error_does_not_grow_with_length(two_level):
     fp8.append(_rel_rms(np.asarray(out, np.float64)[0, rows, 0], ref))
     emulated.append(_rel_rms(_rows_attention(q[rows], k, v, p_dtype=E4M3),
                              ref))
-    narrow = [x.astype(jnp.bfloat16) for x in wide]
-    q, k, v = (np.asarray(x, np.float64)[0, :, 0] for x in narrow)
-    out = pallas_fa.flash_attention(*narrow, implementation="mosaic_gpu")
-    bf16.append(_rel_rms(np.asarray(out, np.float64)[0, rows, 0],
-                         _rows_attention(q[rows], k, v)))
+    bf16.append(_long_context_bf16_error(t))
   report = dict(fp8=fp8, emulated=emulated, bf16=bf16)
   # The compiled Q K^T also rounds in the 8-bit products' accumulator
   # (`_WGMMA_FP8_ROUNDING`), which the emulation does not.
