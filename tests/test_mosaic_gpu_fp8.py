@@ -94,6 +94,16 @@ def _assert_near_oracle(out, lse, values, scales, causal, soft_cap=None, *,
   assert (lse_err <= bound).all(), (lse_err.max(), (lse_err / bound).max())
 
 
+def _interpreted(values, scales, causal, *, soft_cap=None, **tiles):
+  """(out, lse) of the float8 call in the Mosaic GPU interpreter, 64 x 64
+  tiles and `tiles`' other fields."""
+  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
+                                      interpret=True, **tiles)
+  return pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=causal, logits_soft_cap=soft_cap,
+      implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
+
+
 def test_p_operand_key_order_matches_layout_v():
   """P V == P' V' where P' is P as `p_operand` packs it: a thread's
   float32 accumulator values (PTX wgmma D fragment: row lane / 4 (+ 8),
@@ -178,13 +188,8 @@ def test_interpreted_float8_forward(granularity, causal, overlap, poly,
   P V added to the float32 accumulator (`float8_two_level`)."""
   gen = testing.rng("mosaic_gpu fp8", granularity, causal)
   values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
-  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
-                                      intra_overlap=overlap, poly_exp2=poly,
-                                      float8_two_level=two_level,
-                                      interpret=True)
-  out, lse = pallas_fa.flash_attention(
-      *values, **_scales(scales), is_causal=causal,
-      implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
+  out, lse = _interpreted(values, scales, causal, intra_overlap=overlap,
+                          poly_exp2=poly, float8_two_level=two_level)
   _assert_near_oracle(out, lse, values, scales, causal)
 
 
@@ -209,11 +214,7 @@ def test_interpreted_float8_forward_signed_query_scales(causal):
   _, mixed = forward_fp8.row_factors(
       jnp.swapaxes(jnp.pad(scales[0], ((0, 0), (0, 28), (0, 0))), 1, 2), 64)
   np.testing.assert_array_equal(mixed[0], [[0, 1], [1, 0]])
-  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
-                                      interpret=True)
-  out, lse = pallas_fa.flash_attention(
-      *values, **_scales(scales), is_causal=causal,
-      implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
+  out, lse = _interpreted(values, scales, causal)
   _assert_near_oracle(out, lse, values, scales, causal)
 
 
@@ -227,11 +228,7 @@ def test_interpreted_float8_forward_soft_cap(granularity):
   else in the softmax's offset."""
   gen = testing.rng("mosaic_gpu fp8 soft cap", granularity)
   values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
-  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
-                                      interpret=True)
-  out, lse = pallas_fa.flash_attention(
-      *values, **_scales(scales), is_causal=True, logits_soft_cap=2.0,
-      implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
+  out, lse = _interpreted(values, scales, True, soft_cap=2.0)
   _assert_near_oracle(out, lse, values, scales, True, soft_cap=2.0)
   # The cap matters at this size: the uncapped attention is far off.
   uncapped, _, _ = _oracle(values, scales, True)

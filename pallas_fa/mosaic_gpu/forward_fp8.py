@@ -342,16 +342,12 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
           kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
       m_i, l_i, p, alpha = softmax(j, slot, qk, m_i, l_i, masked=masked,
                                    k_meta=(k_p, k_s), fold=fold)
-      if spec.two_level:  # The tile's P V apart, then added in float32.
-        forward_lib.await_values(spec, v_bar.at[slot], schedule)
-        pv = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
-                    transpose_b=True)
-        acc = online_softmax.rescale(acc, alpha, per_query=_ROWS) + pv
-      else:
-        acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
-        forward_lib.await_values(spec, v_bar.at[slot], schedule)
-        acc = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
-                     transpose_b=True, acc=acc)
+      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      forward_lib.await_values(spec, v_bar.at[slot], schedule)
+      # Two-level: the tile's P V a fresh product, added in float32.
+      pv = ops.mm(operand(p, slot), vt_smem.at[slot], a_in_smem=False,
+                  transpose_b=True, acc=None if spec.two_level else acc)
+      acc = acc + pv if spec.two_level else pv
       plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 
