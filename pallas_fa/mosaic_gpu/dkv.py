@@ -142,13 +142,12 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
                     for c in range(chunks)]
       # In 64-column chunks: one chunk's float32 product is live at a time.
       for c, cols in enumerate(chunk_cols):
-        dq = None
-        for w in sources:
-          # Opaque, so that K's descriptors are built here, not kept live
-          # across the loop (`kernel.stationary_in_step`).
-          w = kernel.stationary_in_step(spec, w)
-          dq = ops.mm(ds_smem.at[ds_slot, w], k_smem.at[w, :, cols],
-                      transpose_a=True, acc=dq)  # [bq, _DQ_CHUNK]
+        # Opaque, so that K's descriptors are built here, not kept live
+        # across the loop (`kernel.stationary_in_step`).
+        ws = [kernel.stationary_in_step(spec, w) for w in sources]
+        # Every source's product in one wgmma chain, awaited once.
+        dq = ops.mm_sum([(ds_smem.at[ds_slot, w], k_smem.at[w, :, cols])
+                         for w in ws], transpose_a=True)  # [bq, _DQ_CHUNK]
         if c == 0:
           # The previous step's reduce-adds have read the staging tiles.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -300,7 +299,9 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   if want_dq:
     smem += (
         ops.smem((ds_slots, nc, bk, bq), spec.dtype, True),  # dS^T
-        ops.smem((nc, chunks, bq, _DQ_CHUNK), _F32, True),  # dQ staging
+        # dQ staging (`MosaicGpuBlockSizes.dq_swizzle`).
+        ops.smem((nc, chunks, bq, _DQ_CHUNK), _F32, True,
+                 swizzle=spec.dq_swizzle),
     )
     if shared_dq:
       barriers += (

@@ -184,6 +184,8 @@ class Spec:
       (`MosaicGpuBlockSizes.float8_two_level`).
     dq_split: fused backward only: "columns" or "keys", how two consumers
       divide dQ (`MosaicGpuBlockSizes.dq_split`, `tiles.dq_columns`).
+    dq_swizzle: fused backward only: the dQ staging tile's swizzle in
+      bytes (`MosaicGpuBlockSizes.dq_swizzle`).
     is_causal: causal masking on positions.
     window: (left, right) or None; a None side is unbounded.
     has_segments: whether segment ids (padding included) take part.
@@ -224,6 +226,7 @@ class Spec:
   poly_exp2: int = 0
   two_level: bool = False
   dq_split: str = "columns"
+  dq_swizzle: int = 128
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
   has_segments: bool = False

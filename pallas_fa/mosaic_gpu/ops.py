@@ -72,14 +72,15 @@ class Ops:
     if not self.interpret:
       plgpu.set_max_registers(n, action=action)
 
-  def smem(self, shape, dtype, swizzled: bool):
+  def smem(self, shape, dtype, swizzled: bool, swizzle: int | None = None):
     """SMEM scratch; 2-D+ bf16/f16 tiles use the swizzled layout of
-    `self.swizzle` bytes (the interpreter takes plain refs)."""
+    `self.swizzle` bytes (or `swizzle`; the interpreter takes plain refs)."""
+    swizzle = swizzle or self.swizzle
     if swizzled and not self.interpret:
       transforms = (
           plgpu.TilingTransform(
-              (8, self.swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(self.swizzle),
+              (8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle),
       )
       return plgpu.SMEM(shape, dtype, transforms=transforms)
     return plgpu.SMEM(shape, dtype)
@@ -135,6 +136,31 @@ class Ops:
         between()
 
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+  def mm_sum(self, pairs, *, transpose_a=False):
+    """sum_i a_i @ b_i (with each a_i^T under `transpose_a`) in float32:
+    one chain of wgmmas into one accumulator, awaited once (a sum of `mm`
+    calls waits for each product before it issues the next).
+
+    Args:
+      pairs: (a, b) SMEM refs, as for `mm` ([M, K_i] or [K_i, M], [K_i, N]).
+      transpose_a: use each a^T.
+
+    Returns:
+      float32 [M, N].
+    """
+    if self.interpret:
+      return sum(self.mm(a, b, transpose_a=transpose_a) for a, b in pairs)
+    a0, b0 = pairs[0]
+    shape = (a0.shape[1] if transpose_a else a0.shape[0], b0.shape[1])
+
+    def chain(acc_ref):
+      for a, b in pairs:
+        plgpu.wgmma(acc_ref,
+                    plgpu.transpose_ref(a, (1, 0)) if transpose_a else a, b)
+      return acc_ref[...]
+
+    return pl.run_scoped(chain, plgpu.ACC(shape, _F32))
 
   def mm_pair(self, first: dict[str, Any], second: dict[str, Any]):
     """Two independent `mm`s (keyword dicts) issued back to back before

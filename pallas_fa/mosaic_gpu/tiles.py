@@ -35,6 +35,8 @@ LOWERING_SEMANTICS = (None, "lane", "warpgroup")
 BACKWARDS = ("split", "fused")
 # Values of `MosaicGpuBlockSizes.dq_split` (`dq_columns`).
 DQ_SPLITS = ("columns", "keys")
+# Values of `MosaicGpuBlockSizes.dq_swizzle` (bytes).
+DQ_SWIZZLES = (32, 64, 128)
 
 
 # The tiles that are a wgmma's M (stationary rows per consumer) and those that
@@ -120,6 +122,13 @@ class MosaicGpuBlockSizes:
       reduce-adds its own [block_q_dkv, H] partial: no exchange and no
       lockstep, at twice the reduce-add bytes into L2. Other head dims and
       one consumer always split by keys.
+    dq_swizzle: the fused backward's float32 dQ staging tile's shared
+      memory swizzle, in bytes (32, 64 or 128), which its TMA reduce-add
+      reads. Every swizzle stores the wgmma accumulator without bank
+      conflicts, but at 128 (the default) Mosaic GPU staggers the lanes'
+      tiles with 32 selects a step, which 32 does not need (sm_90a, H =
+      128: a consumer's step is 469 instructions at 128, 434 at 32); 32
+      has the reduce-add read 32-byte rows instead of 128-byte ones.
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
@@ -153,6 +162,7 @@ class MosaicGpuBlockSizes:
   split_dkv: bool = False
   backward: str = "fused"
   dq_split: str = "columns"
+  dq_swizzle: int = 128
   head_section: int | None = None
   num_ctas: int | None = None
   interpret: bool | None = None
@@ -205,6 +215,10 @@ class MosaicGpuBlockSizes:
       raise ValueError(
           f"{cls}.dq_split must be one of {DQ_SPLITS}, got "
           f"{self.dq_split!r}.")
+    if self.dq_swizzle not in DQ_SWIZZLES or not is_int(self.dq_swizzle):
+      raise ValueError(
+          f"{cls}.dq_swizzle must be one of {DQ_SWIZZLES}, got "
+          f"{self.dq_swizzle!r}.")
     if self.head_section is not None and (
         not is_int(self.head_section) or self.head_section < 1):
       raise ValueError(
