@@ -126,7 +126,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
-            "fp8_causal", "decode_prefix")
+            "fp8_causal", "decode_prefix", "decode_merged")
 # The float8 forward variants: `flash_attention` on float8_e4m3fn query,
 # key and value with per-head float32 scales (the case's dtype is the
 # result's, `out_dtype`), their base variant's masking; the backward is the
@@ -162,7 +162,8 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                         "split_dropout")},
                     **{name: ("triton", "mosaic_gpu")
                        for name in FP8_VARIANTS},
-                    "decode_prefix": ("triton",)}
+                    "decode_prefix": ("triton",),
+                    "decode_merged": ("triton",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
@@ -191,6 +192,9 @@ DECODE_KERNELS = {"decode": 2, "decode_paged": 2, "decode_paged16": 2,
                   # Both parts' split kernels, their one merge and the
                   # fold's transpose of the queries.
                   "decode_prefix": 4,
+                  # The split kernel, its last programs merging, and the
+                  # zeroing of their arrival counts.
+                  "decode_merged": 2,
                   **{name: 2 for name in QUANTIZED_DECODE},
                   **{name: 2 for name in LATENT_DECODE}}
 HEAD_DIMS = (64, 72, 128, 256)
@@ -232,7 +236,9 @@ class Case:
       "decode" with
       ALiBi and a prefix-LM mask_mod; "decode_prefix" = "decode" with a
       shared prefix of S keys before the rows' caches (`prefix_key`,
-      `prefix_value`); "split" / "split_causal" /
+      `prefix_value`); "decode_merged" = "decode" with the splits merged
+      by the split kernel's last programs (`decode_attention(_merge=
+      "split_kernel")`); "split" / "split_causal" /
       "split_masked" / "split_dropout" = "plain" / "causal" / "masked" /
       "dropout" with mosaic_gpu's split backward, the reproducible one
       that `deterministic_backward=True` runs
@@ -368,6 +374,8 @@ def _decode_call(case: Case, seq: int, spec):
       kw = dict(key_scale=extra[0], value_scale=extra[1])
     if shared:
       kw = dict(prefix_key=extra[0], prefix_value=extra[1])
+    if case.variant == "decode_merged":
+      kw = dict(_merge="split_kernel")
     return pallas_fa.decode_attention(
         q, k, v, lengths, block_table=table, implementation=case.backend,
         **kw)

@@ -920,9 +920,11 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     assert by_name["int8"]["calls_per_program"] == 1
     assert "ms_one_call" not in by_name["int8"]
     ratios = {r["name"]: r for r in forms.ratios(rows)}
-    # Every target but the triton-only two-warp cells'.
+    # Every target but the triton-only cells' (two warps, the merge in
+    # the split kernel).
     assert set(ratios) == {name for name, *_ in forms.TARGETS} - {
-        "int8_2_warps_vs_4", "fp8_2_warps_vs_4"}
+        "int8_2_warps_vs_4", "fp8_2_warps_vs_4",
+        "bf16_merged_vs_two_kernels", "int8_merged_vs_two_kernels"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])

@@ -400,9 +400,9 @@ def test_triton_num_warps_reaches_every_split_kernel(monkeypatch):
   launches = []
   real = triton_pkg.pallas_call
 
-  def spy(kernel, inputs, outputs, grid, warps, stages, name):
+  def spy(kernel, inputs, outputs, grid, warps, stages, name, **kw):
     launches.append((name, warps))
-    return real(kernel, inputs, outputs, grid, warps, stages, name)
+    return real(kernel, inputs, outputs, grid, warps, stages, name, **kw)
 
   monkeypatch.setattr(triton_pkg, "pallas_call", spy)
   gen = rng("decode num_warps launches")

@@ -86,6 +86,7 @@ def decode_attention(
     prefix_key: Array | None = None,
     prefix_value: Array | None = None,
     _fold_prefix: bool | str = True,
+    _merge: str = "kernel",
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -198,6 +199,10 @@ def decode_attention(
       decode tile (`decode.prefix.attend`); "two_merges" folds them but
       merges each part's splits on its own before merging the parts (the
       path `kernels.run_with_prefix` replaces).
+    _merge: private, for A/B benchmarks: "split_kernel" has the triton
+      kernel's last program of each K/V head merge the splits
+      (`triton.decode.attention(merge=)`) instead of a second kernel; no
+      mask_mod and no prefix.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -267,6 +272,8 @@ def decode_attention(
                           or isinstance(x, bool) or x < 1):
       raise ValueError(f"{name} must be a positive int or None, got {x!r}.")
   warps = _check_num_warps(num_warps, implementation)
+  launch = dict(warps, **_check_merge(_merge, implementation, mask_mod,
+                                      prefix_key))
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
   prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv)
@@ -291,7 +298,7 @@ def decode_attention(
   cache = dict(key=key, value=value, value_head_dim=hv, key_scale=key_scale,
                value_scale=value_scale, lengths=lengths,
                block_table=block_table)
-  tiling = dict(num_splits=num_splits, block_kv=block_kv, warps=warps)
+  tiling = dict(num_splits=num_splits, block_kv=block_kv, warps=launch)
   if prefix_key is None:
     out, lse = _own_cache(implementation, query, query_positions, sinks,
                           cache, tiling, static, flex)
@@ -391,6 +398,29 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
       cache["key_scale"], cache["value_scale"], block=int(block),
       splits=int(min(splits, num_blocks)), score_mod=flex["score_mod"],
       mask_mod=flex["mask_mod"], value_head_dim=hv, **static)
+
+
+def _check_merge(merge, implementation, mask_mod, prefix_key) -> dict:
+  """{"merge": ...} for the triton kernel's `attention`, or {} (the
+  default, "kernel").
+
+  Raises:
+    ValueError: an unknown merge, or "split_kernel" where the call does
+      not take `triton.decode.attention` (another implementation, a
+      mask_mod or a shared prefix).
+  """
+  if merge == "kernel":
+    return {}
+  if merge != "split_kernel":
+    raise ValueError(
+        f"_merge must be 'kernel' or 'split_kernel', got {merge!r}.")
+  if implementation != "triton" or mask_mod is not None or (
+      prefix_key is not None):
+    raise ValueError(
+        "_merge='split_kernel' applies to implementation='triton' without "
+        f"a mask_mod or a prefix, got {implementation=}, "
+        f"mask_mod={mask_mod!r}, prefix_key given: {prefix_key is not None}.")
+  return {"merge": merge}
 
 
 def _check_num_warps(num_warps, implementation) -> dict:

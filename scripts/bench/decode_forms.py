@@ -204,6 +204,22 @@ def dtype_rows(implementation: str, repeats: int, *,
                     None, _F32, dict(query_dtype="float32",
                                      cache_dtype=name)))
   if implementation == "triton":
+    # The splits merged by the split kernel's last program of each K/V
+    # head (`_merge="split_kernel"`): one launch and the arrival counts'
+    # zeroing instead of the merge kernel's launch and pass.
+    merged = _decode(implementation, _merge="split_kernel")
+    cells.append(Cell("bfloat16_merged_in_split_kernel", merged,
+                      (q, k, v, lengths), ref32, ref16, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype="bfloat16",
+                           merge="split_kernel")))
+
+    def merged_scaled(q, k, v, lengths, ks, vs):
+      return merged(q, k, v, lengths, key_scale=ks, value_scale=vs)
+
+    cells.append(Cell(f"{name}_merged_in_split_kernel", merged_scaled,
+                      (q, *args), *int8_refs, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype=name,
+                           merge="split_kernel")))
     # Last (the window's decode step has a deadline): both 1-byte caches
     # with two warps a program instead of four (`num_warps`): a block's
     # keys split two ways, not four, so each warp's softmax reductions
@@ -373,6 +389,11 @@ TARGETS = (
     ("int8_2_warps_vs_4", "dtype", "int8_2_warps", "int8", 1.0),
     ("fp8_2_warps_vs_4", "dtype", "float8_e4m3fn_2_warps", "float8_e4m3fn",
      1.0),
+    # The merge in the split kernel against the merge kernel (triton).
+    ("bf16_merged_vs_two_kernels", "dtype", "bfloat16_merged_in_split_kernel",
+     "bfloat16", 0.97),
+    ("int8_merged_vs_two_kernels", "dtype", "int8_merged_in_split_kernel",
+     "int8", 0.95),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
     ("prefix_vs_prefix_flash", "prefix", "prefix", "prefix_flash", 1.0),
     # Both parts' splits in one merge kernel: four launches instead of eight.
