@@ -131,9 +131,10 @@ VARIANTS = {
     r"^mosaic_gpu:head_section=":
         "causal head sections (`MosaicGpuBlockSizes.head_section`)",
     r"^mosaic_gpu:backward=fused:.*(num_consumers_dkv|num_stages_bwd|"
-    r"head_section|dq_split|dq_swizzle)=":
+    r"head_section|dq_split|dq_swizzle|fused_overlap)=":
         "the fused backward's variants (dQ split by keys, one dK/dV "
-        "consumer, head sections, a 32-byte dQ staging swizzle)",
+        "consumer, head sections, a 32-byte dQ staging swizzle, dS^T "
+        "staged under dK's product)",
     r"^mosaic_gpu:(block_q|block_kv|num_consumers)=":
         "the forward's tile variants (128-row query tiles, 64-key tiles, "
         "one consumer)",

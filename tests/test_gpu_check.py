@@ -133,8 +133,9 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   4096, causal and not, fwd and fwd+bwd; the float8 forwards of
   mosaic_gpu (beside the multiply-first loop its default replaced), cuDNN
   and triton on the headline's forward cells; then, in what those leave,
-  the bf16 forward's exponentials partly on the FMA pipe, the fused
-  backward's dQ staged at a 32-byte swizzle, mosaic_gpu's
+  the fused backward's step variants (its dQ staged at a 32-byte
+  swizzle, dS^T staged under dK's product), the bf16 forward's
+  exponentials partly on the FMA pipe, mosaic_gpu's
   float8 forward variants at T = 16384, a forward variant on the causal
   forward cells, triton's bf16 forward with its former tiles beside it
   and JAX's Pallas mha at T = 16384, the split backward at T = 16384,
@@ -144,8 +145,8 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   steps = gpu_check.steps
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fp8", "cudnn_fp8",
-                        "triton_fp8", "mosaic_gpu_poly_exp2",
-                        "mosaic_gpu_dq_swizzle", "mosaic_gpu_fp8_tiles",
+                        "triton_fp8", "mosaic_gpu_fused_step",
+                        "mosaic_gpu_poly_exp2", "mosaic_gpu_fp8_tiles",
                         "mosaic_gpu_forward_tiles", "triton",
                         "pallas_mha", "mosaic_gpu_split",
                         "mosaic_gpu_fused_tiles"]
@@ -203,11 +204,13 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
                         "mosaic_gpu:poly_exp2=4")
   assert (poly.seq_lens, poly.causal, poly.modes) == (
     (16384,), "false", ("fwd",))
-  # The fused backward's dQ staging swizzle, beside the default.
-  swizzle = runs["mosaic_gpu_dq_swizzle"]
-  assert swizzle.impls == ("mosaic_gpu:backward=fused",
-                           "mosaic_gpu:backward=fused:dq_swizzle=32")
-  assert (swizzle.seq_lens, swizzle.causal, swizzle.modes) == (
+  # The fused backward's step variants, beside the default.
+  fused_step = runs["mosaic_gpu_fused_step"]
+  assert fused_step.impls == ("mosaic_gpu:backward=fused",
+                              *steps.FUSED_STEP_VARIANTS)
+  assert {"dq_swizzle=32", "fused_overlap=true"} <= {
+    part for spec in fused_step.impls for part in spec.split(":")}
+  assert (fused_step.seq_lens, fused_step.causal, fused_step.modes) == (
     (16384,), "false", ("fwd_bwd",))
   # The float8 forward without ping-pong, beside the default.
   fp8_tiles = runs["mosaic_gpu_fp8_tiles"]

@@ -64,7 +64,7 @@ needs_interpreter = pytest.mark.skipif(
     ("lowering_semantics", "Lane"), ("backward", "fast"),
     ("head_section", 0), ("head_section", 2.0), ("dq_split", "rows"),
     ("poly_exp2", 17), ("poly_exp2", -1), ("dq_swizzle", 16),
-    ("dq_swizzle", 128.0),
+    ("dq_swizzle", 128.0), ("fused_overlap", 1),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
@@ -1047,26 +1047,30 @@ def test_compiled_matches_reference(case, dtype, tiles):
 
 
 @needs_hopper
-@pytest.mark.parametrize("dq_swizzle", [32, 64])
+@pytest.mark.parametrize("dq_swizzle, fused_overlap", [
+    (32, False), (64, False), (128, True), (32, True)])
 @pytest.mark.parametrize("case", [
     # The two consumers split dQ by columns: one 64-column chunk each.
     Case(b=2, t=512, s=640, n=4, k=2, h=128, causal=True, segments=True),
     # By keys: each consumer's partial over every column, one chunk.
     Case(b=2, t=384, s=512, n=4, k=4, h=64),
 ], ids=lambda x: str(x))
-def test_compiled_fused_backward_dq_swizzle(case, dq_swizzle):
+def test_compiled_fused_backward_variants(case, dq_swizzle, fused_overlap):
   """The fused backward's dQ staged at a narrower swizzle
-  (`MosaicGpuBlockSizes.dq_swizzle`): the register layout's store and the
-  TMA reduce-add's read must agree on it, which the interpreter (no
-  swizzles) cannot check."""
+  (`MosaicGpuBlockSizes.dq_swizzle`: the register layout's store and the
+  TMA reduce-add's read must agree on it) and its dS^T staged while dK's
+  product runs (`fused_overlap`: the product's register operand and the
+  stores share registers), which the interpreter (no swizzles, products
+  in order) cannot check."""
   bs = dataclasses.replace(
       mosaic_gpu.default_block_sizes(
           q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=jnp.bfloat16,
           is_causal=case.causal),
-      backward="fused", dq_swizzle=dq_swizzle)
+      backward="fused", dq_swizzle=dq_swizzle, fused_overlap=fused_overlap)
   check_against_reference(
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
-      rng("mosaic_gpu", "dq-swizzle", str(case), str(dq_swizzle)))
+      rng("mosaic_gpu", "fused-variants", str(case), str(dq_swizzle),
+          str(fused_overlap)))
 
 
 @needs_hopper

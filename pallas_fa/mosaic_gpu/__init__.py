@@ -376,6 +376,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       two_level=bs.float8_two_level and forward,
       dq_split=bs.dq_split,
       dq_swizzle=bs.dq_swizzle,
+      fused_overlap=bs.fused_overlap,
       is_causal=x.info.is_causal,
       window=x.info.window,
       # The padding's segment ids give way to a mask_mod's values (the

@@ -117,41 +117,64 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     k_p, k_s = kernel.load_meta(
         spec, ops, kpos_smem.at[wg], kseg_smem.at[wg], 0)
 
-    def add_dq(ds_t, head, i, step):
-      """Adds this step's dS K (its columns of it) to the query tile's dQ.
+    def add_dq(ds_t, dk_product, head, i, step, release):
+      """Adds this step's dS K (its columns of it) to the query tile's dQ;
+      returns dK + dS^T Q, the product `dk_product` (`mm` keywords),
+      issued first (with `Spec.fused_overlap` dS^T is staged and
+      exchanged while it runs, and the first dQ chunk's chain is awaited
+      with it: `ops.mm_around`), then `release()` (dK's operands are
+      read).
 
       ds_t: the step's dS^T [bk, bq] in the kernel's dtype.
       """
       ds_smem, stage = dq_smem
       # See `tiles.ds_slots`.
       ds_slot = kernel.rem(step, 2) if ds_slots == 2 else 0
-      ds_smem.at[ds_slot, wg][...] = ds_t
-      plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
       if shared_dq:
-        # Both consumers' dS^T are in before either reads them. A slot is
-        # rewritten two steps later, after both passed the next step's
-        # barrier, so after both read it here (each awaits its wgmma).
-        (ds_ready, _) = dq_bars
-        plgpu.barrier_arrive(ds_ready.at[ds_slot])
-        plgpu.barrier_wait(ds_ready.at[ds_slot])
         col0, sources = wg * dq_cols, range(nc)
       else:
         col0, sources = 0, (wg,)
+
+      def stage_ds():
+        ds_smem.at[ds_slot, wg][...] = ds_t
+        plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
+        if shared_dq:
+          # Both consumers' dS^T are in before either reads them. A slot
+          # is rewritten two steps later, after both passed the next
+          # step's barrier, so after both read it here (each awaits its
+          # wgmma).
+          (ds_ready, _) = dq_bars
+          plgpu.barrier_arrive(ds_ready.at[ds_slot])
+          plgpu.barrier_wait(ds_ready.at[ds_slot])
+
+      def products(cols):
+        # Opaque, so that K's descriptors are built here, not kept live
+        # across the loop (`kernel.stationary_in_step`). Every source's
+        # product goes in one wgmma chain.
+        ws = [kernel.stationary_in_step(spec, w) for w in sources]
+        return [(ds_smem.at[ds_slot, w], k_smem.at[w, :, cols]) for w in ws]
+
       rows = pl.ds(i * bq, bq)
       chunk_cols = [pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
                     for c in range(chunks)]
+      if spec.fused_overlap:
+        dk, dq = ops.mm_around(dk_product, stage_ds,
+                               lambda: products(chunk_cols[0]),
+                               (bq, _DQ_CHUNK), transpose_a=True)
+        release()
+      else:
+        dk = ops.mm(**dk_product)
+        release()
+        stage_ds()
+        dq = ops.mm_sum(products(chunk_cols[0]), transpose_a=True)
       # In 64-column chunks: one chunk's float32 product is live at a time.
       for c, cols in enumerate(chunk_cols):
-        # Opaque, so that K's descriptors are built here, not kept live
-        # across the loop (`kernel.stationary_in_step`).
-        ws = [kernel.stationary_in_step(spec, w) for w in sources]
-        # Every source's product in one wgmma chain, awaited once.
-        dq = ops.mm_sum([(ds_smem.at[ds_slot, w], k_smem.at[w, :, cols])
-                         for w in ws], transpose_a=True)  # [bq, _DQ_CHUNK]
-        if c == 0:
+        if c:
+          dq = ops.mm_sum(products(cols), transpose_a=True)
+        else:
           # The previous step's reduce-adds have read the staging tiles.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage.at[wg, c][...] = dq
+        stage.at[wg, c][...] = dq  # [bq, _DQ_CHUNK]
       plgpu.commit_smem()
       for c, cols in enumerate(chunk_cols):
         if spec.interpret:
@@ -162,6 +185,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           plgpu.copy_smem_to_gmem(
               stage.at[wg, c], r.outputs[-1].at[b, rows, head, cols],
               reduction_op="add")
+      return dk
 
     def group_member(rep, carry):
       rep_base = base + rep * length
@@ -215,10 +239,19 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           if score_mod_pullback is not None:  # Its values': in dQ.
             ds_t, _ = score_mod_pullback(ds_t)
           ds_t = kernel.logits_grad(spec, ds_t, capped_t).astype(spec.dtype)
-          dk = ops.mm(ds_t, q_smem.at[slot], a_in_smem=False, acc=dk)
-        plgpu.barrier_arrive(q_free.at[slot])
+          dk_product = dict(a=ds_t, b=q_smem.at[slot], a_in_smem=False,
+                            acc=dk)
+
+        def release_q():  # Q's slot: dK's product, its last reader, is done.
+          plgpu.barrier_arrive(q_free.at[slot])
+
         if want_dq:
-          add_dq(ds_t, kh * g + rep, i, rep_base + i - ulo)
+          dk = add_dq(ds_t, dk_product, kh * g + rep, i,
+                      rep_base + i - ulo, release_q)
+        else:
+          if want_dk:
+            dk = ops.mm(**dk_product)
+          release_q()
         return dk, dv
 
       return kernel.phases(sched_ref, b, row, wg, step, carry, spec.masked)

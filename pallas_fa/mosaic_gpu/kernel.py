@@ -186,6 +186,8 @@ class Spec:
       divide dQ (`MosaicGpuBlockSizes.dq_split`, `tiles.dq_columns`).
     dq_swizzle: fused backward only: the dQ staging tile's swizzle in
       bytes (`MosaicGpuBlockSizes.dq_swizzle`).
+    fused_overlap: fused backward only: stage dS^T while dK's product
+      runs (`MosaicGpuBlockSizes.fused_overlap`).
     is_causal: causal masking on positions.
     window: (left, right) or None; a None side is unbounded.
     has_segments: whether segment ids (padding included) take part.
@@ -227,6 +229,7 @@ class Spec:
   two_level: bool = False
   dq_split: str = "columns"
   dq_swizzle: int = 128
+  fused_overlap: bool = False
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
   has_segments: bool = False

@@ -12,12 +12,17 @@ import inspect
 from typing import Any
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _F32 = jnp.float32
+# Whether a kernel may store to a shared-memory ref while a wgmma is in
+# flight (`Ops.mm_around`): jax 0.10's discharge of the accumulator's
+# `run_state` rejects a store to a ref its body closes over.
+_STORES_UNDER_WGMMA = jax.__version_info__ >= (0, 11)
 
 
 def _load_whole(ref, *, layout):
@@ -161,6 +166,52 @@ class Ops:
       return acc_ref[...]
 
     return pl.run_scoped(chain, plgpu.ACC(shape, _F32))
+
+  def mm_around(self, first: dict[str, Any], between: Callable[[], None],
+                pairs: Callable[[], list], shape: tuple[int, int], *,
+                transpose_a=False):
+    """`mm(**first)` issued, `between()` run while it is in flight, then
+    `mm_sum(pairs())` issued behind it; both awaited once, at the end.
+
+    The first product's drain then overlaps `between`'s shared-memory
+    traffic and barriers instead of preceding them (the fused backward's
+    dK product around its dS^T staging and exchange, then its dQ chain).
+
+    Args:
+      first: `mm` keywords with an `acc`; its `a` may be a register array
+        (`a_in_smem=False`), which `between` may read but not change.
+      between: side effects the second product's operands need (shared
+        memory stores, their commit, barriers).
+      pairs: () -> the (a, b) SMEM refs of the second product, as for
+        `mm_sum`, built after `between`.
+      shape: the second product's [M, N].
+      transpose_a: use each of the second's a^T.
+
+    Returns:
+      (first's result, the sum's), float32.
+    """
+    if self.interpret or not _STORES_UNDER_WGMMA:
+      out = self.mm(**first)
+      between()
+      return out, self.mm_sum(pairs(), transpose_a=transpose_a)
+    a, b = first["a"], first["b"]
+    if first.get("transpose_b", False):
+      b = plgpu.transpose_ref(b, (1, 0))
+
+    def fresh(sum_ref):
+      def issue(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        between()
+        for x, y in pairs():
+          plgpu.wgmma(sum_ref,
+                      plgpu.transpose_ref(x, (1, 0)) if transpose_a else x,
+                      y)
+
+      # Its exit awaits every wgmma in flight, the sum's included.
+      out = pl.run_state(issue)(plgpu.ACC.init(first["acc"]))
+      return out, sum_ref[...]
+
+    return pl.run_scoped(fresh, plgpu.ACC(shape, _F32))
 
   def mm_pair(self, first: dict[str, Any], second: dict[str, Any]):
     """Two independent `mm`s (keyword dicts) issued back to back before

@@ -129,6 +129,13 @@ class MosaicGpuBlockSizes:
       tiles with 32 selects a step, which 32 does not need (sm_90a, H =
       128: a consumer's step is 469 instructions at 128, 434 at 32); 32
       has the reduce-add read 32-byte rows instead of 128-byte ones.
+    fused_overlap: the fused backward issues each step's dK += dS^T Q
+      and stages (and exchanges) dS^T for dQ while that product runs,
+      awaiting it with dQ's first product (`ops.mm_around`), instead of
+      draining it first: 489 instructions a consumer step against 469
+      (the dQ accumulator zeroed by 16 CS2R), less one wgmma drain on
+      the step's chain. jax 0.10 runs it in order. Not a default until a
+      GPU run times it.
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
@@ -163,6 +170,7 @@ class MosaicGpuBlockSizes:
   backward: str = "fused"
   dq_split: str = "columns"
   dq_swizzle: int = 128
+  fused_overlap: bool = False
   head_section: int | None = None
   num_ctas: int | None = None
   interpret: bool | None = None
@@ -191,7 +199,7 @@ class MosaicGpuBlockSizes:
       if value not in (1, 2) or not is_int(value):
         raise ValueError(f"{cls}.{name} must be 1 or 2, got {value!r}.")
     for name in ("pingpong", "intra_overlap", "float8_two_level",
-                 "split_dkv"):
+                 "split_dkv", "fused_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
             f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")

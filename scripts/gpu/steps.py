@@ -649,9 +649,14 @@ FUSED_VARIANTS = (
   "mosaic_gpu:backward=fused:num_consumers_dkv=1",
   "mosaic_gpu:backward=fused:head_section=4",
 )
-# The fused backward's dQ staging tile at a 32-byte swizzle
-# (`MosaicGpuBlockSizes.dq_swizzle`, predictions.md section 7).
-DQ_SWIZZLE_VARIANT = "mosaic_gpu:backward=fused:dq_swizzle=32"
+# The fused backward's step variants (predictions.md section 7): its dQ
+# staging tile at a 32-byte swizzle (`MosaicGpuBlockSizes.dq_swizzle`)
+# and dS^T staged while dK's product runs (`fused_overlap`), each alone
+# (both together would not leave the bf16 poly_exp2 run its time).
+FUSED_STEP_VARIANTS = (
+  "mosaic_gpu:backward=fused:dq_swizzle=32",
+  "mosaic_gpu:backward=fused:fused_overlap=true",
+)
 # The forward: the software-pipelined key loop (`intra_overlap`: P V of a
 # tile in flight under the next tile's softmax) without ping-pong, 600
 # TFLOP/s at T = 16384 (full) at b85705a against the default's 593.
@@ -684,6 +689,12 @@ BENCH_RUNS = {
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     BenchRun(label="triton_fp8", need_s=33, impls=("triton",),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
+    # The fused backward's step variants beside the default (T = 16384,
+    # full): the backward is the headline furthest behind cuDNN.
+    BenchRun(label="mosaic_gpu_fused_step", need_s=30, essential=False,
+             impls=("mosaic_gpu:backward=fused", *FUSED_STEP_VARIANTS),
+             head_dims=(128,), seq_lens=(16384,), causal="false",
+             modes=("fwd_bwd",)),
     # Part of the bf16 forward's exponentials on the FMA pipe, beside the
     # default (T = 16384, full): the softmax chain is MUFU-bound.
     BenchRun(label="mosaic_gpu_poly_exp2", need_s=20, essential=False,
@@ -692,12 +703,6 @@ BENCH_RUNS = {
     # FORWARD_VARIANTS' loop and the two-level P V accumulation in
     # float8 (predictions.md section 7), beside the default in their own
     # process.
-    # The fused backward's dQ staged at a 32-byte swizzle (no staggered
-    # store: 35 fewer instructions a consumer step), beside the default.
-    BenchRun(label="mosaic_gpu_dq_swizzle", need_s=24, essential=False,
-             impls=("mosaic_gpu:backward=fused", DQ_SWIZZLE_VARIANT),
-             head_dims=(128,), seq_lens=(16384,), causal="false",
-             modes=("fwd_bwd",)),
     BenchRun(label="mosaic_gpu_fp8_tiles", need_s=26, essential=False,
              impls=("mosaic_gpu", *FORWARD_VARIANTS,
                     "mosaic_gpu:float8_two_level=true"),
