@@ -778,8 +778,12 @@ def _race_verdicts(monkeypatch, describe):
     # dS^T tile per consumer rewritten every step, two staged chunks.
     (dict(num_ctas=2, backward="fused", h=128, dq_split="keys"),
      {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+    # The Q slot released after dK's and dQ's products both complete
+    # (`fused_overlap`; interpreted, the products run in turn).
+    (dict(num_ctas=2, backward="fused", h=128, fused_overlap=True),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
 ], ids=["two-consumers", "one-consumer-split-dropout", "fused",
-        "fused-dq-by-keys"])
+        "fused-dq-by-keys", "fused-overlap"])
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
   producer refills ring slots (more steps than stages, several units and
