@@ -924,7 +924,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     # the split kernel).
     assert set(ratios) == {name for name, *_ in forms.TARGETS} - {
         "int8_2_warps_vs_4", "fp8_2_warps_vs_4",
-        "bf16_merged_vs_two_kernels", "int8_merged_vs_two_kernels"}
+        "bf16_merged_vs_two_kernels", "int8_merged_vs_two_kernels",
+        "latent_vs_value_chunk_256", "latent_vs_value_chunk_128"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])

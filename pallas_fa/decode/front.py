@@ -87,6 +87,7 @@ def decode_attention(
     prefix_value: Array | None = None,
     _fold_prefix: bool | str = True,
     _merge: str = "kernel",
+    _value_chunk: int | None = None,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -203,6 +204,11 @@ def decode_attention(
       kernel's last program of each K/V head merge the splits
       (`triton.decode.attention(merge=)`) instead of a second kernel; no
       mask_mod and no prefix.
+    _value_chunk: private, for A/B benchmarks: the most value columns a
+      triton program computes (a power of two >= 16): more programs a
+      split and so fewer splits, less partial traffic (a latent cache's
+      [16, 512] partials), at the cost of reading each key block once per
+      value chunk (through L2); no mask_mod and no prefix.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -272,8 +278,9 @@ def decode_attention(
                           or isinstance(x, bool) or x < 1):
       raise ValueError(f"{name} must be a positive int or None, got {x!r}.")
   warps = _check_num_warps(num_warps, implementation)
-  launch = dict(warps, **_check_merge(_merge, implementation, mask_mod,
-                                      prefix_key))
+  launch = dict(warps, **_check_private(_merge, _value_chunk,
+                                        implementation, mask_mod,
+                                        prefix_key))
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
   prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv)
@@ -400,27 +407,39 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
       mask_mod=flex["mask_mod"], value_head_dim=hv, **static)
 
 
-def _check_merge(merge, implementation, mask_mod, prefix_key) -> dict:
-  """{"merge": ...} for the triton kernel's `attention`, or {} (the
-  default, "kernel").
+def _check_private(merge, value_chunk, implementation, mask_mod,
+                   prefix_key) -> dict:
+  """The private A/B options' keywords for the triton kernel's `attention`
+  ({"merge": ..., "max_value_chunk": ...}), the defaults left out.
 
   Raises:
-    ValueError: an unknown merge, or "split_kernel" where the call does
-      not take `triton.decode.attention` (another implementation, a
-      mask_mod or a shared prefix).
+    ValueError: an unknown merge, a value chunk that is not a power of two
+      >= 16, or either option where the call does not take
+      `triton.decode.attention` (another implementation, a mask_mod or a
+      shared prefix).
   """
-  if merge == "kernel":
-    return {}
-  if merge != "split_kernel":
+  out = {}
+  if merge != "kernel":
+    if merge != "split_kernel":
+      raise ValueError(
+          f"_merge must be 'kernel' or 'split_kernel', got {merge!r}.")
+    out["merge"] = merge
+  if value_chunk is not None:
+    if (not isinstance(value_chunk, (int, np.integer))
+        or isinstance(value_chunk, bool) or value_chunk < 16
+        or value_chunk & (value_chunk - 1)):
+      raise ValueError(
+          f"_value_chunk must be a power of two >= 16, got {value_chunk!r}.")
+    out["max_value_chunk"] = int(value_chunk)
+  if out and (implementation != "triton" or mask_mod is not None
+              or prefix_key is not None):
+    names = {"merge": "_merge", "max_value_chunk": "_value_chunk"}
     raise ValueError(
-        f"_merge must be 'kernel' or 'split_kernel', got {merge!r}.")
-  if implementation != "triton" or mask_mod is not None or (
-      prefix_key is not None):
-    raise ValueError(
-        "_merge='split_kernel' applies to implementation='triton' without "
-        f"a mask_mod or a prefix, got {implementation=}, "
-        f"mask_mod={mask_mod!r}, prefix_key given: {prefix_key is not None}.")
-  return {"merge": merge}
+        f"{', '.join(names[key] for key in out)} applies to "
+        "implementation='triton' without a mask_mod or a prefix, got "
+        f"{implementation=}, mask_mod={mask_mod!r}, prefix_key given: "
+        f"{prefix_key is not None}.")
+  return out
 
 
 def _check_num_warps(num_warps, implementation) -> dict:

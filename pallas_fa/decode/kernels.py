@@ -83,9 +83,10 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
                block_kv=block_kv)
   if implementation == "triton":
     platform = None
-    block = kernel.block_for(**shape)
+    narrower = static.get("max_value_chunk")
+    block = kernel.block_for(**shape, max_value_chunk=narrower)
     # Value head-dim chunks are programs too.
-    programs = num_kv * kernel.value_chunks(hv, n // num_kv * t)
+    programs = num_kv * kernel.value_chunks(hv, n // num_kv * t, narrower)
   else:
     platform = "tpu"
     block = kernel.block_for(**shape, dtype=query.dtype,

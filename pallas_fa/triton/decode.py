@@ -207,7 +207,8 @@ def _head_tiling(head_dim: int, rows: int, widest: int) -> tuple[int, int]:
 
 
 def key_tiling(head_dim: int, rows: int,
-               latent_value_head_dim: int | None = None) -> tuple[int, int]:
+               latent_value_head_dim: int | None = None,
+               max_value_chunk: int | None = None) -> tuple[int, int]:
   """(padded head dim, chunk) of the queries and keys: Q.K^T loops over
   the chunks. A latent cache's (values = the key's first
   `latent_value_head_dim` columns) chunk is at most the value chunk
@@ -215,36 +216,42 @@ def key_tiling(head_dim: int, rows: int,
   chunks (both powers of two: the smaller divides the larger)."""
   padded, chunk = _head_tiling(head_dim, rows, _KEY_CHUNK)
   if latent_value_head_dim is not None:
-    chunk = min(chunk, value_tiling(latent_value_head_dim, rows)[1])
+    chunk = min(chunk, value_tiling(latent_value_head_dim, rows,
+                                    max_value_chunk)[1])
   return padded, chunk
 
 
-def value_tiling(head_dim: int, rows: int) -> tuple[int, int]:
+def value_tiling(head_dim: int, rows: int,
+                 max_value_chunk: int | None = None) -> tuple[int, int]:
   """(padded value head dim, chunk) of the values: one chunk of the output
-  per program."""
-  return _head_tiling(head_dim, rows, _VALUE_CHUNK)
+  per program, at most `max_value_chunk` columns (None: `_VALUE_CHUNK`
+  and the register budget decide)."""
+  return _head_tiling(head_dim, rows, max_value_chunk or _VALUE_CHUNK)
 
 
-def value_chunks(head_dim: int, rows: int) -> int:
+def value_chunks(head_dim: int, rows: int,
+                 max_value_chunk: int | None = None) -> int:
   """Programs per (sequence, K/V head, split): the value head-dim chunks
   of G * T_new = `rows` query rows."""
-  padded, chunk = value_tiling(head_dim, packed_rows(rows))
+  padded, chunk = value_tiling(head_dim, packed_rows(rows), max_value_chunk)
   return padded // chunk
 
 
-def default_block(head_dim: int, value_head_dim: int, rows: int) -> int:
+def default_block(head_dim: int, value_head_dim: int, rows: int,
+                  max_value_chunk: int | None = None) -> int:
   """Keys per block of a contiguous cache: the widest K/V tiles and
   [rows, block] logits tile that fit registers (and two pipeline stages of
   shared memory) next to the accumulator."""
   widest = max(key_tiling(head_dim, rows)[1],
-               value_tiling(value_head_dim, rows)[1])
+               value_tiling(value_head_dim, rows, max_value_chunk)[1])
   block = 64 if widest <= 128 else 32 if widest <= 256 else 16
   return max(_MIN, min(block, _TILE_ELEMENTS // (4 * rows)))
 
 
 def block_for(*, head_dim: int, value_head_dim: int, groups: int,
               new_tokens: int, page_size: int | None,
-              block_kv: int | None) -> int:
+              block_kv: int | None,
+              max_value_chunk: int | None = None) -> int:
   """Keys per block: `block_kv` or the default (contiguous); the default
   (paged), read a slice of a page when `page_size` is a multiple of it,
   else gathered from several pages (`_kernel.key_rows`).
@@ -254,7 +261,7 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
     NotImplementedError: `page_size` is not a multiple of 16.
   """
   default = default_block(head_dim, value_head_dim,
-                          packed_rows(groups * new_tokens))
+                          packed_rows(groups * new_tokens), max_value_chunk)
   if page_size is None:
     block = block_kv or default
     if block < _MIN or block & (block - 1):
@@ -815,7 +822,7 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
                 precision, score_mod=None, score_mod_args=(), mask_mod=None,
                 mask_mod_args=(), lists=None, key_scale=None,
                 value_scale=None, value_head_dim=None, position_offset=0,
-                num_warps=None, merged=None):
+                num_warps=None, merged=None, max_value_chunk=None):
   """The split kernel on packed queries q [B, K, R, H] (R = G * T_new,
   not padded) and the cache as given; `inputs` holds what tells a program
   its run ("len" and maybe "qpos", each read plus `position_offset`, or a
@@ -840,8 +847,8 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
   rows = packed_rows(r)
   # A latent program's value columns [c * value_chunk, (c + 1) *
   # value_chunk) of the key (hvp <= hp) are whole key chunks.
-  hp, head_chunk = key_tiling(h, rows, value_head_dim)
-  hvp, value_chunk = value_tiling(hv, rows)
+  hp, head_chunk = key_tiling(h, rows, value_head_dim, max_value_chunk)
+  hvp, value_chunk = value_tiling(hv, rows, max_value_chunk)
   num_value_chunks = hvp // value_chunk
   q = masking.pad_axes(q, {3: hp})
   # A 1-byte value cache under 16-bit queries (float16 products) is read
@@ -1076,13 +1083,14 @@ def _qpos_input(query_positions):
 @functools.partial(jax.jit, static_argnames=(
     "block", "splits", "scale", "is_causal", "local_window_size",
     "logits_soft_cap", "precision", "score_mod", "mask_mod",
-    "value_head_dim", "num_warps", "merge"))
+    "value_head_dim", "num_warps", "merge", "max_value_chunk"))
 def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, score_mod=None, score_mod_args=(), mask_mod=None,
               mask_mod_args=(), key_scale=None, value_scale=None,
-              value_head_dim=None, num_warps=None, merge="kernel"):
+              value_head_dim=None, num_warps=None, merge="kernel",
+              max_value_chunk=None):
   """`decode_attention(implementation="triton")` without a mask_mod, as
   two kernels: the split kernel and the merge (`merge="kernel"`), or as
   the split kernel alone, the last program of each K/V head merging its
@@ -1111,6 +1119,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       value_head_dim, num_warps: as for `partials` (`mask_mod` must be
       None).
     merge: "kernel" or "split_kernel", where the splits merge.
+    max_value_chunk: None, or the most value columns a program computes
+      (`value_tiling`; more programs a split, fewer splits).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new,
@@ -1138,7 +1148,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       score_mod_args=score_mod_args, key_scale=key_scale,
       value_scale=value_scale, value_head_dim=value_head_dim,
       num_warps=num_warps,
-      merged=(sinks, query.dtype) if merge == "split_kernel" else None)
+      merged=(sinks, query.dtype) if merge == "split_kernel" else None,
+      max_value_chunk=max_value_chunk)
   if merge == "kernel":
     out, lse = merge_splits(out, lse, sinks, dtype=query.dtype,
                             value_head_dim=hv)
@@ -1226,7 +1237,7 @@ def _row_partials(query, key, value, lengths, block_table, query_positions,
                   logits_soft_cap, precision, score_mod=None,
                   score_mod_args=(), key_scale=None, value_scale=None,
                   value_head_dim=None, position_offset=0, num_warps=None,
-                  merged=None):
+                  merged=None, max_value_chunk=None):
   """The split kernel's partials (`_split_call`) for the queries [B, T_new,
   N, H] packed as [B, K, G * T_new, H]: packed row r of K/V head k is new
   token r % T_new of query head k * G + r // T_new. `query_positions`
@@ -1261,7 +1272,8 @@ def _row_partials(query, key, value, lengths, block_table, query_positions,
       precision=precision, score_mod=score_mod,
       score_mod_args=score_mod_args, key_scale=key_scale,
       value_scale=value_scale, value_head_dim=value_head_dim,
-      position_offset=position_offset, num_warps=num_warps, merged=merged)
+      position_offset=position_offset, num_warps=num_warps, merged=merged,
+      max_value_chunk=max_value_chunk)
 
 
 # The most float32 elements of a merge program's [splits, rows, columns]

@@ -1,9 +1,10 @@
-"""The triton decode kernel's splits merged by its own last program of each
-K/V head (`decode_attention(_merge="split_kernel")`,
-`triton.decode._merge_when_last`) instead of a second kernel: against the
-chunked reference and the two-kernel path, over the cache forms whose
-partials it reads differently (value chunks, word-read 1-byte values, a
-latent cache), and the option's checks."""
+"""The triton decode kernel's private A/B options, against the chunked
+reference and the default path: the splits merged by the split kernel's
+own last program of each K/V head (`decode_attention(_merge=
+"split_kernel")`, `triton.decode._merge_when_last`) instead of a second
+kernel, over the cache forms whose partials it reads differently (value
+chunks, word-read 1-byte values, a latent cache); narrower value chunks
+(`_value_chunk`); and the options' checks."""
 
 from __future__ import annotations
 
@@ -96,9 +97,61 @@ def test_triton_merge_in_the_split_kernel(case):
     assert_close(part, got, w, w16, q_dtype)
 
 
-def test_merge_option_is_checked():
-  """`_merge` names one of the two merges, and "split_kernel" only where
-  the call takes the triton kernel's two-kernel path."""
+@attention_testing.gpu_jax_only_on_cpu
+@pytest.mark.parametrize("name, k, h, hv, chunk, merge", [
+    # A latent cache: the key chunk follows the value chunk down.
+    ("latent", 1, 80, 64, 16, "kernel"),
+    ("latent_merged", 1, 80, 64, 32, "split_kernel"),
+    # Separate values, four chunks of 32 columns a split.
+    ("values", 2, 32, 128, 32, "kernel"),
+])
+def test_triton_narrower_value_chunks(monkeypatch, name, k, h, hv, chunk,
+                                      merge):
+  """`_value_chunk`: more programs a split (each its value columns, the
+  keys read once per chunk), fewer splits by default, the same
+  attention."""
+  from pallas_fa import triton as triton_pkg  # noqa: PLC0415
+  grids = []
+  real = triton_pkg.pallas_call
+
+  def spy(kernel, inputs, outputs, grid, *args, **kw):
+    if args[-1] == "flash_decode":
+      grids.append(grid)
+    return real(kernel, inputs, outputs, grid, *args, **kw)
+
+  monkeypatch.setattr(triton_pkg, "pallas_call", spy)
+  gen = rng("decode value chunks", name)
+  b, t, n, s = 2, 1, 4, 96
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
+  key = jnp.asarray(gen.standard_normal((b, s, k, h)), jnp.bfloat16)
+  if hv < h:
+    cache = dict(key=key, value=None, value_head_dim=hv)
+  else:
+    cache = dict(key=key, value=jnp.asarray(
+        gen.standard_normal((b, s, k, hv)), jnp.bfloat16))
+  lengths = jnp.asarray([s, 45], jnp.int32)
+  got = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation="triton", _value_chunk=chunk,
+      _merge=merge, return_residual=True, **cache)
+  wide = {key: (x.astype(jnp.float32) if x is not None else None)
+          for key, x in cache.items() if key != "value_head_dim"}
+  want32 = pallas_fa.decode_attention(
+      q.astype(jnp.float32), lengths=lengths, implementation="chunked",
+      value_head_dim=cache.get("value_head_dim"), return_residual=True,
+      **wide)
+  same = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation="chunked", return_residual=True,
+      **cache)
+  for part, x, w, w16 in zip(("out", "lse"), got, want32, same):
+    assert_close(part, x, w, w16, jnp.bfloat16)
+  # One split (a CPU's default) of hv / chunk programs a K/V head.
+  assert grids == [(b, k, hv // chunk)], grids
+
+
+def test_private_options_are_checked():
+  """`_merge` names one of the two merges and `_value_chunk` is a power of
+  two >= 16, each only where the call takes the triton kernel's
+  two-kernel path."""
   gen = rng("decode merge checks")
   q = jnp.asarray(gen.standard_normal((1, 1, 4, 16)), jnp.float32)
   k = jnp.asarray(gen.standard_normal((1, 40, 2, 16)), jnp.float32)
@@ -111,6 +164,12 @@ def test_merge_option_is_checked():
                   mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx),
              dict(implementation="triton", prefix_key=k[0],
                   prefix_value=k[0])):
-    with pytest.raises(ValueError, match="_merge='split_kernel' applies"):
+    with pytest.raises(ValueError, match="_merge applies"):
       pallas_fa.decode_attention(q, k, k, lengths, _merge="split_kernel",
                                  **kw)
+    with pytest.raises(ValueError, match="_value_chunk applies"):
+      pallas_fa.decode_attention(q, k, k, lengths, _value_chunk=32, **kw)
+  for bad in (24, 8, True, 32.0):
+    with pytest.raises(ValueError, match="_value_chunk must be a power"):
+      pallas_fa.decode_attention(q, k, k, lengths, _value_chunk=bad,
+                                 implementation="triton")
