@@ -126,7 +126,18 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
-            "fp8_causal", "decode_prefix", "decode_merged")
+            "fp8_causal", "decode_prefix", "decode_merged", "fused_step",
+            "fused_step_causal")
+# mosaic_gpu's tile variants: their prefix (the variant after it, "plain"
+# without one, gives the inputs and masking), the block-size fields they
+# set, and the divisor of the sequence length they compile at: another
+# length than the base variant's and each other's, whose forward kernel
+# would otherwise come from Mosaic's in-process cache (no ptxas report).
+TILE_VARIANTS = {
+    "split": (dict(backward="split"), 2),
+    "fused_step": (dict(backward="fused", fused_overlap=True,
+                        dq_swizzle=32), 4),
+}
 # The float8 forward variants: `flash_attention` on float8_e4m3fn query,
 # key and value with per-head float32 scales (the case's dtype is the
 # result's, `out_dtype`), their base variant's masking; the backward is the
@@ -163,7 +174,9 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     **{name: ("triton", "mosaic_gpu")
                        for name in FP8_VARIANTS},
                     "decode_prefix": ("triton",),
-                    "decode_merged": ("triton",)}
+                    "decode_merged": ("triton",),
+                    "fused_step": ("mosaic_gpu",),
+                    "fused_step_causal": ("mosaic_gpu",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
@@ -172,6 +185,7 @@ VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
 # kernels): past 128, or 64 with dropout, a default call's backward is the
 # split one already (`mosaic_gpu.fused_backward_applies`).
 VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
+                        "fused_step": 128, "fused_step_causal": 128,
                         "split_dropout": 64}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
@@ -244,6 +258,9 @@ class Case:
       that `deterministic_backward=True` runs
       (`MosaicGpuBlockSizes(backward="split")`; the base variants compile
       the default, fused one), at head dims <= 128, <= 64 with dropout;
+      "fused_step" / "fused_step_causal" = "plain" / "causal" with the
+      fused backward's step options (`fused_overlap`, `dq_swizzle=32`:
+      `TILE_VARIANTS`), at head dims <= 128;
       "fp8" / "fp8_causal" = the forward of "plain" / "causal" on
       float8_e4m3fn query, key and value with per-head float32 scales
       (`FP8_VARIANTS`; compute capability 8.9 and up), the
@@ -275,20 +292,22 @@ class Case:
     return "float8_e4m3fn" if self.variant in FP8_VARIANTS else self.dtype
 
   @property
-  def split(self) -> bool:
-    """Whether the case asks for mosaic_gpu's split backward."""
-    return self.variant.startswith("split")
+  def tile_variant(self) -> str | None:
+    """The `TILE_VARIANTS` prefix the case's variant starts with."""
+    return next((prefix for prefix in TILE_VARIANTS
+                 if self.variant.startswith(prefix)), None)
 
   @property
   def base(self) -> str:
-    """The variant whose inputs and masking the case has ("split" ones:
-    that of their suffix, "plain" for "split" itself; the float8 ones
-    `FP8_VARIANTS`)."""
+    """The variant whose inputs and masking the case has (a tile
+    variant's: that of its suffix, "plain" for the prefix alone; the
+    float8 ones `FP8_VARIANTS`)."""
     if self.variant in FP8_VARIANTS:
       return FP8_VARIANTS[self.variant]
-    if not self.split:
+    prefix = self.tile_variant
+    if prefix is None:
       return self.variant
-    return self.variant.removeprefix("split").removeprefix("_") or "plain"
+    return self.variant.removeprefix(prefix).removeprefix("_") or "plain"
 
   def __str__(self):
     return (f"{self.backend:10s} h={self.head_dim:<3d} {self.dtype:8s} "
@@ -459,10 +478,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     spill_stores, spill_loads, stack_bytes, error; a decode case adds
     "kernels_per_call" (`kernels_per_call`).
   """
-  if case.split:
-    # Another length than the base variant's, whose forward kernel would
-    # otherwise come from Mosaic's in-process cache (no ptxas report).
-    seq //= 2
+  if case.tile_variant:
+    seq //= TILE_VARIANTS[case.tile_variant][1]
   result: dict[str, Any] = {
       **dataclasses.asdict(case), "target": target, "seq": seq,
       "error": None, "kernels": []}
@@ -483,10 +500,10 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     if block_sizes is None and case.tiles == "heuristic" and not decode:
       block_sizes = _tiles(case, seq, heuristic=True,
                            device_kind=gpu.device_kind)
-    if case.split:
+    if case.tile_variant:
       block_sizes = dataclasses.replace(
           block_sizes or _tiles(case, seq, device_kind=gpu.device_kind),
-          backward="split")
+          **TILE_VARIANTS[case.tile_variant][0])
     kwargs: dict[str, Any] = {}
     inputs = jnp.dtype(case.input_dtype)
     args = [spec((1, seq, heads, case.head_dim), inputs),
