@@ -41,7 +41,7 @@ def _inputs(gen, b, t, n, k, h, hv, q_dtype, cache_dtype, page_size):
   value = gen.standard_normal((b, s, k, hv)).astype(np.float32)
   lengths = jnp.asarray(
       [s, 3, 50][:b] if b > 1 else [77], jnp.int32)
-  if h != hv and hv < h:  # Latent: no value cache.
+  if hv < h:  # Latent: no value cache.
     return q, dict(key=jnp.asarray(key, cache_dtype), value=None,
                    value_head_dim=hv), lengths
   kw = {}

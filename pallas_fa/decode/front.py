@@ -305,7 +305,7 @@ def decode_attention(
   cache = dict(key=key, value=value, value_head_dim=hv, key_scale=key_scale,
                value_scale=value_scale, lengths=lengths,
                block_table=block_table)
-  tiling = dict(num_splits=num_splits, block_kv=block_kv, warps=launch)
+  tiling = dict(num_splits=num_splits, block_kv=block_kv, launch=launch)
   if prefix_key is None:
     out, lse = _own_cache(implementation, query, query_positions, sinks,
                           cache, tiling, static, flex)
@@ -340,7 +340,7 @@ def decode_attention(
                value_scale=None, block_table=None,
                lengths=jnp.full((1,), s_p, jnp.int32))
     return _own_cache(implementation, query, query_positions, None, row,
-                      dict(num_splits=None, block_kv=None, warps={}), static,
+                      dict(num_splits=None, block_kv=None, launch={}), static,
                       {})
 
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
@@ -388,7 +388,7 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
         implementation, query, key, value, cache["lengths"],
         cache["block_table"], query_positions, sinks, tiling["num_splits"],
         tiling["block_kv"],
-        dict(static, **flex, **scales, **latent, **tiling["warps"]))
+        dict(static, **flex, **scales, **latent, **tiling["launch"]))
   if cache["block_table"] is None:
     block = tiling["block_kv"] or chunked.default_block(
         key.shape[1], b, num_kv, h, query.dtype)

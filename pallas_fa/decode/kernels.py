@@ -83,10 +83,11 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
                block_kv=block_kv)
   if implementation == "triton":
     platform = None
-    narrower = static.get("max_value_chunk")
-    block = kernel.block_for(**shape, max_value_chunk=narrower)
+    max_value_chunk = static.get("max_value_chunk")
+    block = kernel.block_for(**shape, max_value_chunk=max_value_chunk)
     # Value head-dim chunks are programs too.
-    programs = num_kv * kernel.value_chunks(hv, n // num_kv * t, narrower)
+    programs = num_kv * kernel.value_chunks(hv, n // num_kv * t,
+                                            max_value_chunk)
   else:
     platform = "tpu"
     block = kernel.block_for(**shape, dtype=query.dtype,

@@ -160,9 +160,7 @@ class Ops:
     shape = (a0.shape[1] if transpose_a else a0.shape[0], b0.shape[1])
 
     def chain(acc_ref):
-      for a, b in pairs:
-        plgpu.wgmma(acc_ref,
-                    plgpu.transpose_ref(a, (1, 0)) if transpose_a else a, b)
+      _issue_sum(acc_ref, pairs, transpose_a)
       return acc_ref[...]
 
     return pl.run_scoped(chain, plgpu.ACC(shape, _F32))
@@ -202,10 +200,7 @@ class Ops:
       def issue(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
         between()
-        for x, y in pairs():
-          plgpu.wgmma(sum_ref,
-                      plgpu.transpose_ref(x, (1, 0)) if transpose_a else x,
-                      y)
+        _issue_sum(sum_ref, pairs(), transpose_a)
 
       # Its exit awaits every wgmma in flight, the sum's included.
       out = pl.run_state(issue)(plgpu.ACC.init(first["acc"]))
@@ -314,6 +309,14 @@ class Ops:
     # side-effecting barrier, so not hoisted above the wait.
     _, *new_state = lax.optimization_barrier((second["a"], *new_state))
     return second_out, tuple(new_state)
+
+
+def _issue_sum(acc_ref, pairs, transpose_a: bool):
+  """Issues acc += a_i @ b_i (a_i^T under `transpose_a`) for each SMEM
+  pair, one wgmma chain into `acc_ref`; not awaited."""
+  for a, b in pairs:
+    plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)) if transpose_a else a,
+                b)
 
 
 def barrier(num_barriers, num_arrivals=1):
