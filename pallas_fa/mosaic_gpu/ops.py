@@ -196,17 +196,24 @@ class Ops:
     if first.get("transpose_b", False):
       b = plgpu.transpose_ref(b, (1, 0))
 
-    def fresh(sum_ref):
-      def issue(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        between()
-        _issue_sum(sum_ref, pairs(), transpose_a)
+    # The sum's accumulator is allocated after `between`, just before its
+    # chain, as in `mm_sum`: ptxas then starts the chain from RZ. Allocated
+    # before the first product, its zeros were 16 CS2R a thread, live across
+    # `between`, and ptxas injected a warpgroup.arrive for them (C7519).
+    def chain(sum_ref):
+      _issue_sum(sum_ref, pairs(), transpose_a)
+      return sum_ref[...]  # Awaits every wgmma in flight, the first's too.
 
-      # Its exit awaits every wgmma in flight, the sum's included.
-      out = pl.run_state(issue)(plgpu.ACC.init(first["acc"]))
-      return out, sum_ref[...]
+    def issue(refs):
+      acc_ref, sum_out = refs
+      plgpu.wgmma(acc_ref, a, b)
+      between()
+      sum_out[...] = pl.run_scoped(chain, plgpu.ACC(shape, _F32))
 
-    return pl.run_scoped(fresh, plgpu.ACC(shape, _F32))
+    # The second state is the sum's value, written before it is read (its
+    # initial zeros are dead code).
+    return pl.run_state(issue)(
+        (plgpu.ACC.init(first["acc"]), self.full(shape, 0.0)))
 
   def mm_pair(self, first: dict[str, Any], second: dict[str, Any]):
     """Two independent `mm`s (keyword dicts) issued back to back before

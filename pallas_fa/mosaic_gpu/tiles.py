@@ -132,10 +132,9 @@ class MosaicGpuBlockSizes:
     fused_overlap: the fused backward issues each step's dK += dS^T Q
       and stages (and exchanges) dS^T for dQ while that product runs,
       awaiting it with dQ's first product (`ops.mm_around`), instead of
-      draining it first: 489 instructions a consumer step against 469
-      (the dQ accumulator zeroed by 16 CS2R), less one wgmma drain on
-      the step's chain. jax 0.10 runs it in order. Not a default until a
-      GPU run times it.
+      draining it first: 471 instructions a consumer step against 469,
+      less one wgmma drain on the step's chain. jax 0.10 runs it in
+      order. Not a default until a GPU run times it.
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
