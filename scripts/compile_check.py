@@ -127,7 +127,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
             "fp8_causal", "decode_prefix", "decode_merged", "fused_step",
-            "fused_step_causal")
+            "fused_step_causal", "fused_pipeline", "fused_pipeline_causal")
 # mosaic_gpu's tile variants: their prefix (the variant after it, "plain"
 # without one, gives the inputs and masking), the block-size fields they
 # set, and the divisor of the sequence length they compile at: another
@@ -137,6 +137,8 @@ TILE_VARIANTS = {
     "split": (dict(backward="split"), 2),
     "fused_step": (dict(backward="fused", fused_overlap=True,
                         dq_swizzle=32), 4),
+    "fused_pipeline": (dict(backward="fused", fused_pipeline=True,
+                            dq_swizzle=32), 8),
 }
 # The float8 forward variants: `flash_attention` on float8_e4m3fn query,
 # key and value with per-head float32 scales (the case's dtype is the
@@ -176,7 +178,9 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "decode_prefix": ("triton",),
                     "decode_merged": ("triton",),
                     "fused_step": ("mosaic_gpu",),
-                    "fused_step_causal": ("mosaic_gpu",)}
+                    "fused_step_causal": ("mosaic_gpu",),
+                    "fused_pipeline": ("mosaic_gpu",),
+                    "fused_pipeline_causal": ("mosaic_gpu",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
@@ -186,6 +190,7 @@ VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
 # split one already (`mosaic_gpu.fused_backward_applies`).
 VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "fused_step": 128, "fused_step_causal": 128,
+                        "fused_pipeline": 128, "fused_pipeline_causal": 128,
                         "split_dropout": 64}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
@@ -260,7 +265,8 @@ class Case:
       the default, fused one), at head dims <= 128, <= 64 with dropout;
       "fused_step" / "fused_step_causal" = "plain" / "causal" with the
       fused backward's step options (`fused_overlap`, `dq_swizzle=32`:
-      `TILE_VARIANTS`), at head dims <= 128;
+      `TILE_VARIANTS`), at head dims <= 128; "fused_pipeline" /
+      "fused_pipeline_causal" likewise with `fused_pipeline`;
       "fp8" / "fp8_causal" = the forward of "plain" / "causal" on
       float8_e4m3fn query, key and value with per-head float32 scales
       (`FP8_VARIANTS`; compute capability 8.9 and up), the

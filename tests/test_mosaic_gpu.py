@@ -37,6 +37,7 @@ from pallas_fa import mosaic_gpu
 from pallas_fa import testing
 from pallas_fa import tuning
 from pallas_fa import vjp
+from pallas_fa.mosaic_gpu import dkv
 from pallas_fa.mosaic_gpu import exp2
 from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import tiles
@@ -64,7 +65,7 @@ needs_interpreter = pytest.mark.skipif(
     ("lowering_semantics", "Lane"), ("backward", "fast"),
     ("head_section", 0), ("head_section", 2.0), ("dq_split", "rows"),
     ("poly_exp2", 17), ("poly_exp2", -1), ("dq_swizzle", 16),
-    ("dq_swizzle", 128.0), ("fused_overlap", 1),
+    ("dq_swizzle", 128.0), ("fused_overlap", 1), ("fused_pipeline", 1),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
@@ -89,6 +90,12 @@ def test_block_sizes_float8_two_level_is_a_bool_without_intra_overlap():
   with pytest.raises(ValueError, match="float8_two_level.*intra_overlap"):
     mosaic_gpu.MosaicGpuBlockSizes(float8_two_level=True, intra_overlap=True)
   assert not mosaic_gpu.MosaicGpuBlockSizes().float8_two_level
+
+
+def test_block_sizes_fused_step_orders_are_alternatives():
+  with pytest.raises(ValueError, match="fused_overlap.*fused_pipeline"):
+    mosaic_gpu.MosaicGpuBlockSizes(fused_overlap=True, fused_pipeline=True)
+  assert not mosaic_gpu.MosaicGpuBlockSizes().fused_pipeline
 
 
 def test_block_sizes_frozen_and_hashable():
@@ -642,16 +649,19 @@ def test_interpreted_split_dkv_single_consumer_round_robin():
       rng("mosaic_gpu", "split"))
 
 
-def _fused_against_split(case, gen, dtype=jnp.bfloat16, **kw_extra):
-  """The fused backward's gradients against the float32 reference under
-  the FlashAttention rule, and against the split backward's (each within
-  the rule's bound of the other: only dQ's summation order differs)."""
+def _fused_against_split(case, gen, dtype=jnp.bfloat16, fields=None,
+                         **kw_extra):
+  """The fused backward's gradients (with block-size `fields`) against the
+  float32 reference under the FlashAttention rule, and against the split
+  backward's (each within the rule's bound of the other: only dQ's
+  summation order differs)."""
   q, k, v, kw = make_inputs(case, dtype, gen)
   kw.update(kw_extra)
   dout = testing.normal(gen, q.shape[:-1] + v.shape[-1:])
   dlse = testing.normal(gen, q.shape[:-1])
   fused = run(flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(
-      **_SMALL, backward="fused")), q, k, v, kw, dout, dlse)
+      **_SMALL, backward="fused", **(fields or {}))), q, k, v, kw, dout,
+      dlse)
   split = run(flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(
       **_SMALL, backward="split")), q, k, v, kw, dout, dlse)
   want = run(reference_fn(jnp.float32), q, k, v, kw, dout, dlse)
@@ -703,6 +713,32 @@ def test_interpreted_fused_backward_own_keys_dropout(monkeypatch):
   _fused_against_split(case, gen, dropout_rate=0.25,
                        dropout_rng=int(gen.integers(1 << 30)))
   assert names.count("pfa_mgpu_dk_dv_dq") == 1
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("case", [
+    # dQ by columns from both consumers' dS^T; GQA, masked and unmasked
+    # steps, units of different lengths.
+    Case(b=1, t=128, s=256, n=4, k=2, h=128, causal=True, soft_cap=3.0),
+    # Each consumer its own keys' dQ (H = 32, padded to 64), dropout.
+    Case(b=2, t=128, s=128, n=2, k=1, h=32, window=(40, 8)),
+], ids=["shared-columns", "own-keys"])
+def test_interpreted_fused_backward_pipeline(monkeypatch, case):
+  """`fused_pipeline`: each step's dQ issued by the next step, the unit's
+  last after its last step, on calls it applies to (no segment ids, no
+  mask_mod: `dkv.pipelines_dq`; lengths whole units, 128 rows, since
+  padding takes segment ids)."""
+  names = _fused_launches(monkeypatch)
+  specs, real = [], dkv.pipelines_dq
+  monkeypatch.setattr(dkv, "pipelines_dq",
+                      lambda spec: specs.append(real(spec)) or specs[-1])
+  gen = rng("mosaic_gpu", "fused-pipeline", str(case))
+  extra = {}
+  if case.h == 32:
+    extra = dict(dropout_rate=0.25, dropout_rng=int(gen.integers(1 << 30)))
+  _fused_against_split(case, gen, fields={"fused_pipeline": True}, **extra)
+  assert names.count("pfa_mgpu_dk_dv_dq") == 1 and specs == [True], specs
 
 
 @gpu_jax_only  # the Mosaic GPU interpreter
@@ -782,8 +818,19 @@ def _race_verdicts(monkeypatch, describe):
     # (`fused_overlap`; interpreted, the products run in turn).
     (dict(num_ctas=2, backward="fused", h=128, fused_overlap=True),
      {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+    # `fused_pipeline`: a consumer reads the other's dS^T a step after it
+    # was stored (the exchange awaited then), and the unit's last dQ
+    # after its last step; by keys, the deferred dQ's second chunk.
+    # (Lengths whole tiles and no segment ids: `dkv.pipelines_dq`.)
+    (dict(num_ctas=2, backward="fused", h=128, fused_pipeline=True,
+          segments=False),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+    (dict(num_ctas=2, backward="fused", h=128, dq_split="keys",
+          fused_pipeline=True, segments=False),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
 ], ids=["two-consumers", "one-consumer-split-dropout", "fused",
-        "fused-dq-by-keys", "fused-overlap"])
+        "fused-dq-by-keys", "fused-overlap", "fused-pipeline",
+        "fused-pipeline-by-keys"])
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
   producer refills ring slots (more steps than stages, several units and
@@ -798,10 +845,12 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   config = dict(config)
   dropout = config.pop("dropout", False)
   h = config.pop("h", 32)
+  segments = config.pop("segments", True)
   verdicts, reset = _race_verdicts(
-      monkeypatch, lambda spec, name, races: (name, races, spec.dq_split))
-  case = Case(b=1, t=160, s=256, n=4, k=2, h=h, causal=True, segments=True,
-              lengths=True)
+      monkeypatch, lambda spec, name, races: (
+          name, races, spec.dq_split, dkv.pipelines_dq(spec)))
+  case = Case(b=1, t=160 if segments else 256, s=256, n=4, k=2, h=h,
+              causal=True, segments=segments, lengths=segments)
   gen = rng("mosaic_gpu", "races", *sorted(config))
   q, k, v, kw = make_inputs(case, jnp.bfloat16, gen)
   if dropout:
@@ -811,10 +860,13 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
       _check_interpreted(q, k, v, kw, gen, **config)
   finally:
     reset()
-  assert {name for name, _, _ in verdicts} == kernels, verdicts
+  assert {name for name, *_ in verdicts} == kernels, verdicts
   split = config.get("dq_split", "columns")
-  assert all(s == split for _, _, s in verdicts), verdicts
-  raced = [name for name, found, _ in verdicts if found]
+  assert all(s == split for _, _, s, _ in verdicts), verdicts
+  pipelined = config.get("fused_pipeline", False)
+  assert all(p == pipelined for name, _, _, p in verdicts
+             if name == "pfa_mgpu_dk_dv_dq"), verdicts
+  raced = [name for name, found, *_ in verdicts if found]
   assert not raced, f"races reported (printed above) in {raced}"
 
 
@@ -1051,18 +1103,18 @@ def test_compiled_matches_reference(case, dtype, tiles):
 
 
 @needs_hopper
-@pytest.mark.parametrize("dq_swizzle, fused_overlap", [
-    (32, False), (64, False), (128, True), (32, True)])
+@pytest.mark.parametrize("dq_swizzle, step_order", [
+    (32, None), (64, None), (128, "fused_overlap"), (32, "fused_overlap")])
 @pytest.mark.parametrize("case", [
     # The two consumers split dQ by columns: one 64-column chunk each.
     Case(b=2, t=512, s=640, n=4, k=2, h=128, causal=True, segments=True),
     # By keys: each consumer's partial over every column, one chunk.
     Case(b=2, t=384, s=512, n=4, k=4, h=64),
 ], ids=lambda x: str(x))
-def test_compiled_fused_backward_variants(case, dq_swizzle, fused_overlap):
+def test_compiled_fused_backward_variants(case, dq_swizzle, step_order):
   """The fused backward's dQ staged at a narrower swizzle
   (`MosaicGpuBlockSizes.dq_swizzle`: the register layout's store and the
-  TMA reduce-add's read must agree on it) and its dS^T staged while dK's
+  TMA reduce-add's read must agree on it), its dS^T staged while dK's
   product runs (`fused_overlap`: the product's register operand and the
   stores share registers), which the interpreter (no swizzles, products
   in order) cannot check."""
@@ -1070,11 +1122,39 @@ def test_compiled_fused_backward_variants(case, dq_swizzle, fused_overlap):
       mosaic_gpu.default_block_sizes(
           q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=jnp.bfloat16,
           is_causal=case.causal),
-      backward="fused", dq_swizzle=dq_swizzle, fused_overlap=fused_overlap)
+      backward="fused", dq_swizzle=dq_swizzle,
+      **({step_order: True} if step_order else {}))
   check_against_reference(
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
       rng("mosaic_gpu", "fused-variants", str(case), str(dq_swizzle),
-          str(fused_overlap)))
+          str(step_order)))
+
+
+@needs_hopper
+@pytest.mark.parametrize("case, dq_swizzle", [
+    # dQ by columns; causal, GQA (no segment ids, no padding: the calls
+    # `dkv.pipelines_dq` takes).
+    (Case(b=1, t=512, s=768, n=4, k=2, h=128, causal=True), 32),
+    (Case(b=1, t=512, s=768, n=4, k=2, h=128, causal=True), 128),
+    # By keys.
+    (Case(b=2, t=384, s=512, n=4, k=4, h=64), 128),
+], ids=lambda x: str(x))
+def test_compiled_fused_backward_pipeline(monkeypatch, case, dq_swizzle):
+  """`fused_pipeline`: each step's dQ chain issued ahead of the next
+  step's S^T and staged and reduce-added while S^T runs, which the
+  interpreter (products in order) cannot check."""
+  specs, real = [], dkv.pipelines_dq
+  monkeypatch.setattr(dkv, "pipelines_dq",
+                      lambda spec: specs.append(real(spec)) or specs[-1])
+  bs = dataclasses.replace(
+      mosaic_gpu.default_block_sizes(
+          q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=jnp.bfloat16,
+          is_causal=case.causal),
+      backward="fused", dq_swizzle=dq_swizzle, fused_pipeline=True)
+  check_against_reference(
+      flash("mosaic_gpu", bs), case, jnp.bfloat16,
+      rng("mosaic_gpu", "fused-pipeline", str(case), str(dq_swizzle)))
+  assert specs and all(specs), specs
 
 
 @needs_hopper

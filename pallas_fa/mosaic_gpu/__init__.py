@@ -377,6 +377,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       dq_split=bs.dq_split,
       dq_swizzle=bs.dq_swizzle,
       fused_overlap=bs.fused_overlap,
+      fused_pipeline=bs.fused_pipeline,
       is_causal=x.info.is_causal,
       window=x.info.window,
       # The padding's segment ids give way to a mask_mod's values (the

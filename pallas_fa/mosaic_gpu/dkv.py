@@ -43,6 +43,17 @@ _DQ_CHUNK = 64
 _COLUMNS = online_softmax.queries_along(1)
 
 
+def pipelines_dq(spec: kernel.Spec) -> bool:
+  """Whether the fused kernel of `spec` runs `Spec.fused_pipeline`'s order
+  (elsewhere each step's dQ is its own): not with segment ids or a
+  mask_mod, whose masked steps keep more registers live (the pipelined
+  kernel spilled 16-84 B at H = 128), and not compiled by jax 0.10, which
+  cannot stage under a wgmma (its in-order pipeline spilled 44-68 B)."""
+  return (spec.fused_pipeline and not spec.carries_seg
+          and spec.mask_mod is None
+          and (spec.interpret or gpu_ops.STORES_UNDER_WGMMA))
+
+
 def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
                  kv_pos, kv_seg, sched, seed=None, residuals=(), *,
                  outputs=("dk", "dv")):
@@ -117,6 +128,66 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     k_p, k_s = kernel.load_meta(
         spec, ops, kpos_smem.at[wg], kseg_smem.at[wg], 0)
 
+    if want_dq:
+      ds_smem, stage = dq_smem
+      ds_ready = dq_bars[0] if shared_dq else None
+      if shared_dq:
+        col0, sources = wg * dq_cols, range(nc)
+      else:
+        col0, sources = 0, (wg,)
+      chunk_cols = [pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
+                    for c in range(chunks)]
+
+    def ds_slot_of(step):  # See `tiles.ds_slots`.
+      return kernel.rem(step, 2) if ds_slots == 2 else 0
+
+    def stage_ds(ds_t, ds_slot):
+      """Stores the step's dS^T [bk, bq] (kernel dtype) for dQ's products;
+      with shared dQ, until both consumers' are in. A slot is rewritten
+      two steps later, after both passed the next step's barrier, so after
+      both read it (each awaits its dQ products before it stages its next
+      dS^T)."""
+      ds_smem.at[ds_slot, wg][...] = ds_t
+      plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
+      if shared_dq:
+        plgpu.barrier_arrive(ds_ready.at[ds_slot])
+        plgpu.barrier_wait(ds_ready.at[ds_slot])
+
+    def dq_pairs(ds_slot, c):
+      """The (dS^T, K) operands of dQ's column chunk c: every source's in
+      one wgmma chain. Built here, so that K's descriptors are not kept
+      live across the loop (`kernel.stationary_in_step`)."""
+      ws = [kernel.stationary_in_step(spec, w) for w in sources]
+      return [(ds_smem.at[ds_slot, w], k_smem.at[w, :, chunk_cols[c]])
+              for w in ws]
+
+    def stage_dq(dq, c, head, i):
+      """Stages chunk c of a step's dS K (float32 [bq, _DQ_CHUNK]); after
+      the last chunk, adds the staged tiles to query tile i of `head`."""
+      if c == 0:
+        # The previous step's reduce-adds have read the staging tiles.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      stage.at[wg, c][...] = dq
+      if c < chunks - 1:
+        return
+      plgpu.commit_smem()
+      rows = pl.ds(i * bq, bq)
+      for c, cols in enumerate(chunk_cols):
+        if spec.interpret:
+          part = row if shared_dq else row * nc + wg
+          plgpu.copy_smem_to_gmem(
+              stage.at[wg, c], r.outputs[-1].at[b, part, rows, head, cols])
+        else:  # The output shares the zeroed accumulator's buffer.
+          plgpu.copy_smem_to_gmem(
+              stage.at[wg, c], r.outputs[-1].at[b, rows, head, cols],
+              reduction_op="add")
+
+    def dq_chunks(ds_slot, head, i, first=1):
+      """dQ's column chunks from `first` on: products, staging, adds."""
+      for c in range(first, chunks):
+        stage_dq(ops.mm_sum(dq_pairs(ds_slot, c), transpose_a=True), c,
+                 head, i)
+
     def add_dq(ds_t, dk_product, head, i, step, release):
       """Adds this step's dS K (its columns of it) to the query tile's dQ;
       returns dK + dS^T Q, the product `dk_product` (`mm` keywords),
@@ -127,144 +198,164 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
       ds_t: the step's dS^T [bk, bq] in the kernel's dtype.
       """
-      ds_smem, stage = dq_smem
-      # See `tiles.ds_slots`.
-      ds_slot = kernel.rem(step, 2) if ds_slots == 2 else 0
-      if shared_dq:
-        col0, sources = wg * dq_cols, range(nc)
-      else:
-        col0, sources = 0, (wg,)
-
-      def stage_ds():
-        ds_smem.at[ds_slot, wg][...] = ds_t
-        plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
-        if shared_dq:
-          # Both consumers' dS^T are in before either reads them. A slot
-          # is rewritten two steps later, after both passed the next
-          # step's barrier, so after both read it here (each awaits its
-          # wgmma).
-          (ds_ready, _) = dq_bars
-          plgpu.barrier_arrive(ds_ready.at[ds_slot])
-          plgpu.barrier_wait(ds_ready.at[ds_slot])
-
-      def products(cols):
-        # Opaque, so that K's descriptors are built here, not kept live
-        # across the loop (`kernel.stationary_in_step`). Every source's
-        # product goes in one wgmma chain.
-        ws = [kernel.stationary_in_step(spec, w) for w in sources]
-        return [(ds_smem.at[ds_slot, w], k_smem.at[w, :, cols]) for w in ws]
-
-      rows = pl.ds(i * bq, bq)
-      chunk_cols = [pl.ds(col0 + c * _DQ_CHUNK, _DQ_CHUNK)
-                    for c in range(chunks)]
+      ds_slot = ds_slot_of(step)
       if spec.fused_overlap:
-        dk, dq = ops.mm_around(dk_product, stage_ds,
-                               lambda: products(chunk_cols[0]),
+        dk, dq = ops.mm_around(dk_product, lambda: stage_ds(ds_t, ds_slot),
+                               lambda: dq_pairs(ds_slot, 0),
                                (bq, _DQ_CHUNK), transpose_a=True)
         release()
       else:
         dk = ops.mm(**dk_product)
         release()
-        stage_ds()
-        dq = ops.mm_sum(products(chunk_cols[0]), transpose_a=True)
-      # In 64-column chunks: one chunk's float32 product is live at a time.
-      for c, cols in enumerate(chunk_cols):
-        if c:
-          dq = ops.mm_sum(products(cols), transpose_a=True)
-        else:
-          # The previous step's reduce-adds have read the staging tiles.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage.at[wg, c][...] = dq  # [bq, _DQ_CHUNK]
-      plgpu.commit_smem()
-      for c, cols in enumerate(chunk_cols):
-        if spec.interpret:
-          part = row if shared_dq else row * nc + wg
-          plgpu.copy_smem_to_gmem(
-              stage.at[wg, c], r.outputs[-1].at[b, part, rows, head, cols])
-        else:  # The output shares the zeroed accumulator's buffer.
-          plgpu.copy_smem_to_gmem(
-              stage.at[wg, c], r.outputs[-1].at[b, rows, head, cols],
-              reduction_op="add")
+        stage_ds(ds_t, ds_slot)
+        dq = ops.mm_sum(dq_pairs(ds_slot, 0), transpose_a=True)
+      stage_dq(dq, 0, head, i)
+      dq_chunks(ds_slot, head, i)
       return dk
 
-    def group_member(rep, carry):
-      rep_base = base + rep * length
+    def step_index(rep, i):
+      """The unit's steps in order (ring slots, dS^T slots): query tile i
+      of query head `rep` of the group."""
+      return base + rep * length + i - ulo
 
-      def step(i, carry, *, masked):
-        dk, dv = carry
-        slot = kernel.rem(rep_base + i - ulo, stages)
+    # `pipelines_dq`: a step's dQ is left to the next one (or to the
+    # unit's end), which is handed (rep, i) of it.
+    def deferred_dq(pending, second=None, before_second=None):
+      """The pending step's dQ: its first chunk's chain issued ahead of
+      `second` (`mm` keywords of the step's S^T, issued after
+      `before_second()`; None at the unit's end) and staged and added
+      while `second` runs, then the other chunks. Returns `second`'s
+      result."""
+      rep, i = pending
+      head = kh * g + rep
+      ds_slot = ds_slot_of(step_index(rep, i))
+      if second is None:
+        out = None
+        stage_dq(ops.mm_sum(dq_pairs(ds_slot, 0), transpose_a=True), 0,
+                 head, i)
+      else:
+        out = ops.mm_sum_ahead(dq_pairs(ds_slot, 0),
+                               lambda dq: stage_dq(dq, 0, head, i), second,
+                               transpose_a=True, before=before_second)
+      dq_chunks(ds_slot, head, i)
+      return out
+
+    def step(rep, i, carry, *, masked, first=False):
+      """Query tile i of query head `rep` of the group. `first`: the
+      unit's first step under `Spec.fused_pipeline` (no dQ pending)."""
+      dk, dv, *pending = carry
+      n = step_index(rep, i)
+      slot = kernel.rem(n, stages)
+      head = kh * g + rep
+      w = kernel.stationary_in_step(spec, wg)
+      k_tile, v_tile = k_smem.at[w], v_smem.at[w]
+      qk_t_fresh = dict(a=k_tile, b=q_smem.at[slot], transpose_b=True)
+
+      def q_ready():
         plgpu.barrier_wait(q_bar.at[slot])
-        w = kernel.stationary_in_step(spec, wg)
-        k_tile, v_tile = k_smem.at[w], v_smem.at[w]
-        qk_t = ops.mm(k_tile, q_smem.at[slot], transpose_b=True)  # [bk, bq]
-        s_t, capped_t, score_mod_pullback = kernel.flex_logits(
-            spec, ops, qk_t, r, batch=b, head=kh * g + rep, q0=i * bq,
-            kv0=key0, q_axis=1, grad=want_dk, args=False)
-        lse2 = ops.load_vector(lse_smem.at[slot], 1)
-        if masked:
-          q_p, q_s = kernel.load_meta(
-              spec, ops, qpos_smem.at[slot], qseg_smem.at[slot], 1)
-          mod = kernel.mask_mod_tile(
-              spec, ops, r, s_t.shape, (q_p, q_s), (k_p, k_s), batch=b,
-              head=kh * g + rep, q0=i * bq, kv0=key0, q_axis=1)
-          s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s, mod)
-        p_t = online_softmax.probs(s_t, lse2, base2=True, per_query=_COLUMNS)
 
-        def dropped(x):
-          # The mask is hashed afresh at each use: cheaper than keeping it
-          # live across the matmuls, which spills.
-          if not spec.dropout_rate:
-            return x
-          return kernel.apply_dropout(
-              spec, ops, x, r.seed, batch=b, head=kh * g + rep,
-              q_start=i * bq, kv_start=key0, q_axis=1)
+      if pending and not first:
+        qk_t = deferred_dq(pending[0], qk_t_fresh, q_ready)
+      else:
+        q_ready()
+        qk_t = ops.mm(**qk_t_fresh)  # [bk, bq]
+      s_t, capped_t, score_mod_pullback = kernel.flex_logits(
+          spec, ops, qk_t, r, batch=b, head=head, q0=i * bq,
+          kv0=key0, q_axis=1, grad=want_dk, args=False)
+      lse2 = ops.load_vector(lse_smem.at[slot], 1)
+      if masked:
+        q_p, q_s = kernel.load_meta(
+            spec, ops, qpos_smem.at[slot], qseg_smem.at[slot], 1)
+        mod = kernel.mask_mod_tile(
+            spec, ops, r, s_t.shape, (q_p, q_s), (k_p, k_s), batch=b,
+            head=head, q0=i * bq, kv0=key0, q_axis=1)
+        s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s, mod)
+      p_t = online_softmax.probs(s_t, lse2, base2=True, per_query=_COLUMNS)
 
-        plgpu.barrier_wait(do_bar.at[slot])
-        dp_t_fresh = dict(a=v_tile, b=do_smem.at[slot], transpose_b=True)
-        if want_dv:  # Built only when used: dead code can stall Mosaic.
-          dv_update = dict(a=dropped(p_t).astype(spec.dtype),
-                           b=do_smem.at[slot], a_in_smem=False, acc=dv)
-        if want_dv and want_dk:
-          dv, dp_t = ops.mm_pair(dv_update, dp_t_fresh)
-        elif want_dv:
-          dv = ops.mm(**dv_update)
-        else:
-          dp_t = ops.mm(**dp_t_fresh)
+      def dropped(x):
+        # The mask is hashed afresh at each use: cheaper than keeping it
+        # live across the matmuls, which spills.
+        if not spec.dropout_rate:
+          return x
+        return kernel.apply_dropout(
+            spec, ops, x, r.seed, batch=b, head=head,
+            q_start=i * bq, kv_start=key0, q_axis=1)
+
+      plgpu.barrier_wait(do_bar.at[slot])
+      dp_t_fresh = dict(a=v_tile, b=do_smem.at[slot], transpose_b=True)
+      if want_dv:  # Built only when used: dead code can stall Mosaic.
+        dv_update = dict(a=dropped(p_t).astype(spec.dtype),
+                         b=do_smem.at[slot], a_in_smem=False, acc=dv)
+      if want_dv and want_dk:
+        dv, dp_t = ops.mm_pair(dv_update, dp_t_fresh)
+      elif want_dv:
+        dv = ops.mm(**dv_update)
+      else:
+        dp_t = ops.mm(**dp_t_fresh)
+      if want_dk:
+        delta = ops.load_vector(delta_smem.at[slot], 1)
+      plgpu.barrier_arrive(do_free.at[slot])
+      if want_dk:
+        ds_t = online_softmax.softmax_grad(  # dP^T of the dropped P^T.
+            p_t, dropped(dp_t), delta, per_query=_COLUMNS)
+        if score_mod_pullback is not None:  # Its values': in dQ.
+          ds_t, _ = score_mod_pullback(ds_t)
+        ds_t = kernel.logits_grad(spec, ds_t, capped_t).astype(spec.dtype)
+        dk_product = dict(a=ds_t, b=q_smem.at[slot], a_in_smem=False,
+                          acc=dk)
+
+      def release_q():  # Q's slot: dK's product, its last reader, is done.
+        plgpu.barrier_arrive(q_free.at[slot])
+
+      if pending:
+        dk = ops.mm_beside(
+            dk_product, lambda: stage_ds(ds_t, ds_slot_of(n)))
+        release_q()
+        pending = [tuple(jnp.asarray(x).astype(_I32) for x in (rep, i))]
+      elif want_dq:
+        dk = add_dq(ds_t, dk_product, head, i, n, release_q)
+      else:
         if want_dk:
-          delta = ops.load_vector(delta_smem.at[slot], 1)
-        plgpu.barrier_arrive(do_free.at[slot])
-        if want_dk:
-          ds_t = online_softmax.softmax_grad(  # dP^T of the dropped P^T.
-              p_t, dropped(dp_t), delta, per_query=_COLUMNS)
-          if score_mod_pullback is not None:  # Its values': in dQ.
-            ds_t, _ = score_mod_pullback(ds_t)
-          ds_t = kernel.logits_grad(spec, ds_t, capped_t).astype(spec.dtype)
-          dk_product = dict(a=ds_t, b=q_smem.at[slot], a_in_smem=False,
-                            acc=dk)
-
-        def release_q():  # Q's slot: dK's product, its last reader, is done.
-          plgpu.barrier_arrive(q_free.at[slot])
-
-        if want_dq:
-          dk = add_dq(ds_t, dk_product, kh * g + rep, i,
-                      rep_base + i - ulo, release_q)
-        else:
-          if want_dk:
-            dk = ops.mm(**dk_product)
-          release_q()
-        return dk, dv
-
-      return kernel.phases(sched_ref, b, row, wg, step, carry, spec.masked)
+          dk = ops.mm(**dk_product)
+        release_q()
+      return dk, dv, *pending
 
     carry = (ops.full((bk, h), 0.0) if want_dk else None,
              ops.full((bk, spec.hv), 0.0) if want_dv else None)
-    dk, dv = lax.fori_loop(0, g, group_member, carry)
+    pipelined = want_dq and pipelines_dq(spec)
+    # Loops of zero or one trip: a unit may have no query tiles.
+    some = jnp.minimum(length, 1)
+    if pipelined:
+      # The unit's first step (masked whenever the call masks: masking a
+      # whole tile changes nothing) leaves the first dQ pending.
+      carry = lax.fori_loop(
+          ulo, ulo + some,
+          lambda i, c: step(0, i, c, masked=spec.masked, first=True),
+          (*carry, (jnp.int32(0),) * 2))
+
+    def group_member(rep, carry):
+      start = None
+      if pipelined:
+        start = ulo + jnp.where(rep == 0, some, 0)
+      return kernel.phases(sched_ref, b, row, wg,
+                           lambda i, c, masked: step(rep, i, c, masked=masked),
+                           carry, spec.masked, start=start)
+
+    dk, dv, *pending = lax.fori_loop(0, g, group_member, carry)
+    if pipelined:  # The last step's dQ.
+      def last(_, pending):
+        deferred_dq(pending)
+        return pending
+
+      lax.fori_loop(0, some, last, pending[0])
     if shared_dq:
       # The other consumer's last dQ products read this one's K tile,
-      # which dK is about to overwrite.
-      (_, unit_done) = dq_bars
-      plgpu.barrier_arrive(unit_done.at[0])
-      plgpu.barrier_wait(unit_done.at[0])
+      # which dK is about to overwrite. The barrier's address is built
+      # here, not kept in a register across the unit (with
+      # `Spec.fused_pipeline` ptxas spilled it).
+      done = dq_bars[1].at[kernel.stationary_in_step(spec, 0)]
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
     results = []
     if want_dk:
       k_own[...] = kernel.scale_grad(spec, dk).astype(spec.dtype)

@@ -188,6 +188,8 @@ class Spec:
       bytes (`MosaicGpuBlockSizes.dq_swizzle`).
     fused_overlap: fused backward only: stage dS^T while dK's product
       runs (`MosaicGpuBlockSizes.fused_overlap`).
+    fused_pipeline: fused backward only: each step's dQ product issued
+      with the next step's S^T (`MosaicGpuBlockSizes.fused_pipeline`).
     is_causal: causal masking on positions.
     window: (left, right) or None; a None side is unbounded.
     has_segments: whether segment ids (padding included) take part.
@@ -230,6 +232,7 @@ class Spec:
   dq_split: str = "columns"
   dq_swizzle: int = 128
   fused_overlap: bool = False
+  fused_pipeline: bool = False
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
   has_segments: bool = False
@@ -690,20 +693,25 @@ def stationary_in_step(spec: Spec, wg):
       np.int32(wg) if isinstance(wg, int) else wg)
 
 
-def phases(sched_ref, b, row, wg, step_fn, carry, masked: bool, gate=None):
+def phases(sched_ref, b, row, wg, step_fn, carry, masked: bool, gate=None,
+           start=None):
   """Runs step_fn over [ulo, uhi) as masked / unmasked / masked phases.
 
   The ranges come from the tile classification of `masking.classify_blocks`
   (`mosaic_gpu.schedule`), so causal, window, padding and sorted segments
   all shrink the loops. `gate`: an int32 scalar, 0 or 1; with 0 every loop
   runs zero trips (so that a kernel can hold two versions of its loop and
-  run the one its data needs), None: 1.
+  run the one its data needs), None: 1. `start`: the first tile, in [ulo,
+  uhi] (None: ulo), for a caller that ran the ones before it itself.
   """
-  ulo = sched_ref[b, row, 0]
+  ulo = sched_ref[b, row, 0] if start is None else start
   uhi = sched_ref[b, row, 1]
   if masked:
     flo = sched_ref[b, row, 2 + 2 * wg]
     fhi = sched_ref[b, row, 3 + 2 * wg]
+    if start is not None:  # The first runs may end before it.
+      flo = jnp.maximum(flo, start)
+      fhi = jnp.maximum(fhi, flo)
     runs = ((ulo, flo, True), (flo, fhi, False), (fhi, uhi, True))
   else:
     runs = ((ulo, uhi, False),)

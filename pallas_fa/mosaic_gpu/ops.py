@@ -22,7 +22,7 @@ _F32 = jnp.float32
 # Whether a kernel may store to a shared-memory ref while a wgmma is in
 # flight (`Ops.mm_around`): jax 0.10's discharge of the accumulator's
 # `run_state` rejects a store to a ref its body closes over.
-_STORES_UNDER_WGMMA = jax.__version_info__ >= (0, 11)
+STORES_UNDER_WGMMA = jax.__version_info__ >= (0, 11)
 
 
 def _load_whole(ref, *, layout):
@@ -188,7 +188,7 @@ class Ops:
     Returns:
       (first's result, the sum's), float32.
     """
-    if self.interpret or not _STORES_UNDER_WGMMA:
+    if self.interpret or not STORES_UNDER_WGMMA:
       out = self.mm(**first)
       between()
       return out, self.mm_sum(pairs(), transpose_a=transpose_a)
@@ -214,6 +214,65 @@ class Ops:
     # initial zeros are dead code).
     return pl.run_state(issue)(
         (plgpu.ACC.init(first["acc"]), self.full(shape, 0.0)))
+
+  def mm_beside(self, product: dict[str, Any], side: Callable[[], None]):
+    """`mm(**product)` with `side()` run while it is in flight: shared
+    memory stores, their commit, barriers (jax 0.10 runs them after the
+    product, `STORES_UNDER_WGMMA`)."""
+    if self.interpret or not STORES_UNDER_WGMMA:
+      out = self.mm(**product)
+      side()
+      return out
+    return self.mm(**product, between=side)
+
+  def mm_sum_ahead(self, pairs, use: Callable[[jax.Array], None],
+                   second: dict[str, Any], *, transpose_a=False,
+                   before: Callable[[], None] | None = None):
+    """`mm_sum(pairs)` issued, then the fresh product `mm(**second)` behind
+    it; `use(sum)` runs once the sum lands, while the second is still in
+    flight (wgmma groups complete in order). Returns the second's result.
+
+    A step's deferred product then drains under the next step's first one
+    (the fused backward's dQ of step j - 1 under S^T of step j), and
+    `use`'s shared-memory stores under it too.
+
+    Args:
+      pairs: the sum's (a, b) SMEM refs, as for `mm_sum`.
+      use: side effects on the sum (float32 [M, N]): stores, copies.
+      second: `mm` keywords of a fresh product (no `acc`).
+      transpose_a: use each of the sum's a^T.
+      before: called after the sum is issued, before the second is (a
+        wait for the second's operands).
+    """
+    if second.get("acc") is not None:
+      raise ValueError("mm_sum_ahead: the second product takes no acc.")
+    if self.interpret or not STORES_UNDER_WGMMA:
+      use(self.mm_sum(pairs, transpose_a=transpose_a))
+      if before is not None:
+        before()
+      return self.mm(**second)
+    a0, b0 = pairs[0]
+    sum_shape = (a0.shape[1] if transpose_a else a0.shape[0], b0.shape[1])
+    a, b = second["a"], second["b"]
+    transpose_b = second.get("transpose_b", False)
+    shape = (a.shape[0], b.shape[0] if transpose_b else b.shape[1])
+    b_op = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+
+    # Each accumulator is allocated just before its own chain, so that
+    # ptxas starts both from RZ (see `mm_around`).
+    def issue(sum_ref):
+      _issue_sum(sum_ref, pairs, transpose_a)
+      if before is not None:
+        before()
+
+      def behind(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_op)
+        use(plgpu.wgmma_accumulator_load(sum_ref, wait_n=1))
+        return acc_ref[...]
+
+      return pl.run_scoped(behind, plgpu.ACC(shape, _F32))
+
+    return pl.run_scoped(issue, plgpu.ACC(sum_shape, _F32))
 
   def mm_pair(self, first: dict[str, Any], second: dict[str, Any]):
     """Two independent `mm`s (keyword dicts) issued back to back before

@@ -135,6 +135,14 @@ class MosaicGpuBlockSizes:
       draining it first: 471 instructions a consumer step against 469,
       less one wgmma drain on the step's chain. jax 0.10 runs it in
       order. Not a default until a GPU run times it.
+    fused_pipeline: the fused backward leaves each step's dQ product to
+      the next step, which issues it ahead of its own S^T product and
+      stages it and adds it to dQ while S^T runs (`ops.mm_sum_ahead`);
+      dS^T is staged and exchanged while dK's product runs. The unit's
+      last dQ follows its last step. Calls with segment ids or a
+      mask_mod, and kernels compiled by jax 0.10, keep each step's dQ in
+      the step (`dkv.pipelines_dq`). An alternative to `fused_overlap`,
+      not a default until a GPU run times it.
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
@@ -170,6 +178,7 @@ class MosaicGpuBlockSizes:
   dq_split: str = "columns"
   dq_swizzle: int = 128
   fused_overlap: bool = False
+  fused_pipeline: bool = False
   head_section: int | None = None
   num_ctas: int | None = None
   interpret: bool | None = None
@@ -198,7 +207,7 @@ class MosaicGpuBlockSizes:
       if value not in (1, 2) or not is_int(value):
         raise ValueError(f"{cls}.{name} must be 1 or 2, got {value!r}.")
     for name in ("pingpong", "intra_overlap", "float8_two_level",
-                 "split_dkv", "fused_overlap"):
+                 "split_dkv", "fused_overlap", "fused_pipeline"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
             f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")
@@ -206,6 +215,10 @@ class MosaicGpuBlockSizes:
       raise ValueError(
           f"{cls}.poly_exp2 must be an int in [0, 16], got "
           f"{self.poly_exp2!r}.")
+    if self.fused_overlap and self.fused_pipeline:
+      raise ValueError(
+          f"{cls}.fused_overlap and {cls}.fused_pipeline are alternatives "
+          "(the pipeline stages dS^T under dK's product too); set one.")
     if self.float8_two_level and self.intra_overlap:
       raise ValueError(
           f"{cls}.float8_two_level is not implemented with intra_overlap "

@@ -117,7 +117,7 @@ _BENCH = Step(
   "it, +negated_query), cuDNN's FP8 forward (per-tensor scales, through "
   "jax's private cudnn module) and triton's float8 forward; then, in the "
   "time those leave and in this order: the fused backward's step "
-  "variants (dq_swizzle=32, fused_overlap=true; T = 16384, full, "
+  "orders (fused_overlap=true, fused_pipeline=true; T = 16384, full, "
   "fwd+bwd), the bf16 forward's poly_exp2=8 and =4 (T = 16384, full, "
   "fwd), the float8 forward without ping-pong and with two-level P V "
   "accumulation (T = 16384), the forward's pipelined key loop without "

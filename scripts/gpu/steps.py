@@ -649,13 +649,14 @@ FUSED_VARIANTS = (
   "mosaic_gpu:backward=fused:num_consumers_dkv=1",
   "mosaic_gpu:backward=fused:head_section=4",
 )
-# The fused backward's step variants (predictions.md section 7): its dQ
-# staging tile at a 32-byte swizzle (`MosaicGpuBlockSizes.dq_swizzle`)
-# and dS^T staged while dK's product runs (`fused_overlap`), each alone
-# (both together would not leave the bf16 poly_exp2 run its time).
+# The fused backward's step orders (predictions.md section 7): dS^T
+# staged while dK's product runs (`fused_overlap`), and each step's dQ
+# issued ahead of the next step's S^T (`fused_pipeline`), each alone. (A
+# third variant would not leave the bf16 poly_exp2 run its time; the dQ
+# staging's 32-byte swizzle, `dq_swizzle=32`, waits for a later window.)
 FUSED_STEP_VARIANTS = (
-  "mosaic_gpu:backward=fused:dq_swizzle=32",
   "mosaic_gpu:backward=fused:fused_overlap=true",
+  "mosaic_gpu:backward=fused:fused_pipeline=true",
 )
 # The forward: the software-pipelined key loop (`intra_overlap`: P V of a
 # tile in flight under the next tile's softmax) without ping-pong, 600
