@@ -685,7 +685,7 @@ def test_triton_merge_of_many_rows_equals_merge_parts(splits, r, hv, sinks):
   """The triton merge kernel cuts many packed rows (a folded shared
   prefix's) into blocks of rows: equal to `merge_parts` and the sinks,
   splits that saw no key included."""
-  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  from pallas_fa.triton import decode_merge  # noqa: PLC0415
 
   gen = rng("decode", "triton merge", splits, r)
   out = jnp.asarray(gen.standard_normal((2, 2, splits, r, hv)), jnp.float32)
@@ -694,9 +694,9 @@ def test_triton_merge_of_many_rows_equals_merge_parts(splits, r, hv, sinks):
   lse = jnp.asarray(lse)
   sink = (jnp.asarray(gen.standard_normal((2, r)), jnp.float32) if sinks
           else None)
-  got, got_lse = triton_decode.merge_splits(out, lse, sink,
-                                            dtype=jnp.float32,
-                                            value_head_dim=hv - 8)
+  got, got_lse = decode_merge.merge_splits(out, lse, sink,
+                                           dtype=jnp.float32,
+                                           value_head_dim=hv - 8)
   want, want_lse = online_softmax.merge_parts(out, lse, axis=2)
   if sinks:
     want, want_lse = online_softmax.add_sink(want, want_lse, sink)

@@ -25,9 +25,10 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   splits cut the list, so the blocks it hides are never read and those it
   shows whole skip the masking.
 * **Merge.** Without a mask_mod (`attention`) a second, small kernel
-  merges the splits (`online_softmax.merge_parts`), adds the sinks and
-  writes the output in the query's dtype: at T_new = 1 a decode step is
-  these two kernels and nothing else (only reshapes around them), since
+  (`decode_merge`) merges the splits (`online_softmax.merge_parts`), adds
+  the sinks and writes the output in the query's dtype: at T_new = 1 a
+  decode step is these two kernels and nothing else (only reshapes
+  around them), since
   at a few microseconds per launch the nine small fusions that built the
   spans and padded the queries, and the three that merged, cost about as
   much as reading the cache. `attention(merge="split_kernel")` (private
@@ -142,12 +143,15 @@ from pallas_fa import quantize
 from pallas_fa import triton
 from pallas_fa.flex import fused_mods
 from pallas_fa.flex import mods
+from pallas_fa.triton import decode_merge
 from pallas_fa.triton import exp2
 from pallas_fa.triton import kernel as triton_kernel
 from pallas_fa.triton import one_byte
 
 Array = Any
 _F32 = jnp.float32
+_load = decode_merge.masked_load
+_store = decode_merge.masked_store
 # P's multiplier in float16 products (at most 1: then at most 2^14).
 _P_UNIT = 2.0 ** 14
 # Triton's tl.dot needs every matmul dimension to be at least 16.
@@ -299,23 +303,6 @@ def _dot(a, b, precision):
   """a @ b with float32 accumulation."""
   return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
                              precision=precision, preferred_element_type=_F32)
-
-
-def _load(ref, mask, other):
-  """ref[...], the elements outside `mask` (None: none) read as `other`:
-  a block may run past its array (rows, splits), and those addresses must
-  not be read."""
-  if mask is None:
-    return ref[...]
-  return plgpu.load(ref, mask=mask, other=other)
-
-
-def _store(ref, value, mask):
-  """ref[...] = value where `mask` (None: everywhere)."""
-  if mask is None:
-    ref[...] = value
-  else:
-    plgpu.store(ref, value, mask=mask)
 
 
 def _flex_values(refs, mod, cols):
@@ -753,7 +740,7 @@ def _merge_when_last(refs, *, splits: int, real_rows: int, column,
     # Only the real packed rows are read, padded to a power of two.
     r = layout.next_power_of_2(real_rows)
     group = s_pad
-    while group > 1 and group * r * chunk > _MERGE_ELEMENTS:
+    while group > 1 and group * r * chunk > decode_merge.MAX_ELEMENTS:
       group //= 2
     row_ok = jnp.arange(r, dtype=jnp.int32) < real_rows
 
@@ -1151,8 +1138,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       merged=(sinks, query.dtype) if merge == "split_kernel" else None,
       max_value_chunk=max_value_chunk)
   if merge == "kernel":
-    out, lse = merge_splits(out, lse, sinks, dtype=query.dtype,
-                            value_head_dim=hv)
+    out, lse = decode_merge.merge_splits(
+        out, lse, sinks, dtype=query.dtype, value_head_dim=hv)
   if t == 1:
     return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
   out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
@@ -1178,8 +1165,9 @@ def attention_with_prefix(query, key, value, lengths, block_table,
     prefix read once for all rows, its keys split over the programs;
   * the rows' split kernel over their own caches, positions shifted by
     S_p as in the concatenation `[prefix; cache[b]]`;
-  * one merge of both kernels' partials (`merge_splits(prefix=...)`),
-    which adds the sinks and writes the output.
+  * one merge of both kernels' partials
+    (`decode_merge.merge_splits(prefix=...)`), which adds the sinks and
+    writes the output.
 
   Args:
     query: [B, 1, N, H].
@@ -1227,8 +1215,8 @@ def attention_with_prefix(query, key, value, lengths, block_table,
       position_offset=shared_offset, **static)
   if sinks is not None:
     sinks = sinks.astype(_F32).reshape(num_kv, n // num_kv)
-  out, lse = merge_splits(*own, sinks, dtype=query.dtype, value_head_dim=hv,
-                          prefix=shared)
+  out, lse = decode_merge.merge_splits(*own, sinks, dtype=query.dtype,
+                                       value_head_dim=hv, prefix=shared)
   return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
 
 
@@ -1274,142 +1262,6 @@ def _row_partials(query, key, value, lengths, block_table, query_positions,
       value_scale=value_scale, value_head_dim=value_head_dim,
       position_offset=position_offset, num_warps=num_warps, merged=merged,
       max_value_chunk=max_value_chunk)
-
-
-# The most float32 elements of a merge program's [splits, rows, columns]
-# tile of partial outputs, and the fewest columns of a row it reads: many
-# packed rows (a shared prefix's folded queries) are cut into blocks of
-# rows, so that a program never reads its parts a few bytes at a time.
-_MERGE_ELEMENTS = 1 << 12
-_MERGE_MIN_COLUMNS = 16
-
-
-def _merge_kernel(refs, *, splits: int, real_rows: int, value_head_dim: int,
-                  padded_head_dim: int, column_blocks: int,
-                  padded_rows: bool, prefix_splits: int = 0):
-  s_pad, rows, chunk = refs["parts"].shape
-  column = pl.program_id(2) % column_blocks
-  first_row = pl.program_id(2) // column_blocks * rows
-  row_ok = first_row + jnp.arange(rows, dtype=jnp.int32) < real_rows
-  if not padded_rows:
-    real_rows = rows  # Every program's rows are real: no row masks.
-
-  def group(prefix: str, s_pad: int, splits: int):
-    part_ok = None
-    if s_pad != splits or rows != real_rows:
-      split_ok = jnp.arange(s_pad, dtype=jnp.int32) < splits
-      part_ok = split_ok[:, None] & row_ok[None, :]  # [S, R]
-    # Splits and rows past the arrays read as parts that saw no key.
-    lse = _load(refs[prefix + "part_lse"], part_ok, online_softmax.MASK_VALUE)
-    parts = _load(refs[prefix + "parts"],
-                  None if part_ok is None else part_ok[:, :, None], 0.0)
-    return parts, lse
-
-  groups = [group("", s_pad, splits)]
-  if "prefix_parts" in refs:
-    groups.append(group("prefix_", refs["prefix_parts"].shape[0],
-                        prefix_splits))
-  # Forward-only math (Triton lowers no custom_vjp).
-  out, lse = online_softmax.merge_part_groups(groups, 0)
-  if "sinks" in refs:
-    sinks = _load(refs["sinks"], None if rows == real_rows else row_ok, 0.0)
-    out, lse = online_softmax.add_sink.fun(out, lse, sinks)
-  out_ok = None
-  if rows != real_rows or padded_head_dim != value_head_dim:
-    col = column * chunk + jnp.arange(chunk, dtype=jnp.int32)
-    out_ok = row_ok[:, None] & (col < value_head_dim)[None, :]
-  _store(refs["out"], out.astype(refs["out"].dtype), out_ok)
-
-  @pl.when(column == 0)
-  def _():
-    _store(refs["lse"], lse, None if rows == real_rows else row_ok)
-
-
-def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int,
-                 prefix=None):
-  """The splits' partial results merged (`online_softmax.merge_parts`) and
-  the sinks added once (`online_softmax.add_sink`) in one small Pallas
-  kernel, which writes the output in `dtype` (XLA would take three
-  fusions: the weights, the weighted sum, the division and cast).
-
-  Args:
-    out: float32 [B, K, splits, R, Hv padded], normalised partial outputs.
-    lse: float32 [B, K, splits, R], their logsumexps (-inf: no key).
-    sinks: None or float32 [K, R], each packed row's sink logit.
-    dtype: the output's dtype.
-    value_head_dim: Hv, the output's head dim (<= out's last dim).
-    prefix: None, or a shared prefix's partials merged in the same pass,
-      (out [1, K, splits_p, R * B, Hv padded], lse [1, K, splits_p, R *
-      B]) as the split kernel leaves them for the B rows' single new
-      tokens folded into one row (`attention_with_prefix`, T_new = 1:
-      folded row g * B + b is row b's packed row g), read in place.
-
-  Returns:
-    (out [B, K, R, Hv] in `dtype`, lse float32 [B, K, R]).
-  """
-  b, num_kv, splits, r, hvp = out.shape
-  s_pad = layout.next_power_of_2(splits)
-  read = s_pad  # Parts a program reads per row and column.
-  if prefix is not None:
-    prefix_pad = layout.next_power_of_2(prefix[0].shape[2])
-    read += prefix_pad
-  padded = layout.next_power_of_2(r)
-  min_columns = min(_MERGE_MIN_COLUMNS, hvp & -hvp)
-  rows = padded
-  while rows > 1 and read * rows * min_columns > _MERGE_ELEMENTS:
-    rows //= 2
-  chunk = 1
-  while hvp % (2 * chunk) == 0 and read * rows * 2 * chunk <= (
-      _MERGE_ELEMENTS):
-    chunk *= 2
-  columns = hvp // chunk
-
-  def rows_of(c):
-    return c // columns
-
-  inputs = {
-      "parts": (out, triton.block_spec(
-          (None, None, s_pad, rows, chunk),
-          lambda i, k, c: (i, k, 0, rows_of(c), c % columns))),
-      "part_lse": (lse, triton.block_spec(
-          (None, None, s_pad, rows), lambda i, k, c: (i, k, 0, rows_of(c)))),
-  }
-  prefix_splits = 0
-  if prefix is not None:
-    # [1, K, S_p, R * B, ...] viewed as [K, S_p, R, B, ...]: row b's parts
-    # are a strided slice, read without a transposed copy.
-    prefix_out, prefix_lse = prefix
-    prefix_splits = prefix_out.shape[2]
-    inputs["prefix_parts"] = (
-        prefix_out.reshape(num_kv, prefix_splits, r, b, hvp),
-        triton.block_spec((None, prefix_pad, rows, None, chunk),
-                          lambda i, k, c: (k, 0, rows_of(c), i,
-                                           c % columns)))
-    inputs["prefix_part_lse"] = (
-        prefix_lse.reshape(num_kv, prefix_splits, r, b),
-        triton.block_spec((None, prefix_pad, rows, None),
-                          lambda i, k, c: (k, 0, rows_of(c), i)))
-  if sinks is not None:
-    inputs["sinks"] = (sinks, triton.block_spec(
-        (None, rows), lambda i, k, c: (k, rows_of(c))))
-  outputs = {
-      "out": (jax.ShapeDtypeStruct((b, num_kv, r, value_head_dim), dtype),
-              triton.block_spec((None, None, rows, chunk),
-                                lambda i, k, c: (i, k, rows_of(c),
-                                                 c % columns))),
-      "lse": (jax.ShapeDtypeStruct((b, num_kv, r), _F32),
-              triton.block_spec((None, None, rows),
-                                lambda i, k, c: (i, k, rows_of(c)))),
-  }
-  kernel = functools.partial(
-      _merge_kernel, splits=splits, real_rows=r,
-      value_head_dim=value_head_dim, padded_head_dim=hvp,
-      column_blocks=columns, padded_rows=padded != r,
-      prefix_splits=prefix_splits)
-  warps = 4 if read * rows * chunk <= _MERGE_ELEMENTS // 2 else 8
-  return triton.pallas_call(
-      kernel, inputs, outputs, (b, num_kv, padded // rows * columns), warps,
-      1, "flash_decode_merge")
 
 
 def _add_flex_inputs(inputs, row_pos, *, num_kv, rows, r, new_tokens,
