@@ -131,10 +131,14 @@ VARIANTS = {
     r"^mosaic_gpu:head_section=":
         "causal head sections (`MosaicGpuBlockSizes.head_section`)",
     r"^mosaic_gpu:backward=fused:.*(num_consumers_dkv|num_stages_bwd|"
-    r"head_section|dq_split|dq_swizzle|fused_overlap)=":
+    r"head_section|dq_split)=":
         "the fused backward's variants (dQ split by keys, one dK/dV "
-        "consumer, head sections, a 32-byte dQ staging swizzle, dS^T "
-        "staged under dK's product)",
+        "consumer, head sections)",
+    r"^mosaic_gpu:backward=fused:.*(dq_swizzle|fused_overlap|"
+    r"fused_pipeline)=":
+        "the fused backward's step options (a 32-byte dQ staging swizzle, "
+        "dS^T staged under dK's product, each step's dQ issued ahead of "
+        "the next step's S^T)",
     r"^mosaic_gpu:(block_q|block_kv|num_consumers)=":
         "the forward's tile variants (128-row query tiles, 64-key tiles, "
         "one consumer)",
