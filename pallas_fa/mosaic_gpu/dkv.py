@@ -230,13 +230,11 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       head = kh * g + rep
       ds_slot = ds_slot_of(step_index(rep, i))
       if second is None:
-        out = None
-        stage_dq(ops.mm_sum(dq_pairs(ds_slot, 0), transpose_a=True), 0,
-                 head, i)
-      else:
-        out = ops.mm_sum_ahead(dq_pairs(ds_slot, 0),
-                               lambda dq: stage_dq(dq, 0, head, i), second,
-                               transpose_a=True, before=before_second)
+        dq_chunks(ds_slot, head, i, first=0)
+        return None
+      out = ops.mm_sum_ahead(dq_pairs(ds_slot, 0),
+                             lambda dq: stage_dq(dq, 0, head, i), second,
+                             transpose_a=True, before=before_second)
       dq_chunks(ds_slot, head, i)
       return out
 

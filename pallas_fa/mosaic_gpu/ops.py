@@ -20,7 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _F32 = jnp.float32
 # Whether a kernel may store to a shared-memory ref while a wgmma is in
-# flight (`Ops.mm_around`): jax 0.10's discharge of the accumulator's
+# flight (`Ops.mm_around`, `mm_beside`, `mm_sum_ahead`; elsewhere they run
+# in turn, `dkv.pipelines_dq`): jax 0.10's discharge of the accumulator's
 # `run_state` rejects a store to a ref its body closes over.
 STORES_UNDER_WGMMA = jax.__version_info__ >= (0, 11)
 
