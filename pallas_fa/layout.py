@@ -155,6 +155,12 @@ class Padded:
     self.v = self.keys(v)
     self.bias = masking.pad_axes(bias, {2: q_len, 3: kv_len}, broadcast=True)
 
+  @property
+  def own_segments(self) -> bool:
+    """Whether the call has segment ids of its own (`info` has them too
+    where it was padded: they mark the padding)."""
+    return self._q_segments is not None
+
   def _pad(self, x, length: int, segments, pad_id: int):
     x = masking.zero_padding(x, segments, pad_id)
     if self.dtype is not None:

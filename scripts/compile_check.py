@@ -127,7 +127,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
             "fp8_causal", "decode_prefix", "decode_merged", "fused_step",
-            "fused_step_causal", "fused_pipeline", "fused_pipeline_causal")
+            "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
+            "wide_keys", "wide_keys_fp8")
 # mosaic_gpu's tile variants: their prefix (the variant after it, "plain"
 # without one, gives the inputs and masking), the block-size fields they
 # set, and the divisor of the sequence length they compile at: another
@@ -139,6 +140,8 @@ TILE_VARIANTS = {
                         dq_swizzle=32), 4),
     "fused_pipeline": (dict(backward="fused", fused_pipeline=True,
                             dq_swizzle=32), 8),
+    # 192-key forward tiles, the last one part padding (masked by index).
+    "wide_keys": (dict(block_kv=192, num_stages=2), 16),
 }
 # The float8 forward variants: `flash_attention` on float8_e4m3fn query,
 # key and value with per-head float32 scales (the case's dtype is the
@@ -180,17 +183,22 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "fused_step": ("mosaic_gpu",),
                     "fused_step_causal": ("mosaic_gpu",),
                     "fused_pipeline": ("mosaic_gpu",),
-                    "fused_pipeline_causal": ("mosaic_gpu",)}
+                    "fused_pipeline_causal": ("mosaic_gpu",),
+                    "wide_keys": ("mosaic_gpu",),
+                    "wide_keys_fp8": ("mosaic_gpu",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
-                          **{name: (8, 9) for name in FP8_VARIANTS}}
+                          **{name: (8, 9) for name in FP8_VARIANTS},
+                          "wide_keys_fp8": (8, 9)}
 # The widest head dim of a variant (past it, its calls run another variant's
 # kernels): past 128, or 64 with dropout, a default call's backward is the
-# split one already (`mosaic_gpu.fused_backward_applies`).
+# split one already (`mosaic_gpu.fused_backward_applies`); 192-key forward
+# tiles do not fit shared memory past 128.
 VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "fused_step": 128, "fused_step_causal": 128,
                         "fused_pipeline": 128, "fused_pipeline_causal": 128,
+                        "wide_keys": 128, "wide_keys_fp8": 128,
                         "split_dropout": 64}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
@@ -267,6 +275,9 @@ class Case:
       fused backward's step options (`fused_overlap`, `dq_swizzle=32`:
       `TILE_VARIANTS`), at head dims <= 128; "fused_pipeline" /
       "fused_pipeline_causal" likewise with `fused_pipeline`;
+      "wide_keys" = "plain" with 192-key forward tiles in two stages, at
+      head dims <= 128 (no causal one: its positions' SMEM would not fit
+      beside them), "wide_keys_fp8" the same of "fp8";
       "fp8" / "fp8_causal" = the forward of "plain" / "causal" on
       float8_e4m3fn query, key and value with per-head float32 scales
       (`FP8_VARIANTS`; compute capability 8.9 and up), the
@@ -292,10 +303,16 @@ class Case:
     return self.head_dim // 2 if self.head_dim > 64 else 2 * self.head_dim
 
   @property
+  def float8(self) -> bool:
+    """Whether the case is a float8 forward (`FP8_VARIANTS`, after a tile
+    variant's prefix)."""
+    return self._suffix in FP8_VARIANTS
+
+  @property
   def input_dtype(self) -> str:
     """The dtype of query, key and value (a float8 variant's, else the
     case's)."""
-    return "float8_e4m3fn" if self.variant in FP8_VARIANTS else self.dtype
+    return "float8_e4m3fn" if self.float8 else self.dtype
 
   @property
   def tile_variant(self) -> str | None:
@@ -304,16 +321,19 @@ class Case:
                  if self.variant.startswith(prefix)), None)
 
   @property
-  def base(self) -> str:
-    """The variant whose inputs and masking the case has (a tile
-    variant's: that of its suffix, "plain" for the prefix alone; the
-    float8 ones `FP8_VARIANTS`)."""
-    if self.variant in FP8_VARIANTS:
-      return FP8_VARIANTS[self.variant]
+  def _suffix(self) -> str:
+    """The variant after its tile variant's prefix ("plain" for the
+    prefix alone)."""
     prefix = self.tile_variant
     if prefix is None:
       return self.variant
     return self.variant.removeprefix(prefix).removeprefix("_") or "plain"
+
+  @property
+  def base(self) -> str:
+    """The variant whose inputs and masking the case has (a tile
+    variant's: that of its suffix; the float8 ones `FP8_VARIANTS`)."""
+    return FP8_VARIANTS.get(self._suffix, self._suffix)
 
   def __str__(self):
     return (f"{self.backend:10s} h={self.head_dim:<3d} {self.dtype:8s} "
@@ -551,7 +571,7 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     # T5's table.
     call = jax.grad(loss, argnums=(0, 1, 2, 3)[:3 + (
         case.base in ("flex_alibi", "flex_softcap", "flex_t5"))])
-    if case.variant in FP8_VARIANTS:
+    if case.float8:
       # Per-head scales ([1, 1, N] / [1, 1, K]); the forward only.
       args += [spec((1, 1, heads), jnp.float32),
                spec((1, 1, kv_heads), jnp.float32),

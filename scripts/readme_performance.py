@@ -142,6 +142,8 @@ VARIANTS = {
     r"^mosaic_gpu:(block_q|block_kv|num_consumers)=":
         "the forward's tile variants (128-row query tiles, 64-key tiles, "
         "one consumer)",
+    r"^mosaic_gpu:block_kv=192:":
+        "the forward's 192-key tiles (`MosaicGpuBlockSizes(block_kv=192)`)",
     r"^mosaic_gpu:(.*:)?intra_overlap=true":
         "the forward's software-pipelined key loop "
         "(`MosaicGpuBlockSizes.intra_overlap`)",

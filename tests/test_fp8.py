@@ -471,6 +471,25 @@ def test_automatic_choice_runs_float8_on_chunked(monkeypatch):
     assert api.choose_backend(None, call).name == "mosaic_gpu"
 
 
+def test_mosaic_gpu_float8_lowers_192_key_tiles_for_hopper():
+  """192-key tiles: the V^T tile's 192-byte rows take a 64-byte swizzle
+  (a 128-byte one does not tile them), and the padded keys of a length
+  that is not a multiple of 192 are masked by index."""
+  gen = testing.rng("fp8 lower 192")
+  values, scales = _quantized(gen, shape=(1, 320, 320, 2, 1, 128))
+  bs = pallas_fa.MosaicGpuBlockSizes(block_kv=192)
+
+  def call(*args):
+    return pallas_fa.flash_attention(
+        *args[:3], **_scales(args[3:]), implementation="mosaic_gpu",
+        block_sizes=bs)
+
+  with gpu_target.compile_for(gpu_target.H100):
+    text = jax.jit(call).trace(*values, *scales).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @mosaic_gpu") == 1
+
+
 def test_triton_declines_float8_below_compute_capability_8_9():
   # Triton converts float8_e4m3fn from 8.9 on: an A100 call moves on.
   gen = testing.rng("fp8 triton capability")

@@ -135,8 +135,9 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   cuDNN on the headline's forward cells; then, in what those leave, the
   fused backward's step orders (dS^T staged under dK's product; each
   step's dQ issued ahead of the next step's S^T), the bf16 forward's
-  exponentials partly on the FMA pipe, mosaic_gpu's float8 forward
-  variants at T = 16384, a forward variant on the causal forward cells,
+  exponentials partly on the FMA pipe and its 192-key tiles,
+  mosaic_gpu's float8 forward variants at T = 16384, a forward variant on
+  the causal forward cells,
   triton's bf16 forward with its former tiles beside it and JAX's Pallas
   mha at T = 16384, the split backward at T = 16384, the fused
   backward's variants on the causal fwd+bwd cell, triton's float8
@@ -147,7 +148,7 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fp8", "cudnn_fp8",
                         "mosaic_gpu_fused_step",
-                        "mosaic_gpu_poly_exp2", "mosaic_gpu_fp8_tiles",
+                        "mosaic_gpu_forward_period", "mosaic_gpu_fp8_tiles",
                         "mosaic_gpu_forward_tiles", "triton",
                         "pallas_mha", "mosaic_gpu_split",
                         "mosaic_gpu_fused_tiles", "triton_fp8"]
@@ -200,10 +201,10 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
     "float8_e4m3fn", ("fwd",))
   assert [run.essential for run in dry.values()] == [True] * 3 + [False]
   assert dry["chunked_fp8"].impls == ("chunked", "chunked+negated_query")
-  poly = runs["mosaic_gpu_poly_exp2"]
-  assert poly.impls == ("mosaic_gpu", "mosaic_gpu:poly_exp2=8",
-                        "mosaic_gpu:poly_exp2=4")
-  assert (poly.seq_lens, poly.causal, poly.modes) == (
+  period = runs["mosaic_gpu_forward_period"]
+  assert period.impls == ("mosaic_gpu", "mosaic_gpu:poly_exp2=8",
+                          "mosaic_gpu:block_kv=192:num_stages=2")
+  assert (period.seq_lens, period.causal, period.modes) == (
     (16384,), "false", ("fwd",))
   # The fused backward's step variants, beside the default.
   fused_step = runs["mosaic_gpu_fused_step"]
@@ -213,10 +214,10 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
     part for spec in fused_step.impls for part in spec.split(":")}
   assert (fused_step.seq_lens, fused_step.causal, fused_step.modes) == (
     (16384,), "false", ("fwd_bwd",))
-  # The float8 forward without ping-pong, with two-level accumulation and
+  # The float8 forward with 192-key tiles, with two-level accumulation and
   # with part of its exponentials on the FMA pipe, beside the default.
   fp8_tiles = runs["mosaic_gpu_fp8_tiles"]
-  assert fp8_tiles.impls == ("mosaic_gpu", *steps.FORWARD_VARIANTS,
+  assert fp8_tiles.impls == ("mosaic_gpu", steps.WIDE_KEYS,
                              "mosaic_gpu:float8_two_level=true",
                              "mosaic_gpu:poly_exp2=8")
   assert (fp8_tiles.dtype, fp8_tiles.seq_lens, fp8_tiles.modes) == (

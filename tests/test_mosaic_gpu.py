@@ -59,6 +59,7 @@ needs_interpreter = pytest.mark.skipif(
 
 @pytest.mark.parametrize("field, value", [
     ("block_q", 32), ("block_kv", 48), ("block_q_dkv", 16),
+    ("block_kv", 96), ("block_q_dkv", 160),
     ("block_kv_dkv", 320), ("block_kv_dq", 288),
     ("num_stages", 0), ("num_stages_bwd", 9), ("num_consumers_dq", 3),
     ("split_dkv", 1), ("num_ctas", 0), ("interpret", "yes"),
@@ -339,7 +340,11 @@ def _lower_for_hopper(case: Case, dtype, block_sizes=None):
          block_q=128, block_kv=64, num_stages=3, pingpong=False,
          block_kv_dq=128, block_q_dkv=32, num_consumers_dkv=1,
          num_ctas=3), 3),
-], ids=["h128-causal-gqa", "h256-window-segments-cap-f16", "h72-custom"])
+    # 192-key forward tiles, padded keys masked by index.
+    (Case(b=1, t=256, s=400, n=2, k=1, h=128), jnp.bfloat16,
+     mosaic_gpu.MosaicGpuBlockSizes(block_kv=192), 2),
+], ids=["h128-causal-gqa", "h256-window-segments-cap-f16", "h72-custom",
+        "h128-wide-keys"])
 def test_compiled_kernels_lower_for_hopper(case, dtype, block_sizes, kernels):
   text = _lower_for_hopper(case, dtype, block_sizes)
   assert text.count("custom_call @mosaic_gpu") == kernels
@@ -461,6 +466,19 @@ def test_lowering_enforces_shared_memory_budget():
   with pytest.raises(ValueError, match="shared memory"):
     _lower_for_hopper(Case(b=1, t=128, s=256, n=1, k=1, h=256),
                       jnp.bfloat16, too_big)
+
+
+def test_wide_key_tiles_fit_without_metadata():
+  """192-key forward tiles in two stages at H = 128 fit shared memory
+  (230,488 B compiled) only where no positions or segment ids travel with
+  them (`kernel.meta_smem`): a causal call's do not fit."""
+  bs = mosaic_gpu.MosaicGpuBlockSizes(block_kv=192)
+  assert mosaic_gpu.shared_memory_bytes(bs, 128, meta=0)["forward"] <= (
+      227 * 1024)
+  assert mosaic_gpu.shared_memory_bytes(bs, 128)["forward"] > 227 * 1024
+  with pytest.raises(ValueError, match="shared memory"):
+    _lower_for_hopper(Case(b=1, t=128, s=384, n=1, k=1, h=128, causal=True),
+                      jnp.bfloat16, bs)
 
 
 def test_backward_tiles_past_shared_memory_name_block_sizes():
@@ -907,6 +925,35 @@ def test_interpreted_padding_never_leaks():
                   strict=True):
     assert not np.any(np.isnan(np.asarray(b, np.float32)))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("case, meta", [
+    (Case(b=1, t=200, s=300, n=2, k=1, h=64), 0),
+    (Case(b=1, t=130, s=250, n=2, k=1, h=64, causal=True, segments=True,
+          lengths=True), 2),
+], ids=["padding", "causal-segments"])
+def test_interpreted_forward_wide_key_tiles(monkeypatch, case, meta):
+  """192-key forward tiles (`block_kv=192`) over lengths that are not
+  multiples of them, and ragged query units: without segment ids of the
+  call's own the padded keys are masked by index
+  (`kernel.Spec.masks_padding_by_index`) and no metadata travels with the
+  tiles; with them, positions and segment ids do."""
+  specs, real = [], kernel.launch
+
+  def launch(spec, *, name, **kwargs):
+    if name == "pfa_mgpu_forward":
+      specs.append(spec)
+    return real(spec, name=name, **kwargs)
+
+  monkeypatch.setattr(kernel, "launch", launch)
+  fn = flash("mosaic_gpu", mosaic_gpu.MosaicGpuBlockSizes(
+      **{**_SMALL, "block_kv": 192}))
+  _check_forward(fn, case, rng("mosaic_gpu", "wide-keys", str(case)))
+  [spec] = specs
+  assert (spec.block_kv, spec.num_meta) == (192, meta)
+  assert spec.masks_padding_by_index == (meta == 0)
 
 
 def _check_forward(fn, case, gen, **extra):

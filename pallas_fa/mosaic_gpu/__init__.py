@@ -380,9 +380,13 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       fused_pipeline=bs.fused_pipeline,
       is_causal=x.info.is_causal,
       window=x.info.window,
-      # The padding's segment ids give way to a mask_mod's values (the
-      # kernels then mask padded keys by index: `valid_kv_len`).
-      has_segments=x.info.has_segments and mod_slot != "segments",
+      # A forward masks padded keys by index, not by the padding's segment
+      # ids (its padded query rows are sliced off, not masked), so that
+      # none travel without the call's own; the backward's zero its
+      # padded query rows' probabilities. A mask_mod's values may take
+      # the segment ids' slots (`valid_kv_len` then masks the keys too).
+      has_segments=(x.own_segments if forward else x.info.has_segments)
+      and mod_slot != "segments",
       scale=params.scale,
       soft_cap=params.soft_cap,
       interpret=interpret,
@@ -526,17 +530,15 @@ def _forward_plan(q, k, v, info, params, interpret, *, kernel_name,
                   smem_bytes, score_mod=None, mask_mod=None, slot=None):
   """What a forward kernel (bf16/f16 or float8) launches with: the inputs
   padded to its tiles, its schedule and its `kernel.Spec`. Compiled, a
-  tiling whose buffers (`smem_bytes(block_sizes)`) exceed shared memory is
-  a ValueError naming `kernel_name` (the interpreter has none to run out
-  of).
+  tiling whose buffers (`smem_bytes(block_sizes, the metadata arrays that
+  travel)`) exceed shared memory is a ValueError naming `kernel_name` (the
+  interpreter has none to run out of).
 
   Returns:
     (layout.Padded, schedule, kernel.Spec).
   """
   n = q.shape[2]
   bs = _block_sizes(params, q, k, v, info)
-  if not interpret:
-    tiles.check_fits(bs, kernel_name, smem_bytes(bs))
   rows = bs.num_consumers * bs.block_q
   x = layout.Padded(
       q, k, v, None, info, q_len=layout.padded_length(q.shape[1], rows),
@@ -549,6 +551,8 @@ def _forward_plan(q, k, v, info, params, interpret, *, kernel_name,
       units_per_head=x.tp // rows, heads=n, num_heads=n, score_mod=score_mod,
       mask_mod=mask_mod, mod_slot=slot, forward=True,
       intra_overlap=bs.intra_overlap)
+  if not interpret:
+    tiles.check_fits(bs, kernel_name, smem_bytes(bs, spec.num_meta))
   return x, sched, spec
 
 
@@ -563,8 +567,8 @@ def forward_fp8_impl(q, k, v, info, params, scales, *, interpret: bool):
   t = q.shape[1]
   x, sched, spec = _forward_plan(
       q, k, v, info, params, interpret, kernel_name="float8 forward",
-      smem_bytes=lambda bs: tiles.fp8_forward_bytes(
-          bs, q.shape[-1], v.shape[-1]))
+      smem_bytes=lambda bs, meta: tiles.fp8_forward_bytes(
+          bs, q.shape[-1], v.shape[-1], meta=meta))
   q_row, k_col, v_col, out_mult, key_scales, value_scales = _fp8_scales(
       x, params, scales)
   q_row, q_mixed = forward_fp8.row_factors(q_row, spec.block_q)
@@ -592,8 +596,9 @@ def forward_impl(q, k, v, info, params, *, interpret: bool):
   slot = _mod_slot(info, mask_mod)
   x, sched, spec = _forward_plan(
       q, k, v, info, params, interpret, kernel_name="forward",
-      smem_bytes=lambda bs: shared_memory_bytes(
-          bs, q.shape[-1], q.dtype.itemsize, v.shape[-1])["forward"],
+      smem_bytes=lambda bs, meta: shared_memory_bytes(
+          bs, q.shape[-1], q.dtype.itemsize, v.shape[-1],
+          meta=meta)["forward"],
       score_mod=score_mod, mask_mod=mask_mod, slot=slot)
   out, lse = forward_kernel.forward(
       spec, x.q, x.k, x.v, *_meta(x, mask_mod, slot), sched, _seed(x),

@@ -108,8 +108,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
   def unit(r: kernel.Refs, t, base):
     _, k_ref, v_ref, _, _, _, _, _, kpos_ref, kseg_ref, sched_ref = r.inputs
-    (k_smem, v_smem, kpos_smem, kseg_smem, q_smem, do_smem, lse_smem,
-     delta_smem, qpos_smem, qseg_smem, *dq_smem) = r.smem
+    (k_smem, v_smem, kmeta_smem, q_smem, do_smem, lse_smem, delta_smem,
+     qmeta_smem, *dq_smem) = r.smem
     kv_bar, q_bar, do_bar, q_free, do_free, *dq_bars = r.barriers
     wg = r.wg
     k_own, v_own = k_smem.at[wg], v_smem.at[wg]  # K, V, then dK, dV.
@@ -123,10 +123,10 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         [(k_ref.at[b, keys, kh], k_own),
          (v_ref.at[b, keys, kh], v_own),
          *kernel.meta_copies(spec, (kpos_ref, kseg_ref),
-                             (kpos_smem.at[wg], kseg_smem.at[wg]), b, keys)],
+                             kernel.meta_at(spec, kmeta_smem, wg), b, keys)],
         kv_bar.at[wg])
     k_p, k_s = kernel.load_meta(
-        spec, ops, kpos_smem.at[wg], kseg_smem.at[wg], 0)
+        spec, ops, *kernel.meta_at(spec, kmeta_smem, wg), 0)
 
     if want_dq:
       ds_smem, stage = dq_smem
@@ -263,8 +263,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       lse2 = ops.load_vector(lse_smem.at[slot], 1)
       if masked:
         q_p, q_s = kernel.load_meta(
-            spec, ops, qpos_smem.at[slot], qseg_smem.at[slot], 1)
-        mod = kernel.mask_mod_tile(
+            spec, ops, *kernel.meta_at(spec, qmeta_smem, slot), 1)
+        mod = kernel.index_mask_tile(
             spec, ops, r, s_t.shape, (q_p, q_s), (k_p, k_s), batch=b,
             head=head, q0=i * bq, kv0=key0, q_axis=1)
         s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s, mod)
@@ -368,8 +368,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   def producer_groups(r: kernel.Refs):
     (q_ref, _, _, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, _, _,
      _) = r.inputs
-    q_smem, do_smem, lse_smem, delta_smem, qpos_smem, qseg_smem = (
-        r.smem[4:10])
+    q_smem, do_smem, lse_smem, delta_smem, qmeta_smem = r.smem[3:8]
     q_bar, do_bar, q_free, do_free = r.barriers[1:5]
 
     def query_tile(kh, rep, i):
@@ -382,7 +381,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           (q_ref.at[b, rows, n], q_smem.at[slot]),
           (lse_ref.at[b, n, rows], lse_smem.at[slot]),
           *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
-                              (qpos_smem.at[slot], qseg_smem.at[slot]), b,
+                              kernel.meta_at(spec, qmeta_smem, slot), b,
                               rows),
       ]
 
@@ -398,14 +397,12 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   smem = (
       ops.smem((nc, bk, h), spec.dtype, True),  # K, then dK.
       ops.smem((nc, bk, spec.hv), spec.dtype, True),  # V, then dV.
-      plgpu.SMEM((nc, bk), _I32),  # key positions
-      plgpu.SMEM((nc, bk), _I32),  # key segment ids
+      kernel.meta_smem(spec, (nc, bk)),  # key positions / segment ids
       ops.smem((stages, bq, h), spec.dtype, True),  # Q ring
       ops.smem((stages, bq, spec.hv), spec.dtype, True),  # dO ring
       plgpu.SMEM((stages, bq), _F32),  # lse ring
       plgpu.SMEM((stages, bq), _F32),  # delta ring
-      plgpu.SMEM((stages, bq), _I32),  # query positions ring
-      plgpu.SMEM((stages, bq), _I32),  # query segment ids ring
+      kernel.meta_smem(spec, (stages, bq)),  # query metadata rings
   )
   barriers = (
       gpu_ops.barrier(nc, 2 + spec.num_meta),  # K, V (+ metadata) loaded.

@@ -18,7 +18,6 @@ from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import ops as gpu_ops
 
 _F32 = jnp.float32
-_I32 = jnp.int32
 _ROWS = online_softmax.queries_along(0)
 
 
@@ -58,8 +57,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     (q_ref, _, _, do_ref, lse_ref, delta_ref, qpos_ref, qseg_ref, _, _,
      sched_ref) = r.inputs
     dq_ref, *dmod_refs = r.outputs
-    (q_smem, do_smem, lse_smem, delta_smem, qpos_smem, qseg_smem,
-     *dmod_smem, k_smem, v_smem, kpos_smem, kseg_smem) = r.smem
+    (q_smem, do_smem, lse_smem, delta_smem, qmeta_smem, *dmod_smem, k_smem,
+     v_smem, kmeta_smem) = r.smem
     q_bar, k_bar, v_bar, k_free, v_free = r.barriers
     wg = r.wg
     q_own, do_own = q_smem.at[wg], do_smem.at[wg]  # Q, then dQ.
@@ -74,12 +73,12 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
          (lse_ref.at[b, n, rows], lse_smem.at[wg]),
          (delta_ref.at[b, n, rows], delta_smem.at[wg]),
          *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
-                             (qpos_smem.at[wg], qseg_smem.at[wg]), b, rows)],
+                             kernel.meta_at(spec, qmeta_smem, wg), b, rows)],
         q_bar.at[wg])
     lse2 = ops.load_vector(lse_smem.at[wg], 0)
     delta = ops.load_vector(delta_smem.at[wg], 0)
     q_p, q_s = kernel.load_meta(
-        spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
+        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0)
 
     def step(j, carry, *, masked):
       dq, dmod = carry
@@ -100,8 +99,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           kv0=j * spec.block_kv, q_axis=0, grad=True)
       if masked:
         k_p, k_s = kernel.load_meta(
-            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
-        mod = kernel.mask_mod_tile(
+            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1)
+        mod = kernel.index_mask_tile(
             spec, ops, r, s.shape, (q_p, q_s), (k_p, k_s), batch=b,
             head=n, q0=row0, kv0=j * spec.block_kv, q_axis=0)
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s, mod)
@@ -134,8 +133,7 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       ops.smem((nc, bq, spec.hv), spec.dtype, True),  # dO
       plgpu.SMEM((nc, bq), _F32),  # lse (base 2)
       plgpu.SMEM((nc, bq), _F32),  # delta
-      plgpu.SMEM((nc, bq), _I32),  # query positions
-      plgpu.SMEM((nc, bq), _I32),  # query segment ids
+      kernel.meta_smem(spec, (nc, bq)),  # query positions / segment ids
       *(plgpu.SMEM((nc, bq), _F32) for _ in range(num_d)),  # score_mod
       *kernel.kv_rings(spec, ops),  # Last: `kv_producer` reads them there.
   )

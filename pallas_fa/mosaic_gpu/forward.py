@@ -27,7 +27,6 @@ from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import ops as gpu_ops
 
 _F32 = jnp.float32
-_I32 = jnp.int32
 _ROWS = online_softmax.queries_along(0)
 
 
@@ -49,7 +48,7 @@ def take_turn(schedule):
 
 
 def key_tile_products(spec: kernel.Spec, ops, q_smem, wg, k_ready, k_tile,
-                      kpos, kseg, masked: bool, schedule):
+                      kmeta, masked: bool, schedule):
   """Q K^T of one key tile once it has landed, float32 [block_q, block_kv]
   (a ping-pong turn taken while the wgmma runs), and with `masked` the
   tile's key positions and segment ids (else None, None)."""
@@ -60,7 +59,7 @@ def key_tile_products(spec: kernel.Spec, ops, q_smem, wg, k_ready, k_tile,
       between=(lambda: take_turn(schedule)) if spec.pingpong else None)
   if not masked:
     return qk, None, None
-  return (qk, *kernel.load_meta(spec, ops, kpos, kseg, 1))
+  return (qk, *kernel.load_meta(spec, ops, *kmeta, 1))
 
 
 def await_values(spec: kernel.Spec, v_ready, schedule):
@@ -272,8 +271,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
   def unit(r: kernel.Refs, t, base):
     q_ref, _, _, qpos_ref, qseg_ref, _, _, sched_ref = r.inputs
     o_ref, lse_ref = r.outputs
-    (qo_smem, lse_smem, qpos_smem, qseg_smem, *o_smem, k_smem, v_smem,
-     kpos_smem, kseg_smem) = r.smem
+    (qo_smem, lse_smem, qmeta_smem, *o_smem, k_smem, v_smem,
+     kmeta_smem) = r.smem
     q_bar, k_bar, v_bar, k_free, v_free, schedule = r.barriers
     wg = r.wg
     qo = qo_smem.at[wg]  # Q, then (with one head dim) the output.
@@ -286,10 +285,10 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
     kernel.load_stationary(
         [(q_ref.at[b, rows, n], qo),
          *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
-                             (qpos_smem.at[wg], qseg_smem.at[wg]), b, rows)],
+                             kernel.meta_at(spec, qmeta_smem, wg), b, rows)],
         q_bar.at[wg])
     q_p, q_s = kernel.load_meta(
-        spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
+        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0)
 
     # The logit scale in the exponent (no multiply for the max's sake).
     scale = online_softmax.exponent_scale(
@@ -306,7 +305,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       else:  # The products, scaled in the exponent's FMA.
         s = qk
       if masked:
-        mod = kernel.mask_mod_tile(
+        mod = kernel.index_mask_tile(
             spec, ops, r, s.shape, (q_p, q_s), (k_p, k_s), batch=b,
             head=n, q0=row0, kv0=j * spec.block_kv, q_axis=0)
         s = kernel.apply_mask(spec, s, 0, q_p, q_s, k_p, k_s, mod)
@@ -326,7 +325,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       slot = kernel.rem(base + j - ulo, stages)
       qk, k_p, k_s = key_tile_products(
           spec, ops, qo_smem, wg, k_bar.at[slot], k_smem.at[slot],
-          kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
+          kernel.meta_at(spec, kmeta_smem, slot), masked, schedule)
       plgpu.barrier_arrive(k_free.at[slot])
       m_i, l_i, p, acc, _ = probs(
           j, qk, k_p, k_s, m_i, l_i, acc, masked=masked)
@@ -341,7 +340,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       k_p = k_s = None
       if masked:
         k_p, k_s = kernel.load_meta(
-            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
+            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1)
       plgpu.barrier_arrive(k_free.at[slot])
       m_i, l_i, p, _, alpha = probs(
           j, qk, k_p, k_s, m_i, l_i, None, masked=masked)
@@ -372,8 +371,7 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
   smem = (
       ops.smem((nc, bq, h), spec.dtype, True),  # Q, then the output.
       plgpu.SMEM((nc, bq), _F32),  # lse
-      plgpu.SMEM((nc, bq), _I32),  # query positions
-      plgpu.SMEM((nc, bq), _I32),  # query segment ids
+      kernel.meta_smem(spec, (nc, bq)),  # query positions / segment ids
       *([ops.smem((nc, bq, hv), spec.dtype, True)] if own_out else []),
       *kernel.kv_rings(spec, ops),  # Last: `kv_producer` reads them there.
   )
@@ -391,4 +389,4 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       operands=(q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched),
       out_types=out_types, smem_types=smem, barrier_types=barriers,
       unit=unit, producer_groups=kernel.kv_producer(spec), seed=seed,
-      residuals=residuals)
+      residuals=residuals, cross_warp_reductions=False)

@@ -230,8 +230,10 @@ def own_registers(p):
 
 def _smem(interpret: bool, shape, dtype, minor_bytes: int):
   """A swizzled SMEM tile whose rows are `minor_bytes` long (the swizzle:
-  128 bytes, or the row when shorter)."""
-  ops = gpu_ops.Ops(interpret, swizzle=min(128, minor_bytes))
+  the widest of 128, 64 and 32 bytes that tiles a row, e.g. 64 for the
+  V^T tile of 192 keys)."""
+  swizzle = next(w for w in (128, 64, 32) if minor_bytes % w == 0)
+  ops = gpu_ops.Ops(interpret, swizzle=swizzle)
   return ops.smem(shape, dtype, True)
 
 
@@ -275,8 +277,8 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
     (q_ref, _, _, qpos_ref, qseg_ref, _, _, qrow_ref, _, _, omult_ref,
      qmixed_ref, sched_ref) = r.inputs
     o_ref, lse_ref = r.outputs
-    (q_smem, o_smem, lse_smem, qpos_smem, qseg_smem, qrow_smem, k_smem,
-     vt_smem, kpos_smem, kseg_smem, kcol_smem, vcol_smem) = r.smem
+    (q_smem, o_smem, lse_smem, qmeta_smem, qrow_smem, k_smem, vt_smem,
+     kmeta_smem, kcol_smem, vcol_smem) = r.smem
     q_bar, k_bar, v_bar, k_free, v_free, schedule = r.barriers
     wg = r.wg
     o_own = o_smem.at[wg]
@@ -289,10 +291,10 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         [(q_ref.at[b, rows, n], q_smem.at[wg]),
          (qrow_ref.at[b, n, rows], qrow_smem.at[wg]),
          *kernel.meta_copies(spec, (qpos_ref, qseg_ref),
-                             (qpos_smem.at[wg], qseg_smem.at[wg]), b, rows)],
+                             kernel.meta_at(spec, qmeta_smem, wg), b, rows)],
         q_bar.at[wg])
     q_p, q_s = kernel.load_meta(
-        spec, ops, qpos_smem.at[wg], qseg_smem.at[wg], 0)
+        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0)
     q_factor = ops.load_vector(qrow_smem.at[wg], 0)  # [bq]
 
     # P_SCALE: in the exponent (2^(s - m + 8), P and l alike, no multiply)
@@ -312,14 +314,17 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         qk = qk * jax.lax.broadcast_in_dim(k_factor, qk.shape, (1,))
       if masked and k_meta is None:
         k_meta = kernel.load_meta(
-            spec, ops, kpos_smem.at[slot], kseg_smem.at[slot], 1)
+            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1)
       plgpu.barrier_arrive(k_free.at[slot])
       if spec.soft_cap is None:
         s = qk  # q_factor carries log2(e): base-2 logits (`_fp8_scales`).
       else:
         s, _ = kernel.logits(spec, qk)
       if masked:
-        s = kernel.apply_mask(spec, s, 0, q_p, q_s, *k_meta)
+        by_index = kernel.index_mask_tile(
+            spec, ops, r, s.shape, (q_p, q_s), k_meta, batch=b, head=n,
+            q0=row0, kv0=j * bk, q_axis=0)
+        s = kernel.apply_mask(spec, s, 0, q_p, q_s, *k_meta, by_index)
       return online_softmax.update(m_i, l_i, s, base2=True, per_query=_ROWS,
                                    tile_exp=forward_lib.tile_exp(spec),
                                    offset=p_offset,
@@ -339,7 +344,7 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
       slot = kernel.rem(base + j - ulo, stages)
       qk, k_p, k_s = forward_lib.key_tile_products(  # e4m3 -> float32
           spec, ops, q_smem, wg, k_bar.at[slot], k_smem.at[slot],
-          kpos_smem.at[slot], kseg_smem.at[slot], masked, schedule)
+          kernel.meta_at(spec, kmeta_smem, slot), masked, schedule)
       m_i, l_i, p, alpha = softmax(j, slot, qk, m_i, l_i, masked=masked,
                                    k_meta=(k_p, k_s), fold=fold)
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
@@ -405,8 +410,7 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
     k_ref, vt_ref = r.inputs[1], r.inputs[2]
     kpos_ref, kseg_ref = r.inputs[5], r.inputs[6]
     kcol_ref, vcol_ref = r.inputs[8], r.inputs[9]
-    (*_, k_smem, vt_smem, kpos_smem, kseg_smem, kcol_smem,
-     vcol_smem) = r.smem
+    *_, k_smem, vt_smem, kmeta_smem, kcol_smem, vcol_smem = r.smem
     k_bar, v_bar, k_free, v_free = r.barriers[1:5]
 
     def k_copies(b, n, rep, j, slot):
@@ -416,7 +420,7 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
       return [
           (k_ref.at[b, cols, kh], k_smem.at[slot]),
           *kernel.meta_copies(spec, (kpos_ref, kseg_ref),
-                              (kpos_smem.at[slot], kseg_smem.at[slot]), b,
+                              kernel.meta_at(spec, kmeta_smem, slot), b,
                               cols),
           *([(kcol_ref.at[b, kh, cols], kcol_smem.at[slot])]
             if key_scales else []),
@@ -439,13 +443,11 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
       _smem(interpret, (nc, bq, hv), out_dtype,
             hv * jnp.dtype(out_dtype).itemsize),  # output
       plgpu.SMEM((nc, bq), _F32),  # lse
-      plgpu.SMEM((nc, bq), _I32),  # query positions
-      plgpu.SMEM((nc, bq), _I32),  # query segment ids
+      kernel.meta_smem(spec, (nc, bq)),  # query positions / segment ids
       plgpu.SMEM((nc, bq), _F32),  # query row factors
       _smem(interpret, (stages, bk, h), FP8, h),  # K ring
       _smem(interpret, (stages, hv, bk), FP8, bk),  # V^T ring
-      plgpu.SMEM((stages, bk), _I32),  # key positions ring
-      plgpu.SMEM((stages, bk), _I32),  # key segment ids ring
+      kernel.meta_smem(spec, (stages, bk)),  # key metadata rings
       plgpu.SMEM((stages, bk), _F32),  # key scales ring
       plgpu.SMEM((stages, bk), _F32),  # value factors ring
   )
@@ -466,5 +468,6 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
       operands=(q, k, vt, q_pos, q_seg, kv_pos, kv_seg, q_row, k_col, v_col,
                 out_mult, q_mixed, sched),
       out_types=out_types, smem_types=smem, barrier_types=barriers,
-      unit=unit, producer_groups=producer_groups)
+      unit=unit, producer_groups=producer_groups,
+      cross_warp_reductions=False)
 

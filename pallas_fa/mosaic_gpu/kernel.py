@@ -130,11 +130,15 @@ def cpu_client_threads() -> int:
   return os.cpu_count() or 1
 
 
-def _kernel_kwargs(*, out_types, scratch, interpret, lowering_semantics):
+def _kernel_kwargs(*, out_types, scratch, interpret, lowering_semantics,
+                   cross_warp_reductions=True):
   """`plgpu.kernel` keywords under whichever names this jax version takes.
 
   `lowering_semantics` ("lane", "warpgroup" or None for jax's default)
-  applies to compiled kernels only.
+  applies to compiled kernels only, and so does `cross_warp_reductions`:
+  False (a kernel whose reductions all stay within a warp) reserves none
+  of the SMEM Mosaic GPU keeps for cross-warp ones (2 KiB by default; such
+  a reduction would then fail to lower, not run wrong).
   """
   params = inspect.signature(plgpu.kernel).parameters
   kwargs = {
@@ -146,6 +150,8 @@ def _kernel_kwargs(*, out_types, scratch, interpret, lowering_semantics):
     kwargs["interpret"] = interpret
   else:
     compiler = dict(approx_math=True)
+    if not cross_warp_reductions:
+      compiler["reduction_scratch_bytes"] = 0
     if lowering_semantics is not None:
       compiler["lowering_semantics"] = getattr(
           plgpu.LoweringSemantics, lowering_semantics.capitalize())
@@ -207,8 +213,9 @@ class Spec:
       unless the call has some, else positions unless it needs them) that
       carries the mask_mod's per-query and per-key values; None when it has
       none.
-    valid_kv_len: S before padding. With `mod_slot` "segments" the padded
-      keys, which segment ids would mask, are masked by index instead.
+    valid_kv_len: S before padding. Where no segment ids travel (a
+      forward without the call's own, or `mod_slot` "segments") the padded
+      keys are masked by index (`masks_padding_by_index`).
     head_section: (batch, head) pairs per head section of a causal
       schedule (`Units`); None: all pairs in one section.
   """
@@ -263,9 +270,16 @@ class Spec:
     return self.is_causal or self.window is not None
 
   @property
+  def masks_padding_by_index(self) -> bool:
+    """Whether the padded keys are masked by their index rather than by
+    the padding's segment ids (which then do not travel)."""
+    return (not self.has_segments and self.valid_kv_len is not None
+            and self.valid_kv_len < self.kv_len)
+
+  @property
   def masked(self) -> bool:
     return (self.need_positions or self.has_segments
-            or self.mask_mod is not None)
+            or self.mask_mod is not None or self.masks_padding_by_index)
 
   @property
   def carries_pos(self) -> bool:
@@ -369,19 +383,25 @@ def _program_values(ops, shape, mod, refs, batch, head):
           for res, ref in zip(mod.residuals, refs)]
 
 
-def mask_mod_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
-                  head, q0, kv0, q_axis):
-  """The call's mask_mod on a tile (bool, `shape`), or None without one.
+def index_mask_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
+                    head, q0, kv0, q_axis):
+  """The mask of a tile (bool, `shape`) beyond `masking.visible`'s: the
+  call's mask_mod, and the padded keys where they are masked by index
+  (`Spec.masks_padding_by_index`); None without either.
 
   q_meta / kv_meta are the tile's (positions, segment ids) vectors
   (`load_meta`); the `Spec.mod_slot` one carries the mask_mod's per-query /
   per-key value.
   """
   mod = spec.mask_mod
+  padded = spec.masks_padding_by_index
   if mod is None:
-    return None
+    if not padded:
+      return None
+    kv_axis = 1 - q_axis
+    keys = kv0 + ops.iota_vector(shape[kv_axis], kv_axis)
+    return lax.broadcast_in_dim(keys < spec.valid_kv_len, shape, (kv_axis,))
   slot = int(spec.mod_slot == "segments")
-  padded = spec.mod_slot == "segments" and spec.valid_kv_len < spec.kv_len
   q_idx, kv_idx = _tile_indices(ops, mod, shape, q0, kv0, q_axis,
                                 kv_idx=padded)
   refs = iter(r.residuals[len(spec.score_mod.residuals)
@@ -417,7 +437,7 @@ def scale_grad(spec: Spec, total):
 
 def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg,
                mod=None):
-  """Masks a logit tile by `masking.visible` and `mod` (`mask_mod_tile`,
+  """Masks a logit tile by `masking.visible` and `mod` (`index_mask_tile`,
   or None); axis indexes queries (0, or 1 in the transposed orientation of
   the dK/dV kernel)."""
 
@@ -747,7 +767,7 @@ def kv_producer(spec: Spec):
   def groups(r: Refs):
     k_ref, v_ref = r.inputs[1:3]
     kpos_ref, kseg_ref = r.inputs[-3:-1]
-    k_smem, v_smem, kpos_smem, kseg_smem = r.smem[-4:]
+    k_smem, v_smem, kmeta_smem = r.smem[-3:]
     k_bar, v_bar, k_free, v_free = r.barriers[1:5]
 
     def k_copies(b, n, rep, j, slot):
@@ -756,7 +776,7 @@ def kv_producer(spec: Spec):
       return [
           (k_ref.at[b, cols, n // spec.group], k_smem.at[slot]),
           *meta_copies(spec, (kpos_ref, kseg_ref),
-                       (kpos_smem.at[slot], kseg_smem.at[slot]), b, cols),
+                       meta_at(spec, kmeta_smem, slot), b, cols),
       ]
 
     def v_copies(b, n, rep, j, slot):
@@ -770,15 +790,37 @@ def kv_producer(spec: Spec):
 
 
 def kv_rings(spec: Spec, ops: gpu_ops.Ops):
-  """The SMEM types that `kv_producer` fills: the K, V, key positions and
-  key segment ids rings (the last four of a Q-stationary kernel's SMEM)."""
+  """The SMEM types that `kv_producer` fills: the K and V rings and the
+  key metadata rings (`meta_smem`), the last three of a Q-stationary
+  kernel's SMEM."""
   bk, h, stages = spec.block_kv, spec.head_dim, spec.stages
   return (
       ops.smem((stages, bk, h), spec.dtype, True),  # K ring
       ops.smem((stages, bk, spec.hv), spec.dtype, True),  # V ring
-      plgpu.SMEM((stages, bk), jnp.int32),  # key positions ring
-      plgpu.SMEM((stages, bk), jnp.int32),  # key segment ids ring
+      meta_smem(spec, (stages, bk)),  # key positions / segment ids rings
   )
+
+
+def meta_smem(spec: Spec, shape):
+  """SMEM for the metadata of tiles of `shape`: an int32 buffer for each of
+  the positions and segment ids the spec carries, none for the others
+  (Mosaic GPU aligns every SMEM buffer to 1 KiB, so even an unused one
+  would cost that much). `meta_at` names them."""
+  return tuple(plgpu.SMEM(shape, jnp.int32) for _ in range(spec.num_meta))
+
+
+def meta_at(spec: Spec, refs, index=None):
+  """(positions, segment ids) views of `meta_smem`'s buffers `refs` at
+  `index` (None: whole buffers), None for those the spec does not carry."""
+  left = iter(refs)
+
+  def take(carried):
+    if not carried:
+      return None
+    ref = next(left)
+    return ref if index is None else ref.at[index]
+
+  return take(spec.carries_pos), take(spec.carries_seg)
 
 
 def kv_barriers(spec: Spec):
@@ -880,7 +922,7 @@ def store(copies):
 
 def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
            barrier_types, unit, producer_groups, seed=None, residuals=(),
-           accumulators=()):
+           accumulators=(), cross_warp_reductions=True):
   """Builds and runs a persistent warp-specialised kernel.
 
   Warpgroups 0 .. consumers - 1 each run `unit` over this CTA's units of
@@ -906,6 +948,9 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
       reduce-adds: each is an operand and also an output after
       `out_types` that shares its buffer (compiled kernels only,
       `can_accumulate`); the body writes through the output ref.
+    cross_warp_reductions: False where every reduction of the kernel runs
+      within a warp (the per-row ones of a [64 k, N] wgmma tile, whose warps
+      own 16 rows each): `_kernel_kwargs`.
   """
   ops = ops_for(spec)
   nc, num_inputs = spec.consumers, len(operands)
@@ -942,7 +987,8 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
   kwargs = _kernel_kwargs(
       out_types=out_types, scratch=[smem_types, barrier_types],
       interpret=interpret_params() if spec.interpret else None,
-      lowering_semantics=spec.lowering_semantics)
+      lowering_semantics=spec.lowering_semantics,
+      cross_warp_reductions=cross_warp_reductions)
   if accumulators:
     out_types = (*out_types, *(jax.ShapeDtypeStruct(a.shape, a.dtype)
                                for a in accumulators))

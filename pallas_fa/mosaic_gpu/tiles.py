@@ -52,7 +52,7 @@ class MosaicGpuBlockSizes:
   Each kernel has a stationary tile of rows per consumer warpgroup (the
   wgmma M: block_q, block_q_dq, block_kv_dkv), a multiple of 64, and a
   streamed tile (the wgmma N of the logits: block_kv, block_kv_dq,
-  block_q_dkv), a multiple of 32; both at most 256. A 32-row streamed tile
+  block_q_dkv), 32 or a multiple of 64; both at most 256. A 32-row streamed tile
   halves the float32 logit tiles a thread holds (16 registers each instead
   of 32), at the price of a 64-byte SMEM swizzle.
 
@@ -197,6 +197,14 @@ class MosaicGpuBlockSizes:
           raise ValueError(
               f"{cls}.{name} must be a multiple of {step} in [{step}, 256], "
               f"got {value!r}.")
+    for name in _STREAMED:
+      # A wgmma contracts over whole swizzle rows of its B operand: 64
+      # 16-bit rows of 128 bytes, or 32 of a 32-row tile's 64 bytes.
+      value = getattr(self, name)
+      if value > 64 and value % 64:
+        raise ValueError(
+            f"{cls}.{name} must be 32 or a multiple of 64 (a matmul "
+            f"contracts over whole 64-row swizzle tiles), got {value!r}.")
     for name in ("num_stages", "num_stages_bwd"):
       value = getattr(self, name)
       if not is_int(value) or not 1 <= value <= 8:
@@ -260,8 +268,8 @@ class MosaicGpuBlockSizes:
 
 
 def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
-                        itemsize: int = 2, value_head_dim: int | None = None
-                        ) -> dict[str, int]:
+                        itemsize: int = 2, value_head_dim: int | None = None,
+                        *, meta: int = 2) -> dict[str, int]:
   """Shared memory (bytes) of the forward, dQ and dK/dV kernels.
 
   Args:
@@ -269,6 +277,9 @@ def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
     head_dim: the unpadded query/key head dim.
     itemsize: bytes per element of q/k/v.
     value_head_dim: the unpadded value head dim; None: head_dim.
+    meta: the metadata arrays that travel with the tiles (positions,
+      segment ids: `kernel.Spec.num_meta`, 0 for a call without masks or
+      with padding alone); the most, 2, by default.
 
   Returns:
     dict with keys "forward", "dq", "dkv".
@@ -280,34 +291,39 @@ def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
   vec = lambda rows: rows * 4  # noqa: E731
   # The forward's output reuses Q's buffer only when Hv == H.
   out = 0 if hvp == hp else bs.block_q * hvp * itemsize
+  # Per query row the forward keeps its lse, the dQ and dK/dV kernels lse
+  # and delta; every tile its metadata.
   fwd = (
       bs.num_consumers * (bs.block_q * hp * itemsize + out
-                          + 3 * vec(bs.block_q))
-      + bs.num_stages * (pair(bs.block_kv) + 2 * vec(bs.block_kv)))
+                          + (1 + meta) * vec(bs.block_q))
+      + bs.num_stages * (pair(bs.block_kv) + meta * vec(bs.block_kv)))
   dq = (
-      bs.num_consumers_dq * (pair(bs.block_q_dq) + 4 * vec(bs.block_q_dq))
+      bs.num_consumers_dq * (pair(bs.block_q_dq)
+                             + (2 + meta) * vec(bs.block_q_dq))
       + bs.num_stages_bwd * (pair(bs.block_kv_dq)
-                             + 2 * vec(bs.block_kv_dq)))
+                             + meta * vec(bs.block_kv_dq)))
   dkv = (
       bs.num_consumers_dkv * (pair(bs.block_kv_dkv)
-                              + 2 * vec(bs.block_kv_dkv))
+                              + meta * vec(bs.block_kv_dkv))
       + bs.num_stages_bwd * (pair(bs.block_q_dkv)
-                             + 4 * vec(bs.block_q_dkv)))
+                             + (2 + meta) * vec(bs.block_q_dkv)))
   return {"forward": fwd, "dq": dq, "dkv": dkv}
 
 
 def fp8_forward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
                       value_head_dim: int | None = None,
-                      out_itemsize: int = 2) -> int:
+                      out_itemsize: int = 2, *, meta: int = 2) -> int:
   """Shared memory (bytes) of the e4m3 forward kernel (`forward_fp8`):
   1-byte Q, K and V^T tiles, an output tile of its own (bfloat16 by
-  default: it cannot reuse Q's 1-byte buffer), and per consumer four row
-  vectors, per ring stage four key vectors (positions, segment ids, key
-  scales, value factors)."""
+  default: it cannot reuse Q's 1-byte buffer), and per consumer two row
+  vectors (lse, row factors), per ring stage two key vectors (key scales,
+  value factors), each with `meta` metadata vectors (as in
+  `shared_memory_bytes`)."""
   hp = layout.padded_head_dim(head_dim, ALIGN)
   hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
-  return (bs.num_consumers * bs.block_q * (hp + hvp * out_itemsize + 16)
-          + bs.num_stages * bs.block_kv * (hp + hvp + 16))
+  vecs = 4 * (2 + meta)
+  return (bs.num_consumers * bs.block_q * (hp + hvp * out_itemsize + vecs)
+          + bs.num_stages * bs.block_kv * (hp + hvp + vecs))
 
 
 def dq_columns(padded_head_dim: int, consumers: int,

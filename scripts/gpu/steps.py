@@ -613,7 +613,7 @@ def run_share(runs: Sequence[BenchRun], i: int, left: float) -> float:
 # 8-15 s. The essential runs need 215 s of the bench step's 270 (the
 # float8 one times the default and the multiply-first loop it replaced;
 # the split backward, measured in two windows, is no longer one of them);
-# those after them, in what is left: the float8 forward without ping-pong
+# those after them, in what is left: the float8 forward's variants
 # (T = 16384), the fused backward's variants on the cells
 # b85705a lost (T = 16384, causal, fwd+bwd; their forward is the fused
 # default's), the one forward variant that matched cuDNN at T = 16384
@@ -662,11 +662,13 @@ FUSED_STEP_VARIANTS = (
 # tile in flight under the next tile's softmax) without ping-pong, 600
 # TFLOP/s at T = 16384 (full) at b85705a against the default's 593.
 FORWARD_VARIANTS = ("mosaic_gpu:intra_overlap=true:pingpong=false",)
-# The bf16 forward with one 8-key column group in 8 (in 4) of each tile's
-# exponentials by a cubic on the FMA pipe (`poly_exp2`): its softmax
-# chain, serial with the consumer's own Q K^T in ping-pong, is MUFU-bound
-# (predictions.md section 7).
-POLY_VARIANTS = ("mosaic_gpu:poly_exp2=8", "mosaic_gpu:poly_exp2=4")
+# The bf16 forward's period (predictions.md sections 7 and 9): one 8-key
+# column group in 8 of each tile's exponentials by a cubic on the FMA pipe
+# (`poly_exp2=8`: the softmax chain, serial with the consumer's own Q K^T
+# in ping-pong, is MUFU-bound), and 192-key tiles in two stages (each
+# iteration's fixed cost spread over 1.5x the keys).
+WIDE_KEYS = "mosaic_gpu:block_kv=192:num_stages=2"
+PERIOD_VARIANTS = ("mosaic_gpu:poly_exp2=8", WIDE_KEYS)
 # The float8 forward's key loop that multiplies the row factor into every
 # logit before the max: the path the exponent fold replaced as the
 # default, which a negative query scale still takes (its A/B, in the
@@ -694,16 +696,16 @@ BENCH_RUNS = {
              impls=("mosaic_gpu:backward=fused", *FUSED_STEP_VARIANTS),
              head_dims=(128,), seq_lens=(16384,), causal="false",
              modes=("fwd_bwd",)),
-    # Part of the bf16 forward's exponentials on the FMA pipe, beside the
-    # default (T = 16384, full): the softmax chain is MUFU-bound.
-    BenchRun(label="mosaic_gpu_poly_exp2", need_s=20, essential=False,
-             impls=("mosaic_gpu", *POLY_VARIANTS), head_dims=(128,),
+    # The bf16 forward's period variants beside the default (T = 16384,
+    # full).
+    BenchRun(label="mosaic_gpu_forward_period", need_s=20, essential=False,
+             impls=("mosaic_gpu", *PERIOD_VARIANTS), head_dims=(128,),
              seq_lens=(16384,), causal="false", modes=("fwd",)),
-    # FORWARD_VARIANTS' loop, the two-level P V accumulation and part of
-    # the exponentials on the FMA pipe in float8 (predictions.md section
-    # 7), beside the default in their own process.
+    # 192-key tiles, the two-level P V accumulation and part of the
+    # exponentials on the FMA pipe in float8 (predictions.md section 7),
+    # beside the default in their own process.
     BenchRun(label="mosaic_gpu_fp8_tiles", need_s=32, essential=False,
-             impls=("mosaic_gpu", *FORWARD_VARIANTS,
+             impls=("mosaic_gpu", WIDE_KEYS,
                     "mosaic_gpu:float8_two_level=true",
                     "mosaic_gpu:poly_exp2=8"),
              dtype=FP8, head_dims=(128,), seq_lens=(16384,), modes=("fwd",)),
