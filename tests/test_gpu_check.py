@@ -137,9 +137,8 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   step's dQ issued ahead of the next step's S^T), the bf16 forward's
   exponentials partly on the FMA pipe and its 192-key tiles,
   mosaic_gpu's float8 forward variants at T = 16384, a forward variant on
-  the causal forward cells,
-  triton's bf16 forward with its former tiles beside it and JAX's Pallas
-  mha at T = 16384, the split backward at T = 16384, the fused
+  the causal forward cells, triton's bf16 forward with its former tiles
+  beside it and JAX's Pallas mha at T = 16384, the split backward at T = 16384, the fused
   backward's variants on the causal fwd+bwd cell, triton's float8
   forward on the headline's forward cells; each variant
   a config that validates, and otherwise the default tiling; the cache

@@ -470,13 +470,16 @@ def test_lowering_enforces_shared_memory_budget():
 
 def test_wide_key_tiles_fit_without_metadata():
   """192-key forward tiles in two stages at H = 128 fit shared memory
-  (230,488 B compiled) only where no positions or segment ids travel with
-  them (`kernel.meta_smem`): a causal call's do not fit."""
+  (230,400 B of buffers, 230,488 B compiled with the barriers) only where
+  no positions or segment ids travel with them (`kernel.meta_smem`): a
+  causal call's do not fit, and the call says so, naming block_sizes,
+  before Mosaic does."""
   bs = mosaic_gpu.MosaicGpuBlockSizes(block_kv=192)
-  assert mosaic_gpu.shared_memory_bytes(bs, 128, meta=0)["forward"] <= (
+  assert mosaic_gpu.shared_memory_bytes(bs, 128, meta=0)["forward"] == (
+      230_400)
+  assert mosaic_gpu.shared_memory_bytes(bs, 128, meta=1)["forward"] > (
       227 * 1024)
-  assert mosaic_gpu.shared_memory_bytes(bs, 128)["forward"] > 227 * 1024
-  with pytest.raises(ValueError, match="shared memory"):
+  with pytest.raises(ValueError, match=r"block_sizes=.* forward kernel"):
     _lower_for_hopper(Case(b=1, t=128, s=384, n=1, k=1, h=128, causal=True),
                       jnp.bfloat16, bs)
 
@@ -524,12 +527,13 @@ def test_fused_backward_applies_where_it_fits(fields, call, applies):
 
 
 @pytest.mark.parametrize("split, columns, slots, nbytes", [
-    # K, V and the Q/dO rings (134,144 B), two dS^T tiles per consumer,
-    # half of dQ's columns staged per consumer.
-    ("columns", 64, 2, 134_144 + 2 * (2 * 8_192 + 16_384)),
+    # K, V and the Q/dO rings with their vectors (137,216 B, each buffer
+    # 1 KiB-aligned), two dS^T tiles per consumer, half of dQ's columns
+    # staged per consumer.
+    ("columns", 64, 2, 137_216 + 2 * (2 * 8_192 + 16_384)),
     # One dS^T tile per consumer (its only reader wrote it), a whole dQ
     # row of tiles staged per consumer.
-    ("keys", 128, 1, 134_144 + 2 * (8_192 + 32_768)),
+    ("keys", 128, 1, 137_216 + 2 * (8_192 + 32_768)),
 ])
 def test_fused_backward_dq_split(split, columns, slots, nbytes):
   """How the fused backward's two consumers divide dQ at H = 128, and the

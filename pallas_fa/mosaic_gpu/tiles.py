@@ -21,12 +21,15 @@ from pallas_fa import layout
 ALIGN = layout.Alignment(rows=64, head_dim=64)
 
 # Shared memory per CTA on sm90 (H100 / H200), minus a margin: the estimate
-# below counts the buffers only, and the compiled kernels measure 2-5 KiB
-# more (barriers, 1 KiB alignment of swizzled tiles; compile_check.py).
+# below counts the buffers only (each 1 KiB-aligned, `SMEM_ALIGNMENT`), and
+# the compiled kernels add their barriers and, those with reductions, 2 KiB
+# of reduction scratch (compile_check.py).
 SHARED_MEMORY_BYTES = 227 * 1024 - 8 * 1024
 # What a kernel may have (the sm90 opt-in limit): buffers past it can never
-# compile, whatever the alignment and barriers add.
+# compile, whatever the barriers add.
 SHARED_MEMORY_LIMIT = 227 * 1024
+# Mosaic GPU starts every SMEM buffer on a 1 KiB boundary.
+SMEM_ALIGNMENT = 1024
 
 # Values of `MosaicGpuBlockSizes.lowering_semantics` (None: jax's default).
 LOWERING_SEMANTICS = (None, "lane", "warpgroup")
@@ -286,28 +289,30 @@ def shared_memory_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
   """
   hp = layout.padded_head_dim(head_dim, ALIGN)
   hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
-  # A [rows, H] and a [rows, Hv] tile (Q or K with dO or V).
-  pair = lambda rows: rows * (hp + hvp) * itemsize  # noqa: E731
-  vec = lambda rows: rows * 4  # noqa: E731
-  # The forward's output reuses Q's buffer only when Hv == H.
-  out = 0 if hvp == hp else bs.block_q * hvp * itemsize
-  # Per query row the forward keeps its lse, the dQ and dK/dV kernels lse
-  # and delta; every tile its metadata.
-  fwd = (
-      bs.num_consumers * (bs.block_q * hp * itemsize + out
-                          + (1 + meta) * vec(bs.block_q))
-      + bs.num_stages * (pair(bs.block_kv) + meta * vec(bs.block_kv)))
-  dq = (
-      bs.num_consumers_dq * (pair(bs.block_q_dq)
-                             + (2 + meta) * vec(bs.block_q_dq))
-      + bs.num_stages_bwd * (pair(bs.block_kv_dq)
-                             + meta * vec(bs.block_kv_dq)))
-  dkv = (
-      bs.num_consumers_dkv * (pair(bs.block_kv_dkv)
-                              + meta * vec(bs.block_kv_dkv))
-      + bs.num_stages_bwd * (pair(bs.block_q_dkv)
-                             + (2 + meta) * vec(bs.block_q_dkv)))
+
+  def tiles(n, rows, vectors):
+    """n x [rows, H] and n x [rows, Hv] tiles and `vectors` int32 /
+    float32 vectors of n x rows: one buffer each."""
+    return _buffers(n * rows * hp * itemsize, n * rows * hvp * itemsize,
+                    *[n * rows * 4] * vectors)
+
+  # Every tile carries its metadata; per query row the forward keeps its
+  # lse, the dQ and dK/dV kernels lse and delta. The forward's output
+  # reuses Q's buffer only when Hv == H: the [rows, Hv] one is Q's then.
+  fwd_rows = tiles(bs.num_consumers, bs.block_q, 1 + meta)
+  if hvp == hp:
+    fwd_rows -= _buffers(bs.num_consumers * bs.block_q * hvp * itemsize)
+  fwd = fwd_rows + tiles(bs.num_stages, bs.block_kv, meta)
+  dq = (tiles(bs.num_consumers_dq, bs.block_q_dq, 2 + meta)
+        + tiles(bs.num_stages_bwd, bs.block_kv_dq, meta))
+  dkv = (tiles(bs.num_consumers_dkv, bs.block_kv_dkv, meta)
+         + tiles(bs.num_stages_bwd, bs.block_q_dkv, 2 + meta))
   return {"forward": fwd, "dq": dq, "dkv": dkv}
+
+
+def _buffers(*nbytes: int) -> int:
+  """The SMEM that buffers of `nbytes` each take (`SMEM_ALIGNMENT`)."""
+  return sum(-(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for n in nbytes)
 
 
 def fp8_forward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
@@ -321,9 +326,10 @@ def fp8_forward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
   `shared_memory_bytes`)."""
   hp = layout.padded_head_dim(head_dim, ALIGN)
   hvp = layout.padded_head_dim(value_head_dim or head_dim, ALIGN)
-  vecs = 4 * (2 + meta)
-  return (bs.num_consumers * bs.block_q * (hp + hvp * out_itemsize + vecs)
-          + bs.num_stages * bs.block_kv * (hp + hvp + vecs))
+  rows = bs.num_consumers * bs.block_q
+  keys = bs.num_stages * bs.block_kv
+  return _buffers(rows * hp, rows * hvp * out_itemsize, *[rows * 4] * (
+      2 + meta), keys * hp, keys * hvp, *[keys * 4] * (2 + meta))
 
 
 def dq_columns(padded_head_dim: int, consumers: int,
@@ -361,8 +367,9 @@ def fused_backward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
   dq_cols = dq_columns(hp, nc, bs.dq_split)
   slots = ds_slots(hp, nc, bs.dq_split)
   dkv = shared_memory_bytes(bs, head_dim, itemsize, value_head_dim)["dkv"]
-  return dkv + nc * (slots * bs.block_kv_dkv * bs.block_q_dkv * itemsize
-                     + bs.block_q_dkv * dq_cols * 4)
+  return dkv + _buffers(
+      nc * slots * bs.block_kv_dkv * bs.block_q_dkv * itemsize,
+      nc * bs.block_q_dkv * dq_cols * 4)
 
 
 def check_fits(bs: MosaicGpuBlockSizes, kernel: str, nbytes: int) -> None:
