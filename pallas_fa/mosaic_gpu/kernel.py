@@ -355,18 +355,18 @@ def flex_logits(spec: Spec, ops, qk, r, *, batch, head, q0, kv0, q_axis,
   return s * online_softmax.LOG2_E, capped, pullback
 
 
-def _tile_indices(ops, mod, shape, q0, kv0, q_axis, *, kv_idx=False):
+def _tile_indices(ops, mod, shape, q0, kv0, q_axis):
   """The query and key index of every element of a tile whose queries
   start at q0 along `q_axis`, its keys at kv0: those `mod`'s tile part
-  reads (`fused_mods.FusedMod.tile_indices`; `kv_idx` forces the keys'),
-  None for the others (an unused index tile fails layout inference)."""
+  reads (`fused_mods.FusedMod.tile_indices`), None for the others (an
+  unused index tile fails layout inference)."""
   def index(start, axis):
     return lax.broadcast_in_dim(
         start + ops.iota_vector(shape[axis], axis), shape, (axis,))
 
   wanted = mod.tile_indices
   return (index(q0, q_axis) if "q_idx" in wanted else None,
-          index(kv0, 1 - q_axis) if kv_idx or "kv_idx" in wanted else None)
+          index(kv0, 1 - q_axis) if "kv_idx" in wanted else None)
 
 
 def _program_value(ops, shape, res, ref, batch, head):
@@ -394,16 +394,16 @@ def index_mask_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
   per-key value.
   """
   mod = spec.mask_mod
-  padded = spec.masks_padding_by_index
-  if mod is None:
-    if not padded:
-      return None
+  real_keys = None
+  if spec.masks_padding_by_index:
     kv_axis = 1 - q_axis
     keys = kv0 + ops.iota_vector(shape[kv_axis], kv_axis)
-    return lax.broadcast_in_dim(keys < spec.valid_kv_len, shape, (kv_axis,))
+    real_keys = lax.broadcast_in_dim(keys < spec.valid_kv_len, shape,
+                                     (kv_axis,))
+  if mod is None:
+    return real_keys
   slot = int(spec.mod_slot == "segments")
-  q_idx, kv_idx = _tile_indices(ops, mod, shape, q0, kv0, q_axis,
-                                kv_idx=padded)
+  q_idx, kv_idx = _tile_indices(ops, mod, shape, q0, kv0, q_axis)
   refs = iter(r.residuals[len(spec.score_mod.residuals)
                           if spec.score_mod is not None else 0:])
   values = []
@@ -416,9 +416,9 @@ def index_mask_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
     x = lax.broadcast_in_dim(vec, shape, (q_axis if row else 1 - q_axis,))
     values.append(x != 0 if res.dtype == jnp.bool_ else x)
   visible = mod.tile(values, q_idx=q_idx, kv_idx=kv_idx, shape=shape)
-  if padded:
-    visible = jnp.logical_and(visible, kv_idx < spec.valid_kv_len)
-  return visible
+  if real_keys is None:
+    return visible
+  return jnp.logical_and(visible, real_keys)
 
 
 def logits_grad(spec: Spec, ds, capped):
