@@ -128,8 +128,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "split_causal", "split_masked", "split_dropout", "fp8",
             "fp8_causal", "decode_prefix", "decode_merged", "fused_step",
             "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
-            "wide_keys", "wide_keys_fp8")
-# mosaic_gpu's tile variants: their prefix (the variant after it, "plain"
+            "wide_keys", "wide_keys_fp8", "in_kernel_fp8")
+# The tile variants: their prefix (the variant after it, "plain"
 # without one, gives the inputs and masking), the block-size fields they
 # set, and the divisor of the sequence length they compile at: another
 # length than the base variant's and each other's, whose forward kernel
@@ -142,6 +142,9 @@ TILE_VARIANTS = {
                             dq_swizzle=32), 8),
     # 192-key forward tiles, the last one part padding (masked by index).
     "wide_keys": (dict(block_kv=192, num_stages=2), 16),
+    # triton's float8 forward converting its 1-byte tiles in registers,
+    # where a long call on Hopper widens them in XLA.
+    "in_kernel": (dict(widen_float8=False), 1),
 }
 # The float8 forward variants: `flash_attention` on float8_e4m3fn query,
 # key and value with per-head float32 scales (the case's dtype is the
@@ -185,12 +188,13 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "fused_pipeline": ("mosaic_gpu",),
                     "fused_pipeline_causal": ("mosaic_gpu",),
                     "wide_keys": ("mosaic_gpu",),
-                    "wide_keys_fp8": ("mosaic_gpu",)}
+                    "wide_keys_fp8": ("mosaic_gpu",),
+                    "in_kernel_fp8": ("triton",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
                           **{name: (8, 9) for name in FP8_VARIANTS},
-                          "wide_keys_fp8": (8, 9)}
+                          "wide_keys_fp8": (8, 9), "in_kernel_fp8": (8, 9)}
 # The widest head dim of a variant (past it, its calls run another variant's
 # kernels): past 128, or 64 with dropout, a default call's backward is the
 # split one already (`mosaic_gpu.fused_backward_applies`); 192-key forward
@@ -364,18 +368,22 @@ def _target(target: str) -> tuple[gpu_target.GpuTarget, str]:
   return TARGETS[target][0], TARGETS[target][1]
 
 
-def _tiles(case: Case, seq: int, *, heuristic: bool = False,
-           device_kind: str | None = None):
-  """The config a call of `case` gets without `block_sizes`: the backend's
-  `default_block_sizes` (tuned records, else the heuristic), or its
-  `heuristic_block_sizes` (records ignored)."""
+def _tiles(case: Case, seq: int, gpu, *, heuristic: bool = False):
+  """The config a call of `case` gets on `gpu` without `block_sizes`: the
+  backend's `default_block_sizes` (tuned records, else the heuristic), or
+  its `heuristic_block_sizes` (records ignored); those of float16 inputs
+  for a triton float8 call that widens them (`triton.widens_float8`)."""
   module = importlib.import_module(f"pallas_fa.{case.backend}")
   choose = (module.heuristic_block_sizes if heuristic
             else module.default_block_sizes)
+  dtype = jnp.dtype(case.input_dtype)
+  if (case.float8 and case.backend == "triton"
+      and case.tile_variant is None and module.widens_float8(seq, target=gpu)):
+    dtype = jnp.dtype(jnp.float16)
   return choose(
       q_len=seq, kv_len=seq, head_dim=case.head_dim,
-      dtype=jnp.dtype(case.input_dtype), is_causal=case.base != "plain",
-      dropout=case.base == "dropout", device_kind=device_kind,
+      dtype=dtype, is_causal=case.base != "plain",
+      dropout=case.base == "dropout", device_kind=gpu.device_kind,
       value_head_dim=case.value_head_dim)
 
 
@@ -524,11 +532,10 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
 
     decode = case.variant.startswith("decode")
     if block_sizes is None and case.tiles == "heuristic" and not decode:
-      block_sizes = _tiles(case, seq, heuristic=True,
-                           device_kind=gpu.device_kind)
+      block_sizes = _tiles(case, seq, gpu, heuristic=True)
     if case.tile_variant:
       block_sizes = dataclasses.replace(
-          block_sizes or _tiles(case, seq, device_kind=gpu.device_kind),
+          block_sizes or _tiles(case, seq, gpu),
           **TILE_VARIANTS[case.tile_variant][0])
     kwargs: dict[str, Any] = {}
     inputs = jnp.dtype(case.input_dtype)
@@ -592,7 +599,7 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
         result["block_sizes"] = "decode: " + _decode_tiles(case)
       else:
         result["block_sizes"] = repr(
-            _tiles(case, seq) if block_sizes is None else block_sizes)
+            _tiles(case, seq, gpu) if block_sizes is None else block_sizes)
       dump = keep or os.path.join(workdir, "xla")
       log = os.path.join(workdir, "compile.log")
       with ptxas_lib.captured_output(log):

@@ -153,6 +153,9 @@ VARIANTS = {
         "part of the exponentials on the FMA pipe "
         "(`MosaicGpuBlockSizes.poly_exp2`)",
     r"^triton:(.*:)?block_kv=": "`triton` at 128-key tiles",
+    r"^triton:(.*:)?widen_float8=":
+        "`triton`'s float8 inputs widened to float16 before the kernel "
+        "(`TritonBlockSizes.widen_float8`)",
 }
 
 FLAGS = flags.FLAGS

@@ -4,6 +4,9 @@ oracle of the dequantized inputs and an emulated float8 attention."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import conftest
 import jax
 import jax.numpy as jnp
@@ -167,6 +170,67 @@ def test_triton_float8_operands(monkeypatch):
                                             "out_dtype": None,
                                             "block_sizes": None})
   _assert_within_p_rounding(out, np.asarray(want, np.float64), deq[2], 0.5)
+
+
+@gpu_jax_only_on_cpu
+@pytest.mark.parametrize("granularity", ["token", "head"])
+def test_triton_widened_float8_is_the_kernels_conversion(granularity):
+  # float16 holds every e4m3 and e5m2 value: widening the inputs in XLA
+  # (`TritonBlockSizes.widen_float8`) feeds the kernel the values its own
+  # conversion makes, so the two paths agree bit for bit, mixed formats
+  # and per-token scales included.
+  gen = testing.rng("fp8 triton widened", granularity)
+  wide = _inputs(gen)
+  pairs = [quantize.quantize_fp8(x, granularity, d)
+           for x, d in zip(wide, (E4M3, E5M2, E4M3))]
+  values, scales = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+  small = conftest.block_sizes_for("triton")
+  outs = [pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=True, out_dtype=jnp.float32,
+      implementation="triton", return_residual=True,
+      block_sizes=dataclasses.replace(small, widen_float8=widen))
+      for widen in (False, True)]
+  for name, a, b in zip(("out", "lse"), *outs):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  ref = _oracle(*_dequantized64(values, scales), causal=True)[0]
+  _assert_within_p_rounding(outs[1][0], ref, _dequantized64(values, scales)[2])
+
+
+def test_triton_widens_float8_where_products_read_shared_memory():
+  # Hopper's wgmma reads K and V from shared memory: a float8 forward long
+  # enough to be compute-bound widens them in XLA; an A100-class GPU, a
+  # short call and the CPU interpreter keep the kernel's conversion; the
+  # block-size field decides where set.
+  from pallas_fa import triton  # noqa: PLC0415
+  least = triton.WIDEN_FLOAT8_MIN_QUERIES
+  assert triton.widens_float8(4 * least, target=gpu_target.H100)
+  assert triton.widens_float8(least, target=gpu_target.H100)
+  assert not triton.widens_float8(least - 1, target=gpu_target.H100)
+  assert not triton.widens_float8(4 * least, target=gpu_target.A100)
+  assert not triton.widens_float8(4 * least)  # No GPU here: interpreted.
+  forced = triton.TritonBlockSizes(widen_float8=False)
+  assert not triton.widens_float8(4 * least, forced, gpu_target.H100)
+  forced = triton.TritonBlockSizes(widen_float8=True)
+  assert triton.widens_float8(16, forced, gpu_target.A100)
+  # The lowering for an H100: the widened call converts the keys to
+  # float16 in XLA, before the kernel; the other leaves them to it.
+  gen = testing.rng("fp8 triton widened lowering")
+  values, scales = _quantized(gen, shape=(1, least, least, 2, 1, 64))
+  key_widening = re.compile(r"stablehlo\.convert[^\n]*tensor<1x1024x1x64x"
+                            r"f8E4M3FN>\) -> tensor<1x1024x1x64xf16>")
+
+  def lowered(widen):
+    def call(*args):
+      return pallas_fa.flash_attention(
+          *args[:3], **_scales(args[3:]), implementation="triton",
+          block_sizes=triton.TritonBlockSizes(widen_float8=widen))
+
+    with gpu_target.compile_for(gpu_target.H100):
+      return jax.jit(call).trace(*values, *scales).lower(
+          lowering_platforms=("cuda",)).as_text()
+
+  assert key_widening.search(lowered(None))
+  assert not key_widening.search(lowered(False))
 
 
 @pytest.mark.parametrize("formats", ["e5m2 q/k, e4m3 v", "e4m3 q, e5m2 k/v"])

@@ -140,7 +140,8 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   the causal forward cells, triton's bf16 forward with its former tiles
   beside it and JAX's Pallas mha at T = 16384, the split backward at T = 16384, the fused
   backward's variants on the causal fwd+bwd cell, triton's float8
-  forward on the headline's forward cells; each variant
+  forward (widened, and converting its tiles) on the headline's forward
+  cells; each variant
   a config that validates, and otherwise the default tiling; the cache
   forms, then decode at B = 1 and 8 with two split counts."""
   steps = gpu_check.steps
@@ -179,7 +180,7 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
     from absl import flags  # noqa: PLC0415
     for label, impls, peer in (
         ("mosaic_gpu_fp8", ("mosaic_gpu", "mosaic_gpu+negated_query"), None),
-        ("triton_fp8", ("triton",), None),
+        ("triton_fp8", ("triton", "triton:widen_float8=false"), None),
         ("cudnn_fp8", (), "cudnn_fp8")):
       run = runs[label]
       assert (run.impls, run.peers, run.dtype, run.modes) == (

@@ -52,7 +52,7 @@ def _normal(gen, *shape):
     ("block_q", 24), ("block_kv", 8), ("block_q_dkv", 1024),
     ("block_kv_dq", 0), ("block_kv_dkv", 32.0), ("block_q_dq", True),
     ("num_warps", 3), ("num_stages", 0), ("num_warps_bwd", 32),
-    ("num_stages_bwd", 9),
+    ("num_stages_bwd", 9), ("widen_float8", 1),
 ])
 def test_block_sizes_validation(field, value):
   with pytest.raises(ValueError, match=field):

@@ -112,6 +112,11 @@ class TritonBlockSizes:
     num_stages: software-pipelining stages of the forward kernel.
     num_warps_bwd: warps of the backward kernels (None: num_warps).
     num_stages_bwd: stages of the backward kernels (None: num_stages).
+    widen_float8: how a float8 forward reads its tiles. True: query, key
+      and value are widened to float16 (exact) in XLA before the kernel,
+      which then streams 2-byte tiles straight into its products, with the
+      tiles of a 16-bit call; False: the kernel reads the 1-byte tiles and
+      converts each in registers. None: `widens_float8` decides.
   """
 
   block_q: int = 128
@@ -124,11 +129,17 @@ class TritonBlockSizes:
   num_stages: int = 2
   num_warps_bwd: int | None = None
   num_stages_bwd: int | None = None
+  widen_float8: bool | None = None
 
   def __post_init__(self):
     name = type(self).__name__
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
+      if f.name == "widen_float8":
+        if value is not None and not isinstance(value, bool):
+          raise ValueError(
+              f"{name}.{f.name} must be True, False or None, got {value!r}.")
+        continue
       if value is None and f.name.endswith("_bwd"):
         continue
       if not isinstance(value, int) or isinstance(value, bool):
@@ -404,7 +415,39 @@ def _block_sizes(params, q, k, v, info) -> TritonBlockSizes:
 # Forward.
 
 
+def widens_float8(q_len: int, block_sizes=None, target=None) -> bool:
+  """Whether a float8 forward widens its inputs to float16 in XLA
+  (`TritonBlockSizes.widen_float8`, where set).
+
+  Where the products read their right operand from shared memory (wgmma,
+  compute capability 9.0 on), a tile converted in registers must be
+  stored back there before each product, outside the software pipeline:
+  the H200 ran that kernel at 0.64x the bfloat16 one (293.6 TFLOP/s at
+  T = 16384). Widening once costs 3 bytes an element of q, k and v (one
+  read, one write) and doubles the kernel's reads of K and V, which a
+  compute-bound kernel does not notice: per head it is about 190 / T of
+  the kernel's time at the H200's rates, so from `WIDEN_FLOAT8_MIN_QUERIES`
+  on. Older GPUs (mma.sync) hold both operands in registers and keep the
+  1-byte reads.
+  """
+  if block_sizes is not None and block_sizes.widen_float8 is not None:
+    return block_sizes.widen_float8
+  capability = _capability(gpu_target.current() if target is None
+                           else target)
+  return (capability is not None and capability >= (9, 0)
+          and q_len >= WIDEN_FLOAT8_MIN_QUERIES)
+
+
+# `widens_float8`: from here on the widening costs under a fifth of the
+# kernel's time.
+WIDEN_FLOAT8_MIN_QUERIES = 1024
+
+
 def _forward(q, k, v, bias, info, params, scales=None):
+  if scales is not None and widens_float8(q.shape[1], params.block_sizes):
+    # float16 holds every float8 value: the kernel's conversions become
+    # no-ops and its tiles those of a 16-bit call (`_block_sizes`).
+    q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
   bs = _block_sizes(params, q, k, v, info)
   b, t, n, h = q.shape
   s = k.shape[1]
