@@ -196,6 +196,39 @@ def test_triton_widened_float8_is_the_kernels_conversion(granularity):
   _assert_within_p_rounding(outs[1][0], ref, _dequantized64(values, scales)[2])
 
 
+@gpu_jax_only_on_cpu
+@pytest.mark.parametrize("granularity", ["token", "head"])
+@pytest.mark.parametrize("widen", [False, True])
+def test_triton_float8_signed_query_scales(granularity, widen):
+  # Zero and negative query scales are legal. With one key scale a head,
+  # the kernel takes the row max on the raw products with the factor in
+  # the exponent (`kernel.Fp8.exponent_scale`), which needs it
+  # positive: its sign goes into the queries and a zero one zeroes them
+  # (`triton._positive_factors`); a zero factor must not turn a masked
+  # logit into NaN (causal masks here).
+  gen = testing.rng("fp8 triton signed scales", granularity, widen)
+  pairs = [quantize.quantize_fp8(x, g, E4M3) for x, g in zip(
+      _inputs(gen), (granularity, "head", "head"))]
+  values = tuple(p[0] for p in pairs)
+  qs, ks, vs = (p[1] for p in pairs)
+  sign = np.ones(qs.shape, np.float32)
+  if granularity == "token":
+    sign[:, 3, 0] = sign[:, 20, 1] = -1.0
+    sign[:, 7, 0] = sign[:, 21, 2] = 0.0
+    sign[1, :, 3] = -1.0
+  else:
+    sign[..., 0], sign[..., 2] = -1.0, 0.0
+  scales = (qs * sign, ks, vs)
+  out, lse = pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=True, out_dtype=jnp.float32,
+      implementation="triton", return_residual=True,
+      block_sizes=dataclasses.replace(conftest.block_sizes_for("triton"),
+                                      widen_float8=widen))
+  ref, ref_lse = _oracle(*_dequantized64(values, scales), causal=True)
+  testing.assert_close("lse", lse, ref_lse)
+  _assert_within_p_rounding(out, ref, _dequantized64(values, scales)[2])
+
+
 def test_triton_widens_float8_where_products_read_shared_memory():
   # Hopper's wgmma reads K and V from shared memory: a float8 forward long
   # enough to be compute-bound widens them in XLA; an A100-class GPU, a

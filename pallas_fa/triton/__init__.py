@@ -514,7 +514,8 @@ def _fp8_inputs(x, scales, params):
   `q_scale` [B, N, Tp | 1]: the query's scale (per row, or one per
   program), times the key's when that is one per program, times the
   logit scale and log2(e) when nothing acts between them and the
-  softmax; `k_scale` [B, K, Sp] the key's per key; `v_scale` [B, K, Sp]
+  softmax (then positive, its sign folded into `x.q`:
+  `kernel.Fp8.exponent_scale`); `k_scale` [B, K, Sp] the key's per key; `v_scale` [B, K, Sp]
   the value's per key over their largest (per batch row and K/V head),
   that largest or the value's one scale then `o_scale` [B, N, 1].
   """
@@ -535,6 +536,8 @@ def _fp8_inputs(x, scales, params):
   else:
     inputs["q_scale"] = jnp.broadcast_to(
         q_factor, (x.b, 1, x.n)).astype(_F32).transpose(0, 2, 1)
+  if folded and not k_cols:
+    inputs["q_scale"] = _positive_factors(x, inputs["q_scale"])
   if k_cols:
     inputs["k_scale"] = x.scale_rows(k_scale, queries=False)
   if v_cols:
@@ -558,6 +561,18 @@ def _fp8_inputs(x, scales, params):
       v_cols=v_cols, folded=folded,
       offset=kernel.p_offset(pv_dtype, feat.dropout_rate))
   return fp8, inputs
+
+
+def _positive_factors(x, factors):
+  """A float8 call's row factors [B, N, Tp | 1] -> their magnitudes, the
+  signs multiplied into the queries `x.q` (exact in float8 and float16),
+  so that the factor can ride in the exponent (`kernel.Fp8.
+  exponent_scale`). A zero factor (all its logits 0) zeroes its queries'
+  rows and becomes 1: the logits stay 0 and a masked one -inf (0 * -inf
+  in the exponent would be NaN)."""
+  sign = jnp.sign(factors).transpose(0, 2, 1)[..., None]  # [B, Tp|1, N, 1]
+  x.q = (x.q.astype(_F32) * sign).astype(x.q.dtype)
+  return jnp.where(factors == 0, 1.0, jnp.abs(factors))
 
 
 def _add_fp8_inputs(inputs, fp8_inputs, x, bq, row):

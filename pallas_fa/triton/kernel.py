@@ -20,7 +20,11 @@ afterwards: no atomics, so the table's gradient is deterministic too.
 
 Float8 calls (`Fp8`) run the forward on the 1-byte tiles as stored,
 converted in registers for the products (float32 accumulation), the
-scales acting on the float32 logits, on P's columns and on the output.
+scales acting on the float32 logits, on P's columns and on the output;
+with one key scale a head the row factor rides in the exponent's fused
+multiply-add (`Fp8.exponent_scale`), as the logit scale of a 16-bit
+call does. (On Hopper `triton` widens long calls' inputs to float16
+before the kernel, which then converts nothing: `triton.widens_float8`.)
 The products take float16 operands, which hold every float8 value
 exactly: jax's Pallas-Triton lowering (0.10 and 0.11) builds a float8
 `tt.dot` with max_num_imprecise_acc = 0, which Triton's Hopper path
@@ -96,6 +100,16 @@ class Fp8:
   v_cols: bool
   folded: bool
   offset: float
+
+  @property
+  def exponent_scale(self) -> bool:
+    """Whether `q_scale` rides in the exponent's fused multiply-add
+    (`online_softmax.update`'s `scale`): when it is all that scales the
+    products (`folded`, no per-key key scales), the row max is taken on
+    the raw products and scaled once a row, one multiply and one subtract
+    a logit fewer. The factor must then be positive: `triton` folds its
+    sign into the queries (exact) before the kernel."""
+    return self.folded and not self.k_cols
 
 
 def p_offset(pv_dtype, dropout_rate: float) -> float:
@@ -479,9 +493,13 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
   q_seg = refs["q_seg"][...] if feat.segments else None
   fp8 = feat.fp8
   offset = 0.0
+  # The logits' scale left to the exponential (None: s holds the logits).
+  exponent_scale = feat.softmax_scale
   if fp8 is not None:
     q = q.astype(fp8.qk_dtype)
     offset = fp8.offset
+    if fp8.exponent_scale:
+      exponent_scale = refs["q_scale"][...]  # [block_q], or [1]
 
   def tile(j, carry, masked):
     m_i, l_i, acc = carry
@@ -492,14 +510,15 @@ def forward(refs, *, feat: Features, block_k: int, num_tiles: int,
     if fp8 is not None:
       k = k.astype(fp8.qk_dtype)
       v = v.astype(fp8.pv_dtype)
-      dequantize = functools.partial(_fp8_logits, refs, fp8, cols)
+      if not fp8.exponent_scale:
+        dequantize = functools.partial(_fp8_logits, refs, fp8, cols)
     s, _, _ = _tile_logits(
         refs, feat, q, k, query_major_tile(row * block_q, block_q,
                                            j * block_k, block_k, cols),
         q_pos, q_seg, masked, dequantize=dequantize)
     m_i, l_i, p, alpha = online_softmax.update(
         m_i, l_i, s, base2=True, offset=offset, tile_exp=exp2.exp2,
-        scale=feat.softmax_scale)
+        scale=exponent_scale)
     if feat.dropout_rate:
       # On the normalised probabilities: l_i sums the undropped ones.
       p = p * _dropout_factor(refs, feat, batch, head, row * block_q,
