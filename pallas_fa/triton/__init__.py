@@ -515,8 +515,9 @@ def _fp8_inputs(x, scales, params):
   program), times the key's when that is one per program, times the
   logit scale and log2(e) when nothing acts between them and the
   softmax (then positive, its sign folded into `x.q`:
-  `kernel.Fp8.exponent_scale`); `k_scale` [B, K, Sp] the key's per key; `v_scale` [B, K, Sp]
-  the value's per key over their largest (per batch row and K/V head),
+  `kernel.Fp8.exponent_scale`); `k_scale` [B, K, Sp] the key's per key;
+  `v_scale` [B, K, Sp] the value's per key over their largest (per batch
+  row and K/V head),
   that largest or the value's one scale then `o_scale` [B, N, 1].
   """
   q_scale, k_scale, v_scale = scales
