@@ -177,8 +177,8 @@ def test_triton_float8_operands(monkeypatch):
 def test_triton_widened_float8_is_the_kernels_conversion(granularity):
   # float16 holds every e4m3 and e5m2 value: widening the inputs in XLA
   # (`TritonBlockSizes.widen_float8`) feeds the kernel the values its own
-  # conversion makes, so the two paths agree bit for bit, mixed formats
-  # and per-token scales included.
+  # conversion makes, so the two paths agree bit for bit in the
+  # interpreter, mixed formats and per-token scales included.
   gen = testing.rng("fp8 triton widened", granularity)
   wide = _inputs(gen)
   pairs = [quantize.quantize_fp8(x, granularity, d)
@@ -190,8 +190,12 @@ def test_triton_widened_float8_is_the_kernels_conversion(granularity):
       implementation="triton", return_residual=True,
       block_sizes=dataclasses.replace(small, widen_float8=widen))
       for widen in (False, True)]
-  for name, a, b in zip(("out", "lse"), *outs):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  if gpu_target.current() is None:
+    # Interpreted: the same float16 values through the same arithmetic.
+    # (Compiled, the two kernels may order their products' sums apart.)
+    for name, a, b in zip(("out", "lse"), *outs):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=name)
   ref = _oracle(*_dequantized64(values, scales), causal=True)[0]
   _assert_within_p_rounding(outs[1][0], ref, _dequantized64(values, scales)[2])
 
@@ -240,7 +244,8 @@ def test_triton_widens_float8_where_products_read_shared_memory():
   assert triton.widens_float8(least, target=gpu_target.H100)
   assert not triton.widens_float8(least - 1, target=gpu_target.H100)
   assert not triton.widens_float8(4 * least, target=gpu_target.A100)
-  assert not triton.widens_float8(4 * least)  # No GPU here: interpreted.
+  if gpu_target.current() is None:  # Interpreted: nothing to widen for.
+    assert not triton.widens_float8(4 * least)
   forced = triton.TritonBlockSizes(widen_float8=False)
   assert not triton.widens_float8(4 * least, forced, gpu_target.H100)
   forced = triton.TritonBlockSizes(widen_float8=True)

@@ -517,8 +517,8 @@ def _fp8_inputs(x, scales, params):
   softmax (then positive, its sign folded into `x.q`:
   `kernel.Fp8.exponent_scale`); `k_scale` [B, K, Sp] the key's per key;
   `v_scale` [B, K, Sp] the value's per key over their largest (per batch
-  row and K/V head),
-  that largest or the value's one scale then `o_scale` [B, N, 1].
+  row and K/V head), that largest or the value's one scale then
+  `o_scale` [B, N, 1].
   """
   q_scale, k_scale, v_scale = scales
   feat = x.feat
