@@ -93,8 +93,19 @@ def rng(*names) -> np.random.Generator:
 
 
 def normal(gen: np.random.Generator, shape, dtype=jnp.float32) -> Array:
-  """Standard-normal values of `shape`, drawn in float32, cast to `dtype`."""
-  return jnp.asarray(gen.standard_normal(shape, np.float32)).astype(dtype)
+  """Standard-normal values of `shape`, drawn in float32, cast to `dtype`
+  (rounded to nearest even, as XLA's conversion rounds)."""
+  return _on_device(gen.standard_normal(shape, np.float32), dtype)
+
+
+def _on_device(values, dtype) -> Array:
+  """`values` converted on the host and copied to the default device.
+
+  Eagerly, `jnp.asarray` of a numpy array and `astype` each compile an XLA
+  program for every new shape (about 20-50 ms on a CPU), and a check makes
+  inputs of fresh shapes all the time.
+  """
+  return jax.device_put(np.asarray(values).astype(jnp.dtype(dtype)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,23 +181,23 @@ def make_inputs(case: Case, dtype, gen: np.random.Generator):
   if case.window is not None:
     kw["local_window_size"] = case.window
   if case.lengths:
-    kw["query_seq_lengths"] = jnp.asarray(
+    kw["query_seq_lengths"] = _on_device(
         gen.integers(1, case.t + 1, case.b), jnp.int32)
-    kw["key_value_seq_lengths"] = jnp.asarray(
+    kw["key_value_seq_lengths"] = _on_device(
         gen.integers(1, case.s + 1, case.b), jnp.int32)
   if case.segments:
     def segment_ids(length):
       ids = np.sort(gen.integers(0, 3, (case.b, length)))
-      return jnp.asarray(ids, jnp.int32)
+      return _on_device(ids, jnp.int32)
 
     kw["segment_ids"] = masking.SegmentIds(
         q=segment_ids(case.t), kv=segment_ids(case.s))
   if case.positions:
     offset = case.s - case.t
-    kw["query_positions"] = jnp.broadcast_to(
-        jnp.arange(case.t, dtype=jnp.int32) + offset, (case.b, case.t))
-    kw["key_positions"] = jnp.broadcast_to(
-        jnp.arange(case.s, dtype=jnp.int32), (case.b, case.s))
+    kw["query_positions"] = _on_device(np.broadcast_to(
+        np.arange(case.t) + offset, (case.b, case.t)), jnp.int32)
+    kw["key_positions"] = _on_device(
+        np.broadcast_to(np.arange(case.s), (case.b, case.s)), jnp.int32)
   if case.soft_cap:
     kw["logits_soft_cap"] = case.soft_cap
   if case.bias == "full":
@@ -194,13 +205,16 @@ def make_inputs(case: Case, dtype, gen: np.random.Generator):
   elif case.bias == "heads":
     kw["bias"] = normal(gen, (1, case.n, case.t, case.s))
   if case.mask == "full":
-    kw["mask"] = jnp.asarray(gen.random((case.b, case.n, case.t, case.s)) < .8)
+    kw["mask"] = _on_device(
+        gen.random((case.b, case.n, case.t, case.s)) < .8, bool)
   elif case.mask == "broadcast":
-    kw["mask"] = jnp.asarray(gen.random((case.b, 1, case.t, case.s)) < .8)
+    kw["mask"] = _on_device(gen.random((case.b, 1, case.t, case.s)) < .8,
+                            bool)
   if case.sinks:
     # About the size of a row's logsumexp over O(10-100) keys: the sink
     # takes a share of each row comparable to its keys'.
-    kw["sinks"] = 2.0 + 1.5 * normal(gen, (case.n,))
+    kw["sinks"] = _on_device(
+        2.0 + 1.5 * gen.standard_normal(case.n, np.float32), jnp.float32)
   return q, k, v, kw
 
 

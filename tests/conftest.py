@@ -34,11 +34,11 @@ os.environ.setdefault("XLA_FLAGS", _compile_cheaply())
 os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402
-import pytest
-from attention_testing import GPU_JAX_ONLY
+import pytest  # noqa: E402
+from attention_testing import GPU_JAX_ONLY  # noqa: E402
 
-import pallas_fa
-from pallas_fa import api
+import pallas_fa  # noqa: E402
+from pallas_fa import api  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # JAX's own test harness forbids implicit rank promotion; so do we, so that
