@@ -20,8 +20,12 @@ def _compile_cheaply() -> str:
   not know, hence the version check).
   """
   flags = ["--xla_backend_optimization_level=0"]
-  version = importlib.metadata.version("jaxlib").split(".")
-  if tuple(int(part) for part in version[:2]) < (0, 11):
+  try:
+    major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
+    older = (int(major), int(minor)) < (0, 11)
+  except (importlib.metadata.PackageNotFoundError, ValueError):
+    older = False  # Not a released jaxlib: no flag it might not know.
+  if older:
     flags.append("--xla_cpu_use_fusion_emitters=false")
   return " ".join(flags)
 
