@@ -2,11 +2,12 @@
 
 import contextlib
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import pathlib
 import sys
+
+import jaxlib.version  # Its version only: nothing reads XLA_FLAGS yet.
 
 
 def _compile_cheaply() -> str:
@@ -20,12 +21,7 @@ def _compile_cheaply() -> str:
   not know, hence the version check).
   """
   flags = ["--xla_backend_optimization_level=0"]
-  try:
-    major, minor = importlib.metadata.version("jaxlib").split(".")[:2]
-    older = (int(major), int(minor)) < (0, 11)
-  except (importlib.metadata.PackageNotFoundError, ValueError):
-    older = False  # Not a released jaxlib: no flag it might not know.
-  if older:
+  if jaxlib.version.__version_info__ < (0, 11):
     flags.append("--xla_cpu_use_fusion_emitters=false")
   return " ".join(flags)
 
