@@ -324,6 +324,7 @@ def canonicalize(
       dropout_seed=(None if dropout_rng is None
                     else dropout.seed_from(dropout_rng)),
       dropout_rate=dropout_rate,
+      positions_are_indices=query_positions is None and key_positions is None,
       **flex,
   )
   params = vjp.Params(

@@ -102,6 +102,12 @@ class MaskInfo:
     mask_mod_args: the arrays mask_mod reads (not differentiated).
     block_mask: a `pallas_fa.flex.block_mask.BlockMask` of mask_mod made by the
       caller, or None (each backend then classifies its own tiles).
+    positions_are_indices: static; the real tokens' positions are their
+      indices (the defaults, arange(T) and arange(S)), so a kernel may make
+      them from its tile offsets instead of reading them. Padding's tails
+      (`pad_sequence`) keep it: padding is masked apart from positions.
+      `replace` clears it when positions change, and so must anything that
+      changes them otherwise (a sequence-sharded call's shards).
   """
 
   q_positions: Array
@@ -118,6 +124,7 @@ class MaskInfo:
   mask_mod: Callable | None = None
   mask_mod_args: tuple[Array, ...] = ()
   block_mask: Any = None
+  positions_are_indices: bool = False
 
   @property
   def has_dropout(self) -> bool:
@@ -138,6 +145,10 @@ class MaskInfo:
     return self.is_causal or self.window is not None
 
   def replace(self, **changes) -> MaskInfo:
+    """dataclasses.replace; new positions clear `positions_are_indices`
+    unless the change says otherwise."""
+    if {"q_positions", "kv_positions"} & changes.keys():
+      changes.setdefault("positions_are_indices", False)
     return dataclasses.replace(self, **changes)
 
 
@@ -155,7 +166,7 @@ jax.tree_util.register_dataclass(
         "block_mask",
     ],
     meta_fields=["is_causal", "window", "dropout_rate", "score_mod",
-                 "mask_mod"],
+                 "mask_mod", "positions_are_indices"],
 )
 
 
@@ -225,6 +236,8 @@ def pad_sequence(info: MaskInfo, q_len: int, kv_len: int) -> MaskInfo:
       kv_segment_ids=pad_axes(kv_seg, {1: kv_len}, KV_PAD_SEGMENT),
       # A dense mask may broadcast (size 1) along T or S; nothing else does.
       mask=pad_axes(info.mask, {2: q_len, 3: kv_len}, False, broadcast=True),
+      # The tails are padding, masked by their segment ids.
+      positions_are_indices=info.positions_are_indices,
   )
 
 

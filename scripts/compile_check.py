@@ -128,7 +128,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "split_causal", "split_masked", "split_dropout", "fp8",
             "fp8_causal", "decode_prefix", "decode_merged", "fused_step",
             "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
-            "wide_keys", "wide_keys_fp8", "in_kernel_fp8")
+            "wide_keys", "wide_keys_causal", "wide_keys_fp8",
+            "in_kernel_fp8")
 # The tile variants: their prefix (the variant after it, "plain"
 # without one, gives the inputs and masking), the block-size fields they
 # set, and the divisor of the sequence length they compile at: another
@@ -188,6 +189,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "fused_pipeline": ("mosaic_gpu",),
                     "fused_pipeline_causal": ("mosaic_gpu",),
                     "wide_keys": ("mosaic_gpu",),
+                    "wide_keys_causal": ("mosaic_gpu",),
                     "wide_keys_fp8": ("mosaic_gpu",),
                     "in_kernel_fp8": ("triton",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
@@ -202,7 +204,8 @@ VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
 VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "fused_step": 128, "fused_step_causal": 128,
                         "fused_pipeline": 128, "fused_pipeline_causal": 128,
-                        "wide_keys": 128, "wide_keys_fp8": 128,
+                        "wide_keys": 128, "wide_keys_causal": 128,
+                        "wide_keys_fp8": 128,
                         "split_dropout": 64}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
@@ -279,9 +282,10 @@ class Case:
       fused backward's step options (`fused_overlap`, `dq_swizzle=32`:
       `TILE_VARIANTS`), at head dims <= 128; "fused_pipeline" /
       "fused_pipeline_causal" likewise with `fused_pipeline`;
-      "wide_keys" = "plain" with 192-key forward tiles in two stages, at
-      head dims <= 128 (no causal one: its positions' SMEM would not fit
-      beside them), "wide_keys_fp8" the same of "fp8";
+      "wide_keys" / "wide_keys_causal" = "plain" / "causal" with 192-key
+      forward tiles in two stages, at head dims <= 128 (the causal one
+      fits because default positions are made from indices, not stored),
+      "wide_keys_fp8" the same of "fp8";
       "fp8" / "fp8_causal" = the forward of "plain" / "causal" on
       float8_e4m3fn query, key and value with per-head float32 scales
       (`FP8_VARIANTS`; compute capability 8.9 and up), the

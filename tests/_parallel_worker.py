@@ -25,6 +25,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import collections  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import conftest  # noqa: E402
 
 import pallas_fa  # noqa: E402
+from pallas_fa import api  # noqa: E402
 from pallas_fa import parallel  # noqa: E402
 
 _TOL = 2e-5
@@ -356,6 +358,46 @@ def ring():
          dict(head_axes="heads", sequence_axis="sequence",
               load_balance=True)),
     ], t=38)
+  _check_ring_positions(causal)
+
+
+def _check_ring_positions(case):
+  """A ring's shards hold slices of the default positions, not their
+  indices: no backend of a ring step is told they are
+  (`MaskInfo.positions_are_indices`, which mosaic_gpu would act on)."""
+  q, k, v, _, kwargs = case
+  seen, choose = [], api.choose_backend
+
+  def recording(implementation, call):
+    backend = choose(implementation, call)
+
+    def recorded(fn):
+      def run(q, k, v, bias, info, *args, **kw):
+        seen.append(info.positions_are_indices)
+        return fn(q, k, v, bias, info, *args, **kw)
+      return run
+
+    return dataclasses.replace(backend, forward=recorded(backend.forward),
+                               backward=recorded(backend.backward))
+
+  api.choose_backend = recording
+  try:
+    for load_balance in (False, True):
+      attention = functools.partial(
+          parallel.sharded_flash_attention, mesh=parallel.make_mesh(
+              data=2, sequence=4), batch_axes="data",
+          sequence_axis="sequence", load_balance=load_balance,
+          implementation="chunked", **kwargs)
+
+      def loss(*x, attention=attention):
+        return attention(*x).sum()
+
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
+  finally:
+    api.choose_backend = choose
+  assert len(seen) >= 4 and not any(seen), seen
+  print(f"ok ring positions are not indices ({len(seen)} passes)",
+        flush=True)
 
 
 def _check_low_precision(case, impl, block_sizes):

@@ -134,3 +134,24 @@ def test_zero_padding_removes_nan():
   seg = jnp.array([[0, masking.KV_PAD_SEGMENT, masking.KV_PAD_SEGMENT]])
   y = masking.zero_padding(x, seg, masking.KV_PAD_SEGMENT)
   assert np.isnan(y[0, 0]).all() and (y[0, 1:] == 0).all()
+
+
+def test_positions_are_indices_only_while_positions_are_the_defaults():
+  """`MaskInfo.positions_are_indices` (kernels may make such positions
+  from tile offsets) is set for the default positions only, kept by
+  padding and cleared by any change of positions."""
+  from pallas_fa import api  # noqa: PLC0415 - api imports this module.
+
+  x = jnp.asarray(np.random.default_rng().standard_normal((1, 6, 2, 8)),
+                  jnp.float32)
+  info = lambda **kw: api.canonicalize(  # noqa: E731
+      x, x, x, is_causal=True, **kw).arrays[4]
+  assert info().positions_are_indices
+  arange = jnp.arange(6)[None]
+  assert not info(query_positions=arange).positions_are_indices
+  assert not info(key_positions=arange).positions_are_indices
+  default = info()
+  assert masking.pad_sequence(default, 8, 16).positions_are_indices
+  assert not default.replace(q_positions=arange + 1).positions_are_indices
+  assert not default.replace(kv_positions=arange).positions_are_indices
+  assert default.replace(mask=None).positions_are_indices

@@ -472,15 +472,19 @@ def test_wide_key_tiles_fit_without_metadata():
   """192-key forward tiles in two stages at H = 128 fit shared memory
   (230,400 B of buffers, 230,488 B compiled with the barriers) only where
   no positions or segment ids travel with them (`kernel.meta_smem`): a
-  causal call's do not fit, and the call says so, naming block_sizes,
-  before Mosaic does."""
+  causal call with the default positions makes them from indices and
+  fits; with positions of its own they do not, and the call says so,
+  naming block_sizes, before Mosaic does."""
   bs = mosaic_gpu.MosaicGpuBlockSizes(block_kv=192)
   assert mosaic_gpu.shared_memory_bytes(bs, 128, meta=0)["forward"] == (
       230_400)
   assert mosaic_gpu.shared_memory_bytes(bs, 128, meta=1)["forward"] > (
       227 * 1024)
+  causal = Case(b=1, t=128, s=384, n=1, k=1, h=128, causal=True)
+  text = _lower_for_hopper(causal, jnp.bfloat16, bs)
+  assert text.count("custom_call @mosaic_gpu") == 2
   with pytest.raises(ValueError, match=r"block_sizes=.* forward kernel"):
-    _lower_for_hopper(Case(b=1, t=128, s=384, n=1, k=1, h=128, causal=True),
+    _lower_for_hopper(dataclasses.replace(causal, positions=True),
                       jnp.bfloat16, bs)
 
 
@@ -935,15 +939,19 @@ def test_interpreted_padding_never_leaks():
 @needs_interpreter
 @pytest.mark.parametrize("case, meta", [
     (Case(b=1, t=200, s=300, n=2, k=1, h=64), 0),
+    (Case(b=1, t=260, s=250, n=2, k=1, h=64, causal=True), 0),
     (Case(b=1, t=130, s=250, n=2, k=1, h=64, causal=True, segments=True,
-          lengths=True), 2),
-], ids=["padding", "causal-segments"])
+          lengths=True), 1),
+    (Case(b=1, t=130, s=250, n=2, k=1, h=64, causal=True, segments=True,
+          lengths=True, positions=True), 2),
+], ids=["padding", "causal", "causal-segments", "causal-positions"])
 def test_interpreted_forward_wide_key_tiles(monkeypatch, case, meta):
   """192-key forward tiles (`block_kv=192`) over lengths that are not
   multiples of them, and ragged query units: without segment ids of the
   call's own the padded keys are masked by index
-  (`kernel.Spec.masks_padding_by_index`) and no metadata travels with the
-  tiles; with them, positions and segment ids do."""
+  (`kernel.Spec.masks_padding_by_index`); default positions are made from
+  indices (`kernel.Spec.positions_by_index`). Only the call's own segment
+  ids and positions travel with the tiles."""
   specs, real = [], kernel.launch
 
   def launch(spec, *, name, **kwargs):
@@ -957,7 +965,8 @@ def test_interpreted_forward_wide_key_tiles(monkeypatch, case, meta):
   _check_forward(fn, case, rng("mosaic_gpu", "wide-keys", str(case)))
   [spec] = specs
   assert (spec.block_kv, spec.num_meta) == (192, meta)
-  assert spec.masks_padding_by_index == (meta == 0)
+  assert spec.masks_padding_by_index == (not case.segments)
+  assert spec.positions_by_index == (not case.positions)
 
 
 def _check_forward(fn, case, gen, **extra):

@@ -380,6 +380,9 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       fused_pipeline=bs.fused_pipeline,
       is_causal=x.info.is_causal,
       window=x.info.window,
+      # The forwards' (the backward kernels spill 8-32 B at H = 128 with
+      # the index vectors live where loaded ones were).
+      positions_by_index=forward and x.info.positions_are_indices,
       # A forward masks padded keys by index, not by the padding's segment
       # ids (its padded query rows are sliced off, not masked), so that
       # none travel without the call's own; the backward's zero its

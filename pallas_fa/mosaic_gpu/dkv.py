@@ -126,7 +126,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
                              kernel.meta_at(spec, kmeta_smem, wg), b, keys)],
         kv_bar.at[wg])
     k_p, k_s = kernel.load_meta(
-        spec, ops, *kernel.meta_at(spec, kmeta_smem, wg), 0)
+        spec, ops, *kernel.meta_at(spec, kmeta_smem, wg), 0, first=key0,
+        size=bk)
 
     if want_dq:
       ds_smem, stage = dq_smem
@@ -263,7 +264,8 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       lse2 = ops.load_vector(lse_smem.at[slot], 1)
       if masked:
         q_p, q_s = kernel.load_meta(
-            spec, ops, *kernel.meta_at(spec, qmeta_smem, slot), 1)
+            spec, ops, *kernel.meta_at(spec, qmeta_smem, slot), 1,
+            first=i * bq, size=bq)
         mod = kernel.index_mask_tile(
             spec, ops, r, s_t.shape, (q_p, q_s), (k_p, k_s), batch=b,
             head=head, q0=i * bq, kv0=key0, q_axis=1)

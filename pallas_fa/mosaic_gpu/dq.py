@@ -78,7 +78,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     lse2 = ops.load_vector(lse_smem.at[wg], 0)
     delta = ops.load_vector(delta_smem.at[wg], 0)
     q_p, q_s = kernel.load_meta(
-        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0)
+        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0, first=row0,
+        size=bq)
 
     def step(j, carry, *, masked):
       dq, dmod = carry
@@ -99,7 +100,8 @@ def backward_dq(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
           kv0=j * spec.block_kv, q_axis=0, grad=True)
       if masked:
         k_p, k_s = kernel.load_meta(
-            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1)
+            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1,
+            first=j * spec.block_kv, size=spec.block_kv)
         mod = kernel.index_mask_tile(
             spec, ops, r, s.shape, (q_p, q_s), (k_p, k_s), batch=b,
             head=n, q0=row0, kv0=j * spec.block_kv, q_axis=0)

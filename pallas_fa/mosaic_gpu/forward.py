@@ -48,10 +48,11 @@ def take_turn(schedule):
 
 
 def key_tile_products(spec: kernel.Spec, ops, q_smem, wg, k_ready, k_tile,
-                      kmeta, masked: bool, schedule):
+                      kmeta, kv0, masked: bool, schedule):
   """Q K^T of one key tile once it has landed, float32 [block_q, block_kv]
   (a ping-pong turn taken while the wgmma runs), and with `masked` the
-  tile's key positions and segment ids (else None, None)."""
+  positions and segment ids of the tile's keys, the first kv0 (else None,
+  None)."""
   plgpu.barrier_wait(k_ready)
   qk = ops.mm(
       q_smem.at[kernel.stationary_in_step(spec, wg)], k_tile,
@@ -59,7 +60,8 @@ def key_tile_products(spec: kernel.Spec, ops, q_smem, wg, k_ready, k_tile,
       between=(lambda: take_turn(schedule)) if spec.pingpong else None)
   if not masked:
     return qk, None, None
-  return (qk, *kernel.load_meta(spec, ops, *kmeta, 1))
+  return (qk, *kernel.load_meta(spec, ops, *kmeta, 1, first=kv0,
+                                size=spec.block_kv))
 
 
 def await_values(spec: kernel.Spec, v_ready, schedule):
@@ -288,7 +290,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
                              kernel.meta_at(spec, qmeta_smem, wg), b, rows)],
         q_bar.at[wg])
     q_p, q_s = kernel.load_meta(
-        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0)
+        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0, first=row0,
+        size=bq)
 
     # The logit scale in the exponent (no multiply for the max's sake).
     scale = online_softmax.exponent_scale(
@@ -325,7 +328,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       slot = kernel.rem(base + j - ulo, stages)
       qk, k_p, k_s = key_tile_products(
           spec, ops, qo_smem, wg, k_bar.at[slot], k_smem.at[slot],
-          kernel.meta_at(spec, kmeta_smem, slot), masked, schedule)
+          kernel.meta_at(spec, kmeta_smem, slot), j * spec.block_kv, masked,
+          schedule)
       plgpu.barrier_arrive(k_free.at[slot])
       m_i, l_i, p, acc, _ = probs(
           j, qk, k_p, k_s, m_i, l_i, acc, masked=masked)
@@ -340,7 +344,8 @@ def forward(spec: kernel.Spec, q, k, v, q_pos, q_seg, kv_pos, kv_seg, sched,
       k_p = k_s = None
       if masked:
         k_p, k_s = kernel.load_meta(
-            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1)
+            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1,
+            first=j * spec.block_kv, size=spec.block_kv)
       plgpu.barrier_arrive(k_free.at[slot])
       m_i, l_i, p, _, alpha = probs(
           j, qk, k_p, k_s, m_i, l_i, None, masked=masked)

@@ -294,7 +294,8 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
                              kernel.meta_at(spec, qmeta_smem, wg), b, rows)],
         q_bar.at[wg])
     q_p, q_s = kernel.load_meta(
-        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0)
+        spec, ops, *kernel.meta_at(spec, qmeta_smem, wg), 0, first=row0,
+        size=bq)
     q_factor = ops.load_vector(qrow_smem.at[wg], 0)  # [bq]
 
     # P_SCALE: in the exponent (2^(s - m + 8), P and l alike, no multiply)
@@ -314,7 +315,8 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
         qk = qk * jax.lax.broadcast_in_dim(k_factor, qk.shape, (1,))
       if masked and k_meta is None:
         k_meta = kernel.load_meta(
-            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1)
+            spec, ops, *kernel.meta_at(spec, kmeta_smem, slot), 1,
+            first=j * bk, size=bk)
       plgpu.barrier_arrive(k_free.at[slot])
       if spec.soft_cap is None:
         s = qk  # q_factor carries log2(e): base-2 logits (`_fp8_scales`).
@@ -344,7 +346,7 @@ def forward(spec: kernel.Spec, q, k, vt, q_pos, q_seg, kv_pos, kv_seg,
       slot = kernel.rem(base + j - ulo, stages)
       qk, k_p, k_s = forward_lib.key_tile_products(  # e4m3 -> float32
           spec, ops, q_smem, wg, k_bar.at[slot], k_smem.at[slot],
-          kernel.meta_at(spec, kmeta_smem, slot), masked, schedule)
+          kernel.meta_at(spec, kmeta_smem, slot), j * bk, masked, schedule)
       m_i, l_i, p, alpha = softmax(j, slot, qk, m_i, l_i, masked=masked,
                                    k_meta=(k_p, k_s), fold=fold)
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)

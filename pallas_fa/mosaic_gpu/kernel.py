@@ -198,6 +198,10 @@ class Spec:
       with the next step's S^T (`MosaicGpuBlockSizes.fused_pipeline`).
     is_causal: causal masking on positions.
     window: (left, right) or None; a None side is unbounded.
+    positions_by_index: the positions causal or window masking compares
+      are the tokens' indices (`MaskInfo.positions_are_indices`): made
+      from the tile offsets (`load_meta`), they take no shared memory and
+      no copies.
     has_segments: whether segment ids (padding included) take part.
     scale: logit scale.
     soft_cap: logit soft cap or None.
@@ -242,6 +246,7 @@ class Spec:
   fused_pipeline: bool = False
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
+  positions_by_index: bool = False
   has_segments: bool = False
   scale: float = 1.0
   soft_cap: float | None = None
@@ -283,8 +288,10 @@ class Spec:
 
   @property
   def carries_pos(self) -> bool:
-    """Whether the position slots travel (positions or `mod_slot`)."""
-    return self.need_positions or self.mod_slot == "positions"
+    """Whether the position slots travel (positions not made from
+    indices, or `mod_slot`)."""
+    return ((self.need_positions and not self.positions_by_index)
+            or self.mod_slot == "positions")
 
   @property
   def carries_seg(self) -> bool:
@@ -866,11 +873,16 @@ def apply_dropout(spec: Spec, ops: gpu_ops.Ops, x, seed_ref, *, batch, head,
   return jnp.where(keep, x * (1.0 / (1.0 - spec.dropout_rate)), 0.0)
 
 
-def load_meta(spec: Spec, ops: gpu_ops.Ops, pos_ref, seg_ref, axis):
-  """(positions, segment ids) vectors laid out along `axis` of a wgmma tile;
-  None for those the spec does not use."""
+def load_meta(spec: Spec, ops: gpu_ops.Ops, pos_ref, seg_ref, axis, *,
+              first, size):
+  """(positions, segment ids) vectors of the `size` tokens from index
+  `first` on, laid out along `axis` of a wgmma tile; None for those the
+  spec does not use. Positions by index (`Spec.positions_by_index`) are
+  the indices themselves."""
   pos = seg = None
-  if spec.carries_pos:
+  if spec.need_positions and spec.positions_by_index:
+    pos = first + ops.iota_vector(size, axis)
+  elif spec.carries_pos:
     pos = ops.load_vector(pos_ref, axis)
   if spec.carries_seg:
     seg = ops.load_vector(seg_ref, axis)

@@ -337,6 +337,8 @@ def ring_local(implementation, params, axis_name, q, k, v, bias, info,
   (`zigzag`: the shards hold the zig-zag layout's chunks, which flex
   functions' global indices follow)."""
   layout = _Layout(0, axis_size(axis_name), q.shape[1], k.shape[1], zigzag)
+  # A shard's positions are a slice of the sequence's, not its indices.
+  info = info.replace(positions_are_indices=False)
   bias_0, info_0 = _step_inputs(
       bias, info, info.kv_positions, info.kv_segment_ids, 0, layout
   )
