@@ -949,9 +949,11 @@ def test_interpreted_forward_wide_key_tiles(monkeypatch, case, meta):
   """192-key forward tiles (`block_kv=192`) over lengths that are not
   multiples of them, and ragged query units: without segment ids of the
   call's own the padded keys are masked by index
-  (`kernel.Spec.masks_padding_by_index`); default positions are made from
-  indices (`kernel.Spec.positions_by_index`). Only the call's own segment
-  ids and positions travel with the tiles."""
+  (`kernel.Spec.masks_padding_by_index`), by the causal bound itself in a
+  causal call (`masks_padding_causally`, here with queries past the last
+  key); default positions are made from indices
+  (`kernel.Spec.positions_by_index`). Only the call's own segment ids and
+  positions travel with the tiles."""
   specs, real = [], kernel.launch
 
   def launch(spec, *, name, **kwargs):
@@ -967,6 +969,8 @@ def test_interpreted_forward_wide_key_tiles(monkeypatch, case, meta):
   assert (spec.block_kv, spec.num_meta) == (192, meta)
   assert spec.masks_padding_by_index == (not case.segments)
   assert spec.positions_by_index == (not case.positions)
+  # Causal without segment ids: the causal bound masks the padded keys.
+  assert spec.masks_padding_causally == (case.causal and not case.segments)
 
 
 def _check_forward(fn, case, gen, **extra):

@@ -282,6 +282,15 @@ class Spec:
             and self.valid_kv_len < self.kv_len)
 
   @property
+  def masks_padding_causally(self) -> bool:
+    """Whether the causal bound masks the padded keys as well: with
+    positions by index and no window, a query sees key j iff j <= min(its
+    index, the last real key's), one compare where two were (the padded
+    keys are past every real one)."""
+    return (self.masks_padding_by_index and self.positions_by_index
+            and self.is_causal and self.window is None)
+
+  @property
   def masked(self) -> bool:
     return (self.need_positions or self.has_segments
             or self.mask_mod is not None or self.masks_padding_by_index)
@@ -394,7 +403,8 @@ def index_mask_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
                     head, q0, kv0, q_axis):
   """The mask of a tile (bool, `shape`) beyond `masking.visible`'s: the
   call's mask_mod, and the padded keys where they are masked by index
-  (`Spec.masks_padding_by_index`); None without either.
+  (`Spec.masks_padding_by_index`) and not by the causal bound
+  (`Spec.masks_padding_causally`, `apply_mask`); None without either.
 
   q_meta / kv_meta are the tile's (positions, segment ids) vectors
   (`load_meta`); the `Spec.mod_slot` one carries the mask_mod's per-query /
@@ -402,7 +412,7 @@ def index_mask_tile(spec: Spec, ops, r, shape, q_meta, kv_meta, *, batch,
   """
   mod = spec.mask_mod
   real_keys = None
-  if spec.masks_padding_by_index:
+  if spec.masks_padding_by_index and not spec.masks_padding_causally:
     kv_axis = 1 - q_axis
     keys = kv0 + ops.iota_vector(shape[kv_axis], kv_axis)
     real_keys = lax.broadcast_in_dim(keys < spec.valid_kv_len, shape,
@@ -445,14 +455,17 @@ def scale_grad(spec: Spec, total):
 def apply_mask(spec: Spec, s, axis, q_pos, q_seg, kv_pos, kv_seg,
                mod=None):
   """Masks a logit tile by `masking.visible` and `mod` (`index_mask_tile`,
-  or None); axis indexes queries (0, or 1 in the transposed orientation of
-  the dK/dV kernel)."""
+  or None), and the padded keys where the causal bound masks them
+  (`Spec.masks_padding_causally`); axis indexes queries (0, or 1 in the
+  transposed orientation of the dK/dV kernel)."""
 
   def along(x, a):
     return None if x is None else lax.broadcast_in_dim(x, s.shape, (a,))
 
   # The slots may carry a mask_mod's values instead (`Spec.mod_slot`).
   positions, segments = spec.need_positions, spec.has_segments
+  if spec.masks_padding_causally:
+    q_pos = jnp.minimum(q_pos, spec.valid_kv_len - 1)
   visible = masking.visible(
       is_causal=spec.is_causal,
       window=spec.window,
