@@ -483,7 +483,8 @@ def test_wide_key_tiles_fit_without_metadata():
   causal = Case(b=1, t=128, s=384, n=1, k=1, h=128, causal=True)
   text = _lower_for_hopper(causal, jnp.bfloat16, bs)
   assert text.count("custom_call @mosaic_gpu") == 2
-  with pytest.raises(ValueError, match=r"block_sizes=.* forward kernel"):
+  with pytest.raises(ValueError, match=r"block_sizes=.* forward kernel.*"
+                     r"leaving query_positions and key_positions unset"):
     _lower_for_hopper(dataclasses.replace(causal, positions=True),
                       jnp.bfloat16, bs)
 

@@ -555,7 +555,11 @@ def _forward_plan(q, k, v, info, params, interpret, *, kernel_name,
       mask_mod=mask_mod, mod_slot=slot, forward=True,
       intra_overlap=bs.intra_overlap)
   if not interpret:
-    tiles.check_fits(bs, kernel_name, smem_bytes(bs, spec.num_meta))
+    hint = ("; the call's positions travel with its tiles, in buffers of "
+            "their own that leaving query_positions and key_positions "
+            "unset (when they are the defaults) would free"
+            if spec.need_positions and spec.carries_pos else "")
+    tiles.check_fits(bs, kernel_name, smem_bytes(bs, spec.num_meta), hint)
   return x, sched, spec
 
 

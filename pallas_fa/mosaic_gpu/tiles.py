@@ -372,19 +372,20 @@ def fused_backward_bytes(bs: MosaicGpuBlockSizes, head_dim: int,
       nc * bs.block_q_dkv * dq_cols * 4)
 
 
-def check_fits(bs: MosaicGpuBlockSizes, kernel: str, nbytes: int) -> None:
+def check_fits(bs: MosaicGpuBlockSizes, kernel: str, nbytes: int,
+               hint: str = "") -> None:
   """Raises a ValueError naming the tiling when a kernel's buffers alone
   (`shared_memory_bytes`, `fused_backward_bytes`: a lower bound of what
   it compiles to) exceed sm90's shared memory, instead of Mosaic's error
-  from deep inside the lowering. Tilings the margin of
-  `SHARED_MEMORY_BYTES` keeps out of the defaults but within the limit
-  are left to the compiler: some of them fit."""
+  from deep inside the lowering; `hint` ends its message. Tilings the
+  margin of `SHARED_MEMORY_BYTES` keeps out of the defaults but within
+  the limit are left to the compiler: some of them fit."""
   if nbytes > SHARED_MEMORY_LIMIT:
     raise ValueError(
         f"block_sizes={bs} needs {nbytes:,} bytes of shared memory in the "
         f"{kernel} kernel, past the {SHARED_MEMORY_LIMIT:,} a Hopper CTA "
         "has: use fewer stages, consumers or narrower tiles (or "
-        "block_sizes=None for the tuned default).")
+        f"block_sizes=None for the tuned default){hint}.")
 
 
 def heuristic_block_sizes(
