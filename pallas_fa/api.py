@@ -25,7 +25,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_fa import dropout
 from pallas_fa import gpu_target
@@ -39,6 +38,7 @@ from pallas_fa import vjp
 from pallas_fa.checks import check_bias_and_mask
 from pallas_fa.checks import check_deterministic_backward
 from pallas_fa.checks import check_dropout
+from pallas_fa.checks import check_flag
 from pallas_fa.checks import check_lengths
 from pallas_fa.checks import check_non_negative
 from pallas_fa.checks import check_out_dtype
@@ -319,7 +319,7 @@ def canonicalize(
       q_segment_ids=q_seg,
       kv_segment_ids=kv_seg,
       mask=mask,
-      is_causal=bool(is_causal),
+      is_causal=check_flag("is_causal", is_causal),
       window=window,
       dropout_seed=(None if dropout_rng is None
                     else dropout.seed_from(dropout_rng)),
@@ -581,13 +581,11 @@ def static_arguments(*, scale, is_causal, local_window_size,
   """Checks the static arguments of a public call eagerly (before any jit,
   so that `precision=None` reads `jax.default_matmul_precision` now) and
   returns them validated and hashable, keyed by argument name."""
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"is_causal must be a bool, got {is_causal=}.")
   check_non_negative("query_seq_lengths", query_seq_lengths)
   check_non_negative("key_value_seq_lengths", key_value_seq_lengths)
   return dict(
       scale=check_static_float("scale", scale),
-      is_causal=bool(is_causal),
+      is_causal=check_flag("is_causal", is_causal),
       local_window_size=check_window(local_window_size),
       logits_soft_cap=check_static_float(
           "logits_soft_cap", logits_soft_cap, True),
@@ -793,6 +791,7 @@ def flash_attention(
     NotImplementedError: the named implementation cannot honour this call.
   """
   rate, rng = check_dropout(dropout_rate, dropout_rng)
+  check_flag("return_residual", return_residual)
   check_implementation(implementation, block_sizes)
   if quantize is not None:
     quantize_lib.check_granularity("quantize", quantize)

@@ -20,6 +20,18 @@ import numpy as np
 from pallas_fa import quantize
 
 
+def check_flag(name, x) -> bool:
+  """x as a bool if it is one (Python's or numpy's): a truthy string or
+  array would otherwise pass as a flag.
+
+  Raises:
+    TypeError: it is not (the message names `name`).
+  """
+  if not isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {name}={x!r}.")
+  return bool(x)
+
+
 def _check_int_array(name, x, shape):
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):

@@ -59,6 +59,7 @@ BAD = [
     (dict(scale="big"), TypeError, "scale"),
     (dict(scale=float("nan")), ValueError, "scale"),
     (dict(is_causal=1), TypeError, "is_causal"),
+    (dict(return_residual="no"), TypeError, "return_residual must be a bool"),
     (dict(query_seq_lengths=jnp.array([3, 4, 5])), ValueError,
      "query_seq_lengths"),
     (dict(query_seq_lengths=jnp.array([3.0, 4.0])), TypeError,

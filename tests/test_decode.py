@@ -756,6 +756,8 @@ class ComposesWithTransformsTest(chex.TestCase):
     (dict(query=jnp.zeros((2, 4, 16))), ValueError, "query"),
     (dict(local_window_size=-1), ValueError, "local_window_size"),
     (dict(sinks=jnp.zeros((3,))), ValueError, "sinks"),
+    (dict(return_residual="no"), TypeError, "return_residual must be a bool"),
+    (dict(is_causal="no"), TypeError, "is_causal must be a bool"),
 ])
 def test_bad_arguments_are_named(change, error, match):
   args = dict(query=jnp.ones((2, 1, 4, 16)), key=jnp.ones((2, 30, 1, 16)),

@@ -295,6 +295,8 @@ def test_sharded_block_sizes_of_the_wrong_type_are_named():
     parallel.sharded_flash_attention(
         q, q, q, mesh=mesh, implementation="chunked",
         block_sizes={"block_q": 7})
+  with pytest.raises(TypeError, match="return_residual must be a bool"):
+    parallel.sharded_flash_attention(q, q, q, mesh=mesh, return_residual="no")
 
 
 def test_ring_steps_with_no_visible_key_are_skipped():

@@ -263,6 +263,7 @@ def decode_attention(
         f"lengths must be an int [B={b}] array, got {lengths.shape=}, "
         f"{lengths.dtype=}.")
   api.check_non_negative("lengths", lengths)
+  api.check_flag("return_residual", return_residual)
   _check_lengths_fit(lengths, plan.capacity(key, block_table))
   if block_table is not None:
     kv_cache.check_page_indices(block_table, key.shape[0])

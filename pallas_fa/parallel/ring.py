@@ -440,6 +440,7 @@ def ring_attention(
         f"ring_attention runs inside shard_map over a mesh with {axis_name=}"
         f": {e}"
     ) from e
+  api.check_flag("return_residual", return_residual)
   me = jax.lax.axis_index(axis_name)
   b, t, n, _ = query.shape
   s = key.shape[1]

@@ -408,6 +408,7 @@ def sharded_flash_attention(
     raise TypeError(
         f"sequence_axis must be one mesh axis name, got {sequence_axis=}.")
   api.check_implementation(implementation, block_sizes)
+  api.check_flag("return_residual", return_residual)
   static = api.static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
