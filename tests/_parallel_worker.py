@@ -25,7 +25,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import collections  # noqa: E402
-import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -45,10 +44,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import attention_testing  # noqa: E402
 import conftest  # noqa: E402
 
 import pallas_fa  # noqa: E402
-from pallas_fa import api  # noqa: E402
 from pallas_fa import parallel  # noqa: E402
 
 _TOL = 2e-5
@@ -366,22 +365,7 @@ def _check_ring_positions(case):
   indices: no backend of a ring step is told they are
   (`MaskInfo.positions_are_indices`, which mosaic_gpu would act on)."""
   q, k, v, _, kwargs = case
-  seen, choose = [], api.choose_backend
-
-  def recording(implementation, call):
-    backend = choose(implementation, call)
-
-    def recorded(fn):
-      def run(q, k, v, bias, info, *args, **kw):
-        seen.append(info.positions_are_indices)
-        return fn(q, k, v, bias, info, *args, **kw)
-      return run
-
-    return dataclasses.replace(backend, forward=recorded(backend.forward),
-                               backward=recorded(backend.backward))
-
-  api.choose_backend = recording
-  try:
+  with attention_testing.positions_flags_seen() as seen:
     for load_balance in (False, True):
       attention = functools.partial(
           parallel.sharded_flash_attention, mesh=parallel.make_mesh(
@@ -393,8 +377,6 @@ def _check_ring_positions(case):
         return attention(*x).sum()
 
       jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
-  finally:
-    api.choose_backend = choose
   assert len(seen) >= 4 and not any(seen), seen
   print(f"ok ring positions are not indices ({len(seen)} passes)",
         flush=True)

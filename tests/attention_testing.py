@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,7 @@ import numpy as np
 import pytest
 
 import pallas_fa
+from pallas_fa import api
 from pallas_fa import gpu_target
 from pallas_fa import testing
 
@@ -23,6 +27,35 @@ rng = testing.rng
 # leg 2), and those marked slow as well with that jax only: interpreted GPU
 # kernels (their jax is also the faster interpreter) and multi-device checks.
 GPU_JAX_ONLY = (pytest.mark.slow, pytest.mark.gpu_jax)
+
+
+@contextlib.contextmanager
+def positions_flags_seen():
+  """Yields a list of the `MaskInfo.positions_are_indices` that every
+  backend's forward and backward pass receives while the context is open
+  (`api.choose_backend` wrapped)."""
+  seen, choose = [], api.choose_backend
+
+  def recorded(fn):
+    if fn is None:  # "Differentiate the forward": stays so.
+      return None
+
+    def run(q, k, v, bias, info, *args, **kwargs):
+      seen.append(info.positions_are_indices)
+      return fn(q, k, v, bias, info, *args, **kwargs)
+
+    return run
+
+  def recording(implementation, call):
+    backend = choose(implementation, call)
+    return dataclasses.replace(backend, forward=recorded(backend.forward),
+                               backward=recorded(backend.backward))
+
+  api.choose_backend = recording
+  try:
+    yield seen
+  finally:
+    api.choose_backend = choose
 
 
 def gpu_jax_only(fn):

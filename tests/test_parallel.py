@@ -6,7 +6,6 @@ process (8 simulated CPU devices; two processes of 4 for the multi-process
 test) and fail with its output when it fails.
 """
 
-import dataclasses
 import os
 import socket
 import subprocess
@@ -18,9 +17,9 @@ import numpy as np
 import pytest
 from attention_testing import GPU_JAX_ONLY
 from attention_testing import gpu_jax_only
+from attention_testing import positions_flags_seen
 
 import pallas_fa
-from pallas_fa import api
 from pallas_fa import masking
 from pallas_fa import parallel
 from pallas_fa.parallel import mesh as mesh_lib
@@ -211,32 +210,20 @@ def test_one_device_mesh_batch_dims_and_value_head_dim(sequence_axis):
 
 
 @pytest.mark.parametrize("sequence_axis", [None, "sequence"])
-def test_unsplit_sequences_keep_positions_as_indices(
-    monkeypatch, sequence_axis):
+def test_unsplit_sequences_keep_positions_as_indices(sequence_axis):
   """Shards of batch and heads (and a ring of one) hold the whole
   sequence, so the backend is still told that default positions are its
   indices (`MaskInfo.positions_are_indices`: mosaic_gpu then makes them
   from tile offsets). A ring's shards are not (`_parallel_worker.py`'s
   ring check)."""
-  seen, choose = [], api.choose_backend
-
-  def recording(implementation, call):
-    backend = choose(implementation, call)
-
-    def forward(q, k, v, bias, info, params, *args, **kwargs):
-      seen.append(info.positions_are_indices)
-      return backend.forward(q, k, v, bias, info, params, *args, **kwargs)
-
-    return dataclasses.replace(backend, forward=forward)
-
-  monkeypatch.setattr(api, "choose_backend", recording)
   mesh = parallel.make_mesh(devices=jax.devices()[:1])
   gen = np.random.default_rng()
   q = jnp.asarray(gen.standard_normal((1, 16, 2, 8)), jnp.float32)
   kwargs = dict(is_causal=True, implementation="xla")
-  got = parallel.sharded_flash_attention(
-      q, q, q, mesh=mesh, batch_axes="data", head_axes="heads",
-      sequence_axis=sequence_axis, **kwargs)
+  with positions_flags_seen() as seen:
+    got = parallel.sharded_flash_attention(
+        q, q, q, mesh=mesh, batch_axes="data", head_axes="heads",
+        sequence_axis=sequence_axis, **kwargs)
   assert seen == [True], seen
   np.testing.assert_allclose(
       got, pallas_fa.flash_attention(q, q, q, **kwargs), rtol=1e-6,

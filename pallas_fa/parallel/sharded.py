@@ -255,9 +255,6 @@ def _specs(plan, bias, info):
 def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
   t, s = q.shape[1], k.shape[1]
   ring = plan.sequence is not None
-  if ring:
-    # Each shard holds a slice of the positions, no longer its indices.
-    info = info.replace(positions_are_indices=False)
   if info.has_flex:
     # Each shard classifies its own tiles (its rows, heads and tokens) from
     # the mask_mod; a global block mask does not describe them.
