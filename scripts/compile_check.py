@@ -734,6 +734,15 @@ def _versions() -> dict[str, str]:
   return out
 
 
+# Packages that make a deviceless compile report nothing or refuse kernels:
+# with nvJitLink XLA links the kernels in-process, and ptxas then writes no
+# register/spill report; a CUDA 12.8-12.9 runtime makes mosaic_gpu refuse
+# its masked kernels (`mosaic_gpu.cuda_runtime_version`, ptxas of those
+# releases miscompiles them). `jax[cuda12]` installs both.
+_NOT_IN_A_COMPILE_VENV = ("nvidia-nvjitlink-cu12", "nvidia-nvjitlink",
+                          "nvidia-cuda-runtime-cu12")
+
+
 def _can_compile_for_cuda(target: str) -> str | None:
   """None, or why this machine cannot compile for CUDA."""
   if target == "local":
@@ -743,6 +752,16 @@ def _can_compile_for_cuda(target: str) -> str | None:
   except Exception as e:  # noqa: BLE001
     return (f"no CUDA compiler in this jax ({type(e).__name__}: {e}); install"
             " jax-cuda12-plugin and jax-cuda12-pjrt at jaxlib's version")
+  extra = []
+  for name in _NOT_IN_A_COMPILE_VENV:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+      extra.append(f"{name} {importlib.metadata.version(name)}")
+  if extra:
+    return (f"this venv has {', '.join(extra)} (jax[cuda12] installs them): "
+            "XLA then links kernels in-process without a ptxas report, and "
+            "a CUDA 12.8-12.9 runtime refuses masked mosaic_gpu kernels; "
+            "use a venv with jax-cuda12-plugin, jax-cuda12-pjrt and "
+            "nvidia-cuda-nvcc-cu12 only (BUILD.md)")
   return None
 
 

@@ -1108,3 +1108,26 @@ def test_records_name_no_path_of_the_machine(gpu_check, tmp_path):
   assert ctx.shown(cmd) == (
     "python3 scripts/benchmark.py '--json=$OUT/bench.json' '$WORK/x.log' "
     "-k 'a b'")
+
+
+def test_compile_check_refuses_a_venv_with_cuda_libraries(monkeypatch):
+  """The deviceless compile check stops, naming the package, in a venv
+  with jax[cuda12]'s nvJitLink or CUDA runtime (no ptxas report, masked
+  mosaic_gpu kernels refused), and runs in one with the plugin and ptxas
+  only."""
+  monkeypatch.setattr(os, "environ", dict(os.environ))  # the script's
+  with script_module("compile_check") as compile_check:
+    monkeypatch.setattr(compile_check, "_cuda_device", lambda target: None)
+    installed = {}
+
+    def version(name):
+      if name not in installed:
+        raise compile_check.importlib.metadata.PackageNotFoundError(name)
+      return installed[name]
+
+    monkeypatch.setattr(compile_check.importlib.metadata, "version", version)
+    assert compile_check._can_compile_for_cuda("h100") is None  # noqa: SLF001
+    installed["nvidia-nvjitlink-cu12"] = "12.9.86"
+    reason = compile_check._can_compile_for_cuda("h100")  # noqa: SLF001
+    assert "nvidia-nvjitlink-cu12 12.9.86" in reason
+    assert "nvidia-cuda-nvcc-cu12 only" in reason
