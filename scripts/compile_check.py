@@ -67,6 +67,7 @@ from compile import ptxas as ptxas_lib  # noqa: E402
 import pallas_fa  # noqa: E402
 from pallas_fa import flex  # noqa: E402
 from pallas_fa import gpu_target  # noqa: E402
+from pallas_fa import mosaic_gpu  # noqa: E402
 
 # GpuTargetConfigProto text of each target, trimmed from XLA's public specs
 # (xla/backends/gpu/target_config/specs/{h100_sxm,a100_sxm_80}.txtpb).
@@ -734,13 +735,9 @@ def _versions() -> dict[str, str]:
   return out
 
 
-# Packages that make a deviceless compile report nothing or refuse kernels:
-# with nvJitLink XLA links the kernels in-process, and ptxas then writes no
-# register/spill report; a CUDA 12.8-12.9 runtime makes mosaic_gpu refuse
-# its masked kernels (`mosaic_gpu.cuda_runtime_version`, ptxas of those
-# releases miscompiles them). `jax[cuda12]` installs both.
-_NOT_IN_A_COMPILE_VENV = ("nvidia-nvjitlink-cu12", "nvidia-nvjitlink",
-                          "nvidia-cuda-runtime-cu12")
+# With nvJitLink installed (`jax[cuda12]` installs it) XLA links the kernels
+# in-process, and ptxas then writes no register/spill report.
+_NVJITLINK = ("nvidia-nvjitlink-cu12", "nvidia-nvjitlink")
 
 
 def _can_compile_for_cuda(target: str) -> str | None:
@@ -752,15 +749,17 @@ def _can_compile_for_cuda(target: str) -> str | None:
   except Exception as e:  # noqa: BLE001
     return (f"no CUDA compiler in this jax ({type(e).__name__}: {e}); install"
             " jax-cuda12-plugin and jax-cuda12-pjrt at jaxlib's version")
-  extra = []
-  for name in _NOT_IN_A_COMPILE_VENV:
+  found = []
+  for name in _NVJITLINK:
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-      extra.append(f"{name} {importlib.metadata.version(name)}")
-  if extra:
-    return (f"this venv has {', '.join(extra)} (jax[cuda12] installs them): "
-            "XLA then links kernels in-process without a ptxas report, and "
-            "a CUDA 12.8-12.9 runtime refuses masked mosaic_gpu kernels; "
-            "use a venv with jax-cuda12-plugin, jax-cuda12-pjrt and "
+      found.append(f"{name} {importlib.metadata.version(name)} (XLA then "
+                   "links kernels in-process, without a ptxas report)")
+  if mosaic_gpu.refuses_masked_kernels():
+    found.append(f"a CUDA runtime {mosaic_gpu.cuda_runtime_version()} "
+                 "(mosaic_gpu then refuses its masked kernels)")
+  if found:
+    return (f"this venv has {' and '.join(found)}, as jax[cuda12] installs "
+            "them; use a venv with jax-cuda12-plugin, jax-cuda12-pjrt and "
             "nvidia-cuda-nvcc-cu12 only (BUILD.md)")
   return None
 

@@ -1111,10 +1111,10 @@ def test_records_name_no_path_of_the_machine(gpu_check, tmp_path):
 
 
 def test_compile_check_refuses_a_venv_with_cuda_libraries(monkeypatch):
-  """The deviceless compile check stops, naming the package, in a venv
-  with jax[cuda12]'s nvJitLink or CUDA runtime (no ptxas report, masked
-  mosaic_gpu kernels refused), and runs in one with the plugin and ptxas
-  only."""
+  """The deviceless compile check stops, naming the cause, in a venv with
+  jax[cuda12]'s nvJitLink (no ptxas report) or a CUDA 12.8-12.9 runtime
+  (masked mosaic_gpu kernels refused), and runs in one with the plugin
+  and ptxas only (or a runtime outside that range)."""
   monkeypatch.setattr(os, "environ", dict(os.environ))  # the script's
   with script_module("compile_check") as compile_check:
     monkeypatch.setattr(compile_check, "_cuda_device", lambda target: None)
@@ -1126,8 +1126,14 @@ def test_compile_check_refuses_a_venv_with_cuda_libraries(monkeypatch):
       return installed[name]
 
     monkeypatch.setattr(compile_check.importlib.metadata, "version", version)
+    runtime = compile_check.mosaic_gpu
+    monkeypatch.setattr(runtime, "cuda_runtime_version", lambda: 13000)
     assert compile_check._can_compile_for_cuda("h100") is None  # noqa: SLF001
     installed["nvidia-nvjitlink-cu12"] = "12.9.86"
     reason = compile_check._can_compile_for_cuda("h100")  # noqa: SLF001
     assert "nvidia-nvjitlink-cu12 12.9.86" in reason
     assert "nvidia-cuda-nvcc-cu12 only" in reason
+    del installed["nvidia-nvjitlink-cu12"]
+    monkeypatch.setattr(runtime, "cuda_runtime_version", lambda: 12090)
+    reason = compile_check._can_compile_for_cuda("h100")  # noqa: SLF001
+    assert "a CUDA runtime 12090" in reason

@@ -167,6 +167,15 @@ def cuda_runtime_version() -> int | None:
 _MISCOMPILING_CUDA = (12080, 12091)
 
 
+def refuses_masked_kernels() -> bool:
+  """Whether this process's CUDA runtime (`cuda_runtime_version`) is one
+  whose ptxas miscompiles masked kernels, so that compiled calls that
+  mask are refused (`NotImplementedError`)."""
+  version = cuda_runtime_version()
+  lo, hi = _MISCOMPILING_CUDA
+  return version is not None and lo <= version < hi
+
+
 def _needs_masking(q, k, info, bs: MosaicGpuBlockSizes) -> bool:
   """Whether any kernel of the call runs its masked (jnp.where) path."""
   if (info.restricts_positions or info.has_segments
@@ -201,15 +210,11 @@ def _check(q, k, v, bias, info, params):
     raise NotImplementedError("mosaic_gpu does not take a bias.")
   if mask is not None:
     raise NotImplementedError("mosaic_gpu does not take a dense mask.")
-  if not runs_interpreted(params.block_sizes):
-    version = cuda_runtime_version()
-    lo, hi = _MISCOMPILING_CUDA
-    bs = _block_sizes(params, q, k, v, info)
-    if version is not None and lo <= version < hi and _needs_masking(
-        q, k, info, bs):
+  if not runs_interpreted(params.block_sizes) and refuses_masked_kernels():
+    if _needs_masking(q, k, info, _block_sizes(params, q, k, v, info)):
       raise NotImplementedError(
           f"mosaic_gpu: masked kernels are miscompiled by ptxas of CUDA "
-          f"{version} (12.8.0 <= version < 12.9.1).")
+          f"{cuda_runtime_version()} (12.8.0 <= version < 12.9.1).")
 
 
 def _check_fp8(q, k, v, info, params):
