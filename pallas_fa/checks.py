@@ -107,6 +107,10 @@ def check_static_float(name, x, positive=False):
     return None
   if isinstance(x, jax.core.Tracer):
     raise TypeError(f"{name} must be a static Python float, got a tracer.")
+  # float() would take "0.5" and True too: a string or a flag passed here
+  # is a mistake, not a number.
+  if isinstance(x, (str, bytes, bool, np.bool_)):
+    raise TypeError(f"{name} must be a float, got {type(x).__name__} {x!r}.")
   try:
     value = float(x)
   except (TypeError, ValueError):

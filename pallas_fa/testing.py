@@ -48,6 +48,7 @@ import numpy as np
 from pallas_fa import api
 from pallas_fa import masking
 from pallas_fa import reference as reference_lib
+from pallas_fa.flex import examples as flex_examples
 
 Array = Any
 
@@ -125,6 +126,11 @@ class Case:
     mask: None | "full" ([B, N, T, S]) | "broadcast" (over N).
     sinks: random sink logits [N], large enough to take a good share of
       each row's probability.
+    hv: the value head dim, or None for h.
+    score_mod: None | "alibi" (`flex.alibi` with random slopes).
+    mask_mod: None | "chunked_causal" | "streaming" (`flex.chunked_causal`
+      and `flex.sliding_window_with_sinks`, random sizes).
+    dropout: `dropout_rate` (a random `dropout_rng`), 0 for none.
   """
 
   b: int = 2
@@ -142,6 +148,10 @@ class Case:
   bias: str | None = None
   mask: str | None = None
   sinks: bool = False
+  hv: int | None = None
+  score_mod: str | None = None
+  mask_mod: str | None = None
+  dropout: float = 0.0
 
   def __str__(self):
     base = f"B{self.b}T{self.t}S{self.s}N{self.n}K{self.k}H{self.h}"
@@ -158,6 +168,13 @@ class Case:
       extras.append(f"bias-{self.bias}")
     if self.mask:
       extras.append(f"mask-{self.mask}")
+    if self.hv is not None:
+      extras.append(f"hv{self.hv}")
+    for name in ("score_mod", "mask_mod"):
+      if getattr(self, name):
+        extras.append(f"{name}-{getattr(self, name)}")
+    if self.dropout:
+      extras.append(f"dropout{self.dropout}")
     return "-".join([base] + extras)
 
 
@@ -176,7 +193,7 @@ def make_inputs(case: Case, dtype, gen: np.random.Generator):
   """
   q = normal(gen, (case.b, case.t, case.n, case.h), dtype)
   k = normal(gen, (case.b, case.s, case.k, case.h), dtype)
-  v = normal(gen, (case.b, case.s, case.k, case.h), dtype)
+  v = normal(gen, (case.b, case.s, case.k, case.hv or case.h), dtype)
   kw: dict[str, Any] = {"is_causal": case.causal}
   if case.window is not None:
     kw["local_window_size"] = case.window
@@ -215,6 +232,23 @@ def make_inputs(case: Case, dtype, gen: np.random.Generator):
     # takes a share of each row comparable to its keys'.
     kw["sinks"] = _on_device(
         2.0 + 1.5 * gen.standard_normal(case.n, np.float32), jnp.float32)
+  if case.score_mod == "alibi":
+    kw["score_mod"] = flex_examples.alibi
+    kw["score_mod_args"] = (flex_examples.alibi_slopes(case.n)
+                            * float(gen.uniform(0.5, 2.0)),)
+  elif case.score_mod is not None:
+    raise ValueError(f"Unknown score_mod={case.score_mod!r}.")
+  if case.mask_mod == "chunked_causal":
+    kw["mask_mod"] = flex_examples.chunked_causal
+    kw["mask_mod_args"] = (int(gen.integers(1, 64)),)
+  elif case.mask_mod == "streaming":
+    kw["mask_mod"] = flex_examples.sliding_window_with_sinks
+    kw["mask_mod_args"] = (int(gen.integers(1, 50)), int(gen.integers(0, 5)))
+  elif case.mask_mod is not None:
+    raise ValueError(f"Unknown mask_mod={case.mask_mod!r}.")
+  if case.dropout:
+    kw["dropout_rate"] = case.dropout
+    kw["dropout_rng"] = int(gen.integers(0, 1 << 30))
   return q, k, v, kw
 
 

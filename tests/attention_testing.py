@@ -85,23 +85,28 @@ def gpu_jax_only_on_cpu(fn):
 def grad_names(kw) -> list[str]:
   """Names of `run`'s gradients for keyword arguments `kw`."""
   return ["dq", "dk", "dv"] + [
-      "d" + name for name in ("bias", "sinks") if kw.get(name) is not None]
+      "d" + name for name in _DIFFERENTIATED if kw.get(name) is not None]
+
+
+# Keyword arguments `run` differentiates besides q, k and v.
+_DIFFERENTIATED = ("bias", "sinks", "score_mod_args")
 
 
 def run(fn, q, k, v, kw, dout, dlse):
-  """(out, lse, grads) of fn(q, k, v, **kw); grads include bias and sinks
-  if given (`grad_names`)."""
-  bias, sinks = kw.get("bias"), kw.get("sinks")
-  rest = {name: x for name, x in kw.items() if name not in ("bias", "sinks")}
+  """(out, lse, grads) of fn(q, k, v, **kw); grads include bias, sinks and
+  score_mod_args if given (`grad_names`; score_mod_args' as one tuple)."""
+  given = {name: kw[name] for name in _DIFFERENTIATED
+           if kw.get(name) is not None}
+  rest = {name: x for name, x in kw.items() if name not in given}
 
-  def f(q, k, v, bias, sinks):
-    if sinks is not None:  # Not passed otherwise: sinks=None is the default.
-      return fn(q, k, v, bias=bias, sinks=sinks, **rest)
-    return fn(q, k, v, bias=bias, **rest)
+  def f(q, k, v, given):
+    return fn(q, k, v, **given, **rest)
 
-  (out, lse), pullback = jax.vjp(f, q, k, v, bias, sinks)
-  grads = pullback((dout.astype(out.dtype), dlse.astype(lse.dtype)))
-  return out, lse, tuple(g for g in grads if g is not None)
+  (out, lse), pullback = jax.vjp(f, q, k, v, given)
+  dq, dk, dv, dgiven = pullback((dout.astype(out.dtype),
+                                 dlse.astype(lse.dtype)))
+  return out, lse, (dq, dk, dv) + tuple(
+      dgiven[name] for name in _DIFFERENTIATED if name in given)
 
 
 def named(results):
@@ -201,10 +206,10 @@ def kernel_names(fn, *args, prefix: str = "pfa_") -> set[str]:
 def check_against_reference(fn, case: Case, dtype, gen):
   """Runs fn and the references on fresh inputs; asserts every result."""
   q, k, v, kw = make_inputs(case, dtype, gen)
-  dout = testing.normal(gen, q.shape)
+  dout = testing.normal(gen, q.shape[:-1] + v.shape[-1:])
   dlse = testing.normal(gen, q.shape[:-1])
   out, lse, grads = run(fn, q, k, v, kw, dout, dlse)
-  chex.assert_shape(out, q.shape)
+  chex.assert_shape(out, q.shape[:-1] + v.shape[-1:])
   chex.assert_type(out, q.dtype)
   chex.assert_shape(lse, q.shape[:-1])
   chex.assert_type(lse, jnp.float32)
@@ -224,17 +229,51 @@ def check_against_reference(fn, case: Case, dtype, gen):
     assert_close(name, x, r, rs, dtype)
 
 
-def decode_reference(q, k, v, lengths, q_pos, group):
-  """Causal decoding attention over each row's valid cache [B, S, K, H]
-  in float64 numpy: (out [B, T, N, Hv], lse [B, T, N]), float32."""
+def decode_reference(q, k, v, lengths, q_pos, group, *, scale=None,
+                     is_causal=True, window=None, soft_cap=None, sinks=None,
+                     score_mod=None, mask_mod=None):
+  """Decoding attention over each row's valid cache [B, S, K, H] in float64
+  numpy: (out [B, T, N, Hv], lse [B, T, N]), float32.
+
+  Keys are visible where their index is below the row's length and the
+  masks allow; the logits are `soft_cap(scale * q.k)`, then `score_mod`.
+  `score_mod(s, q_pos, kv_pos)` and `mask_mod(q_pos, kv_pos)` take the
+  logits [B, N, T, S] and the positions as [B, 1, T, 1] and [1, 1, 1, S]
+  (numpy); sinks [N] join each row's denominator. A row with no visible key
+  is zero with lse -inf."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   k, v = (np.repeat(x, group, axis=2) for x in (k, v))
-  s = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
-  kv_pos = np.arange(k.shape[1])
-  visible = ((kv_pos[None, None, :] <= q_pos[:, :, None])
-             & (kv_pos[None, None, :] < lengths[:, None, None]))
-  s = np.where(visible[:, None], s, -np.inf)
-  lse = np.logaddexp.reduce(s, axis=-1)
-  out = np.einsum("bnts,bsnh->btnh", np.exp(s - lse[..., None]), v)
+  scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+  s = np.einsum("btnh,bsnh->bnts", q, k) * scale
+  if soft_cap is not None:
+    s = soft_cap * np.tanh(s / soft_cap)
+  q_at = np.asarray(q_pos)[:, None, :, None]
+  kv_at = np.arange(k.shape[1])[None, None, None, :]
+  if score_mod is not None:
+    s = score_mod(s, q_at, kv_at)
+  visible = kv_at < np.asarray(lengths)[:, None, None, None]
+  if is_causal:
+    visible = visible & (kv_at <= q_at)
+  left, right = window if window is not None else (None, None)
+  if left is not None:
+    visible = visible & (q_at - kv_at <= left)
+  if right is not None:
+    visible = visible & (kv_at - q_at <= right)
+  if mask_mod is not None:
+    visible = visible & mask_mod(q_at, kv_at)
+  s = np.where(visible, s, -np.inf)
+  if sinks is not None:  # One more column, with no value.
+    sink = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None],
+                           s.shape[:-1] + (1,))
+    s = np.concatenate([s, sink], axis=-1)
+    v = np.concatenate([v, np.zeros_like(v[:, :1])], axis=1)
+  seen = np.isfinite(s[..., :k.shape[1]]).any(-1)  # [B, N, T]
+  top = np.where(seen, s.max(-1), 0.0)
+  with np.errstate(divide="ignore"):
+    lse = np.where(seen, np.log(np.exp(s - top[..., None]).sum(-1)) + top,
+                   -np.inf)
+  p = np.where(seen[..., None], np.exp(s - np.where(seen, lse, 0)[..., None]),
+               0.0)
+  out = np.einsum("bnts,bsnh->btnh", p, v)
   return jnp.asarray(out, jnp.float32), jnp.asarray(
       lse.transpose(0, 2, 1), jnp.float32)

@@ -57,6 +57,11 @@ BAD = [
     (dict(mask=jnp.ones((B, N, T, S))), TypeError, "mask"),
     (dict(mask=jnp.ones((B, 3, T, S), bool)), ValueError, "mask"),
     (dict(scale="big"), TypeError, "scale"),
+    # float() takes these; a number was meant.
+    (dict(scale="0.5"), TypeError, "scale"),
+    (dict(scale=True), TypeError, "scale"),
+    (dict(logits_soft_cap=True), TypeError, "logits_soft_cap"),
+    (dict(dropout_rate="0.1", dropout_rng=0), TypeError, "dropout_rate"),
     (dict(scale=float("nan")), ValueError, "scale"),
     (dict(is_causal=1), TypeError, "is_causal"),
     (dict(return_residual="no"), TypeError, "return_residual must be a bool"),

@@ -209,7 +209,18 @@ def _cases(draw):
       bias=draw(st.sampled_from([None, None, "full", "heads"])),
       mask=draw(st.sampled_from([None, None, "full", "broadcast"])),
       sinks=draw(st.booleans()),
+      hv=draw(st.sampled_from([None, None, 8, 24])),
+      score_mod=draw(st.sampled_from([None, None, None, "alibi"])),
+      mask_mod=draw(st.sampled_from(
+          [None, None, None, None, "chunked_causal", "streaming"])),
+      dropout=draw(st.sampled_from([0.0, 0.0, 0.0, 0.25])),
   )
+
+
+# What a backend may decline, dropped in this order until it runs the case
+# (or declines a case without any of them: a failure).
+_DECLINABLE = (dict(bias=None, mask=None), dict(score_mod=None),
+               dict(mask_mod=None), dict(dropout=0.0), dict(hv=None))
 
 
 # PALLAS_FA_PROPERTY_EXAMPLES=N runs N examples per implementation, drawn
@@ -222,9 +233,10 @@ _CAMPAIGN = int(os.environ.get("PALLAS_FA_PROPERTY_EXAMPLES", "0"))
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_property(implementation):
   """Random shapes and feature combinations (every mask feature, the bias
-  and dense mask, sinks, the soft cap) against the reference, forward and
-  every gradient, in float32, or bfloat16 for a 16-bit backend; a backend
-  that declines the bias or dense mask runs the case without them."""
+  and dense mask, sinks, the soft cap, a value head dim of its own, flex
+  score_mod/mask_mod, dropout) against the reference, forward and every
+  gradient, in float32, or bfloat16 for a 16-bit backend; a backend that
+  declines one of `_DECLINABLE`'s features runs the case without them."""
   dtypes = api.get_backend(implementation).dtypes
   dtype = jnp.float32 if jnp.float32 in dtypes else jnp.bfloat16
   examples = _CAMPAIGN or (4 if implementation in _FAST else 2)
@@ -235,14 +247,17 @@ def test_property(implementation):
   @hypothesis.given(_cases())
   def prop(case):
     gen = rng(implementation, str(case), "property")
-    try:
-      check_against_reference(_fn(implementation), case, dtype, gen)
-    except NotImplementedError:
-      if not (case.bias or case.mask):
-        raise
-      check_against_reference(
-          _fn(implementation),
-          dataclasses.replace(case, bias=None, mask=None), dtype, gen)
+    declinable = list(_DECLINABLE)
+    while True:
+      try:
+        return check_against_reference(_fn(implementation), case, dtype, gen)
+      except NotImplementedError:
+        while declinable and dataclasses.replace(
+            case, **declinable[0]) == case:
+          declinable.pop(0)
+        if not declinable:
+          raise
+        case = dataclasses.replace(case, **declinable.pop(0))
 
   prop()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import re
 
@@ -765,6 +766,21 @@ def test_bad_arguments_are_named(change, error, match):
   args.update(change)
   with pytest.raises(error, match=match):
     pallas_fa.decode_attention(**args)
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "triton",
+                                            "mosaic_tpu"])
+def test_a_block_past_the_cache_is_clipped(implementation):
+  """block_kv = 2^30 on a 40-entry cache: the answer of a block covering
+  it, not a cache padded to 2^30 keys (terabytes)."""
+  gen = rng("huge block", implementation)
+  q = jnp.asarray(gen.standard_normal((2, 1, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((2, 40, 2, 16)), jnp.float32)
+          for _ in range(2))
+  lengths = jnp.array([40, 9])
+  call = functools.partial(pallas_fa.decode_attention, q, k, v, lengths,
+                           implementation=implementation)
+  np.testing.assert_array_equal(call(block_kv=1 << 30), call(block_kv=64))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -391,8 +391,9 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
         tiling["block_kv"],
         dict(static, **flex, **scales, **latent, **tiling["launch"]))
   if cache["block_table"] is None:
-    block = tiling["block_kv"] or chunked.default_block(
-        key.shape[1], b, num_kv, h, query.dtype)
+    block = (plan.clip_block(tiling["block_kv"], key, None)
+             if tiling["block_kv"] else chunked.default_block(
+                 key.shape[1], b, num_kv, h, query.dtype))
     num_blocks = -(-key.shape[1] // block)
   else:
     block, num_blocks = key.shape[1], cache["block_table"].shape[1]

@@ -94,6 +94,8 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
                              cache_len=key.shape[1], cache_dtype=key.dtype,
                              latent="value_head_dim" in static)
     programs = num_kv
+  if block_kv is not None:
+    block = plan.clip_block(block, key, block_table)
   num_blocks = plan.kernel_blocks(key, block_table, block)
   if num_splits is None:
     num_splits = plan.default_num_splits(b, programs, num_blocks, platform,
@@ -133,7 +135,6 @@ def run_with_prefix(implementation, query, key, value, lengths, block_table,
   small transpose in all. `query_positions` [B, 1] are those of the
   concatenation `[prefix; cache]`."""
   kernel = _decode_kernel(implementation)
-  s_p = prefix_key.shape[0]
   b = query.shape[0]
   block, splits = _tiling(kernel, implementation, query, key, value,
                           block_table, static, num_splits, block_kv)

@@ -83,6 +83,15 @@ def in_range(lengths, block_table, key):
   return lengths, block_table
 
 
+def clip_block(block: int, key, block_table) -> int:
+  """A caller's block of keys, no wider than the cache needs: the smallest
+  power of two >= 32 that covers a row when `block` is wider than that
+  (such a block is a valid one for every implementation), else `block`. A
+  block past the cache only pads it: 2^30 keys would allocate terabytes."""
+  cover = 1 << max(5, (capacity(key, block_table) - 1).bit_length())
+  return min(block, cover)
+
+
 def kernel_blocks(key, block_table, block: int) -> int:
   """Blocks of `block` keys per sequence that a kernel indexes: enough to
   cover a row of the cache (every page's, paged; a block may span pages
