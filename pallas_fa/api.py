@@ -769,12 +769,15 @@ def flash_attention(
   to e4m3 in registers with FlashAttention-3's offset of 2^8 (the 8-bit
   products accumulate in fewer bits than float32: its logsumexp is within
   about 2^-12 of sum_i |q_i k_i| * scale, against float32's rounding);
-  `mosaic_tpu` raises NotImplementedError (implementation=None moves on).
+  `mosaic_tpu` (the automatic choice on a TPU) reads the 1-byte tiles and
+  widens them to bfloat16 (exact) for bfloat16 products with float32
+  accumulation, the scales applied to the float32 logits and P, P
+  rounded to bfloat16 for P.V as in a bfloat16 call.
   Gradients: the scales (and bias, sinks, score_mod_args) get the
   float32 gradients of that attention, from a backward run on the float32
   dequantized inputs with the forward's output (exact after `xla` and
-  `chunked`, within `triton`'s rounding of P and `mosaic_gpu`'s logits
-  after them). The float8 arrays
+  `chunked`, within `triton`'s and `mosaic_tpu`'s rounding of P and
+  `mosaic_gpu`'s logits after them). The float8 arrays
   themselves are not differentiated (a TypeError): JAX types their
   cotangent float8, which would round typical gradients to zero. With
   `quantize`, the high-precision query, key and value get the gradient of

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import chex
+import hypothesis
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,6 +229,52 @@ def check_against_reference(fn, case: Case, dtype, gen):
   chex.assert_trees_all_equal_dtypes(got[2:], want[2:])
   for name, x, r, rs in zip(names, got, want, want_same):
     assert_close(name, x, r, rs, dtype)
+
+
+# PALLAS_FA_PROPERTY_EXAMPLES=N: the property tests run N examples per
+# implementation, drawn afresh each run (a long randomized campaign,
+# BUILD.md); unset, CI's few reproducible ones.
+PROPERTY_CAMPAIGN = int(os.environ.get("PALLAS_FA_PROPERTY_EXAMPLES", "0"))
+
+
+def check_property(strategy, check, examples: int) -> None:
+  """Runs `check(case)` on cases drawn from `strategy`: `examples`
+  reproducible ones (derandomized), or `PROPERTY_CAMPAIGN` fresh ones."""
+  @hypothesis.settings(max_examples=PROPERTY_CAMPAIGN or examples,
+                       deadline=None, derandomize=not PROPERTY_CAMPAIGN,
+                       database=None,
+                       suppress_health_check=list(hypothesis.HealthCheck))
+  @hypothesis.given(strategy)
+  def prop(case):
+    check(case)
+
+  prop()
+
+
+def page_table(gen, b: int, pages_per_row: int, spare: int = 2):
+  """A shuffled block table, int32 [B, pages_per_row], into a pool of B *
+  pages_per_row + `spare` pages (`paged`); no row names the spare ones."""
+  used = b * pages_per_row
+  return gen.permutation(used + spare)[:used].reshape(
+      b, pages_per_row).astype(np.int32)
+
+
+def paged(x, table, page_size: int, fill, spare: int = 2):
+  """A contiguous cache [B, S, ...] as the pool of pages [P, page_size,
+  ...] that `table` (`page_table`) indexes: row b's block i is page
+  table[b, i]. The rest of a row's last page past S, and the `spare`
+  pages no row names (P = table.size + spare), hold `fill`: garbage that
+  must never reach a result."""
+  x = np.asarray(x)
+  b, s = x.shape[:2]
+  rows = np.full((b, table.shape[1] * page_size) + x.shape[2:], fill,
+                 x.dtype)
+  rows[:, :s] = x
+  pool = np.full((table.size + spare, page_size) + x.shape[2:], fill,
+                 x.dtype)
+  pool[table.reshape(-1)] = rows.reshape((table.size, page_size)
+                                         + x.shape[2:])
+  return pool
 
 
 def decode_reference(q, k, v, lengths, q_pos, group, *, scale=None,

@@ -8,10 +8,9 @@ FlashAttention 2x rule for bfloat16/float16.
 
 import dataclasses
 import functools
-import os
 
+import attention_testing
 import chex
-import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -223,12 +222,6 @@ _DECLINABLE = (dict(bias=None, mask=None), dict(score_mod=None),
                dict(mask_mod=None), dict(dropout=0.0), dict(hv=None))
 
 
-# PALLAS_FA_PROPERTY_EXAMPLES=N runs N examples per implementation, drawn
-# afresh each run (a long randomized campaign, BUILD.md); unset, CI's few
-# reproducible ones.
-_CAMPAIGN = int(os.environ.get("PALLAS_FA_PROPERTY_EXAMPLES", "0"))
-
-
 @pytest.mark.slow_for("mosaic_tpu")  # its interpreter is the slowest
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_property(implementation):
@@ -239,13 +232,8 @@ def test_property(implementation):
   declines one of `_DECLINABLE`'s features runs the case without them."""
   dtypes = api.get_backend(implementation).dtypes
   dtype = jnp.float32 if jnp.float32 in dtypes else jnp.bfloat16
-  examples = _CAMPAIGN or (4 if implementation in _FAST else 2)
 
-  @hypothesis.settings(max_examples=examples, deadline=None,
-                       derandomize=not _CAMPAIGN, database=None,
-                       suppress_health_check=list(hypothesis.HealthCheck))
-  @hypothesis.given(_cases())
-  def prop(case):
+  def check(case):
     gen = rng(implementation, str(case), "property")
     declinable = list(_DECLINABLE)
     while True:
@@ -259,7 +247,8 @@ def test_property(implementation):
           raise
         case = dataclasses.replace(case, **declinable.pop(0))
 
-  prop()
+  attention_testing.check_property(
+      _cases(), check, 4 if implementation in _FAST else 2)
 
 
 @pytest.mark.slow_for("mosaic_tpu")  # its interpreter is the slowest

@@ -34,19 +34,9 @@ def _cache(gen, b, s_max, num_kv, h, hv, dtype, *, page_size=None):
   v = gen.standard_normal((b, s_max, num_kv, hv)).astype(np.float32)
   if page_size is None:
     return k, v, None, k, v
-  max_pages = -(-s_max // page_size)
-  num_pages = b * max_pages + 3  # A few pages nobody uses.
-  order = gen.permutation(num_pages)[:b * max_pages].reshape(b, max_pages)
-  k_pages = np.full((num_pages, page_size, num_kv, h), np.nan, np.float32)
-  v_pages = np.full((num_pages, page_size, num_kv, hv), np.nan, np.float32)
-  pad = max_pages * page_size - s_max
-  k_pad = np.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  v_pad = np.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  for row in range(b):
-    for i, page in enumerate(order[row]):
-      k_pages[page] = k_pad[row, i * page_size:(i + 1) * page_size]
-      v_pages[page] = v_pad[row, i * page_size:(i + 1) * page_size]
-  return k_pages, v_pages, order.astype(np.int32), k, v
+  table = attention_testing.page_table(gen, b, -(-s_max // page_size))
+  return (attention_testing.paged(k, table, page_size, np.nan),
+          attention_testing.paged(v, table, page_size, np.nan), table, k, v)
 
 
 def _check(*, b=2, t=1, n=4, num_kv=1, h=32, hv=None, s_max=200,

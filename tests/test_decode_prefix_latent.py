@@ -13,6 +13,7 @@ import pallas_fa
 from pallas_fa import flex
 from pallas_fa import kv_cache
 from pallas_fa import quantize
+from tests import attention_testing
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
 
@@ -39,15 +40,9 @@ def _prefix_case(gen, *, b=3, t=2, n=4, num_kv=2, h=32, hv=16, s_p=40,
   k_nan[past], v_nan[past] = np.nan, np.nan  # never read
   table = None
   if page_size is not None:
-    pages = s_max // page_size
-    order = gen.permutation(b * pages).reshape(b, pages)
-    k_pool = np.empty((b * pages, page_size, num_kv, h), np.float32)
-    v_pool = np.empty((b * pages, page_size, num_kv, hv), np.float32)
-    for row in range(b):
-      for i, page in enumerate(order[row]):
-        k_pool[page] = k_nan[row, i * page_size:(i + 1) * page_size]
-        v_pool[page] = v_nan[row, i * page_size:(i + 1) * page_size]
-    k_nan, v_nan, table = k_pool, v_pool, order.astype(np.int32)
+    table = attention_testing.page_table(gen, b, -(-s_max // page_size))
+    k_nan, v_nan = (attention_testing.paged(x, table, page_size, np.nan)
+                    for x in (k_nan, v_nan))
   # The concatenation each row attends to, and its positions.
   cat_k = np.concatenate([np.broadcast_to(pk, (b,) + pk.shape), k], axis=1)
   cat_v = np.concatenate([np.broadcast_to(pv, (b,) + pv.shape), v], axis=1)

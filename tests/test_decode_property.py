@@ -11,9 +11,7 @@ PALLAS_FA_PROPERTY_EXAMPLES=N runs N fresh examples per implementation, as
 from __future__ import annotations
 
 import dataclasses
-import os
 
-import hypothesis
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,7 +24,6 @@ from tests.attention_testing import assert_close
 from tests.attention_testing import rng
 
 IMPLEMENTATIONS = ("chunked", "triton", "mosaic_tpu")
-_CAMPAIGN = int(os.environ.get("PALLAS_FA_PROPERTY_EXAMPLES", "0"))
 # The largest value of each 1-byte cache dtype, and what garbage they hold.
 _TOP = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
@@ -130,16 +127,6 @@ def _quantized(gen, x, case):
                          * np.asarray(scale, np.float64)[..., None])
 
 
-def _paged(x, table, page_size, fill):
-  """[B, S_max, ...] as a pool of pages [P, page_size, ...] in table's
-  order (pages nobody uses hold `fill`)."""
-  pool = np.full((table.size + 2, page_size) + x.shape[2:], fill, x.dtype)
-  for row, pages in enumerate(table):
-    for i, page in enumerate(pages):
-      pool[page] = x[row, i * page_size:(i + 1) * page_size]
-  return pool
-
-
 def _lead_pages(scale, table):
   """[B, 1, K] scales as [P, 1, K]: each page takes its row's."""
   pool = np.full((table.size + 2,) + scale.shape[1:], np.nan, np.float32)
@@ -191,13 +178,12 @@ def check_decode_case(implementation, case: DecodeCase, gen):
       scales[name][past] = np.nan
   table = None
   if case.page_size is not None:
-    pages = s_max // case.page_size
-    table = gen.permutation(b * pages + 2)[:b * pages].reshape(
-        b, pages).astype(np.int32)
-    stored = {name: _paged(x, table, case.page_size, garbage)
+    table = attention_testing.page_table(gen, b, s_max // case.page_size)
+    stored = {name: attention_testing.paged(x, table, case.page_size, garbage)
               for name, x in stored.items()}
     if case.scale_form == "entry":
-      scales = {name: _paged(x, table, case.page_size, np.float32(np.nan))
+      scales = {name: attention_testing.paged(x, table, case.page_size,
+                                              np.float32(np.nan))
                 for name, x in scales.items()}
     elif case.scale_form == "lead":
       scales = {name: _lead_pages(x, table) for name, x in scales.items()}
@@ -279,14 +265,9 @@ def check_decode_case(implementation, case: DecodeCase, gen):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_decode_property(implementation):
   """Random decode calls (every feature at once) against the oracle."""
-  examples = _CAMPAIGN or (4 if implementation == "chunked" else 2)
-
-  @hypothesis.settings(max_examples=examples, deadline=None,
-                       derandomize=not _CAMPAIGN, database=None,
-                       suppress_health_check=list(hypothesis.HealthCheck))
-  @hypothesis.given(_cases(implementation))
-  def prop(case):
-    check_decode_case(implementation, case,
-                      rng(implementation, repr(case), "decode property"))
-
-  prop()
+  attention_testing.check_property(
+      _cases(implementation),
+      lambda case: check_decode_case(
+          implementation, case,
+          rng(implementation, repr(case), "decode property")),
+      4 if implementation == "chunked" else 2)

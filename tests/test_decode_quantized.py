@@ -126,20 +126,10 @@ def _case(gen, *, b=3, t=2, n=4, num_kv=2, h=32, s_max=80, dtype=jnp.int8,
   args = dict(key=k_vals, value=v_vals, key_scale=k_scale,
               value_scale=v_scale, block_table=None)
   if page_size is not None:
-    max_pages = -(-s_max // page_size)
-    table = gen.permutation(b * max_pages + 2)[:b * max_pages].reshape(
-        b, max_pages).astype(np.int32)
+    table = attention_testing.page_table(gen, b, -(-s_max // page_size))
 
     def pages(x, fill):
-      pad = max_pages * page_size - s_max
-      x = np.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
-                 constant_values=fill)
-      pool = np.full((b * max_pages + 2, page_size) + x.shape[2:], fill,
-                     x.dtype)
-      for row in range(b):
-        for i, page in enumerate(table[row]):
-          pool[page] = x[row, i * page_size:(i + 1) * page_size]
-      return pool
+      return attention_testing.paged(x, table, page_size, fill)
 
     args.update(key=pages(k_vals, extreme), value=pages(v_vals, extreme),
                 block_table=table)

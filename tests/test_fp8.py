@@ -101,20 +101,25 @@ def _max_error(x, ref):
 
 # Backends whose products run on the values as stored (converted in
 # registers), P rounded for the second one (the others compute in float32
-# on the dequantized inputs): triton, P in float16, or in e4m3 with
-# `kernel.FLOAT8_OPERANDS`. In e4m3 it is rounded against the running max
-# of its tile's row, not the row's final max as `_emulated_fp8` does: other
-# roundings of the same size, so the largest error is that of the
-# emulation up to this factor (measured <= 1.011).
-ROUNDS_P = ("triton",)
+# on the dequantized inputs), with the largest relative rounding of an
+# entry of P: triton, P in float16, or in e4m3 with
+# `kernel.FLOAT8_OPERANDS` (2**-4, e4m3's); mosaic_tpu, P times the
+# value's per-key scale in bfloat16 as in its bfloat16 calls (2**-9, and
+# as much again for the float32 sums). In e4m3 P is rounded against the
+# running max of its tile's row, not the row's final max as
+# `_emulated_fp8` does: other roundings of the same size, so the largest
+# error is that of the emulation up to this factor (measured <= 1.011).
+P_ROUNDING = {"triton": 2.0 ** -4, "mosaic_tpu": 2.0 ** -8}
 EMULATION_FACTOR = 1.25
 
 
-def _assert_within_p_rounding(out, ref, v, dropout_rate=0.0):
-  """P rounded to e4m3 (3 mantissa bits, each entry within 2**-4 of its
-  value; float16 keeps more) moves each output by at most 2**-4 of the
-  largest |v| it averages (times dropout's factor)."""
-  bound = 2.0 ** -4 * float(np.abs(v).max()) / (1 - dropout_rate)
+def _assert_within_p_rounding(out, ref, v, dropout_rate=0.0,
+                              implementation="triton"):
+  """P's entries each rounded within `P_ROUNDING` of their value move each
+  output by at most that much of the largest |v| it averages (times
+  dropout's factor)."""
+  bound = (P_ROUNDING[implementation] * float(np.abs(v).max())
+           / (1 - dropout_rate))
   assert _max_error(out, ref) <= bound, (_max_error(out, ref), bound)
 
 
@@ -123,7 +128,8 @@ def _assert_within_p_rounding(out, ref, v, dropout_rate=0.0):
 
 
 @pytest.mark.parametrize("granularity", ["token", "head", "tensor"])
-@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
+@pytest.mark.parametrize("implementation",
+                         ["xla", "chunked", "triton", "mosaic_tpu"])
 def test_matches_float64_attention_of_dequantized_inputs(implementation,
                                                          granularity):
   gen = testing.rng("fp8 forward", implementation, granularity)
@@ -139,7 +145,9 @@ def test_matches_float64_attention_of_dequantized_inputs(implementation,
   testing.assert_close("lse", lse, ref_lse)
   # No worse than XLA's attention computed in float8 on the same inputs.
   emulated = _emulated_fp8(values, scales, causal=True)
-  if implementation in ROUNDS_P:
+  if implementation in P_ROUNDING:
+    _assert_within_p_rounding(out, ref, _dequantized64(values, scales)[2],
+                              implementation=implementation)
     assert _max_error(out, ref) <= EMULATION_FACTOR * _max_error(
         emulated, ref)
     return
@@ -272,7 +280,8 @@ def test_triton_widens_float8_where_products_read_shared_memory():
 
 
 @pytest.mark.parametrize("formats", ["e5m2 q/k, e4m3 v", "e4m3 q, e5m2 k/v"])
-@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
+@pytest.mark.parametrize("implementation",
+                         ["xla", "chunked", "triton", "mosaic_tpu"])
 def test_e5m2_and_mixed_formats(implementation, formats):
   gen = testing.rng("fp8 e5m2", implementation, formats)
   wide = _inputs(gen)
@@ -287,10 +296,15 @@ def test_e5m2_and_mixed_formats(implementation, formats):
       implementation=implementation,
       block_sizes=conftest.block_sizes_for(implementation))
   ref = _oracle(*_dequantized64(values, scales))[0]
-  if implementation in ROUNDS_P:
+  if implementation == "triton":
     # Q.K^T exact (float16 holds both formats); P in float16: 11 bits.
     _assert_within_p_rounding(out, ref, _dequantized64(values, scales)[2])
     assert _max_error(out, ref) <= 2.0 ** -9 * float(np.abs(ref).max())
+    return
+  if implementation in P_ROUNDING:
+    # Q.K^T exact (bfloat16 holds both formats).
+    _assert_within_p_rounding(out, ref, _dequantized64(values, scales)[2],
+                              implementation=implementation)
     return
   testing.assert_close("out", out, ref)
 
@@ -344,14 +358,14 @@ def test_scale_forms_broadcast_as_decode_caches_do():
   assert out.shape == (t, n, h) and out.dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("implementation", ["chunked", "triton"])
+@pytest.mark.parametrize("implementation", ["chunked", "triton", "mosaic_tpu"])
 def test_every_other_argument_keeps_its_meaning(implementation):
   # Masks, padding, soft cap, sinks, dropout and a score_mod act on the
   # dequantized inputs exactly as on float32 ones. (Per-head scales on
   # triton: P scaled below its format's largest under dropout.)
   gen = testing.rng("fp8 arguments", implementation)
-  rounds_p = implementation in ROUNDS_P
-  values, scales = _quantized(gen, "head" if rounds_p else "token")
+  values, scales = _quantized(
+      gen, "head" if implementation == "triton" else "token")
   b, t, s, n = SHAPE[:4]
   kw = dict(
       local_window_size=(24, 8), logits_soft_cap=20.0,
@@ -371,13 +385,15 @@ def test_every_other_argument_keeps_its_meaning(implementation):
       *values, **_scales(scales), out_dtype=jnp.float32,
       implementation=implementation, block_sizes=conftest.block_sizes_for(
           implementation), **kw)
-  if rounds_p:
-    _assert_within_p_rounding(out, ref, deq[2], kw["dropout_rate"])
+  if implementation in P_ROUNDING:
+    _assert_within_p_rounding(out, ref, deq[2], kw["dropout_rate"],
+                              implementation)
   else:
     testing.assert_close("out", out, ref)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
+@pytest.mark.parametrize("implementation",
+                         ["xla", "chunked", "triton", "mosaic_tpu"])
 def test_padding_never_leaks(implementation):
   # NaN values and inf scales stored in padded keys reach nothing: not the
   # output, not the scales' gradients.
@@ -405,7 +421,8 @@ def test_padding_never_leaks(implementation):
     assert np.isfinite(np.asarray(g)).all(), name
 
 
-def test_error_grows_with_length_no_faster_than_bfloat16():
+@pytest.mark.parametrize("implementation", ["chunked", "mosaic_tpu"])
+def test_error_grows_with_length_no_faster_than_bfloat16(implementation):
   # The float8 call's error (default bfloat16 result) against the float64
   # attention of its dequantized inputs, and the bfloat16 call's against
   # that of its own inputs, as T = S grows: relative RMS errors.
@@ -418,10 +435,11 @@ def test_error_grows_with_length_no_faster_than_bfloat16():
     wide = _inputs(gen, (1, t, t, 1, 1, 64))
     pairs = [quantize.quantize_fp8(x, "head") for x in wide]
     values, scales = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
-    out = pallas_fa.flash_attention(*values, **_scales(scales))
+    out = pallas_fa.flash_attention(*values, **_scales(scales),
+                                    implementation=implementation)
     fp8.append(rel(out, _oracle(*_dequantized64(values, scales))[0]))
     narrow = tuple(x.astype(jnp.bfloat16) for x in wide)
-    out = pallas_fa.flash_attention(*narrow)
+    out = pallas_fa.flash_attention(*narrow, implementation=implementation)
     bf16.append(rel(out, _oracle(*(np.asarray(x, np.float64)
                                    for x in narrow))[0]))
   growth_fp8 = fp8[-1] / fp8[0]
@@ -457,7 +475,8 @@ def test_triton_error_stays_within_p_rounding_as_length_grows():
 # Gradients.
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked", "triton"])
+@pytest.mark.parametrize("implementation",
+                         ["xla", "chunked", "triton", "mosaic_tpu"])
 def test_scale_gradients_are_those_of_the_dequantized_attention(
     implementation):
   gen = testing.rng("fp8 scale grads", implementation)
@@ -465,7 +484,7 @@ def test_scale_gradients_are_those_of_the_dequantized_attention(
   dout = testing.normal(gen, SHAPE[:2] + (SHAPE[3], SHAPE[5]))
   dlse = testing.normal(gen, SHAPE[:2] + (SHAPE[3],))
 
-  def loss(scales, fn):
+  def loss(scales, fn, dlse):
     out, lse = fn(scales)
     return jnp.sum(out * dout) + jnp.sum(lse * dlse)
 
@@ -480,19 +499,20 @@ def test_scale_gradients_are_those_of_the_dequantized_attention(
         *(quantize.dequantize(x, s) for x, s in zip(values, scales)),
         is_causal=True, implementation="xla", return_residual=True)
 
-  got = jax.grad(loss)(scales, fp8)
-  want = jax.grad(loss)(scales, dequantized)
+  got = jax.grad(loss)(scales, fp8, dlse)
+  if implementation in P_ROUNDING:
+    # The backward runs in float32 on the dequantized inputs, but takes
+    # delta = rowsum(out * dout) - dlse from the forward's output, whose
+    # P rounding moves delta by rowsum((out - exact) * dout): exactly
+    # what moving dlse by minus that does. The gradients must be those of
+    # the dequantized attention under that dlse.
+    shift = jnp.sum((fp8(scales)[0] - dequantized(scales)[0]) * dout, -1)
+    dlse = dlse - shift
+  want = jax.grad(loss)(scales, dequantized, dlse)
   for name, g, w in zip(("dquery_scale", "dkey_scale", "dvalue_scale"), got,
                         want):
     assert g.dtype == jnp.float32 and g.shape == w.shape
-    if implementation in ROUNDS_P:
-      # The backward runs in float32 on the dequantized inputs, but with
-      # the forward's output (delta = rowsum(out * dout)), whose float8 P
-      # rounding (at most 2**-4 of each term) it carries over.
-      error = _max_error(g, np.asarray(w, np.float64))
-      assert error <= 2.0 ** -4 * float(np.abs(w).max()), (name, error)
-    else:
-      testing.assert_close(name, g, w)
+    testing.assert_close(name, g, w)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -558,19 +578,24 @@ def test_automatic_choice_runs_float8_on_chunked(monkeypatch):
                                    implementation="chunked")
   np.testing.assert_array_equal(np.asarray(out, np.float32),
                                 np.asarray(want, np.float32))
-  # A kernel ahead of chunked in the order declines and the choice moves on;
-  # triton takes the call.
   call = api.canonicalize(*values, **_scales(scales), float8=True)
+  # mosaic_tpu runs float8 calls (tiles widened to bfloat16 in the kernel).
   monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
                       ("mosaic_tpu", "chunked"))
-  assert api.choose_backend(None, call).name == "chunked"
-  monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
-                      ("mosaic_tpu", "triton", "chunked"))
-  assert api.choose_backend(None, call).name == "triton"
-  # On a Hopper GPU, mosaic_gpu (first in the order, and able to run the
-  # call: its 8-bit wgmma forward) takes it.
+  assert api.choose_backend(None, call).name == "mosaic_tpu"
+  e5m2 = api.canonicalize(*(x.astype(E5M2) for x in values),
+                          **_scales(scales), float8=True)
   with gpu_target.compile_for(gpu_target.H100):
+    # On a Hopper GPU, mosaic_gpu (first in the order, and able to run the
+    # call: its 8-bit wgmma forward) takes it.
     assert api.choose_backend(None, call).name == "mosaic_gpu"
+    # It takes e4m3 only: an e5m2 call moves on down the order.
+    monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
+                        ("mosaic_gpu", "chunked"))
+    assert api.choose_backend(None, e5m2).name == "chunked"
+    monkeypatch.setitem(api.AUTO_ORDER, api.platform(),
+                        ("mosaic_gpu", "triton", "chunked"))
+    assert api.choose_backend(None, e5m2).name == "triton"
 
 
 def test_mosaic_gpu_float8_lowers_192_key_tiles_for_hopper():
@@ -605,19 +630,14 @@ def test_triton_declines_float8_below_compute_capability_8_9():
     backend.check_call(*call.arrays)
 
 
-@pytest.mark.parametrize("implementation", ["mosaic_tpu"])
-def test_a_named_kernel_declines_float8(implementation):
-  gen = testing.rng("fp8 kernels", implementation)
+def test_a_backend_without_float8_declines_by_name():
+  gen = testing.rng("fp8 kernels")
   values, scales = _quantized(gen)
-  try:
-    api.get_backend(implementation)
-  except NotImplementedError:
-    reason = "unavailable"  # Its compiler stack does not import here.
-  else:
-    reason = "no float8 path"
-  with pytest.raises(NotImplementedError, match=reason):
-    pallas_fa.flash_attention(*values, **_scales(scales),
-                              implementation=implementation)
+  call = api.canonicalize(*values, **_scales(scales), float8=True)
+  plain = dataclasses.replace(api.get_backend("chunked"), name="plain",
+                              dtypes=(jnp.float32, jnp.bfloat16))
+  with pytest.raises(NotImplementedError, match="'plain' has no float8 path"):
+    plain.check_call(*call.arrays)
 
 
 def test_jit_vmap_and_empty_calls():

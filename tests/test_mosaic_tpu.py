@@ -10,6 +10,7 @@ numerical suite is tests/test_conformance.py; the cases here cross several
 import dataclasses
 import re
 
+import attention_testing
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -481,6 +482,40 @@ def test_dropout_and_value_head_dim_lower_to_mosaic(monkeypatch,
   v = testing.normal(gen, (case.b, case.s, case.k, 160), jnp.bfloat16)
   kw.update(dropout_rate=0.2, dropout_rng=jax.random.key(0))
   _assert_lowers_to_mosaic(q, k, v, kw)
+
+
+def test_float8_lowers_to_mosaic_for_tpu(monkeypatch, fresh_caches):
+  """A float8 call (quantized in the call, so that it differentiates): the
+  float8 forward (1-byte tiles widened in the kernel, the scale rows) and
+  the float32 dK/dV and dQ kernels of its backward lower for the TPU."""
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  case = Case(b=2, t=200, s=300, n=4, k=2, h=64, causal=True,
+              segments=True, soft_cap=3.0)
+  q, k, v, kw = make_inputs(case, jnp.bfloat16, rng("lower-float8"))
+  _assert_lowers_to_mosaic(q, k, v, dict(kw, quantize="token"))
+
+
+def test_float8_operands_stay_one_byte():
+  """The float8 forward reads q, k and v as stored (no widened copy in
+  HBM), beside float32 scale rows of one value per row and head."""
+  gen = rng("float8 operands")
+  b, t, s, n, num_kv, h = 1, 256, 384, 4, 2, 128
+  wide = (testing.normal(gen, (b, t, n, h)),
+          testing.normal(gen, (b, s, num_kv, h)),
+          testing.normal(gen, (b, s, num_kv, h)))
+  pairs = [pallas_fa.quantize_fp8(x, "token") for x in wide]
+
+  def call(*args):
+    return pallas_fa.flash_attention(
+        *args[:3], query_scale=args[3], key_scale=args[4],
+        value_scale=args[5], implementation="mosaic_tpu", block_sizes=TILES)
+
+  (operands,) = attention_testing.pallas_call_operands(
+      call, *(p[0] for p in pairs), *(p[1] for p in pairs))
+  narrow = [x.shape for x in operands if x.dtype == jnp.float8_e4m3fn]
+  assert narrow == [(b, t, n * h), (b, s, num_kv * h), (b, s, num_kv * h)]
+  scales = [x.shape for x in operands if x.dtype == jnp.float32]
+  assert scales == [(b, n, 1, t), (b, num_kv, 1, s), (b, num_kv, 1, s)]
 
 
 # --- flex attention: tables read at computed offsets -------------------------

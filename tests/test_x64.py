@@ -11,6 +11,7 @@ keep the inputs' dtype, never float64.
 import contextlib
 import dataclasses
 
+import attention_testing
 import conftest
 import jax
 import jax.numpy as jnp
@@ -123,14 +124,6 @@ def test_gpu_kernels_lower_for_hopper(implementation, fields, h, dropout,
   assert text.count("custom_call @") == kernels
 
 
-def _paged(x, page_size, order):
-  """A contiguous cache [B, S, K, H] as pages [B * S / page_size, ...]
-  stored in `order` ([B, pages per row]: the page of each block)."""
-  b, s = x.shape[:2]
-  blocks = x.reshape(b * (s // page_size), page_size, *x.shape[2:])
-  return jnp.zeros_like(blocks).at[order.reshape(-1)].set(blocks)
-
-
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("implementation", [
     name for name in ("chunked", "triton", "mosaic_tpu")
@@ -147,9 +140,9 @@ def test_decode(implementation, paged, x64):
   kw = dict(is_causal=True, local_window_size=(24, 0), logits_soft_cap=10.0)
   table, k_cache, v_cache = None, k, v
   if paged:
-    order = gen.permutation(b * s_max // page_size).reshape(b, -1)
-    table = jnp.asarray(order, jnp.int32)
-    k_cache, v_cache = (_paged(x, page_size, order) for x in (k, v))
+    table = attention_testing.page_table(gen, b, s_max // page_size)
+    k_cache, v_cache = (jnp.asarray(attention_testing.paged(
+        x, table, page_size, np.nan)) for x in (k, v))
   out, lse = pallas_fa.decode_attention(
       q, k_cache, v_cache, lengths, block_table=table, num_splits=2,
       implementation=implementation, return_residual=True, **kw)

@@ -31,7 +31,13 @@ This module prepares the kernels' inputs on device:
   per-(batch row, head, query tile) partial tables, summed here by XLA
   (deterministic). Tables of more than `kernel.MAX_TABLE_ENTRIES` entries
   per program, or that would not fit in scalar memory beside the metadata,
-  are declined.
+  are declined;
+* keeps a float8 call's q, k and v as stored (1 byte an element; their
+  formats may differ) and turns its scales into float32 rows, one value
+  per query row (the logit scale folded in) or key and head; the forward
+  widens each tile to bfloat16 and applies them to the logits' rows and
+  columns and to P's columns (`kernel.Static.float8`). Its backward runs
+  on the dequantized float32 inputs (`vjp`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import jax.numpy as jnp
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 from pallas_fa import vjp
 from pallas_fa.flex import block_mask
 from pallas_fa.flex import fused_mods
@@ -194,13 +201,20 @@ def fetch_schedule(kinds: Array) -> Array:
 
 
 class Layout(layout.Padded):
-  """One pass's inputs, padded to whole tiles, in the kernels' HBM layout."""
+  """One pass's inputs, padded to whole tiles, in the kernels' HBM layout.
 
-  def __init__(self, q, k, v, bias, info, params, block_q, block_kv):
+  `scales`: a float8 call's (q_scale, k_scale, v_scale) (`vjp`'s
+  convention); its q/k/v keep their 1-byte formats, which may differ, and
+  the scales become the kernel's rows (`kernel.Static.float8`).
+  """
+
+  def __init__(self, q, k, v, bias, info, params, block_q, block_kv,
+               scales=None):
     self.bq, tp = layout.tile(block_q, q.shape[1], ALIGN)
     self.bk, sp = layout.tile(block_kv, k.shape[1], ALIGN)
+    float8 = scales is not None
     super().__init__(q, k, v, bias, info, q_len=tp, kv_len=sp, align=ALIGN,
-                     dtype=compute_dtype(q.dtype))
+                     dtype=None if float8 else compute_dtype(q.dtype))
     self.hvp = layout.padded_head_dim(self.hv, ALIGN)
     padded = self.info  # Tails marked as padding.
     self.kinds = masking.classify_blocks(padded, self.bq, self.bk)
@@ -228,6 +242,12 @@ class Layout(layout.Padded):
         self.bias = self.bias.astype(_F32)
       self.bias_shape = self.bias.shape
       self._add("bias", self.bias)
+    if float8:
+      # The logit scale rides in the query's row (the kernel's scale is 1).
+      self._add("q_scale", self.scale_rows(scales[0] * params.scale,
+                                           queries=True)[:, :, None])
+      for name, x in zip(("k_scale", "v_scale"), scales[1:]):
+        self._add(name, self.scale_rows(x, queries=False)[:, :, None])
     mask_shape = None
     if padded.mask is not None:
       mask = padded.mask.astype(jnp.int8)  # Mosaic has no bool memrefs.
@@ -235,7 +255,7 @@ class Layout(layout.Padded):
       self._add("mask", mask)
     interpret = kernel.interpret_params()
     self.static = kernel.Static(
-        scale=params.scale,
+        scale=1.0 if float8 else params.scale,
         soft_cap=params.soft_cap,
         is_causal=info.is_causal,
         window=info.window,
@@ -253,11 +273,13 @@ class Layout(layout.Padded):
         bias_shape=self.bias_shape,
         mask_shape=mask_shape,
         dropout_rate=padded.dropout_rate,
-        precision=kernel_precision(params.precision, q.dtype),
+        precision=kernel_precision(
+            params.precision, jnp.bfloat16 if float8 else q.dtype),
         interpret=interpret,
         parallel=kernel.parallel_grid(interpret),
         score_mod=self.score_mod,
         mask_mod=self.mask_mod,
+        float8=float8,
     )
 
   def _add(self, name, x):
@@ -378,13 +400,14 @@ def flex_mods(info):
   return fused
 
 
-def _forward(q, k, v, bias, info, params):
+def _forward(q, k, v, bias, info, params, scales=None):
   bs = BACKEND.block_sizes(params, q, k, info, v=v)
-  lay = Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv)
+  lay = Layout(q, k, v, bias, info, params, bs.block_q, bs.block_kv, scales)
+  out_dtype = q.dtype if scales is None else params.out_dtype
   out, lse = forward_kernel.forward(
       lay.static, fetch_schedule(lay.kinds), tuple(lay.names), lay.operands,
-      lay.dtype)
-  return lay.unqueries(out, lay.hv, q.dtype), lay.unrows(lse)
+      compute_dtype(out_dtype))
+  return lay.unqueries(out, lay.hv, out_dtype), lay.unrows(lse)
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
@@ -430,7 +453,8 @@ def _check(q, k, v, bias, info, params):
   Every feature of the public op runs in the kernels: bias (with its
   gradient), dense masks, GQA/MQA, positions, segment ids, windows, soft
   capping, attention dropout and a value head dim Hv != H; float16
-  computes in float32 (the TPU's matrix unit has no float16 mode). The
+  computes in float32 (the TPU's matrix unit has no float16 mode), and
+  float8 inputs (the forward; `kernel.Static.float8`) in bfloat16. The
   grid's metadata -- one int32 per (batch row, query tile, key tile) --
   lives in scalar memory; past its capacity the call is declined (larger
   `block_sizes` shrink it). Flex attention is fused (`flex_mods`), except
@@ -479,6 +503,7 @@ BACKEND = vjp.Backend(
     check=_check,
     block_sizes_type=MosaicTpuBlockSizes,
     default_block_sizes=default_block_sizes,
+    dtypes=(jnp.float32, jnp.bfloat16, jnp.float16) + quantize.FP8_DTYPES,
     value_head_dim=True,
     dropout=True,
 )

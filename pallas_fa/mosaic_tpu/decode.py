@@ -311,12 +311,8 @@ def _kernel(
   pl.when(j == 0)(lambda: kernel.init_softmax(m_ref, l_ref, acc_ref))
 
   def widened(tile):
-    """A cache tile in the query's computed dtype: an int8 / float8 one (1
-    byte an element in HBM and VMEM) converted here, through float32 (every
-    int8 and float8 value is exact in bfloat16 as well)."""
-    if tile.dtype == q_ref.dtype:
-      return tile
-    return tile.astype(_F32).astype(q_ref.dtype)
+    """A cache tile in the query's computed dtype (`kernel.widen`)."""
+    return kernel.widen(tile, q_ref.dtype)
 
   def step(key_block, masked):
     keys = widened(k_ref[...])  # [bk, Hp]

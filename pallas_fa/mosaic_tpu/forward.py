@@ -18,6 +18,8 @@ from pallas_fa import online_softmax
 from pallas_fa.mosaic_tpu import kernel
 
 _F32 = jnp.float32
+# float8 tiles are widened to this for the products (`kernel.widen`).
+_BF16 = jnp.bfloat16
 
 
 def _forward_kernel(meta_ref, *refs, st: kernel.Static, names):
@@ -29,15 +31,21 @@ def _forward_kernel(meta_ref, *refs, st: kernel.Static, names):
 
   pl.when(j == 0)(lambda: kernel.init_softmax(m_ref, l_ref, acc_ref))
 
+  def tile(name):
+    x = r[name][...]
+    return kernel.widen(x, _BF16) if st.float8 else x
+
   def step(masked):
-    _, s, _ = kernel.masked_logits(st, r, r["q"][...], r["k"][...], masked,
+    _, s, _ = kernel.masked_logits(st, r, tile("q"), tile("k"), masked,
                                    kernel.Tile(b, n, i, j))
     m_i, l_i, p, alpha = online_softmax.update(
         kernel.column(m_ref), kernel.column(l_ref), s)  # p: [bq, bk]
     if st.dropout_rate:
       # On the normalised probabilities: l_i sums the undropped ones.
       p = p * kernel.dropout_factor(st, r, b, n, i, j)
-    v = r["v"][...]
+    if st.float8:  # P . (v * c) = (P * c) . v, c the value's per-key scale
+      p = p * r["v_scale"][...]
+    v = tile("v")
     pv = kernel.dot(p.astype(v.dtype), v, kernel.NN, st.precision)  # [bq, Hvp]
     acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
     kernel.store_column(m_ref, m_i)
@@ -64,7 +72,7 @@ def forward(st: kernel.Static, meta, names, operands, out_dtype):
     meta: int32 [B * nq * nk] metadata words, row-major over (b, i, j).
     names: names of `operands` (see `kernel.launch`).
     operands: kernel inputs in HBM layout.
-    out_dtype: dtype of the output.
+    out_dtype: dtype of the output (bfloat16 or float32).
 
   Returns:
     (out [B, Tp, N * Hvp], lse [B, N, 1, Tp] float32).

@@ -171,6 +171,11 @@ class Static:
       "score_mod.i" / "mask_mod.i": per (batch, head) values in SMEM as
       32-bit scalars -- a table as [Bm * Hm * size] --, per query
       lane-replicated, per key sublane-replicated), or None.
+    float8: the forward of a float8 call (`forward_scales`): q/k/v
+      stay 1 byte an element in HBM and VMEM, each tile widened to
+      bfloat16 (`widen`), with float32 scale rows "q_scale" [B, N, 1, Tp]
+      (the query's scale times the logit scale, which `scale` then leaves
+      out: it is 1), "k_scale" and "v_scale" [B, K, 1, Sp].
   """
 
   scale: float
@@ -196,6 +201,7 @@ class Static:
   parallel: bool
   score_mod: Any = None
   mask_mod: Any = None
+  float8: bool = False
 
   @property
   def group(self) -> int:
@@ -284,8 +290,10 @@ def _in_spec(st: Static, name: str, coords) -> pl.BlockSpec:
                   lambda c: (c.b if res.batch else 0, c.q_block, 0))
     return spec((sq, NUM_SUBLANES, bk),
                 lambda c: (c.b if res.batch else 0, 0, c.kv_block))
-  if name in ("lse", "delta"):
+  if name in ("lse", "delta", "q_scale"):
     return spec((sq, sq, 1, bq), lambda c: (c.b, c.head, 0, c.q_block))
+  if name in ("k_scale", "v_scale"):
+    return spec((sq, sq, 1, bk), lambda c: (c.b, c.kv_head, 0, c.kv_block))
   if name in ("q_pos", "q_seg"):
     return spec((sq, bq, NUM_LANES), lambda c: (c.b, c.q_block, 0))
   if name in ("kv_pos", "kv_seg"):
@@ -343,6 +351,15 @@ def dot(a, b, dims, precision):
   )
 
 
+def widen(tile, dtype):
+  """A tile in the computed `dtype`: an int8 / float8 one (1 byte an
+  element in HBM and VMEM) converted here, through float32 (every int8 and
+  float8 value is exact in bfloat16 as well)."""
+  if tile.dtype == dtype:
+    return tile
+  return tile.astype(_F32).astype(dtype)
+
+
 def _lanes(x, width):
   """Lane-replicated [rows, 128] -> [rows, width] (width % 128 == 0)."""
   return jnp.tile(x, (1, width // NUM_LANES))
@@ -368,8 +385,13 @@ def init_softmax(m_ref, l_ref, acc_ref):
 
 
 def _logits(st: Static, r, q, k):
-  """(s_capped, s) of one [bq, bk] tile, unmasked (`online_softmax.logits`)."""
+  """(s_capped, s) of one [bq, bk] tile, unmasked (`online_softmax.logits`).
+  A float8 call's products are those of the stored values, scaled per row
+  (the query's scale and the logit scale) and per key column: q . (k * c)
+  = (q . k) * c."""
   qk = dot(q, k, NT, st.precision)  # [bq, bk]
+  if st.float8:
+    qk = qk * r["q_scale"][0][:, None] * r["k_scale"][...]
   bias = r["bias"][...] if "bias" in r else None  # [bq|1, bk|1] broadcasts
   s, s_capped = online_softmax.logits(
       qk, scale=st.scale, cap=st.soft_cap, bias=bias)

@@ -307,21 +307,6 @@ class _Padded(layout.Padded):
         lists_per_head=mask_mod is not None and _mask_reads_head(info),
     )
 
-  def scale_rows(self, scale, *, queries: bool):
-    """A float8 call's scales [B|1, L|1, heads|1] of the queries (or the
-    keys) -> float32 [B, heads, Tp (or Sp)]: broadcast, the caller's
-    padded rows and the tail zeroed (a NaN or inf scale stored there must
-    not turn zero values into NaN)."""
-    if queries:
-      shape, length = (self.b, self.t, self.n), self.tp
-      segments, pad_id = self._q_segments, masking.Q_PAD_SEGMENT
-    else:
-      shape, length = (self.b, self.s, self.num_kv), self.sp
-      segments, pad_id = self._kv_segments, masking.KV_PAD_SEGMENT
-    scale = jnp.broadcast_to(scale, shape).astype(_F32)
-    scale = masking.zero_padding(scale[..., None], segments, pad_id)[..., 0]
-    return masking.pad_axes(scale, {1: length}).transpose(0, 2, 1)
-
   def kinds(self, block_q, block_kv):
     """Tile kinds [B, nq, nk] of the built-in masks; with a mask_mod,
     [B, N|1, nq, nk] of their intersection with it."""
