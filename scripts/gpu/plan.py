@@ -177,6 +177,8 @@ _KERNELS = Step(
   "test_decode_prefix_latent.py (the shared prefix's one merge, the "
   "latent caches), test_decode_property.py (random decode calls, every "
   "cache form and feature at once, against the float64 oracle), "
+  "test_fp8_property.py (random float8 calls on triton, every feature "
+  "at once), "
   "without their xla and chunked cases (no GPU kernel); "
   "pytest-xdist, a "
   "per-test timeout, each worker's stderr kept (a crashed worker's last "

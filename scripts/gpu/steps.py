@@ -241,6 +241,7 @@ KERNEL_TESTS = {
       "tests/test_mosaic_gpu_fp8.py",
       "tests/test_decode_prefix_latent.py",
       "tests/test_decode_property.py",
+      "tests/test_fp8_property.py",
     ),
     implementations=_KERNEL_IMPLEMENTATIONS,
     select=_NOT_TPU,
