@@ -165,6 +165,11 @@ def sharded():
         ("data2xheads4", parallel.make_mesh(data=2, heads=4),
          dict(batch_axes="data", head_axes="heads")),
     ])
+    # K=2 < 4 head shards: the key/value scales sliced per device too.
+    _check_float8(impl, block_sizes, [
+        ("data2xheads4", parallel.make_mesh(data=2, heads=4),
+         dict(batch_axes="data", head_axes="heads")),
+    ])
 
 
 def _check_flex(impl, block_sizes, layouts, t=40):
@@ -200,6 +205,59 @@ def _check_flex(impl, block_sizes, layouts, t=40):
     got = value_and_grads(parallel.sharded_flash_attention, mesh=mesh,
                           **axes)
     _compare(f"{impl} flex alibi+document {name}", got, want)
+
+def _check_float8(impl, block_sizes, layouts, t=40):
+  """Float8 calls sharded over `layouts` [(name, mesh, axes)] equal the
+  single-device call: e4m3 inputs with per-token scales (which travel
+  with their rows: around the ring with their key/value shard), out, lse
+  and the scales' gradients; and `quantize="head"` on float32 inputs
+  (quantized before the split), whose gradients reach the float32 arrays
+  straight through."""
+  b, n, kv, h = 2, 4, 2, 16
+  wide = _inputs(23, b, t, t, n, kv, h)
+  pairs = [pallas_fa.quantize_fp8(x, "token") for x in wide]
+  values = tuple(p[0] for p in pairs)
+  scales = tuple(p[1] for p in pairs)
+  kwargs = dict(is_causal=True, out_dtype=jnp.float32, implementation=impl,
+                block_sizes=block_sizes, sinks=_sinks(24, n),
+                key_value_seq_lengths=jnp.array([t, t - 7]))
+
+  def value_and_grads(fn, **mesh_kwargs):
+    def loss(args, quantize):
+      if quantize:
+        call = dict(quantize="head")
+      else:
+        call = dict(zip(("query_scale", "key_scale", "value_scale"), args))
+        args = values
+      out, lse = fn(*args, return_residual=True, **call, **kwargs,
+                    **mesh_kwargs)
+      finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
+      return jnp.sum(out * jnp.cos(out)) + 0.3 * jnp.sum(finite), (out, lse)
+
+    results = {}
+    for quantize, args, names in (
+        (False, scales, ("dquery_scale", "dkey_scale", "dvalue_scale")),
+        (True, wide, ("dq", "dk", "dv"))):
+      (_, (out, lse)), grads = jax.jit(
+          jax.value_and_grad(loss, has_aux=True),
+          static_argnums=1)(args, quantize)
+      prefix = "quantize " if quantize else ""
+      results.update({prefix + "out": out, prefix + "lse": lse},
+                     **{prefix + k: g for k, g in zip(names, grads)})
+    return results
+
+  def relative(results):
+    # A scale's gradient sums a row's H products of dv and v (dk and k):
+    # compared against its largest entry, as its float32 sums round.
+    return {k: x / (jnp.abs(want[k]).max() if "scale" in k else 1.0)
+            for k, x in results.items()}
+
+  want = value_and_grads(pallas_fa.flash_attention)
+  for name, mesh, axes in layouts:
+    got = value_and_grads(parallel.sharded_flash_attention, mesh=mesh,
+                          **axes)
+    _compare(f"{impl} float8 {name}", relative(got), relative(want))
+
 
 def _check_two_meshes(impl, block_sizes):
   """One mesh, then one of another shape, then the first again, in one
@@ -357,6 +415,15 @@ def ring():
          dict(head_axes="heads", sequence_axis="sequence",
               load_balance=True)),
     ], t=38)
+    # The scales padded and permuted with their rows, the key's and value's
+    # around the ring with their shard.
+    _check_float8(impl, block_sizes, [
+        ("data2xring4", parallel.make_mesh(data=2, sequence=4),
+         dict(batch_axes="data", sequence_axis="sequence")),
+        ("heads2xring4-zigzag", parallel.make_mesh(heads=2, sequence=4),
+         dict(head_axes="heads", sequence_axis="sequence",
+              load_balance=True)),
+    ], t=38)
   _check_ring_positions(causal)
 
 
@@ -499,6 +566,21 @@ def hlo():
   _compare(f"{impl} ring_attention in shard_map, sinks",
            dict(zip(("dsinks", "out"), got)),
            dict(zip(("dsinks", "out"), want)))
+  # float8 shards with per-token scales, sharded like their rows: the
+  # key's and value's travel with their shard.
+  pairs = [pallas_fa.quantize_fp8(x, "token") for x in (q, k, v)]
+  values, scales = [p[0] for p in pairs], [p[1] for p in pairs]
+  names = ("query_scale", "key_scale", "value_scale")
+  got = jax.jit(parallel.shard_map(
+      lambda *x: ring(*x[:3], out_dtype=jnp.float32,
+                      **dict(zip(names, x[3:]))),
+      mesh=mesh, in_specs=(qspec,) * 6, out_specs=(qspec, lspec)))(
+          *values, *scales)
+  want = jax.jit(lambda *x: pallas_fa.flash_attention(
+      *x[:3], out_dtype=jnp.float32, return_residual=True,
+      **dict(zip(names, x[3:])), **kwargs))(*values, *scales)
+  _compare(f"{impl} ring_attention in shard_map, float8",
+           dict(zip(("out", "lse"), got)), dict(zip(("out", "lse"), want)))
 
   # A mesh with explicit axes (jax.make_mesh's default): inputs are laid
   # out as shard_map requires, padding and the zig-zag permutation run with

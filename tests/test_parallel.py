@@ -286,6 +286,38 @@ def test_sharded_block_sizes_of_the_wrong_type_are_named():
     parallel.sharded_flash_attention(q, q, q, mesh=mesh, return_residual="no")
 
 
+def test_sharded_float8_arguments_are_checked():
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  gen = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(gen.standard_normal((2, 8, 2, 8)), jnp.float32)
+             for _ in range(3))
+  (q8, qs), (k8, ks), (v8, vs) = (pallas_fa.quantize_fp8(x, "token")
+                                  for x in (q, k, v))
+  with pytest.raises(ValueError, match="quantize must be one of"):
+    parallel.sharded_flash_attention(q, k, v, mesh=mesh, quantize="row")
+  with pytest.raises(ValueError, match="out_dtype applies to float8 calls"):
+    parallel.sharded_flash_attention(q, k, v, mesh=mesh,
+                                     out_dtype=jnp.bfloat16)
+  with pytest.raises(TypeError, match="must all be float8"):
+    parallel.sharded_flash_attention(q8, k, v, mesh=mesh, query_scale=qs)
+
+  def loss(q8):
+    return parallel.sharded_flash_attention(
+        q8, k8, v8, mesh=mesh, query_scale=qs, key_scale=ks,
+        value_scale=vs).astype(jnp.float32).sum()
+
+  with pytest.raises(TypeError, match="does not differentiate float8"):
+    jax.grad(loss)(q8)
+  # A one-device mesh runs the call as flash_attention does.
+  got = parallel.sharded_flash_attention(
+      q8, k8, v8, mesh=mesh, query_scale=qs, key_scale=ks, value_scale=vs,
+      is_causal=True, out_dtype=jnp.float32)
+  want = pallas_fa.flash_attention(
+      q8, k8, v8, query_scale=qs, key_scale=ks, value_scale=vs,
+      is_causal=True, out_dtype=jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_ring_steps_with_no_visible_key_are_skipped():
   pos = jnp.arange(16)[None]
   info = masking.MaskInfo(q_positions=pos, kv_positions=pos + 16,

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from pallas_fa import api
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import vjp
 
 Array = Any
 _F32 = jnp.float32
@@ -156,13 +157,15 @@ def _cond(empty, skip, run):
   return run() if empty is None else jax.lax.cond(empty, skip, run)
 
 
-def _step_forward(backend, params, q, k, v, bias, info):
-  """(out float32, lse) of q against one K/V shard; skipped when empty."""
+def _step_forward(backend, params, q, k, v, bias, info, scales=None):
+  """(out float32, lse) of q against one K/V shard (a float8 call's with
+  its `scales`); skipped when empty."""
   b, t, n, _ = q.shape
   h = v.shape[-1]
 
   def run():
-    out, lse = backend.forward(q, k, v, bias, info, params)
+    kw = {} if scales is None else {"scales": scales}
+    out, lse = backend.forward(q, k, v, bias, info, params, **kw)
     return out.astype(_F32), lse.astype(_F32)
 
   def skip():
@@ -222,8 +225,11 @@ def _add_columns(acc, d, src, s_local):
   return jax.lax.dynamic_update_slice_in_dim(acc, cur + d, start, 3)
 
 
-def _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias, info,
-                  sinks):
+def _ring_forward(step_backend, axis_name, zigzag, q, k, v, bias, info,
+                  params, scales=None):
+  """The ring's (out, lse), merged over its steps in float32 (the forward
+  of `_ring_backend`). A float8 call's key and value scales travel with
+  their shard."""
   size = axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
   if q.dtype == jnp.float64:
@@ -234,6 +240,7 @@ def _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias, info,
   b, t, n, _ = q.shape
   h = v.shape[-1]
   layout = _Layout(me, size, t, k.shape[1], zigzag)
+  q_scale, k_scale, v_scale = (None,) * 3 if scales is None else scales
 
   def body(carry, step):
     out, lse, kv = carry
@@ -241,45 +248,34 @@ def _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias, info,
     # the next shard overlaps this step (the last one is hidden the same
     # way and brings the shard home).
     kv_next = _rotate(kv, axis_name, size)
-    k_s, v_s, kv_pos, kv_seg = kv
+    k_s, v_s, kv_pos, kv_seg, k_scale_s, v_scale_s = kv
     src = (me - step) % size
     bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, layout)
-    out_s, lse_s = _step_forward(backend, params, q, k_s, v_s, bias_s, info_s)
+    out_s, lse_s = _step_forward(
+        step_backend, params, q, k_s, v_s, bias_s, info_s,
+        None if scales is None else (q_scale, k_scale_s, v_scale_s))
     out, lse = online_softmax.merge(out, lse, out_s, lse_s)
     return (out, lse, kv_next), None
 
   carry = (
       jnp.zeros((b, t, n, h), _F32),
       jnp.full((b, t, n), online_softmax.MASK_VALUE, _F32),
-      (k, v, info.kv_positions, info.kv_segment_ids),
+      (k, v, info.kv_positions, info.kv_segment_ids, k_scale, v_scale),
   )
   (out, lse, _), _ = jax.lax.scan(body, carry, jnp.arange(size))
-  if sinks is not None:  # Once per row, not once per shard.
-    out, lse = online_softmax.add_sink(out, lse, sinks)
-  return out.astype(q.dtype), lse
+  return out.astype(params.out_dtype or q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ring(backend, params, axis_name, zigzag, q, k, v, bias, info, sinks):
-  return _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias,
-                       info, sinks)
-
-
-def _ring_fwd(backend, params, axis_name, zigzag, q, k, v, bias, info, sinks):
-  out, lse = _ring_forward(backend, params, axis_name, zigzag, q, k, v, bias,
-                           info, sinks)
-  # Only the inputs and (out, lse): every step is recomputed backwards.
-  return (out, lse), (q, k, v, bias, info, sinks, out, lse)
-
-
-def _ring_bwd(backend, params, axis_name, zigzag, residuals, cotangents):
-  q, k, v, bias, info, sinks, out, lse = residuals
-  dout, dlse = cotangents
+def _ring_backward(step_backend, axis_name, zigzag, q, k, v, bias, info,
+                   params, lse, dout, delta):
+  """The ring's (dq, dk, dv, dbias[, score_mod_args' gradients]) from the
+  final lse and delta (the backward of `_ring_backend`): a second trip
+  around the ring, recomputing every step, dK/dV travelling with their
+  shard."""
   size = axis_size(axis_name)
   me = jax.lax.axis_index(axis_name)
   s_local = k.shape[1]
   layout = _Layout(me, size, q.shape[1], s_local, zigzag)
-  delta = online_softmax.delta(out, dout, dlse)
 
   def body(carry, step):
     dq, dbias, dargs, kv, dkv = carry
@@ -288,7 +284,7 @@ def _ring_bwd(backend, params, axis_name, zigzag, residuals, cotangents):
     src = (me - step) % size
     bias_s, info_s = _step_inputs(bias, info, kv_pos, kv_seg, src, layout)
     dq_s, dk_s, dv_s, dbias_s, dargs_s = _step_backward(
-        backend, params, q, k_s, v_s, bias_s, info_s, lse, dout, delta
+        step_backend, params, q, k_s, v_s, bias_s, info_s, lse, dout, delta
     )
     dk, dv = dkv
     # dK/dV travel with the K/V shard they belong to; after `size`
@@ -315,27 +311,39 @@ def _ring_bwd(backend, params, axis_name, zigzag, residuals, cotangents):
       body, carry, jnp.arange(size))
   if dbias is not None:
     dbias = dbias.astype(bias.dtype)
-  # The steps ran with the final lse and delta, the sink's included; this
-  # device's rows give its share of dsinks (shard_map sums the shares).
-  dsinks = None if sinks is None else online_softmax.sink_grad(
-      lse, sinks, delta)
-  info_ct = jax.tree.map(lambda _: None, info)
-  if dargs is not None:  # This device's share (shard_map sums the shares).
-    info_ct = info_ct.replace(score_mod_args=tuple(
-        None if d is None else d.astype(x.dtype)
-        for d, x in zip(dargs, info.score_mod_args)))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias,
-          info_ct, dsinks)
+  grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias)
+  if dargs is None:
+    return grads
+  # This device's share of the score_mod's array gradients (shard_map sums
+  # the shares).
+  return grads + (tuple(None if d is None else d.astype(x.dtype)
+                        for d, x in zip(dargs, info.score_mod_args)),)
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+def _ring_backend(step_backend: vjp.Backend, axis_name,
+                  zigzag: bool) -> vjp.Backend:
+  """`step_backend` run around the ring as one backend, so that
+  `vjp.attention` wires the ring's custom_vjp as it does a single
+  device's: the sinks join once, after the last step, and their gradient
+  is this device's rows' share; a float8 call's backward runs the ring on
+  the dequantized inputs and turns their gradients into the scales'."""
+  return vjp.Backend(
+      name=f"{step_backend.name} (ring)",
+      forward=functools.partial(_ring_forward, step_backend, axis_name,
+                                zigzag),
+      backward=functools.partial(_ring_backward, step_backend, axis_name,
+                                 zigzag),
+      check=step_backend.check, dtypes=step_backend.dtypes,
+      value_head_dim=step_backend.value_head_dim,
+      dropout=step_backend.dropout)
 
 
 def ring_local(implementation, params, axis_name, q, k, v, bias, info,
-               sinks=None, zigzag=False):
+               sinks=None, zigzag=False, scales=None, straight_through=None):
   """Chooses the implementation for one ring step and runs the ring
   (`zigzag`: the shards hold the zig-zag layout's chunks, which flex
-  functions' global indices follow)."""
+  functions' global indices follow; `scales`, `straight_through`: a float8
+  call's, see `vjp.attention`)."""
   layout = _Layout(0, axis_size(axis_name), q.shape[1], k.shape[1], zigzag)
   # A shard's positions are a slice of the sequence's, not its indices.
   info = info.replace(positions_are_indices=False)
@@ -345,8 +353,9 @@ def ring_local(implementation, params, axis_name, q, k, v, bias, info,
   backend = api.choose_backend(implementation, api.Call(
       q=q, k=k, v=v, bias=bias_0, info=info_0, params=params,
       batch_shape=q.shape[:1]))
-  return _ring(backend, params, axis_name, bool(zigzag), q, k, v, bias, info,
-               sinks)
+  return vjp.attention(_ring_backend(backend, axis_name, bool(zigzag)),
+                       params, q, k, v, bias, info, sinks, scales=scales,
+                       straight_through=straight_through)
 
 
 def ring_attention(
@@ -374,6 +383,11 @@ def ring_attention(
     score_mod_args: Sequence[Array] = (),
     mask_mod: Any = None,
     mask_mod_args: Sequence[Array] = (),
+    query_scale: Array | None = None,
+    key_scale: Array | None = None,
+    value_scale: Array | None = None,
+    quantize: str | None = None,
+    out_dtype: Any = None,
 ):
   """Ring attention over mesh axis `axis_name`, called inside `shard_map`.
 
@@ -419,9 +433,14 @@ def ring_attention(
       indices (shard r holds tokens [r * T, (r + 1) * T) of the caller's
       order), batch and head this device's own; pass the arrays whole
       (their gradients are this device's share, as for sinks).
+    query_scale, key_scale, value_scale, quantize, out_dtype: a float8
+      call, see `pallas_fa.flash_attention`: the local shards' scales (the
+      key's and value's travel with their shard); `quantize` quantizes
+      each device's shards on their own (scales from the shard's values).
 
   Returns:
-    The local output shard [B, T, N, H], or (out, lse) with return_residual.
+    The local output shard [B, T, N, Hv] (typed like query, or a float8
+    call's `out_dtype`), or (out, lse) with return_residual.
 
   Raises:
     ValueError / TypeError: invalid arguments (the message names them).
@@ -458,9 +477,12 @@ def ring_attention(
       precision=precision, deterministic_backward=deterministic_backward,
       bias_key_length=s * size, sinks=sinks, score_mod=score_mod,
       score_mod_args=score_mod_args, mask_mod=mask_mod,
-      mask_mod_args=mask_mod_args,
+      mask_mod_args=mask_mod_args, query_scale=query_scale,
+      key_scale=key_scale, value_scale=value_scale, quantize=quantize,
+      out_dtype=out_dtype, float8=True,
   )
   q, k, v, bias, info, params = call.arrays
   out, lse = ring_local(implementation, params, axis_name, q, k, v, bias,
-                        info, call.sinks)
+                        info, call.sinks, scales=call.scales,
+                        straight_through=call.straight_through)
   return (out, lse) if return_residual else out

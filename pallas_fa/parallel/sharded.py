@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from typing import Any
+from typing import NamedTuple
 from typing import Sequence
 
 import jax
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from pallas_fa import api
 from pallas_fa import masking
+from pallas_fa import quantize as quantize_lib
 from pallas_fa import vjp
 from pallas_fa.parallel import mesh as mesh_lib
 from pallas_fa.parallel import ring as ring_lib
@@ -60,8 +62,11 @@ class _Plan:
   def rows_spec(self):  # [B, T] positions / segment ids; [B, T, N] lse
     return _P(spec_entry(self.batch), self.sequence)
 
-  def lse_spec(self):
+  def lse_spec(self):  # [B, T, N]: lse, a float8 query's scales
     return _P(spec_entry(self.batch), self.sequence, spec_entry(self.heads))
+
+  def kv_rows_spec(self):  # [B, S, K]: a float8 key's or value's scales
+    return _P(*self.kv_spec()[:3])
 
   def dense_spec(self, x):  # [B|1, N|1, T|1, S|1]; S is never split
     if x is None:
@@ -188,14 +193,15 @@ def _with_global_indices(plan, info, q):
   return info.replace(**changes)
 
 
-def _select_kv_heads(plan, q, k, v):
-  """K/V replicated over the head axes: keep the one head these queries use."""
+def _select_kv_heads(plan, q, *kv):
+  """K/V replicated over the head axes: keep the one head these queries
+  use, of each [B, S, K, ...] array in `kv` (None stays None)."""
   n_local = q.shape[2]
   me = jax.lax.axis_index(plan.heads if len(plan.heads) > 1
                           else plan.heads[0])
   kv_head = (me * n_local) // plan.group
   pick = lambda x: jax.lax.dynamic_slice_in_dim(x, kv_head, 1, 2)
-  return pick(k), pick(v)
+  return tuple(None if x is None else pick(x) for x in kv)
 
 
 def _is_explicit(mesh) -> bool:
@@ -221,8 +227,10 @@ def _reshard(plan, tree, specs):
   return jax.sharding.reshard(tree, shardings)
 
 
-def _sequence_layout(plan, q, k, v, bias, info):
-  """Pads T and S to equal shards and permutes into the zig-zag layout."""
+def _sequence_layout(plan, q, k, v, bias, info, float8=None):
+  """Pads T and S to equal shards and permutes into the zig-zag layout;
+  `float8`: a float8 call's (scales, straight_through) (`_Float8`), or
+  None, laid out with the rows they belong to."""
   t, s = q.shape[1], k.shape[1]
   # Shards must be equal: pad the tails as padding (folded into segment ids,
   # so they are masked like user padding and cost no extra logic).
@@ -233,9 +241,15 @@ def _sequence_layout(plan, q, k, v, bias, info):
     q = masking.pad_axes(q, {1: tp})
     k, v = masking.pad_axes(k, {1: sp}), masking.pad_axes(v, {1: sp})
     bias = masking.pad_axes(bias, {2: tp, 3: sp}, broadcast=True)
+    if float8 is not None:
+      float8 = float8.map(lambda x: masking.pad_axes(x, {1: tp}),
+                          lambda x: masking.pad_axes(x, {1: sp}))
   if plan.zigzag:
     r = plan.ring_size
     q, k, v = (_permute_axis(x, 1, r) for x in (q, k, v))
+    if float8 is not None:
+      permute = lambda x: _permute_axis(x, 1, r)  # noqa: E731
+      float8 = float8.map(permute, permute)
     bias = _permute_axis(_permute_axis(bias, 2, r), 3, r)
     info = info.replace(
         q_positions=_permute_axis(info.q_positions, 1, r),
@@ -244,17 +258,56 @@ def _sequence_layout(plan, q, k, v, bias, info):
         kv_segment_ids=_permute_axis(info.kv_segment_ids, 1, r),
         mask=_permute_axis(_permute_axis(info.mask, 2, r), 3, r),
     )
-  return q, k, v, bias, info
+  return q, k, v, bias, info, float8
 
 
-def _specs(plan, bias, info):
+class _Float8(NamedTuple):
+  """A float8 call's arrays beside q, k and v: the scales, made whole
+  (float32 [B, T, N], [B, S, K], [B, S, K]: one value a row and head, so
+  that they shard with their rows), and the high-precision q, k, v of
+  `quantize=` or None (`vjp.attention`)."""
+
+  scales: tuple[Array, Array, Array]
+  straight_through: tuple[Array, Array, Array] | None
+
+  @classmethod
+  def of(cls, scales, straight_through, q, k):
+    if scales is None:
+      return None
+    rows = (q.shape[:3],) + (k.shape[:3],) * 2
+    return cls(tuple(jnp.broadcast_to(x, r).astype(jnp.float32)
+                     for x, r in zip(scales, rows)), straight_through)
+
+  def map(self, on_queries, on_keys):
+    """`on_queries` applied to the query's arrays, `on_keys` to the
+    others' (each [B, T or S, ...])."""
+    fns = (on_queries, on_keys, on_keys)
+    straight = self.straight_through
+    return _Float8(
+        tuple(f(x) for f, x in zip(fns, self.scales)),
+        None if straight is None else tuple(
+            f(x) for f, x in zip(fns, straight)))
+
+  def specs(self, plan):
+    straight = None
+    if self.straight_through is not None:
+      straight = (plan.q_spec(), plan.kv_spec(), plan.kv_spec())
+    return _Float8(
+        (plan.lse_spec(), plan.kv_rows_spec(), plan.kv_rows_spec()),
+        straight)
+
+
+def _specs(plan, bias, info, float8=None):
   return (plan.q_spec(), plan.kv_spec(), plan.kv_spec(),
-          plan.dense_spec(bias), plan.info_spec(info))
+          plan.dense_spec(bias), plan.info_spec(info),
+          None if float8 is None else float8.specs(plan))
 
 
-def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
+def _sharded(plan: _Plan, q, k, v, bias, info, sinks, scales=None,
+             straight_through=None):
   t, s = q.shape[1], k.shape[1]
   ring = plan.sequence is not None
+  float8 = _Float8.of(scales, straight_through, q, k)
   if info.has_flex:
     # Each shard classifies its own tiles (its rows, heads and tokens) from
     # the mask_mod; a global block mask does not describe them.
@@ -263,28 +316,35 @@ def _sharded(plan: _Plan, q, k, v, bias, info, sinks):
                        or s % plan.ring_size)
   gathered = dataclasses.replace(plan, sequence=None)
   if relayout:
-    args = _reshard(plan, (q, k, v, bias, info), _specs(gathered, bias, info))
-    q, k, v, bias, info = _sequence_layout(plan, *args)
+    args = _reshard(plan, (q, k, v, bias, info, float8),
+                    _specs(gathered, bias, info, float8))
+    q, k, v, bias, info, float8 = _sequence_layout(plan, *args)
 
-  def body(q, k, v, bias, info, sinks):
+  def body(q, k, v, bias, info, float8, sinks):
     if plan.kv_replicated:
       k, v = _select_kv_heads(plan, q, k, v)
+      if float8 is not None:
+        float8 = float8.map(lambda x: x,
+                            lambda x: _select_kv_heads(plan, q, x)[0])
     if info.has_flex:
       info = _with_global_indices(plan, info, q)
+    scales, straight = (None, None) if float8 is None else float8
     if not ring:
       backend = api.choose_backend(plan.implementation, api.Call(
           q=q, k=k, v=v, bias=bias, info=info, params=plan.params,
           batch_shape=q.shape[:1]))
-      return vjp.attention(backend, plan.params, q, k, v, bias, info, sinks)
-    return ring_lib.ring_local(plan.implementation, plan.params, plan.sequence,
-                       q, k, v, bias, info, sinks, zigzag=plan.zigzag)
+      return vjp.attention(backend, plan.params, q, k, v, bias, info, sinks,
+                           scales=scales, straight_through=straight)
+    return ring_lib.ring_local(
+        plan.implementation, plan.params, plan.sequence, q, k, v, bias, info,
+        sinks, zigzag=plan.zigzag, scales=scales, straight_through=straight)
 
   # The sinks [N] go with their query heads; replicated over the batch and
   # ring axes, whose shares of dsinks shard_map's transpose sums.
-  in_specs = _specs(plan, bias, info) + (
+  in_specs = _specs(plan, bias, info, float8) + (
       None if sinks is None else _P(spec_entry(plan.heads)),)
   out_specs = (plan.q_spec(), plan.lse_spec())
-  args = _reshard(plan, (q, k, v, bias, info, sinks), in_specs)
+  args = _reshard(plan, (q, k, v, bias, info, float8, sinks), in_specs)
   out, lse = mesh_lib.shard_map(
       body, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs)(*args)
   if relayout:
@@ -329,6 +389,11 @@ def sharded_flash_attention(
     mask_mod: Any = None,
     mask_mod_args: Sequence[Array] = (),
     block_mask: Any = None,
+    query_scale: Array | None = None,
+    key_scale: Array | None = None,
+    value_scale: Array | None = None,
+    quantize: str | None = None,
+    out_dtype: Any = None,
 ):
   """`pallas_fa.flash_attention` on global arrays sharded over `mesh`.
 
@@ -389,9 +454,15 @@ def sharded_flash_attention(
       arrays whole and its functions see global batch, head and token
       indices (ring steps and the zig-zag layout included); each shard
       classifies its own tiles (a block_mask supplies its mask_mod).
+    query_scale, key_scale, value_scale, quantize, out_dtype: a float8
+      call, see `pallas_fa.flash_attention`. The scales are made one value
+      per row and head (float32) and travel with their rows: the key's
+      and value's around the ring with their shard. `quantize` quantizes
+      the global arrays, before they are split.
 
   Returns:
-    out shaped and typed like query (sharded like it), or (out, lse).
+    out shaped and typed like query (a float8 call: `out_dtype`), sharded
+    like it, or (out, lse).
 
   Raises:
     ValueError / TypeError: invalid arguments or a split that does not
@@ -406,6 +477,8 @@ def sharded_flash_attention(
         f"sequence_axis must be one mesh axis name, got {sequence_axis=}.")
   api.check_implementation(implementation, block_sizes)
   api.check_flag("return_residual", return_residual)
+  if quantize is not None:  # A static argument: checked before it keys.
+    quantize_lib.check_granularity("quantize", quantize)
   static = api.static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
@@ -422,6 +495,8 @@ def sharded_flash_attention(
       # Resolved now (None reads XLA_FLAGS), so it keys the trace cache.
       deterministic_backward=api.check_deterministic_backward(
           deterministic_backward),
+      quantize=quantize,
+      out_dtype=api.check_out_dtype(out_dtype),
   )
   # Inputs laid out on another mesh (an earlier call's, say) move onto this
   # one: jit would otherwise give the results their mesh (`onto_mesh`).
@@ -429,7 +504,8 @@ def sharded_flash_attention(
   args = mesh_lib.onto_mesh(
       (query, key, value, bias, mask, query_seq_lengths,
        key_value_seq_lengths, segment_ids, query_positions, key_positions,
-       sinks, tuple(score_mod_args), tuple(mask_mod_args), block_mask),
+       sinks, tuple(score_mod_args), tuple(mask_mod_args), block_mask,
+       query_scale, key_scale, value_scale),
       mesh)
   out, lse = _sharded_flash_attention(*args, **static)
   # Eager gradients may bring cotangents typed for another mesh (an
@@ -443,15 +519,17 @@ def sharded_flash_attention(
                      "load_balance", "scale", "is_causal",
                      "local_window_size", "logits_soft_cap",
                      "implementation", "block_sizes", "precision",
-                     "deterministic_backward", "score_mod", "mask_mod"),
+                     "deterministic_backward", "score_mod", "mask_mod",
+                     "quantize", "out_dtype"),
 )
 def _sharded_flash_attention(
     query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
     segment_ids, query_positions, key_positions, sinks, score_mod_args,
-    mask_mod_args, block_mask, *, mesh, batch_axes, head_axes,
-    sequence_axis, load_balance, scale, is_causal, local_window_size,
-    logits_soft_cap, implementation, block_sizes, precision,
-    deterministic_backward, score_mod, mask_mod,
+    mask_mod_args, block_mask, query_scale, key_scale, value_scale, *, mesh,
+    batch_axes, head_axes, sequence_axis, load_balance, scale, is_causal,
+    local_window_size, logits_soft_cap, implementation, block_sizes,
+    precision, deterministic_backward, score_mod, mask_mod, quantize,
+    out_dtype,
 ):
   # Canonicalised once per trace, like `pallas_fa.flash_attention`: the
   # global mask description (padding folded into segment ids) is built
@@ -467,9 +545,12 @@ def _sharded_flash_attention(
       sinks=sinks, score_mod=score_mod,
       score_mod_args=score_mod_args, mask_mod=mask_mod,
       mask_mod_args=mask_mod_args, block_mask=block_mask,
+      query_scale=query_scale, key_scale=key_scale, value_scale=value_scale,
+      quantize=quantize, out_dtype=out_dtype, float8=True,
   )
   if call.empty:  # Nothing to split: as `flash_attention`.
     return call.unfold(*call.empty_result())
   plan = _make_plan(mesh, batch_axes, head_axes, sequence_axis, load_balance,
                     call.q.shape, call.k.shape, implementation, call.params)
-  return call.unfold(*_sharded(plan, *call.arrays[:5], call.sinks))
+  return call.unfold(*_sharded(plan, *call.arrays[:5], call.sinks,
+                               call.scales, call.straight_through))
