@@ -195,3 +195,9 @@ class Padded:
     scale = jnp.broadcast_to(scale, shape).astype(jnp.float32)
     scale = masking.zero_padding(scale[..., None], segments, pad_id)[..., 0]
     return masking.pad_axes(scale, {1: length}).transpose(0, 2, 1)
+
+  def per_query_head(self, scale):
+    """A scale per (batch row, K/V head), [B|1, 1, K|1] -> [B, 1, N]:
+    query head n takes K/V head n // G's."""
+    scale = jnp.broadcast_to(scale, (self.b, 1, self.num_kv))
+    return jnp.repeat(scale, self.g, axis=2)

@@ -492,18 +492,23 @@ def test_float8_lowers_to_mosaic_for_tpu(monkeypatch, fresh_caches):
   case = Case(b=2, t=200, s=300, n=4, k=2, h=64, causal=True,
               segments=True, soft_cap=3.0)
   q, k, v, kw = make_inputs(case, jnp.bfloat16, rng("lower-float8"))
-  _assert_lowers_to_mosaic(q, k, v, dict(kw, quantize="token"))
+  for granularity in ("token", "head"):
+    _assert_lowers_to_mosaic(q, k, v, dict(kw, quantize=granularity))
 
 
-def test_float8_operands_stay_one_byte():
+@pytest.mark.parametrize("granularity", ["token", "head"])
+def test_float8_operands_stay_one_byte(granularity):
   """The float8 forward reads q, k and v as stored (no widened copy in
-  HBM), beside float32 scale rows of one value per row and head."""
-  gen = rng("float8 operands")
+  HBM), beside float32 scale rows of one value per row and head: the
+  query's, and per-token key and value scales'; a key's scale per head
+  is folded into the query's rows, a value's per head is one SMEM scalar
+  per (batch row, query head)."""
+  gen = rng("float8 operands", granularity)
   b, t, s, n, num_kv, h = 1, 256, 384, 4, 2, 128
   wide = (testing.normal(gen, (b, t, n, h)),
           testing.normal(gen, (b, s, num_kv, h)),
           testing.normal(gen, (b, s, num_kv, h)))
-  pairs = [pallas_fa.quantize_fp8(x, "token") for x in wide]
+  pairs = [pallas_fa.quantize_fp8(x, granularity) for x in wide]
 
   def call(*args):
     return pallas_fa.flash_attention(
@@ -515,7 +520,10 @@ def test_float8_operands_stay_one_byte():
   narrow = [x.shape for x in operands if x.dtype == jnp.float8_e4m3fn]
   assert narrow == [(b, t, n * h), (b, s, num_kv * h), (b, s, num_kv * h)]
   scales = [x.shape for x in operands if x.dtype == jnp.float32]
-  assert scales == [(b, n, 1, t), (b, num_kv, 1, s), (b, num_kv, 1, s)]
+  if granularity == "token":
+    assert scales == [(b, n, 1, t), (b, num_kv, 1, s), (b, num_kv, 1, s)]
+  else:
+    assert scales == [(b, n, 1, t), (b * n,)]
 
 
 # --- flex attention: tables read at computed offsets -------------------------

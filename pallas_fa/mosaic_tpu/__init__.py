@@ -34,9 +34,10 @@ This module prepares the kernels' inputs on device:
   are declined;
 * keeps a float8 call's q, k and v as stored (1 byte an element; their
   formats may differ) and turns its scales into float32 rows, one value
-  per query row (the logit scale folded in) or key and head; the forward
-  widens each tile to bfloat16 and applies them to the logits' rows and
-  columns and to P's columns (`kernel.Static.float8`). Its backward runs
+  per query row (the logit scale folded in, and the key's scale where it
+  is one per head) or per key; the forward widens each tile to bfloat16
+  and applies them to the logits' rows and columns and to P's columns, a
+  value scale per head to the output (`kernel.Float8`). Its backward runs
   on the dequantized float32 inputs (`vjp`).
 """
 
@@ -205,7 +206,7 @@ class Layout(layout.Padded):
 
   `scales`: a float8 call's (q_scale, k_scale, v_scale) (`vjp`'s
   convention); its q/k/v keep their 1-byte formats, which may differ, and
-  the scales become the kernel's rows (`kernel.Static.float8`).
+  the scales become the kernel's inputs (`kernel.Float8`).
   """
 
   def __init__(self, q, k, v, bias, info, params, block_q, block_kv,
@@ -242,12 +243,9 @@ class Layout(layout.Padded):
         self.bias = self.bias.astype(_F32)
       self.bias_shape = self.bias.shape
       self._add("bias", self.bias)
+    self.float8 = None
     if float8:
-      # The logit scale rides in the query's row (the kernel's scale is 1).
-      self._add("q_scale", self.scale_rows(scales[0] * params.scale,
-                                           queries=True)[:, :, None])
-      for name, x in zip(("k_scale", "v_scale"), scales[1:]):
-        self._add(name, self.scale_rows(x, queries=False)[:, :, None])
+      self.float8 = self._add_scales(*scales, params.scale)
     mask_shape = None
     if padded.mask is not None:
       mask = padded.mask.astype(jnp.int8)  # Mosaic has no bool memrefs.
@@ -279,12 +277,31 @@ class Layout(layout.Padded):
         parallel=kernel.parallel_grid(interpret),
         score_mod=self.score_mod,
         mask_mod=self.mask_mod,
-        float8=float8,
+        float8=self.float8,
     )
 
   def _add(self, name, x):
     self.names.append(name)
     self.operands.append(x)
+
+  def _add_scales(self, q_scale, k_scale, v_scale, logit_scale):
+    """A float8 call's scales as kernel inputs (`kernel.Float8`): the
+    query's times the logit scale (and the key's, if one per head) as
+    rows; a key's or value's per-key scales as rows, else the value's as
+    one SMEM scalar per (batch row, query head)."""
+    per_key = [x.shape[1] > 1 for x in (k_scale, v_scale)]
+    q_factor = q_scale * logit_scale
+    if not per_key[0]:
+      q_factor = q_factor * self.per_query_head(k_scale)
+    self._add("q_scale", self.scale_rows(q_factor, queries=True)[:, :, None])
+    if per_key[0]:
+      self._add("k_scale", self.scale_rows(k_scale, queries=False)[:, :, None])
+    if per_key[1]:
+      v_scale = self.scale_rows(v_scale, queries=False)[:, :, None]
+    else:
+      v_scale = self.per_query_head(v_scale).reshape(-1).astype(_F32)
+    self._add("v_scale", v_scale)
+    return kernel.Float8(key_columns=per_key[0], value_columns=per_key[1])
 
   def _with_mask_mod(self, info):
     """The tile kinds [B, nq, nk] intersected with the mask_mod's, which
@@ -454,7 +471,7 @@ def _check(q, k, v, bias, info, params):
   gradient), dense masks, GQA/MQA, positions, segment ids, windows, soft
   capping, attention dropout and a value head dim Hv != H; float16
   computes in float32 (the TPU's matrix unit has no float16 mode), and
-  float8 inputs (the forward; `kernel.Static.float8`) in bfloat16. The
+  float8 inputs (the forward; `kernel.Float8`) in bfloat16. The
   grid's metadata -- one int32 per (batch row, query tile, key tile) --
   lives in scalar memory; past its capacity the call is declined (larger
   `block_sizes` shrink it). Flex attention is fused (`flex_mods`), except

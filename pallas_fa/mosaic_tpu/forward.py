@@ -33,7 +33,7 @@ def _forward_kernel(meta_ref, *refs, st: kernel.Static, names):
 
   def tile(name):
     x = r[name][...]
-    return kernel.widen(x, _BF16) if st.float8 else x
+    return x if st.float8 is None else kernel.widen(x, _BF16)
 
   def step(masked):
     _, s, _ = kernel.masked_logits(st, r, tile("q"), tile("k"), masked,
@@ -43,8 +43,8 @@ def _forward_kernel(meta_ref, *refs, st: kernel.Static, names):
     if st.dropout_rate:
       # On the normalised probabilities: l_i sums the undropped ones.
       p = p * kernel.dropout_factor(st, r, b, n, i, j)
-    if st.float8:  # P . (v * c) = (P * c) . v, c the value's per-key scale
-      p = p * r["v_scale"][...]
+    if st.float8 is not None and st.float8.value_columns:
+      p = p * r["v_scale"][...]  # P . (v * c) = (P * c) . v, c per key
     v = tile("v")
     pv = kernel.dot(p.astype(v.dtype), v, kernel.NN, st.precision)  # [bq, Hvp]
     acc_ref[...] = online_softmax.rescale(acc_ref[...], alpha) + pv
@@ -57,6 +57,8 @@ def _forward_kernel(meta_ref, *refs, st: kernel.Static, names):
   def _finalize():
     out, lse = online_softmax.finalize(
         kernel.column(m_ref), kernel.column(l_ref), acc_ref[...])
+    if st.float8 is not None and not st.float8.value_columns:
+      out = out * r["v_scale"][b * st.num_heads + n]  # one per program
     r["out"][...] = out.astype(r["out"].dtype)
     # Column -> row through an explicit (XLU) transpose of a lane-replicated
     # [bq, 128] tile: the residual then travels compactly as [1, bq].

@@ -140,6 +140,27 @@ def parallel_grid(interpret) -> bool:
   return interpret is False
 
 
+@dataclasses.dataclass(frozen=True)
+class Float8:
+  """How a float8 call's scales reach the forward kernel.
+
+  q/k/v stay 1 byte an element in HBM and VMEM, each tile widened to
+  bfloat16 (`widen`). "q_scale", float32 rows [B, N, 1, Tp], scales the
+  logits' rows: the query's scale times the logit scale (`Static.scale`
+  is then 1), times the key's where that is one per (batch row, head).
+
+  Attributes:
+    key_columns: the key's scales are per key: "k_scale" rows [B, K, 1,
+      Sp] multiply the logits' columns.
+    value_columns: the value's scales are per key: "v_scale" rows [B, K,
+      1, Sp] multiply P's columns; else "v_scale" holds one per (batch
+      row, query head) in SMEM, [B * N], which multiplies the output.
+  """
+
+  key_columns: bool
+  value_columns: bool
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Static:
   """Everything static about one kernel launch.
@@ -171,11 +192,7 @@ class Static:
       "score_mod.i" / "mask_mod.i": per (batch, head) values in SMEM as
       32-bit scalars -- a table as [Bm * Hm * size] --, per query
       lane-replicated, per key sublane-replicated), or None.
-    float8: the forward of a float8 call (`forward_scales`): q/k/v
-      stay 1 byte an element in HBM and VMEM, each tile widened to
-      bfloat16 (`widen`), with float32 scale rows "q_scale" [B, N, 1, Tp]
-      (the query's scale times the logit scale, which `scale` then leaves
-      out: it is 1), "k_scale" and "v_scale" [B, K, 1, Sp].
+    float8: the forward of a float8 call (`Float8`), or None.
   """
 
   scale: float
@@ -201,7 +218,7 @@ class Static:
   parallel: bool
   score_mod: Any = None
   mask_mod: Any = None
-  float8: bool = False
+  float8: Float8 | None = None
 
   @property
   def group(self) -> int:
@@ -292,6 +309,8 @@ def _in_spec(st: Static, name: str, coords) -> pl.BlockSpec:
                 lambda c: (c.b if res.batch else 0, 0, c.kv_block))
   if name in ("lse", "delta", "q_scale"):
     return spec((sq, sq, 1, bq), lambda c: (c.b, c.head, 0, c.q_block))
+  if name == "v_scale" and not st.float8.value_columns:
+    return pl.BlockSpec(memory_space=pltpu.SMEM)  # [B * N] scalars
   if name in ("k_scale", "v_scale"):
     return spec((sq, sq, 1, bk), lambda c: (c.b, c.kv_head, 0, c.kv_block))
   if name in ("q_pos", "q_seg"):
@@ -387,11 +406,13 @@ def init_softmax(m_ref, l_ref, acc_ref):
 def _logits(st: Static, r, q, k):
   """(s_capped, s) of one [bq, bk] tile, unmasked (`online_softmax.logits`).
   A float8 call's products are those of the stored values, scaled per row
-  (the query's scale and the logit scale) and per key column: q . (k * c)
-  = (q . k) * c."""
+  (`Float8`) and per key column where the key's scales are per key:
+  q . (k * c) = (q . k) * c."""
   qk = dot(q, k, NT, st.precision)  # [bq, bk]
-  if st.float8:
-    qk = qk * r["q_scale"][0][:, None] * r["k_scale"][...]
+  if st.float8 is not None:
+    qk = qk * r["q_scale"][0][:, None]
+    if st.float8.key_columns:
+      qk = qk * r["k_scale"][...]
   bias = r["bias"][...] if "bias" in r else None  # [bq|1, bk|1] broadcasts
   s, s_capped = online_softmax.logits(
       qk, scale=st.scale, cap=st.soft_cap, bias=bias)

@@ -487,10 +487,8 @@ def _forward(q, k, v, bias, info, params, scales=None):
 
 
 def _per_query_head(scale, x):
-  """A per-program scale of the K/V heads [B|1, 1, K|1] -> [B, N, 1]
-  (query head n reads K/V head n // G)."""
-  scale = jnp.broadcast_to(scale, (x.b, 1, x.num_kv))
-  return jnp.repeat(scale, x.g, axis=2).transpose(0, 2, 1)
+  """A per-program scale of the K/V heads [B|1, 1, K|1] -> [B, N, 1]."""
+  return x.per_query_head(scale).transpose(0, 2, 1)
 
 
 def _fp8_inputs(x, scales, params):
