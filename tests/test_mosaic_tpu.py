@@ -118,6 +118,15 @@ def test_check_declines_metadata_beyond_scalar_memory(monkeypatch,
   params = dataclasses.replace(
       params, block_sizes=mosaic_tpu.MosaicTpuBlockSizes())
   mosaic_tpu.BACKEND.check(q, q, q, None, info, params)
+  # A float8 call's value scales per (batch row, head) share it: 2 * 4
+  # words beside B * T/128 * S/128 = 2.
+  q8 = jnp.ones((2, 128, 4, 8), jnp.float8_e4m3fn)
+  call = api.canonicalize(q8, q8, q8, block_sizes=TILES, float8=True)
+  monkeypatch.setattr(kernel, "metadata_capacity", lambda: 9)
+  with pytest.raises(NotImplementedError, match="value scales"):
+    mosaic_tpu.BACKEND.check(*call.arrays)
+  monkeypatch.setattr(kernel, "metadata_capacity", lambda: 10)
+  mosaic_tpu.BACKEND.check(*call.arrays)
 
 
 @pytest.mark.parametrize(
@@ -691,7 +700,7 @@ def test_tables_beyond_the_limit_are_declined(monkeypatch, fresh_caches):
   monkeypatch.setattr(kernel, "interpret_params", lambda: False)
   monkeypatch.setattr(kernel, "metadata_capacity", lambda: 20)
   with pytest.raises(NotImplementedError,
-                     match=r"tables \(20 words\) and 1 per-step"):
+                     match=r"tables \(20 words: .*\) and 1 per-step"):
     call(9, "mosaic_tpu")
   monkeypatch.setattr(kernel, "metadata_capacity", lambda: 21)
   _, _, _, _, info, params = _canonicalise(q, k, v, dict(

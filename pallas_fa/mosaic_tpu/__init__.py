@@ -493,6 +493,8 @@ def _check(q, k, v, bias, info, params):
       (b if r.batch else 1) * (n if r.head else 1) * (r.size or 1)
       for mod in fused if mod is not None for r in mod.residuals
       if r.level == fused_mods.Level.PROGRAM)
+  if quantize.is_fp8(q.dtype):  # A value scale per program, at most.
+    flex_words += b * n
   for block_q, block_kv in ((bs.block_q, bs.block_kv),
                             (bs.block_q_bwd, bs.block_kv_bwd)):
     (bq, tp), (bk, sp) = (layout.tile(block_q, t, ALIGN),
@@ -507,8 +509,9 @@ def _check(q, k, v, bias, info, params):
       )
     if words + flex_words > capacity:
       raise NotImplementedError(
-          f"mosaic_tpu: the score_mod/mask_mod's per-(batch row, head) "
-          f"values and tables ({flex_words} words) and {words} per-step "
+          f"mosaic_tpu: the per-(batch row, head) values and tables "
+          f"({flex_words} words: the score_mod/mask_mod's, a float8 call's "
+          f"value scales) and {words} per-step "
           f"metadata words exceed the {capacity} that fit in this TPU's "
           "scalar memory; \"chunked\" and \"xla\" run it.")
 
