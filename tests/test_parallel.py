@@ -24,6 +24,7 @@ from pallas_fa import masking
 from pallas_fa import parallel
 from pallas_fa.parallel import mesh as mesh_lib
 from pallas_fa.parallel import ring
+from pallas_fa.parallel import sharded as sharded_lib
 
 _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                        "_parallel_worker.py")
@@ -316,6 +317,30 @@ def test_sharded_float8_arguments_are_checked():
       q8, k8, v8, query_scale=qs, key_scale=ks, value_scale=vs,
       is_causal=True, out_dtype=jnp.float32)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sharded_float8_scales_reach_shards_as_given(monkeypatch):
+  """A per-head scale stays one per head inside the shard_map (each
+  shard's kernel takes its per-head path), a per-token one per token."""
+  seen = []
+  attention = sharded_lib.vjp.attention
+
+  def spy(*args, scales=None, **kwargs):
+    seen.append([x.shape for x in scales])
+    return attention(*args, scales=scales, **kwargs)
+
+  monkeypatch.setattr(sharded_lib.vjp, "attention", spy)
+  jax.clear_caches()  # Traced afresh, through the spy.
+  mesh = parallel.make_mesh(devices=jax.devices()[:1])
+  gen = np.random.default_rng(8)
+  q, k, v = (jnp.asarray(gen.standard_normal((2, 8, 4, 8)), jnp.float32)
+             for _ in range(3))
+  for granularity, want in (("head", [(2, 1, 4)] * 3),
+                            ("token", [(2, 8, 4)] * 3)):
+    seen.clear()
+    parallel.sharded_flash_attention(q, k, v, mesh=mesh,
+                                     quantize=granularity)
+    assert seen == [want], (granularity, seen)
 
 
 def test_ring_steps_with_no_visible_key_are_skipped():

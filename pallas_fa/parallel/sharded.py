@@ -243,13 +243,13 @@ def _sequence_layout(plan, q, k, v, bias, info, float8=None):
     bias = masking.pad_axes(bias, {2: tp, 3: sp}, broadcast=True)
     if float8 is not None:
       float8 = float8.map(lambda x: masking.pad_axes(x, {1: tp}),
-                          lambda x: masking.pad_axes(x, {1: sp}))
+                          lambda x: masking.pad_axes(x, {1: sp}), axis=1)
   if plan.zigzag:
     r = plan.ring_size
     q, k, v = (_permute_axis(x, 1, r) for x in (q, k, v))
     if float8 is not None:
       permute = lambda x: _permute_axis(x, 1, r)  # noqa: E731
-      float8 = float8.map(permute, permute)
+      float8 = float8.map(permute, permute, axis=1)
     bias = _permute_axis(_permute_axis(bias, 2, r), 3, r)
     info = info.replace(
         q_positions=_permute_axis(info.q_positions, 1, r),
@@ -262,38 +262,42 @@ def _sequence_layout(plan, q, k, v, bias, info, float8=None):
 
 
 class _Float8(NamedTuple):
-  """A float8 call's arrays beside q, k and v: the scales, made whole
-  (float32 [B, T, N], [B, S, K], [B, S, K]: one value a row and head, so
-  that they shard with their rows), and the high-precision q, k, v of
+  """A float8 call's arrays beside q, k and v: the scales, float32
+  [B|1, T|1, N|1], [B|1, S|1, K|1] twice (a broadcast dim stays 1, so
+  that per-head or per-tensor scales reach each shard as such, with the
+  kernels' paths for them), and the high-precision q, k, v of
   `quantize=` or None (`vjp.attention`)."""
 
   scales: tuple[Array, Array, Array]
   straight_through: tuple[Array, Array, Array] | None
 
   @classmethod
-  def of(cls, scales, straight_through, q, k):
+  def of(cls, scales, straight_through):
     if scales is None:
       return None
-    rows = (q.shape[:3],) + (k.shape[:3],) * 2
-    return cls(tuple(jnp.broadcast_to(x, r).astype(jnp.float32)
-                     for x, r in zip(scales, rows)), straight_through)
+    return cls(tuple(x.astype(jnp.float32) for x in scales),
+               straight_through)
 
-  def map(self, on_queries, on_keys):
+  def map(self, on_queries, on_keys, axis: int):
     """`on_queries` applied to the query's arrays, `on_keys` to the
-    others' (each [B, T or S, ...])."""
+    others', each where it spans `axis` (not a broadcast dim)."""
     fns = (on_queries, on_keys, on_keys)
+    apply = lambda f, x: f(x) if x.shape[axis] > 1 else x  # noqa: E731
     straight = self.straight_through
     return _Float8(
-        tuple(f(x) for f, x in zip(fns, self.scales)),
+        tuple(apply(f, x) for f, x in zip(fns, self.scales)),
         None if straight is None else tuple(
-            f(x) for f, x in zip(fns, straight)))
+            apply(f, x) for f, x in zip(fns, straight)))
 
   def specs(self, plan):
     straight = None
     if self.straight_through is not None:
       straight = (plan.q_spec(), plan.kv_spec(), plan.kv_spec())
+    rows = (plan.lse_spec(), plan.kv_rows_spec(), plan.kv_rows_spec())
     return _Float8(
-        (plan.lse_spec(), plan.kv_rows_spec(), plan.kv_rows_spec()),
+        tuple(_P(*(None if d == 1 else entry
+                   for entry, d in zip(spec, x.shape)))
+              for spec, x in zip(rows, self.scales)),
         straight)
 
 
@@ -307,7 +311,7 @@ def _sharded(plan: _Plan, q, k, v, bias, info, sinks, scales=None,
              straight_through=None):
   t, s = q.shape[1], k.shape[1]
   ring = plan.sequence is not None
-  float8 = _Float8.of(scales, straight_through, q, k)
+  float8 = _Float8.of(scales, straight_through)
   if info.has_flex:
     # Each shard classifies its own tiles (its rows, heads and tokens) from
     # the mask_mod; a global block mask does not describe them.
@@ -325,7 +329,8 @@ def _sharded(plan: _Plan, q, k, v, bias, info, sinks, scales=None,
       k, v = _select_kv_heads(plan, q, k, v)
       if float8 is not None:
         float8 = float8.map(lambda x: x,
-                            lambda x: _select_kv_heads(plan, q, x)[0])
+                            lambda x: _select_kv_heads(plan, q, x)[0],
+                            axis=2)
     if info.has_flex:
       info = _with_global_indices(plan, info, q)
     scales, straight = (None, None) if float8 is None else float8
@@ -455,10 +460,10 @@ def sharded_flash_attention(
       indices (ring steps and the zig-zag layout included); each shard
       classifies its own tiles (a block_mask supplies its mask_mod).
     query_scale, key_scale, value_scale, quantize, out_dtype: a float8
-      call, see `pallas_fa.flash_attention`. The scales are made one value
-      per row and head (float32) and travel with their rows: the key's
-      and value's around the ring with their shard. `quantize` quantizes
-      the global arrays, before they are split.
+      call, see `pallas_fa.flash_attention`. The scales are split with
+      their rows and heads (a broadcast dim stays broadcast), the key's
+      and value's per-token ones around the ring with their shard.
+      `quantize` quantizes the global arrays, before they are split.
 
   Returns:
     out shaped and typed like query (a float8 call: `out_dtype`), sharded

@@ -511,9 +511,7 @@ def _fp8_inputs(x, scales, params):
   factor = params.scale * _LOG2_E if folded else 1.0
   q_factor = q_scale * factor
   if not k_cols:  # One per program: into the query's.
-    q_factor = q_factor * jnp.repeat(
-        jnp.broadcast_to(k_scale, k_scale.shape[:2] + (x.num_kv,)), x.g,
-        axis=2)
+    q_factor = q_factor * x.per_query_head(k_scale)
   inputs = {}
   if q_rows:
     inputs["q_scale"] = x.scale_rows(q_factor, queries=True)
