@@ -130,7 +130,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "fp8_causal", "decode_prefix", "decode_merged", "fused_step",
             "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
             "wide_keys", "wide_keys_causal", "wide_keys_fp8",
-            "wide_keys_fp8_causal", "in_kernel_fp8")
+            "wide_keys_fp8_causal", "keys256_fp8", "keys256_fp8_causal",
+            "in_kernel_fp8")
 # The tile variants: their prefix (the variant after it, "plain"
 # without one, gives the inputs and masking), the block-size fields they
 # set, and the divisor of the sequence length they compile at: another
@@ -144,6 +145,9 @@ TILE_VARIANTS = {
                             dq_swizzle=32), 8),
     # 192-key forward tiles, the last one part padding (masked by index).
     "wide_keys": (dict(block_kv=192, num_stages=2), 16),
+    # 256-key float8 forward tiles in two stages (1-byte K and V^T tiles
+    # fit twice the keys of bfloat16's in the same shared memory).
+    "keys256": (dict(block_kv=256, num_stages=2), 3),
     # triton's float8 forward converting its 1-byte tiles in registers,
     # where a long call on Hopper widens them in XLA.
     "in_kernel": (dict(widen_float8=False), 1),
@@ -193,6 +197,8 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "wide_keys_causal": ("mosaic_gpu",),
                     "wide_keys_fp8": ("mosaic_gpu",),
                     "wide_keys_fp8_causal": ("mosaic_gpu",),
+                    "keys256_fp8": ("mosaic_gpu",),
+                    "keys256_fp8_causal": ("mosaic_gpu",),
                     "in_kernel_fp8": ("triton",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
@@ -200,16 +206,19 @@ VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
                           **{name: (8, 9) for name in FP8_VARIANTS},
                           "wide_keys_fp8": (8, 9),
                           "wide_keys_fp8_causal": (8, 9),
+                          "keys256_fp8": (8, 9),
+                          "keys256_fp8_causal": (8, 9),
                           "in_kernel_fp8": (8, 9)}
 # The widest head dim of a variant (past it, its calls run another variant's
 # kernels): past 128, or 64 with dropout, a default call's backward is the
 # split one already (`mosaic_gpu.fused_backward_applies`); 192-key forward
-# tiles do not fit shared memory past 128.
+# tiles, and float8's 256-key ones, do not fit shared memory past 128.
 VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "fused_step": 128, "fused_step_causal": 128,
                         "fused_pipeline": 128, "fused_pipeline_causal": 128,
                         "wide_keys": 128, "wide_keys_causal": 128,
                         "wide_keys_fp8": 128, "wide_keys_fp8_causal": 128,
+                        "keys256_fp8": 128, "keys256_fp8_causal": 128,
                         "split_dropout": 64}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
@@ -290,7 +299,8 @@ class Case:
       forward tiles in two stages, at head dims <= 128 (the causal one
       fits because default positions are made from indices, not stored),
       "wide_keys_fp8" / "wide_keys_fp8_causal" the same of "fp8" /
-      "fp8_causal";
+      "fp8_causal"; "keys256_fp8" / "keys256_fp8_causal" those with
+      256-key float8 tiles in two stages, at head dims <= 128;
       "fp8" / "fp8_causal" = the forward of "plain" / "causal" on
       float8_e4m3fn query, key and value with per-head float32 scales
       (`FP8_VARIANTS`; compute capability 8.9 and up), the

@@ -144,6 +144,8 @@ VARIANTS = {
         "one consumer)",
     r"^mosaic_gpu:block_kv=192:":
         "the forward's 192-key tiles (`MosaicGpuBlockSizes(block_kv=192)`)",
+    r"^mosaic_gpu:block_kv=256:.*\+e4m3$":
+        "the float8 forward's 256-key tiles",
     r"^mosaic_gpu:(.*:)?intra_overlap=true":
         "the forward's software-pipelined key loop "
         "(`MosaicGpuBlockSizes.intra_overlap`)",

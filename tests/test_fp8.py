@@ -598,13 +598,15 @@ def test_automatic_choice_runs_float8_on_chunked(monkeypatch):
     assert api.choose_backend(None, e5m2).name == "triton"
 
 
-def test_mosaic_gpu_float8_lowers_192_key_tiles_for_hopper():
+@pytest.mark.parametrize("block_kv", [192, 256])
+def test_mosaic_gpu_float8_lowers_wide_key_tiles_for_hopper(block_kv):
   """192-key tiles: the V^T tile's 192-byte rows take a 64-byte swizzle
-  (a 128-byte one does not tile them), and the padded keys of a length
-  that is not a multiple of 192 are masked by index."""
-  gen = testing.rng("fp8 lower 192")
+  (a 128-byte one does not tile them); 256-key tiles two 128-byte swizzle
+  tiles a row, in two stages. The padded keys of a length that is not a
+  multiple of the tile are masked by index."""
+  gen = testing.rng("fp8 lower wide keys", block_kv)
   values, scales = _quantized(gen, shape=(1, 320, 320, 2, 1, 128))
-  bs = pallas_fa.MosaicGpuBlockSizes(block_kv=192)
+  bs = pallas_fa.MosaicGpuBlockSizes(block_kv=block_kv, num_stages=2)
 
   def call(*args):
     return pallas_fa.flash_attention(

@@ -138,12 +138,12 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   exponentials partly on the FMA pipe and its 192-key tiles,
   mosaic_gpu's float8 forward variants at T = 16384, a forward variant on
   the causal forward cells, triton's bf16 forward with its former tiles
-  beside it and JAX's Pallas mha at T = 16384, the split backward at T = 16384, the fused
-  backward's variants on the causal fwd+bwd cell, triton's float8
-  forward (widened, and converting its tiles) on the headline's forward
-  cells; each variant
-  a config that validates, and otherwise the default tiling; the cache
-  forms, then decode at B = 1 and 8 with two split counts."""
+  beside it and JAX's Pallas mha at T = 16384, the split backward at T =
+  16384, the fused backward's variants on the causal fwd+bwd cell,
+  triton's float8 forward (widened, and converting its tiles) on the
+  headline's forward cells; each variant a config that validates, and
+  otherwise the default tiling; the cache forms, then decode at B = 1 and
+  8 with two split counts."""
   steps = gpu_check.steps
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fp8", "cudnn_fp8",
@@ -214,10 +214,11 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
     part for spec in fused_step.impls for part in spec.split(":")}
   assert (fused_step.seq_lens, fused_step.causal, fused_step.modes) == (
     (16384,), "false", ("fwd_bwd",))
-  # The float8 forward with 192-key tiles, with two-level accumulation and
+  # The float8 forward with 256-key tiles, with two-level accumulation and
   # with part of its exponentials on the FMA pipe, beside the default.
   fp8_tiles = runs["mosaic_gpu_fp8_tiles"]
-  assert fp8_tiles.impls == ("mosaic_gpu", steps.WIDE_KEYS,
+  assert steps.FP8_WIDE_KEYS == "mosaic_gpu:block_kv=256:num_stages=2"
+  assert fp8_tiles.impls == ("mosaic_gpu", steps.FP8_WIDE_KEYS,
                              "mosaic_gpu:float8_two_level=true",
                              "mosaic_gpu:poly_exp2=8")
   assert (fp8_tiles.dtype, fp8_tiles.seq_lens, fp8_tiles.modes) == (

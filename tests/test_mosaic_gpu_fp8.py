@@ -96,9 +96,9 @@ def _assert_near_oracle(out, lse, values, scales, causal, soft_cap=None, *,
 
 def _interpreted(values, scales, causal, *, soft_cap=None, **tiles):
   """(out, lse) of the float8 call in the Mosaic GPU interpreter, 64 x 64
-  tiles and `tiles`' other fields."""
-  bs = mosaic_gpu.MosaicGpuBlockSizes(block_q=64, block_kv=64,
-                                      interpret=True, **tiles)
+  tiles unless `tiles` say otherwise."""
+  bs = mosaic_gpu.MosaicGpuBlockSizes(
+      **{"block_q": 64, "block_kv": 64, "interpret": True, **tiles})
   return pallas_fa.flash_attention(
       *values, **_scales(scales), is_causal=causal, logits_soft_cap=soft_cap,
       implementation="mosaic_gpu", block_sizes=bs, return_residual=True)
@@ -190,6 +190,20 @@ def test_interpreted_float8_forward(granularity, causal, overlap, poly,
   values, scales = _quantized(gen, 1, 100, 150, 2, 1, 48, granularity)
   out, lse = _interpreted(values, scales, causal, intra_overlap=overlap,
                           poly_exp2=poly, float8_two_level=two_level)
+  _assert_near_oracle(out, lse, values, scales, causal)
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("granularity, causal", [("token", True),
+                                                 ("head", False)])
+def test_interpreted_float8_forward_256_key_tiles(granularity, causal):
+  """256-key tiles in two stages (`block_kv=256`): 300 keys are a full
+  tile and one mostly padding, and the causal diagonal crosses both."""
+  gen = testing.rng("mosaic_gpu fp8 256 keys", granularity, causal)
+  values, scales = _quantized(gen, 1, 300, 300, 2, 1, 48, granularity)
+  out, lse = _interpreted(values, scales, causal, block_kv=256,
+                          num_stages=2)
   _assert_near_oracle(out, lse, values, scales, causal)
 
 
