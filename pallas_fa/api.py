@@ -231,17 +231,6 @@ def canonicalize(
   # Explicit sizes: with an empty dim a -1 would be ambiguous (0 / 0).
   query = query.reshape((math.prod(batch_shape),) + query.shape[-3:])
   key, value = _fold_key_value(key, value, batch_shape, shared_kv)
-  straight_through = None
-  if quantize is not None:
-    # Quantized here, so the float8 arrays are data; the gradients reach
-    # the high-precision ones straight through (`vjp.attention`).
-    straight_through = (query, key, value)
-    (query, q_scale), (key, k_scale), (value, v_scale) = (
-        quantize_lib.quantize_fp8(jax.lax.stop_gradient(x), quantize)
-        for x in straight_through)
-    scales = tuple(
-        s.reshape((1,) * (3 - s.ndim) + s.shape)
-        for s in (q_scale, k_scale, v_scale))
   b, t, n, h = query.shape
   if key.shape[:-1] != value.shape[:-1]:
     raise ValueError(
@@ -280,6 +269,13 @@ def canonicalize(
   q_len = check_lengths("query_seq_lengths", query_seq_lengths, batch_shape)
   kv_len = check_lengths(
       "key_value_seq_lengths", key_value_seq_lengths, batch_shape)
+  straight_through = None
+  if quantize is not None:
+    # Quantized here, so the float8 arrays are data; the gradients reach
+    # the high-precision ones straight through (`vjp.attention`).
+    straight_through = (query, key, value)
+    query, key, value, scales = _quantize_inputs(
+        straight_through, quantize, q_len, kv_len)
 
   if query_positions is None:
     q_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -429,6 +425,27 @@ def _check_float8_options(query, is_float8, quantize, out_dtype, float8):
         f"out_dtype applies to float8 calls (float8 inputs, or quantize=); "
         f"a {query.dtype} call returns {query.dtype}, got {out_dtype=}.")
   return None
+
+
+def _quantize_inputs(arrays, granularity, q_len, kv_len):
+  """`flash_attention(quantize=granularity)`: (q, k, v) [B|1, L, heads, H]
+  -> (q8, k8, v8, scales). Positions past the lengths are padding, whose
+  values (NaN or inf included) must never reach a result, so they count as
+  zeros toward the scales (and are stored as zeros)."""
+  quantized = []
+  for x, lengths in zip(arrays, (q_len, kv_len, kv_len)):
+    x = jax.lax.stop_gradient(x)
+    if lengths is not None:
+      # A batch-1 K/V shared by every row keeps what the longest row sees.
+      rows = lengths if x.shape[0] == lengths.shape[0] else jnp.max(
+          lengths, keepdims=True)
+      real = jnp.arange(x.shape[1])[None, :] < rows[:, None]
+      x = jnp.where(real[:, :, None, None], x, 0)
+    quantized.append(quantize_lib.quantize_fp8(x, granularity))
+  (q, q_scale), (k, k_scale), (v, v_scale) = quantized
+  scales = tuple(s.reshape((1,) * (3 - s.ndim) + s.shape)
+                 for s in (q_scale, k_scale, v_scale))
+  return q, k, v, scales
 
 
 def _fold_key_value(key, value, batch_shape, shared):

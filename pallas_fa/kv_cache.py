@@ -46,7 +46,9 @@ def quantize(x: Array, dtype=jnp.int8) -> tuple[Array, Array]:
   return quantize_lib.quantize(x, dtype)
 
 
-def _check_positive_int(name: str, x: Any) -> int:
+def check_positive_int(name: str, x: Any) -> int:
+  """`x` as an int if it is a positive int (not a bool), else ValueError
+  naming `name`."""
   if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1:
     raise ValueError(f"{name} must be a positive int, got {name}={x!r}.")
   return int(x)
@@ -120,14 +122,14 @@ def check_paged_config(
         raise ValueError(
             f"{name} describes a paged cache and needs page_size, got "
             f"page_size=None.")
-  batch_size = _check_positive_int("batch_size", batch_size)
-  max_length = _check_positive_int("max_length", max_length)
-  page_size = _check_positive_int("page_size", page_size)
+  batch_size = check_positive_int("batch_size", batch_size)
+  max_length = check_positive_int("max_length", max_length)
+  page_size = check_positive_int("page_size", page_size)
   max_pages = num_pages_per_row(max_length, page_size)
   needed = batch_size * max_pages
   if num_pages is None:
     num_pages = needed
-  num_pages = _check_positive_int("num_pages", num_pages)
+  num_pages = check_positive_int("num_pages", num_pages)
   if block_table is None:
     if num_pages < needed:
       raise ValueError(
@@ -160,7 +162,8 @@ def write(
 
   Args:
     cache: [B, max_length, K, H], or pages [num_pages, page_size, K, H]
-      with `block_table`.
+      with `block_table` (a scale array [B, max_length, K] / [num_pages,
+      page_size, K] with `new` [B, T, K] takes the same calls).
     new: [B, T, K, H] keys or values (cast to the cache's dtype; into a
       quantized cache, float entries are quantized first, `quantize`).
     index: int [B], where row b's first new entry goes.
@@ -172,15 +175,19 @@ def write(
       `write` into the scale array.
 
   Returns:
-    The updated cache, or (cache, scale) with `scale`. Paged: entry i of
-    row b lands in page `block_table[b, i // page_size]` at offset
-    `i % page_size` (one scatter of the new entries); entries past a row's
-    last page are dropped.
+    The updated cache, or (cache, scale) with `scale`. Entry i of row b
+    lands at row b's index i (paged: in page `block_table[b, i //
+    page_size]` at offset `i % page_size`), one scatter of the new entries;
+    entries past a row's capacity (max_length, or its pages) are dropped,
+    never written over another entry.
 
   Raises:
-    ValueError: float entries into a quantized cache without `scale`, or
-      `scale` otherwise.
+    ValueError: shapes that do not match (the message names the argument),
+      a negative index or an out-of-range page known at trace time, float
+      entries into a quantized cache without `scale`, or `scale` otherwise.
   """
+  cache, new, index = (jnp.asarray(x) for x in (cache, new, index))
+  _check_write(cache, new, index, block_table, scale)
   quantizing = is_quantized(cache.dtype) and new.dtype != cache.dtype
   if quantizing != (scale is not None):
     raise ValueError(
@@ -193,20 +200,55 @@ def write(
     return (write(cache, values, index, block_table),
             write(scale, new_scale, index, block_table))
   new = new.astype(cache.dtype)
+  entry = index[:, None] + jnp.arange(new.shape[1], dtype=index.dtype)[None]
   if block_table is None:
-    return jax.vmap(
-        lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0)
-    )(cache, new, index)
+    # An index past the row (or below it) makes the scatter skip the entry;
+    # a dynamic_update_slice would clamp the whole write onto valid ones.
+    rows = jnp.arange(cache.shape[0])[:, None]
+    entry = jnp.where(entry >= 0, entry, cache.shape[1])
+    return cache.at[rows, entry].set(new, mode="drop")
   num_pages, page_size = cache.shape[:2]
   max_pages = block_table.shape[1]
-  entry = index[:, None] + jnp.arange(new.shape[1], dtype=index.dtype)[None]
   slot = entry // page_size  # [B, T]
   page = jnp.take_along_axis(
-      block_table, jnp.minimum(slot, max_pages - 1), axis=1)
+      block_table, jnp.clip(slot, 0, max_pages - 1), axis=1)
   # An out-of-range page index makes the scatter skip the entry instead of
   # clamping it onto some row's last page.
-  page = jnp.where(slot < max_pages, page, num_pages)
+  page = jnp.where((slot >= 0) & (slot < max_pages), page, num_pages)
   return cache.at[page, entry % page_size].set(new, mode="drop")
+
+
+def _check_write(cache, new, index, block_table, scale) -> None:
+  """`write`'s argument checks (shapes, and values known at trace time)."""
+  rows = cache.shape[0] if block_table is None else None
+  if block_table is not None:
+    block_table = jnp.asarray(block_table)
+    if block_table.ndim != 2 or not jnp.issubdtype(block_table.dtype,
+                                                   jnp.integer):
+      raise ValueError(
+          f"block_table must be an int [B, max_pages] array, got "
+          f"{block_table.shape=}, {block_table.dtype=}.")
+    rows = block_table.shape[0]
+  if cache.ndim < 3 or new.ndim != cache.ndim or (
+      new.shape[0] != rows or new.shape[2:] != cache.shape[2:]):
+    what = ("[B, max_length, K, H]" if block_table is None
+            else "[num_pages, page_size, K, H] with block_table [B, ...]")
+    raise ValueError(
+        f"new must be [B, T, K, H] with the cache's K and H and B rows "
+        f"(cache {what}), got {new.shape=}, {cache.shape=}"
+        + ("" if block_table is None else f", {block_table.shape=}") + ".")
+  if index.shape != (rows,) or not jnp.issubdtype(index.dtype, jnp.integer):
+    raise ValueError(
+        f"index must be an int [B={rows}] array, got {index.shape=}, "
+        f"{index.dtype=}.")
+  if scale is not None and jnp.shape(scale) != cache.shape[:-1]:
+    raise ValueError(
+        f"scale must be the cache's [..., K] scales, shaped "
+        f"{cache.shape[:-1]}, got {jnp.shape(scale)}.")
+  if not isinstance(index, jax.core.Tracer) and np.any(np.asarray(index) < 0):
+    raise ValueError(f"index must be non-negative, got {index=}.")
+  if block_table is not None:
+    check_page_indices(block_table, cache.shape[0])
 
 
 def gather(pages: Array, block_table: Array) -> Array:

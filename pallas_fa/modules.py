@@ -40,6 +40,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_fa import api
@@ -366,12 +367,20 @@ class MultiHeadAttention(nnx.Module):
         row b owns pages b, b + batch_size, b + 2 * batch_size, ...
 
     Raises:
-      ValueError: a bad page_size, num_pages or block_table, or either of
-        the last two without page_size.
+      ValueError: a batch_size or max_length that is not a positive int, a
+        bad page_size, num_pages or block_table, or either of the last two
+        without page_size.
+      TypeError: a dtype that is neither floating nor int8/float8.
     """
-    dtype = dtype or self.dtype or jnp.float32
+    dtype = jnp.dtype(dtype or self.dtype or jnp.float32)
+    if not (jnp.issubdtype(dtype, jnp.floating)
+            or kv_cache.is_quantized(dtype)):
+      raise TypeError(
+          f"init_cache's dtype must be a float dtype, or int8, "
+          f"float8_e4m3fn or float8_e5m2 for a quantized cache, got {dtype=}.")
     if page_size is None and num_pages is None and block_table is None:
-      shape = (batch_size, max_length)
+      shape = (kv_cache.check_positive_int("batch_size", batch_size),
+               kv_cache.check_positive_int("max_length", max_length))
       self.block_table = nnx.data(None)
     else:
       page_size, num_pages, block_table = kv_cache.check_paged_config(
@@ -539,6 +548,11 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError(
             f"decode_lengths must be an int [B={b}] array, got "
             f"{new_lengths.shape=}.")
+      if not isinstance(new_lengths, jax.core.Tracer) and np.any(
+          (np.asarray(new_lengths) < 0) | (np.asarray(new_lengths) > t)):
+        raise ValueError(
+            f"decode_lengths must count real tokens of the call's T={t}, in "
+            f"[0, {t}], got decode_lengths={np.asarray(new_lengths)}.")
     positions = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if self.rope is not None:
       q = self.rope(q, positions)
@@ -756,6 +770,10 @@ def make_attention_fn(
   Raises:
     ValueError / TypeError: bad flex arguments (as `flash_attention`), or
       a deterministic_backward that is not None or a bool.
+    NotImplementedError (from the returned function): a window, score_mod
+      or mask_mod with query and key of different lengths, as in Flax's
+      decode mode (one query against the cache, whose position Flax does
+      not pass).
   """
   flex = dict(score_mod=score_mod,
               score_mod_args=mods.as_args("score_mod_args", score_mod_args),
@@ -809,6 +827,20 @@ def make_attention_fn(
     else:
       dtype = dtype or jnp.result_type(query, key, value)
       query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    positional = [name for name, given in (
+        ("local_window_size", local_window_size is not None),
+        ("score_mod", score_mod is not None),
+        ("mask_mod", mask_mod is not None)) if given]
+    if positional and query.shape[-3] != key.shape[-3]:
+      # Flax's decode mode attends one query against the whole cache and
+      # passes no query position: a window or mod would measure the query
+      # from position 0 instead of its cache index, a wrong answer.
+      raise NotImplementedError(
+          f"make_attention_fn({', '.join(positional)}=...) needs query and "
+          f"key of one length, got {query.shape=}, {key.shape=}: Flax's "
+          "decode mode does not tell an attention_fn where its query sits "
+          "in the cache. pallas_fa.MultiHeadAttention decodes with windows "
+          "and flex mods.")
     if mask is not None:
       mask = jnp.asarray(mask).astype(jnp.bool_)
     # flash_attention takes Flax's [batch..., length, heads, head_dim] layout

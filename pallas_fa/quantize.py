@@ -93,7 +93,9 @@ def quantize(x: Array, dtype=jnp.int8,
   absmax = jnp.max(jnp.abs(wide), axis=None if axes is None else tuple(axes),
                    keepdims=True, initial=0.0)
   largest = QUANTIZED_DTYPES[dtype]
-  scale = jnp.where(absmax > 0, absmax / largest, 1.0)
+  # A NaN or inf in a slice makes its scale NaN or inf, so it dequantizes
+  # to NaN (int8 would otherwise cast a NaN to some integer silently).
+  scale = jnp.where(absmax == 0, 1.0, absmax / largest)
   # The clip only guards the last ulp of absmax / scale: a float8 value
   # above the format's largest would become NaN (e4m3fn has no inf).
   scaled = jnp.clip(wide / scale, -largest, largest)

@@ -188,9 +188,11 @@ def _small():
     (dict(prefix_key=np.ones((5, 2, 8), np.float16),
           prefix_value=np.ones((5, 2, 8), np.float32)), TypeError,
      "prefix_key must have the query's dtype"),
-    (dict(prefix_key=np.ones((5, 3, 8), np.float32),
-          prefix_value=np.ones((5, 3, 8), np.float32)), ValueError,
-     "multiple of prefix_key"),
+    # The prefix has the cache's K = 2 K/V heads: [prefix; cache] is one
+    # sequence of keys.
+    *[(dict(prefix_key=np.ones((5, heads, 8), np.float32),
+            prefix_value=np.ones((5, heads, 8), np.float32)), ValueError,
+       "prefix_key must have the cache's K=2") for heads in (1, 3, 4)],
     (dict(value=None), ValueError, "takes value_head_dim"),
     (dict(value=None, value_head_dim=9), ValueError, r"\[1, H=8\]"),
     (dict(value_head_dim=4), ValueError, "value_head_dim applies to a latent"),

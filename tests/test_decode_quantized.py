@@ -54,6 +54,19 @@ def test_quantize_round_trips_within_one_step(dtype):
   assert np.all(back[1, 2, 0] == 0) and scale[1, 2, 0] == 1.0
 
 
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_quantize_keeps_nan_and_inf_visible(dtype):
+  # A slice holding NaN or inf dequantizes to NaN (int8 cannot hold NaN:
+  # its scale carries it); the other slices are untouched.
+  x = jnp.asarray([[1.0, np.nan], [2.0, -np.inf], [0.5, -0.25]])
+  values, scale = kv_cache.quantize(x, dtype)
+  with np.errstate(invalid="ignore"):  # 0 * inf, as dequantizing does.
+    back = np.asarray(values.astype(jnp.float32)) * np.asarray(
+        scale)[:, None]
+  assert np.isnan(back[:2]).all()
+  np.testing.assert_allclose(back[2], [0.5, -0.25], rtol=2 ** -3)
+
+
 def test_quantize_rejects_bad_input():
   with pytest.raises(TypeError, match="dtype"):
     kv_cache.quantize(jnp.ones((2, 4)), jnp.int16)

@@ -421,6 +421,36 @@ def test_padding_never_leaks(implementation):
     assert np.isfinite(np.asarray(g)).all(), name
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token"])
+def test_quantize_ignores_padding(granularity):
+  """flash_attention(quantize=...) takes its scales over real positions
+  only: NaN/inf stored past the lengths (keys and queries) change neither
+  the real rows' outputs nor the gradients, at every granularity."""
+  gen = testing.rng("fp8 quantize padding", granularity)
+  q, k, v = _inputs(gen)
+  q_len = jnp.array([SHAPE[1] - 5, SHAPE[1]])
+  kv_len = jnp.array([SHAPE[2] - 9, SHAPE[2]])
+
+  def poisoned(x, lengths, value):
+    past = jnp.arange(x.shape[1])[None] >= lengths[:, None]
+    return jnp.where(past[:, :, None, None], value, x)
+
+  def loss(q, k, v):
+    out = pallas_fa.flash_attention(
+        q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+        quantize=granularity, implementation="chunked",
+        out_dtype=jnp.float32)
+    return jnp.sum(out * jnp.cos(out)), out
+
+  clean_grads, clean = jax.grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+  bad = (poisoned(q, q_len, jnp.inf), poisoned(k, kv_len, jnp.nan),
+         poisoned(v, kv_len, jnp.inf))
+  grads, out = jax.grad(loss, (0, 1, 2), has_aux=True)(*bad)
+  np.testing.assert_array_equal(out, clean)
+  for g, want in zip(grads, clean_grads):
+    np.testing.assert_array_equal(g, want)
+
+
 @pytest.mark.parametrize("implementation", ["chunked", "mosaic_tpu"])
 def test_error_grows_with_length_no_faster_than_bfloat16(implementation):
   # The float8 call's error (default bfloat16 result) against the float64

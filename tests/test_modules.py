@@ -513,6 +513,47 @@ def test_mha_paged_cache_default_table_and_validation():
       layer.init_cache(2, 10, **kwargs)
 
 
+def test_mha_cache_arguments_are_checked():
+  layer = _mha()
+  for dtype in (jnp.int32, jnp.uint8, jnp.bool_):
+    with pytest.raises(TypeError, match="dtype"):
+      layer.init_cache(2, 10, dtype)
+  for b, length, name in ((0, 10, "batch_size"), (2, 0, "max_length"),
+                          (2.0, 10, "batch_size")):
+    with pytest.raises(ValueError, match=name):
+      layer.init_cache(b, length)
+  # decode_lengths count real tokens of the call: in [0, T].
+  layer.init_cache(2, 16)
+  x = _normal((2, 4, 32))
+  for lengths in ([5, 4], [-1, 4]):
+    with pytest.raises(ValueError, match="decode_lengths"):
+      layer(x, decode=True, decode_lengths=jnp.asarray(lengths))
+  np.testing.assert_array_equal(layer.cache_index[...], [0, 0])
+  layer(x, decode=True, decode_lengths=jnp.asarray([4, 0]))
+  np.testing.assert_array_equal(layer.cache_index[...], [4, 0])
+
+
+@pytest.mark.parametrize("flex_args", [
+    dict(local_window_size=(4, 0)),
+    dict(score_mod=flex.alibi, score_mod_args=(flex.alibi_slopes(4),)),
+])
+def test_flax_decode_mode_declines_positional_attention(flex_args):
+  """Flax's decode mode passes one query against the whole cache and no
+  query position: a window or score_mod would measure the query from 0,
+  so make_attention_fn declines (with equal lengths it runs)."""
+  b, t, d = 2, 6, 32
+  x = _normal((b, t, d))
+  module = nnx.MultiHeadAttention(
+      num_heads=4, in_features=d, decode=False, rngs=nnx.Rngs(_seed()),
+      attention_fn=modules.make_attention_fn(implementation="xla",
+                                             **flex_args))
+  full = module(x, mask=nnx.make_causal_mask(jnp.ones((b, t))))
+  assert np.isfinite(np.asarray(full)).all()
+  module.init_cache((b, t, d))
+  with pytest.raises(NotImplementedError, match="decode mode"):
+    module(x[:, :1], decode=True)
+
+
 def test_mha_decode_without_cache_raises():
   with pytest.raises(ValueError, match="init_cache"):
     _mha()(jnp.ones((1, 1, 32)), decode=True)

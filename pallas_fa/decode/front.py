@@ -273,7 +273,7 @@ def decode_attention(
         or not jnp.issubdtype(query_positions.dtype, jnp.integer)):
       raise ValueError(
           f"query_positions must be an int [B, T_new]={(b, t)} array, got "
-          f"{query_positions.shape=}.")
+          f"{query_positions.shape=}, {query_positions.dtype=}.")
   for name, x in (("num_splits", num_splits), ("block_kv", block_kv)):
     if x is not None and (not isinstance(x, (int, np.integer))
                           or isinstance(x, bool) or x < 1):
@@ -284,7 +284,8 @@ def decode_attention(
                                         prefix_key))
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
-  prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv)
+  prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv,
+                                          num_kv)
   static = api.static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision)

@@ -48,9 +48,11 @@ def run(implementation, query, key, value, lengths, block_table,
   `value_head_dim` in `static`.
   """
   if query.dtype == jnp.float64:
-    raise TypeError(
+    # As `vjp.Backend.check_call` says of a dtype a backend cannot run.
+    raise NotImplementedError(
         f"implementation={implementation!r} runs float32, bfloat16 and "
-        f"float16, got query {query.dtype=}.")
+        f"float16, not float64 (query {query.dtype=}); "
+        "implementation='chunked' (or None) decodes float64.")
   kernel = _decode_kernel(implementation)
   if ((kv_cache.is_quantized(key.dtype) or kv_cache.is_quantized(value.dtype))
       and not getattr(kernel, "QUANTIZED_CACHES", False)):

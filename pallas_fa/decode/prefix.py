@@ -36,12 +36,14 @@ from pallas_fa.decode import kernels
 Array = Any
 
 
-def check(prefix_key, prefix_value, query, value_head_dim: int):
+def check(prefix_key, prefix_value, query, value_head_dim: int,
+          num_kv_heads: int):
   """(prefix_key, prefix_value) as arrays, or (None, None).
 
   Raises:
     ValueError / TypeError: one without the other, or shapes and dtypes
-      that do not match the query and the cache (named).
+      that do not match the query and the cache (named): the prefix has
+      the cache's K/V heads, since the call attends over [prefix; cache].
   """
   if (prefix_key is None) != (prefix_value is None):
     raise ValueError(
@@ -67,10 +69,11 @@ def check(prefix_key, prefix_value, query, value_head_dim: int):
         f"prefix_value must match prefix_key's first two dims, got "
         f"prefix_key.shape={prefix_key.shape}, prefix_value.shape="
         f"{prefix_value.shape}.")
-  if n % prefix_key.shape[1]:
+  if prefix_key.shape[1] != num_kv_heads:
     raise ValueError(
-        f"query heads N={n} must be a multiple of prefix_key's K/V heads "
-        f"K={prefix_key.shape[1]}.")
+        f"prefix_key must have the cache's K={num_kv_heads} K/V heads (the "
+        f"call attends over the prefix and the cache together), got "
+        f"prefix_key.shape={prefix_key.shape}.")
   return prefix_key, prefix_value
 
 
