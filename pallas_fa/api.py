@@ -262,6 +262,9 @@ def canonicalize(
   soft_cap = check_static_float("logits_soft_cap", logits_soft_cap, True)
   window = check_window(local_window_size)
 
+  if not batch_shape:
+    bias, mask, query_seq_lengths, key_value_seq_lengths = _drop_batch_of_one(
+        bias, mask, query_seq_lengths, key_value_seq_lengths)
   bias, mask = check_bias_and_mask(
       bias, mask, batch_shape, (n, t, bias_key_length or s))
   dropout_rate, dropout_rng = check_dropout(dropout_rate, dropout_rng)
@@ -425,6 +428,19 @@ def _check_float8_options(query, is_float8, quantize, out_dtype, float8):
         f"out_dtype applies to float8 calls (float8 inputs, or quantize=); "
         f"a {query.dtype} call returns {query.dtype}, got {out_dtype=}.")
   return None
+
+
+def _drop_batch_of_one(bias, mask, q_lengths, kv_lengths):
+  """Unbatched [T, N, H] inputs take what jax.nn.dot_product_attention
+  takes for them: it adds a batch dim of 1, so a rank-4 bias or mask with
+  a leading 1 and lengths of shape [1] mean the one row (their own [N, T,
+  S] and scalar forms stay valid too)."""
+  def squeezed(x, rank):
+    if x is not None and jnp.ndim(x) == rank and jnp.shape(x)[0] == 1:
+      return jnp.reshape(x, jnp.shape(x)[1:])
+    return x
+  return (squeezed(bias, 4), squeezed(mask, 4), squeezed(q_lengths, 1),
+          squeezed(kv_lengths, 1))
 
 
 def _quantize_inputs(arrays, granularity, q_len, kv_len):
@@ -671,7 +687,11 @@ def flash_attention(
       Hv != H (as in MLA) runs on every implementation.
     bias: float, broadcastable to [*B, N, T, S]; differentiable.
     mask: bool, broadcastable to [*B, N, T, S]; True = may attend.
-    scale: logit scale, default 1/sqrt(H).
+    scale: logit scale, default 1/sqrt(H): a Python float, or a traced
+      scalar (a learned temperature, say) as jax.nn takes, which multiplies
+      the query before the kernels (float8: its query_scale) and is
+      differentiated; with a 16-bit query that product is rounded to the
+      query's dtype once.
     is_causal: keep keys with key position <= query position (top-left
       aligned; see `pallas_fa.masking` for a picture).
     query_seq_lengths: int [*B]; queries at index >= length are padding.
@@ -815,6 +835,9 @@ def flash_attention(
   check_implementation(implementation, block_sizes)
   if quantize is not None:
     quantize_lib.check_granularity("quantize", quantize)
+  if isinstance(scale, jax.core.Tracer):
+    query, query_scale = _scaled_query(query, query_scale, scale)
+    scale = 1.0
   static = static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
@@ -840,6 +863,25 @@ def flash_attention(
       rng, sinks, score_mod_args, mask_mod_args, block_mask, query_scale,
       key_scale, value_scale, **static)
   return (out, lse) if return_residual else out
+
+
+def _scaled_query(query, query_scale, scale):
+  """(query, query_scale) carrying a traced logit `scale`, which cannot key
+  the kernels (they are built for a static one): softcap(scale * q.k) is
+  softcap((scale * q).k), so the scale multiplies a float8 query's scale,
+  or the query itself, and the call runs with scale 1."""
+  if jnp.ndim(scale) or not jnp.issubdtype(jnp.result_type(scale),
+                                          jnp.floating):
+    raise TypeError(
+        f"scale must be a float scalar, got a traced {jnp.shape(scale)} "
+        f"{jnp.result_type(scale)} array.")
+  query = jnp.asarray(query)
+  if quantize_lib.is_fp8(query.dtype):
+    factor = jnp.asarray(scale, jnp.float32)
+    return query, factor if query_scale is None else query_scale * factor
+  wide = online_softmax.stats_dtype(query.dtype)
+  return (query.astype(wide) * scale.astype(wide)).astype(query.dtype), (
+      query_scale)
 
 
 def clear_cache() -> None:

@@ -1,6 +1,7 @@
 """Argument validation and implementation dispatch of flash_attention."""
 
 import dataclasses
+import functools
 import inspect
 import subprocess
 import sys
@@ -355,3 +356,60 @@ def test_no_message_names_a_local_placeholder():
            for m in re.finditer(r"\{(x|y|a|b|arr|array|t)\.(shape|dtype)=\}",
                                 path.read_text())]
   assert not found, found
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_traced_scale_is_a_learnable_temperature(implementation):
+  """A traced scale, as jax.nn takes it: the same attention as that scale
+  given statically, and its gradient (a learned temperature) that of
+  jax.nn's; with a soft cap it still acts inside the cap."""
+  gen = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(gen.standard_normal((2, 24, 4, 16)), jnp.float32)
+             for _ in range(3))
+
+  def loss(scale, fn, **kw):
+    return jnp.sum(jnp.sin(fn(q, k, v, scale=scale, is_causal=True, **kw)))
+
+  ours = functools.partial(pallas_fa.flash_attention,
+                           implementation=implementation)
+  for kw in ({}, {"logits_soft_cap": 3.0}):
+    got, dscale = jax.jit(jax.value_and_grad(
+        lambda s, kw=kw: loss(s, ours, **kw)))(0.7)
+    np.testing.assert_allclose(got, loss(0.7, ours, **kw), rtol=2e-5)
+    if not kw:
+      want, want_dscale = jax.value_and_grad(
+          lambda s: loss(s, jax.nn.dot_product_attention))(0.7)
+      np.testing.assert_allclose(got, want, rtol=1e-5)
+      np.testing.assert_allclose(dscale, want_dscale, rtol=1e-4)
+  # A float8 query carries it in its scale, exactly.
+  q8, q_scale = pallas_fa.quantize_fp8(q, "head")
+  k8, k_scale = pallas_fa.quantize_fp8(k, "head")
+  v8, v_scale = pallas_fa.quantize_fp8(v, "head")
+  fp8 = functools.partial(
+      pallas_fa.flash_attention, q8, k8, v8, key_scale=k_scale,
+      value_scale=v_scale, out_dtype=jnp.float32,
+      implementation=implementation)
+  traced = jax.jit(lambda s: fp8(query_scale=q_scale, scale=s))(0.7)
+  np.testing.assert_array_equal(traced, fp8(query_scale=q_scale * 0.7,
+                                            scale=1.0))
+  with pytest.raises(TypeError, match="scale must be a float scalar"):
+    jax.jit(lambda s: pallas_fa.flash_attention(q, k, v, scale=s))(
+        jnp.ones(2))
+
+
+def test_hessian_vector_products_on_chunked():
+  """Forward over reverse (jvp of grad), as README promises for chunked:
+  the same Hessian-vector product as xla's."""
+  gen = np.random.default_rng(11)
+  q, k, v = (jnp.asarray(gen.standard_normal((2, 20, 2, 8)), jnp.float32)
+             for _ in range(3))
+  tangent = jnp.asarray(gen.standard_normal(q.shape), jnp.float32)
+
+  def hvp(implementation):
+    def loss(q):
+      return jnp.sum(jnp.sin(pallas_fa.flash_attention(
+          q, k, v, is_causal=True, implementation=implementation)))
+    return jax.jvp(jax.grad(loss), (q,), (tangent,))[1]
+
+  np.testing.assert_allclose(hvp("chunked"), hvp("xla"), rtol=1e-4,
+                             atol=1e-5)

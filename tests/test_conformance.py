@@ -385,6 +385,20 @@ def test_unbatched_and_residual(implementation):
   scaled = fn(q, k, v, scale=0.3)
   expect = jax.nn.dot_product_attention(q, k, v, scale=0.3, is_causal=True)
   assert_close("out", scaled, expect)
+  # Unbatched calls take jax.nn's forms for their one row: lengths [1],
+  # a rank-4 bias or mask with a leading 1.
+  nn_args = dict(
+      bias=jnp.asarray(gen.standard_normal((1, 1, 21, 30)), jnp.float32),
+      # Every row keeps its diagonal key: a row that saw none would be
+      # zeros here, the mean of V in jax.nn.
+      mask=jnp.asarray((gen.random((1, 4, 21, 30)) > 0.3) | np.eye(21, 30,
+                                                                  dtype=bool)),
+      query_seq_lengths=jnp.array([17], jnp.int32),
+      key_value_seq_lengths=jnp.array([26], jnp.int32))
+  got = fn(q[0], k[0], v[0], **nn_args)
+  expect = jax.nn.dot_product_attention(q[0], k[0], v[0], is_causal=True,
+                                        **nn_args)
+  assert_close("out", got[:17], expect[:17])
 
 
 @pytest.mark.parametrize("b, t, s", [(2, 0, 37), (2, 21, 0), (0, 21, 37)],
