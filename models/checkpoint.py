@@ -9,6 +9,7 @@ gets config.json, a readable copy of the run config that guards resuming.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -136,8 +137,12 @@ def write_run_config(workdir: str, config: dict[str, Any],
     json.dump(config, f, indent=2)
 
 
-def load_model(workdir: str):
+def load_model(workdir: str, *, attention_impl: str | None = None):
   """The model of the latest checkpoint in `workdir`, for inference.
+
+  Args:
+    workdir: the run directory.
+    attention_impl: the attention to run it with; None = its config's.
 
   Returns:
     (model, dataset, step, run config); the model runs on one device with
@@ -155,6 +160,8 @@ def load_model(workdir: str):
       raise FileNotFoundError(f"no checkpoint in {workdir!r}.")
     config = restore_config(mngr, step)
     cfg = config_lib.TransformerConfig.from_dict(config["model"])
+    if attention_impl is not None:
+      cfg = dataclasses.replace(cfg, attention_impl=attention_impl)
     abstract = nnx.eval_shape(
         lambda: transformer.Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract)

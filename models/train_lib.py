@@ -40,21 +40,26 @@ from models import layers
 from models import metrics as metrics_lib
 from models import sharding
 from models import transformer
+from pallas_fa import vjp
 
 
-def option(default: Any, help_: str, choices: tuple[str, ...] | None = None):
+def option(default: Any, help_: str, choices: tuple[str, ...] | None = None,
+           *, lower_bound: float | None = None):
   """A dataclass field that is also a command-line flag.
 
   Args:
     default: the default value (the flag's too).
     help_: the flag's help text.
     choices: the allowed values of a str option (an enum flag).
+    lower_bound: the least value of a number option (a smaller one is a
+      usage error when the flags are parsed).
 
   Returns:
     A `dataclasses.field`.
   """
   return dataclasses.field(
-      default=default, metadata={"help": help_, "choices": choices})
+      default=default, metadata={"help": help_, "choices": choices,
+                                 "lower_bound": lower_bound})
 
 
 # --kv_cache_dtype: "auto" (the model's dtype) or a quantized cache.
@@ -76,9 +81,11 @@ class Options:
   text: str | None = option(
       None, "Train on this text file (implies --task=text).")
   length: int = option(
-      8, "Synthetic tasks: prompt symbols (pairs for recall).")
-  num_symbols: int = option(10, "Synthetic tasks: alphabet size.")
-  seq_len: int = option(256, "Text: tokens per example.")
+      8, "Synthetic tasks: prompt symbols (pairs for recall).",
+      lower_bound=1)
+  num_symbols: int = option(10, "Synthetic tasks: alphabet size.",
+                            lower_bound=2)
+  seq_len: int = option(256, "Text: tokens per example.", lower_bound=1)
   model: str = option("tiny", "Preset.", ("tiny", "small"))
   attention_impl: str = option(
       "auto",
@@ -95,33 +102,36 @@ class Options:
       "distance penalty (a flex attention score_mod; not with "
       "--sequence_parallel).",
       config_lib.POSITION_BIASES)
-  batch_size: int = option(64, "Sequences per step.")
-  num_steps: int = option(600, "Training steps.")
-  learning_rate: float = option(3e-3, "Peak AdamW lr.")
-  warmup_steps: int = option(100, "Linear warmup.")
-  weight_decay: float = option(0.01, "AdamW decay.")
+  batch_size: int = option(64, "Sequences per step.", lower_bound=1)
+  num_steps: int = option(600, "Training steps.", lower_bound=1)
+  learning_rate: float = option(3e-3, "Peak AdamW lr.", lower_bound=0.0)
+  warmup_steps: int = option(100, "Linear warmup.", lower_bound=0)
+  weight_decay: float = option(0.01, "AdamW decay.", lower_bound=0.0)
   grad_clip: float = option(1.0, "Global-norm clip.")
-  eval_every: int = option(100, "Steps between evals.")
-  eval_batches: int = option(8, "Batches per eval.")
-  checkpoint_every: int = option(100, "Steps between checkpoints.")
-  log_every: int = option(10, "Steps between logs.")
+  eval_every: int = option(100, "Steps between evals.", lower_bound=1)
+  eval_batches: int = option(8, "Batches per eval.", lower_bound=1)
+  checkpoint_every: int = option(100, "Steps between checkpoints.",
+                                 lower_bound=1)
+  log_every: int = option(10, "Steps between logs.", lower_bound=1)
   workdir: str | None = option(
       None, "Output directory (default runs/<task>).")
   fresh: bool = option(
       False, "Delete the workdir's checkpoints and start over.")
   seed: int = option(0, "Initialisation and data seed.")
-  num_samples: int = option(8, "Samples printed after training.")
+  num_samples: int = option(8, "Samples printed after training.",
+                            lower_bound=0)
   kv_cache_dtype: str = option(
       "auto", "The KV cache's dtype when sampling: the model's (auto), or "
       "int8 / float8 values with a float32 scale per token and head.",
       KV_CACHE_DTYPES)
   data_parallel: int = option(
-      1, "Devices splitting the batch (data parallelism).")
+      1, "Devices splitting the batch (data parallelism).", lower_bound=1)
   sequence_parallel: int = option(
-      1, "Devices splitting each sequence (ring attention, zig-zag layout).")
+      1, "Devices splitting each sequence (ring attention, zig-zag layout).",
+      lower_bound=1)
   benchmark_steps: int = option(
       0, "If > 0: time this many training steps after a warm-up, print "
-      "tokens/s and exit (no checkpoints).")
+      "tokens/s and exit (no checkpoints).", lower_bound=0)
   # Not flags: overrides of the preset's model fields (for tests and
   # experiments) and silence (for tests).
   model_overrides: tuple[tuple[str, Any], ...] = ()
@@ -153,9 +163,9 @@ def define_flags(options_cls=Options,
     if kind is bool:
       flags.DEFINE_bool(*args, **kw)
     elif kind is int:
-      flags.DEFINE_integer(*args, **kw)
+      flags.DEFINE_integer(*args, lower_bound=meta["lower_bound"], **kw)
     elif kind is float:
-      flags.DEFINE_float(*args, **kw)
+      flags.DEFINE_float(*args, lower_bound=meta["lower_bound"], **kw)
     elif meta["choices"]:
       flags.DEFINE_enum(*args, enum_values=list(meta["choices"]), **kw)
     else:
@@ -199,14 +209,28 @@ def make_dataset(opts: Options):
   raise app.UsageError(f"unknown task {opts.task!r}.")
 
 
-def make_config(opts: Options, dataset) -> config_lib.TransformerConfig:
-  """The model preset of `opts`, sized for `dataset`."""
-  preset = getattr(config_lib.TransformerConfig, opts.model)
-  impl = opts.attention_impl
+def check_attention_impl(impl: str) -> str:
+  """`--attention_impl`, checked before anything runs or is written.
+
+  Raises:
+    app.UsageError: not "auto", a baseline or a registered implementation,
+      or "cudnn" without an NVIDIA GPU.
+  """
+  known = ("auto", *layers.BASELINES, *vjp.REGISTRY)
+  if impl not in known:
+    raise app.UsageError(
+        f"--attention_impl must be one of {', '.join(known)}; got {impl!r}.")
   if impl == "cudnn" and jax.default_backend() != "gpu":
     raise app.UsageError(
         f"--attention_impl=cudnn needs an NVIDIA GPU; this is "
         f"{jax.default_backend()}.")
+  return impl
+
+
+def make_config(opts: Options, dataset) -> config_lib.TransformerConfig:
+  """The model preset of `opts`, sized for `dataset`."""
+  preset = getattr(config_lib.TransformerConfig, opts.model)
+  impl = check_attention_impl(opts.attention_impl)
   kw = dict(
       vocab_size=dataset.vocab_size,
       attention_impl=None if impl in (None, "auto") else impl,
@@ -489,7 +513,8 @@ def _train_loop(opts: Options, run: Run, graphdef, state, mngr, config, log,
                   dynamic_ncols=True, file=sys.stderr,
                   disable=True if opts.quiet or narrow else None)
   step = start
-  losses, t_log, steps_timed, tokens_per_s = [], None, 0, float("nan")
+  # tokens_per_s: None until a step after the first (compiling) one.
+  losses, t_log, steps_timed, tokens_per_s = [], None, 0, None
   try:
     while step < opts.num_steps:
       batch = sharding.place_batch(
@@ -518,12 +543,12 @@ def _train_loop(opts: Options, run: Run, graphdef, state, mngr, config, log,
           tokens_per_s = steps_timed * tokens_per_step / (now - t_log)
         t_log, losses, steps_timed = now, [], 0
         log.write({"step": step, "loss": loss, "tokens_per_s": tokens_per_s})
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}",
-                        refresh=False)
+        rate = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=rate, refresh=False)
         bar.update(step - bar.n)
         if bar.disable:
           _say(opts, f"step {step:6d}/{opts.num_steps} | loss {loss:.4f} | "
-               f"{tokens_per_s:,.0f} tokens/s")
+               f"{rate} tokens/s")
       # Orbax decides: a multiple of checkpoint_every, or a preemption.
       checkpoint.save(mngr, step, state, config)
       if step % opts.eval_every == 0 and step < opts.num_steps:

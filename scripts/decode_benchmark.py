@@ -88,6 +88,7 @@ import pallas_fa
 from pallas_fa import api
 from pallas_fa import flex
 from pallas_fa import testing
+from pallas_fa.decode import front as decode_front
 
 _BATCH = flags.DEFINE_list("batch", ["1", "8"], "Batch sizes B.")
 _SEQ = flags.DEFINE_list(
@@ -134,16 +135,18 @@ _JSON = flags.DEFINE_string(
     "json", None, "Write the report here (rewritten after every cell).")
 
 
-def memory_bandwidth(nbytes: int, dtype, repeats: int) -> dict[str, float]:
+def memory_bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
   """Bytes per second the device moves, by two probes over `nbytes`.
 
   "copy": an elementwise copy (read + write bytes); "read": a sum (read
   bytes only), the access pattern of decoding. On a CPU they differ several
   times over (XLA runs the copy on one thread and pays write-allocate
   traffic; the reduction is multi-threaded), so the share of bandwidth is
-  taken against the faster one, "peak".
+  taken against the faster one, "peak". The probes run in float32 whatever
+  the cells' dtype: the bandwidth is the machine's, and a CPU's 16-bit
+  arithmetic would bound them below it.
   """
-  x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
+  x = jnp.ones((nbytes // 4,), jnp.float32)
 
   def rate(fn, moved):
     return moved / testing.time_call(fn, x, repeats=repeats).median_s
@@ -385,13 +388,15 @@ def format_table(rows, header: bool = True) -> str:
     lines.append(
         f"{head} {r['ms']:>9.3f} {alone} {r['bytes_per_s'] / 1e9:>7.2f} "
         f"{r['bandwidth_share']:>6.0%} {r['roofline_ms']:>8.3f} "
-        f"{r['roofline_share']:>7.0%} {r.get('decode_speedup', 0):>8.2f}")
+        f"{r['roofline_share']:>7.0%} " + (
+            f"{r['decode_speedup']:>8.2f}" if "decode_speedup" in r
+            else f"{'-':>8}"))
   return "\n".join(lines)
 
 
 def machine_rates(dtype) -> tuple[dict, dict | None]:
   """(memory_bandwidth probes, matmul ceiling or None), timed now."""
-  probes = memory_bandwidth(1 << 28, dtype, _REPEATS.value)
+  probes = memory_bandwidth(1 << 28, _REPEATS.value)
   matmul = cells.matmul_ceiling(_MATMUL_SIZE.value, _DTYPE.value,
                                 repeats=_REPEATS.value, warmup=1)
   return probes, matmul
@@ -404,8 +409,67 @@ def describe_rates(probes: dict, matmul: dict | None) -> str:
              if matmul else ""))
 
 
+# The peers `--peers` may name (`_candidates`).
+PEERS = ("flash_attention", "jax_nn")
+
+
+def check_flags() -> None:
+  """Rejects flag values no cell could run, before anything is timed.
+
+  Raises:
+    app.UsageError: naming the flag.
+  """
+  def positive(name, values):
+    try:
+      numbers = [int(x) for x in values]
+    except ValueError:
+      numbers = [0]
+    if not numbers or min(numbers) < 1:
+      raise app.UsageError(f"--{name} must be positive ints, got {values}.")
+    return numbers
+
+  positive("batch", _BATCH.value)
+  positive("seq_lens", _SEQ.value)
+  positive("head_dims", _HEAD_DIMS.value)
+  positive("new_tokens", _NEW.value)
+  for num_kv in positive("kv_heads", _KV_HEADS.value):
+    if _HEADS.value < 1 or _HEADS.value % num_kv:
+      raise app.UsageError(
+          f"--heads={_HEADS.value} must be a positive multiple of every "
+          f"--kv_heads, got {_KV_HEADS.value}.")
+  if _PAGE.value < 0 or any(
+      _PAGE.value and int(x) % _PAGE.value for x in _SEQ.value):
+    raise app.UsageError(
+        f"--page_size must be 0 (contiguous) or divide every --seq_lens, "
+        f"got {_PAGE.value} and {_SEQ.value}.")
+  if _REPEATS.value < 1:
+    raise app.UsageError(f"--repeats must be >= 1, got {_REPEATS.value}.")
+  unknown = sorted(set(_IMPLEMENTATIONS.value or ()) - set(
+      decode_front.IMPLEMENTATIONS))
+  if unknown:
+    raise app.UsageError(
+        f"--implementations must name some of "
+        f"{', '.join(decode_front.IMPLEMENTATIONS)}; got {unknown}.")
+  unknown = sorted(set(_PEERS.value) - set(PEERS))
+  if unknown:
+    raise app.UsageError(
+        f"--peers must name some of {', '.join(PEERS)}; got {unknown}.")
+  if _WINDOW_SINKS.value:
+    positive("window_sinks", _WINDOW_SINKS.value[:1])
+    if len(_WINDOW_SINKS.value) != 2 or not all(
+        x.strip().isdigit() for x in _WINDOW_SINKS.value):
+      raise app.UsageError(
+          f"--window_sinks must be W,SINKS (two ints), got "
+          f"{_WINDOW_SINKS.value}.")
+  try:
+    split_counts()
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+
+
 def main(argv: Sequence[str]) -> None:
   del argv
+  check_flags()
   timeline = timeline_lib.Timeline()
   # The interpreter's start and the imports (jax, pallas_fa, absl).
   timeline.add("start", 0.0, timeline.now_s())

@@ -31,19 +31,22 @@ class SampleOptions:
   prompt: str | None = train_lib.option(
       None, "Text runs: prompt to continue.")
   max_new_tokens: int = train_lib.option(
-      200, "Text runs: tokens to generate.")
+      200, "Text runs: tokens to generate.", lower_bound=1)
   temperature: float = train_lib.option(
-      0.8, "Text runs: sampling temperature (0 = greedy).")
-  top_k: int = train_lib.option(20, "Text runs: top-k (0 = all).")
+      0.8, "Text runs: sampling temperature (0 = greedy).", lower_bound=0.0)
+  top_k: int = train_lib.option(20, "Text runs: top-k (0 = all).",
+                                lower_bound=0)
 
 
 def sample(workdir: str, opts: SampleOptions = SampleOptions(), *,
-           num_samples: int = 8, seed: int = 0, cache_dtype=None, out=None):
+           num_samples: int = 8, seed: int = 0, cache_dtype=None, out=None,
+           attention_impl: str | None = None):
   """Prints generations from the latest checkpoint in `workdir`.
 
   Args:
     workdir: the run directory.
     opts: prompt and sampling settings (text runs).
+    attention_impl: the attention to sample with; None = the run's.
     num_samples: prompts generated for (and printed).
     seed: seed of the prompts and of the sampling.
     cache_dtype: the KV cache's dtype; None = the model's (int8 / float8
@@ -58,7 +61,8 @@ def sample(workdir: str, opts: SampleOptions = SampleOptions(), *,
     FileNotFoundError: no checkpoint in `workdir`.
   """
   out = out or sys.stdout
-  model, dataset, step, _ = checkpoint.load_model(workdir)
+  model, dataset, step, _ = checkpoint.load_model(
+      workdir, attention_impl=attention_impl)
   print(f"Loaded {workdir} at step {step}.", file=out)
   n = max(num_samples, 1)
   return generate.show_samples(
@@ -75,11 +79,14 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   opts = train_lib.options_from_flags()
+  # --attention_impl: the run's attention unless one is named.
+  impl = train_lib.check_attention_impl(opts.attention_impl)
   try:
     sample(opts.workdir or train_lib.default_workdir(opts),
            train_lib.options_from_flags(SampleOptions),
            num_samples=opts.num_samples, seed=opts.seed,
-           cache_dtype=train_lib.cache_dtype(opts.kv_cache_dtype))
+           cache_dtype=train_lib.cache_dtype(opts.kv_cache_dtype),
+           attention_impl=None if impl == "auto" else impl)
   except FileNotFoundError as e:
     raise app.UsageError(str(e)) from e
 

@@ -952,3 +952,28 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     assert prefix["status"] == "wrong" and "ms" not in prefix, prefix
     assert flash["status"] == "failed" and "ms" not in flash, flash
     assert "NotImplementedError: no such path" in flash["reason"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--peers=bogus"], "--peers"),
+    (["--implementations=xla"], "--implementations"),
+    (["--seq_lens=128", "--page_size=7"], "--page_size"),
+    (["--window_sinks=16"], "--window_sinks"),
+    (["--heads=4", "--kv_heads=3"], "--heads=4"),
+    (["--seq_lens=0"], "--seq_lens"),
+    (["--new_tokens=0"], "--new_tokens"),
+    (["--repeats=0"], "--repeats"),
+    (["--num_splits=-2"], "--num_splits"),
+])
+def test_decode_benchmark_names_bad_flags(argv, match):
+  """Flag values no cell could run are usage errors before any timing."""
+  with script_module("decode_benchmark") as module:
+    flag_values = module.flags.FLAGS
+    saved = flag_values.flags_into_string()
+    try:
+      flag_values(["decode_benchmark.py", *argv])
+      with pytest.raises(module.app.UsageError, match=match):
+        module.check_flags()
+    finally:
+      flag_values.unparse_flags()
+      flag_values(["decode_benchmark.py", *saved.split()])

@@ -361,3 +361,12 @@ def test_ring_steps_with_no_visible_key_are_skipped():
   assert bool(ring.step_is_empty(seg))
   # Nothing restricts attention: no predicate at all (never skipped).
   assert ring.step_is_empty(info.replace(is_causal=False)) is None
+
+
+def test_mesh_axes_must_be_names():
+  assert mesh_lib.axis_names(None) == ()
+  assert mesh_lib.axis_names("data") == ("data",)
+  assert mesh_lib.axis_names(["data", "heads"]) == ("data", "heads")
+  for bad in (1, ("data", 2), {"data"}):
+    with pytest.raises(TypeError, match="mesh axes must be"):
+      mesh_lib.axis_names(bad)

@@ -214,6 +214,50 @@ def test_flags_are_the_options():
       "model_overrides", "quiet"}
 
 
+@pytest.mark.parametrize("argv", [
+    "--log_every=0", "--eval_every=0", "--checkpoint_every=0",
+    "--batch_size=0", "--batch_size=-8", "--num_steps=0", "--length=0",
+    "--num_symbols=1", "--learning_rate=-1", "--data_parallel=0"])
+def test_flags_below_their_bound_are_usage_errors(argv):
+  # Rejected as the flags are parsed, before a workdir exists.
+  with pytest.raises(flags.IllegalFlagValueError):
+    _parse(argv)
+
+
+def test_attention_impl_is_checked_up_front():
+  for impl in ("auto", "flax", "xla", "chunked", "triton"):
+    assert train_lib.check_attention_impl(impl) == impl
+  with pytest.raises(app.UsageError, match="bogus"):
+    train_lib.check_attention_impl("bogus")
+
+
+def test_sample_script_flags(full_run, capsys):
+  """sample.py's own bounds, and --attention_impl choosing the attention
+  it samples with (the same greedy answers on this run)."""
+  flag_values = flags.FlagValues()
+  with script_module("sample") as sample:
+    train_lib.define_flags(sample.SampleOptions, flag_values=flag_values)
+    for argv in ("--temperature=-1", "--top_k=-5", "--max_new_tokens=0"):
+      with pytest.raises(flags.IllegalFlagValueError):
+        flag_values(["sample.py", argv])
+    with open(os.devnull, "w") as out:
+      _, want = sample.sample(str(full_run[0]), num_samples=4, out=out)
+      _, got = sample.sample(str(full_run[0]), num_samples=4, out=out,
+                             attention_impl="xla")
+  np.testing.assert_array_equal(got, want)
+
+
+def test_metrics_are_strict_json(tmp_path):
+  # A log at step 1 (before any step was timed) has no rate: null, not NaN.
+  train_lib.train(_opts(tmp_path, "run", num_steps=2, log_every=1,
+                        checkpoint_every=100))
+  lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  records = [json.loads(line, parse_constant=lambda c: pytest.fail(c))
+             for line in lines]
+  assert records[0]["tokens_per_s"] is None
+  assert records[1]["tokens_per_s"] > 0
+
+
 def test_train_script_help_lists_every_option():
   root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
   proc = subprocess.run(

@@ -24,7 +24,8 @@ from pallas_fa.flex import mods
 
 Array = Any
 
-_IMPLEMENTATIONS = ("chunked", "triton", "mosaic_tpu")
+# The implementations decode_attention runs on.
+IMPLEMENTATIONS = ("chunked", "triton", "mosaic_tpu")
 
 
 def _check_cache(name, x, query):
@@ -225,14 +226,14 @@ def decode_attention(
       for a quantized cache), or with a score_mod/mask_mod it cannot fuse
       (`pallas_fa.flex.fused_mods`).
   """
-  if implementation not in (None,) + _IMPLEMENTATIONS:
+  if implementation not in (None,) + IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
       raise NotImplementedError(
           f"implementation={implementation!r} has no decode path; decode "
-          f"runs on {_IMPLEMENTATIONS}.")
+          f"runs on {IMPLEMENTATIONS}.")
     raise ValueError(
         f"Unknown implementation={implementation!r}; decode runs on "
-        f"{_IMPLEMENTATIONS} or None.")
+        f"{IMPLEMENTATIONS} or None.")
   query = jnp.asarray(query)
   if query.ndim != 4:
     raise ValueError(f"query must be [B, T_new, N, H], got {query.shape=}.")

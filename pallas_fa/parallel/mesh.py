@@ -90,11 +90,20 @@ def make_mesh(
 
 
 def axis_names(axes: AxisNames) -> tuple[str, ...]:
-  """Mesh axis names as a tuple: None -> (), "x" -> ("x",)."""
+  """Mesh axis names as a tuple: None -> (), "x" -> ("x",).
+
+  Raises:
+    TypeError: `axes` is neither None, a name, nor a sequence of names.
+  """
   if axes is None:
     return ()
   if isinstance(axes, str):
     return (axes,)
+  if not isinstance(axes, (tuple, list)) or not all(
+      isinstance(a, str) for a in axes):
+    raise TypeError(
+        f"mesh axes must be None, a mesh axis name or a sequence of them, "
+        f"got {axes!r}.")
   return tuple(axes)
 
 

@@ -403,10 +403,11 @@ def sharded_flash_attention(
   """`pallas_fa.flash_attention` on global arrays sharded over `mesh`.
 
   Takes the arguments of `pallas_fa.flash_attention` (same meaning, same
-  result) plus where the work is split. Works under `jit`, `grad` and
-  `vmap`-free training loops, with any registered implementation, including
-  Pallas kernels that XLA cannot partition itself: each device runs the
-  implementation on its shard inside `shard_map`.
+  result), but for attention dropout, plus where the work is split. Works
+  under `jit`, `grad` and `vmap`-free training loops, with any registered
+  implementation, including Pallas kernels that XLA cannot partition
+  itself: each device runs the implementation on its shard inside
+  `shard_map`.
 
   * batch_axes / head_axes: B (and N, K) are split over these mesh axes.
     K/V heads are split along with their query groups; with fewer K/V heads
@@ -414,8 +415,9 @@ def sharded_flash_attention(
   * sequence_axis: ring attention over this axis (context parallelism): T
     and S are split into equal shards (tails padded internally), queries stay
     put and K/V travel around the ring. For causal attention pass
-    `zigzag=True`, or better, keep the whole model in the zig-zag layout
-    (`zigzag`) and pass the true `query_positions`/`key_positions`.
+    `load_balance=True`, or better, keep the whole model in the zig-zag
+    layout (`pallas_fa.parallel.mesh.zigzag`) and pass the true
+    `query_positions`/`key_positions`.
 
   Args:
     query: [*B, T, N, H] (any number of batch dims, including none; they

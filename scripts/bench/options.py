@@ -538,7 +538,7 @@ def make_settings(*, platform: str | None = None, **values) -> Settings:
       shapes=tuple(_shapes(value)),
       candidates=tuple(_candidates(impls, peers, bool(value("sinks")))),
       modes=modes,
-      repeats=int(value("repeats")),
+      repeats=_positive("repeats", value("repeats")),
       warmup=int(value("warmup")),
       rounds=_positive("rounds", value("rounds")),
       isolate=(platform == "cpu") if isolate is None else bool(isolate),
