@@ -187,6 +187,8 @@ def write(
       entries into a quantized cache without `scale`, or `scale` otherwise.
   """
   cache, new, index = (jnp.asarray(x) for x in (cache, new, index))
+  if block_table is not None:
+    block_table = jnp.asarray(block_table)
   _check_write(cache, new, index, block_table, scale)
   quantizing = is_quantized(cache.dtype) and new.dtype != cache.dtype
   if quantizing != (scale is not None):
@@ -195,10 +197,15 @@ def write(
         f"quantized (int8/float8) cache, got new {new.dtype} into a "
         f"{cache.dtype} cache with scale="
         f"{'None' if scale is None else 'an array'}.")
-  if scale is not None:
-    values, new_scale = quantize(new, cache.dtype)
-    return (write(cache, values, index, block_table),
-            write(scale, new_scale, index, block_table))
+  if scale is None:
+    return _store(cache, new, index, block_table)
+  values, new_scale = quantize(new, cache.dtype)
+  return (_store(cache, values, index, block_table),
+          _store(jnp.asarray(scale), new_scale, index, block_table))
+
+
+def _store(cache, new, index, block_table):
+  """`write`'s scatter of checked arguments (values, or their scales)."""
   new = new.astype(cache.dtype)
   entry = index[:, None] + jnp.arange(new.shape[1], dtype=index.dtype)[None]
   if block_table is None:
@@ -220,9 +227,8 @@ def write(
 
 def _check_write(cache, new, index, block_table, scale) -> None:
   """`write`'s argument checks (shapes, and values known at trace time)."""
-  rows = cache.shape[0] if block_table is None else None
+  rows = cache.shape[0]
   if block_table is not None:
-    block_table = jnp.asarray(block_table)
     if block_table.ndim != 2 or not jnp.issubdtype(block_table.dtype,
                                                    jnp.integer):
       raise ValueError(

@@ -548,11 +548,12 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError(
             f"decode_lengths must be an int [B={b}] array, got "
             f"{new_lengths.shape=}.")
-      if not isinstance(new_lengths, jax.core.Tracer) and np.any(
-          (np.asarray(new_lengths) < 0) | (np.asarray(new_lengths) > t)):
-        raise ValueError(
-            f"decode_lengths must count real tokens of the call's T={t}, in "
-            f"[0, {t}], got decode_lengths={np.asarray(new_lengths)}.")
+      if not isinstance(new_lengths, jax.core.Tracer):
+        known = np.asarray(new_lengths)
+        if np.any((known < 0) | (known > t)):
+          raise ValueError(
+              f"decode_lengths must count real tokens of the call's T={t}, "
+              f"in [0, {t}], got decode_lengths={known}.")
     positions = index[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     if self.rope is not None:
       q = self.rope(q, positions)
