@@ -39,6 +39,7 @@ from pallas_fa.checks import check_bias_and_mask
 from pallas_fa.checks import check_deterministic_backward
 from pallas_fa.checks import check_dropout
 from pallas_fa.checks import check_flag
+from pallas_fa.checks import check_int32_values
 from pallas_fa.checks import check_lengths
 from pallas_fa.checks import check_non_negative
 from pallas_fa.checks import check_out_dtype
@@ -699,7 +700,10 @@ def flash_attention(
     local_window_size: int w (= (w, w)) or (left, right): keep
       q_pos - left <= k_pos <= q_pos + right; a None side is unbounded.
     segment_ids: `SegmentIds(q=[*B, T], kv=[*B, S])`; attend within equal ids.
-    query_positions: int [*B, T], default arange(T).
+      Ids are int32 above -2**31 + 1 (the two lowest are padding's); a known
+      id outside that is a ValueError, a traced one is cast.
+    query_positions: int [*B, T], default arange(T); int32 values, as for
+      segment ids.
     key_positions: int [*B, S], default arange(S).
     logits_soft_cap: c > 0: logits -> c * tanh(logits / c), before bias/mask.
     dropout_rate: attention dropout in [0, 1): each normalised probability
@@ -843,6 +847,8 @@ def flash_attention(
       logits_soft_cap=logits_soft_cap, precision=precision,
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths)
+  _check_index_values(query_seq_lengths, key_value_seq_lengths,
+                      query_positions, key_positions, segment_ids)
   score_mod_args = mods.as_args("score_mod_args", score_mod_args)
   mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
   mods.check_callable(mods.SCORE_MOD, score_mod, len(score_mod_args))
@@ -863,6 +869,22 @@ def flash_attention(
       rng, sinks, score_mod_args, mask_mod_args, block_mask, query_scale,
       key_scale, value_scale, **static)
   return (out, lse) if return_residual else out
+
+
+def _check_index_values(query_seq_lengths, key_value_seq_lengths,
+                        query_positions, key_positions, segment_ids):
+  """The integer arguments' known values fit the kernels' int32 (jit would
+  wrap a 64-bit one silently); real segment ids stay above the two
+  reserved for padding (`masking.KV_PAD_SEGMENT`), where a real id would
+  make padded keys visible to its queries."""
+  check_int32_values("query_seq_lengths", query_seq_lengths, low=0)
+  check_int32_values("key_value_seq_lengths", key_value_seq_lengths, low=0)
+  check_int32_values("query_positions", query_positions)
+  check_int32_values("key_positions", key_positions)
+  if isinstance(segment_ids, masking.SegmentIds):
+    real = masking.KV_PAD_SEGMENT + 1
+    check_int32_values("segment_ids.q", segment_ids.q, low=real)
+    check_int32_values("segment_ids.kv", segment_ids.kv, low=real)
 
 
 def _scaled_query(query, query_scale, scale):

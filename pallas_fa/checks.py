@@ -73,6 +73,37 @@ def check_non_negative(name, x):
     raise ValueError(f"{name} must be non-negative, got {name}={values}.")
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def check_int32_values(name, x, low=int(_INT32.min)):
+  """Rejects known (not traced) integer values outside [low, int32's max]:
+  the kernels index in int32, and a wider value would wrap silently (as
+  jit's own cast of a 64-bit argument does).
+
+  Traced values cannot be checked; they are cast. Arrays whose dtype
+  cannot hold such a value are not read back from the device.
+  """
+  if x is None or isinstance(x, jax.core.Tracer):
+    return
+  if isinstance(x, (list, tuple)) and any(
+      isinstance(e, jax.core.Tracer) for e in x):
+    return
+  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  if not np.issubdtype(dtype, np.integer):
+    return  # The dtype checks under jit name a non-integer array.
+  bounds = np.iinfo(dtype)
+  if low <= bounds.min and bounds.max <= _INT32.max:
+    return
+  values = np.asarray(x)
+  if not values.size:
+    return
+  if values.min() < low or values.max() > _INT32.max:
+    raise ValueError(
+        f"{name} must lie in [{low}, {_INT32.max}] (int32, the kernels' "
+        f"index type), got values in [{values.min()}, {values.max()}].")
+
+
 def check_window(local_window_size):
   if local_window_size is None:
     return None

@@ -210,6 +210,10 @@ class _Layout(layout.Padded):
     if self.info.score_mod is not None:
       self.score_uses = mods.uses_batch_and_head(
           mods.SCORE_MOD, self.info.score_mod, self.info.score_mod_args)
+    # The score_mod reads its arrays widened to the accumulators' dtype, so
+    # that each tile's share of their gradients is summed in it too
+    # (`mods.widen`).
+    self.score_args = mods.widen(self.info.score_mod_args, self.acc)
 
   def tile_q(self, start, size):
     """Query rows [start, start + size) of every head, [B, K, G, size, H],
@@ -292,7 +296,7 @@ class _Layout(layout.Padded):
     indices = masking.tile_indices(
         self.b, self.n, self.num_kv, part.q0, part.rows, part.k0, part.cols)
     return online_softmax.ScoreMod(
-        fn=self.info.score_mod, args=self.info.score_mod_args,
+        fn=self.info.score_mod, args=self.score_args,
         batch=indices[0], head=indices[1], q_idx=indices[2],
         kv_idx=indices[3], uses=self.score_uses)
 
@@ -505,10 +509,12 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
   branch_t = lay.branch.T
   lo, hi = masking.block_range(kinds_t)
   args = lay.info.score_mod_args
-  # Gradients of score_mod's floating-point arrays, summed over the tiles.
+  # Gradients of score_mod's floating-point arrays, summed over the tiles
+  # in the dtype the score_mod reads them in.
   dargs = tuple(
       jnp.zeros(x.shape, online_softmax.stats_dtype(x.dtype))
-      if jnp.issubdtype(x.dtype, jnp.inexact) else None for x in args)
+      if jnp.issubdtype(x.dtype, jnp.inexact) else None
+      for x in lay.score_args)
   dbias = None
   if lay.bias is not None:
     dbias = jnp.zeros(lay.bias.shape, lay.acc)
@@ -645,4 +651,5 @@ BACKEND = vjp.Backend(
     value_head_dim=True,
     dropout=True,
     shared_kv=True,
+    differentiable=True,
 )

@@ -591,7 +591,7 @@ def _sink_weights(lse: Array, sinks: Array) -> tuple[Array, Array]:
   return with_sink, w
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def add_sink(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
   """Adds a sink -- one value-less logit per row -- to finished attention.
 
@@ -612,12 +612,42 @@ def add_sink(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
       [B, T, N]).
 
   Returns:
-    (out, lse) of the attention with the sink. Reverse-mode differentiable
-    in all three (`sink_grad`).
+    (out, lse) of the attention with the sink. Differentiable in all three,
+    in forward and reverse mode and to any order (`_add_sink_jvp`: a
+    custom_jvp, whose linear rule JAX transposes for reverse mode, so that
+    Hessian-vector products through a sink work where the attention
+    itself has them).
   """
   lse, w = _sink_weights(lse, sinks)
   rescaled = out.astype(stats_dtype(out.dtype)) * w[..., None]
   return rescaled.astype(out.dtype), lse
+
+
+@add_sink.defjvp
+def _add_sink_jvp(primals, tangents):
+  # With p = exp(sinks - lse') the sink's probability and w = 1 - p =
+  # exp(lse - lse') the keys' share: lse' moves by w dlse + p dsinks, and
+  # out' = w out by w dout + out dw, dw = w (dlse - dlse'). A row that sees
+  # no key (w = p = 0) stays constant; the guards keep its tangents 0, not
+  # NaN, whatever the incoming ones are.
+  out, lse, sinks = primals
+  dout, dlse, dsinks = tangents
+  new_lse, w = _sink_weights(lse, sinks)
+  dtype = stats_dtype(out.dtype)
+  seen = lse != MASK_VALUE
+  s = jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)
+  # Not 1 - w, which loses a small p's relative precision.
+  p = jnp.where(seen, jnp.exp(s - jnp.where(seen, new_lse, 0.0)), 0.0)
+  dsinks = jnp.broadcast_to(dsinks.astype(lse.dtype), lse.shape)
+  dlse = jnp.where(seen, dlse, 0.0)
+  dnew_lse = w * dlse + p * dsinks
+  dw = (w * (dlse - dnew_lse)).astype(dtype)
+  wide = out.astype(dtype)
+  new_out = wide * w.astype(dtype)[..., None]
+  dnew_out = (dout.astype(dtype) * w.astype(dtype)[..., None]
+              + wide * dw[..., None])
+  return ((new_out.astype(out.dtype), new_lse),
+          (dnew_out.astype(out.dtype), dnew_lse))
 
 
 def sink_grad(lse: Array, sinks: Array, delta: Array) -> Array:
@@ -648,19 +678,3 @@ def sink_grad(lse: Array, sinks: Array, delta: Array) -> Array:
   d = d.sum(axis=tuple(i for i, n in enumerate(sinks.shape) if n == 1),
             keepdims=True)
   return d.astype(sinks.dtype)
-
-
-def _add_sink_fwd(out, lse, sinks):
-  result = add_sink(out, lse, sinks)
-  return result, (out, lse, sinks) + result
-
-
-def _add_sink_bwd(residuals, cotangents):
-  out_part, lse_part, sinks, out, lse = residuals
-  dout, dlse = cotangents
-  d = delta(out, dout, dlse)
-  return (*merge_grad(out_part, lse_part, lse, dout, d),
-          sink_grad(lse, sinks, d))
-
-
-add_sink.defvjp(_add_sink_fwd, _add_sink_bwd)

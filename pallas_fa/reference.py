@@ -20,6 +20,7 @@ from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize
 from pallas_fa import vjp
+from pallas_fa.flex import mods
 
 Array = Any
 
@@ -72,9 +73,12 @@ def attention(
   score_mod = None
   if info.score_mod is not None:
     indices = masking.tile_indices(b, n, num_kv, 0, t, 0, k.shape[1])
+    # Its arrays' gradients are summed in compute_dtype too, not in theirs
+    # (`mods.widen`).
     score_mod = online_softmax.ScoreMod(
-        fn=info.score_mod, args=info.score_mod_args, batch=indices[0],
-        head=indices[1], q_idx=indices[2], kv_idx=indices[3])
+        fn=info.score_mod, args=mods.widen(info.score_mod_args, compute_dtype),
+        batch=indices[0], head=indices[1], q_idx=indices[2],
+        kv_idx=indices[3])
   s, _ = online_softmax.logits(
       s, scale=scale, cap=soft_cap, bias=bias, score_mod=score_mod)
   s = online_softmax.apply_mask(
@@ -120,4 +124,4 @@ def _check(q, k, v, bias, info, params):
 # Differentiated by plain autodiff (no custom backward).
 BACKEND = vjp.Backend(
     name="xla", forward=_forward, check=_check, dtypes=vjp.WITH_FLOAT8,
-    value_head_dim=True, dropout=True)
+    value_head_dim=True, dropout=True, differentiable=True)

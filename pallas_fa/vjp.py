@@ -158,6 +158,10 @@ class Backend:
       q's batch B (a K/V shared by every query row, read without copies;
       backward returns dK/dV of batch 1, summed over the rows). Without it
       `api.Call.for_backend` broadcasts such a K/V to B first.
+    differentiable: whether `forward` and `backward` are plain jax.numpy
+      that JAX can differentiate again (forward over reverse:
+      Hessian-vector products). Pallas kernels are not: differentiating
+      them raises a NotImplementedError naming the backend (`_kernel`).
   """
 
   name: str
@@ -170,6 +174,7 @@ class Backend:
   value_head_dim: bool = False
   dropout: bool = False
   shared_kv: bool = False
+  differentiable: bool = False
 
   def check_call(self, q, k, v, bias, info, params) -> None:
     """Raises NotImplementedError naming why this backend cannot run the
@@ -250,10 +255,13 @@ def attention(
 
 
 def _forward(backend, params, q, k, v, bias, info, sinks, scales=None):
-  if scales is None:
-    out, lse = backend.forward(q, k, v, bias, info, params)
-  else:
-    out, lse = backend.forward(q, k, v, bias, info, params, scales=scales)
+  def forward(q, k, v, bias, info, *scales):
+    if not scales:
+      return backend.forward(q, k, v, bias, info, params)
+    return backend.forward(q, k, v, bias, info, params, scales=scales[0])
+
+  out, lse = _kernel(backend, forward)(
+      q, k, v, bias, info, *(() if scales is None else (scales,)))
   if sinks is None:
     return out, lse
   return online_softmax.add_sink(out, lse, sinks)
@@ -291,9 +299,11 @@ def _backward(backend, params, q, k, v, bias, info, sinks, out, lse, dout,
     delta = jnp.where(q_pad[:, :, None], jnp.zeros((), delta.dtype), delta)
   # With sinks, lse and delta are those of the result with the sink: the
   # backend's backward is then exact as it stands (`online_softmax.sink_grad`).
-  dq, dk, dv, dbias, *dargs = backend.backward(
-      q, k, v, bias, info, params, lse, dout, delta
-  )
+  def backward(q, k, v, bias, info, lse, dout, delta):
+    return backend.backward(q, k, v, bias, info, params, lse, dout, delta)
+
+  dq, dk, dv, dbias, *dargs = _kernel(backend, backward)(
+      q, k, v, bias, info, lse, dout, delta)
   dsinks = None if sinks is None else online_softmax.sink_grad(
       lse, sinks, delta)
   info_ct = jax.tree.map(lambda _: None, info)
@@ -303,6 +313,31 @@ def _backward(backend, params, q, k, v, bias, info, sinks, out, lse, dout,
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _kernel(backend, fn):
+  """fn, a backend's forward or backward call, as JAX may differentiate it:
+  itself where the backend is `differentiable`, else behind a jvp rule that
+  refuses by name. A Pallas kernel is reverse-differentiated by the
+  `custom_vjp`s here; differentiating it directly (the forward under jvp
+  of grad, the backward under grad of grad: both linearize through it)
+  fails deep in Pallas's interpreters and lowerings, with internal errors
+  or none."""
+  if backend.differentiable:
+    return fn
+  wrapped = jax.custom_jvp(fn)
+
+  def refuse(primals, tangents):
+    del primals, tangents
+    raise NotImplementedError(
+        f"implementation={backend.name!r} has no second derivatives: its "
+        "kernels are Pallas calls, which JAX cannot differentiate twice, "
+        "so neither grad of grad nor forward over reverse (jvp of grad, "
+        "Hessian-vector products) goes through them. implementation='xla' "
+        "has both; 'chunked' has forward over reverse.")
+
+  wrapped.defjvp(refuse)
+  return wrapped
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -88,6 +88,21 @@ BAD = [
     (dict(query_positions=jnp.zeros((B, S), int)), ValueError,
      "query_positions"),
     (dict(key_positions=jnp.zeros((B, S))), TypeError, "key_positions"),
+    # Known values past int32 would wrap in the kernels; the two lowest ids
+    # are padding's, and a real one there would see padded keys.
+    (dict(query_positions=np.arange(T, dtype=np.int64)[None].repeat(B, 0)
+          + 2**31), ValueError, r"query_positions must lie in"),
+    (dict(key_positions=np.full((B, S), -2**31 - 1, np.int64)), ValueError,
+     r"key_positions must lie in \[-2147483648, 2147483647\]"),
+    (dict(segment_ids=pallas_fa.SegmentIds(
+        q=np.full((B, T), -2**31 + 1, np.int32),
+        kv=np.full((B, S), -2**31 + 1, np.int32))), ValueError,
+     r"segment_ids.q must lie in \[-2147483646,"),
+    (dict(segment_ids=pallas_fa.SegmentIds(
+        q=np.zeros((B, T), np.int64), kv=np.full((B, S), 2**31, np.int64))),
+     ValueError, "segment_ids.kv must lie in"),
+    (dict(key_value_seq_lengths=np.array([2**32 + 3, 4])), ValueError,
+     r"key_value_seq_lengths must lie in \[0,"),
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
     (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap"),
     (dict(implementation="flash9000"), ValueError, "implementation"),
@@ -117,6 +132,27 @@ BAD = [
 def test_bad_input(overrides, error, text):
   with pytest.raises(error, match=text):
     _call(**overrides)
+
+
+def test_extreme_int32_ids_and_positions_are_exact():
+  """The lowest real segment id (above padding's two) and positions near
+  int32's ends give the same attention as small ones (a shift of every
+  position changes nothing causal; ids only compare)."""
+  gen = np.random.default_rng(13)
+  q, k, v = (jnp.asarray(gen.standard_normal((B, T, n, H)), jnp.float32)
+             for n in (N, K, K))
+  half = (np.arange(T) >= T // 2)[None].repeat(B, 0)
+
+  def call(low, shift):
+    ids = np.where(half, 7, low).astype(np.int32)
+    pos = (np.arange(T)[None].repeat(B, 0) + shift).astype(np.int32)
+    return pallas_fa.flash_attention(
+        q, k, v, is_causal=True, implementation="chunked",
+        segment_ids=pallas_fa.SegmentIds(q=ids, kv=ids),
+        query_positions=pos, key_positions=pos)
+
+  np.testing.assert_array_equal(call(-2**31 + 2, 2**31 - T),
+                                call(0, 0))
 
 
 # A message names the argument as the caller spells it, never the local
@@ -413,3 +449,32 @@ def test_hessian_vector_products_on_chunked():
 
   np.testing.assert_allclose(hvp("chunked"), hvp("xla"), rtol=1e-4,
                              atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", [
+    name for name in conftest.IMPLEMENTATIONS if name not in ("xla",
+                                                              "chunked")])
+def test_second_derivatives_of_pallas_kernels_are_refused_by_name(
+    implementation):
+  """grad of grad and jvp of grad through a Pallas backend raise a
+  NotImplementedError that names it and the backends that have them (they
+  were internal Pallas errors: a safe_zip ValueError, a bare
+  NotImplementedError); first derivatives still match xla's."""
+  gen = np.random.default_rng(12)
+  q, k, v = (jnp.asarray(gen.standard_normal((1, 16, 2, 16)), jnp.float32)
+             for _ in range(3))
+  tangent = jnp.asarray(gen.standard_normal(q.shape), jnp.float32)
+
+  def loss(q, implementation=implementation):
+    return jnp.sum(jnp.sin(pallas_fa.flash_attention(
+        q, k, v, implementation=implementation)))
+
+  needle = f"implementation='{implementation}' has no second derivatives"
+  with pytest.raises(NotImplementedError, match=needle):
+    jax.jvp(jax.grad(loss), (q,), (tangent,))
+  with pytest.raises(NotImplementedError, match=needle):
+    jax.grad(lambda q: jnp.sum(jax.grad(loss)(q) ** 2))(q)
+  np.testing.assert_allclose(jax.grad(loss)(q),
+                             jax.grad(functools.partial(
+                                 loss, implementation="xla"))(q),
+                             rtol=1e-4, atol=1e-5)

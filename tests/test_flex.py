@@ -1154,6 +1154,54 @@ def test_table_score_mods(implementation, name):
   np.testing.assert_array_equal(got[2][3], again[2][3])
 
 
+def _bfloat16_ulps(x, ref):
+  """|x - ref| in bfloat16 steps, elementwise (both rounded to bfloat16)."""
+  def ordered(a):  # Bit patterns as integers in the order of the values.
+    bits = np.asarray(a).astype(jnp.bfloat16).view(np.int16).astype(np.int32)
+    return np.where(bits < 0, -(bits & 0x7FFF), bits)
+  return np.abs(ordered(x) - ordered(ref))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_bfloat16_table_gradient_is_summed_in_float32(implementation):
+  """A bfloat16 table's gradient sums one cotangent per logit that reads
+  an entry (hundreds for the clipped distances): summed in float32 and
+  rounded once, it is the float64 gradient rounded to bfloat16, give or
+  take a rounding (summed in bfloat16, it is tens of ulps off)."""
+  gen = rng("flex-bf16-table-grad", implementation)
+  b, t, n, kh, h = 2, 64, 4, 2, 16
+  q = _normal(gen, (b, t, n, h))
+  k, v = (_normal(gen, (b, t, kh, h)) for _ in range(2))
+  table = _normal(gen, (n, 41), jnp.bfloat16)
+  dout = _normal(gen, q.shape)
+
+  def f(table):
+    return pallas_fa.flash_attention(
+        q, k, v, score_mod=_relative_bias, score_mod_args=(table,),
+        implementation=implementation,
+        block_sizes=block_sizes_for(implementation))
+
+  _, pullback = jax.vjp(f, table)
+  (got,) = pullback(dout)
+  assert got.dtype == jnp.bfloat16
+  example = Example(
+      "relative_bias", _relative_bias, None, None,
+      dense_logits=lambda x, table: _relative_bias(
+          x, 0, jnp.arange(n)[None, :, None, None],
+          *(i[None, None] for i in _grid(t, t)), table))
+  with jax.enable_x64(True):
+    f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, table)]
+    dense = functools.partial(_dense, example=example, mask=True,
+                              scale=1 / np.sqrt(h))
+    _, pullback = jax.vjp(lambda *args: dense(*args)[0], *f64)
+    want = np.asarray(pullback(jnp.asarray(dout, jnp.float64))[3])
+  ulps = _bfloat16_ulps(got, want)
+  assert ulps.max() <= 1, (
+      f"d(table) is up to {ulps.max()} bfloat16 ulps from the float64 "
+      f"gradient rounded once ({np.sum(ulps > 1)} of {ulps.size} entries "
+      f"off by more than 1)")
+
+
 def test_argument_errors():
   gen = rng("flex-errors")
   q, k, v, ids = _document_problem(gen, t=16)

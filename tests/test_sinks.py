@@ -271,3 +271,47 @@ def test_bad_sinks_are_refused_by_name(sinks, error, needle):
   q = jnp.ones((1, 5, 4, 8))
   with pytest.raises(error, match=re.escape(needle)):
     pallas_fa.flash_attention(q, q[:, :, :2], q[:, :, :2], sinks=sinks)
+
+
+@pytest.mark.parametrize("implementation", _FAST)
+def test_forward_mode_through_sinks(implementation):
+  """Hessian-vector products (jvp of grad) in (q, sinks) on xla and
+  chunked, and the jvp of the attention itself on xla, equal the dense
+  sink column's, rows with no visible key included (their tangents 0, not
+  NaN): the sink adds no forward-mode limit of its own."""
+  case = Case(b=1, t=24, s=30, n=2, k=1, h=16, causal=True)
+  gen = rng("sinks", "forward-mode", implementation)
+  q, k, v, _ = make_inputs(case, jnp.float32, gen)
+  seg_q = jnp.where(jnp.arange(case.t) < 6, 5, 1)[None]  # 5: no keys
+  kw = {"segment_ids": pallas_fa.SegmentIds(
+            q=seg_q, kv=jnp.ones((1, case.s), jnp.int32)),
+        "is_causal": True}
+  sinks = testing.normal(gen, (case.n,)) + 1.0
+  tq, tk, tv = (testing.normal(gen, x.shape) for x in (q, k, v))
+  tsinks = testing.normal(gen, sinks.shape)
+  weights = testing.normal(gen, q.shape)
+
+  def loss(fn, q, sinks):
+    out, lse = fn(q, k, v, sinks=sinks, **kw)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(jnp.sin(out) * weights) + jnp.sum(jnp.sin(lse))
+
+  def hvp(fn):
+    grad = jax.grad(functools.partial(loss, fn), argnums=(0, 1))
+    return jax.jvp(grad, (q, sinks), (tq, tsinks))[1]
+
+  ours = _fn(implementation)
+  want = reference_fn(jnp.float32)
+  for name, a, b in zip(["hvp dq", "hvp dsinks"], hvp(ours), hvp(want)):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert_close(name, a, b)
+  if implementation == "xla":
+    def attend(fn):
+      return jax.jvp(lambda q, k, v, s: fn(q, k, v, sinks=s, **kw),
+                     (q, k, v, sinks), (tq, tk, tv, tsinks))[1]
+    (dout, dlse), (rout, rlse) = attend(ours), attend(want)
+    assert np.all(np.asarray(dout[:, :6]) == 0)
+    assert np.all(np.asarray(dlse[:, :6]) == 0)
+    assert_close("jvp out", dout, rout)
+    seen = np.isfinite(np.asarray(ours(q, k, v, sinks=sinks, **kw)[1]))
+    assert_close("jvp lse", np.asarray(dlse)[seen], np.asarray(rlse)[seen])

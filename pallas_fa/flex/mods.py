@@ -64,6 +64,24 @@ def as_args(name: str, args) -> tuple[Array, ...]:
   return tuple(out)
 
 
+def widen(args: tuple[Array, ...], dtype) -> tuple[Array, ...]:
+  """`args` with each floating-point array narrower than `dtype` cast to it.
+
+  For the backends that differentiate a score_mod by autodiff (`xla`, and
+  `chunked` tile by tile): the gradient of an array read per logit
+  (`table[head, kv_idx - q_idx]`, `slopes[head]`) is a scatter-add of one
+  cotangent per logit, which autodiff sums in the array's dtype -- for a
+  bfloat16 table tens of ulps off. Read from the widened copy, the sum runs
+  in `dtype` and the cast's transpose rounds it to the array's dtype once.
+  Widening is exact, so the values the score_mod reads are unchanged.
+  """
+  dtype = jnp.dtype(dtype)
+  return tuple(
+      x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+      and jnp.finfo(x.dtype).bits < jnp.finfo(dtype).bits else x
+      for x in args)
+
+
 def check_callable(name: str, fn, num_args: int) -> None:
   """Eager checks of a score_mod/mask_mod: callable, and its arity.
 
