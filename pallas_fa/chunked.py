@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from pallas_fa import dropout
 from pallas_fa import layout
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize
@@ -321,6 +322,9 @@ class _Layout(layout.Padded):
   def tile_loop(self, branch_row, lo, hi, step, carry):
     """Runs step(j, carry, visit) over the non-empty tiles of a row of
     `self.branch`, with the `Visit` each tile needs."""
+    # Accumulators start as fresh zeros; inside a shard_map they must vary
+    # as the tiles added to them do.
+    carry = manual_axes.vary_like(carry, self.q)
     if len(self.branches) == 1:
       visit = self.branches[0]
       return jax.lax.fori_loop(lo, hi, lambda j, c: step(j, c, visit),
@@ -611,7 +615,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
   dq0 = jnp.zeros(lay.q.shape, lay.acc)
   (dq, dbias, dargs), (dk, dv) = jax.lax.scan(
-      kv_tile, (dq0, dbias, dargs), jnp.arange(lay.nk, dtype=jnp.int32))
+      kv_tile, manual_axes.vary_like((dq0, dbias, dargs), lay.q),
+      jnp.arange(lay.nk, dtype=jnp.int32))
   # [nk, B|1, K, bk, H] -> [B|1, K, Sp, H]
   dk = jnp.moveaxis(dk, 0, 2).reshape(
       lay.k.shape[0], lay.num_kv, lay.sp, lay.h)

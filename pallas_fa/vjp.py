@@ -96,6 +96,7 @@ import jax
 import jax.numpy as jnp
 from jax import custom_derivatives
 
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize
@@ -243,6 +244,11 @@ def attention(
       like them: they receive the gradients of the dequantized inputs, cast
       to their dtypes (the straight-through estimator); or None.
   """
+  # Inside a user's shard_map that checks varying axes: one type for
+  # every array of the call (`manual_axes`).
+  q, k, v, bias, info, sinks, scales, straight_through = (
+      manual_axes.vary_together(q, k, v, bias, info, sinks, scales,
+                                straight_through))
   if scales is not None:
     dtypes = None
     if straight_through is not None:
@@ -370,10 +376,12 @@ def _fp8_attention_fwd(backend, params, dtypes, *args):
 
 def _fp8_attention_bwd(backend, params, dtypes, residuals, cotangents):
   q8, k8, v8, scales, bias, info, sinks, out, lse = residuals
+  # A symbolic zero made concrete, typed as the output it stands for
+  # (inside a shard_map, varying as it does).
   dout, dlse = (
-      jnp.zeros(ct.aval.shape, ct.aval.dtype)
+      manual_axes.vary_like(jnp.zeros(ct.aval.shape, ct.aval.dtype), primal)
       if isinstance(ct, custom_derivatives.SymbolicZero) else ct
-      for ct in cotangents)
+      for ct, primal in zip(cotangents, (out, lse)))
   quantized = (q8, k8, v8)
   wide = [quantize.dequantize(x, s) for x, s in zip(quantized, scales)]
   *grads, dbias, info_ct, dsinks = _backward(

@@ -6,6 +6,8 @@ The device count of the CPU platform is fixed when jax is first imported, so
   python tests/_parallel_worker.py sharded|ring|hlo [implementation ...]
       8 simulated CPU devices; prints one line per check, exits non-zero on
       the first mismatch.
+  python tests/_parallel_worker.py user_shard_map
+      the public calls inside a user's own shard_map (4 of the devices).
   python tests/_parallel_worker.py orders IMPLEMENTATION ORDER [ORDER ...]
       the same, over meshes "A", "B", "C" called in each ORDER ("ABA").
   python tests/_parallel_worker.py process PROCESS_ID PORT
@@ -692,6 +694,119 @@ def process(process_id):
   jax.distributed.shutdown()
 
 
+def user_shard_map():
+  """The public calls inside a user's own `jax.shard_map` that checks
+  varying axes (check_vma=True, its default), beside arguments it
+  replicates (P(): a bias, sinks, a float8 call's scales), equal the
+  single-device calls, gradients of the replicated arguments (summed over
+  the devices) included; interpreted kernels decline by name."""
+  from jax.sharding import Mesh  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+  b, t, n, kh, h = 4, 24, 4, 2, 16
+  q, k, v = _inputs(11, b, t, t, n, kh, h)
+  bias = 0.5 * jax.random.normal(jax.random.PRNGKey(12), (1, n, t, t))
+  sinks = _sinks(13, n)
+  segments = _segments(14, b, t)
+  lengths = jnp.array([24, 17, 9, 24])
+
+  def in_user_map(fn, sharded, replicated):
+    """fn(*sharded, *replicated) inside the user's map, batch-sharded."""
+    def call(*args):
+      return jax.shard_map(
+          fn, mesh=mesh, out_specs=P("d"),
+          in_specs=(P("d"),) * len(sharded) + (P(),) * len(replicated),
+      )(*args)
+    return call
+
+  for impl in ("chunked", "xla"):
+    def attend(q, k, v, seg, lengths, bias, sinks, impl=impl):
+      return pallas_fa.flash_attention(
+          q, k, v, bias, is_causal=True, sinks=sinks,
+          segment_ids=pallas_fa.SegmentIds(q=seg, kv=seg),
+          key_value_seq_lengths=lengths, implementation=impl)
+
+    def loss(fn, q, k, v, bias, sinks):
+      out = fn(q, k, v, segments, lengths, bias, sinks)
+      return jnp.sum(out * jnp.cos(out))
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
+    user = in_user_map(attend, "qkvsl", "bs")
+    got = jax.jit(functools.partial(grad, user))(q, k, v, bias, sinks)
+    want = grad(attend, q, k, v, bias, sinks)
+    names = ["loss", "dq", "dk", "dv", "dbias", "dsinks"]
+    _compare(f"{impl} user shard_map",
+             dict(zip(names, [got[0], *got[1]])),
+             dict(zip(names, [want[0], *want[1]])))
+
+    def quantized(q, k, v, impl=impl):
+      return pallas_fa.flash_attention(
+          q, k, v, quantize="head", out_dtype=jnp.float32,
+          implementation=impl)
+
+    grad = jax.grad(lambda fn, q, k, v: jnp.sum(jnp.sin(fn(q, k, v))),
+                    argnums=(1, 2, 3))
+    got = grad(in_user_map(quantized, "qkv", ""), q, k, v)
+    want = grad(quantized, q, k, v)
+    _compare(f"{impl} user shard_map float8",
+             dict(zip(["dq", "dk", "dv"], got)),
+             dict(zip(["dq", "dk", "dv"], want)))
+
+  # Ring attention over the user's own axis (sequence-sharded).
+  def ring_loss(q, k, v, sinks):
+    out = pallas_fa.ring_attention(q, k, v, axis_name="d", is_causal=True,
+                                   sinks=sinks, implementation="chunked")
+    return jax.lax.psum(jnp.sum(out * jnp.cos(out)), "d")
+
+  seq = P(None, "d")
+  ring = jax.shard_map(ring_loss, mesh=mesh, in_specs=(seq,) * 3 + (P(),),
+                       out_specs=P())
+  got = jax.value_and_grad(ring, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+
+  def single(q, k, v, sinks):
+    out = pallas_fa.flash_attention(q, k, v, is_causal=True, sinks=sinks,
+                                    implementation="chunked")
+    return jnp.sum(out * jnp.cos(out))
+
+  want = jax.value_and_grad(single, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+  names = ["loss", "dq", "dk", "dv", "dsinks"]
+  _compare("ring in a user shard_map", dict(zip(names, [got[0], *got[1]])),
+           dict(zip(names, [want[0], *want[1]])))
+
+  # Decode from an int8 cache, its rows sharded, sinks replicated.
+  cache_k, k_scale = pallas_fa.kv_cache.quantize(k, jnp.int8)
+  cache_v, v_scale = pallas_fa.kv_cache.quantize(v, jnp.int8)
+  new = q[:, :2]
+
+  def decode(q, ck, cv, ks, vs, lengths, sinks):
+    return pallas_fa.decode_attention(
+        q, ck, cv, lengths, key_scale=ks, value_scale=vs, sinks=sinks)
+
+  got = in_user_map(decode, "qkvabl", "s")(
+      new, cache_k, cache_v, k_scale, v_scale, lengths, sinks)
+  want = decode(new, cache_k, cache_v, k_scale, v_scale, lengths, sinks)
+  _compare("decode in a user shard_map", {"out": got}, {"out": want})
+
+  # Interpreted kernels cannot run there: a NotImplementedError that says
+  # what to do, not an error from JAX's interpreter.
+  calls = {
+      "flash_attention": lambda q, k, v: pallas_fa.flash_attention(
+          q, k, v, implementation="triton"),
+      "decode_attention": lambda q, k, v: pallas_fa.decode_attention(
+          q[:, :1], k, v, jnp.full((1,), t), implementation="triton"),
+  }
+  for name, fn in calls.items():
+    try:
+      in_user_map(fn, "qkv", "")(q, k, v)
+    except NotImplementedError as e:
+      assert "check_vma=False" in str(e), str(e)
+    else:
+      raise AssertionError(f"interpreted triton ran {name} in a user map")
+    print(f"ok interpreted triton declines {name} in a user shard_map",
+          flush=True)
+
+
 if __name__ == "__main__":
   jax.config.update("jax_default_matmul_precision", "highest")
   if _MODE == "process":
@@ -701,4 +816,5 @@ if __name__ == "__main__":
   elif _MODE == "orders":
     orders(*sys.argv[2:])
   else:
-    {"sharded": sharded, "ring": ring, "hlo": hlo}[_MODE]()
+    {"sharded": sharded, "ring": ring, "hlo": hlo,
+     "user_shard_map": user_shard_map}[_MODE]()

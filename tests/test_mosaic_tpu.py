@@ -852,3 +852,27 @@ def test_multi_tile_slow(dtype, case):
       block_q=128, block_kv=256, block_q_bwd=256, block_kv_bwd=128)
   check_against_reference(flash("mosaic_tpu", bs), case, DTYPES[dtype],
                           rng("multi-tile-slow", str(case), dtype))
+
+
+def test_lowers_inside_a_user_shard_map_that_checks_varying_axes(
+    monkeypatch):
+  """Compiled, the kernels run inside `jax.shard_map(check_vma=True)`:
+  their outputs are declared varying (`manual_axes.out_structs`), and
+  forward, dK/dV and dQ lower to Mosaic TPU custom calls. (Interpreted,
+  they decline: `tests/_parallel_worker.py user_shard_map`.)"""
+  monkeypatch.setattr(kernel, "interpret_params", lambda: False)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+  spec = jax.sharding.PartitionSpec
+
+  def loss(q, k, v):
+    out = pallas_fa.flash_attention(q, k, v, is_causal=True,
+                                    implementation="mosaic_tpu")
+    return jax.lax.psum(jnp.sum(out.astype(jnp.float32)), "d")
+
+  grad = jax.grad(jax.shard_map(loss, mesh=mesh, in_specs=spec("d"),
+                                out_specs=spec()), argnums=(0, 1, 2))
+  q = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+  module = jax.export.export(jax.jit(grad), platforms=["tpu"])(
+      q, q, q).mlir_module()
+  assert module.count("tpu_custom_call") == 3
+  assert "callback" not in module

@@ -71,6 +71,42 @@ def test_ring_attention_matches_single_device(implementation):
   _run_worker("ring", implementation)
 
 
+def test_calls_inside_a_user_shard_map_that_checks_varying_axes():
+  """flash_attention (chunked, xla; float8 too), ring_attention and
+  decode_attention inside the user's own `jax.shard_map(check_vma=True)`
+  equal the single-device calls, the gradients of replicated arguments
+  included; interpreted triton declines by name (`manual_axes`)."""
+  out = _run_worker("user_shard_map")
+  assert out.count("ok ") == 8, out
+
+
+def test_mosaic_gpu_kernels_decline_inside_a_user_shard_map():
+  """Mosaic GPU traces its kernels' bodies with the map's types, compiled
+  too: inside a shard_map that checks varying axes it declines by name
+  (automatic choice moves on to triton), and outside it passes."""
+  from pallas_fa import manual_axes  # noqa: PLC0415
+
+  x = jnp.ones((1, 8, 2, 16))
+  manual_axes.check_kernels("mosaic_gpu", x, interpreted=False)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+
+  def check(x, implementation, interpreted):
+    manual_axes.check_kernels(implementation, x, interpreted=interpreted)
+    return x
+
+  for implementation, interpreted in (("mosaic_gpu", False),
+                                      ("triton", True)):
+    with pytest.raises(NotImplementedError, match="check_vma=False"):
+      jax.shard_map(
+          lambda x, i=implementation, t=interpreted: check(x, i, t),
+          mesh=mesh, in_specs=jax.sharding.PartitionSpec("d"),
+          out_specs=jax.sharding.PartitionSpec("d"))(x)
+  # Compiled triton and Mosaic TPU kernels run there.
+  jax.shard_map(lambda x: check(x, "triton", False), mesh=mesh,
+                in_specs=jax.sharding.PartitionSpec("d"),
+                out_specs=jax.sharding.PartitionSpec("d"))(x)
+
+
 # Meshes "A" (a ring of 8), "B" (2 batch shards x a ring of 4) and "C"
 # (batch x heads x a ring of 2, zig-zag) of `_parallel_worker._MESHES`, called
 # one after another in one process, each order from empty JAX caches. The

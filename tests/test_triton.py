@@ -8,6 +8,7 @@ The kernels run in Pallas interpret mode on CPU.
 """
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -415,6 +416,45 @@ def test_logit_tiles_take_one_mufu_per_exponential(monkeypatch):
   pallas_fa.flash_attention(x, x, x, implementation="triton")
   assert len(asm) == built, asm
 
+
+
+def test_kernels_lower_inside_a_user_shard_map_that_checks_varying_axes():
+  """Compiled, the kernels run inside `jax.shard_map(check_vma=True)`:
+  their outputs are declared varying (`manual_axes.out_structs`), and the
+  training kernels and decode's lower for CUDA there. (Interpreted, they
+  decline: `tests/_parallel_worker.py user_shard_map`.)"""
+  with gpu_target.compile_for(gpu_target.H100):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      pytest.skip("this jax sets no abstract mesh for a GPU target")
+    axis = mesh.axis_names[0]
+    split = jax.sharding.PartitionSpec(axis)
+
+    def spec(shape, dtype=jnp.bfloat16):
+      return jax.ShapeDtypeStruct(
+          shape, dtype, sharding=jax.sharding.NamedSharding(mesh, split))
+
+    def loss(q, k, v):
+      out = pallas_fa.flash_attention(q, k, v, is_causal=True,
+                                      implementation="triton")
+      return jax.lax.psum(jnp.sum(out.astype(jnp.float32)), axis)
+
+    def decode(q, k, v):
+      return pallas_fa.decode_attention(
+          q, k, v, jnp.full((1,), 60, jnp.int32), implementation="triton")
+
+    user_map = functools.partial(jax.shard_map, mesh=mesh, in_specs=split)
+    kv = spec((1, 77, 2, 64))
+    grad = jax.grad(user_map(loss, out_specs=jax.sharding.PartitionSpec()),
+                    argnums=(0, 1, 2))
+    text = jax.jit(grad).trace(spec((1, 100, 4, 64)), kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for name in ("flash_fwd", "flash_bwd_dkv", "flash_bwd_dq"):
+      assert name in text, name
+    text = jax.jit(user_map(decode, out_specs=split)).trace(
+        spec((1, 1, 4, 64)), kv, kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
 
 
 @pytest.mark.parametrize("dtype, h, features", [

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa import api
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa.decode import plan
@@ -187,6 +188,8 @@ def attention(query, key, value, lengths, block_table, query_positions, sinks,
 
   carry = online_softmax.init(
       (b, splits, num_kv, rows), (b, splits, num_kv, rows, hv), acc_dtype)
+  # Inside a user's shard_map, varying as the cache's tiles do.
+  carry = manual_axes.vary_like(carry, (query, key))
   # Only the blocks below the longest sequence are visited, and the steps
   # that every new token of every sequence sees whole (typically all but
   # the last under causal masking) skip the masking arithmetic.

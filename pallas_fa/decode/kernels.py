@@ -25,6 +25,11 @@ def _decode_kernel(implementation):
   return importlib.import_module(f"pallas_fa.{implementation}.decode")
 
 
+def interpreted(implementation) -> bool:
+  """Whether a kernel backend's decode kernels run interpreted here."""
+  return _decode_kernel(implementation).interpreted()
+
+
 def folds_rows(implementation, rows: int) -> bool:
   """Whether `rows` packed query rows (a shared prefix's B * T_new * G
   folded queries of a K/V head) decode as one row's tile: always on

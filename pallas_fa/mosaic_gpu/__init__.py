@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from pallas_fa import gpu_target
 from pallas_fa import layout
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize
@@ -191,6 +192,9 @@ def _needs_masking(q, k, info, bs: MosaicGpuBlockSizes) -> bool:
 
 def _check(q, k, v, bias, info, params):
   """Raises NotImplementedError for calls these kernels cannot honour."""
+  manual_axes.check_kernels(
+      "mosaic_gpu", q, k, v, bias, info,
+      interpreted=runs_interpreted(params.block_sizes))
   mask = info.mask  # Every other part of the mask description is supported.
   _mods(info)  # Declines what it cannot fuse.
   if quantize.is_fp8(q.dtype):

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa import layout
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize
@@ -481,7 +482,9 @@ def _check(q, k, v, bias, info, params):
   program's part) share the scalar memory with the metadata, and one that
   would not fit beside it is declined too.
   """
-  del bias
+  manual_axes.check_kernels(
+      "mosaic_tpu", q, k, v, bias, info,
+      interpreted=kernel.interpret_params() is not False)
   fused = flex_mods(info)
   capacity = kernel.metadata_capacity()
   if capacity is None:

@@ -79,6 +79,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_fa import kv_cache
 from pallas_fa import layout
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import mosaic_tpu
 from pallas_fa import online_softmax
@@ -108,6 +109,11 @@ _VMEM_BUDGET = 12 << 20
 # word, so Mosaic tiles these arrays (32, 128); their blocks and the rows
 # their DMAs start at are multiples of 32.
 _NARROW_SUBLANES = 4 * _SUBLANES
+
+
+def interpreted() -> bool:
+  """Whether the kernels run in the interpreter here (`decode.kernels`)."""
+  return kernel.interpret_params() is not False
 
 
 def packed_rows(rows: int, dtype) -> int:
@@ -654,7 +660,8 @@ def partials(
       **fused,
     ),
     grid_spec=grid_spec,
-    out_shape=out_shapes,
+    out_shape=manual_axes.out_structs(
+        out_shapes, (q, positions, key, value, *scales, *flex_operands)),
     compiler_params=params,
     interpret=interpret,
     name="flash_decode",

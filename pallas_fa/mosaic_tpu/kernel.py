@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_fa import dropout
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa.flex import fused_mods
@@ -655,7 +656,7 @@ def launch(kernel, st, grid, coords, names, operands, out_specs, out_shapes,
   return pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
-      out_shape=out_shapes,
+      out_shape=manual_axes.out_structs(out_shapes, operands),
       compiler_params=compiler_params(st.parallel, num_parallel, len(grid)),
       interpret=st.interpret,
       **kwargs,

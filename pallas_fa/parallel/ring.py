@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fa import api
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import vjp
@@ -153,8 +154,13 @@ def step_is_empty(info: masking.MaskInfo):
   return jnp.all(kinds == masking.EMPTY)
 
 
-def _cond(empty, skip, run):
-  return run() if empty is None else jax.lax.cond(empty, skip, run)
+def _cond(empty, skip, run, like):
+  """run(), or skip() where the step is empty; inside a user's shard_map
+  both typed to vary as `like` does (`manual_axes`)."""
+  if empty is None:
+    return run()
+  return jax.lax.cond(empty, lambda: manual_axes.vary_like(skip(), like),
+                      lambda: manual_axes.vary_like(run(), like))
 
 
 def _step_forward(backend, params, q, k, v, bias, info, scales=None):
@@ -172,7 +178,7 @@ def _step_forward(backend, params, q, k, v, bias, info, scales=None):
     return (jnp.zeros((b, t, n, h), _F32),
             jnp.full((b, t, n), online_softmax.MASK_VALUE, _F32))
 
-  return _cond(step_is_empty(info), skip, run)
+  return _cond(step_is_empty(info), skip, run, q)
 
 
 def _step_backward(backend, params, q, k, v, bias, info, lse, dout, delta):
@@ -211,7 +217,7 @@ def _step_backward(backend, params, q, k, v, bias, info, lse, dout, delta):
         for x in score_args)
     return zeros(q), zeros(k), zeros(v), zeros(bias), dargs
 
-  return _cond(step_is_empty(info), skip, run)
+  return _cond(step_is_empty(info), skip, run, q)
 
 
 def _add_columns(acc, d, src, s_local):
@@ -262,7 +268,8 @@ def _ring_forward(step_backend, axis_name, zigzag, q, k, v, bias, info,
       jnp.full((b, t, n), online_softmax.MASK_VALUE, _F32),
       (k, v, info.kv_positions, info.kv_segment_ids, k_scale, v_scale),
   )
-  (out, lse, _), _ = jax.lax.scan(body, carry, jnp.arange(size))
+  (out, lse, _), _ = jax.lax.scan(
+      body, manual_axes.vary_like(carry, q), jnp.arange(size))
   return out.astype(params.out_dtype or q.dtype), lse
 
 
@@ -308,7 +315,7 @@ def _ring_backward(step_backend, axis_name, zigzag, q, k, v, bias, info,
       (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32)),
   )
   (dq, dbias, dargs, _, (dk, dv)), _ = jax.lax.scan(
-      body, carry, jnp.arange(size))
+      body, manual_axes.vary_like(carry, q), jnp.arange(size))
   if dbias is not None:
     dbias = dbias.astype(bias.dtype)
   grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias)

@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 
 from pallas_fa import gpu_target
 from pallas_fa import layout
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize
@@ -357,7 +358,9 @@ def pallas_call(kernel_fn, inputs, outputs, grid, warps, stages, name,
       grid=grid,
       in_specs=[inputs[key][1] for key in in_names],
       out_specs=[outputs[key][1] for key in out_names],
-      out_shape=[outputs[key][0] for key in out_names],
+      out_shape=manual_axes.out_structs(
+          [outputs[key][0] for key in out_names],
+          [inputs[key][0] for key in in_names]),
       compiler_params=_CompilerParams(num_warps=warps, num_stages=stages),
       interpret=_interpret(),
       name=name,
@@ -830,7 +833,9 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
 
 def _check(q, k, v, bias, info, params):
   """Declines calls the Triton lowering cannot run here."""
-  del bias, params
+  del params
+  manual_axes.check_kernels("triton", q, k, v, bias, info,
+                            interpreted=_interpret())
   platform = jax.default_backend()
   if platform not in ("cpu", "gpu", "cuda", "rocm"):
     raise NotImplementedError(

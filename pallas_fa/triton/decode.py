@@ -188,6 +188,11 @@ MAX_FOLDED_ROWS = 128
 LATENT_CACHES = True
 
 
+def interpreted() -> bool:
+  """Whether the kernels run in the interpreter here (`decode.kernels`)."""
+  return not gpu_target.builds_ptx()
+
+
 def packed_rows(rows: int) -> int:
   """Rows of a program's query tile: the G * T_new packed query rows,
   padded to a power of two >= 16."""
