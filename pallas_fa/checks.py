@@ -51,6 +51,11 @@ def check_lengths(name, x, batch_shape):
   x = jnp.asarray(x)
   if x.ndim == 0 and math.prod(batch_shape) == 1:
     x = x.reshape(batch_shape)
+  if jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits > 32:
+    # A traced 64-bit length (x64) past int32 means "every position": it
+    # must not wrap into a short one when cast.
+    bounds = np.iinfo(np.int32)
+    x = jnp.clip(x, int(bounds.min), int(bounds.max))
   return _check_int_array(name, x, batch_shape).reshape(-1)
 
 
@@ -276,7 +281,9 @@ def check_scale(name, scale, x, x_name, *, forms,
         f"{name} applies to {kind} {x_name}, got {x_name}.dtype={x.dtype}.")
   scale = jnp.asarray(scale)
   if not jnp.issubdtype(scale.dtype, jnp.floating):
-    raise TypeError(f"{name} must be float32, got {name}.dtype={scale.dtype}.")
+    raise TypeError(
+        f"{name} must be floating (it is used in float32), got "
+        f"{name}.dtype={scale.dtype}.")
   target = x.shape[:-1]
   padded = (1,) * (len(target) - scale.ndim) + scale.shape
   if scale.ndim > len(target) or any(

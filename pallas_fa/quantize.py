@@ -122,8 +122,11 @@ def quantize_fp8(x: Array, granularity: str = "head",
     (x8, scale), `dequantize(x8, scale)` approximating x: pass them as
     `flash_attention(x8, ..., query_scale=scale)` (or key_scale /
     value_scale). Finer granularities lose less to outliers elsewhere in
-    the array; e4m3 keeps 3 mantissa bits, a relative error of at most
-    2**-4 per value.
+    the array. Each slice's largest magnitude maps to the format's
+    largest value, so e4m3 (3 mantissa bits) keeps a relative error of at
+    most 2**-4 for values down to about 2**-15 of their slice's largest
+    (its normal range); smaller ones land on its subnormals or zero, an
+    absolute error of at most about 2**-19 of that largest.
 
   Raises:
     ValueError: x has fewer than 3 dims or `granularity` is unknown.

@@ -208,6 +208,19 @@ def test_triton_widened_float8_is_the_kernels_conversion(granularity):
   _assert_within_p_rounding(outs[1][0], ref, _dequantized64(values, scales)[2])
 
 
+def _check_triton_causal(values, scales, widen):
+  """triton's causal float8 call against the float64 oracle: lse to the
+  float32 tolerance, the output within P's rounding."""
+  out, lse = pallas_fa.flash_attention(
+      *values, **_scales(scales), is_causal=True, out_dtype=jnp.float32,
+      implementation="triton", return_residual=True,
+      block_sizes=dataclasses.replace(conftest.block_sizes_for("triton"),
+                                      widen_float8=widen))
+  ref, ref_lse = _oracle(*_dequantized64(values, scales), causal=True)
+  testing.assert_close("lse", lse, ref_lse)
+  _assert_within_p_rounding(out, ref, _dequantized64(values, scales)[2])
+
+
 @gpu_jax_only_on_cpu
 @pytest.mark.parametrize("granularity", ["token", "head"])
 @pytest.mark.parametrize("widen", [False, True])
@@ -231,14 +244,28 @@ def test_triton_float8_signed_query_scales(granularity, widen):
   else:
     sign[..., 0], sign[..., 2] = -1.0, 0.0
   scales = (qs * sign, ks, vs)
-  out, lse = pallas_fa.flash_attention(
-      *values, **_scales(scales), is_causal=True, out_dtype=jnp.float32,
-      implementation="triton", return_residual=True,
-      block_sizes=dataclasses.replace(conftest.block_sizes_for("triton"),
-                                      widen_float8=widen))
-  ref, ref_lse = _oracle(*_dequantized64(values, scales), causal=True)
-  testing.assert_close("lse", lse, ref_lse)
-  _assert_within_p_rounding(out, ref, _dequantized64(values, scales)[2])
+  _check_triton_causal(values, scales, widen)
+
+
+@gpu_jax_only_on_cpu
+@pytest.mark.parametrize("widen", [False, True])
+def test_triton_float8_signed_value_scales(widen):
+  # Per-key value scales of either sign: the kernel divides them by their
+  # largest magnitude per (batch row, K/V head), so each ratio is within
+  # [-1, 1] and P times it stays in float16. A negative scale twice the
+  # largest positive one (divided by that positive one, it overflowed P:
+  # every output was inf) and a zero one.
+  gen = testing.rng("fp8 triton signed value scales", widen)
+  pairs = [quantize.quantize_fp8(x, "token", E4M3) for x in _inputs(gen)]
+  values = tuple(p[0] for p in pairs)
+  qs, ks, vs = (p[1] for p in pairs)
+  sign = np.ones(vs.shape, np.float32)
+  sign[:, 5, 0] = -3.0
+  sign[:, 11, 1] = 0.0
+  sign[1, :, 1] = -1.0
+  sign[0, 9, :] = -2.5
+  scales = (qs, ks * np.where(sign < 0, -1.0, 1.0), vs * sign)
+  _check_triton_causal(values, scales, widen)
 
 
 def test_triton_widens_float8_where_products_read_shared_memory():
@@ -713,7 +740,7 @@ def _bad_call(change):
     (dict(query_scale=np.ones((2, 40, 4, 1), np.float32)), ValueError,
      "query_scale"),
     (dict(value_scale=np.ones((2,), np.int32)), TypeError,
-     "value_scale must be float32"),
+     "value_scale must be floating"),
     (dict(out_dtype=jnp.int8), TypeError, "out_dtype"),
     (dict(out_dtype="no such dtype"), TypeError, "out_dtype"),
     (dict(quantize="head", query_scale=None, key_scale=None,

@@ -179,3 +179,15 @@ def test_x64_is_restored():
     assert jax.config.jax_enable_x64
     assert jnp.asarray(1).dtype == np.int64
   assert jax.config.jax_enable_x64 == before
+
+
+def test_traced_64_bit_lengths_past_int32_mean_every_key(x64):
+  """A traced int64 length past int32 (which an eager call rejects by
+  name) is clamped, not wrapped: 2**32 + 3 keys of 8 are all 8, not 3."""
+  gen = np.random.default_rng(17)
+  q, k, v = (jnp.asarray(gen.standard_normal((1, 8, 2, 16)), jnp.float32)
+             for _ in range(3))
+  call = jax.jit(lambda lengths: pallas_fa.flash_attention(
+      q, k, v, key_value_seq_lengths=lengths, implementation="chunked"))
+  np.testing.assert_array_equal(call(jnp.array([2**32 + 3], jnp.int64)),
+                                call(jnp.array([8], jnp.int64)))

@@ -502,9 +502,9 @@ def _fp8_inputs(x, scales, params):
   logit scale and log2(e) when nothing acts between them and the
   softmax (then positive, its sign folded into `x.q`:
   `kernel.Fp8.exponent_scale`); `k_scale` [B, K, Sp] the key's per key;
-  `v_scale` [B, K, Sp] the value's per key over their largest (per batch
-  row and K/V head), that largest or the value's one scale then
-  `o_scale` [B, N, 1].
+  `v_scale` [B, K, Sp] the value's per key over their largest magnitude
+  (per batch row and K/V head), that magnitude or the value's one scale
+  then `o_scale` [B, N, 1].
   """
   q_scale, k_scale, v_scale = scales
   feat = x.feat
@@ -527,7 +527,9 @@ def _fp8_inputs(x, scales, params):
     inputs["k_scale"] = x.scale_rows(k_scale, queries=False)
   if v_cols:
     v_scale = x.scale_rows(v_scale, queries=False)
-    largest = v_scale.max(axis=2, keepdims=True)  # [B, K, 1]
+    # The largest magnitude: each ratio then lies in [-1, 1], so P times
+    # it stays within float16 whatever the scales' signs.
+    largest = jnp.abs(v_scale).max(axis=2, keepdims=True)  # [B, K, 1]
     largest = jnp.where(largest > 0, largest, 1.0)
     inputs["v_scale"] = v_scale / largest
     inputs["o_scale"] = _per_query_head(largest.transpose(0, 2, 1), x)
