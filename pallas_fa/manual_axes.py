@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 from typing import Any
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +102,8 @@ def out_structs(structs, like):
   return jax.tree.map(typed, structs)
 
 
-def check_kernels(implementation: str, *trees, interpreted: bool) -> None:
+def check_kernels(implementation: str, *trees,
+                  interpreted: Callable[[], bool]) -> None:
   """Declines Pallas kernels that cannot run inside such a shard_map.
 
   A `pl.pallas_call` compiled for a GPU (Triton) or a TPU traces its body
@@ -114,17 +116,21 @@ def check_kernels(implementation: str, *trees, interpreted: bool) -> None:
   Args:
     implementation: the backend's name.
     *trees: the call's arrays.
-    interpreted: whether the kernels run interpreted here.
+    interpreted: () -> whether the kernels run interpreted here, asked
+      only inside such a map.
 
   Raises:
     NotImplementedError: the kernels are interpreted or Mosaic GPU's, and
       the inputs vary along mesh axes; automatic choice then moves on.
   """
   names = axes(*trees)
-  if not names or not (interpreted or implementation == "mosaic_gpu"):
+  if not names:
     return
-  how = "runs interpreted here, and its interpreted kernels" if (
-      interpreted) else "has kernels that"
+  how = "has kernels that"
+  if interpreted():
+    how = "runs interpreted here, and its interpreted kernels"
+  elif implementation != "mosaic_gpu":
+    return
   raise NotImplementedError(
       f"implementation={implementation!r} {how} cannot run inside a "
       "jax.shard_map that checks varying axes (check_vma=True, the "

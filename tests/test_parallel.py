@@ -87,11 +87,12 @@ def test_mosaic_gpu_kernels_decline_inside_a_user_shard_map():
   from pallas_fa import manual_axes  # noqa: PLC0415
 
   x = jnp.ones((1, 8, 2, 16))
-  manual_axes.check_kernels("mosaic_gpu", x, interpreted=False)
+  manual_axes.check_kernels("mosaic_gpu", x, interpreted=lambda: False)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
 
   def check(x, implementation, interpreted):
-    manual_axes.check_kernels(implementation, x, interpreted=interpreted)
+    manual_axes.check_kernels(implementation, x,
+                              interpreted=lambda: interpreted)
     return x
 
   for implementation, interpreted in (("mosaic_gpu", False),

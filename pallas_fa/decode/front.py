@@ -304,7 +304,7 @@ def decode_attention(
   if implementation in ("triton", "mosaic_tpu"):
     manual_axes.check_kernels(
         implementation, query, key, value, lengths, block_table, prefix_key,
-        interpreted=kernels.interpreted(implementation))
+        interpreted=lambda: kernels.interpreted(implementation))
   # Inside a user's shard_map that checks varying axes: one type for every
   # array of the call (`manual_axes`).
   (query, key, value, key_scale, value_scale, lengths, block_table,

@@ -194,7 +194,7 @@ def _check(q, k, v, bias, info, params):
   """Raises NotImplementedError for calls these kernels cannot honour."""
   manual_axes.check_kernels(
       "mosaic_gpu", q, k, v, bias, info,
-      interpreted=runs_interpreted(params.block_sizes))
+      interpreted=lambda: runs_interpreted(params.block_sizes))
   mask = info.mask  # Every other part of the mask description is supported.
   _mods(info)  # Declines what it cannot fuse.
   if quantize.is_fp8(q.dtype):

@@ -484,7 +484,7 @@ def _check(q, k, v, bias, info, params):
   """
   manual_axes.check_kernels(
       "mosaic_tpu", q, k, v, bias, info,
-      interpreted=kernel.interpret_params() is not False)
+      interpreted=lambda: kernel.interpret_params() is not False)
   fused = flex_mods(info)
   capacity = kernel.metadata_capacity()
   if capacity is None:

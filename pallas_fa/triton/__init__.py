@@ -837,7 +837,7 @@ def _check(q, k, v, bias, info, params):
   """Declines calls the Triton lowering cannot run here."""
   del params
   manual_axes.check_kernels("triton", q, k, v, bias, info,
-                            interpreted=_interpret())
+                            interpreted=_interpret)
   platform = jax.default_backend()
   if platform not in ("cpu", "gpu", "cuda", "rocm"):
     raise NotImplementedError(
