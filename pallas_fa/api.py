@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from pallas_fa import dropout
 from pallas_fa import gpu_target
+from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize as quantize_lib
@@ -333,6 +334,11 @@ def canonicalize(
       deterministic_backward=check_deterministic_backward(
           deterministic_backward), out_dtype=out_dtype)
   sinks = check_sinks(sinks, n, online_softmax.stats_dtype(query.dtype))
+  # Inside a user's shard_map that checks varying axes: one type for every
+  # array of the call (`manual_axes`), before a backend checks it.
+  query, key, value, bias, info, sinks, scales, straight_through = (
+      manual_axes.vary_together(query, key, value, bias, info, sinks, scales,
+                                straight_through))
   return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
               batch_shape=batch_shape, sinks=sinks, scales=scales,
               straight_through=straight_through)

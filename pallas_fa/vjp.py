@@ -244,11 +244,6 @@ def attention(
       like them: they receive the gradients of the dequantized inputs, cast
       to their dtypes (the straight-through estimator); or None.
   """
-  # Inside a user's shard_map that checks varying axes: one type for
-  # every array of the call (`manual_axes`).
-  q, k, v, bias, info, sinks, scales, straight_through = (
-      manual_axes.vary_together(q, k, v, bias, info, sinks, scales,
-                                straight_through))
   if scales is not None:
     dtypes = None
     if straight_through is not None:

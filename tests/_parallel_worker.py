@@ -790,15 +790,19 @@ def user_shard_map():
 
   # Interpreted kernels cannot run there: a NotImplementedError that says
   # what to do, not an error from JAX's interpreter.
+  # With q, k and v replicated, sinks alone may vary.
   calls = {
-      "flash_attention": lambda q, k, v: pallas_fa.flash_attention(
-          q, k, v, implementation="triton"),
-      "decode_attention": lambda q, k, v: pallas_fa.decode_attention(
-          q[:, :1], k, v, jnp.full((1,), t), implementation="triton"),
+      "flash_attention": lambda q, k, v, sinks: pallas_fa.flash_attention(
+          q, k, v, sinks=sinks, implementation="triton"),
+      "decode_attention": lambda q, k, v, sinks: pallas_fa.decode_attention(
+          q[:, :1], k, v, jnp.full((1,), t), sinks=sinks,
+          implementation="triton"),
   }
   for name, fn in calls.items():
     try:
-      in_user_map(fn, "qkv", "")(q, k, v)
+      jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * 3 + (P("d"),),
+                    out_specs=P("d"))(q[:1], k[:1], v[:1],
+                                      jnp.tile(sinks[:1], 4))
     except NotImplementedError as e:
       assert "check_vma=False" in str(e), str(e)
     else:

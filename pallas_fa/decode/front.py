@@ -301,17 +301,17 @@ def decode_attention(
   if score_mod is not None or mask_mod is not None:
     flex = dict(score_mod=score_mod, score_mod_args=score_mod_args,
                 mask_mod=mask_mod, mask_mod_args=mask_mod_args)
-  if implementation in ("triton", "mosaic_tpu"):
-    manual_axes.check_kernels(
-        implementation, query, key, value, lengths, block_table, prefix_key,
-        interpreted=lambda: kernels.interpreted(implementation))
   # Inside a user's shard_map that checks varying axes: one type for every
-  # array of the call (`manual_axes`).
+  # array of the call (`manual_axes`), which the query then carries.
   (query, key, value, key_scale, value_scale, lengths, block_table,
    query_positions, sinks, prefix_key, prefix_value, flex) = (
        manual_axes.vary_together(
            query, key, value, key_scale, value_scale, lengths, block_table,
            query_positions, sinks, prefix_key, prefix_value, flex))
+  if implementation in ("triton", "mosaic_tpu"):
+    manual_axes.check_kernels(
+        implementation, query,
+        interpreted=lambda: kernels.interpreted(implementation))
   if 0 in (b, t):  # No rows: an empty result, as in `flash_attention`.
     return _result(jnp.zeros((b, t, n, hv), query.dtype),
                    jnp.full((b, t, n), online_softmax.MASK_VALUE,
