@@ -457,6 +457,52 @@ def test_kernels_lower_inside_a_user_shard_map_that_checks_varying_axes():
     assert "triton" in text
 
 
+@pytest.mark.skipif(gpu_target.current() is None,
+                    reason="compiled triton kernels need a GPU")
+def test_compiled_kernels_run_inside_a_user_shard_map():
+  """On a GPU, inside `jax.shard_map(check_vma=True)` over one device:
+  triton's training and decode kernels give the unsharded call's values
+  and gradients (a replicated bias's summed), and the automatic choice
+  (mosaic_gpu declines there) does too."""
+  gen = rng("triton", "user shard_map")
+  q, k, v = (jnp.asarray(gen.standard_normal((2, 128, 4, 64)), jnp.bfloat16)
+             for _ in range(3))
+  bias = jnp.asarray(gen.standard_normal((1, 4, 128, 128)), jnp.float32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+  split, whole = jax.sharding.PartitionSpec("d"), jax.sharding.PartitionSpec()
+
+  for implementation in ("triton", None):
+    def loss(q, k, v, bias, implementation=implementation):
+      out = pallas_fa.flash_attention(q, k, v, bias, is_causal=True,
+                                      implementation=implementation)
+      return jnp.sum(out.astype(jnp.float32) * jnp.cos(
+          out.astype(jnp.float32)))
+
+    def mapped(q, k, v, bias, loss=loss):
+      return jax.lax.psum(loss(q, k, v, bias), "d")
+
+    user = jax.shard_map(mapped, mesh=mesh, in_specs=(split,) * 3 + (whole,),
+                         out_specs=whole)
+    grads = jax.jit(jax.grad(user, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    # The same kernels on the same values: equal but for XLA's fusion of
+    # the code around them (bfloat16 gradients).
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), grads, want):
+      np.testing.assert_allclose(np.asarray(a, np.float32),
+                                 np.asarray(b, np.float32), rtol=1e-2,
+                                 atol=1e-2, err_msg=name)
+
+  def decode(q, k, v):
+    return pallas_fa.decode_attention(
+        q, k, v, jnp.full((q.shape[0],), 100, jnp.int32),
+        implementation="triton")
+
+  got = jax.jit(jax.shard_map(decode, mesh=mesh, in_specs=split,
+                              out_specs=split))(q[:, :1], k, v)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(
+      decode(q[:, :1], k, v), np.float32), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype, h, features", [
     (jnp.bfloat16, 128, dict(is_causal=True)),
     (jnp.float16, 72, dict(is_causal=True, local_window_size=(40, 8),
