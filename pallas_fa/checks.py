@@ -32,6 +32,10 @@ def check_flag(name, x) -> bool:
   return bool(x)
 
 
+# The kernels' index type.
+_INT32 = np.iinfo(np.int32)
+
+
 def _check_int_array(name, x, shape):
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -54,8 +58,7 @@ def check_lengths(name, x, batch_shape):
   if jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits > 32:
     # A traced 64-bit length (x64) past int32 means "every position": it
     # must not wrap into a short one when cast.
-    bounds = np.iinfo(np.int32)
-    x = jnp.clip(x, int(bounds.min), int(bounds.max))
+    x = jnp.clip(x, int(_INT32.min), int(_INT32.max))
   return _check_int_array(name, x, batch_shape).reshape(-1)
 
 
@@ -76,9 +79,6 @@ def check_non_negative(name, x):
   values = np.asarray(x)
   if np.issubdtype(values.dtype, np.integer) and np.any(values < 0):
     raise ValueError(f"{name} must be non-negative, got {name}={values}.")
-
-
-_INT32 = np.iinfo(np.int32)
 
 
 def check_int32_values(name, x, low=int(_INT32.min)):

@@ -591,6 +591,16 @@ def _sink_weights(lse: Array, sinks: Array) -> tuple[Array, Array]:
   return with_sink, w
 
 
+def _sink_probability(lse: Array, sinks: Array, dtype) -> Array:
+  """exp(sinks - lse) in `dtype`, the sink's share of each row of the
+  attention with it (lse: its logsumexp), 0 where lse = -inf. Taken
+  directly, not as 1 - the keys' share, which loses a small one's
+  relative precision."""
+  seen = lse != MASK_VALUE
+  s = jnp.broadcast_to(sinks.astype(dtype), lse.shape)
+  return jnp.where(seen, jnp.exp(s - jnp.where(seen, lse, 0.0)), 0.0)
+
+
 @jax.custom_jvp
 def add_sink(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
   """Adds a sink -- one value-less logit per row -- to finished attention.
@@ -635,9 +645,7 @@ def _add_sink_jvp(primals, tangents):
   new_lse, w = _sink_weights(lse, sinks)
   dtype = stats_dtype(out.dtype)
   seen = lse != MASK_VALUE
-  s = jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)
-  # Not 1 - w, which loses a small p's relative precision.
-  p = jnp.where(seen, jnp.exp(s - jnp.where(seen, new_lse, 0.0)), 0.0)
+  p = _sink_probability(new_lse, sinks, lse.dtype)  # Not 1 - w: see there.
   dsinks = jnp.broadcast_to(dsinks.astype(lse.dtype), lse.shape)
   dlse = jnp.where(seen, dlse, 0.0)
   dnew_lse = w * dlse + p * dsinks
@@ -670,9 +678,7 @@ def sink_grad(lse: Array, sinks: Array, delta: Array) -> Array:
     broadcast along.
   """
   dtype = stats_dtype(lse.dtype)
-  seen = lse != MASK_VALUE
-  s = jnp.broadcast_to(sinks.astype(dtype), lse.shape)
-  p_sink = jnp.where(seen, jnp.exp(s - jnp.where(seen, lse, 0.0)), 0.0)
+  p_sink = _sink_probability(lse, sinks, dtype)
   d = -p_sink * delta.astype(dtype)
   d = d.sum(axis=tuple(range(d.ndim - sinks.ndim)))
   d = d.sum(axis=tuple(i for i, n in enumerate(sinks.shape) if n == 1),
