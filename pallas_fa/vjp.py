@@ -335,7 +335,7 @@ def _kernel(backend, fn):
         "kernels are Pallas calls, which JAX cannot differentiate twice, "
         "so neither grad of grad nor forward over reverse (jvp of grad, "
         "Hessian-vector products) goes through them. implementation='xla' "
-        "has both; 'chunked' has forward over reverse.")
+        "and 'chunked' have both.")
 
   wrapped.defjvp(refuse)
   return wrapped

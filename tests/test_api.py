@@ -451,6 +451,56 @@ def test_hessian_vector_products_on_chunked():
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("case", [
+    "causal_bias", "segments_window", "dropout_sinks", "mask_mod"])
+def test_grad_of_grad_on_chunked(case):
+  """Reverse over reverse (the gradient of a gradient's norm, as gradient
+  penalties and meta-learning take it) through chunked's tile loops, whose
+  bounds are per-row: the same as xla's, over several tiles of each pass,
+  with the tiles skipped, halved and masked by each kind of mask."""
+  gen = np.random.default_rng(13)
+  t, s = 40, 48
+  q = jnp.asarray(gen.standard_normal((2, t, 4, 8)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((2, s, 2, 8)), jnp.float32)
+          for _ in range(2))
+  bias = jnp.asarray(gen.standard_normal((1, 4, t, s)), jnp.float32)
+  kwargs = {}
+  if case == "causal_bias":
+    kwargs = dict(is_causal=True)
+  elif case == "segments_window":
+    bias = bias[:, :, :1]  # A bias broadcast over the query rows.
+    # Unsorted ids leave empty tiles inside a row's range.
+    ids = jnp.asarray(gen.integers(0, 2, (2, 6)).repeat(8, axis=1))
+    kwargs = dict(segment_ids=pallas_fa.SegmentIds(q=ids[:, :t], kv=ids),
+                  local_window_size=(20, 6), key_value_seq_lengths=
+                  jnp.asarray([s, 29]))
+  elif case == "dropout_sinks":
+    kwargs = dict(dropout_rate=0.25, dropout_rng=jax.random.key(3),
+                  sinks=jnp.asarray(gen.standard_normal(4), jnp.float32))
+  else:
+    kwargs = dict(mask_mod=lambda b, h, i, j: (i + j) % 3 != 0)
+
+  def grad_norm(implementation, q, k, v, bias):
+    def loss(q, k, v, bias):
+      out = pallas_fa.flash_attention(
+          q, k, v, bias, implementation=implementation, block_sizes=(
+              pallas_fa.ChunkedBlockSizes(
+                  block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
+              if implementation == "chunked" else None), **kwargs)
+      return jnp.sum(jnp.sin(out))
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    return sum(jnp.sum(g ** 2) for g in grads)
+
+  got, want = (
+      jax.jit(jax.grad(functools.partial(grad_norm, implementation),
+                       argnums=(0, 1, 2, 3)))(q, k, v, bias)
+      for implementation in ("chunked", "xla"))
+  for name, g, w in zip("qkvb", got, want):
+    assert float(jnp.max(jnp.abs(w))) > 0, name
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(
+        jnp.max(jnp.abs(w))), err_msg=name)
+
+
 @pytest.mark.parametrize("implementation", [
     name for name in conftest.IMPLEMENTATIONS if name not in ("xla",
                                                               "chunked")])
