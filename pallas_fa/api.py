@@ -26,6 +26,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_fa import checks
 from pallas_fa import dropout
 from pallas_fa import gpu_target
 from pallas_fa import manual_axes
@@ -203,7 +204,8 @@ def canonicalize(
     ValueError / TypeError: invalid arguments (the message names them).
   """
 
-  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  query, key, value = (checks.as_array(name, x) for name, x in (
+      ("query", query), ("key", key), ("value", value)))
   if query.ndim < 3:
     raise ValueError(
         f"query must be [*B, T, N, H] (any number of batch dims, including "
@@ -704,7 +706,9 @@ def flash_attention(
     query_seq_lengths: int [*B]; queries at index >= length are padding.
     key_value_seq_lengths: int [*B]; keys at index >= length are padding.
     local_window_size: int w (= (w, w)) or (left, right): keep
-      q_pos - left <= k_pos <= q_pos + right; a None side is unbounded.
+      q_pos - left <= k_pos <= q_pos + right; a None side, or one of 2**30
+      or more, is unbounded. With a window, positions lie in
+      [-2**29, 2**29) (a known one outside is a ValueError).
     segment_ids: `SegmentIds(q=[*B, T], kv=[*B, S])`; attend within equal ids.
       Ids are int32 above -2**31 + 1 (the two lowest are padding's); a known
       id outside that is a ValueError, a traced one is cast.
@@ -854,7 +858,8 @@ def flash_attention(
       query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths)
   _check_index_values(query_seq_lengths, key_value_seq_lengths,
-                      query_positions, key_positions, segment_ids)
+                      query_positions, key_positions, segment_ids,
+                      windowed=static["local_window_size"] is not None)
   score_mod_args = mods.as_args("score_mod_args", score_mod_args)
   mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
   mods.check_callable(mods.SCORE_MOD, score_mod, len(score_mod_args))
@@ -869,24 +874,37 @@ def flash_attention(
       # differ from those built for this machine.
       target=gpu_target.ahead_of_time(),
       quantize=quantize, out_dtype=check_out_dtype(out_dtype))
-  out, lse = _flash_attention(
+  call = functools.partial(_flash_attention, **static)
+  spec = manual_axes.explicit_spec(query)
+  if spec is not None:  # The result is sharded as the query is.
+    call = jax.sharding.auto_axes(
+        call, out_sharding=(spec, jax.sharding.PartitionSpec(*spec[:-1])))
+  out, lse = call(
       query, key, value, bias, mask, query_seq_lengths,
       key_value_seq_lengths, segment_ids, query_positions, key_positions,
       rng, sinks, score_mod_args, mask_mod_args, block_mask, query_scale,
-      key_scale, value_scale, **static)
+      key_scale, value_scale)
   return (out, lse) if return_residual else out
 
 
 def _check_index_values(query_seq_lengths, key_value_seq_lengths,
-                        query_positions, key_positions, segment_ids):
+                        query_positions, key_positions, segment_ids, *,
+                        windowed):
   """The integer arguments' known values fit the kernels' int32 (jit would
-  wrap a 64-bit one silently); real segment ids stay above the two
-  reserved for padding (`masking.KV_PAD_SEGMENT`), where a real id would
-  make padded keys visible to its queries."""
+  wrap a 64-bit one silently), and with a window positions stay where
+  position +- side does (`checks.WINDOW_POSITIONS`); real segment ids stay
+  above the two reserved for padding (`masking.KV_PAD_SEGMENT`), where a
+  real id would make padded keys visible to its queries."""
   check_int32_values("query_seq_lengths", query_seq_lengths, low=0)
   check_int32_values("key_value_seq_lengths", key_value_seq_lengths, low=0)
-  check_int32_values("query_positions", query_positions)
-  check_int32_values("key_positions", key_positions)
+  bounds = {}
+  if windowed:
+    bounds = dict(low=-checks.WINDOW_POSITIONS,
+                  high=checks.WINDOW_POSITIONS - 1,
+                  why="with a local_window_size, whose comparisons of "
+                  "positions must fit int32")
+  check_int32_values("query_positions", query_positions, **bounds)
+  check_int32_values("key_positions", key_positions, **bounds)
   if isinstance(segment_ids, masking.SegmentIds):
     real = masking.KV_PAD_SEGMENT + 1
     check_int32_values("segment_ids.q", segment_ids.q, low=real)

@@ -36,8 +36,22 @@ def check_flag(name, x) -> bool:
 _INT32 = np.iinfo(np.int32)
 
 
+def as_array(name, x):
+  """x as a jax array, or a TypeError naming `name` where it is not one
+  (None, a list holding None, an object): jnp.asarray's own message names
+  neither the argument nor the call."""
+  if x is None:
+    raise TypeError(f"{name} must be an array, got None.")
+  try:
+    return jnp.asarray(x)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+        f"{name} must be an array, got {type(x).__name__} {x!r:.80}: "
+        f"{e}") from None
+
+
 def _check_int_array(name, x, shape):
-  x = jnp.asarray(x)
+  x = as_array(name, x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(
         f"{name} must be an integer array, got {name}.dtype={x.dtype}.")
@@ -52,7 +66,7 @@ def check_lengths(name, x, batch_shape):
   """int [*B] (a scalar when there is one batch row) -> int32 [prod(B)]."""
   if x is None:
     return None
-  x = jnp.asarray(x)
+  x = as_array(name, x)
   if x.ndim == 0 and math.prod(batch_shape) == 1:
     x = x.reshape(batch_shape)
   if jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits > 32:
@@ -60,6 +74,35 @@ def check_lengths(name, x, batch_shape):
     # must not wrap into a short one when cast.
     x = jnp.clip(x, int(_INT32.min), int(_INT32.max))
   return _check_int_array(name, x, batch_shape).reshape(-1)
+
+
+def check_int(name: str, x, low: int) -> int:
+  """`x` as an int if it is an int (Python's or numpy's, not a bool) of at
+  least `low`: a size or count, which a float would carry into shapes and
+  indices (as float64 arrays or jax's shape errors) and a bool would pass
+  for 0 or 1.
+
+  Raises:
+    TypeError: x is not an int (the message names `name`).
+    ValueError: x < low.
+  """
+  if not isinstance(x, (int, np.integer)) or isinstance(x, (bool, np.bool_)):
+    raise TypeError(
+        f"{name} must be an int, got {type(x).__name__} {name}={x!r}.")
+  if x < low:
+    kind = "a positive int" if low == 1 else f"an int >= {low}"
+    raise ValueError(f"{name} must be {kind}, got {name}={x!r}.")
+  return int(x)
+
+
+def check_positive_int(name: str, x) -> int:
+  """`x` as an int if it is a positive int (`check_int` with low=1).
+
+  Raises:
+    TypeError: x is not an int (the message names `name`).
+    ValueError: x < 1.
+  """
+  return check_int(name, x, 1)
 
 
 def check_per_token(name, x, batch_shape, length):
@@ -81,10 +124,11 @@ def check_non_negative(name, x):
     raise ValueError(f"{name} must be non-negative, got {name}={values}.")
 
 
-def check_int32_values(name, x, low=int(_INT32.min)):
-  """Rejects known (not traced) integer values outside [low, int32's max]:
-  the kernels index in int32, and a wider value would wrap silently (as
-  jit's own cast of a 64-bit argument does).
+def check_int32_values(name, x, low=int(_INT32.min), high=int(_INT32.max),
+                       why="int32, the kernels' index type"):
+  """Rejects known (not traced) integer values outside [low, high]: the
+  kernels index in int32, and a wider value would wrap silently (as jit's
+  own cast of a 64-bit argument does).
 
   Traced values cannot be checked; they are cast. Arrays whose dtype
   cannot hold such a value are not read back from the device.
@@ -98,15 +142,23 @@ def check_int32_values(name, x, low=int(_INT32.min)):
   if not np.issubdtype(dtype, np.integer):
     return  # The dtype checks under jit name a non-integer array.
   bounds = np.iinfo(dtype)
-  if low <= bounds.min and bounds.max <= _INT32.max:
+  if low <= bounds.min and bounds.max <= high:
     return
   values = np.asarray(x)
   if not values.size:
     return
-  if values.min() < low or values.max() > _INT32.max:
+  if values.min() < low or values.max() > high:
     raise ValueError(
-        f"{name} must lie in [{low}, {_INT32.max}] (int32, the kernels' "
-        f"index type), got values in [{values.min()}, {values.max()}].")
+        f"{name} must lie in [{low}, {high}] ({why}), got values in "
+        f"[{values.min()}, {values.max()}].")
+
+
+# Window sides from this on are unbounded, and positions given with a
+# window lie within +-WINDOW_POSITIONS: their differences are then below
+# any bounded side, and a position plus or minus a side fits int32, in
+# which every backend compares them.
+WINDOW_UNBOUNDED = 2**30
+WINDOW_POSITIONS = 2**29
 
 
 def check_window(local_window_size):
@@ -129,7 +181,7 @@ def check_window(local_window_size):
         raise ValueError(
             f"local_window_size sides must be >= 0, got {local_window_size=}."
         )
-      sides.append(int(side))
+      sides.append(int(side) if side < WINDOW_UNBOUNDED else None)
     else:
       raise ValueError(
           "local_window_size sides must be ints or None, got "
@@ -155,7 +207,19 @@ def check_static_float(name, x, positive=False):
   if not math.isfinite(value) or (positive and value <= 0):
     raise ValueError(f"{name} must be finite{' and > 0' if positive else ''},"
                      f" got {name}={value}.")
+  # The kernels compute in float32: a value it cannot hold would turn into
+  # inf (and NaN logits), or into 0, silently.
+  if abs(value) > _FLOAT32_MAX or 0 < abs(value) < _FLOAT32_TINY:
+    raise ValueError(
+        f"{name} must be 0 or of a magnitude in [{_FLOAT32_TINY:.3g}, "
+        f"{_FLOAT32_MAX:.3g}] (float32's normal range), got {name}={value}.")
   return value
+
+
+# As Python floats: one past float32's range compared with a float32
+# scalar warns of overflow.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def check_dropout(rate, rng):
@@ -279,7 +343,7 @@ def check_scale(name, scale, x, x_name, *, forms,
             else "a float8")
     raise ValueError(
         f"{name} applies to {kind} {x_name}, got {x_name}.dtype={x.dtype}.")
-  scale = jnp.asarray(scale)
+  scale = as_array(name, scale)
   if not jnp.issubdtype(scale.dtype, jnp.floating):
     raise TypeError(
         f"{name} must be floating (it is used in float32), got "
@@ -322,7 +386,7 @@ def check_sinks(sinks, num_heads, dtype):
   float64 for float64 inputs), or None."""
   if sinks is None:
     return None
-  sinks = jnp.asarray(sinks)
+  sinks = as_array("sinks", sinks)
   if not jnp.issubdtype(sinks.dtype, jnp.floating):
     raise TypeError(f"sinks must be a float array, got {sinks.dtype=}.")
   if sinks.ndim != 1 or sinks.shape[0] not in (1, num_heads):
@@ -336,7 +400,7 @@ def _check_dense(name, x, batch_shape, nts):
   """bias/mask broadcastable to [*B, N, T, S] -> 4-D [1 or prod(B), ...]."""
   if x is None:
     return None
-  x = jnp.asarray(x)
+  x = as_array(name, x)
   full = batch_shape + nts
   if x.ndim > len(full):
     raise ValueError(

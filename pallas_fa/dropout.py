@@ -98,11 +98,13 @@ def seed_from(rng: Any) -> Array:
   if isinstance(rng, int) and not isinstance(rng, bool):
     return _U32(rng & 0xFFFFFFFF)
   x = jnp.asarray(rng) if not hasattr(rng, "dtype") else rng
-  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or (
+  # One key: a batch of keys (split's result) is for a vmap to map over.
+  if (jnp.issubdtype(x.dtype, jax.dtypes.prng_key) and x.ndim == 0) or (
       x.shape == (2,) and x.dtype == jnp.uint32):
     return jax.random.bits(x, (), _U32)
   if x.ndim == 0 and jnp.issubdtype(x.dtype, jnp.integer):
     return x.astype(_U32)
   raise TypeError(
-      "dropout_rng must be a JAX PRNG key or an integer seed, got "
+      "dropout_rng must be one JAX PRNG key (vmap the call over a batch "
+      "of keys) or an integer seed, got "
       f"{getattr(x, 'dtype', type(rng))} {getattr(x, 'shape', '')}.")

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fa import quantize as quantize_lib
+from pallas_fa.checks import check_int
+from pallas_fa.checks import check_positive_int
 
 Array = Any
 
@@ -46,16 +48,15 @@ def quantize(x: Array, dtype=jnp.int8) -> tuple[Array, Array]:
   return quantize_lib.quantize(x, dtype)
 
 
-def check_positive_int(name: str, x: Any) -> int:
-  """`x` as an int if it is a positive int (not a bool), else ValueError
-  naming `name`."""
-  if not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 1:
-    raise ValueError(f"{name} must be a positive int, got {name}={x!r}.")
-  return int(x)
-
-
 def num_pages_per_row(max_length: int, page_size: int) -> int:
-  """Pages a row needs to hold `max_length` cache entries."""
+  """Pages a row needs to hold `max_length` cache entries.
+
+  Raises:
+    TypeError / ValueError: max_length is not an int >= 0, or page_size
+      not a positive int (the message names it).
+  """
+  max_length = check_int("max_length", max_length, 0)
+  page_size = check_positive_int("page_size", page_size)
   return -(-max_length // page_size)
 
 
@@ -65,7 +66,13 @@ def default_block_table(batch_size: int, max_pages: int) -> Array:
   The pages of a row are strided through the pool, as an allocator that
   hands out pages while all rows grow in lockstep would place them; no row
   sees the identity mapping unless B = 1.
+
+  Raises:
+    TypeError / ValueError: batch_size or max_pages is not a positive int
+      (the message names it).
   """
+  batch_size = check_positive_int("batch_size", batch_size)
+  max_pages = check_positive_int("max_pages", max_pages)
   slots = np.arange(max_pages, dtype=np.int32)[None, :]
   rows = np.arange(batch_size, dtype=np.int32)[:, None]
   return jnp.asarray(slots * batch_size + rows)
@@ -115,6 +122,7 @@ def check_paged_config(
   Raises:
     ValueError: a bad page size, pool size or block table (the message
       names the argument).
+    TypeError: a size that is not an int.
   """
   if page_size is None:
     for name, x in (("num_pages", num_pages), ("block_table", block_table)):
@@ -145,13 +153,25 @@ def check_paged_config(
         f"page_size)]={(batch_size, max_pages)} array, got "
         f"{block_table.shape=}, {block_table.dtype=}.")
   check_page_indices(block_table, num_pages)
-  if not isinstance(block_table, jax.core.Tracer):
-    pages = np.asarray(block_table)
-    if len(np.unique(pages)) != pages.size:
-      raise ValueError(
-          "block_table must name every page at most once (a page written "
-          f"by two slots would hold only the last write), got {pages}.")
+  check_distinct_pages(block_table)
   return page_size, num_pages, block_table.astype(jnp.int32)
+
+
+def check_distinct_pages(block_table: Array) -> None:
+  """Rejects a concrete block table that names a page twice: two slots
+  written into one page would hold only the last write (a traced table
+  cannot be read at trace time, and is not checked).
+
+  Raises:
+    ValueError: a page named twice (the message names block_table).
+  """
+  if isinstance(block_table, jax.core.Tracer):
+    return
+  pages = np.asarray(block_table)
+  if len(np.unique(pages)) != pages.size:
+    raise ValueError(
+        "block_table must name every page at most once (a page written "
+        f"by two slots would hold only the last write), got {pages}.")
 
 
 def write(
@@ -167,7 +187,9 @@ def write(
     new: [B, T, K, H] keys or values (cast to the cache's dtype; into a
       quantized cache, float entries are quantized first, `quantize`).
     index: int [B], where row b's first new entry goes.
-    block_table: int [B, max_pages] for a paged cache, else None.
+    block_table: int [B, max_pages] for a paged cache, else None: distinct
+      pages in [0, num_pages), as `check_paged_config` requires (a page
+      named twice would hold only one row's entries).
     scale: a quantized cache's float32 scales [B, max_length, K] (or
       [num_pages, page_size, K]); required when float entries go into an
       int8/float8 cache. Entries already quantized (new of the cache's
@@ -183,8 +205,14 @@ def write(
 
   Raises:
     ValueError: shapes that do not match (the message names the argument),
-      a negative index or an out-of-range page known at trace time, float
-      entries into a quantized cache without `scale`, or `scale` otherwise.
+      a negative index, or an out-of-range or repeated page known at trace
+      time (a traced index or table cannot be checked: what falls outside
+      is dropped), float entries into a quantized cache without `scale`,
+      or `scale` otherwise.
+    TypeError: a cache that is neither float nor int8/float8, a `new` that
+      is neither float nor of the cache's dtype (a complex, integer or bool
+      one would be cast, losing its values), or a `scale` that is not
+      float.
   """
   cache, new, index = (jnp.asarray(x) for x in (cache, new, index))
   if block_table is not None:
@@ -225,20 +253,40 @@ def _store(cache, new, index, block_table):
   return cache.at[page, entry % page_size].set(new, mode="drop")
 
 
+def _check_block_table(block_table, num_pages: int) -> Array:
+  """A paged cache's block table as an array: int [B, max_pages], its
+  known entries pages in [0, num_pages) (`check_page_indices`; a traced
+  one is not checked, and its entries out of range are dropped by `write`
+  and clamped by `gather`).
+
+  Raises:
+    ValueError: another rank or dtype, or a known entry out of range (the
+      message names block_table).
+  """
+  block_table = jnp.asarray(block_table)
+  if block_table.ndim != 2 or not jnp.issubdtype(block_table.dtype,
+                                                 jnp.integer):
+    raise ValueError(
+        f"block_table must be an int [B, max_pages] array, got "
+        f"{block_table.shape=}, {block_table.dtype=}.")
+  check_page_indices(block_table, num_pages)
+  return block_table
+
+
 def _check_write(cache, new, index, block_table, scale) -> None:
-  """`write`'s argument checks (shapes, and values known at trace time)."""
+  """`write`'s argument checks (shapes and dtypes, and values known at
+  trace time; the block table's rank, dtype and range are
+  `_check_block_table`'s)."""
+  what = ("[B, max_length, K, H]" if block_table is None
+          else "[num_pages, page_size, K, H] with block_table [B, ...]")
+  if cache.ndim < 3:
+    raise ValueError(f"cache must be {what}, got {cache.shape=}.")
   rows = cache.shape[0]
   if block_table is not None:
-    if block_table.ndim != 2 or not jnp.issubdtype(block_table.dtype,
-                                                   jnp.integer):
-      raise ValueError(
-          f"block_table must be an int [B, max_pages] array, got "
-          f"{block_table.shape=}, {block_table.dtype=}.")
+    _check_block_table(block_table, cache.shape[0])
     rows = block_table.shape[0]
-  if cache.ndim < 3 or new.ndim != cache.ndim or (
+  if new.ndim != cache.ndim or (
       new.shape[0] != rows or new.shape[2:] != cache.shape[2:]):
-    what = ("[B, max_length, K, H]" if block_table is None
-            else "[num_pages, page_size, K, H] with block_table [B, ...]")
     raise ValueError(
         f"new must be [B, T, K, H] with the cache's K and H and B rows "
         f"(cache {what}), got {new.shape=}, {cache.shape=}"
@@ -251,15 +299,51 @@ def _check_write(cache, new, index, block_table, scale) -> None:
     raise ValueError(
         f"scale must be the cache's [..., K] scales, shaped "
         f"{cache.shape[:-1]}, got {jnp.shape(scale)}.")
+  if scale is not None and not jnp.issubdtype(jnp.result_type(scale),
+                                              jnp.floating):
+    raise TypeError(
+        f"scale must be a float array (the cache's float32 scales), got "
+        f"scale.dtype={jnp.result_type(scale)}.")
+  # The store casts `new` to the cache's dtype: only between float dtypes
+  # (or into a quantized cache, through `quantize`) does that keep the
+  # values; a complex, integer or bool `new` would lose them silently.
+  if not (jnp.issubdtype(cache.dtype, jnp.floating)
+          or is_quantized(cache.dtype)):
+    raise TypeError(
+        f"cache must be a float array, or an int8/float8 quantized cache, "
+        f"got cache.dtype={cache.dtype}.")
+  if new.dtype != cache.dtype and not jnp.issubdtype(new.dtype, jnp.floating):
+    raise TypeError(
+        f"new must be a float array (cast to the cache's {cache.dtype}, or "
+        f"quantized into an int8/float8 cache) or already of the cache's "
+        f"dtype, got new.dtype={new.dtype}.")
   if not isinstance(index, jax.core.Tracer) and np.any(np.asarray(index) < 0):
     raise ValueError(f"index must be non-negative, got {index=}.")
   if block_table is not None:
-    check_page_indices(block_table, cache.shape[0])
+    check_distinct_pages(block_table)
 
 
 def gather(pages: Array, block_table: Array) -> Array:
   """The contiguous view [B, max_pages * page_size, K, H] of a paged cache
-  (copies every row's pages; for calls that need contiguous keys)."""
+  (copies every row's pages; for calls that need contiguous keys).
+
+  Args:
+    pages: [num_pages, page_size, ...] (values [..., K, H], or a quantized
+      cache's scales [..., K]).
+    block_table: int [B, max_pages], entries in [0, num_pages). Pages may
+      repeat (reading is not writing). A traced table cannot be checked:
+      its entries out of range are clamped onto the pool's first or last
+      page.
+
+  Raises:
+    ValueError: pages of rank < 2, a block table of another rank or dtype,
+      or a known entry out of range (the message names the argument).
+  """
+  pages = jnp.asarray(pages)
+  if pages.ndim < 2:
+    raise ValueError(
+        f"pages must be [num_pages, page_size, ...], got {pages.shape=}.")
+  block_table = _check_block_table(block_table, pages.shape[0])
   rows = pages[block_table]  # [B, max_pages, page_size, K, H]
   b, max_pages, page_size = rows.shape[:3]
   return rows.reshape(b, max_pages * page_size, *rows.shape[3:])

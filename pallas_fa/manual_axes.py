@@ -136,3 +136,23 @@ def check_kernels(implementation: str, *trees,
       "jax.shard_map that checks varying axes (check_vma=True, the "
       f"default; inputs vary along {names}): pass check_vma=False to "
       "jax.shard_map, or use implementation='chunked'.")
+
+
+def explicit_spec(x) -> Any:
+  """x's `PartitionSpec` (one entry a dim) when its type carries Explicit
+  mesh axes (`jax.make_mesh`'s default, under `jax.set_mesh`), else None.
+
+  The library's own arrays (accumulators, loop carries) carry no sharding
+  in their types, and JAX demands equal types where they meet the user's:
+  calls on such arrays run under `jax.sharding.auto_axes`, where sharding
+  is left to the compiler as on any other mesh.
+  """
+  if not isinstance(x, (jax.Array, jax.core.Tracer)):
+    return None  # Host arrays (and arguments the checks will refuse).
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not any(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return None
+  spec = tuple(sharding.spec)
+  return jax.sharding.PartitionSpec(*spec, *(None,) * (x.ndim - len(spec)))

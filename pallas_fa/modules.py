@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from pallas_fa import api
+from pallas_fa import checks
 from pallas_fa import decode as decode_lib
 from pallas_fa import kv_cache
 from pallas_fa import masking
@@ -247,17 +248,31 @@ class MultiHeadAttention(nnx.Module):
       param_dtype: parameter dtype.
       kernel_init: initializer of the q/k/v kernels (default LeCun normal).
       out_kernel_init: initializer of the output kernel (default as above).
-      rngs: parameter initialisation keys (and dropout keys).
+      rngs: parameter initialisation keys (and dropout keys: its "dropout"
+        stream, else its "default" one). Without either, calls with dropout
+        must pass their own `rngs=` (or be deterministic).
 
     Raises:
-      ValueError: inconsistent head counts or sizes, a bad precision,
-        score_mod_args without a score_mod, or an unknown fp8_attention.
-      TypeError: a score_mod or mask_mod that is not a function of the
-        right arity, score_mod_args that are not arrays, or a
-        deterministic_backward that is not None or a bool.
+      ValueError: a size below 1, inconsistent head counts or sizes, a
+        dropout_rate outside [0, 1), a bad precision, score_mod_args
+        without a score_mod, or an unknown fp8_attention.
+      TypeError: a size (num_heads, in_features, num_kv_heads, head_dim,
+        in_kv_features, out_features) that is not an int, a dropout_rate
+        that is not a float, a use_bias, is_causal, deterministic or
+        use_sinks that is not a bool, a score_mod or mask_mod that is not a
+        function of the right arity, score_mod_args that are not arrays, or
+        a deterministic_backward that is not None or a bool.
     """
+    # Sizes become parameter shapes: a float or a string would fail deep
+    # in Flax's initialisers, and 0 divide by zero there.
+    sizes = dict(num_heads=num_heads, in_features=in_features,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 in_kv_features=in_kv_features, out_features=out_features)
+    for name, size in sizes.items():
+      if size is not None:
+        checks.check_positive_int(name, size)
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+    if num_heads % num_kv_heads:
       raise ValueError(
           "num_heads must be a positive multiple of num_kv_heads, got "
           f"{num_heads=}, {num_kv_heads=}."
@@ -269,11 +284,22 @@ class MultiHeadAttention(nnx.Module):
             f"not given, got {in_features=}, {num_heads=}."
         )
       head_dim = in_features // num_heads
-    self.num_heads = num_heads
-    self.num_kv_heads = num_kv_heads
-    self.head_dim = head_dim
-    self.in_features = in_features
-    self.out_features = in_features if out_features is None else out_features
+    dropout_rate = api.check_static_float("dropout_rate", dropout_rate) or 0.0
+    if not 0.0 <= dropout_rate < 1.0:
+      raise ValueError(
+          f"dropout_rate must be in [0, 1), got {dropout_rate=}.")
+    for name, flag in (("use_bias", use_bias), ("is_causal", is_causal),
+                       ("deterministic", deterministic),
+                       ("use_sinks", use_sinks)):
+      api.check_flag(name, flag)
+    self.num_heads = int(num_heads)
+    self.num_kv_heads = int(num_kv_heads)
+    self.head_dim = int(head_dim)
+    self.in_features = int(in_features)
+    self.in_kv_features = (self.in_features if in_kv_features is None
+                           else int(in_kv_features))
+    self.out_features = (self.in_features if out_features is None
+                         else int(out_features))
     self.is_causal = is_causal
     self.rope = rope
     self.local_window_size = local_window_size
@@ -281,8 +307,11 @@ class MultiHeadAttention(nnx.Module):
     self.scale = scale
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
-    self.dropout_rngs = (
-        rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None))
+    # Without a "dropout" (or "default") stream the layer can still run
+    # deterministic calls, and calls that pass rngs=; a call that needs
+    # the stream names what is missing (`_dropout_rng`).
+    stream = _dropout_stream(rngs) if dropout_rate > 0 else None
+    self.dropout_rngs = nnx.data(None) if stream is None else stream.fork()
     # Zeros: at initialisation each sink weighs as much as a key with logit
     # 0; training moves it.
     self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype))
@@ -310,14 +339,14 @@ class MultiHeadAttention(nnx.Module):
         i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
         precision=precision, rngs=rngs, **kw,
     )
-    in_kv = in_features if in_kv_features is None else in_kv_features
-    self.query = linear(
-        in_features, (num_heads, head_dim), kernel_init=kernel_init)
-    self.key = linear(in_kv, (num_kv_heads, head_dim), kernel_init=kernel_init)
-    self.value = linear(
-        in_kv, (num_kv_heads, head_dim), kernel_init=kernel_init)
+    heads = (self.num_heads, self.head_dim)
+    kv_heads = (self.num_kv_heads, self.head_dim)
+    self.query = linear(self.in_features, heads, kernel_init=kernel_init)
+    self.key = linear(self.in_kv_features, kv_heads, kernel_init=kernel_init)
+    self.value = linear(self.in_kv_features, kv_heads,
+                        kernel_init=kernel_init)
     self.out = linear(
-        (num_heads, head_dim), self.out_features, axis=(-2, -1),
+        heads, self.out_features, axis=(-2, -1),
         kernel_init=out_kernel_init or kernel_init,
     )
     self.cached_key = nnx.data(None)
@@ -367,20 +396,23 @@ class MultiHeadAttention(nnx.Module):
         row b owns pages b, b + batch_size, b + 2 * batch_size, ...
 
     Raises:
-      ValueError: a batch_size or max_length that is not a positive int, a
-        bad page_size, num_pages or block_table, or either of the last two
-        without page_size.
-      TypeError: a dtype that is neither floating nor int8/float8.
+      ValueError: a batch_size or max_length below 1, a bad page_size,
+        num_pages or block_table, or either of the last two without
+        page_size.
+      TypeError: a size that is not an int, or a dtype that is no dtype or
+        neither floating nor int8/float8.
     """
-    dtype = jnp.dtype(dtype or self.dtype or jnp.float32)
-    if not (jnp.issubdtype(dtype, jnp.floating)
-            or kv_cache.is_quantized(dtype)):
+    given = dtype
+    dtype = quantize.as_dtype(dtype or self.dtype or jnp.float32)
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.floating)
+                             or kv_cache.is_quantized(dtype)):
       raise TypeError(
           f"init_cache's dtype must be a float dtype, or int8, "
-          f"float8_e4m3fn or float8_e5m2 for a quantized cache, got {dtype=}.")
+          f"float8_e4m3fn or float8_e5m2 for a quantized cache, got "
+          f"dtype={given if dtype is None else dtype!r}.")
     if page_size is None and num_pages is None and block_table is None:
-      shape = (kv_cache.check_positive_int("batch_size", batch_size),
-               kv_cache.check_positive_int("max_length", max_length))
+      shape = (checks.check_positive_int("batch_size", batch_size),
+               checks.check_positive_int("max_length", max_length))
       self.block_table = nnx.data(None)
     else:
       page_size, num_pages, block_table = kv_cache.check_paged_config(
@@ -448,8 +480,12 @@ class MultiHeadAttention(nnx.Module):
       [B, T, out_features].
 
     Raises:
-      ValueError: bad arguments, or decoding without a cache.
-      TypeError: mask_mod_args that are not arrays.
+      ValueError: bad arguments (inputs whose last dim is not the layer's
+        in_features / in_kv_features, say), decoding without a cache, or a
+        call with dropout and no "dropout" stream (in `rngs`, else in the
+        constructor's).
+      TypeError: mask_mod_args that are not arrays, or a deterministic
+        that is not None or a bool.
     """
     mask_mod_args = self._check_mask_args(mask_mod_args, block_mask)
     if decode:
@@ -469,7 +505,16 @@ class MultiHeadAttention(nnx.Module):
     if decode_lengths is not None:
       raise ValueError("decode_lengths needs decode=True.")
     self_attention = inputs_kv is None
-    inputs_kv = inputs_q if self_attention else inputs_kv
+    _check_features("inputs_q", inputs_q, self.in_features)
+    if self_attention:
+      inputs_kv = inputs_q
+      if self.in_kv_features != self.in_features:
+        raise ValueError(
+            f"self-attention (inputs_kv=None) projects inputs_q into keys "
+            f"and values, which needs in_kv_features={self.in_kv_features} "
+            f"to equal in_features={self.in_features}: pass inputs_kv.")
+    else:
+      _check_features("inputs_kv", inputs_kv, self.in_kv_features)
     q = self.query(inputs_q)  # [B, T, N, H]
     k = self.key(inputs_kv)  # [B, S, K, H]
     v = self.value(inputs_kv)
@@ -493,15 +538,36 @@ class MultiHeadAttention(nnx.Module):
     kwargs = {}
     if deterministic is None:
       deterministic = self.deterministic
-    if self.dropout_rate > 0 and not deterministic:
-      stream = rngs.dropout if rngs is not None else self.dropout_rngs
-      kwargs = dict(dropout_rate=self.dropout_rate, dropout_rng=stream())
+    if not api.check_flag("deterministic", deterministic) and (
+        self.dropout_rate > 0):
+      kwargs = dict(dropout_rate=self.dropout_rate,
+                    dropout_rng=self._dropout_rng(rngs))
     out = self._attend(
         q, k, v, segment_ids=segments, query_positions=positions,
         key_positions=kv_positions,
         **self._flex(mask_mod_args, block_mask=block_mask), **kwargs,
     )
     return self.out(out)
+
+  def _dropout_rng(self, rngs: nnx.Rngs | None) -> Array:
+    """A dropout key for a call that drops: from the call's `rngs`, else
+    from the stream forked at construction.
+
+    Raises:
+      ValueError: that Rngs has no "dropout" (nor "default") stream.
+    """
+    stream = self.dropout_rngs if rngs is None else _dropout_stream(rngs)
+    if stream is None:
+      missing = "no 'dropout' (or 'default') stream"
+      where = (f"the call's rngs has {missing}" if rngs is not None else
+               f"the call passes no rngs= and the layer's rngs (at "
+               f"construction) had {missing}")
+      raise ValueError(
+          f"dropout_rate={self.dropout_rate} in a call that is not "
+          f"deterministic draws its keys from a 'dropout' RngStream, but "
+          f"{where}: pass rngs=nnx.Rngs(dropout=...) to the call or the "
+          f"constructor, or deterministic=True.")
+    return stream()
 
   def _check_mask_args(self, mask_mod_args, block_mask) -> tuple[Array, ...]:
     """A call's mask_mod_args as arrays; they and block_mask need the
@@ -518,6 +584,7 @@ class MultiHeadAttention(nnx.Module):
               mask_mod_args: tuple[Array, ...]) -> Array:
     if self.cached_key is None:
       raise ValueError("decode=True needs a cache: call init_cache first.")
+    _check_features("inputs_q", inputs, self.in_features)
     q = self.query(inputs)
     k = self.key(inputs)
     v = self.value(inputs)
@@ -547,7 +614,8 @@ class MultiHeadAttention(nnx.Module):
           new_lengths.dtype, jnp.integer):
         raise ValueError(
             f"decode_lengths must be an int [B={b}] array, got "
-            f"{new_lengths.shape=}.")
+            f"decode_lengths.shape={new_lengths.shape}, "
+            f"decode_lengths.dtype={new_lengths.dtype}.")
       if not isinstance(new_lengths, jax.core.Tracer):
         known = np.asarray(new_lengths)
         if np.any((known < 0) | (known > t)):
@@ -682,6 +750,27 @@ def _score_mod_variables(score_mod, score_mod_args) -> list[nnx.Variable]:
   mods.check_functions(score_mod, arrays, None, ())
   return [x if is_variable(x) else Constant(a)
           for x, a in zip(score_mod_args, arrays)]
+
+
+def _dropout_stream(rngs: Any):
+  """The RngStream `rngs.dropout` (Flax falls back on a "default" stream),
+  or None where that Rngs has neither."""
+  try:
+    return rngs.dropout
+  except AttributeError:
+    return None
+
+
+def _check_features(name: str, x: Array, features: int) -> None:
+  """x's last dim is the `features` its projection takes (Flax's own error
+  is a dot_general's, naming neither)."""
+  shape = jnp.shape(x)
+  if not shape or shape[-1] != features:
+    length, size = (("T", "in_features") if name == "inputs_q"
+                    else ("S", "in_kv_features"))
+    raise ValueError(
+        f"{name} must be [B, {length}, {size}={features}], got "
+        f"{name}.shape={shape}.")
 
 
 def _default_positions(positions, b, t):

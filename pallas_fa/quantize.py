@@ -46,6 +46,16 @@ def is_fp8(dtype) -> bool:
   return jnp.dtype(dtype) in FP8_DTYPES
 
 
+def as_dtype(dtype: Any):
+  """`jnp.dtype(dtype)`, or None where that is no dtype at all (a string
+  such as "fp8", numpy's "data type not understood"), so that a caller can
+  name its argument in the error."""
+  try:
+    return jnp.dtype(dtype)
+  except (TypeError, ValueError):
+    return None
+
+
 def check_granularity(name: str, granularity: Any) -> str:
   """`granularity` if it is one of `GRANULARITIES`.
 
@@ -80,11 +90,11 @@ def quantize(x: Array, dtype=jnp.int8,
   Raises:
     TypeError: `dtype` is not one of the three, or x is not floating.
   """
-  dtype = jnp.dtype(dtype)
-  if dtype not in QUANTIZED_DTYPES:
+  if as_dtype(dtype) not in QUANTIZED_DTYPES:
     raise TypeError(
         f"quantize's dtype must be int8, float8_e4m3fn or float8_e5m2, got "
-        f"dtype={dtype}.")
+        f"dtype={_dtype_name(dtype)}.")
+  dtype = jnp.dtype(dtype)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize takes float values, got x.dtype={x.dtype}.")
@@ -133,16 +143,22 @@ def quantize_fp8(x: Array, granularity: str = "head",
     TypeError: `dtype` is not a float8 format, or x is not floating.
   """
   granularity = check_granularity("granularity", granularity)
-  if not is_fp8(dtype):
+  if as_dtype(dtype) not in FP8_DTYPES:
     raise TypeError(
         f"quantize_fp8's dtype must be float8_e4m3fn or float8_e5m2, got "
-        f"dtype={jnp.dtype(dtype)}.")
+        f"dtype={_dtype_name(dtype)}.")
   x = jnp.asarray(x)
   if x.ndim < 3:
     raise ValueError(
         f"quantize_fp8 takes query/key/value [*B, T, N, H], got "
         f"x.shape={x.shape}.")
   return quantize(x, dtype, GRANULARITIES[granularity])
+
+
+def _dtype_name(dtype) -> str:
+  """A dtype argument for a message: its dtype's name, else as passed."""
+  parsed = None if dtype is None else as_dtype(dtype)
+  return repr(dtype) if parsed is None else str(parsed)
 
 
 def dequantize(x: Array, scale: Array | None, dtype=jnp.float32) -> Array:

@@ -273,8 +273,25 @@ def _attention(backend, params, q, k, v, bias, info, sinks):
   return _forward(backend, params, q, k, v, bias, info, sinks)
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _opaque_forward(backend, params, q, k, v, bias, info, sinks,
+                    scales=None):
+  """`_forward`, which `jax.checkpoint` sees as one call: a remat policy
+  that does not save (out, lse) then recomputes them by calling it again,
+  where it would otherwise rerun `chunked`'s tile loops keeping what they
+  compute that it may save (under `dots_saveable`, every tile's logits,
+  T x S). Its derivatives are `_forward`'s."""
+  return _forward(backend, params, q, k, v, bias, info, sinks, scales)
+
+
+@_opaque_forward.defjvp
+def _opaque_forward_jvp(backend, params, primals, tangents):
+  return jax.jvp(functools.partial(_forward, backend, params), primals,
+                 tangents)
+
+
 def _attention_fwd(backend, params, q, k, v, bias, info, sinks):
-  out, lse = _forward(backend, params, q, k, v, bias, info, sinks)
+  out, lse = _opaque_forward(backend, params, q, k, v, bias, info, sinks)
   return (out, lse), (q, k, v, bias, info, sinks, out, lse)
 
 
@@ -362,10 +379,12 @@ def _fp8_attention_fwd(backend, params, dtypes, *args):
           "Differentiate the high-precision arrays instead (pass them with "
           "quantize=... for straight-through gradients), or stop_gradient "
           "the float8 ones (their scales stay differentiable).")
-  q, k, v, scales, _, bias, info, sinks = jax.tree.map(
+  args = jax.tree.map(
       lambda x: x.value, args,
       is_leaf=lambda x: isinstance(x, custom_derivatives.CustomVJPPrimal))
-  out, lse = _forward(backend, params, q, k, v, bias, info, sinks, scales)
+  q, k, v, scales, _, bias, info, sinks = args
+  out, lse = _opaque_forward(backend, params, q, k, v, bias, info, sinks,
+                             scales)
   return (out, lse), (q, k, v, scales, bias, info, sinks, out, lse)
 
 

@@ -811,6 +811,69 @@ def user_shard_map():
           flush=True)
 
 
+def explicit_mesh():
+  """flash_attention and decode_attention on arrays typed with Explicit
+  mesh axes (`jax.make_mesh`'s default), inside `jax.set_mesh`: batch and
+  heads sharded, with a sharded bias, segments and lengths, equal the
+  unsharded calls (values and gradients), on chunked, xla and the
+  automatic choice; the result keeps the query's sharding."""
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  mesh = jax.make_mesh((2, 2), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  b, t, n, kh, h = 4, 40, 4, 2, 16
+  q, k, v = _inputs(21, b, t, t, n, kh, h)
+  bias = 0.5 * jax.random.normal(jax.random.PRNGKey(22), (b, n, t, t))
+  traced = dict(segment_ids=pallas_fa.SegmentIds(
+      q=_segments(23, b, t), kv=_segments(23, b, t)),
+      key_value_seq_lengths=jnp.array([40, 31, 17, 40]))
+
+  def place(x, spec):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+  tokens = P("data", None, "model", None)
+  placed = (place(q, tokens), place(k, tokens), place(v, tokens),
+            place(bias, P("data", "model", None, None)))
+  placed_traced = dict(
+      segment_ids=pallas_fa.SegmentIds(
+          q=place(traced["segment_ids"].q, P("data", None)),
+          kv=place(traced["segment_ids"].kv, P("data", None))),
+      key_value_seq_lengths=place(traced["key_value_seq_lengths"],
+                                  P("data")))
+  for impl, block_sizes in [("chunked", conftest.block_sizes_for("chunked")),
+                            ("xla", None), (None, None)]:
+    static = dict(implementation=impl, block_sizes=block_sizes,
+                  is_causal=True)
+    want = _value_and_grads(pallas_fa.flash_attention, q, k, v, bias, static,
+                            traced)
+    with jax.set_mesh(mesh):
+      got = _value_and_grads(pallas_fa.flash_attention, *placed, static,
+                             placed_traced)
+    assert got["out"].sharding.spec == tokens, got["out"].sharding
+    _compare(f"{impl} on explicit mesh axes", got, want)
+
+  # decode_attention declines by name, and runs under auto_axes.
+  lengths = jnp.array([40, 31, 17, 40])
+  want = pallas_fa.decode_attention(q[:, :1], k, v, lengths,
+                                    implementation="chunked")
+  args = (place(q[:, :1], tokens), *placed[1:3], place(lengths, P("data")))
+
+  def decode(q, k, v, lengths):
+    return pallas_fa.decode_attention(q, k, v, lengths,
+                                      implementation="chunked")
+
+  with jax.set_mesh(mesh):
+    try:
+      jax.jit(decode)(*args)
+    except NotImplementedError as e:
+      assert "jax.sharding.auto_axes" in str(e), str(e)
+    else:
+      raise AssertionError("decode_attention ran on explicit mesh axes")
+    got = jax.jit(jax.sharding.auto_axes(decode, out_sharding=tokens))(*args)
+  _compare("decode under auto_axes", {"out": got}, {"out": want})
+
+
 if __name__ == "__main__":
   jax.config.update("jax_default_matmul_precision", "highest")
   if _MODE == "process":
@@ -821,4 +884,5 @@ if __name__ == "__main__":
     orders(*sys.argv[2:])
   else:
     {"sharded": sharded, "ring": ring, "hlo": hlo,
-     "user_shard_map": user_shard_map}[_MODE]()
+     "user_shard_map": user_shard_map,
+     "explicit_mesh": explicit_mesh}[_MODE]()

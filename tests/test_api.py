@@ -63,6 +63,9 @@ BAD = [
     (dict(scale=True), TypeError, "scale"),
     (dict(logits_soft_cap=True), TypeError, "logits_soft_cap"),
     (dict(dropout_rate="0.1", dropout_rng=0), TypeError, "dropout_rate"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.split(
+        jax.random.key(0), 3)), TypeError,
+     r"dropout_rng must be one JAX PRNG key .* got key<fry> \(3,\)"),
     (dict(scale=float("nan")), ValueError, "scale"),
     (dict(is_causal=1), TypeError, "is_causal"),
     (dict(return_residual="no"), TypeError, "return_residual must be a bool"),
@@ -103,6 +106,27 @@ BAD = [
      ValueError, "segment_ids.kv must lie in"),
     (dict(key_value_seq_lengths=np.array([2**32 + 3, 4])), ValueError,
      r"key_value_seq_lengths must lie in \[0,"),
+    # Positions plus or minus a window side must fit int32.
+    (dict(query_positions=np.full((B, T), 2**31 - 4, np.int32),
+          key_positions=np.full((B, S), 2**31 - 4, np.int32),
+          local_window_size=(0, 10)), ValueError,
+     r"query_positions must lie in \[-536870912, 536870911\] \(with a "
+     "local_window_size"),
+    (dict(key_positions=np.full((B, S), -2**30, np.int32),
+          local_window_size=3), ValueError, "key_positions must lie in"),
+    # float32 cannot hold these: inf, or 0, in the kernels.
+    (dict(scale=1e39), ValueError, "scale must be 0 or of a magnitude"),
+    (dict(scale=1e-46), ValueError, "scale must be 0 or of a magnitude"),
+    (dict(logits_soft_cap=1e39), ValueError, "logits_soft_cap must be 0 or"),
+    # jnp.asarray's messages named neither the argument nor the call.
+    (dict(query=None), TypeError, "query must be an array, got None"),
+    (dict(value=[[None]]), TypeError, "value must be an array, got list"),
+    (dict(key_value_seq_lengths=[None, 3]), TypeError,
+     "key_value_seq_lengths must be an array"),
+    (dict(segment_ids=pallas_fa.SegmentIds(q=jnp.zeros((B, T), int),
+                                           kv=None)),
+     TypeError, "segment_ids.kv must be an array, got None"),
+    (dict(sinks=[None] * N), TypeError, "sinks must be an array"),
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
     (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap"),
     (dict(implementation="flash9000"), ValueError, "implementation"),
@@ -132,6 +156,35 @@ BAD = [
 def test_bad_input(overrides, error, text):
   with pytest.raises(error, match=text):
     _call(**overrides)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+@pytest.mark.parametrize("window, same_as", [
+    (2**31, None), (2**63 - 1, None), (np.int64(2**40), None),
+    ((None, 2**31), None), ((2**30, 3), (None, 3)),
+    ((5, 2**30 - 1), (5, None))])
+def test_window_sides_past_int32_are_unbounded(implementation, window,
+                                                same_as):
+  """A side of 2**30 or more ("everything", as a large number) is
+  unbounded: it was an OverflowError in jit's int32 cast. One below is a
+  bound, and with arange positions covers every key."""
+  gen = np.random.default_rng(14)
+  q = jnp.asarray(gen.standard_normal((2, 24, 2, 8)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((2, 40, 2, 8)), jnp.float32)
+          for _ in range(2))
+
+  def call(w):
+    return pallas_fa.flash_attention(q, k, v, is_causal=False,
+                                     local_window_size=w,
+                                     implementation=implementation)
+
+  np.testing.assert_array_equal(call(window), call(same_as))
+  if same_as is None:  # A bounded side would change the result.
+    assert not np.array_equal(call(window), call(3))
+  out = pallas_fa.decode_attention(q[:, :1], k, v, jnp.asarray([40, 17]),
+                                   local_window_size=window)
+  np.testing.assert_array_equal(out, pallas_fa.decode_attention(
+      q[:, :1], k, v, jnp.asarray([40, 17]), local_window_size=same_as))
 
 
 def test_extreme_int32_ids_and_positions_are_exact():

@@ -43,6 +43,29 @@ def test_memory_is_linear_in_sequence_length(causal):
   assert temp(long, "chunked") < logits_bytes / 2
 
 
+@pytest.mark.parametrize("policy", [
+    "dots_saveable", "checkpoint_dots", "everything_saveable",
+    "nothing_saveable"])
+def test_memory_is_linear_under_remat_policies(policy):
+  """Under `jax.checkpoint` with a policy that may save dots, the forward's
+  tile loops are not rerun for their outputs keeping every tile's logits
+  (T x S): (out, lse) come from one opaque call, as without a policy."""
+  b, n, h = 1, 2, 16
+  loss = jax.checkpoint(
+      lambda q, k, v: pallas_fa.flash_attention(
+          q, k, v, is_causal=True, implementation="chunked").sum(),
+      policy=getattr(jax.checkpoint_policies, policy))
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+
+  def temp(t):
+    q = jnp.ones((b, t, n, h))
+    return _temp_bytes(grad, q, q, q)
+
+  short, long = 1024, 4096
+  assert temp(long) < 2 * temp(short)
+  assert temp(long) < b * n * long * long * 4 / 2
+
+
 def test_tiles_balance_ragged_lengths():
   # 600 rows with 512-row tiles: two tiles of 304, not 512 + 88.
   assert layout.tile(512, 600, chunked.ALIGN) == (304, 608)

@@ -727,6 +727,12 @@ class ComposesWithTransformsTest(chex.TestCase):
           value=jnp.ones((4, 12, 1, 16)), block_table=jnp.zeros((2, 3), int)),
      NotImplementedError, "page_size"),
     (dict(implementation="nope"), ValueError, "implementation"),
+    (dict(implementation=["chunked"]), TypeError,
+     r"implementation must be a str or None, got "
+     r"implementation=\['chunked'\]"),
+    (dict(implementation={"chunked": 1}), TypeError,
+     "implementation must be a str or None"),
+    (dict(implementation=3), TypeError, "implementation must be a str"),
     (dict(lengths=jnp.zeros((3,), jnp.int32)), ValueError, "lengths"),
     (dict(lengths=jnp.array([-1, 2])), ValueError, "lengths"),
     (dict(lengths=jnp.array([3, 31])), ValueError, "lengths.*s_max=30"),
@@ -757,6 +763,24 @@ def test_bad_arguments_are_named(change, error, match):
   args.update(change)
   with pytest.raises(error, match=match):
     pallas_fa.decode_attention(**args)
+
+
+@pytest.mark.parametrize("implementation", [["chunked"], ("chunked",), 3])
+def test_an_implementation_that_is_no_str_is_flash_attentions_error(
+    implementation):
+  gen = rng("decode implementation type", repr(implementation))
+  q = jnp.asarray(gen.standard_normal((2, 1, 4, 16)), jnp.float32)
+  k = jnp.asarray(gen.standard_normal((2, 30, 1, 16)), jnp.float32)
+  errors = []
+  for call in (
+      lambda: pallas_fa.flash_attention(q, k, k,
+                                        implementation=implementation),
+      lambda: pallas_fa.decode_attention(q, k, k, jnp.array([3, 30]),
+                                         implementation=implementation)):
+    with pytest.raises(TypeError) as error:
+      call()
+    errors.append(str(error.value))
+  assert errors[0] == errors[1], errors
 
 
 @pytest.mark.parametrize("implementation", ["chunked", "triton",

@@ -514,9 +514,15 @@ def test_jit_vmap_and_batched_arguments():
 
 
 @pytest.mark.slow
-def test_grad_of_grad_on_xla():
-  """The reference differentiates twice through score_mod (chunked's
-  backward loops have traced bounds, which reverse mode cannot cross)."""
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_grad_of_grad_through_score_mod(implementation):
+  """Both jax.numpy backends differentiate twice through a score_mod and
+  its arrays.
+
+  Compiled at XLA's optimisation level 1, the default's lowest: at the
+  level 0 this suite compiles at (conftest), XLA:CPU's code for chunked's
+  program gives NaN once the score_mod reads the indices (levels 1-3 give
+  the reference's values, on jax 0.10 and 0.11)."""
   gen = rng("flex-grad2")
   q, k, v = (_normal(gen, (1, 12, 2, 8)) for _ in range(3))
   slopes = jnp.asarray(gen.random(2), jnp.float32)
@@ -524,21 +530,49 @@ def test_grad_of_grad_on_xla():
   def flash(q, slopes):
     return pallas_fa.flash_attention(
         q, k, v, score_mod=flex.alibi, score_mod_args=(slopes,),
-        implementation="xla")
+        is_causal=True, implementation=implementation,
+        block_sizes=block_sizes_for(implementation))
 
   def dense(q, slopes):
     return jax.nn.dot_product_attention(
-        q, k, v, bias=_alibi_bias(slopes, 12, 12))
+        q, k, v, bias=_alibi_bias(slopes, 12, 12), is_causal=True)
 
   def grad_of_grad(attention):
     def inner(q, slopes):
       return jnp.sum(jnp.sin(attention(q, slopes)))
-    return jax.grad(lambda q, slopes: jnp.sum(
-        jax.grad(inner)(q, slopes) ** 2), argnums=(0, 1))(q, slopes)
+    fn = jax.jit(jax.grad(lambda q, slopes: jnp.sum(
+        jax.grad(inner)(q, slopes) ** 2), argnums=(0, 1)))
+    return fn.lower(q, slopes).compile(compiler_options={
+        "xla_backend_optimization_level": 1})(q, slopes)
 
   for name, x, r in zip(("dq", "dslopes"), grad_of_grad(flash),
                         grad_of_grad(dense)):
     assert_close(name, x, r)
+
+
+@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
+def test_mask_mod_with_float_arrays(implementation):
+  """A mask_mod's arrays are never differentiated, float ones included (as
+  document ids kept in float): the kernels fuse it (triton refused it as
+  needing per-token gradients) and every backend gives xla's values and
+  gradients."""
+  gen = rng("flex-float-mask-args")
+  q, k, v = (_normal(gen, (2, 40, 2, 16)) for _ in range(3))
+  docs = jnp.asarray(np.sort(gen.integers(0, 3, (2, 40)), axis=1),
+                     jnp.float32)
+
+  def loss(q, k, v, implementation):
+    out = pallas_fa.flash_attention(
+        q, k, v, is_causal=True,
+        mask_mod=lambda b, h, i, j, d: d[b, i] == d[b, j],
+        mask_mod_args=(docs,), implementation=implementation,
+        block_sizes=block_sizes_for(implementation))
+    return jnp.sum(jnp.sin(out))
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))
+  for name, x, r in zip("qkv", grads(q, k, v, implementation),
+                        grads(q, k, v, "xla")):
+    assert_close("d" + name, x, r)
 
 
 # --------------------------------------------------------------------------

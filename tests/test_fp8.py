@@ -806,6 +806,30 @@ def test_quantize_fp8_rejects_bad_input_and_keeps_zeros():
     quantize.quantize_fp8(x[0, 0], "head")
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "float9", None, object(), [8]])
+def test_quantize_names_a_dtype_that_is_no_dtype(dtype):
+  """Not numpy's "data type not understood": the argument, named."""
+  x = jnp.asarray(testing.rng("quantize dtype", repr(dtype)).standard_normal(
+      (1, 4, 2, 8)), jnp.float32)
+  with pytest.raises(TypeError, match=r"quantize_fp8's dtype must be "
+                     r"float8_e4m3fn or float8_e5m2, got dtype="):
+    quantize.quantize_fp8(x, "head", dtype)
+  with pytest.raises(TypeError, match="quantize's dtype must be int8"):
+    quantize.quantize(x, dtype)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+def test_quantize_fp8_takes_a_dtypes_name(name):
+  x = jnp.asarray(testing.rng("quantize name", name).standard_normal(
+      (2, 4, 2, 8)), jnp.float32)
+  by_name = quantize.quantize_fp8(x, "head", name)
+  by_dtype = quantize.quantize_fp8(x, "head", jnp.dtype(name))
+  assert by_name[0].dtype == jnp.dtype(name)
+  for a, b in zip(by_name, by_dtype):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
+
+
 def test_cache_quantization_is_the_per_token_case():
   gen = testing.rng("quantize one home")
   x = testing.normal(gen, (2, 5, 3, 16))

@@ -1,6 +1,7 @@
 """`kv_cache.write`: entries land at each row's cache indices, contiguous or
 paged; entries past a row's capacity (or before its start) are dropped,
-never written over another entry; bad arguments are named."""
+never written over another entry; bad arguments are named (as they are by
+`gather` and the size helpers)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,118 @@ def test_write_names_bad_arguments():
     args = {"cache": cache, "new": new, "index": index, **change}
     with pytest.raises(ValueError, match=match):
       kv_cache.write(**args)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: kv_cache.num_pages_per_row(10, 0), ValueError,
+     "page_size must be a positive int"),
+    (lambda: kv_cache.num_pages_per_row(10, -4), ValueError, "page_size"),
+    (lambda: kv_cache.num_pages_per_row(10, 2.0), TypeError,
+     "page_size must be an int"),
+    (lambda: kv_cache.num_pages_per_row(10, True), TypeError, "page_size"),
+    (lambda: kv_cache.num_pages_per_row(10.0, 4), TypeError, "max_length"),
+    (lambda: kv_cache.num_pages_per_row(-1, 4), ValueError,
+     "max_length must be an int >= 0"),
+    (lambda: kv_cache.default_block_table(2.0, 3), TypeError, "batch_size"),
+    (lambda: kv_cache.default_block_table(2, 0), ValueError, "max_pages"),
+    (lambda: kv_cache.check_paged_config(2, 10, page_size="4"), TypeError,
+     "page_size"),
+    (lambda: kv_cache.check_paged_config(2, 10, page_size=4, num_pages=6.0),
+     TypeError, "num_pages"),
+])
+def test_sizes_are_checked(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_num_pages_per_row_counts_whole_pages():
+  assert kv_cache.num_pages_per_row(10, 4) == 3
+  assert kv_cache.num_pages_per_row(np.int64(8), np.int32(4)) == 2
+  assert kv_cache.num_pages_per_row(0, 4) == 0
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gather_reads_each_rows_pages(jit):
+  gen = rng("kv_cache gather", jit)
+  pages = jnp.asarray(gen.standard_normal((7, 3, 2, 5)), jnp.float32)
+  # Pages may repeat in a table that is only read.
+  table = np.array([[4, 0, 6], [2, 2, 5]], np.int32)
+  gather = jax.jit(kv_cache.gather) if jit else kv_cache.gather
+  got = gather(pages, jnp.asarray(table))
+  want = np.asarray(pages)[table].reshape(2, 9, 2, 5)
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("pages, table, error, match", [
+    ((4, 2, 1, 3), np.array([0, 1]), ValueError,
+     r"block_table must be an int \[B, max_pages\].*shape=\(2,\)"),
+    ((4, 2, 1, 3), np.zeros((2, 2, 1), np.int32), ValueError,
+     "block_table must be"),
+    ((4, 2, 1, 3), np.zeros((2, 2), np.float32), ValueError,
+     "block_table must be.*float32"),
+    ((4, 2, 1, 3), np.array([[0, 1], [2, 7]]), ValueError,
+     r"num_pages=4\), got block_table\[1, 1\]=7"),
+    ((4, 2, 1, 3), np.array([[0, -1], [2, 3]]), ValueError,
+     r"got block_table\[0, 1\]=-1"),
+    ((4,), np.array([[0, 1], [2, 3]]), ValueError, "pages must be"),
+])
+def test_gather_names_bad_arguments(pages, table, error, match):
+  pages = jnp.asarray(rng("gather bad", pages).standard_normal(pages),
+                      jnp.float32)
+  with pytest.raises(error, match=match):
+    kv_cache.gather(pages, jnp.asarray(table))
+
+
+@pytest.mark.parametrize("change, error, match", [
+    # A page named twice: rows would overwrite each other.
+    (dict(block_table=np.zeros((2, 2), np.int32)), ValueError,
+     "block_table must name every page at most once"),
+    (dict(block_table=np.array([[0, 3], [2, 3]], np.int32)), ValueError,
+     "at most once"),
+    (dict(new=np.ones((2, 3, 1, 4), np.complex64)), TypeError,
+     "new must be a float array.*complex64"),
+    (dict(new=np.ones((2, 3, 1, 4), np.int32)), TypeError,
+     "new must be a float array.*int32"),
+    (dict(new=np.ones((2, 3, 1, 4), np.bool_)), TypeError, "new.dtype=bool"),
+    (dict(new=np.ones((2, 3, 1, 4), np.int8)), TypeError, "new.dtype=int8"),
+    (dict(cache=np.zeros((8, 2, 1, 4), np.int32),
+          new=np.ones((2, 3, 1, 4), np.int32)), TypeError,
+     "cache must be a float array.*int32"),
+    (dict(cache=np.zeros((8, 2, 1, 4), np.int8),
+          scale=np.ones((8, 2, 1), np.int32)), TypeError,
+     "scale must be a float array"),
+])
+def test_write_refuses_what_it_would_store_wrongly(change, error, match):
+  gen = rng("write refuses", str(change))
+  args = dict(cache=np.zeros((8, 2, 1, 4), np.float32),
+              new=gen.standard_normal((2, 3, 1, 4)).astype(np.float32),
+              index=np.array([0, 1]),
+              block_table=np.array([[0, 1], [2, 3]], np.int32)) | change
+  args = {name: jnp.asarray(x) for name, x in args.items()}
+  with pytest.raises(error, match=match):
+    kv_cache.write(**args)
+
+
+@pytest.mark.parametrize("cache_dtype, new_dtype", [
+    (jnp.float32, jnp.bfloat16),
+    (jnp.bfloat16, jnp.float32),
+    (jnp.float32, jnp.float8_e4m3fn),
+    (jnp.int8, jnp.int8),  # Already quantized: stored as it is.
+    (jnp.float8_e5m2, jnp.float8_e5m2),
+])
+def test_write_stores_float_entries_and_quantized_ones_of_its_dtype(
+    cache_dtype, new_dtype):
+  gen = rng("write dtypes", str(cache_dtype), str(new_dtype))
+  # Values of int8's range, rounded: each dtype holds them (an int8 cache
+  # as entries already quantized).
+  pool = jnp.asarray(np.round(gen.standard_normal((4, 2, 1, 8)) * 20),
+                     cache_dtype)
+  new = jnp.asarray(np.round(gen.standard_normal((2, 3, 1, 8)) * 20),
+                    new_dtype)
+  table = np.array([[2, 0], [1, 3]], np.int32)
+  index = np.array([1, 3])
+  got = kv_cache.write(pool, new, jnp.asarray(index), jnp.asarray(table))
+  want = _expected(np.asarray(pool)[table].reshape(2, 4, 1, 8),
+                   np.asarray(new.astype(cache_dtype)), index, 4)
+  np.testing.assert_array_equal(
+      np.asarray(got)[table].reshape(2, 4, 1, 8), want)

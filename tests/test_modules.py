@@ -492,9 +492,12 @@ def test_mha_paged_cache_default_table_and_validation():
   assert layer.block_table is None
   assert layer.cached_key.shape == (2, 10, 2, 8)
   table = lambda *rows: jnp.asarray(rows, jnp.int32)
+  for kwargs, name in ((dict(page_size=2.5), "page_size"),
+                       (dict(page_size=4, num_pages=6.0), "num_pages")):
+    with pytest.raises(TypeError, match=f"{name} must be an int"):
+      layer.init_cache(2, 10, **kwargs)
   bad = [
       (dict(page_size=0), "page_size"),
-      (dict(page_size=2.5), "page_size"),
       (dict(num_pages=6), "num_pages"),
       (dict(block_table=table([0, 1, 2], [3, 4, 5])), "block_table"),
       (dict(page_size=4, num_pages=5), "num_pages"),
@@ -518,10 +521,11 @@ def test_mha_cache_arguments_are_checked():
   for dtype in (jnp.int32, jnp.uint8, jnp.bool_):
     with pytest.raises(TypeError, match="dtype"):
       layer.init_cache(2, 10, dtype)
-  for b, length, name in ((0, 10, "batch_size"), (2, 0, "max_length"),
-                          (2.0, 10, "batch_size")):
+  for b, length, name in ((0, 10, "batch_size"), (2, 0, "max_length")):
     with pytest.raises(ValueError, match=name):
       layer.init_cache(b, length)
+  with pytest.raises(TypeError, match="batch_size must be an int"):
+    layer.init_cache(2.0, 10)
   # decode_lengths count real tokens of the call: in [0, T].
   layer.init_cache(2, 16)
   x = _normal((2, 4, 32))
@@ -552,6 +556,96 @@ def test_flax_decode_mode_declines_positional_attention(flex_args):
   module.init_cache((b, t, d))
   with pytest.raises(NotImplementedError, match="decode mode"):
     module(x[:, :1], decode=True)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(head_dim=0), ValueError, "head_dim must be a positive int"),
+    (dict(num_heads=0), ValueError, "num_heads must be a positive int"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
+    (dict(in_features=0), ValueError, "in_features"),
+    (dict(out_features=-1), ValueError, "out_features"),
+    (dict(num_heads=4.0), TypeError, "num_heads must be an int"),
+    (dict(num_heads="4"), TypeError, "num_heads must be an int"),
+    (dict(in_features=32.0), TypeError, "in_features"),
+    (dict(head_dim=8.0), TypeError, "head_dim"),
+    (dict(num_kv_heads=True), TypeError, "num_kv_heads"),
+    (dict(in_kv_features="10"), TypeError, "in_kv_features"),
+    (dict(out_features=np.float32(24)), TypeError, "out_features"),
+    (dict(dropout_rate="0.1"), TypeError, "dropout_rate must be a float"),
+    (dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\)"),
+    (dict(dropout_rate=-0.1), ValueError, "dropout_rate"),
+    (dict(deterministic="no"), TypeError, "deterministic must be a bool"),
+    (dict(use_sinks=1), TypeError, "use_sinks must be a bool"),
+    (dict(use_bias="yes"), TypeError, "use_bias must be a bool"),
+])
+def test_mha_constructor_arguments_are_checked(change, error, match):
+  with pytest.raises(error, match=match):
+    _mha(**change)
+
+
+def test_mha_sizes_may_be_numpy_ints():
+  layer = _mha(num_heads=np.int64(4), in_features=np.int32(32),
+               head_dim=np.int64(6), out_features=np.int32(24))
+  assert layer.query.kernel.shape == (32, 4, 6)
+  assert type(layer.head_dim) is int
+  y = nnx.eval_shape(lambda m, x: m(x), layer, _normal((2, 5, 32)))
+  assert y.shape == (2, 5, 24)
+
+
+def test_mha_dropout_stream_is_asked_for_where_it_is_needed():
+  """Flax's nnx.MultiHeadAttention fails at construction (an AttributeError
+  from Rngs) when rngs has no "dropout" stream; this layer builds, runs
+  deterministic calls and calls given rngs=, and a call that drops without
+  a stream names the missing stream and `rngs`."""
+  with pytest.raises(AttributeError, match="dropout"):
+    nnx.MultiHeadAttention(4, 32, dropout_rate=0.1, decode=False,
+                           rngs=nnx.Rngs(params=0))
+  layer = modules.MultiHeadAttention(
+      4, 32, num_kv_heads=2, dropout_rate=0.5, implementation="xla",
+      rngs=nnx.Rngs(params=_seed()))
+  x = _normal((2, 6, 32))
+  plain = layer(x, deterministic=True)
+  dropped = layer(x, rngs=nnx.Rngs(dropout=_seed()))
+  assert np.isfinite(np.asarray(dropped)).all()
+  assert not np.allclose(dropped, plain)
+  for kwargs, whose in ((dict(), "the layer's rngs"),
+                        (dict(rngs=nnx.Rngs(params=1)), "the call's rngs")):
+    with pytest.raises(ValueError, match=f"'dropout' RngStream.*{whose}"):
+      layer(x, **kwargs)
+  with pytest.raises(TypeError, match="deterministic must be a bool"):
+    layer(x, deterministic="yes")
+
+
+@pytest.mark.parametrize("case", ["inputs_q", "inputs_kv", "self", "decode"])
+def test_mha_inputs_of_the_wrong_feature_size_are_named(case):
+  layer = _mha(in_kv_features=10 if case == "self" else None)
+  x, z = _normal((2, 8, 32)), _normal((2, 5, 32))
+  if case == "inputs_q":
+    call, match = lambda: layer(x[..., :31], z), r"inputs_q must be .*=32\]"
+  elif case == "inputs_kv":
+    call, match = lambda: layer(x, z[..., :31]), r"inputs_kv.*=32\].*31\)"
+  elif case == "self":
+    call, match = lambda: layer(x), "in_kv_features=10.*pass inputs_kv"
+  else:
+    layer.init_cache(2, 16)
+    call, match = lambda: layer(x[..., :15], decode=True), r"inputs_q.*15\)"
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+def test_mha_decode_lengths_and_cache_dtype_are_named():
+  layer = _mha()
+  layer.init_cache(2, 16)
+  x = _normal((2, 2, 32))
+  with pytest.raises(ValueError,
+                     match="decode_lengths.shape=.*decode_lengths.dtype="
+                     "float32"):
+    layer(x, decode=True, decode_lengths=jnp.array([1.0, 2.0]))
+  for dtype in ("fp8", "float9", object()):
+    with pytest.raises(TypeError, match="init_cache's dtype must be"):
+      layer.init_cache(2, 16, dtype)
+  layer.init_cache(2, 16, "float8_e4m3fn")  # A dtype's name is a dtype.
+  assert layer.cached_key.dtype == jnp.float8_e4m3fn
 
 
 def test_mha_decode_without_cache_raises():

@@ -80,6 +80,16 @@ def test_calls_inside_a_user_shard_map_that_checks_varying_axes():
   assert out.count("ok ") == 8, out
 
 
+def test_calls_on_explicit_mesh_axes():
+  """Arrays typed with Explicit mesh axes (`jax.make_mesh`'s default, under
+  `jax.set_mesh`): flash_attention on chunked, xla and the automatic choice
+  equals the unsharded call and keeps the query's sharding (it failed with
+  JAX type errors in chunked's loops); decode_attention declines by name
+  and runs under `jax.sharding.auto_axes`."""
+  out = _run_worker("explicit_mesh")
+  assert out.count("ok ") == 4, out
+
+
 def test_mosaic_gpu_kernels_decline_inside_a_user_shard_map():
   """Mosaic GPU traces its kernels' bodies with the map's types, compiled
   too: inside a shard_map that checks varying axes it declines by name
@@ -407,3 +417,50 @@ def test_mesh_axes_must_be_names():
   for bad in (1, ("data", 2), {"data"}):
     with pytest.raises(TypeError, match="mesh axes must be"):
       mesh_lib.axis_names(bad)
+
+
+# Sizes are ints (`checks.check_int`) and flags bools.
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: parallel.make_mesh(data=1.0), TypeError, "data must be an int"),
+    (lambda: parallel.make_mesh(data=2.0, sequence=2), TypeError, "data"),
+    (lambda: parallel.make_mesh(heads="1"), TypeError, "heads"),
+    (lambda: parallel.make_mesh(sequence=0), ValueError,
+     "sequence must be a positive int"),
+    (lambda: parallel.zigzag_indices(16.0, 2), TypeError,
+     "length must be an int"),
+    (lambda: parallel.zigzag_indices(16, 2.0), TypeError, "num_shards"),
+    (lambda: parallel.zigzag_indices(16, 0), ValueError, "num_shards"),
+    (lambda: parallel.zigzag_indices(12, 4), ValueError, "2 \\* num_shards"),
+    (lambda: parallel.zigzag(jnp.ones((1, 8)), 2, axis=1.0), TypeError,
+     "axis"),
+    (lambda: parallel.unzigzag(jnp.ones((1, 8)), 2, axis=2), ValueError,
+     "axis"),
+    (lambda: parallel.shard_batch({"x": np.ones((2, 8))},
+                                  parallel.make_mesh(), load_balance="no"),
+     TypeError, "load_balance must be a bool"),
+])
+def test_parallel_sizes_and_flags_are_checked(call, error, match):
+  with pytest.raises(error, match=match):
+    call()
+
+
+def test_sharded_flash_attention_load_balance_is_a_flag():
+  gen = np.random.default_rng(31)
+  q = jnp.asarray(gen.standard_normal((1, 8, 2, 16)), jnp.float32)
+  with pytest.raises(TypeError, match="load_balance must be a bool"):
+    parallel.sharded_flash_attention(q, q, q, mesh=parallel.make_mesh(),
+                                     load_balance="no")
+
+
+@pytest.mark.parametrize("axis", [1, -2])
+def test_zigzag_takes_numpy_sizes_and_round_trips(axis):
+  order = parallel.zigzag_indices(np.int64(16), np.int32(2))
+  assert np.issubdtype(order.dtype, np.integer)
+  np.testing.assert_array_equal(order, parallel.zigzag_indices(16, 2))
+  x = jnp.asarray(np.random.default_rng(32 + axis).standard_normal((2, 16, 3)),
+                  jnp.float32)
+  zz = parallel.zigzag(x, 2, axis=axis)
+  np.testing.assert_array_equal(zz, np.asarray(x)[:, order])
+  np.testing.assert_array_equal(parallel.unzigzag(zz, 2, axis=axis), x)

@@ -227,6 +227,9 @@ def decode_attention(
       for a quantized cache), or with a score_mod/mask_mod it cannot fuse
       (`pallas_fa.flex.fused_mods`).
   """
+  # Not a str (a list, say) is flash_attention's TypeError, before the
+  # lookups below would hash it.
+  api.check_implementation(implementation, None)
   if implementation not in (None,) + IMPLEMENTATIONS:
     if implementation in api.REGISTRY:
       raise NotImplementedError(
@@ -308,6 +311,12 @@ def decode_attention(
        manual_axes.vary_together(
            query, key, value, key_scale, value_scale, lengths, block_table,
            query_positions, sinks, prefix_key, prefix_value, flex))
+  if manual_axes.explicit_spec(query) is not None:
+    raise NotImplementedError(
+        "decode_attention does not take arrays typed with Explicit mesh "
+        f"axes (query is {jax.typeof(query)}); call it under "
+        "jax.sharding.auto_axes(..., out_sharding=...), or on a mesh of "
+        "Auto axes.")
   if implementation in ("triton", "mosaic_tpu"):
     manual_axes.check_kernels(
         implementation, query,

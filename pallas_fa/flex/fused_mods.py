@@ -603,8 +603,11 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
     deps[inputs[0]] = _SCORE
   for k, flag in zip(inputs[offset:offset + 4], (_BATCH, _HEAD, _Q, _KV)):
     deps[k] = flag
+  # Only a score_mod's floating arrays are differentiated (a mask_mod's
+  # result is a bool).
   for k, x in zip(inputs[offset + 4:], args):
-    deps[k] = _ARGS | (_DIFF if jnp.issubdtype(x.dtype, jnp.inexact) else 0)
+    deps[k] = _ARGS | (
+        _DIFF if offset and jnp.issubdtype(x.dtype, jnp.inexact) else 0)
   for i, step in enumerate(steps):
     d = 0
     for k in step.ins:

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import checks
+
 Array = Any
 AxisNames = str | Sequence[str] | None
 _P = jax.sharding.PartitionSpec
@@ -69,11 +71,16 @@ def make_mesh(
     A `jax.sharding.Mesh` with axes (DATA_AXIS, HEAD_AXIS, SEQUENCE_AXIS).
 
   Raises:
-    ValueError: data * heads * sequence differs from the number of devices.
+    TypeError: a size that is not an int (the message names it).
+    ValueError: a size below 1, or data * heads * sequence differs from the
+      number of devices.
   """
   devices = list(jax.devices() if devices is None else devices)
-  shape = (data, heads, sequence)
-  if min(shape) < 1 or int(np.prod(shape)) != len(devices):
+  # A float size would pass the product check (2.0 * 2 == 4) and reach
+  # jax's mesh constructors.
+  shape = tuple(checks.check_positive_int(name, size) for name, size in (
+      ("data", data), ("heads", heads), ("sequence", sequence)))
+  if int(np.prod(shape)) != len(devices):
     raise ValueError(
         f"make_mesh needs data * heads * sequence == number of devices, got "
         f"{data=}, {heads=}, {sequence=} for {len(devices)} devices."
@@ -206,10 +213,15 @@ def zigzag_indices(length: int, num_shards: int) -> np.ndarray:
   context parallelism).
 
   Raises:
-    ValueError: length is not a multiple of 2 * num_shards.
+    TypeError: length or num_shards is not an int (a float would make the
+      indices float64).
+    ValueError: length < 0, num_shards < 1, or length is not a multiple of
+      2 * num_shards.
   """
+  length = checks.check_int("length", length, 0)
+  num_shards = checks.check_positive_int("num_shards", num_shards)
   chunks = 2 * num_shards
-  if num_shards < 1 or length % chunks:
+  if length % chunks:
     raise ValueError(
         f"the zig-zag layout needs length % (2 * num_shards) == 0, got "
         f"{length=}, {num_shards=}."
@@ -221,19 +233,35 @@ def zigzag_indices(length: int, num_shards: int) -> np.ndarray:
   return np.concatenate([np.arange(j * c, (j + 1) * c) for j in order])
 
 
+def _check_axis(x, axis) -> int:
+  """`zigzag`'s and `unzigzag`'s `axis` as an int in [0, x.ndim)."""
+  axis = checks.check_int("axis", axis, -x.ndim)
+  if axis >= x.ndim:
+    raise ValueError(
+        f"axis must be in [-{x.ndim}, {x.ndim}) for x of rank {x.ndim}, got "
+        f"{axis=}.")
+  return axis % x.ndim
+
+
 def zigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
   """Permutes `axis` of x into the zig-zag layout (see `zigzag_indices`).
 
   A model permutes its tokens (and targets, and `arange` positions) once
   with this and runs every layer in that order; attention stays exact because
   it masks by the positions, which are permuted with the tokens.
+
+  Raises:
+    TypeError / ValueError: as `zigzag_indices`, or an axis that is not an
+      int axis of x (the message names it).
   """
-  return _permute(x, num_shards, axis, False)
+  x = jnp.asarray(x)
+  return _permute(x, num_shards, _check_axis(x, axis), False)
 
 
 def unzigzag(x: Array, num_shards: int, axis: int = 1) -> Array:
-  """Inverse of `zigzag`: back to the natural token order."""
-  return _permute(x, num_shards, axis, True)
+  """Inverse of `zigzag`: back to the natural token order (same errors)."""
+  x = jnp.asarray(x)
+  return _permute(x, num_shards, _check_axis(x, axis), True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -296,7 +324,9 @@ def shard_batch(
   Raises:
     ValueError: T is not a multiple of 2 * ring size (zig-zag) or B of the
       batch-axis size.
+    TypeError: load_balance is not a bool.
   """
+  load_balance = checks.check_flag("load_balance", load_balance)
   batch_names = tuple(a for a in axis_names(batch_axes) if a in mesh.shape)
   if sequence_axis is not None and sequence_axis not in mesh.shape:
     sequence_axis = None

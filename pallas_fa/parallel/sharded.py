@@ -496,7 +496,7 @@ def sharded_flash_attention(
       batch_axes=mesh_lib.axis_names(batch_axes),
       head_axes=mesh_lib.axis_names(head_axes),
       sequence_axis=sequence_axis,
-      load_balance=bool(load_balance),
+      load_balance=api.check_flag("load_balance", load_balance),
       implementation=implementation,
       block_sizes=block_sizes,
       # Resolved now (None reads XLA_FLAGS), so it keys the trace cache.
