@@ -222,12 +222,18 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
-def check_dropout(rate, rng):
-  """(rate, rng as an array or None): the static rate in [0, 1); an rng
-  (PRNG key or integer seed) is required when rate > 0."""
+def check_dropout_rate(rate) -> float:
+  """`dropout_rate=` as a float in [0, 1) (None: 0)."""
   rate = check_static_float("dropout_rate", rate) or 0.0
   if not 0.0 <= rate < 1.0:
     raise ValueError(f"dropout_rate must be in [0, 1), got {rate}.")
+  return rate
+
+
+def check_dropout(rate, rng):
+  """(rate, rng as an array or None): the static rate in [0, 1); an rng
+  (PRNG key or integer seed) is required when rate > 0."""
+  rate = check_dropout_rate(rate)
   if rate == 0.0:
     return 0.0, None
   if rng is None:

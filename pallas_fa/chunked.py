@@ -424,15 +424,6 @@ def _cols(x, part, axis=2):
   return jax.lax.slice_in_dim(x, part.c0, part.c0 + part.cols, axis=axis)
 
 
-def _add_cols(acc, x, part):
-  """acc [B, K, H, bk] (keys last, see `_backward`) with x added to the keys
-  of `part`."""
-  if x.shape == acc.shape:
-    return acc + x
-  return jax.lax.dynamic_update_slice_in_dim(
-      acc, _cols(acc, part, axis=3) + x, part.c0, axis=3)
-
-
 def _add_at(acc, x, starts):
   """acc with x added at `starts` (ints, or traced int32 scalars)."""
   if x.shape == acc.shape:
@@ -660,9 +651,12 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
           "bkqs,bksh->bkqh", _fold(ds.astype(kj.dtype)), kj, lay.acc,
           params.precision), lay.g)
       dk_j = key_grad(ds.astype(qi.dtype), qi, kj.shape[0])
-      return ((_add_cols(dk_all, dk_j, part), _add_cols(dv_all, dv_j, part),
-               dargs), accumulate(buffers, part, (dq_i, dbias_i),
-                                  in_tile=not _BRANCHES_UPDATE_IN_PLACE))
+      # dK and dV of the part's keys, [B, K, H, cols] (keys last).
+      key_cols = (0, 0, 0, part.c0)
+      small = (_add_at(dk_all, dk_j, key_cols),
+               _add_at(dv_all, dv_j, key_cols), dargs)
+      return small, accumulate(buffers, part, (dq_i, dbias_i),
+                               in_tile=not _BRANCHES_UPDATE_IN_PLACE)
 
     if _BRANCHES_UPDATE_IN_PLACE:
       (dk_j, dv_j, dargs), (dq, dbias) = lay.tile_loop(

@@ -284,10 +284,7 @@ class MultiHeadAttention(nnx.Module):
             f"not given, got {in_features=}, {num_heads=}."
         )
       head_dim = in_features // num_heads
-    dropout_rate = api.check_static_float("dropout_rate", dropout_rate) or 0.0
-    if not 0.0 <= dropout_rate < 1.0:
-      raise ValueError(
-          f"dropout_rate must be in [0, 1), got {dropout_rate=}.")
+    dropout_rate = checks.check_dropout_rate(dropout_rate)
     for name, flag in (("use_bias", use_bias), ("is_causal", is_causal),
                        ("deterministic", deterministic),
                        ("use_sinks", use_sinks)):
