@@ -597,7 +597,13 @@ def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
     backend.check_call(*call.for_backend(backend).arrays)
     return backend
   reasons = []
-  for name in AUTO_ORDER.get(platform(), ("chunked",)):
+  candidates = AUTO_ORDER.get(platform(), ("chunked",))
+  q, k, v = call.arrays[:3]
+  if vjp.symbolic_dims(*(x.shape[1:] for x in (q, k, v))):
+    # Shape-polymorphic lengths (`jax.export`): the tiled backends pick
+    # their tiles from them and decline; the reference takes any.
+    candidates += ("xla",)
+  for name in candidates:
     try:
       backend = get_backend(name)
     except NotImplementedError as e:

@@ -713,4 +713,5 @@ BACKEND = vjp.Backend(
     dropout=True,
     shared_kv=True,
     differentiable=True,
+    symbolic_batch=True,
 )

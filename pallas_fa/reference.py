@@ -124,4 +124,5 @@ def _check(q, k, v, bias, info, params):
 # Differentiated by plain autodiff (no custom backward).
 BACKEND = vjp.Backend(
     name="xla", forward=_forward, check=_check, dtypes=vjp.WITH_FLOAT8,
-    value_head_dim=True, dropout=True, differentiable=True)
+    value_head_dim=True, dropout=True, differentiable=True,
+    symbolic_batch=True, symbolic_lengths=True)

@@ -95,6 +95,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import custom_derivatives
+from jax import export
 
 from pallas_fa import manual_axes
 from pallas_fa import masking
@@ -130,6 +131,12 @@ class Params:
   out_dtype: Any = None
 
 
+def symbolic_dims(*shapes) -> list[str]:
+  """The symbolic dims (`jax.export` shape polymorphism) in `shapes`."""
+  return list(dict.fromkeys(
+      str(d) for shape in shapes for d in shape if export.is_symbolic_dim(d)))
+
+
 Forward = Callable[..., tuple[Array, Array]]
 Backward = Callable[..., tuple[Array, Array, Array, Array | None]]
 
@@ -163,6 +170,10 @@ class Backend:
       that JAX can differentiate again (forward over reverse:
       Hessian-vector products). Pallas kernels are not: differentiating
       them raises a NotImplementedError naming the backend (`_kernel`).
+    symbolic_batch: whether the batch size may be symbolic (shape
+      polymorphism, `jax.export`): the kernels' grids need it concrete.
+    symbolic_lengths: whether T, S and the head dims may be symbolic too:
+      tiled backends pick their tiles from the lengths.
   """
 
   name: str
@@ -176,10 +187,13 @@ class Backend:
   dropout: bool = False
   shared_kv: bool = False
   differentiable: bool = False
+  symbolic_batch: bool = False
+  symbolic_lengths: bool = False
 
   def check_call(self, q, k, v, bias, info, params) -> None:
     """Raises NotImplementedError naming why this backend cannot run the
-    call: the input dtype, or its own `check`."""
+    call: the input dtype, symbolic dims, or its own `check`."""
+    self.check_symbolic_dims(q, k, v)
     if not any(q.dtype == d for d in self.dtypes):
       if quantize.is_fp8(q.dtype):
         raise NotImplementedError(
@@ -199,6 +213,22 @@ class Backend:
           f"implementation {self.name!r} does not implement attention "
           "dropout.")
     self.check(q, k, v, bias, info, params)
+
+  def check_symbolic_dims(self, q, k, v) -> None:
+    """Raises NotImplementedError if q, k or v [B, T|S, N|K, H] has a
+    symbolic dim this backend cannot run with."""
+    lengths = symbolic_dims(*(x.shape[1:] for x in (q, k, v)))
+    batch = symbolic_dims(q.shape[:1], k.shape[:1])
+    if lengths and not self.symbolic_lengths:
+      raise NotImplementedError(
+          f"implementation {self.name!r} needs concrete sequence lengths "
+          f"and head dims, got the symbolic {', '.join(lengths)} (query "
+          f"{q.shape}, key {k.shape}). 'xla' takes them (and is the "
+          "automatic choice for them; its memory grows with T * S).")
+    if batch and not (self.symbolic_batch or self.symbolic_lengths):
+      raise NotImplementedError(
+          f"implementation {self.name!r} needs a concrete batch size, got "
+          f"the symbolic {', '.join(batch)}; 'chunked' and 'xla' take one.")
 
   def block_sizes(self, params: Params, q, k, info, v=None) -> Any:
     """The tiling a call runs with: `params.block_sizes`, else this

@@ -29,12 +29,21 @@ Array = Any
 _BLOCK_BYTES = 1 << 22
 
 
+# The batch a symbolic one is taken for when sizing blocks: a serving
+# batch, whose steps then span _BLOCK_BYTES; a smaller batch runs the same
+# loop over narrower steps.
+_SYMBOLIC_BATCH = 8
+
+
 def default_block(s_max: int, batch: int, num_kv: int, h: int,
                   query_dtype) -> int:
   """Keys per block of a contiguous cache: a power of two in [16, 2048]
   whose step's tiles (in `_tile_dtype`) span about `_BLOCK_BYTES` over all
   rows."""
   itemsize = jnp.dtype(_tile_dtype(query_dtype)).itemsize
+  if not isinstance(batch, int):
+    # A symbolic batch (`jax.export`): sized as for _SYMBOLIC_BATCH rows.
+    batch = _SYMBOLIC_BATCH
   rows = _BLOCK_BYTES // (batch * num_kv * h * itemsize)
   block = 1 << max(4, min(11, rows.bit_length() - 1))  # 16 .. 2048
   return min(block, max(16, 1 << (s_max - 1).bit_length()))
@@ -307,11 +316,12 @@ def _einsum(subscripts: str, x, y, **kwargs):
   x_labels, y_labels = inputs.split(",")
   sizes = dict(zip(x_labels + y_labels, x.shape + y.shape))
   batch = set(x_labels) & set(y_labels) & set(output)
-  if any(sizes[label] > 1 for label in batch):
+  # `!= 1`, not `> 1`: a symbolic batch (`jax.export`) is not known > 1.
+  if any(sizes[label] != 1 for label in batch):
     return jnp.einsum(subscripts, x, y, **kwargs)
 
   def kept(labels):
-    return "".join(label for label in labels if sizes[label] > 1)
+    return "".join(label for label in labels if sizes[label] != 1)
 
   def squeezed(labels, operand):
     return operand.reshape([sizes[label] for label in kept(labels)])

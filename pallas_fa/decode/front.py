@@ -17,6 +17,7 @@ from pallas_fa import checks
 from pallas_fa import kv_cache
 from pallas_fa import manual_axes
 from pallas_fa import online_softmax
+from pallas_fa import vjp
 from pallas_fa.decode import chunked
 from pallas_fa.decode import kernels
 from pallas_fa.decode import plan
@@ -291,6 +292,8 @@ def decode_attention(
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
   prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv,
                                           num_kv)
+  _check_symbolic_dims(implementation, query, key, value, block_table,
+                       prefix_key, prefix_value)
   static = api.static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision)
@@ -373,6 +376,28 @@ def decode_attention(
                          fold=bool(_fold_prefix))
   return _result(*prefix.merge(shared, own, sinks, query.dtype),
                  return_residual)
+
+
+def _check_symbolic_dims(implementation, query, key, value, block_table,
+                         prefix_key, prefix_value):
+  """Shape polymorphism (`jax.export`): the batch (and a paged cache's page
+  count) may be symbolic on `chunked`; the blocks and splits are sized from
+  every other dim, and the kernels' grids from all of them."""
+  arrays = [x for x in (query, key, value, block_table) if x is not None]
+  shared = [x.shape for x in (prefix_key, prefix_value) if x is not None]
+  rest = vjp.symbolic_dims(*(x.shape[1:] for x in arrays), *shared)
+  if rest:
+    raise NotImplementedError(
+        "decode_attention needs concrete new-token counts, cache lengths, "
+        f"head counts and head dims, got the symbolic {', '.join(rest)} "
+        f"(query {query.shape}, key {key.shape}); only the batch may be "
+        "symbolic.")
+  batch = vjp.symbolic_dims(*(x.shape[:1] for x in arrays))
+  if batch and implementation not in (None, "chunked"):
+    raise NotImplementedError(
+        f"implementation={implementation!r} needs a concrete batch size, "
+        f"got the symbolic {', '.join(batch)}; 'chunked' (the default) "
+        "takes one.")
 
 
 def _result(out, lse, return_residual):

@@ -342,7 +342,9 @@ def _ring_backend(step_backend: vjp.Backend, axis_name,
                                  zigzag),
       check=step_backend.check, dtypes=step_backend.dtypes,
       value_head_dim=step_backend.value_head_dim,
-      dropout=step_backend.dropout)
+      dropout=step_backend.dropout,
+      symbolic_batch=step_backend.symbolic_batch,
+      symbolic_lengths=step_backend.symbolic_lengths)
 
 
 def ring_local(implementation, params, axis_name, q, k, v, bias, info,
