@@ -123,9 +123,11 @@ def test_symbolic_batch_with_segments_bias_and_leading_dims():
 
   def args_at(b):
     ks = jax.random.split(jax.random.key(b), 5)
-    return (_normal(ks[0], (b, 2, t, _N, _H)), _normal(ks[1], (b, 2, t, _K, _H)),
-            _normal(ks[2], (b, 2, t, _K, _H)), _normal(ks[3], (1, 1, _N, t, t)),
-            jnp.sort(jax.random.randint(ks[4], (b, 2, t), 0, 3), axis=-1))
+    q = _normal(ks[0], (b, 2, t, _N, _H))
+    k, v = (_normal(x, (b, 2, t, _K, _H)) for x in ks[1:3])
+    bias = _normal(ks[3], (1, 1, _N, t, t))
+    seg = jnp.sort(jax.random.randint(ks[4], (b, 2, t), 0, 3), axis=-1)
+    return q, k, v, bias, seg
 
   _check_exported(make("chunked"), make("xla"), specs, args_at, sizes=(1, 2))
 
