@@ -816,7 +816,8 @@ def explicit_mesh():
   mesh axes (`jax.make_mesh`'s default), inside `jax.set_mesh`: batch and
   heads sharded, with a sharded bias, segments and lengths, equal the
   unsharded calls (values and gradients), on chunked, xla and the
-  automatic choice; the result keeps the query's sharding."""
+  automatic choice; the result keeps the query's sharding. decode_attention
+  on a float cache and on an int8 one with a shared prefix."""
   from jax.sharding import NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
@@ -853,25 +854,33 @@ def explicit_mesh():
     assert got["out"].sharding.spec == tokens, got["out"].sharding
     _compare(f"{impl} on explicit mesh axes", got, want)
 
-  # decode_attention declines by name, and runs under auto_axes.
+  # decode_attention too, over a float cache and an int8 one with a shared
+  # prefix (the prefix pass and the merge), keeping the query's sharding.
   lengths = jnp.array([40, 31, 17, 40])
-  want = pallas_fa.decode_attention(q[:, :1], k, v, lengths,
-                                    implementation="chunked")
-  args = (place(q[:, :1], tokens), *placed[1:3], place(lengths, P("data")))
+  (kq, ks), (vq, vs) = (pallas_fa.kv_cache.quantize(x) for x in (k, v))
+  prefix = dict(prefix_key=k[0, :8], prefix_value=v[0, :8])
+  for name, cache, extra in [
+      ("float", (k, v), {}),
+      ("int8 with a prefix", (kq, vq), dict(key_scale=ks, value_scale=vs))]:
+    if extra:
+      extra = dict(extra, **prefix)
 
-  def decode(q, k, v, lengths):
-    return pallas_fa.decode_attention(q, k, v, lengths,
-                                      implementation="chunked")
+    def decode(q, k, v, lengths, extra):
+      return pallas_fa.decode_attention(q, k, v, lengths,
+                                        implementation="chunked", **extra)
 
-  with jax.set_mesh(mesh):
-    try:
-      jax.jit(decode)(*args)
-    except NotImplementedError as e:
-      assert "jax.sharding.auto_axes" in str(e), str(e)
-    else:
-      raise AssertionError("decode_attention ran on explicit mesh axes")
-    got = jax.jit(jax.sharding.auto_axes(decode, out_sharding=tokens))(*args)
-  _compare("decode under auto_axes", {"out": got}, {"out": want})
+    want = decode(q[:, :1], *cache, lengths, extra)
+    data = {key: place(x, P("data", None, "model")
+                       if x.ndim == 3 and key.endswith("scale")
+                       else P(*(None,) * x.ndim))
+            for key, x in extra.items()}
+    args = (place(q[:, :1], tokens),
+            *(place(x, tokens) for x in cache), place(lengths, P("data")))
+    with jax.set_mesh(mesh):
+      got = jax.jit(decode)(*args, data)
+    assert got.sharding.spec == tokens, got.sharding
+    _compare(f"decode on explicit mesh axes, {name} cache", {"out": got},
+             {"out": want})
 
 
 if __name__ == "__main__":

@@ -84,10 +84,10 @@ def test_calls_on_explicit_mesh_axes():
   """Arrays typed with Explicit mesh axes (`jax.make_mesh`'s default, under
   `jax.set_mesh`): flash_attention on chunked, xla and the automatic choice
   equals the unsharded call and keeps the query's sharding (it failed with
-  JAX type errors in chunked's loops); decode_attention declines by name
-  and runs under `jax.sharding.auto_axes`."""
+  JAX type errors in chunked's loops); so does decode_attention, over a
+  float cache and an int8 one with a shared prefix."""
   out = _run_worker("explicit_mesh")
-  assert out.count("ok ") == 4, out
+  assert out.count("ok ") == 5, out
 
 
 def test_mosaic_gpu_kernels_decline_inside_a_user_shard_map():

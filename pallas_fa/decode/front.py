@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import Callable
@@ -314,12 +315,6 @@ def decode_attention(
        manual_axes.vary_together(
            query, key, value, key_scale, value_scale, lengths, block_table,
            query_positions, sinks, prefix_key, prefix_value, flex))
-  if manual_axes.explicit_spec(query) is not None:
-    raise NotImplementedError(
-        "decode_attention does not take arrays typed with Explicit mesh "
-        f"axes (query is {jax.typeof(query)}); call it under "
-        "jax.sharding.auto_axes(..., out_sharding=...), or on a mesh of "
-        "Auto axes.")
   if implementation in ("triton", "mosaic_tpu"):
     manual_axes.check_kernels(
         implementation, query,
@@ -329,36 +324,66 @@ def decode_attention(
                    jnp.full((b, t, n), online_softmax.MASK_VALUE,
                             online_softmax.stats_dtype(query.dtype)),
                    return_residual)
+  functions = {name: flex[name] for name in ("score_mod", "mask_mod")
+               if flex}
+  decode = functools.partial(
+      _decode, implementation, value_head_dim=hv, static=static,
+      functions=functions, tiling=dict(num_splits=num_splits,
+                                       block_kv=block_kv, launch=launch),
+      warps=warps, fold_prefix=_fold_prefix)
+  spec = manual_axes.explicit_spec(query)
+  if spec is not None:
+    # Arrays typed with Explicit mesh axes: the result is sharded as the
+    # query is (as in `flash_attention`).
+    decode = jax.sharding.auto_axes(
+        decode, out_sharding=(spec, jax.sharding.PartitionSpec(*spec[:-1])))
+  out, lse = decode(query, key, value, key_scale, value_scale, lengths,
+                    block_table, query_positions, sinks, prefix_key,
+                    prefix_value, flex.get("score_mod_args", ()),
+                    flex.get("mask_mod_args", ()))
+  return _result(out, lse, return_residual)
+
+
+def _decode(implementation, query, key, value, key_scale, value_scale,
+            lengths, block_table, query_positions, sinks, prefix_key,
+            prefix_value, score_mod_args, mask_mod_args, *, value_head_dim,
+            static, functions, tiling, warps, fold_prefix):
+  """(out, lse) of a checked, non-empty `decode_attention` call."""
+  b, t, _, _ = query.shape
+  hv = value_head_dim
+  flex = {}
+  if functions:
+    flex = dict(functions, score_mod_args=score_mod_args,
+                mask_mod_args=mask_mod_args)
   cache = dict(key=key, value=value, value_head_dim=hv, key_scale=key_scale,
                value_scale=value_scale, lengths=lengths,
                block_table=block_table)
-  tiling = dict(num_splits=num_splits, block_kv=block_kv, launch=launch)
   if prefix_key is None:
-    out, lse = _own_cache(implementation, query, query_positions, sinks,
-                          cache, tiling, static, flex)
-    return _result(out, lse, return_residual)
+    return _own_cache(implementation, query, query_positions, sinks, cache,
+                      tiling, static, flex)
   # One new token a row on triton: three kernels (`kernels.run_with_prefix`)
   # that read the lengths or the positions as given.
-  if (_fold_prefix is True and value is not None
+  if (fold_prefix is True and value is not None
       and plan.capacity(key, block_table) > 0
       and kernels.merges_prefix_in_place(implementation, query, prefix_value,
                                          dict(static, **flex))):
     scales = {name: x for name, x in (("key_scale", key_scale),
                                       ("value_scale", value_scale))
               if x is not None}
-    out, lse = kernels.run_with_prefix(
+    return kernels.run_with_prefix(
         implementation, query, key, value, lengths, block_table,
-        query_positions, sinks, prefix_key, prefix_value, num_splits,
-        block_kv, dict(static, **scales, **warps))
-    return _result(out, lse, return_residual)
+        query_positions, sinks, prefix_key, prefix_value,
+        tiling["num_splits"], tiling["block_kv"],
+        dict(static, **scales, **warps))
   s_p = prefix_key.shape[0]
   if query_positions is None:
     query_positions = (lengths[:, None].astype(jnp.int32) - t
                        + jnp.arange(t, dtype=jnp.int32)[None]) + s_p
   shifted = dict(flex)
   if flex:
-    shifted.update(score_mod=prefix.shifted(score_mod, s_p, True),
-                   mask_mod=prefix.shifted(mask_mod, s_p, False))
+    shifted.update(
+        score_mod=prefix.shifted(functions["score_mod"], s_p, True),
+        mask_mod=prefix.shifted(functions["mask_mod"], s_p, False))
   own = _own_cache(implementation, query, query_positions - s_p, None,
                    cache, tiling, static, shifted)
 
@@ -373,9 +398,8 @@ def decode_attention(
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
                          implementation=implementation, static=static,
                          flex=flex, decode_one_row=decode_one_row,
-                         fold=bool(_fold_prefix))
-  return _result(*prefix.merge(shared, own, sinks, query.dtype),
-                 return_residual)
+                         fold=bool(fold_prefix))
+  return prefix.merge(shared, own, sinks, query.dtype)
 
 
 def _check_symbolic_dims(implementation, query, key, value, block_table,
