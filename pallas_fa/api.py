@@ -341,6 +341,9 @@ def canonicalize(
   query, key, value, bias, info, sinks, scales, straight_through = (
       manual_axes.vary_together(query, key, value, bias, info, sinks, scales,
                                 straight_through))
+  if info.dropout_seed is not None:
+    info = dataclasses.replace(info, dropout_seed=dropout.seed_for_shard(
+        info.dropout_seed, manual_axes.axes(query)))
   return Call(q=query, k=key, v=value, bias=bias, info=info, params=params,
               batch_shape=batch_shape, sinks=sinks, scales=scales,
               straight_through=straight_through)
@@ -855,9 +858,7 @@ def flash_attention(
   check_implementation(implementation, block_sizes)
   if quantize is not None:
     quantize_lib.check_granularity("quantize", quantize)
-  if isinstance(scale, jax.core.Tracer):
-    query, query_scale = _scaled_query(query, query_scale, scale)
-    scale = 1.0
+  query, query_scale, scale = fold_traced_scale(query, query_scale, scale)
   static = static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
@@ -917,11 +918,14 @@ def _check_index_values(query_seq_lengths, key_value_seq_lengths,
     check_int32_values("segment_ids.kv", segment_ids.kv, low=real)
 
 
-def _scaled_query(query, query_scale, scale):
-  """(query, query_scale) carrying a traced logit `scale`, which cannot key
-  the kernels (they are built for a static one): softcap(scale * q.k) is
-  softcap((scale * q).k), so the scale multiplies a float8 query's scale,
-  or the query itself, and the call runs with scale 1."""
+def fold_traced_scale(query, query_scale, scale):
+  """(query, query_scale, scale), a traced logit `scale` carried by the
+  query, which cannot key the kernels (they are built for a static one):
+  softcap(scale * q.k) is softcap((scale * q).k), so the scale multiplies
+  a float8 query's scale, or the query itself, and the call runs with
+  scale 1. Any other scale passes through."""
+  if not isinstance(scale, jax.core.Tracer):
+    return query, query_scale, scale
   if jnp.ndim(scale) or not jnp.issubdtype(jnp.result_type(scale),
                                           jnp.floating):
     raise TypeError(
@@ -930,10 +934,11 @@ def _scaled_query(query, query_scale, scale):
   query = jnp.asarray(query)
   if quantize_lib.is_fp8(query.dtype):
     factor = jnp.asarray(scale, jnp.float32)
-    return query, factor if query_scale is None else query_scale * factor
+    return query, (factor if query_scale is None
+                   else query_scale * factor), 1.0
   wide = online_softmax.stats_dtype(query.dtype)
   return (query.astype(wide) * scale.astype(wide)).astype(query.dtype), (
-      query_scale)
+      query_scale), 1.0
 
 
 def clear_cache() -> None:

@@ -136,6 +136,13 @@ class _Layout(layout.Padded):
     self.bk, sp = _tile(block_kv, k.shape[1], mask_tiles[1])
     # Softmax statistics and accumulators: float32 (float64 inputs: float64).
     self.acc = online_softmax.stats_dtype(q.dtype)
+    # The dtype dS enters the backward's products in: the tiles' (float8
+    # ones are dequantized to float32), but float32 for float16 inputs,
+    # whose range dS = P (dP - delta) leaves with values dP = dO.V that
+    # float16 inputs reach (V near 3e4: inf and NaN in dQ and dK).
+    # XLA:CPU widens float16 products to float32 anyway.
+    self.ds_dtype = (self.acc if q.dtype == jnp.float16 or scales is not None
+                     else q.dtype)
     # In full precision the logit scale is folded into q once, saving a
     # multiply per logit; in low precision that would round scale * q.
     # Float8 inputs are dequantized tile by tile (`tile_q`, `tile_kv`) to
@@ -623,7 +630,8 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
         s, score_mod_pullback = score_mod.vjp(s)
       if visit.builtin or visit.mod:
         s = online_softmax.apply_mask(s, lay.visibility(part, visit))
-      p = online_softmax.probs_from_lse(s, lse_i)  # [B, K, G, rows, cols]
+      p = online_softmax.probs_from_lse(  # [B, K, G, rows, cols]
+          s, lse_i, tile_exp=online_softmax.exp_at_most_one)
       # With dropout (FlashAttention-2 §B): dV takes the dropped
       # probabilities, dP the same mask, and dS = P * (dP - delta) with delta
       # from the dropped output.
@@ -647,10 +655,10 @@ def _backward(q, k, v, bias, info, params, lse, dout, delta):
       # The logit scale is applied to the [bq, H] / [bk, H] products rather
       # than to the [bq, bk] tile: d(scale q.k)/dq = scale * k.
       ds = online_softmax.logits_grad(ds, s_capped, cap=params.soft_cap)
+      ds = ds.astype(lay.ds_dtype)
       dq_i = params.scale * _unfold(_with_keys(
-          "bkqs,bksh->bkqh", _fold(ds.astype(kj.dtype)), kj, lay.acc,
-          params.precision), lay.g)
-      dk_j = key_grad(ds.astype(qi.dtype), qi, kj.shape[0])
+          "bkqs,bksh->bkqh", _fold(ds), kj, lay.acc, params.precision), lay.g)
+      dk_j = key_grad(ds, qi, kj.shape[0])
       # dK and dV of the part's keys, [B, K, H, cols] (keys last).
       key_cols = (0, 0, 0, part.c0)
       small = (_add_at(dk_all, dk_j, key_cols),

@@ -92,6 +92,21 @@ def grouped_factor(seed: Array, rate: float, shape, dtype, q_start=0,
   return factor(keep, rate, dtype)
 
 
+def seed_for_shard(seed: Array, axis_names: tuple[str, ...]) -> Array:
+  """The seed of this device's masks inside a `jax.shard_map`: `seed` with
+  the device's index along each of `axis_names` absorbed.
+
+  The masks hash the call's own indices, which inside a map are the
+  shard's local ones: without this, devices holding different batch
+  rows, heads or positions would draw the same masks. `axis_names` are the
+  axes the call's arrays vary along (`manual_axes.axes`), so devices that
+  replicate a call still draw one mask.
+  """
+  for name in axis_names:
+    seed = _absorb(seed, jax.lax.axis_index(name))
+  return seed
+
+
 def seed_from(rng: Any) -> Array:
   """A uint32 seed from a JAX PRNG key (typed or raw uint32[2]) or an
   integer; raises TypeError for anything else."""

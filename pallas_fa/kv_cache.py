@@ -344,6 +344,9 @@ def gather(pages: Array, block_table: Array) -> Array:
     raise ValueError(
         f"pages must be [num_pages, page_size, ...], got {pages.shape=}.")
   block_table = _check_block_table(block_table, pages.shape[0])
-  rows = pages[block_table]  # [B, max_pages, page_size, K, H]
+  # Clipped, not wrapped: a traced -1 reads page 0, as decode_attention's
+  # kernels and gathers clamp it (numpy indexing would read the last).
+  rows = pages[jnp.clip(block_table, 0, pages.shape[0] - 1)]
+  # [B, max_pages, page_size, K, H]
   b, max_pages, page_size = rows.shape[:3]
   return rows.reshape(b, max_pages * page_size, *rows.shape[3:])

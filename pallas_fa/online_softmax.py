@@ -336,6 +336,29 @@ def update(m_i: Array, l_i: Array, s: Array, *, base2: bool = False,
   return m_new, l_new, p, alpha
 
 
+def exp_at_most_one(s: Array, shift: Array, scale: float | None = None
+                    ) -> Array:
+  """The `tile_exp` exp(s * scale - shift) of a shift that bounds the
+  logits (their max, or their logsumexp), its exponent clamped at 0.
+
+  The exponent can come out positive, and past logits of about 1e9 overflow
+  exp (NaN rows), where the shift was computed from other roundings of the
+  same logits: XLA:CPU contracts a logit's scaling multiply with the
+  subtraction of the shift into one unrounded fused multiply-add; a
+  blockwise backward recomputes the logits with other tiles than the
+  forward's, whose products round differently; and at optimisation level
+  0 XLA:CPU evaluates a score_mod's tanh a rounding apart in two fusions.
+  The clamp is gradient-free (the exponent loses a constant), so the
+  derivative is exp's own everywhere: a select or jnp.minimum would zero
+  or halve it where x is 0 or a rounding above it. `chunked`'s forward
+  does without it (its float32 calls fold the scale into q and take the
+  max and the exponents from one product); kernels take their own
+  exponentials.
+  """
+  x = (s if scale is None else s * scale) - shift
+  return jnp.exp(x - lax.stop_gradient(jnp.maximum(x, 0.0)))
+
+
 def shifted_exp(exp: Callable[[Array], Array]):
   """The `tile_exp` of an elementwise exp: (s, shift, scale) ->
   exp(s * scale - shift), or exp(s - shift) when scale is None."""
@@ -388,7 +411,7 @@ def softmax(s: Array) -> tuple[Array, Array]:
   visible key (p = 0, lse = -inf) free of NaN.
   """
   m = lax.stop_gradient(s.max(axis=-1))
-  e = jnp.exp(s - _finite_or_zero(m)[..., None])
+  e = exp_at_most_one(s, _finite_or_zero(m)[..., None])
   return finalize(m, e.sum(axis=-1), e)
 
 

@@ -104,8 +104,12 @@ def quantize(x: Array, dtype=jnp.int8,
                    keepdims=True, initial=0.0)
   largest = QUANTIZED_DTYPES[dtype]
   # A NaN or inf in a slice makes its scale NaN or inf, so it dequantizes
-  # to NaN (int8 would otherwise cast a NaN to some integer silently).
-  scale = jnp.where(absmax == 0, 1.0, absmax / largest)
+  # to NaN (int8 would otherwise cast a NaN to some integer silently). A
+  # scale below float32's smallest normal would be flushed to 0 (XLA:CPU
+  # does), and the values divided by it inf or NaN: such a slice (absmax
+  # under about 5e-36) takes the smallest normal.
+  tiny = float(jnp.finfo(jnp.float32).tiny)
+  scale = jnp.where(absmax == 0, 1.0, jnp.maximum(absmax / largest, tiny))
   # The clip only guards the last ulp of absmax / scale: a float8 value
   # above the format's largest would become NaN (e4m3fn has no inf).
   scaled = jnp.clip(wide / scale, -largest, largest)

@@ -61,7 +61,12 @@ def attention(
   q = masking.zero_padding(q, info.q_segment_ids, masking.Q_PAD_SEGMENT)
   k = masking.zero_padding(k, info.kv_segment_ids, masking.KV_PAD_SEGMENT)
   v = masking.zero_padding(v, info.kv_segment_ids, masking.KV_PAD_SEGMENT)
-  qg = q.astype(compute_dtype).reshape(b, t, num_kv, g, h)
+  # The scale is folded into q in compute_dtype, where it rounds no more
+  # than a multiply of each logit would, and leaves XLA no multiply of
+  # the logits to contract with the softmax's subtraction of their max
+  # (`online_softmax.exp_at_most_one`).
+  qg = (q.astype(compute_dtype) * jnp.asarray(scale, compute_dtype)).reshape(
+      b, t, num_kv, g, h)
   s = jnp.einsum(
       "btkgh,bskh->bkgts",
       qg,
@@ -80,7 +85,7 @@ def attention(
         batch=indices[0], head=indices[1], q_idx=indices[2],
         kv_idx=indices[3])
   s, _ = online_softmax.logits(
-      s, scale=scale, cap=soft_cap, bias=bias, score_mod=score_mod)
+      s, scale=1.0, cap=soft_cap, bias=bias, score_mod=score_mod)
   s = online_softmax.apply_mask(
       s, masking.tile_visibility(info, num_kv, num_heads=n))
   if sinks is not None:

@@ -170,6 +170,8 @@ class Backend:
       that JAX can differentiate again (forward over reverse:
       Hessian-vector products). Pallas kernels are not: differentiating
       them raises a NotImplementedError naming the backend (`_kernel`).
+    why_not_differentiable: what a second derivative through a backend
+      that is not `differentiable` is told (None: it runs Pallas kernels).
     symbolic_batch: whether the batch size may be symbolic (shape
       polymorphism, `jax.export`): the kernels' grids need it concrete.
     symbolic_lengths: whether T, S and the head dims may be symbolic too:
@@ -187,6 +189,7 @@ class Backend:
   dropout: bool = False
   shared_kv: bool = False
   differentiable: bool = False
+  why_not_differentiable: str | None = None
   symbolic_batch: bool = False
   symbolic_lengths: bool = False
 
@@ -378,11 +381,13 @@ def _kernel(backend, fn):
   def refuse(primals, tangents):
     del primals, tangents
     raise NotImplementedError(
-        f"implementation={backend.name!r} has no second derivatives: its "
-        "kernels are Pallas calls, which JAX cannot differentiate twice, "
-        "so neither grad of grad nor forward over reverse (jvp of grad, "
-        "Hessian-vector products) goes through them. implementation='xla' "
-        "and 'chunked' have both.")
+        f"implementation={backend.name!r} has no second derivatives: "
+        "neither grad of grad nor forward over reverse (jvp of grad, "
+        "Hessian-vector products) goes through it. " + (
+            backend.why_not_differentiable or (
+                "Its kernels are Pallas calls, which JAX cannot "
+                "differentiate twice; implementation='xla' and 'chunked' "
+                "have both.")))
 
   wrapped.defjvp(refuse)
   return wrapped

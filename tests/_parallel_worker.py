@@ -788,6 +788,26 @@ def user_shard_map():
   want = decode(new, cache_k, cache_v, k_scale, v_scale, lengths, sinks)
   _compare("decode in a user shard_map", {"out": got}, {"out": want})
 
+  # Dropout: the masks hash the call's indices, which are the shard's own
+  # local ones, so each device folds its index along the axes the call
+  # varies along into the seed. Four equal batch rows, one a device: four
+  # different masks (so four different rows out), as in the unsharded
+  # call; replicated over the devices, the unsharded call's masks.
+  same = tuple(jnp.broadcast_to(x[:1], x.shape) for x in (q, k, v))
+  key = jax.random.PRNGKey(15)
+
+  def dropped(q, k, v):
+    return pallas_fa.flash_attention(q, k, v, dropout_rate=0.5,
+                                     dropout_rng=key, implementation="chunked")
+
+  rows = np.asarray(in_user_map(dropped, "qkv", "")(*same))
+  distinct = {rows[i].tobytes() for i in range(b)}
+  assert len(distinct) == b, "devices drew the same dropout masks"
+  replicated = jax.shard_map(dropped, mesh=mesh, in_specs=(P(),) * 3,
+                             out_specs=P())(q, k, v)
+  _compare("dropout in a user shard_map", {"out": replicated},
+           {"out": dropped(q, k, v)})
+
   # Interpreted kernels cannot run there: a NotImplementedError that says
   # what to do, not an error from JAX's interpreter.
   # With q, k and v replicated, sinks alone may vary.
@@ -883,6 +903,64 @@ def explicit_mesh():
              {"out": want})
 
 
+def entry_points():
+  """sharded_flash_attention and ring_attention take what flash_attention
+  takes: a traced (learned) scale, values and gradients equal to the
+  single-device call's; ring_attention(quantize=...) called eagerly in a
+  user's shard_map; a second derivative through a ring is refused by
+  name."""
+  from jax.sharding import Mesh  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  q, k, v = _inputs(31, 2, 32, 32, 4, 2, 8)
+  mesh = parallel.make_mesh(sequence=4, devices=jax.devices()[:4])
+  ring_mesh = Mesh(np.array(jax.devices()[:4]), ("s",))
+  seq = P(None, "s")
+
+  def in_ring(**kwargs):
+    return jax.shard_map(
+        lambda q, k, v, scale: parallel.ring_attention(
+            q, k, v, axis_name="s", is_causal=True, scale=scale, **kwargs),
+        mesh=ring_mesh, in_specs=(seq,) * 3 + (P(),), out_specs=seq)
+
+  calls = {
+      "flash_attention": lambda q, k, v, scale: pallas_fa.flash_attention(
+          q, k, v, scale=scale, is_causal=True, implementation="chunked"),
+      "sharded_flash_attention": (
+          lambda q, k, v, scale: parallel.sharded_flash_attention(
+              q, k, v, scale=scale, mesh=mesh, sequence_axis="sequence",
+              is_causal=True, implementation="chunked")),
+      "ring_attention": in_ring(implementation="chunked"),
+  }
+  grads = {
+      name: jax.jit(jax.value_and_grad(
+          lambda q, scale, f=f: jnp.sum(jnp.sin(f(q, k, v, scale))),
+          argnums=(0, 1)))(q, jnp.float32(0.3))
+      for name, f in calls.items()}
+  want = grads.pop("flash_attention")
+  for name, got in grads.items():
+    _compare(f"{name} with a traced scale",
+             {"loss": got[0], "dq": got[1][0], "dscale": got[1][1]},
+             {"loss": want[0], "dq": want[1][0], "dscale": want[1][1]})
+
+  quantized = dict(quantize="head", out_dtype=jnp.float32,
+                   implementation="chunked")
+  # Each device quantizes its own shards: the jitted call is the reference.
+  got = in_ring(**quantized)(q, k, v, 0.5)  # Eager, not under jit.
+  want = jax.jit(in_ring(**quantized))(q, k, v, 0.5)
+  _compare("eager ring_attention(quantize=...)", {"out": got}, {"out": want})
+
+  def loss(q):
+    return jnp.sum(jnp.sin(calls["sharded_flash_attention"](q, k, v, 0.3)))
+
+  try:
+    jax.jvp(jax.grad(loss), (q,), (q,))
+  except NotImplementedError as e:
+    assert "Ring attention merges" in str(e), str(e)
+  else:
+    raise AssertionError("a second derivative went through a ring")
+
+
 if __name__ == "__main__":
   jax.config.update("jax_default_matmul_precision", "highest")
   if _MODE == "process":
@@ -894,4 +972,4 @@ if __name__ == "__main__":
   else:
     {"sharded": sharded, "ring": ring, "hlo": hlo,
      "user_shard_map": user_shard_map,
-     "explicit_mesh": explicit_mesh}[_MODE]()
+     "explicit_mesh": explicit_mesh, "entry_points": entry_points}[_MODE]()

@@ -158,6 +158,46 @@ def test_bad_input(overrides, error, text):
     _call(**overrides)
 
 
+@pytest.mark.parametrize("implementation, dtype", [
+    ("xla", jnp.float32), ("xla", jnp.bfloat16), ("chunked", jnp.float32)])
+def test_huge_logits_give_no_nan(implementation, dtype):
+  """Logits of about 1e10, past any model's: XLA:CPU contracted the logit
+  scale's multiply with the subtraction of the row max into one fused
+  multiply-add, and a row's largest exponent came out past exp's range
+  (NaN rows on xla). xla now folds the scale into q, as chunked does in
+  float32, and both give the float64 attention of the rounded inputs
+  (each row the value of its largest logit), gradients finite. chunked's
+  16-bit calls still multiply each logit (README: known limits)."""
+  ks = jax.random.split(jax.random.PRNGKey(3), 3)
+  shape = (1, 64, 2, 32)
+  q = (1e6 * jax.random.normal(ks[0], shape)).astype(dtype)
+  k = (1e4 * jax.random.normal(ks[1], shape)).astype(dtype)
+  v = jax.random.normal(ks[2], shape).astype(dtype)
+  attend = functools.partial(
+      pallas_fa.flash_attention, implementation=implementation,
+      block_sizes=conftest.block_sizes_for(implementation))
+
+  def value_and_grads(q, k, v):
+    return jax.value_and_grad(
+        lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v).astype(jnp.float32))),
+        argnums=(0, 1, 2))(q, k, v)
+
+  def optimised(fn):
+    # The suite compiles at XLA's level 0 (conftest), where XLA contracts
+    # nothing: a user's program is optimised.
+    return jax.jit(fn).lower(q, k, v).compile(compiler_options={
+        "xla_backend_optimization_level": 3})(q, k, v)
+
+  got = np.asarray(optimised(attend), np.float64)
+  for x in (got, *optimised(value_and_grads)[1]):
+    assert np.all(np.isfinite(np.asarray(x, np.float32)))
+  q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+  logits = np.einsum("tnh,snh->nts", q64[0], k64[0]) / np.sqrt(32)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  want = np.einsum("nts,snh->tnh", p / p.sum(-1, keepdims=True), v64[0])
+  np.testing.assert_allclose(got[0], want, atol=1e-2)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "chunked"])
 @pytest.mark.parametrize("window, same_as", [
     (2**31, None), (2**63 - 1, None), (np.int64(2**40), None),

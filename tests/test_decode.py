@@ -816,3 +816,42 @@ def test_a_16bit_cache_is_copied_only_where_xla_cannot_slice_it(dtype):
   copied = max(sizes, default=0) >= cache.size
   assert copied == decode.chunked._slices_widen(jnp.dtype(dtype)), (
       copied, jax.__version__)
+
+
+@pytest.mark.parametrize("implementation", ["chunked", "triton"])
+def test_derivatives_are_refused_by_name(implementation):
+  """decode_attention is forward only: grad and jvp through the query or
+  the cache are a NotImplementedError that names the call (they were
+  JAX's fori_loop error, or empty assertions inside Pallas); the sinks'
+  gradient, added after the kernels on chunked, is the flash_attention
+  equivalent's."""
+  gen = rng("decode derivatives", implementation)
+  q = jnp.asarray(gen.standard_normal((2, 1, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((2, 32, 2, 16)), jnp.float32)
+          for _ in range(2))
+  lengths = jnp.array([32, 9])
+  sinks = jnp.asarray(gen.standard_normal(4), jnp.float32)
+
+  def decode(q, k, sinks):
+    return jnp.sum(jnp.sin(pallas_fa.decode_attention(
+        q, k, v, lengths, sinks=sinks, implementation=implementation)))
+
+  for argnum in (0, 1):
+    with pytest.raises(NotImplementedError, match="forward only"):
+      jax.grad(decode, argnums=argnum)(q, k, sinks)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.jvp(lambda q: decode(q, k, sinks), (q,), (q,))
+  if implementation == "triton":
+    with pytest.raises(NotImplementedError, match="forward only"):
+      jax.grad(decode, argnums=2)(q, k, sinks)
+    return
+
+  def flash(sinks):
+    positions = (lengths - 1)[:, None]
+    return jnp.sum(jnp.sin(pallas_fa.flash_attention(
+        q, k, v, key_value_seq_lengths=lengths, is_causal=True,
+        query_positions=positions, key_positions=jnp.broadcast_to(
+            jnp.arange(32), (2, 32)), sinks=sinks, implementation="xla")))
+
+  assert_close("dsinks", jax.grad(decode, argnums=2)(q, k, sinks),
+               jax.grad(flash)(sinks))

@@ -67,6 +67,36 @@ def test_quantize_keeps_nan_and_inf_visible(dtype):
   np.testing.assert_allclose(back[2], [0.5, -0.25], rtol=2 ** -3)
 
 
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_quantize_keeps_tiny_slices_finite(dtype):
+  """A slice whose largest magnitude is normal but under about 5e-36 has a
+  scale below float32's smallest normal, which XLA:CPU flushes to 0: its
+  values came out inf (float8: NaN after dequantizing; int8: zeros). Its
+  scale is now that smallest normal, and decoding over it matches the
+  float cache."""
+  gen = rng("quantize tiny", str(dtype))
+  x = gen.standard_normal((1, 16, 1, 32)).astype(np.float32)
+  x[0, 3] *= np.float32(1e-37)
+  values, scale = kv_cache.quantize(jnp.asarray(x), dtype)
+  back = _dequantized(values, scale)
+  assert np.all(np.isfinite(back))
+  # Within a step of the slice's largest magnitude, or of the tiny
+  # slice's scale (float32's smallest normal).
+  step = 2.0 ** -3 if dtype != jnp.int8 else 1 / 127
+  absmax = np.abs(x).max(-1, keepdims=True)
+  tiny = float(np.finfo(np.float32).tiny)
+  assert np.all(np.abs(back - x) <= step * absmax + tiny)
+  assert np.abs(back[0, 3]).max() > 0  # Not flushed to zeros.
+  q = jnp.asarray(gen.standard_normal((1, 1, 2, 32)), jnp.float32)
+  lengths = jnp.array([16])
+  got = pallas_fa.decode_attention(q, values, values, lengths,
+                                   key_scale=scale, value_scale=scale)
+  dequantized = jnp.asarray(back, jnp.float32)
+  want = pallas_fa.decode_attention(q, dequantized, dequantized, lengths)
+  assert np.all(np.isfinite(np.asarray(got)))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_quantize_rejects_bad_input():
   with pytest.raises(TypeError, match="dtype"):
     kv_cache.quantize(jnp.ones((2, 4)), jnp.int16)

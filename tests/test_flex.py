@@ -550,6 +550,53 @@ def test_grad_of_grad_through_score_mod(implementation):
     assert_close(name, x, r)
 
 
+@jax.custom_jvp
+def _straight_through_round(x):
+  return jnp.round(x)
+
+
+@_straight_through_round.defjvp
+def _straight_through_round_jvp(primals, tangents):
+  return _straight_through_round(primals[0]), tangents[0]
+
+
+def _rounded_score(score, batch, head, q_idx, kv_idx, weights):
+  del batch, q_idx, kv_idx
+  return _straight_through_round(score * weights[head])
+
+
+@pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
+def test_score_mod_with_a_custom_derivative(implementation):
+  """A score_mod calling a custom_jvp (a straight-through round): the
+  kernels would fuse its body and differentiate that, silently (every
+  gradient 0 here); they decline it by name, and the automatic choice and
+  the jax.numpy backends apply the rule."""
+  gen = rng("flex custom derivative", implementation)
+  q, k, v = (testing.normal(gen, (1, 32, 2, 16)) for _ in range(3))
+  weights = jnp.asarray([1.0, 2.0])
+
+  def grads(implementation):
+    def loss(q, weights):
+      out = pallas_fa.flash_attention(
+          q, k, v, score_mod=_rounded_score, score_mod_args=(weights,),
+          implementation=implementation,
+          block_sizes=block_sizes_for(implementation))
+      return jnp.sum(jnp.sin(out))
+    return jax.grad(loss, argnums=(0, 1))(q, weights)
+
+  if implementation not in ("xla", "chunked"):
+    with pytest.raises(NotImplementedError, match="custom derivative"):
+      grads(implementation)
+    implementation = None
+  want = jax.grad(lambda q, weights: jnp.sum(jnp.sin(
+      pallas_fa.flash_attention(
+          q, k, v, score_mod=_rounded_score, score_mod_args=(weights,),
+          implementation="xla"))), argnums=(0, 1))(q, weights)
+  assert float(jnp.max(jnp.abs(want[0]))) > 0.1  # The rule's gradient.
+  for name, x, r in zip(("dq", "dweights"), grads(implementation), want):
+    assert_close(name, x, r)
+
+
 @pytest.mark.parametrize("implementation", FLEX_IMPLEMENTATIONS)
 def test_mask_mod_with_float_arrays(implementation):
   """A mask_mod's arrays are never differentiated, float ones included (as

@@ -135,6 +135,19 @@ def test_gather_reads_each_rows_pages(jit):
   np.testing.assert_array_equal(got, want)
 
 
+def test_gather_clamps_a_traced_table_as_decode_does():
+  """A traced table cannot be checked: its entries out of range read the
+  pool's first or last page, as decode_attention's reads clamp them (a -1
+  read the last page, by numpy's wrap-around, where decode reads the
+  first)."""
+  gen = rng("kv_cache gather traced", False)
+  pages = jnp.asarray(gen.standard_normal((5, 2, 1, 4)), jnp.float32)
+  table = np.array([[-1, 3], [9, 0]], np.int32)
+  got = jax.jit(kv_cache.gather)(pages, jnp.asarray(table))
+  want = np.asarray(pages)[np.clip(table, 0, 4)].reshape(2, 4, 1, 4)
+  np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("pages, table, error, match", [
     ((4, 2, 1, 3), np.array([0, 1]), ValueError,
      r"block_table must be an int \[B, max_pages\].*shape=\(2,\)"),

@@ -75,9 +75,11 @@ def test_calls_inside_a_user_shard_map_that_checks_varying_axes():
   """flash_attention (chunked, xla; float8 too), ring_attention and
   decode_attention inside the user's own `jax.shard_map(check_vma=True)`
   equal the single-device calls, the gradients of replicated arguments
-  included; interpreted triton declines by name (`manual_axes`)."""
+  included; interpreted triton declines by name (`manual_axes`). Dropout
+  draws a mask per device where the call is sharded, the unsharded call's
+  where it is replicated."""
   out = _run_worker("user_shard_map")
-  assert out.count("ok ") == 8, out
+  assert out.count("ok ") == 9, out
 
 
 def test_calls_on_explicit_mesh_axes():
@@ -88,6 +90,15 @@ def test_calls_on_explicit_mesh_axes():
   float cache and an int8 one with a shared prefix."""
   out = _run_worker("explicit_mesh")
   assert out.count("ok ") == 5, out
+
+
+def test_parallel_entry_points_take_what_flash_attention_takes():
+  """A traced scale through sharded_flash_attention and ring_attention
+  (refused before), ring_attention(quantize=...) called eagerly in a
+  user's map (JAX's internal error before), and a named refusal of
+  second derivatives through a ring (it blamed Pallas kernels)."""
+  out = _run_worker("entry_points")
+  assert out.count("ok ") == 3, out
 
 
 def test_mosaic_gpu_kernels_decline_inside_a_user_shard_map():

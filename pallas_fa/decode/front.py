@@ -324,6 +324,15 @@ def decode_attention(
                    jnp.full((b, t, n), online_softmax.MASK_VALUE,
                             online_softmax.stats_dtype(query.dtype)),
                    return_residual)
+  # Generation needs no gradients: differentiating through the cache
+  # reads (a paged gather, the split loops) is refused here, by name. A
+  # call with no entries to read is constant, its gradients zero.
+  if plan.capacity(key, block_table) > 0 or prefix_key is not None:
+    query, key, value, key_scale, value_scale, prefix_key, prefix_value = (
+        _forward_only(x) for x in (query, key, value, key_scale,
+                                   value_scale, prefix_key, prefix_value))
+    if implementation == "triton":  # Its kernels take the sinks in.
+      sinks = _forward_only(sinks)
   functions = {name: flex[name] for name in ("score_mod", "mask_mod")
                if flex}
   decode = functools.partial(
@@ -400,6 +409,30 @@ def _decode(implementation, query, key, value, key_scale, value_scale,
                          flex=flex, decode_one_row=decode_one_row,
                          fold=bool(fold_prefix))
   return prefix.merge(shared, own, sinks, query.dtype)
+
+
+def _forward_only(x):
+  """x, unchanged, behind a derivative rule that refuses: decode_attention
+  is forward only (its sinks excepted where they join after the
+  kernels)."""
+  if x is None or not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  return _refuse_derivatives(x)
+
+
+@jax.custom_jvp
+def _refuse_derivatives(x):
+  return x
+
+
+@_refuse_derivatives.defjvp
+def _refuse_derivatives_jvp(primals, tangents):
+  del primals, tangents
+  raise NotImplementedError(
+      "decode_attention is forward only (generation): no gradient or jvp "
+      "flows to its query, cache or scales (nor to the sinks on 'triton'). "
+      "Differentiate flash_attention over the same keys instead "
+      "(key_value_seq_lengths and query_positions say which).")
 
 
 def _check_symbolic_dims(implementation, query, key, value, block_table,

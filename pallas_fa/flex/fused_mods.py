@@ -141,6 +141,20 @@ def _flatten(jaxpr, names: dict, steps: list) -> None:
                        tuple(v.aval for v in eqn.outvars), Level.TILE))
 
 
+def _custom_derivatives(jaxpr) -> list[str]:
+  """The custom_jvp / custom_vjp calls in `jaxpr`, its calls' bodies
+  included (`_flatten` inlines their primal bodies, dropping the rules)."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name.startswith(("custom_jvp_call", "custom_vjp_call")):
+      found.append(eqn.primitive.name)
+    for p in _CALL_BODIES:
+      inner = getattr(eqn.params.get(p), "jaxpr", eqn.params.get(p))
+      if inner is not None and hasattr(inner, "eqns"):
+        found.extend(_custom_derivatives(inner))
+  return list(dict.fromkeys(found))
+
+
 @dataclasses.dataclass(frozen=True)
 class Residual:
   """A value computed outside the kernel and read by its tile operations.
@@ -588,6 +602,13 @@ def split(name: str, fn: Callable, args: tuple[Array, ...],
         f"kernels, and {name} failed on them ({type(e).__name__}: {e}); "
         "\"chunked\" and \"xla\" run it.") from None
   jaxpr = closed.jaxpr
+  custom = _custom_derivatives(jaxpr)
+  if custom and name == mods.SCORE_MOD:
+    raise NotImplementedError(
+        f"{backend} cannot fuse this {name}: it calls a function with a "
+        f"custom derivative ({', '.join(custom)}), whose rule its kernels' "
+        "backward would not apply (it differentiates the function's body); "
+        "\"chunked\" and \"xla\" apply it.")
   inputs = tuple(object() for _ in jaxpr.invars)
   names = dict(zip(jaxpr.invars, inputs))
   for v, c in zip(jaxpr.constvars, closed.consts):

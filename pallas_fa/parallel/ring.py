@@ -344,7 +344,11 @@ def _ring_backend(step_backend: vjp.Backend, axis_name,
       value_head_dim=step_backend.value_head_dim,
       dropout=step_backend.dropout,
       symbolic_batch=step_backend.symbolic_batch,
-      symbolic_lengths=step_backend.symbolic_lengths)
+      symbolic_lengths=step_backend.symbolic_lengths,
+      why_not_differentiable=(
+          "Ring attention merges its steps' partial results under a "
+          "custom_vjp of its own; without a sequence axis, "
+          "sharded_flash_attention on 'xla' or 'chunked' has them."))
 
 
 def ring_local(implementation, params, axis_name, q, k, v, bias, info,
@@ -456,6 +460,7 @@ def ring_attention(
     NotImplementedError: the named implementation cannot honour this call.
   """
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  query, query_scale, scale = api.fold_traced_scale(query, query_scale, scale)
   if query.ndim != 4 or key.ndim != 4:
     raise ValueError(
         f"ring_attention takes batched [B, T, N, H] shards, got "
@@ -491,7 +496,15 @@ def ring_attention(
       out_dtype=out_dtype, float8=True,
   )
   q, k, v, bias, info, params = call.arrays
-  out, lse = ring_local(implementation, params, axis_name, q, k, v, bias,
-                        info, call.sinks, scales=call.scales,
-                        straight_through=call.straight_through)
+
+  # Under jit, as `flash_attention` runs: called eagerly inside a user's
+  # shard_map, a float8 call's custom_vjp (symbolic zeros) has no eager
+  # rule there.
+  @jax.jit
+  def ring(q, k, v, bias, info, sinks, scales, straight_through):
+    return ring_local(implementation, params, axis_name, q, k, v, bias, info,
+                      sinks, scales=scales, straight_through=straight_through)
+
+  out, lse = ring(q, k, v, bias, info, call.sinks, call.scales,
+                  call.straight_through)
   return (out, lse) if return_residual else out

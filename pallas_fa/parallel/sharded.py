@@ -486,6 +486,7 @@ def sharded_flash_attention(
   api.check_flag("return_residual", return_residual)
   if quantize is not None:  # A static argument: checked before it keys.
     quantize_lib.check_granularity("quantize", quantize)
+  query, query_scale, scale = api.fold_traced_scale(query, query_scale, scale)
   static = api.static_arguments(
       scale=scale, is_causal=is_causal, local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap, precision=precision,
