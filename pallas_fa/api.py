@@ -601,8 +601,7 @@ def choose_backend(implementation: str | None, call: Call) -> vjp.Backend:
     return backend
   reasons = []
   candidates = AUTO_ORDER.get(platform(), ("chunked",))
-  q, k, v = call.arrays[:3]
-  if vjp.symbolic_dims(*(x.shape[1:] for x in (q, k, v))):
+  if checks.symbolic_batch_and_rest(*call.arrays[:3])[1]:
     # Shape-polymorphic lengths (`jax.export`): the tiled backends pick
     # their tiles from them and decline; the reference takes any.
     candidates += ("xla",)

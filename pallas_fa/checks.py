@@ -16,6 +16,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export
 
 from pallas_fa import quantize
 
@@ -438,3 +439,18 @@ def check_bias_and_mask(bias, mask, batch_shape, nts):
     raise TypeError(f"mask must be a bool array (True = attend), got "
                     f"{mask.dtype=}.")
   return bias, mask
+
+
+def symbolic_dims(*shapes) -> list[str]:
+  """The symbolic dims (`jax.export` shape polymorphism) in `shapes`, each
+  named once."""
+  return list(dict.fromkeys(
+      str(d) for shape in shapes for d in shape if export.is_symbolic_dim(d)))
+
+
+def symbolic_batch_and_rest(*arrays) -> tuple[list[str], list[str]]:
+  """(the symbolic dims of the arrays' leading batch axis, those of their
+  other axes); None entries are skipped."""
+  arrays = [x for x in arrays if x is not None]
+  return (symbolic_dims(*(x.shape[:1] for x in arrays)),
+          symbolic_dims(*(x.shape[1:] for x in arrays)))

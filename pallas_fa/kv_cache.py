@@ -346,7 +346,6 @@ def gather(pages: Array, block_table: Array) -> Array:
   block_table = _check_block_table(block_table, pages.shape[0])
   # Clipped, not wrapped: a traced -1 reads page 0, as decode_attention's
   # kernels and gathers clamp it (numpy indexing would read the last).
-  rows = pages[jnp.clip(block_table, 0, pages.shape[0] - 1)]
-  # [B, max_pages, page_size, K, H]
+  rows = pages[jnp.clip(block_table, 0, pages.shape[0] - 1)]  # [B, P, ...]
   b, max_pages, page_size = rows.shape[:3]
   return rows.reshape(b, max_pages * page_size, *rows.shape[3:])

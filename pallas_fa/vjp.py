@@ -95,8 +95,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import custom_derivatives
-from jax import export
 
+from pallas_fa import checks
 from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
@@ -129,12 +129,6 @@ class Params:
   precision: jax.lax.Precision = jax.lax.Precision.DEFAULT
   deterministic_backward: bool = False
   out_dtype: Any = None
-
-
-def symbolic_dims(*shapes) -> list[str]:
-  """The symbolic dims (`jax.export` shape polymorphism) in `shapes`."""
-  return list(dict.fromkeys(
-      str(d) for shape in shapes for d in shape if export.is_symbolic_dim(d)))
 
 
 Forward = Callable[..., tuple[Array, Array]]
@@ -220,8 +214,7 @@ class Backend:
   def check_symbolic_dims(self, q, k, v) -> None:
     """Raises NotImplementedError if q, k or v [B, T|S, N|K, H] has a
     symbolic dim this backend cannot run with."""
-    lengths = symbolic_dims(*(x.shape[1:] for x in (q, k, v)))
-    batch = symbolic_dims(q.shape[:1], k.shape[:1])
+    batch, lengths = checks.symbolic_batch_and_rest(q, k, v)
     if lengths and not self.symbolic_lengths:
       raise NotImplementedError(
           f"implementation {self.name!r} needs concrete sequence lengths "

@@ -18,7 +18,6 @@ from pallas_fa import checks
 from pallas_fa import kv_cache
 from pallas_fa import manual_axes
 from pallas_fa import online_softmax
-from pallas_fa import vjp
 from pallas_fa.decode import chunked
 from pallas_fa.decode import kernels
 from pallas_fa.decode import plan
@@ -440,16 +439,16 @@ def _check_symbolic_dims(implementation, query, key, value, block_table,
   """Shape polymorphism (`jax.export`): the batch (and a paged cache's page
   count) may be symbolic on `chunked`; the blocks and splits are sized from
   every other dim, and the kernels' grids from all of them."""
-  arrays = [x for x in (query, key, value, block_table) if x is not None]
-  shared = [x.shape for x in (prefix_key, prefix_value) if x is not None]
-  rest = vjp.symbolic_dims(*(x.shape[1:] for x in arrays), *shared)
+  batch, rest = checks.symbolic_batch_and_rest(query, key, value,
+                                               block_table)
+  rest += checks.symbolic_dims(
+      *(x.shape for x in (prefix_key, prefix_value) if x is not None))
   if rest:
     raise NotImplementedError(
         "decode_attention needs concrete new-token counts, cache lengths, "
         f"head counts and head dims, got the symbolic {', '.join(rest)} "
         f"(query {query.shape}, key {key.shape}); only the batch may be "
         "symbolic.")
-  batch = vjp.symbolic_dims(*(x.shape[:1] for x in arrays))
   if batch and implementation not in (None, "chunked"):
     raise NotImplementedError(
         f"implementation={implementation!r} needs a concrete batch size, "
