@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import operator
 from typing import Any
 
 import jax.numpy as jnp
@@ -62,12 +64,30 @@ class TransformerConfig:
 
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "embed_dim", "num_heads",
-                 "num_kv_heads", "mlp_dim", "max_len"):
+                 "num_kv_heads", "mlp_dim", "max_len", "head_dim"):
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      if name == "head_dim" and value is None:
+        continue
+      # numpy ints count (operator.index); bools and floats do not.
+      if isinstance(value, bool) or not hasattr(value, "__index__") or (
+          operator.index(value) < 1):
         raise ValueError(
-            f"TransformerConfig.{name} must be a positive int, got {value!r}."
-        )
+            f"TransformerConfig.{name} must be a positive int"
+            f"{' or None' if name == 'head_dim' else ''}, got {value!r}.")
+      object.__setattr__(self, name, operator.index(value))
+    for name in ("remat", "use_sinks"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(
+            f"TransformerConfig.{name} must be a bool, got "
+            f"{getattr(self, name)!r}.")
+    for name, value, least in (("rope_base", self.rope_base, "> 0"),
+                               ("norm_eps", self.norm_eps, ">= 0")):
+      ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+      if not ok or not (value > 0 if least == "> 0" else value >= 0) or (
+          not math.isfinite(value)):
+        raise ValueError(
+            f"TransformerConfig.{name} must be a finite number {least}, got "
+            f"{value!r}.")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           "TransformerConfig.num_heads must be a multiple of num_kv_heads, "
@@ -95,17 +115,31 @@ class TransformerConfig:
             f"TransformerConfig.{name} must be one of {_DTYPES}, got "
             f"{getattr(self, name)!r}."
         )
-    if self.attention_impl is not None and not isinstance(
-        self.attention_impl, str):
-      raise ValueError(
-          "TransformerConfig.attention_impl must be a str or None, got "
-          f"{self.attention_impl!r}."
-      )
+    if self.attention_impl is not None:
+      # Imported here: `layers` imports this module.
+      from models import layers  # pylint: disable=import-outside-toplevel
+      from pallas_fa import vjp  # pylint: disable=import-outside-toplevel
+      known = (*layers.BASELINES, *vjp.REGISTRY)
+      if self.attention_impl not in known:
+        raise ValueError(
+            f"TransformerConfig.attention_impl must be None or one of "
+            f"{', '.join(known)}, got {self.attention_impl!r}.")
+      # The baselines take flash_attention's plain arguments only.
+      extras = [name for name, used in (
+          ("use_sinks=True", self.use_sinks),
+          ("position_bias='alibi'", self.position_bias == "alibi")) if used]
+      if self.attention_impl in layers.BASELINES and extras:
+        raise ValueError(
+            f"TransformerConfig.attention_impl={self.attention_impl!r} (a "
+            f"baseline) takes neither sinks nor a score_mod, got "
+            f"{' and '.join(extras)}.")
 
   @property
   def resolved_head_dim(self) -> int:
     """head_dim, or embed_dim // num_heads when unset."""
-    return self.head_dim or self.embed_dim // self.num_heads
+    if self.head_dim is None:
+      return self.embed_dim // self.num_heads
+    return self.head_dim
 
   @property
   def jnp_dtype(self):

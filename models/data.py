@@ -35,6 +35,15 @@ def _rng(seed: int, split: str, step: int) -> np.random.Generator:
   return np.random.default_rng([seed, _SPLITS[split], step])
 
 
+def _check_ints(owner: str, **least: tuple[Any, int]) -> None:
+  """Each named field an int (numpy's included, bools not) >= its least."""
+  for name, (value, low) in least.items():
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise TypeError(f"{owner}.{name} must be an int, got {value!r}.")
+    if value < low:
+      raise ValueError(f"{owner}.{name} must be >= {low}, got {value!r}.")
+
+
 def _lm_batch(seqs: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray]:
   """Next-token batch: inputs seq[:-1], targets seq[1:]."""
   return {
@@ -63,11 +72,8 @@ class SyntheticTask:
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
-    if self.length < 1 or self.num_symbols < 2:
-      raise ValueError(
-          f"need length >= 1 and num_symbols >= 2, got {self.length=}, "
-          f"{self.num_symbols=}."
-      )
+    _check_ints("SyntheticTask", length=(self.length, 1),
+                num_symbols=(self.num_symbols, 2), seed=(self.seed, 0))
     if self.task == "recall" and self.length > self.num_symbols:
       raise ValueError(
           "recall needs distinct keys: length <= num_symbols, got "
@@ -201,8 +207,11 @@ class TextData:
   vocab_size = 256
 
   def __post_init__(self):
-    if self.seq_len < 1:
-      raise ValueError(f"seq_len must be >= 1, got {self.seq_len=}.")
+    _check_ints("TextData", seq_len=(self.seq_len, 1), seed=(self.seed, 0))
+    if not 0 < self.eval_fraction < 1:
+      raise ValueError(
+          f"TextData.eval_fraction must be in (0, 1), got "
+          f"{self.eval_fraction!r}.")
     object.__setattr__(self, "corpus", _load_corpus(self.source))
 
   def _split(self, split: str) -> np.ndarray:
@@ -220,7 +229,8 @@ class TextData:
     """{inputs, targets, weights} [batch_size, seq_len] of random windows."""
     part = self._split("eval" if split == "eval" else "train")
     rng = _rng(self.seed, split, step)
-    starts = rng.integers(0, len(part) - self.seq_len - 1, batch_size)
+    # Windows of seq_len + 1 bytes; the last starts at len - seq_len - 1.
+    starts = rng.integers(0, len(part) - self.seq_len, batch_size)
     idx = starts[:, None] + np.arange(self.seq_len + 1)[None]
     seqs = part[idx]
     return _lm_batch(seqs, np.ones(seqs.shape, np.float32))

@@ -10,6 +10,7 @@ tasks).
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import Any
 from typing import Sequence
@@ -46,6 +47,25 @@ def sample_logits(
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # [B, 1]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def _check_sampling(max_new_tokens, temperature, top_k) -> None:
+  """generate's sampling arguments, each named when out of range."""
+  for name, value, least in (("max_new_tokens", max_new_tokens, 1),
+                             ("top_k", top_k, 1)):
+    if name == "top_k" and value is None:
+      continue
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise TypeError(f"{name} must be an int, got {name}={value!r}.")
+    if value < least:
+      raise ValueError(f"{name} must be >= {least}, got {name}={value!r}.")
+  if not isinstance(temperature, (int, float, np.floating, np.integer)) or (
+      isinstance(temperature, bool)):
+    raise TypeError(f"temperature must be a number, got {temperature=!r}.")
+  if not (math.isfinite(temperature) and temperature >= 0):
+    raise ValueError(
+        f"temperature must be finite and >= 0 (0: greedy), got "
+        f"{temperature=}.")
 
 
 @functools.partial(
@@ -130,13 +150,13 @@ def generate(
     the prompt and the generated tokens.
 
   Raises:
-    ValueError: bad shapes, lengths or page_size.
+    ValueError / TypeError: bad shapes, lengths or page_size, or a
+      max_new_tokens, temperature or top_k out of range (named).
   """
   prompt = jnp.asarray(prompt, jnp.int32)
   if prompt.ndim != 2 or prompt.shape[1] < 1:
     raise ValueError(f"prompt must be [B, P] with P >= 1, got {prompt.shape=}.")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens=}.")
+  _check_sampling(max_new_tokens, temperature, top_k)
   total = prompt.shape[1] + max_new_tokens
   cache_length = cache_length or total
   if cache_length < total:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import config as config_lib
+from pallas_fa import api
 from pallas_fa import flex
 from pallas_fa import modules
 
@@ -90,11 +91,21 @@ def cudnn_attention(
   implementation "cudnn"; NVIDIA GPUs only) behind `flash_attention`'s
   interface, for the end-to-end comparison a model's users make.
 
+  A decoding call (`query_positions` given: new tokens against a cache)
+  runs `flash_attention` instead: cuDNN's causal mask is aligned top-left
+  and takes no positions, so it cannot place a new token after its cache.
+  A model trained with this baseline thus still samples.
+
   Raises:
     NotImplementedError: any other of `flash_attention`'s arguments given
-      (segments, positions, window, soft cap, sinks, a score_mod, a scale).
+      (segments, key positions, window, soft cap, sinks, a score_mod, a
+      scale).
   """
   del implementation, block_sizes, score_mod_args
+  if others.get("query_positions") is not None:
+    return api.flash_attention(
+        query, key, value, is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths, **others)
   given = sorted(name for name, x in others.items() if x is not None)
   if given:
     raise NotImplementedError(

@@ -238,7 +238,10 @@ def make_config(opts: Options, dataset) -> config_lib.TransformerConfig:
       position_bias=opts.position_bias, max_len=max(256, dataset.seq_len + 1),
   )
   kw.update(dict(opts.model_overrides))
-  return preset(**kw)
+  try:
+    return preset(**kw)
+  except ValueError as e:  # A config the flags ask for: before any file.
+    raise app.UsageError(f"the flags ask for an invalid model: {e}") from e
 
 
 def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:

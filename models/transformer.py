@@ -78,7 +78,8 @@ class Transformer(nnx.Module):
       tokens: int [B, T].
       positions: int [B, T] (restart at 0 in each packed sequence); default
         arange(T). Must be None when decoding (the cache knows them).
-      segment_ids: int [B, T]; tokens attend only within equal ids.
+      segment_ids: int [B, T]; tokens attend only within equal ids. None
+        when decoding.
       decode: append to the key/value cache (`init_cache`) and attend over
         everything cached so far.
       decode_lengths: int [B], with decode: the real tokens of each row
@@ -86,7 +87,18 @@ class Transformer(nnx.Module):
 
     Returns:
       float32 logits [B, T, vocab_size].
+
+    Raises:
+      ValueError: positions or segment_ids with decode, or decode_lengths
+        without it.
     """
+    if decode and (positions is not None or segment_ids is not None):
+      raise ValueError(
+          "positions and segment_ids must be None when decoding (the cache "
+          f"places each token), got {positions is None=}, "
+          f"{segment_ids is None=}.")
+    if not decode and decode_lengths is not None:
+      raise ValueError("decode_lengths needs decode=True.")
     x = self.embed(tokens) * math.sqrt(self.cfg.embed_dim)
     for block in self.blocks:
       if decode:

@@ -307,8 +307,6 @@ class MultiHeadAttention(nnx.Module):
     # Without a "dropout" (or "default") stream the layer can still run
     # deterministic calls, and calls that pass rngs=; a call that needs
     # the stream names what is missing (`_dropout_rng`).
-    stream = _dropout_stream(rngs) if dropout_rate > 0 else None
-    self.dropout_rngs = nnx.data(None) if stream is None else stream.fork()
     # Zeros: at initialisation each sink weighs as much as a key with logit
     # 0; training moves it.
     self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype))
@@ -346,6 +344,10 @@ class MultiHeadAttention(nnx.Module):
         heads, self.out_features, axis=(-2, -1),
         kernel_init=out_kernel_init or kernel_init,
     )
+    # Forked after the projections draw their initial values, so that
+    # dropout_rate does not change them (as in Flax's own layer).
+    stream = _dropout_stream(rngs) if dropout_rate > 0 else None
+    self.dropout_rngs = nnx.data(None) if stream is None else stream.fork()
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
@@ -458,7 +460,11 @@ class MultiHeadAttention(nnx.Module):
         sequences; give padding its own id).
       kv_segment_ids: int [B, S]; default `segment_ids` for self-attention.
       decode: append this call's keys/values to the cache (see
-        `init_cache`) and attend over everything cached so far.
+        `init_cache`) and attend over everything cached so far. A call
+        that does not fit (cached + T past the cache's entries for a row)
+        raises ValueError where the cache index is concrete; under `jit`,
+        where it is traced, that row's output is NaN, and so is every
+        later call's for it (the index keeps counting past the end).
       decode_lengths: int [B], with decode: how many of the T tokens of each
         row are real (default all); the cache index of row b advances by
         `decode_lengths[b]`, so prompts of different lengths (right-padded
@@ -673,7 +679,10 @@ class MultiHeadAttention(nnx.Module):
           q, keys, values, query_positions=positions,
           key_value_seq_lengths=lengths,
           **self._flex(mask_mod_args, query_offsets=index))
-    return self.out(out)
+    # A row past the cache's end (only under jit: eagerly it raised above)
+    # wrote over its own entries: NaN, not a plausible wrong answer.
+    overflow = index + t > capacity  # [B]
+    return jnp.where(overflow[:, None, None], jnp.nan, self.out(out))
 
   def _uses_decode_attention(self, new_tokens: int) -> bool:
     """Whether a decoding call of `new_tokens` runs `decode_attention`: the

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import pallas_fa
 from models import config
 from models import data
 from models import generate
@@ -76,6 +77,23 @@ def test_config_validation_and_round_trip():
     _cfg(head_dim=7)
   assert _cfg(head_dim=7, position_bias="alibi").resolved_head_dim == 7
   assert config.TransformerConfig.small().num_layers == 6
+  assert _cfg(num_heads=np.int64(4)).num_heads == 4  # numpy ints count
+  for kw, match in (
+      (dict(attention_impl="bogus"), "attention_impl must be None or one of"),
+      (dict(head_dim=0), "head_dim must be a positive int or None"),
+      (dict(head_dim=6.0), "head_dim must be a positive int"),
+      (dict(num_heads=4.0), "num_heads must be a positive int"),
+      (dict(rope_base=0.0), "rope_base must be a finite number > 0"),
+      (dict(norm_eps=-1.0), "norm_eps must be a finite number >= 0"),
+      (dict(remat="yes"), "remat must be a bool"),
+      (dict(use_sinks=1), "use_sinks must be a bool"),
+      (dict(attention_impl="flax", use_sinks=True),
+       "'flax' .a baseline. takes neither sinks nor a score_mod, got "
+       "use_sinks=True"),
+      (dict(attention_impl="cudnn", position_bias="alibi"),
+       "position_bias='alibi'")):
+    with pytest.raises(ValueError, match=match):
+      _cfg(**kw)
 
 
 def test_shapes_and_parameter_count():
@@ -278,6 +296,58 @@ def test_synthetic_tasks(task):
     data.SyntheticTask(task="nope")
 
 
+def test_train_flags_for_an_invalid_model_are_a_usage_error():
+  """A baseline with sinks is refused by make_config, before train() writes
+  anything."""
+  from absl import app  # noqa: PLC0415
+  opts = train_lib.Options(attention_impl="flax", use_sinks=True)
+  with pytest.raises(app.UsageError, match="invalid model.*sinks"):
+    train_lib.make_config(opts, train_lib.make_dataset(opts))
+
+
+def test_cudnn_baseline_hands_decoding_to_flash_attention():
+  """A decoding call (query positions) is one cuDNN's top-left causal mask
+  cannot place; the baseline runs flash_attention for it, so a model
+  trained with it samples. (On a CPU its training calls cannot run.)"""
+  q = jnp.asarray(np.random.default_rng().standard_normal((2, 1, 4, 8)),
+                  jnp.float32)
+  kv = jnp.asarray(np.random.default_rng().standard_normal((2, 5, 2, 8)),
+                   jnp.float32)
+  kw = dict(is_causal=True, query_positions=jnp.array([[2], [4]]),
+            key_value_seq_lengths=jnp.array([3, 5]))
+  np.testing.assert_allclose(
+      layers.cudnn_attention(q, kv, kv, **kw),
+      pallas_fa.flash_attention(q, kv, kv, implementation="xla", **kw),
+      rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_refuses_arguments_of_the_other_mode():
+  model = _model(_cfg(), _seed())
+  model.init_cache(1, 8)
+  tokens = _tokens(1, 3)
+  for kw in (dict(positions=jnp.arange(3)[None]),
+             dict(segment_ids=jnp.ones((1, 3), jnp.int32))):
+    with pytest.raises(ValueError, match="None when decoding"):
+      model(tokens, decode=True, **kw)
+  with pytest.raises(ValueError, match="decode_lengths needs decode=True"):
+    model(tokens, decode_lengths=jnp.array([3]))
+
+
+def test_generate_names_bad_sampling_arguments():
+  model = _model(_cfg(), _seed())
+  prompt = _tokens(2, 3)
+  for kw, error, match in (
+      (dict(top_k=0), ValueError, "top_k must be >= 1"),
+      (dict(top_k=2.0), TypeError, "top_k must be an int"),
+      (dict(temperature=-1.0), ValueError, "temperature must be finite"),
+      (dict(temperature=float("nan")), ValueError, "temperature"),
+      (dict(max_new_tokens=2.5), TypeError, "max_new_tokens must be an int"),
+      (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1")):
+    kw = dict(max_new_tokens=2) | kw
+    with pytest.raises(error, match=match):
+      generate.generate(model, prompt, **kw)
+
+
 def test_text_data(tmp_path):
   path = tmp_path / "t.txt"
   text = "".join(chr(65 + i % 26) for i in range(3000)) + " héllo"
@@ -292,6 +362,23 @@ def test_text_data(tmp_path):
   assert data.from_spec(ds.spec()).spec() == ds.spec()
   with pytest.raises(ValueError, match="seq_len"):
     data.TextData(source=str(path), seq_len=5000).batch(0, 1)
+  # Every window of the train split is drawn, the last one included: 4
+  # windows of 17 bytes in the 20 train bytes (the old bound drew 3).
+  tiny = tmp_path / "tiny.txt"
+  tiny.write_text("".join(chr(65 + i) for i in range(40)), encoding="utf-8")
+  small = data.TextData(source=str(tiny), seq_len=16, eval_fraction=0.5)
+  drawn = small.batch(0, 64)["targets"]
+  np.testing.assert_array_equal(np.unique(drawn[:, -1]), small.corpus[16:20])
+  for kw, error in ((dict(eval_fraction=1.5), ValueError),
+                    (dict(eval_fraction=0.0), ValueError),
+                    (dict(seq_len=8.5), TypeError),
+                    (dict(seed=-1), ValueError)):
+    with pytest.raises(error, match=next(iter(kw))):
+      data.TextData(source=str(path), **kw)
+  for kw, error in ((dict(num_symbols=3.0), TypeError),
+                    (dict(length=0), ValueError)):
+    with pytest.raises(error, match=next(iter(kw))):
+      data.SyntheticTask(**kw)
 
 
 def test_python_stdlib_corpus():

@@ -369,6 +369,28 @@ def test_mha_decode_equals_full_forward(tiles):
     layer(x[:, :1], decode=True, positions=jnp.zeros((b, 1), jnp.int32))
 
 
+def test_mha_decode_past_the_cache_under_jit_gives_nan_rows():
+  """Under jit the cache index is traced, so the eager overflow error cannot
+  fire: a row whose call no longer fits (cached + T > entries) comes out
+  NaN, as does every later call of that row, while a row that fits stays
+  exact."""
+  layer = _mha(seed=_seed(), implementation="chunked")
+  layer.init_cache(2, 6)
+  step = nnx.jit(lambda m, x, n: m(x, decode=True, decode_lengths=n))
+  calls = [(_normal((2, 4, 32)), [2, 4]), (_normal((2, 1, 32)), [1, 1]),
+           (_normal((2, 2, 32)), [2, 2]), (_normal((2, 1, 32)), [1, 1])]
+  outs = [step(layer, x, jnp.array(n)) for x, n in calls]
+  # Row 0 holds 2, 3, 5, 6 of its 6 entries: exact throughout.
+  row0 = jnp.concatenate([x[:1, :n[0]] for x, n in calls], axis=1)
+  want = _np_mha(layer, row0)[0]
+  got = jnp.concatenate([o[0, :n[0]] for o, (_, n) in zip(outs, calls)])
+  np.testing.assert_allclose(got, want, **_TOL)
+  # Row 1 holds 4, 5, then 5 + 2 > 6: NaN from the third call on.
+  assert np.isfinite(np.asarray(outs[1][1])).all()
+  assert np.isnan(np.asarray(outs[2][1])).all()
+  assert np.isnan(np.asarray(outs[3][1])).all()
+
+
 # A 7-token prompt (rows of 7, 3 and 5 real tokens) into pages of 4 under a
 # shuffled block table with spare pages: pages straddle the prompt's end and
 # the steps cross page boundaries. Tiles given: every call gathers the pages
@@ -614,6 +636,20 @@ def test_mha_dropout_stream_is_asked_for_where_it_is_needed():
       layer(x, **kwargs)
   with pytest.raises(TypeError, match="deterministic must be a bool"):
     layer(x, deterministic="yes")
+
+
+def test_mha_dropout_rate_leaves_the_initial_parameters_alone():
+  """As in Flax's layer: the dropout stream is forked after the projections
+  draw, so turning dropout on keeps a seed's parameters (only a default
+  stream here, which the fork would otherwise advance)."""
+  seed = _seed()
+  params = [nnx.state(modules.MultiHeadAttention(
+      4, 32, num_kv_heads=2, dropout_rate=rate, rngs=nnx.Rngs(seed)),
+      nnx.Param) for rate in (0.0, 0.1)]
+  leaves = [jax.tree.leaves(p) for p in params]
+  assert len(leaves[0]) == len(leaves[1]) == 4
+  for a, b in zip(*leaves):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("case", ["inputs_q", "inputs_kv", "self", "decode"])
