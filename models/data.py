@@ -213,6 +213,8 @@ class TextData:
           f"TextData.eval_fraction must be in (0, 1), got "
           f"{self.eval_fraction!r}.")
     object.__setattr__(self, "corpus", _load_corpus(self.source))
+    for split in ("train", "eval"):  # Each long enough for a window.
+      self._split(split)
 
   def _split(self, split: str) -> np.ndarray:
     data = self.corpus

@@ -107,7 +107,8 @@ class Options:
   learning_rate: float = option(3e-3, "Peak AdamW lr.", lower_bound=0.0)
   warmup_steps: int = option(100, "Linear warmup.", lower_bound=0)
   weight_decay: float = option(0.01, "AdamW decay.", lower_bound=0.0)
-  grad_clip: float = option(1.0, "Global-norm clip.")
+  grad_clip: float = option(1.0, "Global-norm clip (0: none).",
+                            lower_bound=0.0)
   eval_every: int = option(100, "Steps between evals.", lower_bound=1)
   eval_batches: int = option(8, "Batches per eval.", lower_bound=1)
   checkpoint_every: int = option(100, "Steps between checkpoints.",
@@ -116,8 +117,9 @@ class Options:
   workdir: str | None = option(
       None, "Output directory (default runs/<task>).")
   fresh: bool = option(
-      False, "Delete the workdir's checkpoints and start over.")
-  seed: int = option(0, "Initialisation and data seed.")
+      False, "Delete the workdir's run (checkpoints, config.json, "
+      "metrics.jsonl, loss.png; nothing else) and start over.")
+  seed: int = option(0, "Initialisation and data seed.", lower_bound=0)
   num_samples: int = option(8, "Samples printed after training.",
                             lower_bound=0)
   kv_cache_dtype: str = option(
@@ -192,7 +194,19 @@ def default_workdir(opts: Options) -> str:
 
 
 def make_dataset(opts: Options):
-  """The dataset `opts` asks for."""
+  """The dataset `opts` asks for.
+
+  Raises:
+    app.UsageError: settings the dataset refuses (named), or a --text file
+      that cannot be read or is too short for --seq_len.
+  """
+  try:
+    return _make_dataset(opts)
+  except (OSError, ValueError, TypeError) as e:
+    raise app.UsageError(f"the flags ask for an invalid dataset: {e}") from e
+
+
+def _make_dataset(opts: Options):
   if opts.task in data_lib.TASKS:
     return data_lib.SyntheticTask(
         task=opts.task, length=opts.length, num_symbols=opts.num_symbols,
@@ -305,7 +319,8 @@ class OptimizerSpec:
                weight_decay=opts.weight_decay, grad_clip=opts.grad_clip)
 
   def make(self) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on the warmup-cosine schedule."""
+    """Clip by global norm (unless grad_clip is 0), then AdamW on the
+    warmup-cosine schedule."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=self.learning_rate,
         warmup_steps=min(self.warmup_steps, max(self.num_steps - 1, 1)),
@@ -314,8 +329,10 @@ class OptimizerSpec:
     )
     # Decay matrices only (not norm scales).
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    clip = ([optax.clip_by_global_norm(self.grad_clip)]
+            if self.grad_clip > 0 else [])
     return optax.chain(
-        optax.clip_by_global_norm(self.grad_clip),
+        *clip,
         optax.adamw(schedule, b1=0.9, b2=0.98,
                     weight_decay=self.weight_decay, mask=decay_mask),
     )
@@ -568,6 +585,21 @@ def _train_loop(opts: Options, run: Run, graphdef, state, mngr, config, log,
   return step, state, tokens_per_s
 
 
+# What a run writes in its workdir; --fresh removes these and nothing else.
+RUN_FILES = ("checkpoints", "config.json", "metrics.jsonl", "loss.png")
+
+
+def remove_run(workdir: str) -> None:
+  """Deletes the files of a run in `workdir` (`RUN_FILES`), keeping any
+  other file there."""
+  for name in RUN_FILES:
+    path = os.path.join(workdir, name)
+    if os.path.isdir(path):
+      shutil.rmtree(path)
+    elif os.path.exists(path):
+      os.remove(path)
+
+
 def train(opts: Options) -> dict[str, Any]:
   """Trains (resuming if possible), evaluates, plots and samples.
 
@@ -584,10 +616,10 @@ def train(opts: Options) -> dict[str, Any]:
     return benchmark(opts)
   wall0 = time.perf_counter()
   workdir = opts.workdir or default_workdir(opts)
-  if opts.fresh and os.path.isdir(workdir):
-    shutil.rmtree(workdir)
+  run = make_run(opts)  # Every flag checked before a file is touched.
+  if opts.fresh:
+    remove_run(workdir)
   os.makedirs(workdir, exist_ok=True)
-  run = make_run(opts)
   graphdef, state = init_state(opts, run.cfg, run.optim, run.mesh)
   config = checkpoint.run_config(
       run.cfg, run.dataset, dataclasses.asdict(opts))

@@ -301,8 +301,11 @@ def main(argv: Sequence[str]) -> None:
     # The parent only checks; with the platform allocator it hands device
     # memory back at once, leaving it to the isolated children it measures.
     os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
-  settings = options.make_settings(
-      **{name: FLAGS[name].value for name in options.SETTING_NAMES})
+  try:
+    settings = options.make_settings(
+        **{name: FLAGS[name].value for name in options.SETTING_NAMES})
+  except ValueError as e:  # Named by its flag.
+    raise app.UsageError(str(e)) from None
   earlier = None
   if FLAGS.merge and FLAGS.json and os.path.exists(FLAGS.json):
     with open(FLAGS.json) as f:

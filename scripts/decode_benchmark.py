@@ -463,12 +463,21 @@ def check_flags() -> None:
           f"{_WINDOW_SINKS.value}.")
   try:
     split_counts()
+    if _CACHE_FORMS.value:
+      decode_forms.selected(_CACHE_FORMS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  longest_new, shortest_cache = max(positive("new_tokens", _NEW.value)), min(
+      positive("seq_lens", _SEQ.value))
+  if longest_new > shortest_cache:
+    raise app.UsageError(
+        f"--new_tokens must not exceed --seq_lens (the new tokens are the "
+        f"cache's last), got {_NEW.value} and {_SEQ.value}.")
 
 
 def main(argv: Sequence[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   check_flags()
   timeline = timeline_lib.Timeline()
   # The interpreter's start and the imports (jax, pallas_fa, absl).

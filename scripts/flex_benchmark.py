@@ -10,8 +10,14 @@ Cells, each checked before it is timed:
   and against `jax.nn.dot_product_attention` with the dense [T, T] mask;
   forward and forward+backward. The block mask's own creation is timed
   too.
-* ALiBi: `score_mod=flex.alibi` against plain causal attention (the
-  score_mod's overhead), forward and forward+backward.
+* ALiBi: `score_mod=flex.alibi` against the same penalty as a dense
+  [N, T, T] bias through `jax.nn.dot_product_attention`, and against plain
+  causal attention (the score_mod's overhead), forward and
+  forward+backward.
+
+Each candidate's output, and with fwd_bwd its gradients, are checked
+against `jax.nn.dot_product_attention` doing the same work (plain causal
+against `jax.nn`'s plain causal) before any cell is timed.
 
 Command (from the repository root; the CPU table of issue 28):
 
@@ -44,6 +50,7 @@ from pallas_fa import flex
 from pallas_fa import testing
 
 FLAGS = flags.FLAGS
+MODES = ("fwd", "fwd_bwd")
 
 
 def define_flags() -> None:
@@ -59,7 +66,7 @@ def define_flags() -> None:
                       "automatic choice).")
   flags.DEFINE_enum("dtype", "float32", list(testing.DTYPES),
                     "The inputs' dtype.")
-  flags.DEFINE_list("modes", ["fwd", "fwd_bwd"], "fwd and/or fwd_bwd.")
+  flags.DEFINE_list("modes", list(MODES), "fwd and/or fwd_bwd.")
   flags.DEFINE_string("json", None, "Write the results here.")
   flags.DEFINE_string("markdown", None, "Write the table here.")
 
@@ -77,11 +84,15 @@ def _loss_grad(attention):
 
 
 def _check(name, got, want, tol):
-  err = float(jnp.max(jnp.abs(got.astype(jnp.float32)
-                              - want.astype(jnp.float32))))
-  if not err <= tol:
-    raise AssertionError(f"{name}: max|err|={err:.3g} > {tol}")
-  return err
+  """max|got - want| (each a tuple of arrays) within tol, relative to the
+  largest |want| of each array."""
+  for i, (g, w) in enumerate(zip(got, want)):
+    g, w = g.astype(jnp.float32), w.astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(g - w)))
+    bound = tol * max(1.0, float(jnp.max(jnp.abs(w))))
+    if not err <= bound:
+      raise AssertionError(
+          f"{name} (result {i}): max|err|={err:.3g} > {bound:.3g}")
 
 
 def run(seq_len, batch, heads, head_dim, documents, repeats, modes,
@@ -108,6 +119,11 @@ def run(seq_len, batch, heads, head_dim, documents, repeats, modes,
       kv_len=seq_len))
   block_mask = make_mask(ids)
   slopes = flex.alibi_slopes(heads)
+  index = jnp.arange(seq_len)
+  distance = jnp.abs(index[:, None] - index[None, :])  # [T, T]
+  alibi_bias = (-slopes[:, None, None] * distance[None]).astype(
+      q.dtype)[None]  # [1, N, T, T]
+  jax_nn = jax.nn.dot_product_attention
 
   cells = {
       "document": {
@@ -122,21 +138,33 @@ def run(seq_len, batch, heads, head_dim, documents, repeats, modes,
           "flex score_mod (causal)": lambda q, k, v: attend(
               q, k, v, is_causal=True, score_mod=flex.alibi,
               score_mod_args=(slopes,)),
+          "jax.nn dense ALiBi bias": lambda q, k, v: jax_nn(
+              q, k, v, bias=alibi_bias, is_causal=True),
           "plain causal": lambda q, k, v: attend(q, k, v, is_causal=True),
       },
+  }
+  # What each candidate is checked against: jax.nn doing the same work.
+  references = {
+      "document": cells["document"]["jax.nn dense mask"],
+      "alibi": cells["alibi"]["jax.nn dense ALiBi bias"],
+      "plain causal": lambda q, k, v: jax_nn(q, k, v, is_causal=True),
   }
   results = []
   mask_ms = testing.time_call(make_mask, ids, repeats=repeats).ms
   results.append(dict(problem="document", candidate="create_block_mask",
                       mode="-", ms=mask_ms))
+  unknown = set(modes) - set(MODES)
+  if unknown:
+    raise ValueError(f"modes must be among {MODES}, got {sorted(unknown)}.")
   for problem, candidates in cells.items():
-    outputs = {}
     for name, fn in candidates.items():
-      outputs[name] = jax.jit(fn)(q, k, v)
-    first = next(iter(outputs))
-    for name, out in outputs.items():
-      if name != first and name != "plain causal":
-        _check(f"{problem}: {name}", outputs[first], out, tol)
+      reference = references.get(name, references[problem])
+      _check(f"{problem}: {name}", (jax.jit(fn)(q, k, v),),
+             (jax.jit(reference)(q, k, v),), tol)
+      if "fwd_bwd" in modes:
+        _check(f"{problem}: {name}, gradients",
+               jax.jit(_loss_grad(fn))(q, k, v, dout),
+               jax.jit(_loss_grad(reference))(q, k, v, dout), tol)
     for mode in modes:
       for name, fn in candidates.items():
         if mode == "fwd":
@@ -188,7 +216,20 @@ def markdown(report) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not 1 <= FLAGS.documents <= FLAGS.seq_len:
+    raise app.UsageError(
+        f"--documents must be in [1, --seq_len={FLAGS.seq_len}], got "
+        f"{FLAGS.documents}.")
+  if not FLAGS.modes or set(FLAGS.modes) - set(MODES):
+    raise app.UsageError(
+        f"--modes must list fwd and/or fwd_bwd, got {FLAGS.modes}.")
+  if FLAGS.implementation not in (None, *pallas_fa.implementations()):
+    raise app.UsageError(
+        f"--implementation must be one of "
+        f"{', '.join(pallas_fa.implementations())} (here), got "
+        f"{FLAGS.implementation!r}.")
   report = run(FLAGS.seq_len, FLAGS.batch, FLAGS.heads, FLAGS.head_dim,
                FLAGS.documents, FLAGS.repeats, FLAGS.modes,
                FLAGS.implementation, FLAGS.dtype)

@@ -230,6 +230,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.budget = float(
       call.dry_run_budget_s if args.dry_run else call.budget_s
     )
+  if not args.budget > 0:
+    parser.error(
+      f"--budget must be a positive number of seconds, got {args.budget}."
+    )
   if args.test_timeout is None:
     args.test_timeout = float(DEFAULT_TEST_TIMEOUT)
   if args.workers is None:

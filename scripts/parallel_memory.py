@@ -118,7 +118,8 @@ def _reachable(devices, impl, budget, start):
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   counts = sorted(int(d) for d in _DEVICES.value)
   # The simulated device count is fixed when jax is imported.
   os.environ["XLA_FLAGS"] = (

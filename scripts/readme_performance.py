@@ -1089,7 +1089,8 @@ def replace_section(readme: str, section: str) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   path = REPO / FLAGS.readme
   before = path.read_text()
   after = replace_section(before, render(REPO / RESULTS))

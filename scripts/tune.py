@@ -438,7 +438,12 @@ def merge(path: pathlib.Path, records: dict[str, list[dict]],
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  for flag in (_HEAD_DIMS, _SEQ_LENS):
+    if not all(x.strip().isdigit() and int(x) > 0 for x in flag.value):
+      raise app.UsageError(
+          f"--{flag.name} must be positive ints, got {flag.value}.")
   kind = _DEVICE_KIND.value or tuning.device_kind()
   if api.platform() != "gpu" and not _DRY_RUN.value:
     logging.warning("Tuning on %r: kernels run in interpret mode; timings "

@@ -964,6 +964,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     (["--new_tokens=0"], "--new_tokens"),
     (["--repeats=0"], "--repeats"),
     (["--num_splits=-2"], "--num_splits"),
+    (["--cache_forms=bogus"], "--cache_forms"),
+    (["--seq_lens=2", "--new_tokens=4"], "--new_tokens must not exceed"),
 ])
 def test_decode_benchmark_names_bad_flags(argv, match):
   """Flag values no cell could run are usage errors before any timing."""

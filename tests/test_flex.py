@@ -1339,10 +1339,20 @@ def test_alibi_slopes():
 def test_flex_benchmark_script_runs():
   with script_module("flex_benchmark") as script:
     report = script.run(seq_len=64, batch=1, heads=2, head_dim=8,
-                        documents=3, repeats=1, modes=["fwd"])
-  assert {r["candidate"] for r in report["results"]} >= {
-      "segment_ids", "jax.nn dense mask", "plain causal"}
-  assert "| document | fwd |" in script.markdown(report)
+                        documents=3, repeats=1, modes=["fwd", "fwd_bwd"])
+    assert {r["candidate"] for r in report["results"]} >= {
+        "segment_ids", "jax.nn dense mask", "plain causal",
+        "jax.nn dense ALiBi bias"}
+    assert "| alibi | fwd_bwd |" in script.markdown(report)
+    # Every candidate is checked, values and gradients, before timing: a
+    # wrong ALiBi (it used to be compared with nothing) is caught.
+    wrong = lambda score, batch, head, q_idx, kv_idx, slopes: (  # noqa: E731
+        score + 0.0 * slopes[head])
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(script.flex, "alibi", wrong)
+      with pytest.raises(AssertionError, match="alibi: flex score_mod"):
+        script.run(seq_len=64, batch=1, heads=2, head_dim=8, documents=3,
+                   repeats=1, modes=["fwd"])
   if "triton" in pallas_fa.implementations():  # The fused kernels, timed.
     with script_module("flex_benchmark") as script:
       report = script.run(seq_len=64, batch=1, heads=2, head_dim=16,

@@ -217,11 +217,57 @@ def test_flags_are_the_options():
 @pytest.mark.parametrize("argv", [
     "--log_every=0", "--eval_every=0", "--checkpoint_every=0",
     "--batch_size=0", "--batch_size=-8", "--num_steps=0", "--length=0",
-    "--num_symbols=1", "--learning_rate=-1", "--data_parallel=0"])
+    "--num_symbols=1", "--learning_rate=-1", "--data_parallel=0",
+    "--grad_clip=-1", "--seed=-1"])
 def test_flags_below_their_bound_are_usage_errors(argv):
   # Rejected as the flags are parsed, before a workdir exists.
   with pytest.raises(flags.IllegalFlagValueError):
     _parse(argv)
+
+
+def test_fresh_removes_only_the_run_and_only_after_the_flags_pass(
+    full_run, tmp_path):
+  """--fresh with a bad flag leaves the workdir alone; a good one removes
+  the run's files but keeps the user's own."""
+  import shutil  # noqa: PLC0415
+  workdir = tmp_path / "run"
+  shutil.copytree(full_run[0], workdir)
+  (workdir / "notes.txt").write_text("keep")
+  before = sorted(os.listdir(workdir))
+  with pytest.raises(app.UsageError, match="attention_impl"):
+    train_lib.train(_opts(tmp_path, "run", fresh=True,
+                          attention_impl="flsh"))
+  assert sorted(os.listdir(workdir)) == before
+  with pytest.raises(app.UsageError, match="invalid dataset.*length"):
+    train_lib.train(_opts(tmp_path, "run", fresh=True, task="recall",
+                          length=20))
+  assert sorted(os.listdir(workdir)) == before
+  train_lib.remove_run(str(workdir))
+  assert os.listdir(workdir) == ["notes.txt"]
+  assert set(train_lib.RUN_FILES) <= set(before)
+
+
+def test_dataset_flags_a_dataset_refuses_are_usage_errors(tmp_path):
+  short = tmp_path / "short.txt"
+  short.write_text("too short")
+  for kw, match in ((dict(task="text", text=str(tmp_path / "none.txt")),
+                     "invalid dataset.*none.txt"),
+                    (dict(task="text", text=str(short)), "fewer than"),
+                    (dict(task="recall", length=20), "recall")):
+    with pytest.raises(app.UsageError, match=match):
+      train_lib.make_dataset(train_lib.Options(**kw))
+
+
+def test_grad_clip_zero_means_no_clipping():
+  """--grad_clip=0 turns clipping off (it used to zero every update)."""
+  spec = train_lib.OptimizerSpec(learning_rate=0.1, warmup_steps=0,
+                                 num_steps=10, weight_decay=0.0,
+                                 grad_clip=0.0)
+  params = {"w": jax.numpy.ones((2, 2))}
+  grads = {"w": jax.numpy.full((2, 2), 100.0)}
+  opt = spec.make()
+  updates, _ = opt.update(grads, opt.init(params), params)
+  assert np.all(np.asarray(updates["w"]) < 0)
 
 
 def test_attention_impl_is_checked_up_front():
