@@ -258,7 +258,9 @@ def canonicalize(
         "query heads N must be a multiple of key/value heads K, got "
         f"N={n}, K={num_kv} ({query.shape=}, {key.shape=})."
     )
-  if max(h, hv) > 256:
+  # A symbolic head dim (jax.export) is bounded by its constraints, not
+  # here (its default scale came traced: `fold_traced_scale`).
+  if not checks.symbolic_dims((h, hv)) and max(h, hv) > 256:
     raise ValueError(
         f"head dims must be <= 256, got {query.shape=}, {value.shape=}.")
   scale = check_static_float("scale", scale)
@@ -538,7 +540,7 @@ def _block_sizes_error(implementation, backend, block_sizes) -> TypeError:
     want = "None (it takes no tiling config)"
   else:
     want = (f"None or its config class pallas_fa.{kind.__name__}, e.g. "
-            f"pallas_fa.{kind.__name__}(block_q=64)")
+            f"pallas_fa.{kind.__name__}(block_q=128)")
   return TypeError(
       f"block_sizes for implementation={implementation!r} must be {want}, "
       f"got {block_sizes=} (a {type(block_sizes).__name__}).")
@@ -770,8 +772,9 @@ def flash_attention(
       and `chunked` gradient of score_mod arrays read by a gather (T5's
       bucket table) is XLA's scatter-add, reproducible only with XLA's
       flag (README, "Reproducibility").
-    return_residual: also return the logsumexp [*B, T, N] (float32, natural
-      log; with `sinks`, the sink term included).
+    return_residual: also return the logsumexp [*B, T, N] (natural log,
+      float32; float64 for float64 inputs; with `sinks`, the sink term
+      included).
     score_mod: flex attention's score function, `(score, batch, head,
       q_idx, kv_idx, *score_mod_args) -> score`, applied to the float32
       logits after soft cap and bias. Written as for one element and
@@ -922,7 +925,11 @@ def fold_traced_scale(query, query_scale, scale):
   query, which cannot key the kernels (they are built for a static one):
   softcap(scale * q.k) is softcap((scale * q).k), so the scale multiplies
   a float8 query's scale, or the query itself, and the call runs with
-  scale 1. Any other scale passes through."""
+  scale 1. So does the default 1/sqrt(H) of a symbolic head dim H
+  (`jax.export`). Any other scale passes through."""
+  head_dim = jnp.shape(query)[-1] if jnp.ndim(query) else None
+  if scale is None and checks.symbolic_dims((head_dim,)):
+    scale = jax.lax.rsqrt(jnp.asarray(head_dim, jnp.float32))
   if not isinstance(scale, jax.core.Tracer):
     return query, query_scale, scale
   if jnp.ndim(scale) or not jnp.issubdtype(jnp.result_type(scale),

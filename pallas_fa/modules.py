@@ -832,8 +832,8 @@ def make_attention_fn(
   `flash_attention` (a per-operand pair must repeat one level);
   `force_fp32_for_softmax` is always honoured (the softmax statistics are
   float32). Attention dropout (`dropout_rate` > 0 and not `deterministic`)
-  runs inside flash attention with `dropout_rng` (on `xla`, `chunked` and
-  `triton`), a mask drawn per batch row and head even when Flax would
+  runs inside flash attention with `dropout_rng` (on every backend), a
+  mask drawn per batch row and head even when Flax would
   broadcast one (`broadcast_dropout`). One documented difference: a query
   row that sees no key returns zeros, where Flax returns the mean of the
   values. No attention sinks: Flax's modules hold no sink parameter for an

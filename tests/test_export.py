@@ -104,6 +104,26 @@ def test_symbolic_length_runs_on_xla_automatically():
                   lambda t: _attention_inputs(2, t), sizes=(24, 37))
 
 
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_symbolic_head_dims_run_on_xla_automatically(scale):
+  """A symbolic head dim (one artifact for several model widths): its
+  default scale 1/sqrt(H) is computed from the dim, and the 256 bound is
+  left to the export's constraints; values and gradients as on xla."""
+  specs = _specs("h, hv", ((2, 8, _N, "h"), jnp.float32),
+                 ((2, 8, _K, "h"), jnp.float32),
+                 ((2, 8, _K, "hv"), jnp.float32), ((2,), jnp.int32))
+  kwargs = dict(is_causal=True, scale=scale)
+
+  def args_at(h):
+    ks = jax.random.split(jax.random.key(h), 4)
+    return (_normal(ks[0], (2, 8, _N, h)), _normal(ks[1], (2, 8, _K, h)),
+            _normal(ks[2], (2, 8, _K, h + 3)),
+            jax.random.randint(ks[3], (2,), 4, 9))
+  _check_exported(_loss_and_grads(None, **kwargs),
+                  _loss_and_grads("xla", **kwargs), specs, args_at,
+                  sizes=(8, 13))
+
+
 def test_symbolic_batch_with_segments_bias_and_leading_dims():
   """Two leading batch dims, one symbolic; segment ids and a bias."""
   t = 24

@@ -94,7 +94,7 @@ def decode_attention(
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
-  Equal to `flash_attention(query, key_cache, value_cache,
+  Equal to `flash_attention(query, key, value,
   key_value_seq_lengths=lengths, query_positions=..., ...)` on the gathered
   cache, computed with GQA packing and split-KV (see the module docstring).
 
