@@ -460,9 +460,13 @@ def get_backend(name: str) -> Backend:
     NotImplementedError: the backend's compiler stack cannot be imported here.
   """
   if name not in REGISTRY:
+    # jax.nn's other implementation, which a drop-in caller may pass on.
+    hint = (" ('cudnn' is jax.nn.dot_product_attention's cuDNN path, which "
+            "this library does not wrap: call jax.nn for it, or take None, "
+            "the fastest kernel here)") if name == "cudnn" else ""
     raise ValueError(
         f"Unknown implementation={name!r}; expected one of "
-        f"{sorted(REGISTRY)} or None."
+        f"{sorted(REGISTRY)} or None{hint}."
     )
   try:
     module = importlib.import_module(REGISTRY[name])

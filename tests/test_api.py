@@ -310,6 +310,16 @@ def test_explicit_implementation_never_falls_back(monkeypatch):
     _call(implementation="chunked")
 
 
+def test_unknown_implementations_are_named_and_cudnn_points_to_jax_nn():
+  """jax.nn's implementation='cudnn', which a drop-in caller may pass on,
+  is refused with where to find it; other unknown names list the known."""
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="'cudnn' is jax.nn.dot_product_attent"):
+    pallas_fa.flash_attention(q, k, v, implementation="cudnn")
+  with pytest.raises(ValueError, match=r"'bogus'; expected one of \['chunked'"):
+    pallas_fa.flash_attention(q, k, v, implementation="bogus")
+
+
 def test_automatic_choice_skips_declining_backends(monkeypatch):
   calls = []
   original = api.get_backend
