@@ -301,6 +301,11 @@ def make_mesh(opts: Options, dataset) -> jax.sharding.Mesh | None:
   return sharding.make_mesh(data, seq)
 
 
+# optax.tree.norm where optax has it (optax.global_norm is deprecated there).
+_global_norm = getattr(getattr(optax, "tree", None), "norm",
+                       None) or optax.global_norm
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
   """AdamW with linear warmup and cosine decay (hashable: a jit static)."""
@@ -428,7 +433,7 @@ def train_step(graphdef, optim: OptimizerSpec, state, batch):
       grads, state["opt_state"], params)
   params = optax.apply_updates(params, updates)
   return ({"params": nnx.merge_state(params, fixed), "opt_state": opt_state},
-          {"loss": loss, "grad_norm": optax.global_norm(grads)})
+          {"loss": loss, "grad_norm": _global_norm(grads)})
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -927,7 +927,8 @@ def fold_traced_scale(query, query_scale, scale):
   a float8 query's scale, or the query itself, and the call runs with
   scale 1. So does the default 1/sqrt(H) of a symbolic head dim H
   (`jax.export`). Any other scale passes through."""
-  head_dim = jnp.shape(query)[-1] if jnp.ndim(query) else None
+  # A bad query (None, a scalar) is named by the checks that follow.
+  head_dim = query.shape[-1] if getattr(query, "ndim", 0) else None
   if scale is None and checks.symbolic_dims((head_dim,)):
     scale = jax.lax.rsqrt(jnp.asarray(head_dim, jnp.float32))
   if not isinstance(scale, jax.core.Tracer):

@@ -78,7 +78,7 @@ def _require(implementation, dtype):
                 f"{jnp.dtype(dtype).name}")
 
 
-@pytest.mark.parametrize("implementation, case, dtype", _params(True))
+@pytest.mark.parametrize("implementation, case, dtype", list(_params(True)))
 def test_matches_the_sink_column_reference(implementation, case, dtype):
   """out, lse, dq, dk, dv, dbias and dsinks against the dense reference
   (the FlashAttention rule in bfloat16: the sink rescales an output
@@ -88,7 +88,7 @@ def test_matches_the_sink_column_reference(implementation, case, dtype):
                           rng(implementation, str(case), dtype, "sinks"))
 
 
-@pytest.mark.parametrize("implementation", _params(False))
+@pytest.mark.parametrize("implementation", list(_params(False)))
 def test_dropout_and_value_head_dim(implementation):
   """Dropout never drops the sink and draws the mask it draws without
   sinks (the reference drops the sink column before applying it); the
