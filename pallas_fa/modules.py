@@ -304,9 +304,6 @@ class MultiHeadAttention(nnx.Module):
     self.scale = scale
     self.dropout_rate = dropout_rate
     self.deterministic = deterministic
-    # Without a "dropout" (or "default") stream the layer can still run
-    # deterministic calls, and calls that pass rngs=; a call that needs
-    # the stream names what is missing (`_dropout_rng`).
     # Zeros: at initialisation each sink weighs as much as a key with logit
     # 0; training moves it.
     self.sinks = (nnx.Param(jnp.zeros((num_heads,), param_dtype))
@@ -345,7 +342,10 @@ class MultiHeadAttention(nnx.Module):
         kernel_init=out_kernel_init or kernel_init,
     )
     # Forked after the projections draw their initial values, so that
-    # dropout_rate does not change them (as in Flax's own layer).
+    # dropout_rate does not change them (as in Flax's own layer). Without
+    # a "dropout" (or "default") stream the layer can still run
+    # deterministic calls, and calls that pass rngs=; a call that needs
+    # the stream names what is missing (`_dropout_rng`).
     stream = _dropout_stream(rngs) if dropout_rate > 0 else None
     self.dropout_rngs = nnx.data(None) if stream is None else stream.fork()
     self.cached_key = nnx.data(None)
