@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from pallas_fa import checks
+
 PAD, BOS, SEP = 0, 1, 2
 _NUM_SPECIAL = 3
 TASKS = ("copy", "sort", "recall")
@@ -33,15 +35,6 @@ _SPLITS = {"train": 0, "eval": 1, "sample": 2}
 
 def _rng(seed: int, split: str, step: int) -> np.random.Generator:
   return np.random.default_rng([seed, _SPLITS[split], step])
-
-
-def _check_ints(owner: str, **least: tuple[Any, int]) -> None:
-  """Each named field an int (numpy's included, bools not) >= its least."""
-  for name, (value, low) in least.items():
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise TypeError(f"{owner}.{name} must be an int, got {value!r}.")
-    if value < low:
-      raise ValueError(f"{owner}.{name} must be >= {low}, got {value!r}.")
 
 
 def _lm_batch(seqs: np.ndarray, weights: np.ndarray) -> dict[str, np.ndarray]:
@@ -72,8 +65,8 @@ class SyntheticTask:
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
-    _check_ints("SyntheticTask", length=(self.length, 1),
-                num_symbols=(self.num_symbols, 2), seed=(self.seed, 0))
+    for name, low in (("length", 1), ("num_symbols", 2), ("seed", 0)):
+      checks.check_int(f"SyntheticTask.{name}", getattr(self, name), low)
     if self.task == "recall" and self.length > self.num_symbols:
       raise ValueError(
           "recall needs distinct keys: length <= num_symbols, got "
@@ -207,7 +200,8 @@ class TextData:
   vocab_size = 256
 
   def __post_init__(self):
-    _check_ints("TextData", seq_len=(self.seq_len, 1), seed=(self.seed, 0))
+    for name, low in (("seq_len", 1), ("seed", 0)):
+      checks.check_int(f"TextData.{name}", getattr(self, name), low)
     if not 0 < self.eval_fraction < 1:
       raise ValueError(
           f"TextData.eval_fraction must be in (0, 1), got "

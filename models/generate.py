@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from models import data as data_lib
+from pallas_fa import checks
 
 Array = Any
 
@@ -51,14 +52,9 @@ def sample_logits(
 
 def _check_sampling(max_new_tokens, temperature, top_k) -> None:
   """generate's sampling arguments, each named when out of range."""
-  for name, value, least in (("max_new_tokens", max_new_tokens, 1),
-                             ("top_k", top_k, 1)):
-    if name == "top_k" and value is None:
-      continue
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-      raise TypeError(f"{name} must be an int, got {name}={value!r}.")
-    if value < least:
-      raise ValueError(f"{name} must be >= {least}, got {name}={value!r}.")
+  checks.check_positive_int("max_new_tokens", max_new_tokens)
+  if top_k is not None:
+    checks.check_positive_int("top_k", top_k)
   if not isinstance(temperature, (int, float, np.floating, np.integer)) or (
       isinstance(temperature, bool)):
     raise TypeError(f"temperature must be a number, got {temperature=!r}.")

@@ -337,12 +337,13 @@ def test_generate_names_bad_sampling_arguments():
   model = _model(_cfg(), _seed())
   prompt = _tokens(2, 3)
   for kw, error, match in (
-      (dict(top_k=0), ValueError, "top_k must be >= 1"),
+      (dict(top_k=0), ValueError, "top_k must be a positive int"),
       (dict(top_k=2.0), TypeError, "top_k must be an int"),
       (dict(temperature=-1.0), ValueError, "temperature must be finite"),
       (dict(temperature=float("nan")), ValueError, "temperature"),
       (dict(max_new_tokens=2.5), TypeError, "max_new_tokens must be an int"),
-      (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1")):
+      (dict(max_new_tokens=0), ValueError,
+       "max_new_tokens must be a positive int")):
     kw = dict(max_new_tokens=2) | kw
     with pytest.raises(error, match=match):
       generate.generate(model, prompt, **kw)
