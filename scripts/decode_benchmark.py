@@ -109,7 +109,9 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
     "(default: chunked,triton on a GPU, chunked,mosaic_tpu on a TPU, chunked "
     "elsewhere).")
 _PEERS = flags.DEFINE_list(
-    "peers", ["flash_attention", "jax_nn"], "Peers timed in the same run.")
+    "peers", ["flash_attention", "jax_nn"],
+    "Peers timed in the same run ('none' for none; the cells are still "
+    "checked against the plain flash_attention call).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed runs per cell.")
 _CALLS = flags.DEFINE_integer(
     "calls_per_program", None, "Calls of each candidate (and of each cache "
@@ -196,6 +198,11 @@ def implementations() -> list[str]:
     return list(_IMPLEMENTATIONS.value)
   kernels = {"gpu": ["triton"], "tpu": ["mosaic_tpu"]}
   return ["chunked"] + kernels.get(api.platform(), [])
+
+
+def named_peers() -> list[str]:
+  """The peers `--peers` names; 'none' names none."""
+  return [p for p in _PEERS.value if p != "none"]
 
 
 def split_counts() -> list[int | None]:
@@ -450,10 +457,11 @@ def check_flags() -> None:
     raise app.UsageError(
         f"--implementations must name some of "
         f"{', '.join(decode_front.IMPLEMENTATIONS)}; got {unknown}.")
-  unknown = sorted(set(_PEERS.value) - set(PEERS))
+  unknown = sorted(set(_PEERS.value) - set(PEERS) - {"none"})
   if unknown:
     raise app.UsageError(
-        f"--peers must name some of {', '.join(PEERS)}; got {unknown}.")
+        f"--peers must be 'none' or name some of {', '.join(PEERS)}; got "
+        f"{unknown}.")
   if _WINDOW_SINKS.value:
     positive("window_sinks", _WINDOW_SINKS.value[:1])
     if len(_WINDOW_SINKS.value) != 2 or not all(
@@ -521,7 +529,7 @@ def main(argv: Sequence[str]) -> None:
             best_rates(report, probes, matmul)
             print(f"  probes: {describe_rates(probes, matmul)}")
             cell = run_cell(b, s, _HEADS.value, num_kv, h, t, dtype,
-                            _PAGE.value, _PEERS.value, _REPEATS.value,
+                            _PAGE.value, named_peers(), _REPEATS.value,
                             timeline, calls)
             rows += cell
             add_shares(rows, report["memory_bandwidth"]["peak"],

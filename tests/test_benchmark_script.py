@@ -979,3 +979,22 @@ def test_decode_benchmark_names_bad_flags(argv, match):
     finally:
       flag_values.unparse_flags()
       flag_values(["decode_benchmark.py", *saved.split()])
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_decode_benchmark_accepts_the_windows_grid_flags(dry_run):
+  """The GPU window's decode grid (`gpu/steps.DECODE_FLAGS`) passes the
+  script's flag checks; its `--peers=none` times no peer."""
+  with script_module("gpu_check") as gpu_check, \
+      script_module("decode_benchmark") as module:
+    steps = gpu_check.steps
+    flag_values = module.flags.FLAGS
+    saved = flag_values.flags_into_string()
+    try:
+      flag_values(["decode_benchmark.py", *steps.DECODE_FLAGS[dry_run]])
+      module.check_flags()
+      expected = [] if not dry_run else ["flash_attention"]
+      assert module.named_peers() == expected
+    finally:
+      flag_values.unparse_flags()
+      flag_values(["decode_benchmark.py", *saved.split()])
