@@ -131,7 +131,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
             "wide_keys", "wide_keys_causal", "wide_keys_fp8",
             "wide_keys_fp8_causal", "keys256_fp8", "keys256_fp8_causal",
-            "in_kernel_fp8")
+            "in_kernel_fp8", "bias")
 # The tile variants: their prefix (the variant after it, "plain"
 # without one, gives the inputs and masking), the block-size fields they
 # set, and the divisor of the sequence length they compile at: another
@@ -199,7 +199,8 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     "wide_keys_fp8_causal": ("mosaic_gpu",),
                     "keys256_fp8": ("mosaic_gpu",),
                     "keys256_fp8_causal": ("mosaic_gpu",),
-                    "in_kernel_fp8": ("triton",)}
+                    "in_kernel_fp8": ("triton",),
+                    "bias": ("triton",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
@@ -279,7 +280,10 @@ class Case:
       its slopes / cap included) / a document mask_mod (flex attention,
       `pallas_fa.flex`); "flex_t5" = causal with T5's relative-position
       bias (`flex.t5_relative_bias`, a [heads, 32] table read at computed
-      offsets, its gradient included; triton only); "decode_flex" =
+      offsets, its gradient included; triton only); "bias" = causal with
+      a float32 [1, N, T, S] bias, its gradient included (triton only:
+      its tile is pipelined beside K and V, `tiles.for_dense_tiles`);
+      "decode_flex" =
       "decode" with
       ALiBi and a prefix-LM mask_mod; "decode_prefix" = "decode" with a
       shared prefix of S keys before the rows' caches (`prefix_key`,
@@ -575,6 +579,8 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
       args.append(spec((1, seq), jnp.int32))
     if case.base == "flex_t5":
       args.append(spec((heads, 32), jnp.float32))
+    if case.base == "bias":
+      args.append(spec((1, heads, seq, seq), jnp.float32))
 
     def loss(q, k, v, extra=None):
       kw = dict(kwargs)
@@ -588,15 +594,17 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
         kw.update(mask_mod=flex.document, mask_mod_args=(extra,))
       if case.base == "flex_t5":
         kw.update(score_mod=flex.t5_relative_bias, score_mod_args=(extra,))
+      if case.base == "bias":
+        kw["bias"] = extra
       out = pallas_fa.flash_attention(
           q, k, v, is_causal=case.base != "plain",
           implementation=case.backend, block_sizes=block_sizes, **kw)
       return out.astype(jnp.float32).sum()
 
-    # The float arguments: q, k, v and ALiBi's slopes, the soft cap or
-    # T5's table.
+    # The float arguments: q, k, v and ALiBi's slopes, the soft cap,
+    # T5's table or the bias.
     call = jax.grad(loss, argnums=(0, 1, 2, 3)[:3 + (
-        case.base in ("flex_alibi", "flex_softcap", "flex_t5"))])
+        case.base in ("flex_alibi", "flex_softcap", "flex_t5", "bias"))])
     if case.float8:
       # Per-head scales ([1, 1, N] / [1, 1, K]); the forward only.
       args += [spec((1, 1, heads), jnp.float32),

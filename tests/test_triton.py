@@ -141,6 +141,64 @@ def test_heuristic_with_value_head_dim_fits(kind, head_dim, value_head_dim,
           triton.default_block_sizes(head_dim=head_dim, **kw))
 
 
+@pytest.mark.parametrize("kind", _KINDS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dense", [1, 4, 5])  # mask, f32 bias, both
+def test_dense_mask_and_bias_tiles_fit_shared_memory(kind, head_dim, dtype,
+                                                     dense):
+  """A dense mask or bias tile is pipelined beside K and V: the default
+  tiles of such a call fit the device with it (H100, H = 64, a float32
+  bias: three 128 x 128 stages asked 246784 B of 232448), with eight
+  warps; interpreted (cpu) they are left alone."""
+  itemsize = jnp.dtype(dtype).itemsize
+  bs = triton.default_block_sizes(head_dim=head_dim, dtype=dtype,
+                                  q_len=4096, kv_len=4096, device_kind=kind)
+  got = triton.tiles.for_dense_tiles(
+      bs, head_dim=head_dim, value_head_dim=head_dim, itemsize=itemsize,
+      dense_itemsize=dense, kind=kind)
+  if kind == "cpu":
+    assert got == bs
+    return
+  smem = triton.shared_memory_bytes(got, head_dim, itemsize,
+                                    dense_itemsize=dense)
+  budget = triton.shared_memory_budget(kind)
+  assert max(smem.values()) <= budget, (got, smem)
+  assert got.num_warps == 8 and got.block_q == bs.block_q
+  # Only what does not fit shrinks: without a dense input nothing changes.
+  assert triton.tiles.for_dense_tiles(
+      bs, head_dim=head_dim, value_head_dim=head_dim, itemsize=itemsize,
+      dense_itemsize=0, kind=kind) == bs
+  if (kind.startswith("NVIDIA H100") and head_dim == 64 and dense == 4
+      and dtype == jnp.bfloat16):
+    assert triton.shared_memory_bytes(
+        bs, head_dim, itemsize, dense_itemsize=dense)["forward"] > budget
+
+
+def test_a_bias_call_gets_its_dense_tiles(monkeypatch):
+  """The tiles a call without block_sizes runs are adapted to its bias and
+  mask (`tiles.for_dense_tiles`, given their bytes a logit), on the GPU
+  the kernels are built for."""
+  seen = []
+  adapt = triton.tiles.for_dense_tiles
+
+  def spy(bs, **kw):
+    seen.append(kw)
+    return adapt(bs, **kw)
+
+  monkeypatch.setattr(triton.tiles, "for_dense_tiles", spy)
+  gen = rng("triton", "dense tiles")
+  q = _normal(gen, 1, 64, 2, 64).astype(jnp.bfloat16)
+  bias = jnp.asarray(gen.standard_normal((1, 2, 64, 64)), jnp.float32)
+  mask = jnp.asarray(gen.random((1, 1, 64, 64)) < 0.8)
+  with gpu_target.compile_for(gpu_target.H100):
+    jax.jit(lambda q, b, m: pallas_fa.flash_attention(
+        q, q, q, b, m, implementation="triton")).trace(
+            q, bias, mask).lower(lowering_platforms=("cuda",))
+  assert seen and seen[0]["dense_itemsize"] == 5, seen
+  assert "H100" in seen[0]["kind"] and seen[0]["head_dim"] == 64
+
+
 def test_dropout_gets_eight_warps():
   kw = dict(head_dim=64, dtype=jnp.bfloat16, q_len=4096, kv_len=4096,
             device_kind="NVIDIA H100 80GB HBM3")

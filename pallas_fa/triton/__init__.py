@@ -384,9 +384,10 @@ def _dense_index(full, b, n, i, j):
           i if full[2] else 0, j if full[3] else 0)
 
 
-def _block_sizes(params, q, k, v, info) -> TritonBlockSizes:
+def _block_sizes(params, q, k, v, bias, info) -> TritonBlockSizes:
   """The call's tiling (`vjp.Backend.block_sizes`); a default one adapted
-  to flex attention (`tiles.for_flex`)."""
+  to flex attention (`tiles.for_flex`) and to a dense bias or mask's tiles
+  (`tiles.for_dense_tiles`)."""
   bs = BACKEND.block_sizes(params, q, k, info, v=v)
   if params.block_sizes is None:
     score_mod = None
@@ -396,6 +397,12 @@ def _block_sizes(params, q, k, v, info) -> TritonBlockSizes:
     bs = tiles.for_flex(
         bs, info.has_flex, head_dim=max(q.shape[-1], v.shape[-1]),
         tables=score_mod is not None and score_mod.has_tables)
+    dense = (0 if bias is None else jnp.dtype(bias.dtype).itemsize) + (
+        0 if info.mask is None else 1)  # The mask loads as int8.
+    bs = tiles.for_dense_tiles(
+        bs, head_dim=q.shape[-1], value_head_dim=v.shape[-1],
+        itemsize=jnp.dtype(q.dtype).itemsize, dense_itemsize=dense,
+        kind=tuning.device_kind())
   return bs
 
 
@@ -436,7 +443,7 @@ def _forward(q, k, v, bias, info, params, scales=None):
     # float16 holds every float8 value: the kernel's conversions become
     # no-ops and its tiles those of a 16-bit call (`_block_sizes`).
     q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
-  bs = _block_sizes(params, q, k, v, info)
+  bs = _block_sizes(params, q, k, v, bias, info)
   b, t, n, h = q.shape
   s = k.shape[1]
   bq, tp = layout.tile(bs.block_q, t, ALIGN)
@@ -690,7 +697,7 @@ def _add_tile_inputs(inputs, x, feat, bq, bk, row):
 
 
 def _backward(q, k, v, bias, info, params, lse, dout, delta):
-  bs = _block_sizes(params, q, k, v, info)
+  bs = _block_sizes(params, q, k, v, bias, info)
   b, t, n, h = q.shape
   s, num_kv = k.shape[1], k.shape[2]
   bq_kv, _ = layout.tile(bs.block_q_dkv, t, ALIGN)

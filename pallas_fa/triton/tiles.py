@@ -52,21 +52,25 @@ def shared_memory_budget(kind: str) -> int:
 # Head dims below are padded: hp of q/k, hvp of v, the output and dO.
 
 
-def _forward_bytes(bq, bk, hp, hvp, itemsize, stages):
-  # Q stays resident; K and V tiles are multi-buffered by the pipeliner.
-  return (bq * hp + stages * bk * (hp + hvp)) * itemsize
+def _forward_bytes(bq, bk, hp, hvp, itemsize, stages, dense=0):
+  # Q stays resident; K and V tiles (and a dense mask or bias tile, `dense`
+  # bytes a logit) are multi-buffered by the pipeliner.
+  return (bq * hp + stages * bk * (hp + hvp)) * itemsize + (
+      stages * bq * bk * dense)
 
 
-def _backward_bytes(b_rows, b_stream, hp, hvp, itemsize, stages):
+def _backward_bytes(b_rows, b_stream, hp, hvp, itemsize, stages, dense=0):
   # One side resident (two tiles: K,V or Q,dO), the other side streamed (two
-  # tiles per stage), plus the f32 [rows, stream] staging of P / dS.
+  # tiles per stage, and the dense tile), plus the f32 [rows, stream]
+  # staging of P / dS.
   return (b_rows + stages * b_stream) * (hp + hvp) * itemsize + (
-      b_rows * b_stream * 4
+      b_rows * b_stream * (4 + stages * dense)
   )
 
 
 def shared_memory_bytes(bs, head_dim: int, itemsize: int,
-                        value_head_dim: int | None = None) -> dict[str, int]:
+                        value_head_dim: int | None = None,
+                        dense_itemsize: int = 0) -> dict[str, int]:
   """Estimated shared memory (bytes) of the forward, dQ and dK/dV kernels.
 
   Args:
@@ -74,6 +78,8 @@ def shared_memory_bytes(bs, head_dim: int, itemsize: int,
     head_dim: the unpadded query/key head dim H.
     itemsize: bytes per element of q/k/v.
     value_head_dim: the unpadded value head dim Hv; None: H.
+    dense_itemsize: bytes per logit of the dense mask and bias the call
+      reads (a mask's int8 plus the bias's dtype); 0 without them.
 
   Returns:
     dict with keys "forward", "dq", "dkv".
@@ -83,11 +89,14 @@ def shared_memory_bytes(bs, head_dim: int, itemsize: int,
   stages = bs.backward_stages
   return {
       "forward": _forward_bytes(
-          bs.block_q, bs.block_kv, hp, hvp, itemsize, bs.num_stages),
+          bs.block_q, bs.block_kv, hp, hvp, itemsize, bs.num_stages,
+          dense_itemsize),
       "dq": _backward_bytes(
-          bs.block_q_dq, bs.block_kv_dq, hp, hvp, itemsize, stages),
+          bs.block_q_dq, bs.block_kv_dq, hp, hvp, itemsize, stages,
+          dense_itemsize),
       "dkv": _backward_bytes(
-          bs.block_kv_dkv, bs.block_q_dkv, hp, hvp, itemsize, stages),
+          bs.block_kv_dkv, bs.block_q_dkv, hp, hvp, itemsize, stages,
+          dense_itemsize),
   }
 
 
@@ -197,6 +206,57 @@ def heuristic(hp: int, hvp: int, itemsize: int, kind: str) -> dict[str, int]:
       num_warps=warps, num_stages=stages,
       num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd,
   )
+
+
+def for_dense_tiles(bs, *, head_dim: int, value_head_dim: int,
+                    itemsize: int, dense_itemsize: int, kind: str):
+  """`bs` (a `triton.TritonBlockSizes`) adapted to a call that reads a dense
+  mask or bias: each loop step loads its [rows, keys] tile beside the
+  streamed K/V (or Q/dO) tiles, and the pipeliner buffers it per stage as
+  it does them, which `heuristic`'s budget leaves out (H100, H = 64,
+  bfloat16 with a float32 bias: 246784 B of 232448 at three stages of
+  128 x 128 tiles). Fewer stages first (not below two), then narrower
+  streamed tiles (not below 64), then one stage, then down to 16. The
+  tile is added in registers too: a 4-warp forward spills (ptxas, H100,
+  H = 64: 268 B), so the dropout rule of eight warps holds.
+
+  Args:
+    bs: the tiling.
+    head_dim, value_head_dim: the unpadded head dims H and Hv.
+    itemsize: bytes per element of q/k/v.
+    dense_itemsize: `shared_memory_bytes`'.
+    kind: a `jax.Device.device_kind`.
+  """
+  if not dense_itemsize or "cpu" in kind.lower():
+    return bs
+  bs = for_dropout(bs, True)
+  budget = shared_memory_budget(kind)
+
+  def smem(bs):
+    return shared_memory_bytes(bs, head_dim, itemsize, value_head_dim,
+                               dense_itemsize)
+
+  def shrink(bs, kernels, stages_field, stream_fields):
+    """Fewer stages, then narrower `stream_fields` tiles, until `kernels`
+    fit."""
+    while max(smem(bs)[k] for k in kernels) > budget:
+      stages = getattr(bs, stages_field) or bs.num_stages
+      stream = max(getattr(bs, f) for f in stream_fields)
+      if stages > 2 or (stages > 1 and stream <= 64):
+        bs = dataclasses.replace(bs, **{stages_field: stages - 1})
+      elif stream > MIN_BLOCK:
+        bs = dataclasses.replace(bs, **{
+            f: min(getattr(bs, f), stream // 2) for f in stream_fields})
+      else:
+        break
+    return bs
+
+  bs = shrink(bs, ("forward",), "num_stages", ("block_kv",))
+  # dQ streams key tiles, dK/dV query tiles.
+  if bs.num_stages_bwd is None:
+    bs = dataclasses.replace(bs, num_stages_bwd=bs.num_stages)
+  return shrink(bs, ("dq", "dkv"), "num_stages_bwd",
+                ("block_kv_dq", "block_q_dkv"))
 
 
 def for_dropout(bs, dropout: bool):
