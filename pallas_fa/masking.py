@@ -444,6 +444,28 @@ def _segment_ranges(seg: Array, block: int, pad_id: int):
   return lo, hi, pad.any(axis=-1)
 
 
+def _position_range(pos: Array, seg: Array | None, block: int, pad_id: int):
+  """Per-block (min, max) of the positions of real rows [B, L/block].
+
+  Padding (`pad_sequence`'s tails hold position 0) is left out, as in
+  `_segment_ranges`: its elements are masked by their segment ids, so
+  their positions must not widen a block's range (a 0 there made the last
+  key tile of a padded causal call visible to every query tile). A block
+  of only padding keeps its min/max unchanged: the segment test empties it.
+  """
+  lo, hi = _block_min_max(pos, block)
+  if seg is None:
+    return lo, hi
+  b, length = pos.shape
+  x = pos.reshape(b, length // block, block)
+  pad = seg.reshape(b, length // block, block) == pad_id
+  big = np.iinfo(np.int32)
+  real_lo = jnp.where(pad, big.max, x).min(axis=-1)
+  real_hi = jnp.where(pad, big.min, x).max(axis=-1)
+  some = ~pad.all(axis=-1)
+  return jnp.where(some, real_lo, lo), jnp.where(some, real_hi, hi)
+
+
 def classify_blocks(info: MaskInfo, block_q: int, block_kv: int) -> Array:
   """Kinds (EMPTY / PARTIAL / FULL) of every tile, int32 [B, T/bq, S/bk].
 
@@ -452,8 +474,10 @@ def classify_blocks(info: MaskInfo, block_q: int, block_kv: int) -> Array:
   marked FULL has no masked element; anything else is PARTIAL. A dense mask is
   reduced over heads (a tile is empty/full only if it is for every head).
   """
-  qp_lo, qp_hi = _block_min_max(info.q_positions, block_q)
-  kp_lo, kp_hi = _block_min_max(info.kv_positions, block_kv)
+  qp_lo, qp_hi = _position_range(
+      info.q_positions, info.q_segment_ids, block_q, Q_PAD_SEGMENT)
+  kp_lo, kp_hi = _position_range(
+      info.kv_positions, info.kv_segment_ids, block_kv, KV_PAD_SEGMENT)
   qp_lo, qp_hi = qp_lo[:, :, None], qp_hi[:, :, None]
   kp_lo, kp_hi = kp_lo[:, None, :], kp_hi[:, None, :]
   shape = jnp.broadcast_shapes(qp_lo.shape, kp_lo.shape)

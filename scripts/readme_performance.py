@@ -6,7 +6,7 @@ between the two markers (`BEGIN`, `END`) is generated here from the files
 named in `SOURCES` under benchmarks/results/, and a test checks that the
 committed README equals what this script makes of the committed JSONs.
 
-The GPU run of record is `h200_b85705a/`: its benchmark.py JSONs (the main
+The GPU run of record is `h200_07213ac/`: its benchmark.py JSONs (the main
 one first; a later process's file fills cells the main one lost, and where
 two hold a cell the earlier file's is shown), gpu_check.py's summary (the
 date and deadlines; the commit and toolchain versions where its env step
@@ -56,26 +56,34 @@ SOURCES = {
     # cell. Where two hold the same cell the earlier file's is shown: the
     # later ones are other processes that measured what the first lost
     # (the T = 4096 causal fwd+bwd cells) or apart from it (head sections).
-    "gpu_bench": ("h200_b85705a/bench.json",
-                  "h200_b85705a/bench_4k_fwd_bwd.json",
-                  "h200_b85705a/bench_head_sections.json"),
+    "gpu_bench": ("h200_07213ac/bench.json",),
     # gpu_check.py's summary.json of that run: the date and the deadlines;
     # the commit, CUDA, cuDNN and ptxas where its env step ran.
-    "gpu_summary": "h200_b85705a/summary_speed.json",
-    # The same versions, read by a separate command: this run's env step
+    "gpu_summary": "h200_07213ac/summary_speed.json",
+    # The same versions, read by a separate command where a run's env step
     # was skipped. Read only for what the summary lacks (None: no file).
-    "gpu_environment": "h200_b85705a/environment.json",
-    "gpu_decode": "h200_b85705a/decode.json",
+    "gpu_environment": None,
+    "gpu_decode": "h200_07213ac/decode.json",
     # decode_benchmark.py --cache_forms reports (cells and target ratios),
-    # merged as the bench files are: the latent form ran in its own process.
-    "gpu_forms": ("h200_b85705a/decode_forms.json",
-                  "h200_b85705a/decode_latent.json"),
+    # merged as the bench files are: paged and T_new = 4 ran in a later
+    # process (the first lost them to its deadline).
+    "gpu_forms": ("h200_07213ac/decode_forms.json",
+                  "h200_07213ac/decode_forms_paged_tnew.json"),
     # The run's notes: its tables, what did not finish and why.
-    "gpu_notes": "h200_b85705a/README.md",
+    "gpu_notes": "h200_07213ac/README.md",
     # Earlier GPU runs, newest first: linked with what they measured, not
     # tabled. Each names its notes and any of: gpu_check.py's summary (the
-    # commit and date), benchmark.py JSONs, cache-form JSONs, a plot.
+    # commit and date; with the environment.json of a run whose env step
+    # was skipped), benchmark.py JSONs, cache-form JSONs, a plot.
     "gpu_history": (
+        {"summary": "h200_b85705a/summary_speed.json",
+         "environment": "h200_b85705a/environment.json",
+         "bench": ("h200_b85705a/bench.json",
+                   "h200_b85705a/bench_4k_fwd_bwd.json",
+                   "h200_b85705a/bench_head_sections.json"),
+         "forms": ("h200_b85705a/decode_forms.json",
+                   "h200_b85705a/decode_latent.json"),
+         "notes": "h200_b85705a/README.md"},
         {"summary": "h200_ff8094b/summary.json",
          "bench": ("h200_ff8094b/bench.json",),
          "notes": "h200_ff8094b/README.md"},
@@ -730,6 +738,8 @@ def _form_name(c: dict, base: dict) -> str:
                         ("num_splits", " splits"), ("num_warps", " warps")):
       if c.get(field):
         parts.append(f"{c[field]}{unit}")
+    if c.get("merge") == "split_kernel":
+      parts.append("merged in the split kernel")
     return ", ".join(parts)
   if form == "paged":
     page = c.get("page_size")
@@ -817,8 +827,10 @@ def _history_run(results: pathlib.Path, run: dict) -> str:
   what, when = [], ""
   if "summary" in run:
     summary = _Source(results, run["summary"])
-    when = (f"commit `{str(_run_value('commit', summary))[:7]}`, "
-            f"{_date(summary)}")
+    environment = (_Source(results, run["environment"])
+                   if "environment" in run else None)
+    when = (f"commit `{str(_run_value('commit', summary, environment))[:7]}`"
+            f", {_date(summary)}")
   if "bench" in run:
     what.append(_history_bench(results, run["bench"]))
   for name in run.get("forms", ()):

@@ -129,3 +129,31 @@ def test_triton_latent_kernel_has_one_cache_operand(paged):
   narrow = [x for x in split if x.dtype == jnp.int8]
   assert [x.shape for x in narrow] == [cache.shape]
   assert all(x.size < cache.size for x in split if x.dtype != jnp.int8)
+
+
+def test_triton_latent_value_chunk_defaults_to_128_columns(monkeypatch):
+  """A latent call's programs cover `LATENT_VALUE_CHUNK` value columns
+  unless `_value_chunk` picks others (a mask_mod's path keeps its own);
+  the one 512-column chunk it replaced still equals `chunked`."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  seen = []
+  real = triton_decode.attention
+
+  def spy(*args, **kw):
+    seen.append(kw.get("max_value_chunk"))
+    return real(*args, **kw)
+
+  monkeypatch.setattr(triton_decode, "attention", spy)
+  gen = rng("triton latent chunk default")
+  args = latent.latent_case(gen, quantized_as=None, page_size=None, h=576,
+                            hv=512, n=8, t=1)
+  (out, lse), (want_out, want_lse) = _against_chunked(args, num_splits=2)
+  assert triton_decode.LATENT_VALUE_CHUNK == 128 and seen == [128]
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)
+  out, lse = pallas_fa.decode_attention(
+      **args, implementation="triton", num_splits=2, return_residual=True,
+      _value_chunk=512)
+  assert seen[-1] == 512
+  assert_close("out", out, want_out)
+  assert_close("lse", lse, want_lse)

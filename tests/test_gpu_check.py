@@ -2,6 +2,7 @@
 pytest plugin, and the CPU rehearsal of the whole plan, whole and stopped
 mid-bench by SIGTERM."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -84,9 +85,9 @@ def test_plan_fits_a_15_minute_window():
 
 def test_kernels_run_what_the_last_window_left_first(gpu_check):
   """The baseline junit's finished tests are named as pytest names them,
-  its crashed ones are not; b85705a's failures run first and its finished
-  tests after ff8094b's; no test crashed a worker at b85705a, so none
-  runs alone."""
+  its crashed ones are not; 07213ac's failures run first and the finished
+  tests after, ff8094b's, b85705a's then 07213ac's; no test crashed a
+  worker at b85705a or 07213ac, so none runs alone."""
   steps = gpu_check.steps
   finished = steps.finished_tests(steps.BASELINE_JUNIT)
   assert len(finished) == 296, len(finished)
@@ -97,12 +98,18 @@ def test_kernels_run_what_the_last_window_left_first(gpu_check):
   assert "--xla_gpu_autotune_level=0" in steps.test_xla_flags()
   failed = steps.recorded_tests(steps.LAST_KERNELS, failed=True)
   recent = steps.recorded_tests(steps.LAST_KERNELS)
-  assert (len(failed), len(recent)) == (13, 423)
-  assert set(failed) <= set(recent) and not set(recent) & set(finished)
-  assert len(steps.recorded_tests(steps.LAST_CHECKS)) == 54
+  assert (len(failed), len(recent)) == (5, 723)
+  assert ("tests/test_triton.py::test_compiled_kernels_run_inside_a_user_"
+          "shard_map") in failed
+  assert set(failed) <= set(recent)
+  earlier = steps.recorded_tests(steps.EARLIER_KERNELS)
+  assert len(steps.recorded_tests(steps.EARLIER_KERNELS, failed=True)) == 13
+  assert len(earlier) == 423 and not set(earlier) & set(finished)
+  assert len(steps.recorded_tests(steps.EARLIER_CHECKS)) == 54
+  assert len(steps.recorded_tests(steps.LAST_CHECKS)) == 165
   assert steps.recorded_tests(steps.LAST_CHECKS.with_name("none")) == ()
   # An id's escapes survive as pytest wrote them.
-  assert any("block_table\\\\[1, 1\\\\]" in t for t in recent)
+  assert any("block_table\\\\[1, 1\\\\]" in t for t in earlier)
   assert steps.ALONE_TESTS[False] == ()
   # The xla and chunked cases of the kernel files are left out, not a
   # kernel's own that names chunked.
@@ -147,8 +154,7 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   steps = gpu_check.steps
   runs = {run.label: run for run in steps.BENCH_RUNS[False]}
   assert list(runs) == ["mosaic_gpu", "cudnn", "mosaic_gpu_fp8", "cudnn_fp8",
-                        "mosaic_gpu_fused_step",
-                        "mosaic_gpu_forward_period", "mosaic_gpu_fp8_tiles",
+                        "mosaic_gpu_fused_step", "mosaic_gpu_fp8_tiles",
                         "mosaic_gpu_forward_tiles", "triton",
                         "pallas_mha", "mosaic_gpu_split",
                         "mosaic_gpu_fused_tiles", "triton_fp8"]
@@ -201,28 +207,24 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
     "float8_e4m3fn", ("fwd",))
   assert [run.essential for run in dry.values()] == [True] * 3 + [False]
   assert dry["chunked_fp8"].impls == ("chunked", "chunked+negated_query")
-  period = runs["mosaic_gpu_forward_period"]
-  assert period.impls == ("mosaic_gpu", "mosaic_gpu:poly_exp2=8",
-                          "mosaic_gpu:block_kv=192:num_stages=2")
-  assert (period.seq_lens, period.causal, period.modes) == (
-    (16384,), "false", ("fwd",))
-  # The fused backward's step variants, beside the default.
+  # The fused backward's step orders beside the default, full and
+  # causal: the in-step order the full default replaced, and the pipeline
+  # the causal default has not taken yet.
   fused_step = runs["mosaic_gpu_fused_step"]
   assert fused_step.impls == ("mosaic_gpu:backward=fused",
                               *steps.FUSED_STEP_VARIANTS)
-  assert {"fused_pipeline=true", "fused_overlap=true"} <= {
+  assert {"fused_pipeline=true", "fused_pipeline=false"} <= {
     part for spec in fused_step.impls for part in spec.split(":")}
   assert (fused_step.seq_lens, fused_step.causal, fused_step.modes) == (
-    (16384,), "false", ("fwd_bwd",))
-  # The float8 forward with 256-key tiles, with two-level accumulation and
-  # with part of its exponentials on the FMA pipe, beside the default.
+    (16384,), "both", ("fwd_bwd",))
+  # The float8 forward: the default beside the 128-key ring full calls
+  # had and the 256-key tiles causal calls do not have yet.
   fp8_tiles = runs["mosaic_gpu_fp8_tiles"]
   assert steps.FP8_WIDE_KEYS == "mosaic_gpu:block_kv=256:num_stages=2"
-  assert fp8_tiles.impls == ("mosaic_gpu", steps.FP8_WIDE_KEYS,
-                             "mosaic_gpu:float8_two_level=true",
-                             "mosaic_gpu:poly_exp2=8")
-  assert (fp8_tiles.dtype, fp8_tiles.seq_lens, fp8_tiles.modes) == (
-    "float8_e4m3fn", (16384,), ("fwd",))
+  assert fp8_tiles.impls == ("mosaic_gpu", steps.FP8_NARROW_KEYS,
+                             steps.FP8_WIDE_KEYS)
+  assert (fp8_tiles.dtype, fp8_tiles.seq_lens, fp8_tiles.causal,
+          fp8_tiles.modes) == ("float8_e4m3fn", (16384,), "both", ("fwd",))
   # Each variant beside the path it would replace, on the cells the last
   # window lost.
   fused = runs["mosaic_gpu_fused_tiles"]
@@ -242,12 +244,12 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   # The benchmark resolves every variant to its block sizes (the default
   # tiling of the shape, those fields replaced) without a GPU.
   with script_module("benchmark") as benchmark:
-    shape = benchmark.options.Shape(batch=1, seq_len=16384, heads=16,
-                                    head_dim=128, causal=True,
-                                    dtype="bfloat16")
-    specs = [spec for run in runs.values() for spec in run.impls
+    specs = [(spec, run) for run in runs.values() for spec in run.impls
              if ":" in spec]
-    for spec in specs:
+    for (spec, run), causal in itertools.product(specs, (True, False)):
+      shape = benchmark.options.Shape(batch=1, seq_len=16384, heads=16,
+                                      head_dim=128, causal=causal,
+                                      dtype=run.dtype or "bfloat16")
       name, fields = benchmark.options.parse_impl(spec)
       candidate = benchmark.options.Candidate(kind="impl", name=name,
                                               block_sizes=fields)
@@ -923,7 +925,7 @@ def test_dry_run(gpu_check, tmp_path):
   )
 
   kernels = steps["kernels"]
-  assert kernels["passed"] == 3 and not kernels["failed_ids"], kernels
+  assert kernels["passed"] == 4 and not kernels["failed_ids"], kernels
   # What failed in the last window first, then what no window finished,
   # then what each finished, the stalest window's first.
   order = [json.loads(line)["test"] for line in
@@ -931,6 +933,7 @@ def test_dry_run(gpu_check, tmp_path):
            if json.loads(line)["outcome"] != "started"]
   steps_lib = gpu_check.steps
   groups = (set(steps_lib.finished_tests(steps_lib.BASELINE_JUNIT)),
+            set(steps_lib.recorded_tests(steps_lib.EARLIER_KERNELS)),
             set(steps_lib.recorded_tests(steps_lib.LAST_KERNELS)))
   failed = steps_lib.recorded_tests(steps_lib.LAST_KERNELS, failed=True)
 
@@ -949,7 +952,7 @@ def test_dry_run(gpu_check, tmp_path):
   assert alone["test"].endswith("test_block_sizes_frozen_and_hashable")
   junit = (out / "junit.xml").read_text()
   # 3 kernels, the x64 checks, 1 alone, 1 extra.
-  assert junit.count("<testcase") == 3 + x64["tests"] + 1 + 1, junit
+  assert junit.count("<testcase") == 4 + x64["tests"] + 1 + 1, junit
 
   bench = json.loads((out / "bench.json").read_text())
   cells = {(r["impl"], r["head_dim"], r["seq_len"]) for r in bench["results"]}
@@ -1042,7 +1045,7 @@ def test_dry_run(gpu_check, tmp_path):
   assert {"env.json", "pytest_kernels.log", "bench_chunked.log"} <= names
   assert {"decode.log", "bench_xla.log", "tests_kernels.jsonl"} <= names
   assert proc.returncode == 0, output
-  assert "kernels" in output and "3 passed" in output
+  assert "kernels" in output and "4 passed" in output
 
 
 @pytest.mark.slow

@@ -133,6 +133,34 @@ def test_heuristic_fits_shared_memory(head_dim, dtype):
   assert all(c.block_kv <= 128 for c in forward if c.intra_overlap)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_heuristic_takes_the_measured_winners(head_dim):
+  """The tilings an H200 window measured faster are the defaults where they
+  were measured (07213ac): a full call's fused backward pipelines its dQ
+  (`fused_pipeline`), a causal one keeps the in-step order; a full float8
+  forward streams 256-key tiles in two stages at head dims <= 128 where
+  the keys fill whole tiles, and 128-key ones elsewhere."""
+  kw = dict(q_len=4096, head_dim=head_dim)
+  full = mosaic_gpu.heuristic_block_sizes(kv_len=4096, dtype=jnp.bfloat16,
+                                          **kw)
+  causal = mosaic_gpu.heuristic_block_sizes(
+      kv_len=4096, dtype=jnp.bfloat16, is_causal=True, **kw)
+  assert full.fused_pipeline and not causal.fused_pipeline
+  assert dataclasses.replace(full, fused_pipeline=False) == causal
+  e4m3 = jnp.float8_e4m3fn
+  wide = head_dim > 128
+  for kv_len, causal, want in ((4096, False, 64 if wide else 256),
+                               (4096 + 128, False, 64 if wide else 128),
+                               (4096, True, 64 if wide else 128)):
+    bs = mosaic_gpu.heuristic_block_sizes(kv_len=kv_len, dtype=e4m3,
+                                          is_causal=causal, **kw)
+    assert bs.block_kv == want, (kv_len, causal, bs)
+    assert mosaic_gpu.tiles.fp8_forward_bytes(bs, head_dim, head_dim) <= (
+        mosaic_gpu.SHARED_MEMORY_BYTES)
+    if want == 256:
+      assert bs.num_stages == 2
+
+
 def test_tuned_records_win_over_heuristic(monkeypatch):
   tuned = dict(block_q=128, block_kv=64, num_stages=3, pingpong=False)
   key = tuning.tuning_key(head_dim=128, dtype=jnp.bfloat16, q_len=4096,
@@ -260,6 +288,27 @@ def _random_info(gen, b, t, s, causal, window, segments):
           q_seg, q_len, t, masking.Q_PAD_SEGMENT),
       kv_segment_ids=masking.padding_segments(
           kv_seg, kv_len, s, masking.KV_PAD_SEGMENT))
+
+
+@pytest.mark.parametrize("t, bk", [(1024, 192), (16384, 192), (4000, 128)])
+def test_causal_schedule_stops_at_the_diagonal_with_padded_keys(t, bk):
+  """A causal call whose keys are padded to whole tiles streams, per unit,
+  only the key tiles up to its last real row's: the padding's positions
+  (0) do not make the last tile visible to every unit (H200, T = 16384,
+  192-key tiles: every unit streamed all 86 tiles, 0.51x the rate)."""
+  bq, consumers = 64, 2
+  rows = bq * consumers
+  tp, sp = layout.padded_length(t, rows), layout.padded_length(t, bk)
+  pos = jnp.arange(t, dtype=jnp.int32)[None]
+  info = masking.MaskInfo(q_positions=pos, kv_positions=pos, is_causal=True,
+                          positions_are_indices=True)
+  info = masking.pad_sequence(info, tp, sp)
+  sched = np.asarray(mosaic_gpu.schedule(
+      masking.classify_blocks(info, bq, bk), consumers))
+  units = tp // rows
+  last_real_row = np.minimum((np.arange(units) + 1) * rows, t) - 1
+  np.testing.assert_array_equal(sched[0, :, 0], 0)
+  np.testing.assert_array_equal(sched[0, :, 1], last_real_row // bk + 1)
 
 
 @pytest.mark.parametrize("causal, window, segments, transpose", [

@@ -50,7 +50,8 @@ def run(implementation, query, key, value, lengths, block_table,
   as it is, with `key_scale` / `value_scale` in `static` (float32 of rank
   3, each dim 1 or the cache's; absent for a float8 cache without them).
   A latent cache (one that sets `LATENT_CACHES`) comes as value=key with
-  `value_head_dim` in `static`.
+  `value_head_dim` in `static`; without a mask_mod its value chunk is the
+  module's `LATENT_VALUE_CHUNK` unless `static` names one.
   """
   if query.dtype == jnp.float64:
     # As `vjp.Backend.check_call` says of a dtype a backend cannot run.
@@ -65,6 +66,11 @@ def run(implementation, query, key, value, lengths, block_table,
         f"implementation={implementation!r} reads float caches only; a "
         f"quantized key/value cache ({key.dtype}, {value.dtype}) decodes "
         f"with implementation='chunked' (or None).")
+  latent_chunk = getattr(kernel, "LATENT_VALUE_CHUNK", None)
+  if (latent_chunk and "value_head_dim" in static
+      and static.get("max_value_chunk") is None
+      and static.get("mask_mod") is None):
+    static = dict(static, max_value_chunk=latent_chunk)
   block, splits = _tiling(kernel, implementation, query, key, value,
                           block_table, static, num_splits, block_kv)
   if implementation == "triton" and static.get("mask_mod") is None:

@@ -162,13 +162,16 @@ def test_xla_flags() -> str:
 # The GPU windows of record, whose tests order the next window's: a test
 # that failed in the last one runs first (is its fix in?), then those no
 # window finished, then those each finished, the stalest window's first.
-# ff8094b's are read from its junit XML; b85705a's from the results that
-# `gpu.pytest_plugin` wrote as each test finished (its kernels step was
-# stopped at its deadline before pytest-xdist wrote the XML).
+# ff8094b's are read from its junit XML; b85705a's and 07213ac's from the
+# results that `gpu.pytest_plugin` wrote as each test finished (their
+# kernels steps were stopped at their deadlines before pytest-xdist wrote
+# the XML).
 _RESULTS = runner.REPO_ROOT / "benchmarks" / "results"
 BASELINE_JUNIT = _RESULTS / "h200_ff8094b" / "junit.xml"
-LAST_KERNELS = _RESULTS / "h200_b85705a" / "tests_kernels.jsonl"
-LAST_CHECKS = _RESULTS / "h200_b85705a" / "tests_checks.jsonl"
+EARLIER_KERNELS = _RESULTS / "h200_b85705a" / "tests_kernels.jsonl"
+EARLIER_CHECKS = _RESULTS / "h200_b85705a" / "tests_checks.jsonl"
+LAST_KERNELS = _RESULTS / "h200_07213ac" / "tests_kernels.jsonl"
+LAST_CHECKS = _RESULTS / "h200_07213ac" / "tests_checks.jsonl"
 
 
 def recorded_tests(results: pathlib.Path, *,
@@ -214,10 +217,11 @@ _KERNEL_IMPLEMENTATIONS = "mosaic_gpu,triton"
 NOT_A_KERNEL = r"[\[-](xla|chunked)[\]-]"
 # The dry run's tests: one cheap test of each kind (a mosaic_gpu one that
 # runs no kernel, an interpreted triton conformance case, the interpreted
-# triton decode kernel; an xla conformance case), selected as a rerun
-# selects (`Context.only`).
+# triton decode kernel, a float8 one that failed in the last window; an
+# xla conformance case), selected as a rerun selects (`Context.only`).
 _DRY_RUN_KERNELS = (
   "tests/test_mosaic_gpu.py::test_block_sizes_frozen_and_hashable",
+  "tests/test_fp8.py::test_automatic_choice_runs_float8_on_chunked",
   "tests/test_conformance.py::test_float32[triton-B2T64S64N2K2H32]",
   "tests/test_decode.py::test_triton_window_softcap_positions",
 )
@@ -421,12 +425,13 @@ def step_kernels(ctx: Context, timeout: float) -> dict[str, Any]:
   if ctx.only:
     tests = rerun_tests(ctx.only)
   else:
-    # What failed at b85705a first, then what no window finished, then
-    # what ff8094b finished, then what b85705a finished.
+    # What failed at 07213ac first, then what no window finished, then
+    # what ff8094b, b85705a and 07213ac finished, in that order.
     tests = dataclasses.replace(
       KERNEL_TESTS[ctx.dry_run],
       first=recorded_tests(LAST_KERNELS, failed=True),
-      last=(finished_tests(BASELINE_JUNIT), recorded_tests(LAST_KERNELS)))
+      last=(finished_tests(BASELINE_JUNIT), recorded_tests(EARLIER_KERNELS),
+            recorded_tests(LAST_KERNELS)))
   return run_tests(ctx, "kernels", timeout, tests)
 
 
@@ -449,7 +454,7 @@ CHECK_TESTS = {
     select=("-k", "(test_x64 or test_determinism or test_precision or "
                   "(float32 and not mosaic_gpu and not triton)) "
                   "and not mosaic_tpu"),
-    last=(recorded_tests(LAST_CHECKS),),
+    last=(recorded_tests(EARLIER_CHECKS), recorded_tests(LAST_CHECKS)),
   ),
   True: Tests(
     files=("tests/test_x64.py",),
@@ -460,9 +465,9 @@ CHECK_TESTS = {
 # The tests that crashed their pytest-xdist worker in the last window, each
 # to run alone in a process of its own, with the time it needs
 # (`ALONE_NEED_S`), after the x64 and float32 tests. None crashed one at
-# b85705a: the two that had at ff8094b (over its 60 s per-test timeout)
-# passed under pytest-xdist in 11 and 17 s with the 120 s one. The dry run:
-# one cheap test.
+# b85705a or 07213ac: the two that had at ff8094b (over its 60 s per-test
+# timeout) passed under pytest-xdist in 11 and 17 s with the 120 s one.
+# The dry run: one cheap test.
 ALONE_TESTS = {
   False: (),
   True: ("tests/test_mosaic_gpu.py::test_block_sizes_frozen_and_hashable",),
@@ -651,31 +656,29 @@ FUSED_VARIANTS = (
   "mosaic_gpu:backward=fused:num_consumers_dkv=1",
   "mosaic_gpu:backward=fused:head_section=4",
 )
-# The fused backward's step orders (predictions.md section 7): dS^T
-# staged while dK's product runs (`fused_overlap`), and each step's dQ
-# issued ahead of the next step's S^T (`fused_pipeline`), each alone. (A
-# third variant would not leave the bf16 poly_exp2 run its time; the dQ
-# staging's 32-byte swizzle, `dq_swizzle=32`, waits for a later window.)
+# The fused backward's step orders (predictions.md sections 8 and 9): each
+# step's dQ issued ahead of the next step's S^T (`fused_pipeline`), the
+# default of full calls since 07213ac measured it 1.057x the in-step order,
+# against that order, full and causal (whose default it is not yet).
 FUSED_STEP_VARIANTS = (
-  "mosaic_gpu:backward=fused:fused_overlap=true",
+  "mosaic_gpu:backward=fused:fused_pipeline=false",
   "mosaic_gpu:backward=fused:fused_pipeline=true",
 )
 # The forward: the software-pipelined key loop (`intra_overlap`: P V of a
 # tile in flight under the next tile's softmax) without ping-pong, 600
 # TFLOP/s at T = 16384 (full) at b85705a against the default's 593.
 FORWARD_VARIANTS = ("mosaic_gpu:intra_overlap=true:pingpong=false",)
-# The bf16 forward's period (predictions.md sections 7 and 9): one 8-key
-# column group in 8 of each tile's exponentials by a cubic on the FMA pipe
-# (`poly_exp2=8`: the softmax chain, serial with the consumer's own Q K^T
-# in ping-pong, is MUFU-bound), and 192-key tiles in two stages (each
-# iteration's fixed cost spread over 1.5x the keys).
+# The bf16 forward's 192-key tiles in two stages (each iteration's fixed
+# cost spread over 1.5x the keys): 1.02x full at 07213ac, and causal 0.51x
+# there, when a padded last key tile made every unit stream every tile
+# (fixed since: `masking.classify_blocks` leaves padding out).
 WIDE_KEYS = "mosaic_gpu:block_kv=192:num_stages=2"
-PERIOD_VARIANTS = ("mosaic_gpu:poly_exp2=8", WIDE_KEYS)
-# The float8 forward over 256-key tiles in two stages: its 1-byte K and V^T
-# tiles fit twice bfloat16's keys in the same shared memory, and each
-# iteration's fixed cost (a larger share of the float8 loop, whose products
-# take half the bf16 time) is paid once per 256 keys.
+# The float8 forward's tiles: 256 keys in two stages, the default of full
+# calls at H <= 128 since 07213ac measured 1.086x, against the 128-key
+# four-stage ring they replaced, full and causal (whose default is still
+# 128 keys).
 FP8_WIDE_KEYS = "mosaic_gpu:block_kv=256:num_stages=2"
+FP8_NARROW_KEYS = "mosaic_gpu:block_kv=128:num_stages=4"
 # The float8 forward's key loop that multiplies the row factor into every
 # logit before the max: the path the exponent fold replaced as the
 # default, which a negative query scale still takes (its A/B, in the
@@ -697,24 +700,16 @@ BENCH_RUNS = {
     # cuDNN's FP8 forward (per-tensor scales): the float8 rows' FP8 peer.
     BenchRun(label="cudnn_fp8", need_s=44, peers=("cudnn_fp8",),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
-    # The fused backward's step variants beside the default (T = 16384,
-    # full): the backward is the headline furthest behind cuDNN.
-    BenchRun(label="mosaic_gpu_fused_step", need_s=30, essential=False,
+    # The fused backward's step orders beside the default (T = 16384,
+    # full and causal): the backward is the headline furthest behind
+    # cuDNN.
+    BenchRun(label="mosaic_gpu_fused_step", need_s=40, essential=False,
              impls=("mosaic_gpu:backward=fused", *FUSED_STEP_VARIANTS),
-             head_dims=(128,), seq_lens=(16384,), causal="false",
-             modes=("fwd_bwd",)),
-    # The bf16 forward's period variants beside the default (T = 16384,
-    # full).
-    BenchRun(label="mosaic_gpu_forward_period", need_s=20, essential=False,
-             impls=("mosaic_gpu", *PERIOD_VARIANTS), head_dims=(128,),
-             seq_lens=(16384,), causal="false", modes=("fwd",)),
-    # 256-key tiles, the two-level P V accumulation and part of the
-    # exponentials on the FMA pipe in float8 (predictions.md sections 7
-    # and 8), beside the default in their own process.
+             head_dims=(128,), seq_lens=(16384,), modes=("fwd_bwd",)),
+    # The float8 forward's 256-key tiles against the 128-key ring they
+    # replaced (T = 16384, full and causal), in their own process.
     BenchRun(label="mosaic_gpu_fp8_tiles", need_s=32, essential=False,
-             impls=("mosaic_gpu", FP8_WIDE_KEYS,
-                    "mosaic_gpu:float8_two_level=true",
-                    "mosaic_gpu:poly_exp2=8"),
+             impls=("mosaic_gpu", FP8_NARROW_KEYS, FP8_WIDE_KEYS),
              dtype=FP8, head_dims=(128,), seq_lens=(16384,), modes=("fwd",)),
     # The causal forward: the pipelined loop without ping-pong, and
     # 192-key tiles (which fit since default positions are made from
