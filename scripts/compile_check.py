@@ -139,8 +139,10 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
 # would otherwise come from Mosaic's in-process cache (no ptxas report).
 TILE_VARIANTS = {
     "split": (dict(backward="split"), 2),
+    # (fused_pipeline off: full calls' default sets it, and the two are
+    # alternatives.)
     "fused_step": (dict(backward="fused", fused_overlap=True,
-                        dq_swizzle=32), 4),
+                        fused_pipeline=False, dq_swizzle=32), 4),
     "fused_pipeline": (dict(backward="fused", fused_pipeline=True,
                             dq_swizzle=32), 8),
     # 192-key forward tiles, the last one part padding (masked by index).
