@@ -169,8 +169,18 @@ def test_dense_mask_and_bias_tiles_fit_shared_memory(kind, head_dim, dtype,
   assert triton.tiles.for_dense_tiles(
       bs, head_dim=head_dim, value_head_dim=head_dim, itemsize=itemsize,
       dense_itemsize=0, kind=kind) == bs
+  # A tiling whose backward follows the forward's stages (a tuned record's
+  # num_stages_bwd=None) keeps them when only the forward shrinks.
+  inherited = dataclasses.replace(bs, num_stages_bwd=None)
+  shrunk = triton.tiles.for_dense_tiles(
+      inherited, head_dim=head_dim, value_head_dim=head_dim,
+      itemsize=itemsize, dense_itemsize=dense, kind=kind)
+  assert shrunk.backward_stages <= bs.num_stages
+  assert max(triton.shared_memory_bytes(
+      shrunk, head_dim, itemsize, dense_itemsize=dense).values()) <= budget
   if (kind.startswith("NVIDIA H100") and head_dim == 64 and dense == 4
       and dtype == jnp.bfloat16):
+    assert shrunk.backward_stages == bs.num_stages > shrunk.num_stages
     assert triton.shared_memory_bytes(
         bs, head_dim, itemsize, dense_itemsize=dense)["forward"] > budget
 

@@ -229,7 +229,10 @@ def for_dense_tiles(bs, *, head_dim: int, value_head_dim: int,
   """
   if not dense_itemsize or "cpu" in kind.lower():
     return bs
-  bs = for_dropout(bs, True)
+  # The backward's stages fixed before the forward's shrink, which an
+  # unset `num_stages_bwd` would otherwise follow.
+  bs = dataclasses.replace(for_dropout(bs, True),
+                           num_stages_bwd=bs.backward_stages)
   budget = shared_memory_budget(kind)
 
   def smem(bs):
@@ -240,7 +243,7 @@ def for_dense_tiles(bs, *, head_dim: int, value_head_dim: int,
     """Fewer stages, then narrower `stream_fields` tiles, until `kernels`
     fit."""
     while max(smem(bs)[k] for k in kernels) > budget:
-      stages = getattr(bs, stages_field) or bs.num_stages
+      stages = getattr(bs, stages_field)
       stream = max(getattr(bs, f) for f in stream_fields)
       if stages > 2 or (stages > 1 and stream <= 64):
         bs = dataclasses.replace(bs, **{stages_field: stages - 1})
@@ -253,8 +256,6 @@ def for_dense_tiles(bs, *, head_dim: int, value_head_dim: int,
 
   bs = shrink(bs, ("forward",), "num_stages", ("block_kv",))
   # dQ streams key tiles, dK/dV query tiles.
-  if bs.num_stages_bwd is None:
-    bs = dataclasses.replace(bs, num_stages_bwd=bs.num_stages)
   return shrink(bs, ("dq", "dkv"), "num_stages_bwd",
                 ("block_kv_dq", "block_q_dkv"))
 
