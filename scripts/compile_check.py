@@ -417,7 +417,9 @@ def _decode_call(case: Case, seq: int, spec):
   if case.variant in LATENT_DECODE:
     return _latent_decode_call(case, seq, spec)
   shape = DECODE_SHAPE
-  b, h = 2, case.head_dim
+  # A shared prefix's 16 rows fold into one 64-row tile a K/V head (4
+  # query heads each), the serving shape the prefix pass is tiled for.
+  b, h = 16 if case.variant == "decode_prefix" else 2, case.head_dim
   kv = shape["kv_heads"]
   layout, cache_dtype = QUANTIZED_DECODE.get(
       case.variant, (case.variant, case.dtype))

@@ -719,6 +719,7 @@ _FORM_NAMES = {
     ("prefix", "prefix"): "shared prefix",
     ("prefix", "prefix_two_merges"): "two merges",
     ("prefix", "prefix_flash"): "prefix through `flash_attention`",
+    ("prefix", "prefix_64_key_blocks"): "shared prefix, 64-key prefix blocks",
     ("latent", "latent"): "latent",
     ("latent", "separate_values"): "separate values",
     ("latent", "one_read_floor"): "one-read floor",

@@ -935,7 +935,9 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         ("dtype", "float8_e4m3fn_128_keys_33_splits"), ("dtype", "float32"),
         ("dtype", "int8_float32_query"), ("prefix", "materialised"),
         ("prefix", "prefix"), ("prefix", "prefix_two_merges"),
-        ("prefix", "prefix_flash"), ("prefix", "prefix_pass_alone"),
+        ("prefix", "prefix_pass_alone"),
+        ("prefix", "prefix_64_key_blocks"),
+        ("prefix", "prefix_pass_alone_64_key_blocks"),
         ("prefix", "own_parts_alone"),
         ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
         ("tnew", "t_new_1"), ("tnew", "t_new_4"), ("latent", "latent"),
@@ -953,6 +955,7 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     assert by_name["float8_e4m3fn_128_keys_33_splits"]["cache_dtype"] == (
         "float8_e4m3fn")
     assert by_name["int8_33_splits"]["num_splits"] == 33
+    assert by_name["prefix_64_key_blocks"]["prefix_block_kv"] == 64
     assert by_name["t_new_4"]["new_tokens"] == 4
     assert by_name["t_new_4"]["calls_per_program"] == 2
     assert by_name["t_new_4"]["ms_one_call"] > 0
@@ -963,7 +966,6 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     # the split kernel).
     assert set(ratios) == {name for name, *_ in forms.TARGETS} - {
         "int8_2_warps_vs_4", "fp8_2_warps_vs_4",
-        "bf16_merged_vs_two_kernels", "int8_merged_vs_two_kernels",
         "latent_vs_value_chunk_512", "latent_vs_value_chunk_256"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
@@ -978,19 +980,19 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     real = pallas_fa.decode_attention
 
     def wrong_or_raising(*a, **kw):
-      if kw.get("_fold_prefix") is False:
+      if kw.get("_prefix_block_kv"):
         raise NotImplementedError("no such path here")
       return real(*a, **kw) * (1.5 if "prefix_key" in kw else 1)
 
     monkeypatch.setattr(pallas_fa, "decode_attention", wrong_or_raising)
-    (_, prefix, _, flash, alone, own) = forms.prefix_rows(
+    (_, prefix, _, alone, wide, _, own) = forms.prefix_rows(
         "chunked", 1, b=3, s_p=64, s_own=32, n=4, num_kv=2, h=16)
     # The prefix alone is checked against attention over the prefix only;
     # the own parts, without a prefix, are right.
     assert alone["status"] == "wrong" and own["status"] == "ok", alone
     assert prefix["status"] == "wrong" and "ms" not in prefix, prefix
-    assert flash["status"] == "failed" and "ms" not in flash, flash
-    assert "NotImplementedError: no such path" in flash["reason"]
+    assert wide["status"] == "failed" and "ms" not in wide, wide
+    assert "NotImplementedError: no such path" in wide["reason"]
 
 
 @pytest.mark.parametrize("argv, match", [

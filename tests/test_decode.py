@@ -215,6 +215,24 @@ def test_triton_blocks_span_small_pages(dtype, page_size, t, group, window,
          name="triton small pages")
 
 
+def test_triton_wide_tiles_take_narrower_blocks():
+  """A tile of 64 or more packed rows at 128-column chunks (H 65-128)
+  takes 32-key blocks, two programs an SM (`default_block`: 130 registers
+  at 64 keys, 108 at 32, over 256 threads); narrower chunks and smaller
+  tiles keep 64 (a head dim past 256 too: 64-column chunks), 256-column
+  chunks 32."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  for h, rows, block in ((128, 16, 64), (128, 32, 64), (128, 64, 32),
+                         (128, 128, 32), (96, 64, 32), (64, 64, 64),
+                         (64, 128, 32), (256, 64, 32), (256, 16, 32),
+                         (576, 16, 64)):
+    assert triton_decode.default_block(h, h, rows) == block, (h, rows)
+  # A shared prefix's 16 rows x 4 query heads a K/V head: one 64-row tile.
+  assert triton_decode.block_for(
+      head_dim=128, value_head_dim=128, groups=64, new_tokens=1,
+      page_size=None, block_kv=None) == 32
+
+
 def test_triton_paged_blocks_are_the_contiguous_ones():
   """A paged cache's block is the contiguous default whatever the page
   size (a slice of a page, or several pages), and a kernel indexes enough

@@ -244,19 +244,24 @@ def test_prefix_on_the_kernels(implementation, t, fold):
 
 
 @pytest.mark.parametrize("case", ["window_softcap_sinks", "positions_window",
-                                  "int8_paged", "eight_groups"])
+                                  "int8_paged", "eight_groups",
+                                  "wide_tile"])
 def test_triton_prefix_merges_in_place(case):
   """One new token a row on triton: the prefix's and the rows' split
   kernels feed one merge (`triton.decode.attention_with_prefix`), which
   reads the folded prefix partials in place; the result is the
   concatenation's, with a window cutting into the prefix, sinks, an int8
-  own cache on pages, and 8 query heads a K/V head over many splits."""
+  own cache on pages, 8 query heads a K/V head over many splits, and 16
+  rows x 4 query heads at H = 128 (a 64-row tile in 32-key blocks,
+  `triton.decode.default_block`)."""
   import jax  # noqa: PLC0415
 
   gen = rng("prefix in place", case)
   shape = dict(t=1, page_size=16 if case == "int8_paged" else None)
   if case == "eight_groups":
     shape.update(b=5, n=16, num_kv=2)
+  if case == "wide_tile":
+    shape.update(b=16, n=8, num_kv=2, h=128, hv=128)
   c = _prefix_case(gen, **shape)
   n = c["q"].shape[2]
   kw = dict(prefix_key=jnp.asarray(c["pk"]), prefix_value=jnp.asarray(

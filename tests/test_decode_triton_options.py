@@ -173,3 +173,57 @@ def test_private_options_are_checked():
     with pytest.raises(ValueError, match="_value_chunk must be a power"):
       pallas_fa.decode_attention(q, k, k, lengths, _value_chunk=bad,
                                  implementation="triton")
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@pytest.mark.parametrize("t", [1, 2])
+def test_prefix_block_kv_tiles_the_prefix_pass(monkeypatch, t):
+  """`_prefix_block_kv`: the prefix's folded pass reads blocks of that
+  many keys (one new token a row: the in-place merge's prefix kernel;
+  two: the folded row's own decode), the rows' caches keep theirs, and
+  the result is the concatenation's."""
+  from pallas_fa.decode import kernels  # noqa: PLC0415
+  tilings = []
+  real = kernels._tiling  # noqa: SLF001
+
+  def spy(kernel, implementation, query, key, *args):
+    tiling = real(kernel, implementation, query, key, *args)
+    tilings.append((key.shape[1], tiling[0]))
+    return tiling
+
+  monkeypatch.setattr(kernels, "_tiling", spy)
+  gen = rng("prefix block kv", t)
+  b, n, num_kv, h, s_p, s = 3, 4, 2, 32, 72, 40
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.float32)
+  pk, pv = (jnp.asarray(gen.standard_normal((s_p, num_kv, h)), jnp.float32)
+            for _ in range(2))
+  k, v = (jnp.asarray(gen.standard_normal((b, s, num_kv, h)), jnp.float32)
+          for _ in range(2))
+  lengths = jnp.asarray([s, 0, 23], jnp.int32)
+  got = pallas_fa.decode_attention(
+      q, k, v, lengths, prefix_key=pk, prefix_value=pv,
+      implementation="triton", _prefix_block_kv=16, return_residual=True)
+  # The prefix's tiling is the one over its S_p keys.
+  assert (s_p, 16) in tilings and all(
+      block != 16 for keys, block in tilings if keys == s), tilings
+  cat = [jnp.concatenate([jnp.broadcast_to(p, (b,) + p.shape), x], axis=1)
+         for p, x in ((pk, k), (pv, v))]
+  want = pallas_fa.decode_attention(q, *cat, lengths + s_p,
+                                    implementation="chunked",
+                                    return_residual=True)
+  for part, x, w in zip(("out", "lse"), got, want):
+    assert_close(part, x, w)
+
+
+def test_prefix_block_kv_is_checked():
+  """`_prefix_block_kv` is a power of two >= 16, with a prefix only."""
+  gen = rng("prefix block kv checks")
+  q = jnp.asarray(gen.standard_normal((1, 1, 4, 16)), jnp.float32)
+  k = jnp.asarray(gen.standard_normal((1, 40, 2, 16)), jnp.float32)
+  lengths = jnp.asarray([33])
+  for bad in (24, 8, True, 32.0):
+    with pytest.raises(ValueError, match="_prefix_block_kv must be a power"):
+      pallas_fa.decode_attention(q, k, k, lengths, prefix_key=k[0],
+                                 prefix_value=k[0], _prefix_block_kv=bad)
+  with pytest.raises(ValueError, match="_prefix_block_kv applies to a call"):
+    pallas_fa.decode_attention(q, k, k, lengths, _prefix_block_kv=32)

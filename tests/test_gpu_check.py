@@ -273,10 +273,11 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   # In-loop times: one call a program is the host's dispatch at B = 1.
   assert "--calls_per_program=20" in decode
   assert "--calls_per_program=2" in steps.DECODE_FLAGS[True]
-  # Every cache form, the latent one (lost at b85705a) second.
+  # Every cache form: the shared prefix (its new pass tiling) first, the
+  # latent one (lost at b85705a) second.
   with script_module("decode_benchmark") as decode_benchmark:
     forms = decode_benchmark.decode_forms.FORMS
-  assert steps.DECODE_FORMS[False][:2] == ("dtype", "latent")
+  assert steps.DECODE_FORMS[False][:2] == ("prefix", "latent")
   assert sorted(steps.DECODE_FORMS[False]) == sorted(forms)
 
 
@@ -501,8 +502,8 @@ args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 with open(args["--json"] + ".calls", "a") as f:
   f.write(("forms" if "--cache_forms" in args else "grid") + "\\n")
 if "--cache_forms" in args:
-  json.dump({"rows": [{"form": "dtype", "impl": "int8", "status": "ok",
-                       "ms": 0.027}]}, open(args["--json"], "w"))
+  json.dump({"rows": [{"form": "prefix", "impl": "prefix", "status": "ok",
+                       "ms": 0.045}]}, open(args["--json"], "w"))
   time.sleep(60)
 json.dump({"rows": [{"impl": "decode/triton", "batch": 1, "seq_len": 32768,
                      "kv_heads": 8, "head_dim": 128, "new_tokens": 1,
@@ -535,10 +536,10 @@ def test_decode_runs_the_cache_forms_first_and_names_what_was_lost(
   assert calls == ["forms", "grid"]
   forms = record["forms"]
   assert forms["timed_out"] and forms["status"] == "failed", forms
-  assert forms["rows"][0]["form"] == "dtype"
-  assert "--cache_forms=dtype,latent,prefix,paged,tnew" in forms["command"]
+  assert forms["rows"][0]["form"] == "prefix"
+  assert "--cache_forms=prefix,latent,dtype,paged,tnew" in forms["command"]
   assert record["reason"] == ("cache forms: timed out after 6 s; not "
-                              "measured: latent, prefix, paged, tnew")
+                              "measured: latent, dtype, paged, tnew")
   assert record["decode"]["rows"][0]["ms"] == 0.05
   assert record["status"] == "failed"
 

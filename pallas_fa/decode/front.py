@@ -91,6 +91,7 @@ def decode_attention(
     _fold_prefix: bool | str = True,
     _merge: str = "kernel",
     _value_chunk: int | None = None,
+    _prefix_block_kv: int | None = None,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -212,6 +213,9 @@ def decode_attention(
       split and so fewer splits, less partial traffic (a latent cache's
       [16, 512] partials), at the cost of reading each key block once per
       value chunk (through L2); no mask_mod and no prefix.
+    _prefix_block_kv: private, for A/B benchmarks: the keys per block of
+      the prefix's folded pass (a power of two >= 16; None: the kernel's
+      default for the folded tile); with a prefix only.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -285,6 +289,7 @@ def decode_attention(
                           or isinstance(x, bool) or x < 1):
       raise ValueError(f"{name} must be a positive int or None, got {x!r}.")
   warps = _check_num_warps(num_warps, implementation)
+  _check_prefix_block(_prefix_block_kv, prefix_key)
   launch = dict(warps, **_check_private(_merge, _value_chunk,
                                         implementation, mask_mod,
                                         prefix_key))
@@ -337,7 +342,8 @@ def decode_attention(
   decode = functools.partial(
       _decode, implementation, value_head_dim=hv, static=static,
       functions=functions, tiling=dict(num_splits=num_splits,
-                                       block_kv=block_kv, launch=launch),
+                                       block_kv=block_kv, launch=launch,
+                                       prefix_block_kv=_prefix_block_kv),
       warps=warps, fold_prefix=_fold_prefix)
   spec = manual_axes.explicit_spec(query)
   if spec is not None:
@@ -382,7 +388,7 @@ def _decode(implementation, query, key, value, key_scale, value_scale,
         implementation, query, key, value, lengths, block_table,
         query_positions, sinks, prefix_key, prefix_value,
         tiling["num_splits"], tiling["block_kv"],
-        dict(static, **scales, **warps))
+        dict(static, **scales, **warps), tiling["prefix_block_kv"])
   s_p = prefix_key.shape[0]
   if query_positions is None:
     query_positions = (lengths[:, None].astype(jnp.int32) - t
@@ -400,8 +406,8 @@ def _decode(implementation, query, key, value, key_scale, value_scale,
                value_scale=None, block_table=None,
                lengths=jnp.full((1,), s_p, jnp.int32))
     return _own_cache(implementation, query, query_positions, None, row,
-                      dict(num_splits=None, block_kv=None, launch={}), static,
-                      {})
+                      dict(num_splits=None, launch={},
+                           block_kv=tiling["prefix_block_kv"]), static, {})
 
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
                          implementation=implementation, static=static,
@@ -546,6 +552,19 @@ def _check_private(merge, value_chunk, implementation, mask_mod,
         f"{implementation=}, mask_mod={mask_mod!r}, prefix_key given: "
         f"{prefix_key is not None}.")
   return out
+
+
+def _check_prefix_block(block, prefix_key) -> None:
+  """Raises ValueError: `_prefix_block_kv` is not a power of two >= 16, or
+  is given without a prefix."""
+  if block is None:
+    return
+  if (not isinstance(block, (int, np.integer)) or isinstance(block, bool)
+      or block < 16 or block & (block - 1)):
+    raise ValueError(
+        f"_prefix_block_kv must be a power of two >= 16, got {block!r}.")
+  if prefix_key is None:
+    raise ValueError("_prefix_block_kv applies to a call with prefix_key.")
 
 
 def _check_num_warps(num_warps, implementation) -> dict:

@@ -140,13 +140,14 @@ def merges_prefix_in_place(implementation, query, prefix_value,
 
 def run_with_prefix(implementation, query, key, value, lengths, block_table,
                     query_positions, sinks, prefix_key, prefix_value,
-                    num_splits, block_kv, static):
+                    num_splits, block_kv, static, prefix_block_kv=None):
   """`run` over the rows' own caches and a shared prefix at once, where
   `merges_prefix_in_place`: the prefix's split kernel (every row's new
   token folded into one row), the rows' split kernel, and one merge of
   both kernels' partials with the sinks, three kernels and the fold's
   small transpose in all. `query_positions` [B, 1] are those of the
-  concatenation `[prefix; cache]`."""
+  concatenation `[prefix; cache]`; `prefix_block_kv` (None: the
+  default) the prefix pass's keys per block."""
   kernel = _decode_kernel(implementation)
   b = query.shape[0]
   block, splits = _tiling(kernel, implementation, query, key, value,
@@ -154,7 +155,7 @@ def run_with_prefix(implementation, query, key, value, lengths, block_table,
   folded = query.reshape(1, b, *query.shape[2:])
   prefix_block, prefix_splits = _tiling(
       kernel, implementation, folded, prefix_key[None], prefix_value[None],
-      None, {}, None, None)
+      None, {}, None, prefix_block_kv)
   return kernel.attention_with_prefix(
       query, key, value, lengths, block_table, query_positions, sinks,
       prefix_key, prefix_value, block=block, splits=splits,

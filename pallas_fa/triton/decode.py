@@ -255,10 +255,22 @@ def default_block(head_dim: int, value_head_dim: int, rows: int,
                   max_value_chunk: int | None = None) -> int:
   """Keys per block of a contiguous cache: the widest K/V tiles and
   [rows, block] logits tile that fit registers (and two pipeline stages of
-  shared memory) next to the accumulator."""
+  shared memory) next to the accumulator.
+
+  A tile of 64 or more rows at 128-column chunks (a shared prefix's
+  folded queries, 16 rows x 4 query heads; or G * T_new >= 64) takes
+  32-key blocks: at 64 keys its eight-warp program needs 130 registers
+  (ptxas, sm_90a, bfloat16, H = 128), one program an SM, at 32 keys 108,
+  two. Such a tile does 64 FLOP per byte it reads, and one program an SM
+  leaves the tensor cores waiting on its serial chain of products (the
+  16 rows' 16k-key prefix pass at 40 % of HBM, 07213ac); two programs
+  keep the same bytes in flight and hide each other's chain.
+  """
   widest = max(key_tiling(head_dim, rows)[1],
                value_tiling(value_head_dim, rows, max_value_chunk)[1])
   block = 64 if widest <= 128 else 32 if widest <= 256 else 16
+  if widest == 128 and rows >= 64:
+    block = 32
   return max(_MIN, min(block, _TILE_ELEMENTS // (4 * rows)))
 
 

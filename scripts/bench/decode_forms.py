@@ -16,12 +16,13 @@ and not timed):
 * `prefix`: B rows sharing a prefix of S_p tokens with S_own tokens each,
   decoded with `prefix_key`/`prefix_value` ("prefix": on triton both
   parts' splits in one merge; "prefix_two_merges" the folded path that
-  merges each part before merging the two; "prefix_flash" the prefix
-  part through `flash_attention` instead of the folded decode tile)
+  merges each part before merging the two)
   against the same rows over the materialised concatenation [B, S_p +
   S_own]; and each part alone ("prefix_pass_alone": the own caches
   empty; "own_parts_alone": no prefix), which says whose kernels hold the
-  call's time;
+  call's time; the call and the prefix pass alone with the prefix's
+  64-row tile in 64-key blocks ("prefix_64_key_blocks",
+  `_prefix_block_kv=64`), the tiling the 32-key default replaced;
 * `paged`: the `dtype` shape's bfloat16 cache as shuffled pages of 16
   keys (vLLM's default block size on CUDA) and of 64 against the
   contiguous cache;
@@ -204,22 +205,6 @@ def dtype_rows(implementation: str, repeats: int, *,
                     None, _F32, dict(query_dtype="float32",
                                      cache_dtype=name)))
   if implementation == "triton":
-    # The splits merged by the split kernel's last program of each K/V
-    # head (`_merge="split_kernel"`): one launch and the arrival counts'
-    # zeroing instead of the merge kernel's launch and pass.
-    merged = _decode(implementation, _merge="split_kernel")
-    cells.append(Cell("bfloat16_merged_in_split_kernel", merged,
-                      (q, k, v, lengths), ref32, ref16, _BF16,
-                      dict(query_dtype="bfloat16", cache_dtype="bfloat16",
-                           merge="split_kernel")))
-
-    def merged_scaled(q, k, v, lengths, ks, vs):
-      return merged(q, k, v, lengths, key_scale=ks, value_scale=vs)
-
-    cells.append(Cell(f"{name}_merged_in_split_kernel", merged_scaled,
-                      (q, *args), *int8_refs, _BF16,
-                      dict(query_dtype="bfloat16", cache_dtype=name,
-                           merge="split_kernel")))
     # Last (the window's decode step has a deadline): both 1-byte caches
     # with two warps a program instead of four (`num_warps`): a block's
     # keys split two ways, not four, so each warp's softmax reductions
@@ -301,13 +286,13 @@ def prefix_rows(implementation: str, repeats: int, *,
   def shared(q, k, v, lengths, pk, pv):
     return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv)
 
-  def shared_flash(q, k, v, lengths, pk, pv):
-    return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
-                  _fold_prefix=False)
-
   def shared_two_merges(q, k, v, lengths, pk, pv):
     return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
                   _fold_prefix="two_merges")
+
+  def shared_64_key_blocks(q, k, v, lengths, pk, pv):
+    return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
+                  _prefix_block_kv=64)
 
   shared_k, shared_v = (jnp.broadcast_to(p, (b,) + p.shape) for p in (pk, pv))
   cat_k, cat_v = (jnp.concatenate([p, x], axis=1)
@@ -328,10 +313,15 @@ def prefix_rows(implementation: str, repeats: int, *,
       Cell("prefix", shared, (q, k, v, lengths, pk, pv), *refs, _BF16, {}),
       Cell("prefix_two_merges", shared_two_merges,
            (q, k, v, lengths, pk, pv), *refs, _BF16, {}),
-      Cell("prefix_flash", shared_flash, (q, k, v, lengths, pk, pv), *refs,
-           _BF16, {}),
       Cell("prefix_pass_alone", shared, (q, k, v, empty, pk, pv),
            *prefix_refs, _BF16, {}),
+      # The folded 64-row tile's pass in 64-key blocks (the default before
+      # `triton.decode.default_block` narrowed it to 32).
+      Cell("prefix_64_key_blocks", shared_64_key_blocks,
+           (q, k, v, lengths, pk, pv), *refs, _BF16, dict(prefix_block_kv=64)),
+      Cell("prefix_pass_alone_64_key_blocks", shared_64_key_blocks,
+           (q, k, v, empty, pk, pv), *prefix_refs, _BF16,
+           dict(prefix_block_kv=64)),
       Cell("own_parts_alone", decode, (q, k, v, lengths), *own_refs, _BF16,
            {}),
   ], repeats, calls, **shape)
@@ -400,19 +390,18 @@ TARGETS = (
     ("int8_2_warps_vs_4", "dtype", "int8_2_warps", "int8", 1.0),
     ("fp8_2_warps_vs_4", "dtype", "float8_e4m3fn_2_warps", "float8_e4m3fn",
      1.0),
-    # The merge in the split kernel against the merge kernel (triton).
-    ("bf16_merged_vs_two_kernels", "dtype", "bfloat16_merged_in_split_kernel",
-     "bfloat16", 0.97),
-    ("int8_merged_vs_two_kernels", "dtype", "int8_merged_in_split_kernel",
-     "int8", 0.95),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
-    ("prefix_vs_prefix_flash", "prefix", "prefix", "prefix_flash", 1.0),
     # Both parts' splits in one merge kernel: four launches instead of eight.
     ("prefix_vs_two_merges", "prefix", "prefix", "prefix_two_merges", 0.85),
     # Each part reads half the call's bytes: above about 0.6 of the call's
     # time, that part's kernels are where it loses its time.
     ("prefix_pass_share", "prefix", "prefix_pass_alone", "prefix", 0.6),
     ("own_parts_share", "prefix", "own_parts_alone", "prefix", 0.6),
+    # The prefix pass in 32-key blocks (two programs an SM) against 64.
+    ("prefix_vs_64_key_blocks", "prefix", "prefix", "prefix_64_key_blocks",
+     0.9),
+    ("prefix_pass_vs_64_key_blocks", "prefix", "prefix_pass_alone",
+     "prefix_pass_alone_64_key_blocks", 0.8),
     ("paged_vs_contiguous", "paged", "paged_16", "contiguous", 1.1),
     ("paged64_vs_contiguous", "paged", "paged_64", "contiguous", 1.05),
     ("tnew4_vs_tnew1", "tnew", "t_new_4", "t_new_1", 1.15),

@@ -918,13 +918,15 @@ DECODE_FLAGS = {
 
 # By --dry-run: the cache forms (`bench.decode_forms`), each checked
 # against its plain equivalent, with bf16 queries (the float32-query cells
-# beside them), in this order: triton's quantized caches (and their two
-# warps a program), the latent cache, the shared prefix (and the path it
-# replaced), paged, T_new = 4; the dry run's chunked latent cell. At
-# b85705a they took 39, 17 (apart), 14, 8 and 7 s; the latent one, last
-# then, was stopped while it compiled its reference.
+# beside them), in this order: the shared prefix (its 32-key prefix pass
+# against the 64-key one it replaced, and the folded path before that),
+# the latent cache, triton's quantized caches (and their two warps a
+# program), paged, T_new = 4; the dry run's chunked latent cell. At
+# 07213ac the first three took 20, 29 and 48 s (the quantized ones with
+# the merge-in-the-split-kernel cells since dropped) and the forms' 95 s
+# stopped paged and T_new (settled: within 4-5 % twice).
 DECODE_FORMS = {
-  False: ("dtype", "latent", "prefix", "paged", "tnew"),
+  False: ("prefix", "latent", "dtype", "paged", "tnew"),
   True: ("latent",),
 }
 DECODE_FORMS_FLAGS = {
