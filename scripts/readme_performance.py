@@ -719,7 +719,7 @@ _FORM_NAMES = {
     ("prefix", "prefix"): "shared prefix",
     ("prefix", "prefix_two_merges"): "two merges",
     ("prefix", "prefix_flash"): "prefix through `flash_attention`",
-    ("prefix", "prefix_64_key_blocks"): "shared prefix, 64-key prefix blocks",
+    ("prefix", "prefix_8_warps"): "shared prefix, 8-warp prefix pass",
     ("latent", "latent"): "latent",
     ("latent", "separate_values"): "separate values",
     ("latent", "one_read_floor"): "one-read floor",

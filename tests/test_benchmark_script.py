@@ -936,8 +936,6 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         ("dtype", "int8_float32_query"), ("prefix", "materialised"),
         ("prefix", "prefix"), ("prefix", "prefix_two_merges"),
         ("prefix", "prefix_pass_alone"),
-        ("prefix", "prefix_64_key_blocks"),
-        ("prefix", "prefix_pass_alone_64_key_blocks"),
         ("prefix", "own_parts_alone"),
         ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
         ("tnew", "t_new_1"), ("tnew", "t_new_4"), ("latent", "latent"),
@@ -955,7 +953,6 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     assert by_name["float8_e4m3fn_128_keys_33_splits"]["cache_dtype"] == (
         "float8_e4m3fn")
     assert by_name["int8_33_splits"]["num_splits"] == 33
-    assert by_name["prefix_64_key_blocks"]["prefix_block_kv"] == 64
     assert by_name["t_new_4"]["new_tokens"] == 4
     assert by_name["t_new_4"]["calls_per_program"] == 2
     assert by_name["t_new_4"]["ms_one_call"] > 0
@@ -965,7 +962,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     # Every target but the triton-only cells' (two warps, the merge in
     # the split kernel).
     assert set(ratios) == {name for name, *_ in forms.TARGETS} - {
-        "int8_2_warps_vs_4", "fp8_2_warps_vs_4",
+        "int8_2_warps_vs_4", "fp8_2_warps_vs_4", "prefix_vs_8_warps",
+        "prefix_pass_vs_8_warps", "prefix_pass_vs_32_keys_8_warps",
         "latent_vs_value_chunk_512", "latent_vs_value_chunk_256"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
@@ -980,19 +978,42 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     real = pallas_fa.decode_attention
 
     def wrong_or_raising(*a, **kw):
-      if kw.get("_prefix_block_kv"):
+      if kw.get("_fold_prefix") == "two_merges":
         raise NotImplementedError("no such path here")
       return real(*a, **kw) * (1.5 if "prefix_key" in kw else 1)
 
     monkeypatch.setattr(pallas_fa, "decode_attention", wrong_or_raising)
-    (_, prefix, _, alone, wide, _, own) = forms.prefix_rows(
+    (_, prefix, two, alone, own) = forms.prefix_rows(
         "chunked", 1, b=3, s_p=64, s_own=32, n=4, num_kv=2, h=16)
     # The prefix alone is checked against attention over the prefix only;
     # the own parts, without a prefix, are right.
     assert alone["status"] == "wrong" and own["status"] == "ok", alone
     assert prefix["status"] == "wrong" and "ms" not in prefix, prefix
-    assert wide["status"] == "failed" and "ms" not in wide, wide
-    assert "NotImplementedError: no such path" in wide["reason"]
+    assert two["status"] == "failed" and "ms" not in two, two
+    assert "NotImplementedError: no such path" in two["reason"]
+
+
+@pytest.mark.slow  # the triton kernels interpreted
+def test_prefix_cells_time_the_replaced_pass_tilings_on_triton():
+  """On triton the prefix form adds the call and its pass alone with the
+  folded tile's former 8 warps, and the pass in 32-key blocks, each
+  checked before it is timed, with its tiling in the row."""
+  with script_module("decode_benchmark") as module:
+    forms = module.decode_forms
+    rows = forms.prefix_rows("triton", 1, b=3, s_p=64, s_own=32, n=4,
+                             num_kv=2, h=16)
+  by_name = {r["impl"]: r for r in rows}
+  assert list(by_name) == [
+      "materialised", "prefix", "prefix_two_merges", "prefix_pass_alone",
+      "prefix_8_warps", "prefix_pass_alone_8_warps",
+      "prefix_pass_alone_32_keys_8_warps", "own_parts_alone"]
+  for r in rows:
+    assert r["status"] == "ok" and 0 <= r["max_error"] <= r["tolerance"], r
+  assert by_name["prefix_8_warps"]["prefix_num_warps"] == 8
+  assert by_name["prefix_pass_alone_32_keys_8_warps"]["prefix_block_kv"] == 32
+  ratios = {r["name"] for r in forms.ratios(rows)}
+  assert {"prefix_vs_8_warps", "prefix_pass_vs_8_warps",
+          "prefix_pass_vs_32_keys_8_warps"} <= ratios
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -6,6 +6,7 @@ import collections
 import functools
 import os
 import re
+import types
 
 import chex
 import conftest
@@ -215,22 +216,56 @@ def test_triton_blocks_span_small_pages(dtype, page_size, t, group, window,
          name="triton small pages")
 
 
-def test_triton_wide_tiles_take_narrower_blocks():
-  """A tile of 64 or more packed rows at 128-column chunks (H 65-128)
-  takes 32-key blocks, two programs an SM (`default_block`: 130 registers
-  at 64 keys, 108 at 32, over 256 threads); narrower chunks and smaller
-  tiles keep 64 (a head dim past 256 too: 64-column chunks), 256-column
-  chunks 32."""
+def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
+  """A 64-row tile of 128-column chunks (a shared prefix's 16 rows x 4
+  query heads) takes 4 warps where `one_warpgroup` (Hopper, 16-bit
+  queries over a cache of their dtype: two programs an SM, 210 registers,
+  against one at 8 warps' 130 x 256 threads); other tiles, other GPUs
+  and float32 keep theirs."""
+  from pallas_fa import triton as triton_pkg  # noqa: PLC0415
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
-  for h, rows, block in ((128, 16, 64), (128, 32, 64), (128, 64, 32),
-                         (128, 128, 32), (96, 64, 32), (64, 64, 64),
-                         (64, 128, 32), (256, 64, 32), (256, 16, 32),
-                         (576, 16, 64)):
-    assert triton_decode.default_block(h, h, rows) == block, (h, rows)
-  # A shared prefix's 16 rows x 4 query heads a K/V head: one 64-row tile.
-  assert triton_decode.block_for(
-      head_dim=128, value_head_dim=128, groups=64, new_tokens=1,
-      page_size=None, block_kv=None) == 32
+  for rows, chunk, hopper, warps in (
+      (64, 128, True, 4), (64, 128, False, 8), (64, 256, True, 8),
+      (64, 64, True, 8), (128, 128, True, 8), (32, 128, True, 8),
+      (16, 128, True, 4), (16, 128, False, 4)):
+    assert triton_decode._launch(  # noqa: SLF001
+        rows, chunk, one_warpgroup=hopper)[0] == warps, (rows, chunk, hopper)
+  assert triton_decode._launch(  # noqa: SLF001
+      64, 128, one_warpgroup=True, warps=8)[0] == 8  # the caller's choice
+  launched = []
+  real = triton_pkg.pallas_call
+
+  def spy(kernel, inputs, outputs, grid, warps, *args, **kw):
+    if args[-1] == "flash_decode":
+      launched.append(warps)
+    return real(kernel, inputs, outputs, grid, warps, *args, **kw)
+
+  monkeypatch.setattr(triton_pkg, "pallas_call", spy)
+  gen = rng("one warpgroup")
+  b, n, num_kv, h, s = 16, 8, 2, 128, 48
+  # 16 rows x 4 query heads a K/V head: one 64-row tile of the prefix.
+  q = jnp.asarray(gen.standard_normal((b, 1, n, h)), jnp.bfloat16)
+  k, v = (jnp.asarray(gen.standard_normal((b, s, num_kv, h)), jnp.bfloat16)
+          for _ in range(2))
+  pk, pv = (jnp.asarray(gen.standard_normal((s, num_kv, h)), jnp.bfloat16)
+            for _ in range(2))
+  lengths = jnp.full((b,), s, jnp.int32)
+  for target, dtype, want in ((gpu_target.H100, jnp.bfloat16, [4, 4]),
+                              (gpu_target.A100, jnp.bfloat16, [4, 8]),
+                              (gpu_target.H100, jnp.float32, [4, 8])):
+    # The decode module's view of the target only: the kernels still run
+    # interpreted here.
+    monkeypatch.setattr(triton_decode, "gpu_target", types.SimpleNamespace(
+        current=lambda target=target: target,
+        builds_ptx=gpu_target.builds_ptx))
+    launched.clear()
+    jax.clear_caches()  # The jitted kernels' cache knows no target.
+    args = (x.astype(dtype) for x in (q, k, v))
+    pallas_fa.decode_attention(*args, lengths, prefix_key=pk.astype(dtype),
+                               prefix_value=pv.astype(dtype),
+                               implementation="triton")
+    # The rows' own 16-row tiles, then the prefix's 64-row one.
+    assert launched == want, (target.device_kind, dtype, launched)
 
 
 def test_triton_paged_blocks_are_the_contiguous_ones():

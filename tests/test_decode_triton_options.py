@@ -177,21 +177,30 @@ def test_private_options_are_checked():
 
 @attention_testing.gpu_jax_only_on_cpu
 @pytest.mark.parametrize("t", [1, 2])
-def test_prefix_block_kv_tiles_the_prefix_pass(monkeypatch, t):
-  """`_prefix_block_kv`: the prefix's folded pass reads blocks of that
-  many keys (one new token a row: the in-place merge's prefix kernel;
-  two: the folded row's own decode), the rows' caches keep theirs, and
-  the result is the concatenation's."""
+def test_prefix_tiling_options_tile_the_prefix_pass(monkeypatch, t):
+  """`_prefix_block_kv` and `_prefix_num_warps`: the prefix's folded pass
+  reads blocks of that many keys with that many warps (one new token a
+  row: the in-place merge's prefix kernel; two: the folded row's own
+  decode), the rows' caches keep theirs, and the result is the
+  concatenation's."""
+  from pallas_fa import triton as triton_pkg  # noqa: PLC0415
   from pallas_fa.decode import kernels  # noqa: PLC0415
-  tilings = []
+  tilings, launched = [], []
   real = kernels._tiling  # noqa: SLF001
+  real_call = triton_pkg.pallas_call
 
   def spy(kernel, implementation, query, key, *args):
     tiling = real(kernel, implementation, query, key, *args)
     tilings.append((key.shape[1], tiling[0]))
     return tiling
 
+  def spy_call(kernel, inputs, outputs, grid, warps, *args, **kw):
+    if args[-1] == "flash_decode":
+      launched.append(warps)
+    return real_call(kernel, inputs, outputs, grid, warps, *args, **kw)
+
   monkeypatch.setattr(kernels, "_tiling", spy)
+  monkeypatch.setattr(triton_pkg, "pallas_call", spy_call)
   gen = rng("prefix block kv", t)
   b, n, num_kv, h, s_p, s = 3, 4, 2, 32, 72, 40
   q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.float32)
@@ -202,10 +211,13 @@ def test_prefix_block_kv_tiles_the_prefix_pass(monkeypatch, t):
   lengths = jnp.asarray([s, 0, 23], jnp.int32)
   got = pallas_fa.decode_attention(
       q, k, v, lengths, prefix_key=pk, prefix_value=pv,
-      implementation="triton", _prefix_block_kv=16, return_residual=True)
+      implementation="triton", _prefix_block_kv=16, _prefix_num_warps=2,
+      return_residual=True)
   # The prefix's tiling is the one over its S_p keys.
   assert (s_p, 16) in tilings and all(
       block != 16 for keys, block in tilings if keys == s), tilings
+  # The rows' kernel first (in place) or the prefix's row first (folded).
+  assert sorted(launched) == [2, 4], launched
   cat = [jnp.concatenate([jnp.broadcast_to(p, (b,) + p.shape), x], axis=1)
          for p, x in ((pk, k), (pv, v))]
   want = pallas_fa.decode_attention(q, *cat, lengths + s_p,
@@ -215,8 +227,9 @@ def test_prefix_block_kv_tiles_the_prefix_pass(monkeypatch, t):
     assert_close(part, x, w)
 
 
-def test_prefix_block_kv_is_checked():
-  """`_prefix_block_kv` is a power of two >= 16, with a prefix only."""
+def test_prefix_tiling_options_are_checked():
+  """`_prefix_block_kv` is a power of two >= 16, `_prefix_num_warps` a
+  triton warp count, each with a prefix only."""
   gen = rng("prefix block kv checks")
   q = jnp.asarray(gen.standard_normal((1, 1, 4, 16)), jnp.float32)
   k = jnp.asarray(gen.standard_normal((1, 40, 2, 16)), jnp.float32)
@@ -225,5 +238,16 @@ def test_prefix_block_kv_is_checked():
     with pytest.raises(ValueError, match="_prefix_block_kv must be a power"):
       pallas_fa.decode_attention(q, k, k, lengths, prefix_key=k[0],
                                  prefix_value=k[0], _prefix_block_kv=bad)
-  with pytest.raises(ValueError, match="_prefix_block_kv applies to a call"):
-    pallas_fa.decode_attention(q, k, k, lengths, _prefix_block_kv=32)
+  prefix = dict(prefix_key=k[0], prefix_value=k[0])
+  with pytest.raises(ValueError, match="_prefix_num_warps must be 1, 2"):
+    pallas_fa.decode_attention(q, k, k, lengths, _prefix_num_warps=3,
+                               implementation="triton", **prefix)
+  with pytest.raises(ValueError, match="_prefix_num_warps applies to "
+                     "implementation='triton'"):
+    pallas_fa.decode_attention(q, k, k, lengths, _prefix_num_warps=4,
+                               implementation="chunked", **prefix)
+  for kw in (dict(_prefix_block_kv=32),
+             dict(_prefix_num_warps=4, implementation="triton")):
+    with pytest.raises(ValueError, match="_prefix_block_kv and "
+                       "_prefix_num_warps apply to a call with prefix_key"):
+      pallas_fa.decode_attention(q, k, k, lengths, **kw)

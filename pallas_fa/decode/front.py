@@ -92,6 +92,7 @@ def decode_attention(
     _merge: str = "kernel",
     _value_chunk: int | None = None,
     _prefix_block_kv: int | None = None,
+    _prefix_num_warps: int | None = None,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -213,9 +214,11 @@ def decode_attention(
       split and so fewer splits, less partial traffic (a latent cache's
       [16, 512] partials), at the cost of reading each key block once per
       value chunk (through L2); no mask_mod and no prefix.
-    _prefix_block_kv: private, for A/B benchmarks: the keys per block of
-      the prefix's folded pass (a power of two >= 16; None: the kernel's
-      default for the folded tile); with a prefix only.
+    _prefix_block_kv, _prefix_num_warps: private, for A/B benchmarks:
+      the keys per block of the prefix's folded pass (a power of two >=
+      16) and its warps a program (triton: as `num_warps`, which sets both
+      kernels'); None: the kernel's default for the folded tile; with a
+      prefix only.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -289,7 +292,8 @@ def decode_attention(
                           or isinstance(x, bool) or x < 1):
       raise ValueError(f"{name} must be a positive int or None, got {x!r}.")
   warps = _check_num_warps(num_warps, implementation)
-  _check_prefix_block(_prefix_block_kv, prefix_key)
+  prefix_launch = _check_prefix_tiling(_prefix_block_kv, _prefix_num_warps,
+                                       prefix_key, implementation)
   launch = dict(warps, **_check_private(_merge, _value_chunk,
                                         implementation, mask_mod,
                                         prefix_key))
@@ -343,7 +347,8 @@ def decode_attention(
       _decode, implementation, value_head_dim=hv, static=static,
       functions=functions, tiling=dict(num_splits=num_splits,
                                        block_kv=block_kv, launch=launch,
-                                       prefix_block_kv=_prefix_block_kv),
+                                       prefix_block_kv=_prefix_block_kv,
+                                       prefix_launch=prefix_launch),
       warps=warps, fold_prefix=_fold_prefix)
   spec = manual_axes.explicit_spec(query)
   if spec is not None:
@@ -388,7 +393,8 @@ def _decode(implementation, query, key, value, key_scale, value_scale,
         implementation, query, key, value, lengths, block_table,
         query_positions, sinks, prefix_key, prefix_value,
         tiling["num_splits"], tiling["block_kv"],
-        dict(static, **scales, **warps), tiling["prefix_block_kv"])
+        dict(static, **scales, **warps), tiling["prefix_block_kv"],
+        tiling["prefix_launch"].get("num_warps"))
   s_p = prefix_key.shape[0]
   if query_positions is None:
     query_positions = (lengths[:, None].astype(jnp.int32) - t
@@ -406,7 +412,7 @@ def _decode(implementation, query, key, value, key_scale, value_scale,
                value_scale=None, block_table=None,
                lengths=jnp.full((1,), s_p, jnp.int32))
     return _own_cache(implementation, query, query_positions, None, row,
-                      dict(num_splits=None, launch={},
+                      dict(num_splits=None, launch=tiling["prefix_launch"],
                            block_kv=tiling["prefix_block_kv"]), static, {})
 
   shared = prefix.attend(query, prefix_key, prefix_value, query_positions,
@@ -554,20 +560,28 @@ def _check_private(merge, value_chunk, implementation, mask_mod,
   return out
 
 
-def _check_prefix_block(block, prefix_key) -> None:
-  """Raises ValueError: `_prefix_block_kv` is not a power of two >= 16, or
-  is given without a prefix."""
-  if block is None:
-    return
-  if (not isinstance(block, (int, np.integer)) or isinstance(block, bool)
+def _check_prefix_tiling(block, warps, prefix_key, implementation) -> dict:
+  """{"num_warps": n} for the prefix pass's launch, or {} (the default).
+
+  Raises:
+    ValueError: `_prefix_block_kv` is not a power of two >= 16,
+      `_prefix_num_warps` not a valid `num_warps` for the implementation,
+      or either is given without a prefix.
+  """
+  if block is not None and (
+      not isinstance(block, (int, np.integer)) or isinstance(block, bool)
       or block < 16 or block & (block - 1)):
     raise ValueError(
         f"_prefix_block_kv must be a power of two >= 16, got {block!r}.")
-  if prefix_key is None:
-    raise ValueError("_prefix_block_kv applies to a call with prefix_key.")
+  launch = _check_num_warps(warps, implementation, "_prefix_num_warps")
+  if (block is not None or launch) and prefix_key is None:
+    raise ValueError("_prefix_block_kv and _prefix_num_warps apply to a "
+                     "call with prefix_key.")
+  return launch
 
 
-def _check_num_warps(num_warps, implementation) -> dict:
+def _check_num_warps(num_warps, implementation,
+                     name: str = "num_warps") -> dict:
   """{"num_warps": n} for the triton kernel's launch, or {} (the default).
 
   Raises:
@@ -578,12 +592,12 @@ def _check_num_warps(num_warps, implementation) -> dict:
     return {}
   if implementation != "triton":
     raise ValueError(
-        f"num_warps applies to implementation='triton', got "
+        f"{name} applies to implementation='triton', got "
         f"implementation={implementation!r}.")
   if (not isinstance(num_warps, (int, np.integer))
       or isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16)):
     raise ValueError(
-        f"num_warps must be 1, 2, 4, 8 or 16, got {num_warps!r}.")
+        f"{name} must be 1, 2, 4, 8 or 16, got {num_warps!r}.")
   return {"num_warps": int(num_warps)}
 
 

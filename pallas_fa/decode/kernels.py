@@ -140,14 +140,16 @@ def merges_prefix_in_place(implementation, query, prefix_value,
 
 def run_with_prefix(implementation, query, key, value, lengths, block_table,
                     query_positions, sinks, prefix_key, prefix_value,
-                    num_splits, block_kv, static, prefix_block_kv=None):
+                    num_splits, block_kv, static, prefix_block_kv=None,
+                    prefix_num_warps=None):
   """`run` over the rows' own caches and a shared prefix at once, where
   `merges_prefix_in_place`: the prefix's split kernel (every row's new
   token folded into one row), the rows' split kernel, and one merge of
   both kernels' partials with the sinks, three kernels and the fold's
   small transpose in all. `query_positions` [B, 1] are those of the
-  concatenation `[prefix; cache]`; `prefix_block_kv` (None: the
-  default) the prefix pass's keys per block."""
+  concatenation `[prefix; cache]`; `prefix_block_kv` and
+  `prefix_num_warps` (None: the defaults) the prefix pass's keys per
+  block and warps a program."""
   kernel = _decode_kernel(implementation)
   b = query.shape[0]
   block, splits = _tiling(kernel, implementation, query, key, value,
@@ -159,7 +161,8 @@ def run_with_prefix(implementation, query, key, value, lengths, block_table,
   return kernel.attention_with_prefix(
       query, key, value, lengths, block_table, query_positions, sinks,
       prefix_key, prefix_value, block=block, splits=splits,
-      prefix_block=prefix_block, prefix_splits=prefix_splits, **static)
+      prefix_block=prefix_block, prefix_splits=prefix_splits,
+      prefix_num_warps=prefix_num_warps, **static)
 
 
 @functools.partial(jax.jit, static_argnames=plan.STATIC + (

@@ -255,22 +255,10 @@ def default_block(head_dim: int, value_head_dim: int, rows: int,
                   max_value_chunk: int | None = None) -> int:
   """Keys per block of a contiguous cache: the widest K/V tiles and
   [rows, block] logits tile that fit registers (and two pipeline stages of
-  shared memory) next to the accumulator.
-
-  A tile of 64 or more rows at 128-column chunks (a shared prefix's
-  folded queries, 16 rows x 4 query heads; or G * T_new >= 64) takes
-  32-key blocks: at 64 keys its eight-warp program needs 130 registers
-  (ptxas, sm_90a, bfloat16, H = 128), one program an SM, at 32 keys 108,
-  two. Such a tile does 64 FLOP per byte it reads, and one program an SM
-  leaves the tensor cores waiting on its serial chain of products (the
-  16 rows' 16k-key prefix pass at 40 % of HBM, 07213ac); two programs
-  keep the same bytes in flight and hide each other's chain.
-  """
+  shared memory) next to the accumulator."""
   widest = max(key_tiling(head_dim, rows)[1],
                value_tiling(value_head_dim, rows, max_value_chunk)[1])
   block = 64 if widest <= 128 else 32 if widest <= 256 else 16
-  if widest == 128 and rows >= 64:
-    block = 32
   return max(_MIN, min(block, _TILE_ELEMENTS // (4 * rows)))
 
 
@@ -967,7 +955,9 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
   smem = target.shared_memory_per_block if target else 0
   warps, stages = _launch(
       rows, max(head_chunk, value_chunk), paged=page_size is not None,
-      warps=num_warps,
+      warps=num_warps, one_warpgroup=(
+          target is not None and target.major == 9
+          and q.dtype.itemsize == 2 and key.dtype == q.dtype),
       tile_bytes=block * (hp + (0 if latent else value_chunk))
       * key.dtype.itemsize,
       shared_memory=smem or None)
@@ -1172,13 +1162,14 @@ def attention(query, key, value, lengths, block_table, query_positions,
 @functools.partial(jax.jit, static_argnames=(
     "block", "splits", "prefix_block", "prefix_splits", "scale",
     "is_causal", "local_window_size", "logits_soft_cap", "precision",
-    "num_warps"))
+    "num_warps", "prefix_num_warps"))
 def attention_with_prefix(query, key, value, lengths, block_table,
                           query_positions, sinks, prefix_key, prefix_value,
                           *, block: int, splits: int, prefix_block: int,
                           prefix_splits: int, scale: float, is_causal: bool,
                           local_window_size, logits_soft_cap, precision,
-                          key_scale=None, value_scale=None, num_warps=None):
+                          key_scale=None, value_scale=None, num_warps=None,
+                          prefix_num_warps=None):
   """`decode_attention` with a shared prefix, one new token a row, in
   three kernels and the fold's transpose (`decode.kernels.run_with_prefix`):
 
@@ -1203,7 +1194,8 @@ def attention_with_prefix(query, key, value, lengths, block_table,
     prefix_key, prefix_value: [S_p, K, H] and [S_p, K, Hv], the query's
       dtype.
     block, splits: the rows' kernel's tiling; prefix_block, prefix_splits:
-      the prefix's (`decode.kernels._tiling` of the folded row).
+      the prefix's (`decode.kernels._tiling` of the folded row);
+      prefix_num_warps: the prefix kernel's warps (None: `num_warps`).
     scale, is_causal, local_window_size, logits_soft_cap, precision,
       key_scale, value_scale, num_warps: as for `attention`.
 
@@ -1234,7 +1226,8 @@ def attention_with_prefix(query, key, value, lengths, block_table,
       query.reshape(1, b, n, h), prefix_key[None], prefix_value[None],
       jnp.full((1,), s_p, jnp.int32), None, positions.reshape(1, b),
       block=prefix_block, splits=prefix_splits,
-      position_offset=shared_offset, **static)
+      position_offset=shared_offset,
+      **dict(static, num_warps=prefix_num_warps or num_warps))
   if sinks is not None:
     sinks = sinks.astype(_F32).reshape(num_kv, n // num_kv)
   out, lse = decode_merge.merge_splits(*own, sinks, dtype=query.dtype,
@@ -1321,10 +1314,22 @@ def _add_flex_inputs(inputs, row_pos, *, num_kv, rows, r, new_tokens,
 
 def _launch(rows: int, chunk: int, paged: bool = False, *,
             tile_bytes: int = 0, shared_memory: int | None = None,
-            warps: int | None = None) -> tuple[int, int]:
+            warps: int | None = None,
+            one_warpgroup: bool = False) -> tuple[int, int]:
   """(warps, software-pipeline stages): 4 warps cover a 16-row tile; wider
   tiles take 8 so the per-thread share of the accumulator stays small
-  (`warps`: the caller's choice instead, `decode_attention(num_warps=)`).
+  (`warps`: the caller's choice instead, `decode_attention(num_warps=)`),
+  but a 64-row tile of 128-column chunks takes 4 where `one_warpgroup`
+  (Hopper, 16-bit queries over a cache of their dtype: a shared prefix's
+  16 rows x 4 query heads folded into one tile). 64 rows are one
+  warpgroup's wgmma M: with 4 warps every row's max and sum stay within
+  its warps, and the program needs 210 registers and 114,688 B of shared
+  memory, two programs an SM; 8 warps split the keys over two
+  warpgroups, whose row statistics meet through shared memory and
+  barriers, at 130 registers over 256 threads, one program an SM (ptxas,
+  sm_90a, bf16, H = 128, 64 keys: 386 SASS instructions a warp and 64
+  keys in the loop, 1,544 a program, against 344 and 2,752; the 16 rows'
+  16k-key prefix pass ran at 40 % of HBM with 8, 07213ac).
 
   Three stages keep two blocks of keys in flight per program while it
   computes on a third: with two programs an SM (a B = 1 step's grid), two
@@ -1351,6 +1356,8 @@ def _launch(rows: int, chunk: int, paged: bool = False, *,
   """
   if warps is None:
     warps = 4 if rows * chunk <= 16 * 128 else 8
+    if one_warpgroup and rows == 64 and chunk == 128:
+      warps = 4
   # Stages the pipeliner spends on other than K/V blocks in flight.
   spare = 3 if paged else 1
   stages = 5 if paged else 3

@@ -20,9 +20,10 @@ and not timed):
   against the same rows over the materialised concatenation [B, S_p +
   S_own]; and each part alone ("prefix_pass_alone": the own caches
   empty; "own_parts_alone": no prefix), which says whose kernels hold the
-  call's time; the call and the prefix pass alone with the prefix's
-  64-row tile in 64-key blocks ("prefix_64_key_blocks",
-  `_prefix_block_kv=64`), the tiling the 32-key default replaced;
+  call's time; on triton, the call and the prefix pass alone with the
+  prefix's 64-row tile in 8 warps ("prefix_8_warps", `_prefix_num_warps=
+  8`, the default the one-warpgroup tile replaced on Hopper), and the
+  pass alone in 32-key blocks of 8 warps;
 * `paged`: the `dtype` shape's bfloat16 cache as shuffled pages of 16
   keys (vLLM's default block size on CUDA) and of 64 against the
   contiguous cache;
@@ -290,9 +291,9 @@ def prefix_rows(implementation: str, repeats: int, *,
     return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
                   _fold_prefix="two_merges")
 
-  def shared_64_key_blocks(q, k, v, lengths, pk, pv):
+  def shared_tiled(q, k, v, lengths, pk, pv, *, tiling):
     return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv,
-                  _prefix_block_kv=64)
+                  **{f"_prefix_{name}": x for name, x in tiling.items()})
 
   shared_k, shared_v = (jnp.broadcast_to(p, (b,) + p.shape) for p in (pk, pv))
   cat_k, cat_v = (jnp.concatenate([p, x], axis=1)
@@ -307,6 +308,25 @@ def prefix_rows(implementation: str, repeats: int, *,
   empty = jnp.zeros_like(lengths)
   prefix_refs = _refs(q, shared_k, shared_v, empty + s_p)
   own_refs = _refs(q, k, v, lengths)
+  # The folded 64-row tile's pass (a K/V head's 16 rows x 4 query heads)
+  # with 8 warps a program, its default before `triton.decode._launch`
+  # made it one warpgroup on Hopper, and in 32-key blocks with 8 (two
+  # programs an SM too, at 1.5x the instructions a key); triton only.
+  tilings = {"8_warps": dict(num_warps=8),
+             "32_keys_8_warps": dict(block_kv=32, num_warps=8)}
+  tiled_cells = []
+  if implementation == "triton":
+    for label, tiling in tilings.items():
+      fn = functools.partial(shared_tiled, tiling=tiling)
+      fields = {f"prefix_{name}": x for name, x in tiling.items()}
+      if label == "8_warps":
+        tiled_cells.append(Cell(f"prefix_{label}", fn,
+                                (q, k, v, lengths, pk, pv), *refs, _BF16,
+                                fields))
+      tiled_cells.append(Cell(f"prefix_pass_alone_{label}", fn,
+                              (q, k, v, empty, pk, pv), *prefix_refs, _BF16,
+                              fields))
+
   return _rows("prefix", [
       Cell("materialised", decode, (q, cat_k, cat_v, whole), *refs, _BF16,
            {}),
@@ -315,13 +335,7 @@ def prefix_rows(implementation: str, repeats: int, *,
            (q, k, v, lengths, pk, pv), *refs, _BF16, {}),
       Cell("prefix_pass_alone", shared, (q, k, v, empty, pk, pv),
            *prefix_refs, _BF16, {}),
-      # The folded 64-row tile's pass in 64-key blocks (the default before
-      # `triton.decode.default_block` narrowed it to 32).
-      Cell("prefix_64_key_blocks", shared_64_key_blocks,
-           (q, k, v, lengths, pk, pv), *refs, _BF16, dict(prefix_block_kv=64)),
-      Cell("prefix_pass_alone_64_key_blocks", shared_64_key_blocks,
-           (q, k, v, empty, pk, pv), *prefix_refs, _BF16,
-           dict(prefix_block_kv=64)),
+      *tiled_cells,
       Cell("own_parts_alone", decode, (q, k, v, lengths), *own_refs, _BF16,
            {}),
   ], repeats, calls, **shape)
@@ -397,11 +411,13 @@ TARGETS = (
     # time, that part's kernels are where it loses its time.
     ("prefix_pass_share", "prefix", "prefix_pass_alone", "prefix", 0.6),
     ("own_parts_share", "prefix", "own_parts_alone", "prefix", 0.6),
-    # The prefix pass in 32-key blocks (two programs an SM) against 64.
-    ("prefix_vs_64_key_blocks", "prefix", "prefix", "prefix_64_key_blocks",
-     0.9),
-    ("prefix_pass_vs_64_key_blocks", "prefix", "prefix_pass_alone",
-     "prefix_pass_alone_64_key_blocks", 0.8),
+    # The prefix pass as one warpgroup (two programs an SM) against the
+    # 8 warps it replaced, and against 32-key blocks with 8 warps.
+    ("prefix_vs_8_warps", "prefix", "prefix", "prefix_8_warps", 0.9),
+    ("prefix_pass_vs_8_warps", "prefix", "prefix_pass_alone",
+     "prefix_pass_alone_8_warps", 0.8),
+    ("prefix_pass_vs_32_keys_8_warps", "prefix", "prefix_pass_alone",
+     "prefix_pass_alone_32_keys_8_warps", 1.0),
     ("paged_vs_contiguous", "paged", "paged_16", "contiguous", 1.1),
     ("paged64_vs_contiguous", "paged", "paged_64", "contiguous", 1.05),
     ("tnew4_vs_tnew1", "tnew", "t_new_4", "t_new_1", 1.15),

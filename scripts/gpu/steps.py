@@ -918,8 +918,8 @@ DECODE_FLAGS = {
 
 # By --dry-run: the cache forms (`bench.decode_forms`), each checked
 # against its plain equivalent, with bf16 queries (the float32-query cells
-# beside them), in this order: the shared prefix (its 32-key prefix pass
-# against the 64-key one it replaced, and the folded path before that),
+# beside them), in this order: the shared prefix (its one-warpgroup prefix
+# pass against the 8 warps it replaced, and the folded path before that),
 # the latent cache, triton's quantized caches (and their two warps a
 # program), paged, T_new = 4; the dry run's chunked latent cell. At
 # 07213ac the first three took 20, 29 and 48 s (the quantized ones with
