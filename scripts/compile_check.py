@@ -493,8 +493,9 @@ def _decode_shape(case: Case) -> tuple[int, int, int]:
           case.value_head_dim)
 
 
-def _decode_tiles(case: Case) -> str:
-  """The decode kernel's block and head-dim tiling of a case."""
+def _decode_tiles(case: Case, seq: int) -> str:
+  """The decode kernel's block and head-dim tiling of a case (its cache
+  `seq` entries long)."""
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   shape = DECODE_SHAPE
   groups, h, hv = _decode_shape(case)
@@ -506,7 +507,8 @@ def _decode_tiles(case: Case) -> str:
       head_dim=h, value_head_dim=hv, groups=groups,
       new_tokens=shape["new_tokens"], block_kv=None,
       page_size=PAGED_DECODE.get(QUANTIZED_DECODE.get(
-          case.variant, (case.variant,))[0]))
+          case.variant, (case.variant,))[0]),
+      one_byte=case.variant in QUANTIZED_DECODE, cache_len=seq)
   return (f"rows={rows} block_kv={block} head_dim={padded}/{chunk} "
           f"value_head_dim={value_padded}/{value_chunk}")
 
@@ -627,7 +629,7 @@ def compile_case(case: Case, *, target: str = "h100", seq: int = 4096,
     with gpu_target.compile_for(gpu):
       lowered = jax.jit(call).trace(*args).lower()
       if decode:
-        result["block_sizes"] = "decode: " + _decode_tiles(case)
+        result["block_sizes"] = "decode: " + _decode_tiles(case, seq)
       else:
         result["block_sizes"] = repr(
             _tiles(case, seq, gpu) if block_sizes is None else block_sizes)

@@ -930,9 +930,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     rows += forms.latent_rows("chunked", 1, s=64, n=4, h=24, hv=16)
     assert [(r["form"], r["impl"]) for r in rows] == [
         ("dtype", "bfloat16"), ("dtype", "int8"),
-        ("dtype", "float8_e4m3fn"), ("dtype", "int8_33_splits"),
-        ("dtype", "int8_128_keys_33_splits"),
-        ("dtype", "float8_e4m3fn_128_keys_33_splits"), ("dtype", "float32"),
+        ("dtype", "float8_e4m3fn"), ("dtype", "int8_64_keys_66_splits"),
+        ("dtype", "float8_e4m3fn_64_keys_66_splits"), ("dtype", "float32"),
         ("dtype", "int8_float32_query"), ("prefix", "materialised"),
         ("prefix", "prefix"), ("prefix", "prefix_two_merges"),
         ("prefix", "prefix_pass_alone"),
@@ -949,10 +948,10 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     # bfloat16 queries unless the cell says otherwise.
     assert by_name["int8"]["query_dtype"] == "bfloat16"
     assert by_name["int8_float32_query"]["query_dtype"] == "float32"
-    assert by_name["int8_128_keys_33_splits"]["block_kv"] == 128
-    assert by_name["float8_e4m3fn_128_keys_33_splits"]["cache_dtype"] == (
+    assert by_name["int8_64_keys_66_splits"]["block_kv"] == 64
+    assert by_name["float8_e4m3fn_64_keys_66_splits"]["cache_dtype"] == (
         "float8_e4m3fn")
-    assert by_name["int8_33_splits"]["num_splits"] == 33
+    assert by_name["int8_64_keys_66_splits"]["num_splits"] == 66
     assert by_name["t_new_4"]["new_tokens"] == 4
     assert by_name["t_new_4"]["calls_per_program"] == 2
     assert by_name["t_new_4"]["ms_one_call"] > 0

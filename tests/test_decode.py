@@ -268,6 +268,35 @@ def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
     assert launched == want, (target.device_kind, dtype, launched)
 
 
+def test_triton_one_byte_caches_take_128_key_blocks_two_programs_an_sm():
+  """A contiguous int8 / float8 key and value cache whose tile has 16 rows
+  and chunks of at most 128 columns reads 128-key blocks (where it holds
+  that many entries), and its split
+  count fills two programs an SM (the registers and shared memory of
+  such a program), not the 64-key tiling's four; paged caches, wider
+  tiles, wider head dims and 16-bit caches keep theirs."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  for h, groups, t, page_size, one_byte, cache_len, block in (
+      (128, 4, 1, None, True, 128, 128), (64, 8, 2, None, True, 4096, 128),
+      # A cache shorter than the block would be padded to it.
+      (128, 4, 1, None, True, 127, 64),
+      (128, 4, 1, None, False, 4096, 64), (128, 4, 1, 64, True, 64, 64),
+      (128, 8, 4, None, True, 4096, 64), (256, 4, 1, None, True, 4096, 32)):
+    assert triton_decode.block_for(
+        head_dim=h, value_head_dim=h, groups=groups, new_tokens=t,
+        page_size=page_size, block_kv=None, one_byte=one_byte,
+        cache_len=cache_len) == block, (h, groups, t, page_size, one_byte)
+  assert triton_decode.programs_per_sm(128, True) == 2
+  assert triton_decode.programs_per_sm(64, True) is None
+  assert triton_decode.programs_per_sm(128, False) is None
+  # B = 1, K = 8 on an H100: 33 splits, where the 1-byte dtype's four
+  # programs an SM gave 66.
+  assert decode.default_num_splits(
+      1, 8, 256, "gpu", cache_dtype=jnp.int8, programs_per_core=2) == 33
+  assert decode.default_num_splits(
+      1, 8, 512, "gpu", cache_dtype=jnp.int8) == 66
+
+
 def test_triton_paged_blocks_are_the_contiguous_ones():
   """A paged cache's block is the contiguous default whatever the page
   size (a slice of a page, or several pages), and a kernel indexes enough

@@ -94,10 +94,15 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
   shape = dict(head_dim=h, value_head_dim=hv, groups=n // num_kv,
                new_tokens=t, page_size=key.shape[1] if paged else None,
                block_kv=block_kv)
+  per_core = None  # The programs an SM holds: the split count's default.
   if implementation == "triton":
     platform = None
     max_value_chunk = static.get("max_value_chunk")
-    block = kernel.block_for(**shape, max_value_chunk=max_value_chunk)
+    # A key and value cache of 1-byte values (not latent).
+    one_byte = (key.dtype.itemsize == 1 and value.dtype.itemsize == 1
+                and "value_head_dim" not in static)
+    block = kernel.block_for(**shape, max_value_chunk=max_value_chunk,
+                             one_byte=one_byte, cache_len=key.shape[1])
     # Value head-dim chunks are programs too.
     programs = num_kv * kernel.value_chunks(hv, n // num_kv * t,
                                             max_value_chunk)
@@ -109,10 +114,13 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
     programs = num_kv
   if block_kv is not None:
     block = plan.clip_block(block, key, block_table)
+  if implementation == "triton":
+    per_core = kernel.programs_per_sm(block, one_byte)
   num_blocks = plan.kernel_blocks(key, block_table, block)
   if num_splits is None:
     num_splits = plan.default_num_splits(b, programs, num_blocks, platform,
-                                         cache_dtype=key.dtype)
+                                         cache_dtype=key.dtype,
+                                         programs_per_core=per_core)
   return block, int(min(num_splits, num_blocks))
 
 

@@ -37,7 +37,8 @@ _TPU_CORES = 2
 
 def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
                        platform: str | None = None, *,
-                       cache_dtype=None) -> int:
+                       cache_dtype=None,
+                       programs_per_core: int | None = None) -> int:
   """How many parts the key axis is split into.
 
   A GPU wants about two waves of programs over its streaming multiprocessors
@@ -51,6 +52,8 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
   result to merge; this holds for the `chunked` path on a TPU as well); a
   CPU runs one wide block at a time fastest (its threads already share
   each block's matmuls, and the interpreted kernels pay per program).
+  `programs_per_core` (a GPU kernel's tiling that says how many of its
+  programs an SM holds) replaces the dtype's count.
   """
   platform = platform or api.platform()
   if platform == "cpu":
@@ -61,6 +64,7 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int,
     per_core = 2
     if cache_dtype is not None and jnp.dtype(cache_dtype).itemsize == 1:
       per_core = 4
+    per_core = programs_per_core or per_core
     target = per_core * ((gpu.core_count if gpu else 0) or _DEFAULT_CORES)
   splits = max(1, target // max(1, batch * num_kv_heads))
   return int(min(splits, num_blocks))

@@ -18,9 +18,8 @@ the logits' own rounding is larger).
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -92,8 +91,7 @@ def _split_compiled(x, every: int):
   # Imported here: only compiled kernels reach this.
   from jax._src.lib.mlir import ir  # noqa: PLC0415
   from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
-  from jax.experimental.mosaic.gpu import (  # noqa: PLC0415
-      fragmented_array as fa)
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
 
   x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 

@@ -141,8 +141,7 @@ def p_operand(p):
   from jax._src.lib.mlir import ir  # noqa: PLC0415
   from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
   from jax._src.lib.mlir.dialects import vector  # noqa: PLC0415
-  from jax.experimental.mosaic.gpu import (  # noqa: PLC0415
-      fragmented_array as fa)
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
 
   p = plgpu.layout_cast(p, plgpu.Layout.WGMMA)
 
@@ -203,8 +202,7 @@ def own_registers(p):
   from jax._src.lib.mlir import ir  # noqa: PLC0415
   from jax._src.lib.mlir.dialects import llvm  # noqa: PLC0415
   from jax._src.lib.mlir.dialects import vector  # noqa: PLC0415
-  from jax.experimental.mosaic.gpu import (  # noqa: PLC0415
-      fragmented_array as fa)
+  from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: PLC0415
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA_8BIT,),

@@ -8,11 +8,12 @@ and not timed):
 
 * `dtype`: one row of S keys (B = 1, S = 32k, K = 8, N = 32, H = 128,
   T_new = 1) stored as bfloat16 (the baseline), int8 and float8_e4m3fn
-  (with scales), and, secondary, a float32 cache with float32 queries and
+  (with scales; at their default tiling and at the 64-key one that it
+  replaced), and, secondary, a float32 cache with float32 queries and
   the int8 cache with float32 queries (the kernels compute in the query's
   dtype: this is the float32 path an int8 cache took with float32
-  queries); on triton last, both 1-byte caches with two warps a program
-  (`num_warps=2`) against the default four;
+  queries); on triton last, both 1-byte caches at 64-key blocks with two
+  warps a program (`num_warps=2`) against four;
 * `prefix`: B rows sharing a prefix of S_p tokens with S_own tokens each,
   decoded with `prefix_key`/`prefix_value` ("prefix": on triton both
   parts' splits in one merge; "prefix_two_merges" the folded path that
@@ -50,10 +51,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench import cells
-from bench import repeated
 
 import pallas_fa
+from bench import cells
+from bench import repeated
 from pallas_fa import kv_cache
 from pallas_fa import testing
 
@@ -183,14 +184,11 @@ def dtype_rows(implementation: str, repeats: int, *,
     cells.append(Cell(name, scaled, (q, k8, v8, lengths, ks, vs), *refs,
                       _BF16, dict(query_dtype="bfloat16", cache_dtype=name)))
     quantized.append((name, scaled, (k8, v8, lengths, ks, vs), refs))
-  # The 1-byte tiling beside others: int8 at the split count of a 16-bit
-  # cache (two programs an SM, not four), and both 1-byte caches at
-  # 128-key blocks with that split count (int8 0.96x the default's time
-  # at b85705a: the candidate default).
+  # Both 1-byte caches at the tiling their 128-key default replaced:
+  # 64-key blocks, four programs an SM (66 splits here).
   name, scaled, args, int8_refs = quantized[0]
-  tilings = (("int8_33_splits", quantized[0], dict(num_splits=33)),
-             *((f"{form[0]}_128_keys_33_splits", form,
-                dict(num_splits=33, block_kv=128)) for form in quantized))
+  tilings = tuple((f"{form[0]}_64_keys_66_splits", form,
+                   dict(num_splits=66, block_kv=64)) for form in quantized)
   for label, (form, _, form_args, form_refs), tiling in tilings:
     def tiled(q, k, v, lengths, ks, vs, tiling=tiling):
       return decode(q, k, v, lengths, key_scale=ks, value_scale=vs, **tiling)
@@ -207,19 +205,21 @@ def dtype_rows(implementation: str, repeats: int, *,
                                      cache_dtype=name)))
   if implementation == "triton":
     # Last (the window's decode step has a deadline): both 1-byte caches
-    # with two warps a program instead of four (`num_warps`): a block's
-    # keys split two ways, not four, so each warp's softmax reductions
-    # cross fewer warps (SASS per program and 64 keys: 1,794 warp
-    # instructions against 2,216 for int8).
+    # at the former 64-key tiling with two warps a program instead of four
+    # (`num_warps`): a block's keys split two ways, not four, so each
+    # warp's softmax reductions cross fewer warps (SASS per program and 64
+    # keys: 1,794 warp instructions against 2,216 for int8; at 128 keys
+    # two warps would take past 255 registers).
+    two_warps = dict(num_splits=66, block_kv=64, num_warps=2)
     for form, _, form_args, form_refs in quantized:
       def warped(q, k, v, lengths, ks, vs):
         return decode(q, k, v, lengths, key_scale=ks, value_scale=vs,
-                      num_warps=2)
+                      **two_warps)
 
-      cells.append(Cell(f"{form}_2_warps", warped, (q, *form_args),
+      cells.append(Cell(f"{form}_64_keys_2_warps", warped, (q, *form_args),
                         *form_refs, _BF16,
                         dict(query_dtype="bfloat16", cache_dtype=form,
-                             num_warps=2)))
+                             **two_warps)))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -395,15 +395,15 @@ TARGETS = (
     ("int8_vs_bf16", "dtype", "int8", "bfloat16", 0.6),
     ("fp8_vs_bf16", "dtype", "float8_e4m3fn", "bfloat16", 0.6),
     ("int8_bf16_vs_f32_query", "dtype", "int8", "int8_float32_query", 1.0),
-    # The 1-byte tiling (four programs an SM) no slower than the 16-bit one.
-    ("int8_vs_33_splits", "dtype", "int8", "int8_33_splits", 1.0),
-    ("int8_vs_128_keys", "dtype", "int8", "int8_128_keys_33_splits", 1.0),
-    ("fp8_vs_128_keys", "dtype", "float8_e4m3fn",
-     "float8_e4m3fn_128_keys_33_splits", 1.0),
-    # Two warps a program (triton only) against the default four.
-    ("int8_2_warps_vs_4", "dtype", "int8_2_warps", "int8", 1.0),
-    ("fp8_2_warps_vs_4", "dtype", "float8_e4m3fn_2_warps", "float8_e4m3fn",
-     1.0),
+    # The 128-key 1-byte default against the 64-key tiling it replaced.
+    ("int8_vs_64_keys", "dtype", "int8", "int8_64_keys_66_splits", 1.0),
+    ("fp8_vs_64_keys", "dtype", "float8_e4m3fn",
+     "float8_e4m3fn_64_keys_66_splits", 1.0),
+    # Two warps a program (triton only) against four, at 64-key blocks.
+    ("int8_2_warps_vs_4", "dtype", "int8_64_keys_2_warps",
+     "int8_64_keys_66_splits", 1.0),
+    ("fp8_2_warps_vs_4", "dtype", "float8_e4m3fn_64_keys_2_warps",
+     "float8_e4m3fn_64_keys_66_splits", 1.0),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
     # Both parts' splits in one merge kernel: four launches instead of eight.
     ("prefix_vs_two_merges", "prefix", "prefix", "prefix_two_merges", 0.85),

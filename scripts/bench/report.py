@@ -36,8 +36,9 @@ def add_ratios(results: list[dict], ceiling: dict | None) -> None:
   (`options.BASELINES`: peer time / this time; a float8 cell's against
   the peer's bfloat16 cell), a float8 cell's against every float8 peer's
   cell of the same shape and dtype (`options.FP8_BASELINES`) and against
-  the same candidate's bfloat16 cell (`options.BF16_RATIO`), and its percentage of the matmul
-  ceiling (of the cell's dtype) (None where any is unknown)."""
+  the same candidate's bfloat16 cell (`options.BF16_RATIO`), and its
+  percentage of the matmul ceiling (of the cell's dtype) (None where any
+  is unknown)."""
   ms_of = {(r["impl"], _cell_key(r)): r["ms"] for r in results if r["ms"]}
   for field, label in options.BASELINES.items():
     for r in results:
