@@ -418,8 +418,12 @@ def _decode_call(case: Case, seq: int, spec):
     return _latent_decode_call(case, seq, spec)
   shape = DECODE_SHAPE
   # A shared prefix's 16 rows fold into one 64-row tile a K/V head (4
-  # query heads each), the serving shape the prefix pass is tiled for.
-  b, h = 16 if case.variant == "decode_prefix" else 2, case.head_dim
+  # query heads each), the serving shape the prefix pass is tiled for;
+  # float32 queries fold up to 32 rows (`triton.decode.
+  # MAX_FOLDED_ROWS_FLOAT32`): 8 rows.
+  b, h = 2, case.head_dim
+  if case.variant == "decode_prefix":
+    b = 8 if case.dtype == "float32" else 16
   kv = shape["kv_heads"]
   layout, cache_dtype = QUANTIZED_DECODE.get(
       case.variant, (case.variant, case.dtype))

@@ -218,10 +218,10 @@ def test_triton_blocks_span_small_pages(dtype, page_size, t, group, window,
 
 def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
   """A 64-row tile of 128-column chunks (a shared prefix's 16 rows x 4
-  query heads) takes 4 warps where `one_warpgroup` (Hopper, 16-bit
-  queries over a cache of their dtype: two programs an SM, 210 registers,
-  against one at 8 warps' 130 x 256 threads); other tiles, other GPUs
-  and float32 keep theirs."""
+  query heads, or G * T_new = 64) takes 4 warps where `one_warpgroup`
+  (Hopper, 16-bit queries over a cache of their dtype: two programs an
+  SM, 210 registers, against one at 8 warps' 130 x 256 threads); other
+  tiles, other GPUs and float32 keep theirs."""
   from pallas_fa import triton as triton_pkg  # noqa: PLC0415
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   for rows, chunk, hopper, warps in (
@@ -242,17 +242,16 @@ def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
 
   monkeypatch.setattr(triton_pkg, "pallas_call", spy)
   gen = rng("one warpgroup")
-  b, n, num_kv, h, s = 16, 8, 2, 128, 48
-  # 16 rows x 4 query heads a K/V head: one 64-row tile of the prefix.
-  q = jnp.asarray(gen.standard_normal((b, 1, n, h)), jnp.bfloat16)
+  # 16 query heads a K/V head and 4 new tokens: a 64-row tile, as a
+  # shared prefix's 16 rows x 4 query heads fold into.
+  b, t, n, num_kv, h, s = 2, 4, 32, 2, 128, 48
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
   k, v = (jnp.asarray(gen.standard_normal((b, s, num_kv, h)), jnp.bfloat16)
           for _ in range(2))
-  pk, pv = (jnp.asarray(gen.standard_normal((s, num_kv, h)), jnp.bfloat16)
-            for _ in range(2))
   lengths = jnp.full((b,), s, jnp.int32)
-  for target, dtype, want in ((gpu_target.H100, jnp.bfloat16, [4, 4]),
-                              (gpu_target.A100, jnp.bfloat16, [4, 8]),
-                              (gpu_target.H100, jnp.float32, [4, 8])):
+  for target, dtype, want in ((gpu_target.H100, jnp.bfloat16, [4]),
+                              (gpu_target.A100, jnp.bfloat16, [8]),
+                              (gpu_target.H100, jnp.float32, [8])):
     # The decode module's view of the target only: the kernels still run
     # interpreted here.
     monkeypatch.setattr(triton_decode, "gpu_target", types.SimpleNamespace(
@@ -260,11 +259,8 @@ def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
         builds_ptx=gpu_target.builds_ptx))
     launched.clear()
     jax.clear_caches()  # The jitted kernels' cache knows no target.
-    args = (x.astype(dtype) for x in (q, k, v))
-    pallas_fa.decode_attention(*args, lengths, prefix_key=pk.astype(dtype),
-                               prefix_value=pv.astype(dtype),
-                               implementation="triton")
-    # The rows' own 16-row tiles, then the prefix's 64-row one.
+    pallas_fa.decode_attention(*(x.astype(dtype) for x in (q, k, v)),
+                               lengths, implementation="triton")
     assert launched == want, (target.device_kind, dtype, launched)
 
 

@@ -296,6 +296,19 @@ def test_triton_prefix_merges_in_place(case):
     cat_v = np.concatenate([prefix_v, rows_v], axis=1)
     assert rows_k.shape[1] == c["k"].shape[0] // table.shape[0] * page
   args = [jnp.asarray(x) for x in (c["q"], k, v, c["lengths"])]
+  q, dtype, same = c["q"], jnp.float32, (None, None)
+  if case in ("eight_groups", "wide_tile"):
+    # 40 and 64 folded rows: 16-bit queries (float32 ones fold at most
+    # `MAX_FOLDED_ROWS_FLOAT32`), against the reference on the rounded
+    # inputs and in bfloat16.
+    dtype = jnp.bfloat16
+    args[:3] = [x.astype(dtype) for x in args[:3]]
+    kw.update(prefix_key=kw["prefix_key"].astype(dtype),
+              prefix_value=kw["prefix_value"].astype(dtype))
+    q, cat_k, cat_v = (jnp.asarray(x, dtype) for x in (q, cat_k, cat_v))
+    same = _reference(q, cat_k, cat_v, c["cat_lengths"], q_pos,
+                      is_causal=True, **ref_kw)
+    q, cat_k, cat_v = (x.astype(jnp.float32) for x in (q, cat_k, cat_v))
 
   def decode(*a):
     return pallas_fa.decode_attention(*a, **kw, **ref_kw)
@@ -304,10 +317,10 @@ def test_triton_prefix_merges_in_place(case):
   assert len(re.findall(r"name=flash_decode\b(?!_)", jaxpr)) == 2
   assert len(re.findall(r"name=flash_decode_merge\b", jaxpr)) == 1
   out, lse = decode(*args)
-  ref = _reference(c["q"], cat_k, cat_v, c["cat_lengths"], q_pos,
+  ref = _reference(q, cat_k, cat_v, c["cat_lengths"], q_pos,
                    is_causal=True, **ref_kw)
-  assert_close("out", out, ref[0])
-  assert_close("lse", lse, ref[1])
+  assert_close("out", out, ref[0], same[0], dtype)
+  assert_close("lse", lse, ref[1], same[1], dtype)
 
 
 def test_triton_prefix_past_the_folded_rows_takes_flash_attention(
@@ -321,6 +334,8 @@ def test_triton_prefix_past_the_folded_rows_takes_flash_attention(
   gen = rng("prefix kernels wide")
   c = _prefix_case(gen, t=2)  # 3 rows x 2 tokens x 2 heads = 12 rows
   monkeypatch.setattr(triton_decode, "MAX_FOLDED_ROWS", 8)
+  # The case's float32 queries' own limit (`MAX_FOLDED_ROWS_FLOAT32`).
+  monkeypatch.setattr(triton_decode, "MAX_FOLDED_ROWS_FLOAT32", 8)
   args = [jnp.asarray(c[name]) for name in ("q", "k", "v", "lengths", "pk",
                                              "pv")]
 
@@ -335,6 +350,21 @@ def test_triton_prefix_past_the_folded_rows_takes_flash_attention(
                    c["q_pos"], is_causal=True)
   assert_close("out", out, ref[0])
   assert_close("lse", lse, ref[1])
+
+
+def test_triton_folds_fewer_float32_rows():
+  """float32 queries fold up to `MAX_FOLDED_ROWS_FLOAT32` rows (a 64-row
+  float32 tile spills, and overflows an A100's shared memory at H =
+  256), 16-bit ones up to `MAX_FOLDED_ROWS`; chunked folds any."""
+  from pallas_fa.decode import kernels  # noqa: PLC0415
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  assert triton_decode.MAX_FOLDED_ROWS_FLOAT32 == 32
+  for rows, dtype, folds in ((64, jnp.bfloat16, True), (64, jnp.float16, True),
+                             (128, jnp.bfloat16, True),
+                             (129, jnp.bfloat16, False),
+                             (32, jnp.float32, True), (64, jnp.float32, False)):
+    assert kernels.folds_rows("triton", rows, dtype) == folds, (rows, dtype)
+  assert kernels.folds_rows("chunked", 1024, jnp.float32)
 
 
 def latent_case(gen, *, quantized_as=None, page_size=None, h=576, hv=512,

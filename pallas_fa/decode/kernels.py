@@ -30,14 +30,18 @@ def interpreted(implementation) -> bool:
   return _decode_kernel(implementation).interpreted()
 
 
-def folds_rows(implementation, rows: int) -> bool:
+def folds_rows(implementation, rows: int, dtype=jnp.bfloat16) -> bool:
   """Whether `rows` packed query rows (a shared prefix's B * T_new * G
-  folded queries of a K/V head) decode as one row's tile: always on
-  "chunked", within the kernel module's `MAX_FOLDED_ROWS` on a kernel
-  (none: never)."""
+  folded queries of a K/V head, of `dtype`) decode as one row's tile:
+  always on "chunked", within the kernel module's `MAX_FOLDED_ROWS` on a
+  kernel (`MAX_FOLDED_ROWS_FLOAT32` for float32 queries where it sets
+  one; none: never)."""
   if implementation == "chunked":
     return True
-  limit = getattr(_decode_kernel(implementation), "MAX_FOLDED_ROWS", 0)
+  kernel = _decode_kernel(implementation)
+  limit = getattr(kernel, "MAX_FOLDED_ROWS", 0)
+  if jnp.dtype(dtype).itemsize > 2:
+    limit = getattr(kernel, "MAX_FOLDED_ROWS_FLOAT32", limit)
   return rows <= limit
 
 
@@ -138,7 +142,7 @@ def merges_prefix_in_place(implementation, query, prefix_value,
     return False
   b, _, n, _ = query.shape
   groups = n // prefix_value.shape[1]
-  if not folds_rows(implementation, b * groups):
+  if not folds_rows(implementation, b * groups, query.dtype):
     return False
   kernel = _decode_kernel(implementation)
   hv = prefix_value.shape[2]

@@ -149,7 +149,8 @@ def attend(query, prefix_key, prefix_value, query_positions, *,
   # Every row's new tokens as one query sequence against the one prefix.
   tokens, positions = (query.reshape(1, b * t, n, h),
                        query_positions.reshape(1, b * t))
-  if fold and kernels.folds_rows(name, b * t * (n // prefix_key.shape[1])):
+  if fold and kernels.folds_rows(name, b * t * (n // prefix_key.shape[1]),
+                                 query.dtype):
     out, lse = decode_one_row(tokens, positions, prefix_key[None],
                               prefix_value[None])
   else:

@@ -183,6 +183,11 @@ MERGES = ("kernel", "split_kernel")
 # GPU, where `flash_attention`'s grid over the folded tokens gives each
 # query head one program that walks the whole prefix.
 MAX_FOLDED_ROWS = 128
+# float32 queries fold up to 32 rows: at 64 the prefix pass spills (H100,
+# H = 128: 32 B on jax 0.10.2; H = 256: 12 B on 0.11.2, 700 B on 0.10.2)
+# and overflows an A100's shared memory at H = 256 (172,032 B of
+# 166,912); at 32 it compiles without either on both targets.
+MAX_FOLDED_ROWS_FLOAT32 = 32
 # `decode.front` passes a latent cache as value=key with `value_head_dim`:
 # the kernel reads the values from the key tiles.
 LATENT_CACHES = True
