@@ -993,7 +993,7 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
 
 
 @pytest.mark.slow  # the triton kernels interpreted
-def test_prefix_cells_time_the_replaced_pass_tilings_on_triton():
+def test_prefix_cells_on_triton_time_the_replaced_pass_tilings():
   """On triton the prefix form adds the call and its pass alone with the
   folded tile's former 8 warps, and the pass in 32-key blocks, each
   checked before it is timed, with its tiling in the row."""

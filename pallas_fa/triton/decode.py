@@ -193,11 +193,12 @@ MAX_FOLDED_ROWS_FLOAT32 = 32
 LATENT_CACHES = True
 # A contiguous 1-byte cache's keys per block where a program's tile has
 # 16 rows and chunks of at most 128 columns (`block_for`), and the
-# programs an SM holds then (`programs_per_sm`): 128-key blocks halve the
+# programs an SM holds then (`programs_per_sm`): 128-key blocks pay the
 # loop's per-block costs (the value scale's unit, its barriers, the
-# bookkeeping: int8 444 SASS instructions a warp per 64 keys against 554,
-# sm_90a, H = 128), at 254 registers (int8; float8 214) and 108,544 B of
-# shared memory: two programs an SM, the split count a 16-bit cache's.
+# bookkeeping) once per 128 keys: int8 about 450 SASS instructions a
+# warp per 64 keys against 554 (sm_90a, H = 128), at 254 registers
+# (int8; float8 214) and 108,544 B of shared memory: two programs an SM,
+# the split count a 16-bit cache's.
 # H200, B = 1, S = 32k, K = 8, H = 128, explicit 33 splits against the
 # 64-key four-programs default: int8 0.965x (b85705a) and 0.943x
 # (07213ac), float8 0.966x (07213ac).
