@@ -543,11 +543,7 @@ def _check_private(merge, value_chunk, implementation, mask_mod,
           f"_merge must be 'kernel' or 'split_kernel', got {merge!r}.")
     out["merge"] = merge
   if value_chunk is not None:
-    if (not isinstance(value_chunk, (int, np.integer))
-        or isinstance(value_chunk, bool) or value_chunk < 16
-        or value_chunk & (value_chunk - 1)):
-      raise ValueError(
-          f"_value_chunk must be a power of two >= 16, got {value_chunk!r}.")
+    _check_power_of_two("_value_chunk", value_chunk)
     out["max_value_chunk"] = int(value_chunk)
   if out and (implementation != "triton" or mask_mod is not None
               or prefix_key is not None):
@@ -560,6 +556,14 @@ def _check_private(merge, value_chunk, implementation, mask_mod,
   return out
 
 
+def _check_power_of_two(name: str, x) -> None:
+  """Raises ValueError: `x` (a private tiling option, named) is not an int
+  power of two >= 16."""
+  if (not isinstance(x, (int, np.integer)) or isinstance(x, bool) or x < 16
+      or x & (x - 1)):
+    raise ValueError(f"{name} must be a power of two >= 16, got {x!r}.")
+
+
 def _check_prefix_tiling(block, warps, prefix_key, implementation) -> dict:
   """{"num_warps": n} for the prefix pass's launch, or {} (the default).
 
@@ -568,11 +572,8 @@ def _check_prefix_tiling(block, warps, prefix_key, implementation) -> dict:
       `_prefix_num_warps` not a valid `num_warps` for the implementation,
       or either is given without a prefix.
   """
-  if block is not None and (
-      not isinstance(block, (int, np.integer)) or isinstance(block, bool)
-      or block < 16 or block & (block - 1)):
-    raise ValueError(
-        f"_prefix_block_kv must be a power of two >= 16, got {block!r}.")
+  if block is not None:
+    _check_power_of_two("_prefix_block_kv", block)
   launch = _check_num_warps(warps, implementation, "_prefix_num_warps")
   if (block is not None or launch) and prefix_key is None:
     raise ValueError("_prefix_block_kv and _prefix_num_warps apply to a "
