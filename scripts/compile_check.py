@@ -123,11 +123,12 @@ DTYPES = {"triton": ("bfloat16", "float16", "float32"),
           "mosaic_gpu": ("bfloat16", "float16")}
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_paged16", "decode_int8", "decode_paged_int8", "decode_fp8",
+            "decode_int8_64_rows", "decode_paged_fp8_64_rows",
             "decode_paged_fp8", "decode_latent", "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
-            "fp8_causal", "decode_prefix", "decode_merged", "fused_step",
+            "fp8_causal", "decode_prefix", "fused_step",
             "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
             "wide_keys", "wide_keys_causal", "wide_keys_fp8",
             "wide_keys_fp8_causal", "keys256_fp8", "keys256_fp8_causal",
@@ -164,7 +165,15 @@ FP8_VARIANTS = {"fp8": "plain", "fp8_causal": "causal"}
 QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                     "decode_paged_int8": ("decode_paged", "int8"),
                     "decode_fp8": ("decode", "float8_e4m3fn"),
-                    "decode_paged_fp8": ("decode_paged", "float8_e4m3fn")}
+                    "decode_paged_fp8": ("decode_paged", "float8_e4m3fn"),
+                    "decode_int8_64_rows": ("decode", "int8"),
+                    "decode_paged_fp8_64_rows": ("decode_paged",
+                                                 "float8_e4m3fn")}
+# Decode variants of 16 new tokens a row (speculative decoding), so that the
+# 4 query heads of a K/V head pack 64 rows: the tile that runs as one
+# warpgroup on Hopper (`triton.decode._launch`).
+WIDE_DECODE_NEW_TOKENS = {"decode_int8_64_rows": 16,
+                          "decode_paged_fp8_64_rows": 16}
 # The decode variants over a latent (MLA) cache, value=None with
 # value_head_dim (DeepSeek's absorbed MLA), and their cache's dtype (None:
 # the query's; int8 with float32 key scales per entry). Their shape is
@@ -190,7 +199,6 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
                     **{name: ("triton", "mosaic_gpu")
                        for name in FP8_VARIANTS},
                     "decode_prefix": ("triton",),
-                    "decode_merged": ("triton",),
                     "fused_step": ("mosaic_gpu",),
                     "fused_step_causal": ("mosaic_gpu",),
                     "fused_pipeline": ("mosaic_gpu",),
@@ -206,6 +214,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
 # The least compute capability of a variant: Triton converts float8_e4m3fn
 # from 8.9 on (on an sm_80 target, deviceless, LLVM aborts the process).
 VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
+                          "decode_paged_fp8_64_rows": (8, 9),
                           **{name: (8, 9) for name in FP8_VARIANTS},
                           "wide_keys_fp8": (8, 9),
                           "wide_keys_fp8_causal": (8, 9),
@@ -242,10 +251,10 @@ DECODE_KERNELS = {"decode": 2, "decode_paged": 2, "decode_paged16": 2,
                   # Both parts' split kernels, their one merge and the
                   # fold's transpose of the queries.
                   "decode_prefix": 4,
-                  # The split kernel, its last programs merging, and the
-                  # zeroing of their arrival counts.
-                  "decode_merged": 2,
                   **{name: 2 for name in QUANTIZED_DECODE},
+                  # T_new > 1: the packing's transposes of the queries
+                  # and the output too.
+                  **{name: 4 for name in WIDE_DECODE_NEW_TOKENS},
                   **{name: 2 for name in LATENT_DECODE}}
 HEAD_DIMS = (64, 72, 128, 256)
 
@@ -267,7 +276,10 @@ class Case:
       "decode_int8" / "decode_paged_int8" / "decode_fp8" /
       "decode_paged_fp8" = the same over a quantized cache, int8 or
       float8_e4m3fn with float32 scales per entry ([B, S, K] / [P,
-      page_size, K], `QUANTIZED_DECODE`);
+      page_size, K], `QUANTIZED_DECODE`); "decode_int8_64_rows" /
+      "decode_paged_fp8_64_rows" = "decode_int8" / "decode_paged_fp8"
+      with 16 new tokens a row: 64 packed rows a K/V head
+      (`WIDE_DECODE_NEW_TOKENS`);
       "decode_latent" / "decode_latent_int8" = "decode" over a latent
       cache (value=None, value_head_dim: DeepSeek's H = 576, Hv = 512,
       one K/V head, 16 query heads, `LATENT_SHAPE`, whatever the
@@ -289,9 +301,7 @@ class Case:
       "decode" with
       ALiBi and a prefix-LM mask_mod; "decode_prefix" = "decode" with a
       shared prefix of S keys before the rows' caches (`prefix_key`,
-      `prefix_value`); "decode_merged" = "decode" with the splits merged
-      by the split kernel's last programs (`decode_attention(_merge=
-      "split_kernel")`); "split" / "split_causal" /
+      `prefix_value`); "split" / "split_causal" /
       "split_masked" / "split_dropout" = "plain" / "causal" / "masked" /
       "dropout" with mosaic_gpu's split backward, the reproducible one
       that `deterministic_backward=True` runs
@@ -427,7 +437,7 @@ def _decode_call(case: Case, seq: int, spec):
   kv = shape["kv_heads"]
   layout, cache_dtype = QUANTIZED_DECODE.get(
       case.variant, (case.variant, case.dtype))
-  args = [spec((b, shape["new_tokens"], shape["heads"], h))]
+  args = [spec((b, _new_tokens(case), shape["heads"], h))]
   if layout in PAGED_DECODE:
     page = PAGED_DECODE[layout]
     pages = b * seq // page
@@ -458,8 +468,6 @@ def _decode_call(case: Case, seq: int, spec):
       kw = dict(key_scale=extra[0], value_scale=extra[1])
     if shared:
       kw = dict(prefix_key=extra[0], prefix_value=extra[1])
-    if case.variant == "decode_merged":
-      kw = dict(_merge="split_kernel")
     return pallas_fa.decode_attention(
         q, k, v, lengths, block_table=table, implementation=case.backend,
         **kw)
@@ -501,20 +509,25 @@ def _decode_tiles(case: Case, seq: int) -> str:
   """The decode kernel's block and head-dim tiling of a case (its cache
   `seq` entries long)."""
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
-  shape = DECODE_SHAPE
   groups, h, hv = _decode_shape(case)
-  rows = triton_decode.packed_rows(groups * shape["new_tokens"])
+  rows = triton_decode.packed_rows(groups * _new_tokens(case))
   padded, chunk = triton_decode.key_tiling(
       h, rows, hv if case.variant in LATENT_DECODE else None)
   value_padded, value_chunk = triton_decode.value_tiling(hv, rows)
   block = triton_decode.block_for(
       head_dim=h, value_head_dim=hv, groups=groups,
-      new_tokens=shape["new_tokens"], block_kv=None,
+      new_tokens=_new_tokens(case), block_kv=None,
       page_size=PAGED_DECODE.get(QUANTIZED_DECODE.get(
           case.variant, (case.variant,))[0]),
-      one_byte=case.variant in QUANTIZED_DECODE, cache_len=seq)
+      one_byte=case.variant in QUANTIZED_DECODE, cache_len=seq,
+      float32_queries=case.dtype == "float32")
   return (f"rows={rows} block_kv={block} head_dim={padded}/{chunk} "
           f"value_head_dim={value_padded}/{value_chunk}")
+
+
+def _new_tokens(case: Case) -> int:
+  """T_new of a decode case."""
+  return WIDE_DECODE_NEW_TOKENS.get(case.variant, DECODE_SHAPE["new_tokens"])
 
 
 def _decode_reads_cache_in_place(case: Case) -> bool:
@@ -522,7 +535,7 @@ def _decode_reads_cache_in_place(case: Case) -> bool:
   copy: its head dims need no padding."""
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   groups, h, _ = _decode_shape(case)
-  rows = triton_decode.packed_rows(groups * DECODE_SHAPE["new_tokens"])
+  rows = triton_decode.packed_rows(groups * _new_tokens(case))
   return triton_decode.key_tiling(h, rows)[0] == h
 
 

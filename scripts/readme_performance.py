@@ -739,14 +739,19 @@ def _form_name(c: dict, base: dict) -> str:
                         ("num_splits", " splits"), ("num_warps", " warps")):
       if c.get(field):
         parts.append(f"{c[field]}{unit}")
-    if c.get("merge") == "split_kernel":
+    if c.get("merge") == "split_kernel":  # 07213ac's cells (option gone).
       parts.append("merged in the split kernel")
     return ", ".join(parts)
   if form == "paged":
     page = c.get("page_size")
     return f"{page}-key pages" if page else "contiguous"
   if form == "tnew":
-    return f"T_new = {c.get('new_tokens')}"
+    name = f"T_new = {c.get('new_tokens')}"
+    if c.get("cache_dtype"):
+      name += f", `{c['cache_dtype']}`"
+    if c.get("num_warps"):
+      name += f", {c['num_warps']} warps"
+    return name
   return _FORM_NAMES.get((form, impl), f"`{impl}`")
 
 

@@ -925,8 +925,9 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     rows += forms.prefix_rows("chunked", 1, b=3, s_p=64, s_own=32, n=4,
                               num_kv=2, h=16)
     rows += forms.paged_rows("chunked", 1, **row)
-    # Two calls a timed program (an accelerator's default is 20).
-    rows += forms.tnew_rows("chunked", 1, calls=2, **row)
+    # Two calls a timed program (an accelerator's default is 20); 4 query
+    # heads a K/V head, so that T_new = 16 fills a 64-row tile.
+    rows += forms.tnew_rows("chunked", 1, calls=2, **dict(row, n=8))
     rows += forms.latent_rows("chunked", 1, s=64, n=4, h=24, hv=16)
     assert [(r["form"], r["impl"]) for r in rows] == [
         ("dtype", "bfloat16"), ("dtype", "int8"),
@@ -937,9 +938,10 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         ("prefix", "prefix_pass_alone"),
         ("prefix", "own_parts_alone"),
         ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
-        ("tnew", "t_new_1"), ("tnew", "t_new_4"), ("latent", "latent"),
+        ("tnew", "t_new_1"), ("tnew", "t_new_16"),
+        ("tnew", "t_new_16_int8"), ("latent", "latent"),
         ("latent", "separate_values"), ("latent", "one_read_floor"),
-        ("latent", "latent_66_splits"), ("latent", "latent_132_splits")]
+        ("latent", "latent_132_splits")]
     for r in rows:
       assert r["status"] == "ok", r
       assert 0 <= r["max_error"] <= r["tolerance"], r
@@ -952,18 +954,19 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     assert by_name["float8_e4m3fn_64_keys_66_splits"]["cache_dtype"] == (
         "float8_e4m3fn")
     assert by_name["int8_64_keys_66_splits"]["num_splits"] == 66
-    assert by_name["t_new_4"]["new_tokens"] == 4
-    assert by_name["t_new_4"]["calls_per_program"] == 2
-    assert by_name["t_new_4"]["ms_one_call"] > 0
+    assert by_name["t_new_16"]["new_tokens"] == 16
+    assert by_name["t_new_16_int8"]["cache_dtype"] == "int8"
+    assert by_name["t_new_16"]["calls_per_program"] == 2
+    assert by_name["t_new_16"]["ms_one_call"] > 0
     assert by_name["int8"]["calls_per_program"] == 1
     assert "ms_one_call" not in by_name["int8"]
     ratios = {r["name"]: r for r in forms.ratios(rows)}
-    # Every target but the triton-only cells' (two warps, the merge in
-    # the split kernel).
+    # Every target but the triton-only cells' (warps, value chunks).
     assert set(ratios) == {name for name, *_ in forms.TARGETS} - {
-        "int8_2_warps_vs_4", "fp8_2_warps_vs_4", "prefix_vs_8_warps",
+        "prefix_vs_8_warps",
         "prefix_pass_vs_8_warps", "prefix_pass_vs_32_keys_8_warps",
-        "latent_vs_value_chunk_512", "latent_vs_value_chunk_256"}
+        "latent_vs_value_chunk_512", "latent_vs_value_chunk_256",
+        "tnew16_int8_vs_8_warps"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])

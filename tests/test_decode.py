@@ -219,9 +219,9 @@ def test_triton_blocks_span_small_pages(dtype, page_size, t, group, window,
 def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
   """A 64-row tile of 128-column chunks (a shared prefix's 16 rows x 4
   query heads, or G * T_new = 64) takes 4 warps where `one_warpgroup`
-  (Hopper, 16-bit queries over a cache of their dtype: two programs an
-  SM, 210 registers, against one at 8 warps' 130 x 256 threads); other
-  tiles, other GPUs and float32 keep theirs."""
+  (Hopper, 16-bit queries over a cache of their dtype or a 1-byte one:
+  two programs an SM, 210 registers, against one at 8 warps' 130 x 256
+  threads); other tiles, other GPUs and float32 keep theirs."""
   from pallas_fa import triton as triton_pkg  # noqa: PLC0415
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   for rows, chunk, hopper, warps in (
@@ -249,9 +249,14 @@ def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
   k, v = (jnp.asarray(gen.standard_normal((b, s, num_kv, h)), jnp.bfloat16)
           for _ in range(2))
   lengths = jnp.full((b,), s, jnp.int32)
-  for target, dtype, want in ((gpu_target.H100, jnp.bfloat16, [4]),
-                              (gpu_target.A100, jnp.bfloat16, [8]),
-                              (gpu_target.H100, jnp.float32, [8])):
+  (k8, ks), (v8, vs) = (pallas_fa.kv_cache.quantize(x, jnp.int8)
+                        for x in (k, v))
+  for target, dtype, cache, want in (
+      (gpu_target.H100, jnp.bfloat16, None, [4]),
+      (gpu_target.A100, jnp.bfloat16, None, [8]),
+      (gpu_target.H100, jnp.float32, None, [8]),
+      (gpu_target.H100, jnp.bfloat16, "int8", [4]),
+      (gpu_target.H100, jnp.float32, "int8", [8])):
     # The decode module's view of the target only: the kernels still run
     # interpreted here.
     monkeypatch.setattr(triton_decode, "gpu_target", types.SimpleNamespace(
@@ -259,9 +264,14 @@ def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
         builds_ptx=gpu_target.builds_ptx))
     launched.clear()
     jax.clear_caches()  # The jitted kernels' cache knows no target.
-    pallas_fa.decode_attention(*(x.astype(dtype) for x in (q, k, v)),
-                               lengths, implementation="triton")
-    assert launched == want, (target.device_kind, dtype, launched)
+    if cache is None:
+      pallas_fa.decode_attention(*(x.astype(dtype) for x in (q, k, v)),
+                                 lengths, implementation="triton")
+    else:
+      pallas_fa.decode_attention(q.astype(dtype), k8, v8, lengths,
+                                 key_scale=ks, value_scale=vs,
+                                 implementation="triton")
+    assert launched == want, (target.device_kind, dtype, cache, launched)
 
 
 def test_triton_one_byte_caches_take_128_key_blocks_two_programs_an_sm():
@@ -291,6 +301,22 @@ def test_triton_one_byte_caches_take_128_key_blocks_two_programs_an_sm():
       1, 8, 256, "gpu", cache_dtype=jnp.int8, programs_per_core=2) == 33
   assert decode.default_num_splits(
       1, 8, 512, "gpu", cache_dtype=jnp.int8) == 66
+
+
+def test_triton_float32_tiles_of_the_most_elements_take_half_the_block():
+  """Float32 queries over 64 packed rows at H = 256 (a [64, 256] chunk, the
+  most a tile holds) read 16-key blocks, which compile without spilling,
+  where 16-bit queries and smaller tiles keep theirs."""
+  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
+  for h, groups, t, float32, one_byte, block in (
+      (256, 4, 16, True, False, 16), (256, 4, 16, False, True, 32),
+      (256, 4, 16, True, True, 16), (256, 4, 16, False, False, 32),
+      (256, 4, 1, True, True, 32), (128, 4, 16, True, True, 64)):
+    assert triton_decode.block_for(
+        head_dim=h, value_head_dim=h, groups=groups, new_tokens=t,
+        page_size=None, block_kv=None, one_byte=one_byte,
+        cache_len=4096, float32_queries=float32) == block, (
+            h, groups, t, float32, one_byte)
 
 
 def test_triton_paged_blocks_are_the_contiguous_ones():

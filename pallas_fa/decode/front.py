@@ -89,7 +89,6 @@ def decode_attention(
     prefix_key: Array | None = None,
     prefix_value: Array | None = None,
     _fold_prefix: bool | str = True,
-    _merge: str = "kernel",
     _value_chunk: int | None = None,
     _prefix_block_kv: int | None = None,
     _prefix_num_warps: int | None = None,
@@ -205,10 +204,6 @@ def decode_attention(
       decode tile (`decode.prefix.attend`); "two_merges" folds them but
       merges each part's splits on its own before merging the parts (the
       path `kernels.run_with_prefix` replaces).
-    _merge: private, for A/B benchmarks: "split_kernel" has the triton
-      kernel's last program of each K/V head merge the splits
-      (`triton.decode.attention(merge=)`) instead of a second kernel; no
-      mask_mod and no prefix.
     _value_chunk: private, for A/B benchmarks: the most value columns a
       triton program computes (a power of two >= 16): more programs a
       split and so fewer splits, less partial traffic (a latent cache's
@@ -294,9 +289,8 @@ def decode_attention(
   warps = _check_num_warps(num_warps, implementation)
   prefix_launch = _check_prefix_tiling(_prefix_block_kv, _prefix_num_warps,
                                        prefix_key, implementation)
-  launch = dict(warps, **_check_private(_merge, _value_chunk,
-                                        implementation, mask_mod,
-                                        prefix_key))
+  launch = dict(warps, **_check_value_chunk(_value_chunk, implementation,
+                                            mask_mod, prefix_key))
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
   prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv,
@@ -525,35 +519,26 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
       mask_mod=flex["mask_mod"], value_head_dim=hv, **static)
 
 
-def _check_private(merge, value_chunk, implementation, mask_mod,
-                   prefix_key) -> dict:
-  """The private A/B options' keywords for the triton kernel's `attention`
-  ({"merge": ..., "max_value_chunk": ...}), the defaults left out.
+def _check_value_chunk(value_chunk, implementation, mask_mod,
+                       prefix_key) -> dict:
+  """{"max_value_chunk": n} for the triton kernel's `attention`, or {}
+  (the default).
 
   Raises:
-    ValueError: an unknown merge, a value chunk that is not a power of two
-      >= 16, or either option where the call does not take
-      `triton.decode.attention` (another implementation, a mask_mod or a
-      shared prefix).
+    ValueError: a value chunk that is not a power of two >= 16, or one
+      where the call does not take `triton.decode.attention` (another
+      implementation, a mask_mod or a shared prefix).
   """
-  out = {}
-  if merge != "kernel":
-    if merge != "split_kernel":
-      raise ValueError(
-          f"_merge must be 'kernel' or 'split_kernel', got {merge!r}.")
-    out["merge"] = merge
-  if value_chunk is not None:
-    _check_power_of_two("_value_chunk", value_chunk)
-    out["max_value_chunk"] = int(value_chunk)
-  if out and (implementation != "triton" or mask_mod is not None
-              or prefix_key is not None):
-    names = {"merge": "_merge", "max_value_chunk": "_value_chunk"}
+  if value_chunk is None:
+    return {}
+  _check_power_of_two("_value_chunk", value_chunk)
+  if (implementation != "triton" or mask_mod is not None
+      or prefix_key is not None):
     raise ValueError(
-        f"{', '.join(names[key] for key in out)} applies to "
-        "implementation='triton' without a mask_mod or a prefix, got "
-        f"{implementation=}, mask_mod={mask_mod!r}, prefix_key given: "
-        f"{prefix_key is not None}.")
-  return out
+        "_value_chunk applies to implementation='triton' without a mask_mod "
+        f"or a prefix, got {implementation=}, mask_mod={mask_mod!r}, "
+        f"prefix_key given: {prefix_key is not None}.")
+  return {"max_value_chunk": int(value_chunk)}
 
 
 def _check_power_of_two(name: str, x) -> None:

@@ -106,7 +106,8 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
     one_byte = (key.dtype.itemsize == 1 and value.dtype.itemsize == 1
                 and "value_head_dim" not in static)
     block = kernel.block_for(**shape, max_value_chunk=max_value_chunk,
-                             one_byte=one_byte, cache_len=key.shape[1])
+                             one_byte=one_byte, cache_len=key.shape[1],
+                             float32_queries=query.dtype == jnp.float32)
     # Value head-dim chunks are programs too.
     programs = num_kv * kernel.value_chunks(hv, n // num_kv * t,
                                             max_value_chunk)

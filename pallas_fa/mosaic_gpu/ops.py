@@ -121,11 +121,13 @@ class Ops:
       if between is not None:
         between()
       return out if acc is None else acc + out
-    b_op = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    # A ref's own transpose (a view for wgmma's operand layout; the
+    # plgpu.transpose_ref wrapper is deprecated from jax 0.12).
+    b_op = b.transpose((1, 0)) if transpose_b else b
     shape = (a.shape[1] if transpose_a else a.shape[0],
              b.shape[0] if transpose_b else b.shape[1])
     if transpose_a:
-      a = plgpu.transpose_ref(a, (1, 0))
+      a = a.transpose((1, 0))
 
     if acc is None:
       def fresh(acc_ref):
@@ -195,7 +197,7 @@ class Ops:
       return out, self.mm_sum(pairs(), transpose_a=transpose_a)
     a, b = first["a"], first["b"]
     if first.get("transpose_b", False):
-      b = plgpu.transpose_ref(b, (1, 0))
+      b = b.transpose((1, 0))
 
     # The sum's accumulator is allocated after `between`, just before its
     # chain, as in `mm_sum`: ptxas then starts the chain from RZ. Allocated
@@ -257,7 +259,7 @@ class Ops:
     a, b = second["a"], second["b"]
     transpose_b = second.get("transpose_b", False)
     shape = (a.shape[0], b.shape[0] if transpose_b else b.shape[1])
-    b_op = plgpu.transpose_ref(b, (1, 0)) if transpose_b else b
+    b_op = b.transpose((1, 0)) if transpose_b else b
 
     # Each accumulator is allocated just before its own chain, so that
     # ptxas starts both from RZ (see `mm_around`).
@@ -287,7 +289,7 @@ class Ops:
       shape = (m["a"].shape[0], b.shape[0] if transpose_b else b.shape[1])
       acc = m.get("acc")
       operands.append((
-          m["a"], plgpu.transpose_ref(b, (1, 0)) if transpose_b else b,
+          m["a"], b.transpose((1, 0)) if transpose_b else b,
           self.full(shape, 0.0) if acc is None else acc))
 
     def issue(acc_refs):
@@ -349,7 +351,7 @@ class Ops:
       shape = (a.shape[0], b.shape[0] if transpose_b else b.shape[1])
       acc = m.get("acc")
       issued.append((
-          a, plgpu.transpose_ref(b, (1, 0)) if transpose_b else b,
+          a, b.transpose((1, 0)) if transpose_b else b,
           self.full(shape, 0.0) if acc is None else acc))
 
     def products(refs):
@@ -382,7 +384,7 @@ def _issue_sum(acc_ref, pairs, transpose_a: bool):
   """Issues acc += a_i @ b_i (a_i^T under `transpose_a`) for each SMEM
   pair, one wgmma chain into `acc_ref`; not awaited."""
   for a, b in pairs:
-    plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)) if transpose_a else a,
+    plgpu.wgmma(acc_ref, a.transpose((1, 0)) if transpose_a else a,
                 b)
 
 

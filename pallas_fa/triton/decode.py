@@ -31,11 +31,8 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   around them), since
   at a few microseconds per launch the nine small fusions that built the
   spans and padded the queries, and the three that merged, cost about as
-  much as reading the cache. `attention(merge="split_kernel")` (private
-  `decode_attention(_merge=)`, an A/B candidate) merges in the split
-  kernel instead: the last program of each K/V head to finish, found by
-  an atomic count, reads every split's partials (`_merge_when_last`).
-  With a mask_mod the partials merge in plain JAX (`decode.plan.merged`).
+  much as reading the cache. With a mask_mod the partials merge in plain
+  JAX (`decode.plan.merged`).
 * **Paging.** A contiguous cache [B, S_max, K, H] is read in blocks of
   `block` keys (a `pl.ds` slice; when S_max is not a multiple of `block`,
   the last block is the cache's last `block` rows, its keys already read
@@ -130,11 +127,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-try:  # The Triton-specific Pallas API (`jax.experimental.pallas.gpu` once).
-  from jax.experimental.pallas import triton as plgpu
-except ImportError:  # pragma: no cover - depends on the installed jax.
-  from jax.experimental.pallas import gpu as plgpu
-
 from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
@@ -173,9 +165,6 @@ _TILE_ELEMENTS = 1 << 14
 # int8 / float8 caches are read as stored and dequantized in registers
 # (`decode.kernels.run` passes them with their scales).
 QUANTIZED_CACHES = True
-# Where `attention` merges the splits: a second kernel, or the split
-# kernel's last program of each K/V head (`_merge_when_last`).
-MERGES = ("kernel", "split_kernel")
 # A shared prefix's folded queries (B * T_new * G per K/V head) decode as
 # one row's packed tile up to here (`decode.kernels.folds_rows`): 128 rows
 # still hold a 128-wide head dim whole, in blocks of 32 keys, without
@@ -269,13 +258,21 @@ def value_chunks(head_dim: int, rows: int,
 
 
 def default_block(head_dim: int, value_head_dim: int, rows: int,
-                  max_value_chunk: int | None = None) -> int:
+                  max_value_chunk: int | None = None,
+                  float32_queries: bool = False) -> int:
   """Keys per block of a contiguous cache: the widest K/V tiles and
   [rows, block] logits tile that fit registers (and two pipeline stages of
-  shared memory) next to the accumulator."""
+  shared memory) next to the accumulator. A float32 chunk of the most
+  elements (`_TILE_ELEMENTS`: 64 rows at H = 256) takes half the block:
+  at 32 keys it spilled 4 B over a float32 cache and 12 B over an int8
+  one (sm_90a, 255 registers; 0 at 16 keys). A bfloat16 one over a 1-byte
+  cache keeps 32 keys (201 registers with jax 0.11; 24 B spilled with
+  jax 0.10, and still 8 at 16 keys: `scripts/known_spills.json`)."""
   widest = max(key_tiling(head_dim, rows)[1],
                value_tiling(value_head_dim, rows, max_value_chunk)[1])
   block = 64 if widest <= 128 else 32 if widest <= 256 else 16
+  if float32_queries and rows * widest >= _TILE_ELEMENTS:
+    block //= 2
   return max(_MIN, min(block, _TILE_ELEMENTS // (4 * rows)))
 
 
@@ -283,9 +280,11 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
               new_tokens: int, page_size: int | None,
               block_kv: int | None,
               max_value_chunk: int | None = None,
-              one_byte: bool = False, cache_len: int = 0) -> int:
-  """Keys per block: `block_kv` or the default (contiguous: `ONE_BYTE_BLOCK`
-  for a `one_byte` key and value cache, not latent, of at least that many
+              one_byte: bool = False, cache_len: int = 0,
+              float32_queries: bool = False) -> int:
+  """Keys per block: `block_kv` or the default (`default_block`, of
+  `float32_queries` or 16-bit ones; contiguous: `ONE_BYTE_BLOCK` for a
+  `one_byte` key and value cache, not latent, of at least that many
   entries, `cache_len` (a shorter one would be padded to the block),
   whose tile has 16 rows and chunks of at most 128 columns); the default
   (paged), read a slice of a page when `page_size` is a multiple of it,
@@ -296,7 +295,8 @@ def block_for(*, head_dim: int, value_head_dim: int, groups: int,
     NotImplementedError: `page_size` is not a multiple of 16.
   """
   rows = packed_rows(groups * new_tokens)
-  default = default_block(head_dim, value_head_dim, rows, max_value_chunk)
+  default = default_block(head_dim, value_head_dim, rows, max_value_chunk,
+                          float32_queries)
   if (page_size is None and one_byte and cache_len >= ONE_BYTE_BLOCK
       and _one_byte_wide(head_dim, value_head_dim, rows, max_value_chunk)):
     default = ONE_BYTE_BLOCK
@@ -462,7 +462,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             scale: float, soft_cap,
             is_causal: bool, window, precision, score_mod=None,
             mask_mod=None, latent: bool = False, position_offset: int = 0,
-            value_words=None, merged_head_dim=None):
+            value_words=None):
   # Grid indices at the kernel's top level (the interpreter resolves
   # `program_id` there, not inside loop bodies).
   column = pl.program_id(2) % value_chunks
@@ -737,13 +737,8 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     if v_scale_name in constant:
       out = out * constant[v_scale_name]
     outs.append(out)
-  # With the merge in this kernel, a program's block holds every split's
-  # partials of its K/V head (`_merge_when_last` reads them): its own are
-  # at index `split` (one indexer: Triton's lowering takes no chain).
-  lead = () if merged_head_dim is None else (split,)
-
   def out_at(*cols):
-    return refs["out"].at[(*lead, slice(None), *cols)]
+    return refs["out"].at[(slice(None), *cols)]
 
   if parts == 1:
     _store(out_at(), outs[0], q_mask)
@@ -756,74 +751,7 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
       _store(out_at(pl.ds(u, part, stride=parts)), out, q_mask)
   else:  # The interpreter stores no strided slice: interleaved here.
     _store(out_at(), jnp.stack(outs, axis=-1).reshape(rows, -1), q_mask)
-  _store(refs["lse"].at[(*lead, slice(None))], lse, row_ok)
-  if merged_head_dim is not None:
-    _merge_when_last(refs, splits=splits, real_rows=real_rows,
-                     column=column, value_chunk=value_chunk,
-                     value_head_dim=merged_head_dim)
-
-
-def _merge_when_last(refs, *, splits: int, real_rows: int, column,
-                     value_chunk: int, value_head_dim: int):
-  """The merge of a K/V head's splits (value chunk `column`) by the last
-  of its `splits` programs to finish, in the split kernel itself
-  (`attention(merge="split_kernel")`): no second kernel. The output has
-  `value_head_dim` columns.
-
-  Each program counts itself in `refs["count"]` (zeros when the call
-  starts) once its partials are stored: the barrier orders every thread's
-  stores before the count's atomic add, whose release (acquire-release,
-  GPU scope) publishes them, and the program that reads `splits - 1` sees
-  them all through its acquire. It merges them in groups of splits
-  (`online_softmax.merge_part_groups`, which the merge kernel runs too),
-  adds the sinks and writes the output in its dtype.
-  """
-  if gpu_target.builds_ptx():  # The interpreter runs programs in turn.
-    plgpu.debug_barrier()
-  arrived = plgpu.atomic_add(refs["count"], (jnp.int32(0),), jnp.int32(1))
-
-  @pl.when(arrived == splits - 1)
-  def _():
-    parts_ref, lse_ref = refs["out"], refs["lse"]
-    s_pad, _, chunk = parts_ref.shape
-    # Only the real packed rows are read, padded to a power of two.
-    r = layout.next_power_of_2(real_rows)
-    group = s_pad
-    while group > 1 and group * r * chunk > decode_merge.MAX_ELEMENTS:
-      group //= 2
-    row_ok = jnp.arange(r, dtype=jnp.int32) < real_rows
-
-    def read(g):
-      first = g * group
-      ok = ((first + jnp.arange(group, dtype=jnp.int32)) < splits)[:, None]
-      ok = ok & row_ok[None, :]
-      if not isinstance(first, int):
-        first = pl.multiple_of(first, group)
-      at = (pl.ds(first, group), pl.ds(0, r))
-      # Plain loads: the add's acquire invalidated this SM's L1 (sm_90a:
-      # MEMBAR.ALL.GPU, ATOMG.STRONG.GPU, CCTL.IVALL).
-      lse = _load(lse_ref.at[at], ok, online_softmax.MASK_VALUE)
-      parts = _load(parts_ref.at[at], ok[:, :, None], 0.0)
-      return parts, lse
-
-    def more(g, merged):
-      out, lse = merged
-      return online_softmax.merge_part_groups(
-          [(out[None], lse[None]), read(g)], 0)
-
-    merged = online_softmax.merge_part_groups([read(0)], 0)
-    out, lse = jax.lax.fori_loop(1, -(-splits // group), more, merged)
-    if "sinks" in refs:
-      sinks = _load(refs["sinks"].at[pl.ds(0, r)], row_ok, 0.0)
-      out, lse = online_softmax.add_sink.fun(out, lse, sinks)
-    final = refs["final"]
-    col = column * value_chunk + jnp.arange(chunk, dtype=jnp.int32)
-    out_ok = row_ok[:, None] & (col < value_head_dim)[None, :]
-    _store(final.at[pl.ds(0, r)], out.astype(final.dtype), out_ok)
-
-    @pl.when(column == 0)
-    def _():
-      _store(refs["final_lse"].at[pl.ds(0, r)], lse, row_ok)
+  _store(refs["lse"], lse, row_ok)
 
 
 def _scale_input(scale, *, paged: bool, cache_len: int):
@@ -858,7 +786,7 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
                 precision, score_mod=None, score_mod_args=(), mask_mod=None,
                 mask_mod_args=(), lists=None, key_scale=None,
                 value_scale=None, value_head_dim=None, position_offset=0,
-                num_warps=None, merged=None, max_value_chunk=None):
+                num_warps=None, max_value_chunk=None):
   """The split kernel on packed queries q [B, K, R, H] (R = G * T_new,
   not padded) and the cache as given; `inputs` holds what tells a program
   its run ("len" and maybe "qpos", each read plus `position_offset`, or a
@@ -870,10 +798,7 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
 
   Returns (out float32 [B, K, splits, R, Hv padded], lse float32 [B, K,
   splits, R]): every split's normalised partial result (the value head dim
-  padded as `value_tiling` pads it). With `merged`, (sinks float32 [K, R]
-  or None, the output dtype), the last program of each K/V head merges
-  them (`_merge_when_last`): (out [B, K, R, Hv] in that dtype, lse
-  float32 [B, K, R]).
+  padded as `value_tiling` pads it).
   """
   b, num_kv, _, h = q.shape
   latent = value_head_dim is not None
@@ -968,11 +893,6 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
               triton.block_spec((None, None, None, rows),
                                 lambda i, k, j: (i, k, split_of(j), 0))),
   }
-  aliases = None
-  if merged is not None:
-    outputs, aliases = _merged_outputs(
-        inputs, merged, b=b, num_kv=num_kv, splits=splits, r=r, rows=rows,
-        hv=hv, hvp=hvp, value_chunk=value_chunk, column_of=column_of)
   fused = _add_flex_inputs(
       inputs, row_pos, num_kv=num_kv, rows=rows, r=r, new_tokens=new_tokens,
       kv_positions=num_blocks * block if page_size else cache_len,
@@ -987,8 +907,7 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       real_rows=r, scale=scale, soft_cap=logits_soft_cap,
       is_causal=is_causal, window=local_window_size, precision=precision,
       latent=latent, position_offset=position_offset,
-      value_words=value_words,
-      merged_head_dim=None if merged is None else hv)
+      value_words=value_words)
   target = gpu_target.current()
   # 0: the local GPU did not say.
   smem = target.shared_memory_per_block if target else 0
@@ -996,54 +915,15 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       rows, max(head_chunk, value_chunk), paged=page_size is not None,
       warps=num_warps, one_warpgroup=(
           target is not None and target.major == 9
-          and q.dtype.itemsize == 2 and key.dtype == q.dtype),
+          and q.dtype.itemsize == 2
+          and (key.dtype == q.dtype or (not latent
+                                        and key.dtype.itemsize == 1))),
       tile_bytes=block * (hp + (0 if latent else value_chunk))
       * key.dtype.itemsize,
       shared_memory=smem or None)
-  results = triton.pallas_call(
+  return triton.pallas_call(
       kernel, inputs, outputs, (b, num_kv, splits * num_value_chunks), warps,
-      stages, "flash_decode", aliases=aliases)
-  if merged is None:
-    return results
-  named = dict(zip(outputs, results, strict=True))
-  return named["final"], named["final_lse"]
-
-
-def _merged_outputs(inputs, merged, *, b, num_kv, splits, r, rows, hv, hvp,
-                    value_chunk, column_of):
-  """The split kernel's outputs (and input aliases) when its last program
-  of each K/V head and value chunk merges the splits (`_merge_when_last`):
-  every program's partials block spans all splits (padded to a power of
-  two) so that the last can read them; the merged output and lse; and the
-  arrival counts, zeros aliased in (`inputs` gains them and the sinks)."""
-  sinks, dtype = merged
-  s_pad = layout.next_power_of_2(splits)
-  chunks = hvp // value_chunk
-  count_spec = triton.block_spec((None, None, 1),
-                                 lambda i, k, j: (i, k, column_of(j)))
-  inputs["arrivals"] = (jnp.zeros((b, num_kv, chunks), jnp.int32),
-                        count_spec)
-  if sinks is not None:
-    inputs["sinks"] = (sinks, triton.block_spec((None, rows),
-                                                lambda i, k, j: (k, 0)))
-  outputs = {
-      "out": (jax.ShapeDtypeStruct((b, num_kv, s_pad, r, hvp), _F32),
-              triton.block_spec(
-                  (None, None, s_pad, rows, value_chunk),
-                  lambda i, k, j: (i, k, 0, 0, column_of(j)))),
-      "lse": (jax.ShapeDtypeStruct((b, num_kv, s_pad, r), _F32),
-              triton.block_spec((None, None, s_pad, rows),
-                                lambda i, k, j: (i, k, 0, 0))),
-      "final": (jax.ShapeDtypeStruct((b, num_kv, r, hv), dtype),
-                triton.block_spec((None, None, rows, value_chunk),
-                                  lambda i, k, j: (i, k, 0, column_of(j)))),
-      "final_lse": (jax.ShapeDtypeStruct((b, num_kv, r), _F32),
-                    triton.block_spec((None, None, rows),
-                                      lambda i, k, j: (i, k, 0))),
-      "count": (jax.ShapeDtypeStruct((b, num_kv, chunks), jnp.int32),
-                count_spec),
-  }
-  return outputs, {"arrivals": "count"}
+      stages, "flash_decode")
 
 
 def partials(q, row_pos, query_positions, key, value, lengths, block_table,
@@ -1121,19 +1001,15 @@ def _qpos_input(query_positions):
 @functools.partial(jax.jit, static_argnames=(
     "block", "splits", "scale", "is_causal", "local_window_size",
     "logits_soft_cap", "precision", "score_mod", "mask_mod",
-    "value_head_dim", "num_warps", "merge", "max_value_chunk"))
+    "value_head_dim", "num_warps", "max_value_chunk"))
 def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, score_mod=None, score_mod_args=(), mask_mod=None,
               mask_mod_args=(), key_scale=None, value_scale=None,
-              value_head_dim=None, num_warps=None, merge="kernel",
-              max_value_chunk=None):
+              value_head_dim=None, num_warps=None, max_value_chunk=None):
   """`decode_attention(implementation="triton")` without a mask_mod, as
-  two kernels: the split kernel and the merge (`merge="kernel"`), or as
-  the split kernel alone, the last program of each K/V head merging its
-  splits (`merge="split_kernel"`, `_merge_when_last`: one launch and a
-  memset of its arrival counts instead of two launches).
+  two kernels: the split kernel and the merge.
 
   A decode step moves little data, so a launch costs about as much as a
   small fusion's work: nothing runs before the split kernel at T_new = 1
@@ -1156,7 +1032,6 @@ def attention(query, key, value, lengths, block_table, query_positions,
       precision, score_mod, score_mod_args, key_scale, value_scale,
       value_head_dim, num_warps: as for `partials` (`mask_mod` must be
       None).
-    merge: "kernel" or "split_kernel", where the splits merge.
     max_value_chunk: None, or the most value columns a program computes
       (`value_tiling`; more programs a split, fewer splits).
 
@@ -1167,8 +1042,6 @@ def attention(query, key, value, lengths, block_table, query_positions,
   if mask_mod is not None:
     raise NotImplementedError(
         "a mask_mod's block lists take `partials` (decode.kernels.run).")
-  if merge not in MERGES:
-    raise ValueError(f"merge must be one of {MERGES}, got {merge!r}.")
   b, t, n, _ = query.shape
   num_kv = key.shape[2]
   g = n // num_kv
@@ -1185,12 +1058,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
       precision=precision, score_mod=score_mod,
       score_mod_args=score_mod_args, key_scale=key_scale,
       value_scale=value_scale, value_head_dim=value_head_dim,
-      num_warps=num_warps,
-      merged=(sinks, query.dtype) if merge == "split_kernel" else None,
-      max_value_chunk=max_value_chunk)
-  if merge == "kernel":
-    out, lse = decode_merge.merge_splits(
-        out, lse, sinks, dtype=query.dtype, value_head_dim=hv)
+      num_warps=num_warps, max_value_chunk=max_value_chunk)
+  out, lse = decode_merge.merge_splits(
+      out, lse, sinks, dtype=query.dtype, value_head_dim=hv)
   if t == 1:
     return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
   out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
@@ -1279,7 +1149,7 @@ def _row_partials(query, key, value, lengths, block_table, query_positions,
                   logits_soft_cap, precision, score_mod=None,
                   score_mod_args=(), key_scale=None, value_scale=None,
                   value_head_dim=None, position_offset=0, num_warps=None,
-                  merged=None, max_value_chunk=None):
+                  max_value_chunk=None):
   """The split kernel's partials (`_split_call`) for the queries [B, T_new,
   N, H] packed as [B, K, G * T_new, H]: packed row r of K/V head k is new
   token r % T_new of query head k * G + r // T_new. `query_positions`
@@ -1314,7 +1184,7 @@ def _row_partials(query, key, value, lengths, block_table, query_positions,
       precision=precision, score_mod=score_mod,
       score_mod_args=score_mod_args, key_scale=key_scale,
       value_scale=value_scale, value_head_dim=value_head_dim,
-      position_offset=position_offset, num_warps=num_warps, merged=merged,
+      position_offset=position_offset, num_warps=num_warps,
       max_value_chunk=max_value_chunk)
 
 
@@ -1359,16 +1229,20 @@ def _launch(rows: int, chunk: int, paged: bool = False, *,
   tiles take 8 so the per-thread share of the accumulator stays small
   (`warps`: the caller's choice instead, `decode_attention(num_warps=)`),
   but a 64-row tile of 128-column chunks takes 4 where `one_warpgroup`
-  (Hopper, 16-bit queries over a cache of their dtype: a shared prefix's
-  16 rows x 4 query heads folded into one tile). 64 rows are one
-  warpgroup's wgmma M: with 4 warps every row's max and sum stay within
-  its warps, and the program needs 210 registers and 114,688 B of shared
-  memory, two programs an SM; 8 warps split the keys over two
-  warpgroups, whose row statistics meet through shared memory and
-  barriers, at 130 registers over 256 threads, one program an SM (ptxas,
-  sm_90a, bf16, H = 128, 64 keys: 386 SASS instructions a warp and 64
-  keys in the loop, 1,544 a program, against 344 and 2,752; the 16 rows'
-  16k-key prefix pass ran at 40 % of HBM with 8, 07213ac).
+  (Hopper, 16-bit queries over a cache of their dtype, or over a 1-byte
+  key and value cache: a shared prefix's 16 rows x 4 query heads folded
+  into one tile, or G x T_new = 64). 64 rows are one warpgroup's wgmma
+  M: with 4 warps every row's max and sum stay within its warps, and the
+  program needs 210 registers and 114,688 B of shared memory, two
+  programs an SM; 8 warps split the keys over two warpgroups, whose row
+  statistics meet through shared memory and barriers, at 130 registers
+  over 256 threads, one program an SM (ptxas, sm_90a, bf16, H = 128, 64
+  keys: 386 SASS instructions a warp and 64 keys in the loop, 1,544 a
+  program, against 344 and 2,752; the 16 rows' 16k-key prefix pass ran
+  at 40 % of HBM with 8, 07213ac). Over an int8 cache the same holds:
+  231 registers against 166 (one program an SM), 776 instructions a warp
+  and 64 keys, 3,104 a program, against 679 and 5,432 (float8: 229
+  registers, 694 a warp, against 166 and 637).
 
   Three stages keep two blocks of keys in flight per program while it
   computes on a third: with two programs an SM (a B = 1 step's grid), two

@@ -12,8 +12,7 @@ and not timed):
   replaced), and, secondary, a float32 cache with float32 queries and
   the int8 cache with float32 queries (the kernels compute in the query's
   dtype: this is the float32 path an int8 cache took with float32
-  queries); on triton last, both 1-byte caches at 64-key blocks with two
-  warps a program (`num_warps=2`) against four;
+  queries);
 * `prefix`: B rows sharing a prefix of S_p tokens with S_own tokens each,
   decoded with `prefix_key`/`prefix_value` ("prefix": on triton both
   parts' splits in one merge; "prefix_two_merges" the folded path that
@@ -28,8 +27,12 @@ and not timed):
 * `paged`: the `dtype` shape's bfloat16 cache as shuffled pages of 16
   keys (vLLM's default block size on CUDA) and of 64 against the
   contiguous cache;
-* `tnew`: the same cache with T_new = 4 new tokens against T_new = 1
-  (speculative decoding's step against a plain one);
+* `tnew`: the same cache with T_new = 16 new tokens against T_new = 1
+  (speculative decoding's step against a plain one; T_new = 4 measured
+  1.05x and 1.04x T_new = 1 in two windows): 16 tokens of 4 query heads
+  a K/V head are 64 query rows, which run as one warpgroup on Hopper,
+  also over the int8 cache, and on triton with the 8 warps that tile
+  took before (`num_warps=8`);
 * `latent`: an MLA cache (H = 576, Hv = 512, K = 1) read once for K and V
   (`value=None`) against a separate 512-wide value cache (two reads) and
   against the floor of one 576-wide read (a one-column value cache).
@@ -203,23 +206,6 @@ def dtype_rows(implementation: str, repeats: int, *,
   cells.append(Cell("int8_float32_query", scaled, (q32, *args), int8_refs[0],
                     None, _F32, dict(query_dtype="float32",
                                      cache_dtype=name)))
-  if implementation == "triton":
-    # Last (the window's decode step has a deadline): both 1-byte caches
-    # at the former 64-key tiling with two warps a program instead of four
-    # (`num_warps`): a block's keys split two ways, not four, so each
-    # warp's softmax reductions cross fewer warps (SASS per program and 64
-    # keys: 1,794 warp instructions against 2,216 for int8; at 128 keys
-    # two warps would take past 255 registers).
-    two_warps = dict(num_splits=66, block_kv=64, num_warps=2)
-    for form, _, form_args, form_refs in quantized:
-      def warped(q, k, v, lengths, ks, vs):
-        return decode(q, k, v, lengths, key_scale=ks, value_scale=vs,
-                      **two_warps)
-
-      cells.append(Cell(f"{form}_64_keys_2_warps", warped, (q, *form_args),
-                        *form_refs, _BF16,
-                        dict(query_dtype="bfloat16", cache_dtype=form,
-                             **two_warps)))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -260,15 +246,43 @@ def paged_rows(implementation: str, repeats: int, *,
 
 def tnew_rows(implementation: str, repeats: int, *,
               calls=None, b=1, s=32768, n=32,
-              num_kv=8, h=128, new_tokens=(1, 4)) -> list[dict]:
+              num_kv=8, h=128, new_tokens=(1, 16)) -> list[dict]:
   decode = _decode(implementation)
   cells = []
   for t in new_tokens:
     args, refs = _row_case(b, s, n, num_kv, h, t)
     cells.append(Cell(f"t_new_{t}", decode, args, *refs, _BF16,
                       dict(new_tokens=t)))
+    if t * n // num_kv == 64:
+      cells += _int8_64_rows(implementation, args, t)
   shape = _row_shape(b, s, n, num_kv, h, None)
   return _rows("tnew", cells, repeats, calls, **shape)
+
+
+def _int8_64_rows(implementation, args, t) -> list[Cell]:
+  """The T_new whose G * T_new query rows fill a 64-row tile, over the
+  int8 cache quantized from the bfloat16 one: by default (one warpgroup a
+  program on Hopper, `triton.decode._launch`) and, on triton, with the
+  8 warps that tile took before."""
+  q, k, v, lengths = args
+  (k8, ks), (v8, vs) = (kv_cache.quantize(x.astype(_F32), jnp.int8)
+                        for x in (k, v))
+  deq = [x.astype(_F32) * c[..., None] for x, c in ((k8, ks), (v8, vs))]
+  refs = _refs(q, *deq, lengths)
+  launches = {f"t_new_{t}_int8": {}}
+  if implementation == "triton":
+    launches[f"t_new_{t}_int8_8_warps"] = dict(num_warps=8)
+  cells = []
+  for name, launch in launches.items():
+    decode = _decode(implementation, **launch)
+
+    def scaled(q, k, v, lengths, ks, vs, decode=decode):
+      return decode(q, k, v, lengths, key_scale=ks, value_scale=vs)
+
+    cells.append(Cell(name, scaled, (q, k8, v8, lengths, ks, vs), *refs,
+                      _BF16, dict(new_tokens=t, cache_dtype="int8",
+                                  **launch)))
+  return cells
 
 
 def prefix_rows(implementation: str, repeats: int, *,
@@ -362,13 +376,13 @@ def latent_rows(implementation: str, repeats: int, *,
            _BF16, {}),
       Cell("one_read_floor", decode, (q, latent, one_column, lengths),
            *_refs(q, latent, one_column, lengths), _BF16, {}),
-      # Fewer splits: each writes (and the merge reads) a float32 [N, Hv]
-      # partial, 32 KB here, so the default's 264 splits move 17 MB of
-      # partials beside the 19 MB cache.
-      *(Cell(f"latent_{splits}_splits", lambda q, k, v, lengths, splits=splits:
-             decode(q, k, v, lengths, value_head_dim=hv, num_splits=splits),
-             (q, latent, None, lengths), *refs, _BF16,
-             dict(num_splits=splits)) for splits in (66, 132)),
+      # More splits: the default's 66 splits of four 128-column value
+      # chunks are 264 programs, two an SM, where four fit (128
+      # registers, 28,672 B of shared memory); 132 fill four, each with
+      # half the keys and a float32 [N, 128] partial more to merge.
+      Cell("latent_132_splits", lambda q, k, v, lengths: decode(
+          q, k, v, lengths, value_head_dim=hv, num_splits=132),
+           (q, latent, None, lengths), *refs, _BF16, dict(num_splits=132)),
       # Wider value chunks (triton) than the default 128 columns
       # (`LATENT_VALUE_CHUNK`): one program a split over all 512 (the
       # default it replaced, 23.5 against 20.5 us at 07213ac) or two,
@@ -399,11 +413,6 @@ TARGETS = (
     ("int8_vs_64_keys", "dtype", "int8", "int8_64_keys_66_splits", 1.0),
     ("fp8_vs_64_keys", "dtype", "float8_e4m3fn",
      "float8_e4m3fn_64_keys_66_splits", 1.0),
-    # Two warps a program (triton only) against four, at 64-key blocks.
-    ("int8_2_warps_vs_4", "dtype", "int8_64_keys_2_warps",
-     "int8_64_keys_66_splits", 1.0),
-    ("fp8_2_warps_vs_4", "dtype", "float8_e4m3fn_64_keys_2_warps",
-     "float8_e4m3fn_64_keys_66_splits", 1.0),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
     # Both parts' splits in one merge kernel: four launches instead of eight.
     ("prefix_vs_two_merges", "prefix", "prefix", "prefix_two_merges", 0.85),
@@ -420,11 +429,13 @@ TARGETS = (
      "prefix_pass_alone_32_keys_8_warps", 1.0),
     ("paged_vs_contiguous", "paged", "paged_16", "contiguous", 1.1),
     ("paged64_vs_contiguous", "paged", "paged_64", "contiguous", 1.05),
-    ("tnew4_vs_tnew1", "tnew", "t_new_4", "t_new_1", 1.15),
+    # 64 query rows a K/V head (G = 4, T_new = 16): the one-warpgroup tile.
+    ("tnew16_vs_tnew1", "tnew", "t_new_16", "t_new_1", 1.3),
+    ("tnew16_int8_vs_8_warps", "tnew", "t_new_16_int8",
+     "t_new_16_int8_8_warps", 0.8),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
     ("latent_vs_floor", "latent", "latent", "one_read_floor", 1.15),
-    # The split count against the partials' traffic.
-    ("latent_vs_66_splits", "latent", "latent", "latent_66_splits", 1.0),
+    # The split count against the programs an SM holds.
     ("latent_vs_132_splits", "latent", "latent", "latent_132_splits", 1.0),
     # Wider value chunks (triton): more partial traffic, fewer L2 reads.
     ("latent_vs_value_chunk_512", "latent", "latent",

@@ -920,13 +920,15 @@ DECODE_FLAGS = {
 # against its plain equivalent, with bf16 queries (the float32-query cells
 # beside them), in this order: the shared prefix (its one-warpgroup prefix
 # pass against the 8 warps it replaced, and the folded path before that),
-# the latent cache, triton's quantized caches (and their two warps a
-# program), paged, T_new = 4; the dry run's chunked latent cell. At
-# 07213ac the first three took 20, 29 and 48 s (the quantized ones with
-# the merge-in-the-split-kernel cells since dropped) and the forms' 95 s
-# stopped paged and T_new (settled: within 4-5 % twice).
+# the latent cache, triton's quantized caches, T_new = 16 (64 query rows a
+# K/V head: one warpgroup a program over an int8 cache against 8 warps),
+# paged; the dry run's chunked latent cell. At 07213ac the first
+# three took 20, 29 and 48 s (the quantized ones with the merge-in-the-
+# split-kernel cells since dropped, and the two-warp cells, measured twice
+# at 0.94-0.97x) and the forms' 95 s stopped paged and T_new (paged is
+# settled: within 4-5 % twice).
 DECODE_FORMS = {
-  False: ("prefix", "latent", "dtype", "paged", "tnew"),
+  False: ("prefix", "latent", "dtype", "tnew", "paged"),
   True: ("latent",),
 }
 DECODE_FORMS_FLAGS = {
