@@ -916,8 +916,9 @@ def _split_call(q, key, value, block_table, inputs, row_pos, *, r: int,
       warps=num_warps, one_warpgroup=(
           target is not None and target.major == 9
           and q.dtype.itemsize == 2
-          and (key.dtype == q.dtype or (not latent
-                                        and key.dtype.itemsize == 1))),
+          and (key.dtype == q.dtype
+               or (not latent and key.dtype.itemsize == 1
+                   and value.dtype.itemsize == 1))),
       tile_bytes=block * (hp + (0 if latent else value_chunk))
       * key.dtype.itemsize,
       shared_memory=smem or None)
