@@ -44,11 +44,11 @@ interleaved runs.
 
 With --cache_forms (no grid) it times the cache forms instead, each
 against its plain equivalent in the same run (`bench.decode_forms`), with
-bfloat16 queries: int8 and float8 caches against a bfloat16 one (and,
-secondary, float32 queries over float32 and int8 caches), a shared prefix
-against the materialised per-row concatenation (and the prefix through
-`flash_attention`), paged against contiguous, T_new = 4 against 1, a
-latent (MLA) cache against a separate value cache and one 576-wide read:
+bfloat16 queries: int8 and float8 caches against a bfloat16 one, a shared
+prefix against the materialised per-row concatenation (and each of its
+parts alone), paged against contiguous, T_new = 16 against 1 (and over an
+int8 cache), a latent (MLA) cache against a separate value cache and one
+576-wide read:
 
     python scripts/decode_benchmark.py --cache_forms=all \
         --json=benchmarks/results/decode_forms_cpu.json

@@ -143,7 +143,7 @@ _DECODE = Step(
   "32-key blocks of 8 against the default one warpgroup), "
   "the latent cache against separate K and V (and with more splits or "
   "wider value chunks), int8 "
-  "and float8 caches against bf16 (the float32-query cells beside them), "
+  "and float8 caches against bf16, "
   "each at its 128-key default against the 64-key tiling it replaced, "
   "T_new = 16 against 1 (also over the int8 cache, with one warpgroup a "
   "program and the 8 warps it replaced), paged against "

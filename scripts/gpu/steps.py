@@ -917,16 +917,16 @@ DECODE_FLAGS = {
 
 
 # By --dry-run: the cache forms (`bench.decode_forms`), each checked
-# against its plain equivalent, with bf16 queries (the float32-query cells
-# beside them), in this order: the shared prefix (its one-warpgroup prefix
-# pass against the 8 warps it replaced, and the folded path before that),
-# the latent cache, triton's quantized caches, T_new = 16 (64 query rows a
-# K/V head: one warpgroup a program over an int8 cache against 8 warps),
-# paged; the dry run's chunked latent cell. At 07213ac the first
-# three took 20, 29 and 48 s (the quantized ones with the merge-in-the-
-# split-kernel cells since dropped, and the two-warp cells, measured twice
-# at 0.94-0.97x) and the forms' 95 s stopped paged and T_new (paged is
-# settled: within 4-5 % twice).
+# against its plain equivalent, with bf16 queries, in this order: the
+# shared prefix (its one-warpgroup prefix pass against the 8 warps it
+# replaced, and the folded path before that), the latent cache, triton's
+# quantized caches, T_new = 16 (64 query rows a K/V head: one warpgroup a
+# program over an int8 cache against 8 warps), paged; the dry run's
+# chunked latent cell. At 07213ac the first three took 20, 29 and 48 s
+# (the quantized ones with cells since dropped: the merge in the split
+# kernel, two warps a program, float32 queries; about 4 s a cell) and the
+# forms' 95 s stopped paged and T_new (paged is settled: within 4-5 %
+# twice).
 DECODE_FORMS = {
   False: ("prefix", "latent", "dtype", "tnew", "paged"),
   True: ("latent",),
