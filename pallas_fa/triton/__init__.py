@@ -334,21 +334,16 @@ def _grouped(x, num_kv):
   return masking.group_heads(x, num_kv)
 
 
-def pallas_call(kernel_fn, inputs, outputs, grid, warps, stages, name,
-                aliases=None):
+def pallas_call(kernel_fn, inputs, outputs, grid, warps, stages, name):
   """pallas_call over named (array, BlockSpec) inputs and outputs, with
   the Triton compiler parameters and interpret mode of this backend (the
   decode kernel, `decode`, launches through it too).
 
   The kernel receives one dict of refs, so optional inputs (positions,
   segment ids, mask, bias) are simply absent rather than positional Nones.
-  `aliases` maps an input's name to the output that shares its buffer (the
-  output starts as the input's values).
   """
   in_names = [key for key, val in inputs.items() if val is not None]
   out_names = list(outputs)
-  aliased = {in_names.index(i): out_names.index(o)
-             for i, o in (aliases or {}).items()}
 
   def body(*refs):
     kernel_fn(dict(zip(in_names + out_names, refs, strict=True)))
@@ -364,7 +359,6 @@ def pallas_call(kernel_fn, inputs, outputs, grid, warps, stages, name,
       compiler_params=_CompilerParams(num_warps=warps, num_stages=stages),
       interpret=_interpret(),
       name=name,
-      input_output_aliases=aliased,
   )(*[inputs[key][0] for key in in_names])
 
 

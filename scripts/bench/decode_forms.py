@@ -165,6 +165,15 @@ def _row_shape(b, s, n, num_kv, h, t):
               new_tokens=t)
 
 
+def _quantized_case(q, k, v, lengths, dtype):
+  """The 1-byte `dtype` cache quantized from the bfloat16 one, ((k8, v8,
+  key scales, value scales), its references on the dequantized cache)."""
+  (k8, ks), (v8, vs) = (kv_cache.quantize(x.astype(_F32), dtype)
+                        for x in (k, v))
+  deq = [x.astype(_F32) * c[..., None] for x, c in ((k8, ks), (v8, vs))]
+  return (k8, v8, ks, vs), _refs(q, *deq, lengths)
+
+
 def dtype_rows(implementation: str, repeats: int, *,
                calls=None, b=1, s=32768, n=32,
                num_kv=8, h=128) -> list[dict]:
@@ -175,10 +184,7 @@ def dtype_rows(implementation: str, repeats: int, *,
   quantized = []
   for dtype in (jnp.int8, jnp.float8_e4m3fn):
     # Quantized from the bfloat16 cache's values.
-    (k8, ks), (v8, vs) = (kv_cache.quantize(x.astype(_F32), dtype)
-                          for x in (k, v))
-    deq = [x.astype(_F32) * c[..., None] for x, c in ((k8, ks), (v8, vs))]
-    refs = _refs(q, *deq, lengths)
+    (k8, v8, ks, vs), refs = _quantized_case(q, k, v, lengths, dtype)
     name = jnp.dtype(dtype).name
 
     def scaled(q, k, v, lengths, ks, vs):
@@ -257,10 +263,7 @@ def _int8_64_rows(implementation, args, t) -> list[Cell]:
   program on Hopper, `triton.decode._launch`) and, on triton, with the
   8 warps that tile took before."""
   q, k, v, lengths = args
-  (k8, ks), (v8, vs) = (kv_cache.quantize(x.astype(_F32), jnp.int8)
-                        for x in (k, v))
-  deq = [x.astype(_F32) * c[..., None] for x, c in ((k8, ks), (v8, vs))]
-  refs = _refs(q, *deq, lengths)
+  (k8, v8, ks, vs), refs = _quantized_case(q, k, v, lengths, jnp.int8)
   launches = {f"t_new_{t}_int8": {}}
   if implementation == "triton":
     launches[f"t_new_{t}_int8_8_warps"] = dict(num_warps=8)
