@@ -625,8 +625,9 @@ def decode_key_blocks(length, q_first, q_last, *, block: int,
     (lo, hi) int32 blocks, lo == hi when no key is visible.
   """
   i32 = jnp.int32
-  start = jnp.zeros_like(jnp.asarray(length, i32))
   end = jnp.asarray(length, i32)
+  # 0, computed from a value: Mosaic GPU lowers no constant scalar arrays.
+  start = end * 0
   q_first = jnp.asarray(q_first, i32)
   q_last = jnp.asarray(q_last, i32)
   if is_causal:

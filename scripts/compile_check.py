@@ -182,7 +182,8 @@ WIDE_DECODE_NEW_TOKENS = {"decode_int8_64_rows": 16,
 LATENT_DECODE = {"decode_latent": None, "decode_latent_int8": "int8"}
 LATENT_SHAPE = dict(head_dim=576, value_head_dim=512, heads=16, kv_heads=1)
 # Variants only some backends implement (the others decline them).
-VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"), "decode": ("triton",),
+VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
+                    "decode": ("triton", "mosaic_gpu"),
                     "decode_paged": ("triton",),
                     "decode_paged16": ("triton",),
                     **{name: ("triton",) for name in QUANTIZED_DECODE},
@@ -232,6 +233,10 @@ VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "wide_keys_fp8": 128, "wide_keys_fp8_causal": 128,
                         "keys256_fp8": 128, "keys256_fp8_causal": 128,
                         "split_dropout": 64}
+# The head dims a backend's variant takes where they are fewer than the
+# matrix's: mosaic_gpu's decode kernel reads H = 64 and 128
+# (`mosaic_gpu.decode.supports`).
+BACKEND_HEAD_DIMS = {("mosaic_gpu", "decode"): (64, 128)}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}
@@ -510,6 +515,12 @@ def _decode_tiles(case: Case, seq: int) -> str:
   `seq` entries long)."""
   from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   groups, h, hv = _decode_shape(case)
+  if case.backend == "mosaic_gpu":
+    from pallas_fa.mosaic_gpu import decode as mgpu_decode  # noqa: PLC0415
+    rows = mgpu_decode.stored_rows(groups * _new_tokens(case))
+    block = mgpu_decode.DEFAULT_BLOCK
+    return (f"rows={mgpu_decode.TILE_ROWS} (stored {rows}) block_kv={block} "
+            f"stages={mgpu_decode.stages_for(h, hv, block)}")
   rows = triton_decode.packed_rows(groups * _new_tokens(case))
   padded, chunk = triton_decode.key_tiling(
       h, rows, hv if case.variant in LATENT_DECODE else None)
@@ -753,7 +764,8 @@ def matrix(args) -> list[tuple[str, Case]]:
             if dtype not in DTYPES[backend] or backend not in (
                 VARIANT_BACKENDS.get(variant, (backend,))) or h > (
                 VARIANT_MAX_HEAD_DIM.get(variant, h)) or capability < (
-                VARIANT_MIN_CAPABILITY.get(variant, ())):
+                VARIANT_MIN_CAPABILITY.get(variant, ())) or h not in (
+                BACKEND_HEAD_DIMS.get((backend, variant), (h,))):
               continue
             for tiles in args.tiles.split(","):
               out += [(target, Case(backend, hh, dtype, variant, tiles))

@@ -10,6 +10,7 @@ keep the inputs' dtype, never float64.
 
 import contextlib
 import dataclasses
+import functools
 
 import attention_testing
 import conftest
@@ -155,6 +156,38 @@ def test_decode(implementation, paged, x64):
   same = testing.reference(q, k, v, compute_dtype=jnp.bfloat16, **ref)
   testing.assert_close("out", out, ref32[0], same[0], jnp.bfloat16)
   testing.assert_close("lse", lse, ref32[1], same[1], jnp.bfloat16)
+
+
+@pytest.mark.skipif(
+    mosaic_gpu_kernel.interpret_params() is None
+    or api.platform() != "cpu",
+    reason="the Mosaic GPU interpreter runs on CPU only")
+def test_mosaic_gpu_decode(x64):
+  """The Mosaic GPU decode kernel with x64 on: interpreted against the
+  chunked path, and lowered for an H100 (its split kernel and the
+  merge)."""
+  del x64  # Active for the whole test.
+  b, t, n, num_kv, h, s_max = 2, 2, 4, 2, 64, 128
+  gen = rng("x64-decode", "mosaic_gpu")
+  q = testing.normal(gen, (b, t, n, h), jnp.bfloat16)
+  k = testing.normal(gen, (b, s_max, num_kv, h), jnp.bfloat16)
+  v = testing.normal(gen, (b, s_max, num_kv, h), jnp.bfloat16)
+  lengths = jnp.asarray([s_max, 70], jnp.int32)
+  kw = dict(is_causal=True, local_window_size=(24, 0), logits_soft_cap=10.0)
+
+  def decode(implementation, q, k, v):
+    return pallas_fa.decode_attention(
+        q, k, v, lengths, num_splits=2, implementation=implementation,
+        **kw)
+
+  got = decode("mosaic_gpu", q, k, v)
+  want32 = decode("chunked", *(x.astype(jnp.float32) for x in (q, k, v)))
+  testing.assert_close("out", got, want32, decode("chunked", q, k, v),
+                       jnp.bfloat16)
+  with gpu_target.compile_for(gpu_target.H100):
+    text = jax.jit(functools.partial(decode, "mosaic_gpu")).trace(
+        q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @") == 2
 
 
 def test_merge_attention(x64):

@@ -3,8 +3,8 @@
 The package: `front` (the public function and its checks), `plan` (GQA
 packing, split counts, mask_mod block kinds, the merge of the splits),
 `chunked` (the jax.numpy path), `kernels` (the Pallas kernels of
-`triton.decode` and `mosaic_tpu.decode`) and `merge` (`merge_attention`,
-the public merge of partial results).
+`triton.decode`, `mosaic_tpu.decode` and `mosaic_gpu.decode`) and `merge`
+(`merge_attention`, the public merge of partial results).
 
 Generation is memory-bound: each step reads the whole K/V cache once and does
 little arithmetic per byte, so its speed limit is bytes read over memory
@@ -34,7 +34,7 @@ otherwise; keys are at their cache index; causal, sliding window and soft cap
 act on those positions; attention sinks join once, after the splits merge.
 Forward only.
 
-Three implementations:
+Four implementations:
 
 * `chunked` (the default): jax.numpy on any platform and head dim; split p
   reads blocks p, p + splits, ... of every sequence, all splits as one
@@ -68,6 +68,12 @@ Three implementations:
   128; blocks are multiples of 128 keys (contiguous; fewer for very wide
   heads) or divisors of the page size (multiples of 8). float32, bfloat16
   and float16 (computed in float32).
+* `mosaic_gpu`: a Pallas Mosaic GPU kernel for Hopper (`mosaic_gpu.decode`),
+  run in the Mosaic GPU interpreter on a CPU: persistent CTAs walk
+  (sequence, K/V head, split) units, a producer warpgroup streaming the
+  split's key blocks by TMA while one consumer warpgroup runs both products
+  on wgmma over the packed rows padded to 64; the triton merge kernel
+  follows. Contiguous caches of the query's 16-bit dtype, H = 64 or 128.
 """
 
 from pallas_fa.decode.front import check_cache_indices

@@ -27,7 +27,9 @@ from pallas_fa.flex import mods
 Array = Any
 
 # The implementations decode_attention runs on.
-IMPLEMENTATIONS = ("chunked", "triton", "mosaic_tpu")
+IMPLEMENTATIONS = ("chunked", "triton", "mosaic_tpu", "mosaic_gpu")
+# Those that run a Pallas decode kernel (`decode.kernels`).
+KERNELS = IMPLEMENTATIONS[1:]
 
 
 def _check_cache(name, x, query):
@@ -155,8 +157,11 @@ def decode_attention(
       float8_e4m3fn one from compute capability 8.9) or "mosaic_tpu" (the
       Pallas TPU kernel; a TPU or its interpret mode elsewhere, page sizes
       multiples of 8, of 32 for a quantized cache; float, quantized and
-      latent caches). Other backends have no decode kernel and raise
-      NotImplementedError.
+      latent caches) or "mosaic_gpu" (the Pallas Mosaic GPU kernel; Hopper
+      or its interpreter on a CPU; a contiguous cache of the query's 16-bit
+      dtype at H = 64 or 128, G * T_new <= 64, no score_mod/mask_mod, a
+      block_kv of 64 or 128). Other backends have no decode kernel and
+      raise NotImplementedError.
     precision: as in `flash_attention`.
     return_residual: also return the logsumexp [B, T_new, N] (with
       `sinks`, the sink term included).
@@ -317,7 +322,7 @@ def decode_attention(
        manual_axes.vary_together(
            query, key, value, key_scale, value_scale, lengths, block_table,
            query_positions, sinks, prefix_key, prefix_value, flex))
-  if implementation in ("triton", "mosaic_tpu"):
+  if implementation in KERNELS:
     manual_axes.check_kernels(
         implementation, query,
         interpreted=lambda: kernels.interpreted(implementation))
@@ -484,7 +489,7 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
     return out, lse
   scales = {name: cache[name] for name in ("key_scale", "value_scale")
             if cache[name] is not None}
-  if implementation in ("triton", "mosaic_tpu"):
+  if implementation in KERNELS:
     value, latent = cache["value"], {}
     if value is None:
       if not getattr(kernels._decode_kernel(implementation),

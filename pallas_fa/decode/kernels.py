@@ -1,5 +1,5 @@
-"""The Pallas decode kernels' dispatch: `triton.decode` and
-`mosaic_tpu.decode`, their block and split count, and (with a mask_mod, or
+"""The Pallas decode kernels' dispatch: `triton.decode`, `mosaic_tpu.decode`
+and `mosaic_gpu.decode`, their block and split count, and (with a mask_mod, or
 on TPU) the packing and merge around their `partials`.
 """
 
@@ -70,6 +70,12 @@ def run(implementation, query, key, value, lengths, block_table,
         f"implementation={implementation!r} reads float caches only; a "
         f"quantized key/value cache ({key.dtype}, {value.dtype}) decodes "
         f"with implementation='chunked' (or None).")
+  supports = getattr(kernel, "supports", None)
+  why = supports and supports(query, key, value, block_table, static)
+  if why:
+    raise NotImplementedError(
+        f"implementation={implementation!r} cannot decode this call: {why}; "
+        "implementation='triton' or 'chunked' (or None) decodes it.")
   latent_chunk = getattr(kernel, "LATENT_VALUE_CHUNK", None)
   if (latent_chunk and "value_head_dim" in static
       and static.get("max_value_chunk") is None
@@ -77,7 +83,8 @@ def run(implementation, query, key, value, lengths, block_table,
     static = dict(static, max_value_chunk=latent_chunk)
   block, splits = _tiling(kernel, implementation, query, key, value,
                           block_table, static, num_splits, block_kv)
-  if implementation == "triton" and static.get("mask_mod") is None:
+  if (implementation in ("triton", "mosaic_gpu")
+      and static.get("mask_mod") is None):
     # Two kernels in all: the programs find their key runs themselves.
     return kernel.attention(
         query, key, value, lengths, block_table, query_positions, sinks,
@@ -98,7 +105,8 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
   shape = dict(head_dim=h, value_head_dim=hv, groups=n // num_kv,
                new_tokens=t, page_size=key.shape[1] if paged else None,
                block_kv=block_kv)
-  per_core = None  # The programs an SM holds: the split count's default.
+  # The programs an SM holds: the split count's default.
+  per_core = None
   if implementation == "triton":
     platform = None
     max_value_chunk = static.get("max_value_chunk")
@@ -111,6 +119,11 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
     # Value head-dim chunks are programs too.
     programs = num_kv * kernel.value_chunks(hv, n // num_kv * t,
                                             max_value_chunk)
+  elif implementation == "mosaic_gpu":
+    platform = None
+    block = block_kv or kernel.DEFAULT_BLOCK
+    programs = num_kv
+    per_core = 1  # One persistent CTA an SM (`mosaic_gpu.decode`).
   else:
     platform = "tpu"
     block = kernel.block_for(**shape, dtype=query.dtype,
@@ -119,6 +132,8 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
     programs = num_kv
   if block_kv is not None:
     block = plan.clip_block(block, key, block_table)
+    if implementation == "mosaic_gpu":
+      block = kernel.check_block(block, key.shape[1])
   if implementation == "triton":
     per_core = kernel.programs_per_sm(block, one_byte)
   num_blocks = plan.kernel_blocks(key, block_table, block)

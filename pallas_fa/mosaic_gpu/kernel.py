@@ -947,7 +947,7 @@ def store(copies):
 
 def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
            barrier_types, unit, producer_groups, seed=None, residuals=(),
-           accumulators=(), cross_warp_reductions=True):
+           accumulators=(), cross_warp_reductions=True, schedule=None):
   """Builds and runs a persistent warp-specialised kernel.
 
   Warpgroups 0 .. consumers - 1 each run `unit` over this CTA's units of
@@ -976,6 +976,9 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
     cross_warp_reductions: False where every reduction of the kernel runs
       within a warp (the per-row ones of a [64 k, N] wgmma tile, whose warps
       own 16 rows each): `_kernel_kwargs`.
+    schedule: None (the last operand is the schedule), or schedule(refs)
+      -> what the producer reads as one (`produce`'s sched_ref: indexed
+      [b, row, i]), for a kernel that computes its tile ranges itself.
   """
   ops = ops_for(spec)
   nc, num_inputs = spec.consumers, len(operands)
@@ -1004,7 +1007,8 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
     @pl.when(r.wg == nc)
     def _producer():
       ops.set_max_registers(_PRODUCER_REGISTERS, "decrease")
-      produce(units=r.units, cta=r.cta, reps=reps, sched_ref=r.inputs[-1],
+      produce(units=r.units, cta=r.cta, reps=reps,
+              sched_ref=r.inputs[-1] if schedule is None else schedule(r),
               groups=producer_groups(r), stages=spec.stages)
 
   mesh = dict(grid=(spec.num_ctas,), grid_names=("cta",),

@@ -74,6 +74,14 @@ class Ops:
       return ref[...]
     return _load_whole(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
 
+  def load_tile(self, ref):
+    """Loads a 2-D SMEM tile into registers in the wgmma accumulator
+    layout (rows of 64 a warpgroup), so that per-row vectors broadcast
+    against it."""
+    if self.interpret:
+      return ref[...]
+    return _load_whole(ref, layout=plgpu.Layout.WGMMA)
+
   def set_max_registers(self, n, action):
     if not self.interpret:
       plgpu.set_max_registers(n, action=action)

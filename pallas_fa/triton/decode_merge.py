@@ -95,7 +95,7 @@ def _kernel(refs, *, splits: int, real_rows: int, value_head_dim: int,
 
 
 def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int,
-                 prefix=None):
+                 prefix=None, real_rows: int | None = None):
   """The splits' partial results merged (`online_softmax.merge_parts`) and
   the sinks added once (`online_softmax.add_sink`) in one small Pallas
   kernel, which writes the output in `dtype` (XLA would take three
@@ -112,11 +112,15 @@ def merge_splits(out, lse, sinks, *, dtype, value_head_dim: int,
       B]) as the split kernel leaves them for the B rows' single new
       tokens folded into one row (`attention_with_prefix`, T_new = 1:
       folded row g * B + b is row b's packed row g), read in place.
+    real_rows: None, or the rows R of out's R' >= R that are merged (a
+      split kernel that writes whole tiles of rows, `mosaic_gpu.decode`);
+      the others are never read.
 
   Returns:
     (out [B, K, R, Hv] in `dtype`, lse float32 [B, K, R]).
   """
   b, num_kv, splits, r, hvp = out.shape
+  r = real_rows or r
   s_pad = layout.next_power_of_2(splits)
   read = s_pad  # Parts a program reads per row and column.
   if prefix is not None:

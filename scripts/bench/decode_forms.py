@@ -9,7 +9,9 @@ and not timed):
 * `dtype`: one row of S keys (B = 1, S = 32k, K = 8, N = 32, H = 128,
   T_new = 1) stored as bfloat16 (the baseline), int8 and float8_e4m3fn
   (with scales; at their default tiling and at the 64-key one that it
-  replaced). The float32-query cells of earlier windows (a float32
+  replaced), and on triton the bfloat16 cache through `mosaic_gpu`'s
+  split kernel ("mosaic_gpu_bfloat16"). The float32-query cells of
+  earlier windows (a float32
   cache, and the int8 cache under float32 queries: the float32 path an
   int8 cache took with them) are no longer timed: the b85705a and
   07213ac windows measured them at 70.9 and 69.7 us, 43.7 and 43.3 us
@@ -33,7 +35,8 @@ and not timed):
   1.05x and 1.04x T_new = 1 in two windows): 16 tokens of 4 query heads
   a K/V head are 64 query rows, which run as one warpgroup on Hopper,
   also over the int8 cache, and on triton with the 8 warps that tile
-  took before (`num_warps=8`);
+  took before (`num_warps=8`), and through `mosaic_gpu`'s split kernel,
+  whose wgmma tile the 64 rows fill;
 * `latent`: an MLA cache (H = 576, Hv = 512, K = 1) read once for K and V
   (`value=None`) against a separate 512-wide value cache (two reads) and
   against the floor of one 576-wide read (a one-column value cache).
@@ -204,6 +207,12 @@ def dtype_rows(implementation: str, repeats: int, *,
     cells.append(Cell(label, tiled, (q, *form_args), *form_refs, _BF16,
                       dict(query_dtype="bfloat16", cache_dtype=form,
                            **tiling)))
+  if implementation == "triton":
+    # The Mosaic GPU split kernel on the bfloat16 cache (Hopper).
+    cells.append(Cell("mosaic_gpu_bfloat16", _decode("mosaic_gpu"),
+                      (q, k, v, lengths), ref32, ref16, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype="bfloat16",
+                           kernel="mosaic_gpu")))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -253,6 +262,11 @@ def tnew_rows(implementation: str, repeats: int, *,
                       dict(new_tokens=t)))
     if t * n // num_kv == 64:
       cells += _int8_64_rows(implementation, args, t)
+      if implementation == "triton":
+        # 64 rows fill the Mosaic GPU kernel's wgmma tile.
+        cells.append(Cell(f"t_new_{t}_mosaic_gpu", _decode("mosaic_gpu"),
+                          args, *refs, _BF16,
+                          dict(new_tokens=t, kernel="mosaic_gpu")))
   shape = _row_shape(b, s, n, num_kv, h, None)
   return _rows("tnew", cells, repeats, calls, **shape)
 
@@ -426,6 +440,13 @@ TARGETS = (
     ("tnew16_vs_tnew1", "tnew", "t_new_16", "t_new_1", 1.3),
     ("tnew16_int8_vs_8_warps", "tnew", "t_new_16_int8",
      "t_new_16_int8_8_warps", 0.8),
+    # The Mosaic GPU split kernel (TMA ring, one wgmma warpgroup, one CTA
+    # an SM) against triton's on the bfloat16 cache: T_new = 1 (4 of its
+    # 64 rows real) and 16 (all 64).
+    ("mosaic_gpu_vs_triton", "dtype", "mosaic_gpu_bfloat16", "bfloat16",
+     0.9),
+    ("tnew16_mosaic_gpu_vs_triton", "tnew", "t_new_16_mosaic_gpu",
+     "t_new_16", 0.9),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
     ("latent_vs_floor", "latent", "latent", "one_read_floor", 1.15),
     # The split count against the programs an SM holds.

@@ -1,0 +1,451 @@
+"""The decode kernel of `mosaic_gpu` (Hopper): split-KV over a 16-bit cache.
+
+Two kernels a step, as `triton.decode`: this split kernel and the merge
+(`triton.decode_merge`). The split kernel runs on the producer/consumer
+skeleton of `kernel`:
+
+* units of work are (sequence, K/V head, split), dealt round-robin to at
+  most one persistent CTA an SM; each unit finds its key blocks from the
+  sequence's raw length and new-token positions in the kernel
+  (`_SplitRuns`), so nothing runs before it;
+* the producer warpgroup streams the split's key blocks (K, then V) by TMA
+  through a `stages`-deep ring, running ahead across unit boundaries, so
+  that an SM keeps `stages` x 2 x block x H x 2 bytes in flight (128 KiB at
+  the defaults, H = 128) without waiting on the consumer;
+* one consumer warpgroup holds the K/V head's G x T_new packed query rows
+  (GQA packing, `decode.plan.packed`'s order) in a 64-row tile, wgmma's M,
+  and runs Q K^T and P V on wgmma with the online softmax in registers,
+  masking only the blocks at the split's edges (`kernel.phases`: the keys
+  past the length, the causal bound and the window);
+* each split's normalised result (float32, the packed rows rounded up to
+  whole 8-row tiles) and its logsumexp go out by TMA.
+
+A last block that would run past the cache reads the cache's last `block`
+keys instead (no padded copy of the cache), masking those of the block
+before; entries past a sequence's length may hold anything, NaN included,
+so a block that reaches past it has those V rows zeroed in shared memory
+before P V reads them (a masked P of 0 times NaN would be NaN).
+
+Scope: a contiguous cache of the query's 16-bit dtype, head dims of 64 or
+128, and at least one block of keys;
+`decode.kernels` refuses the rest by name (`supports`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_fa import gpu_target
+from pallas_fa import layout
+from pallas_fa import masking
+from pallas_fa import online_softmax
+from pallas_fa.mosaic_gpu import forward
+from pallas_fa.mosaic_gpu import kernel
+from pallas_fa.mosaic_gpu import ops as gpu_ops
+
+_F32 = jnp.float32
+_ROWS = online_softmax.queries_along(0)
+
+# wgmma's M: a warpgroup's products run on 64 rows, so the packed query
+# rows are padded to 64 in shared memory (the padding costs tensor-core
+# time, which decode has to spare, not memory traffic).
+TILE_ROWS = 64
+# Keys per block and ring depth: 2 x 64 x H x 2 bytes a stage (32 KiB at
+# H = 128) and four stages keep 128 KiB in flight an SM.
+DEFAULT_BLOCK = 64
+DEFAULT_STAGES = 4
+# The rows' partial results are written in whole tiles of 8 rows (the
+# shared-memory tiling of a float32 tile).
+_ROW_TILE = 8
+_SMEM_BYTES = 227 * 1024
+# An H100's SMs, where the target does not say.
+_DEFAULT_SMS = 132
+
+# A decode module's interface to `decode.kernels`: no quantized, latent or
+# paged cache (`supports`); a shared prefix's rows fold into one tile up to
+# its 64 rows.
+QUANTIZED_CACHES = False
+MAX_FOLDED_ROWS = TILE_ROWS
+# Keys per block a caller may pick: wgmma's N of Q K^T, and whole 64-row
+# tiles of V (the rows past a length are zeroed in the accumulator layout,
+# `_zero_rows_past`).
+BLOCKS = (64, 128)
+# The widest head dims: at H = 256 a [64, 64] logit tile beside the [64,
+# 256] float32 accumulator spilled (36 B, sm_90a, one consumer warpgroup).
+MAX_HEAD_DIM = 128
+
+
+def interpreted() -> bool:
+  """Whether the kernel runs in the Mosaic GPU interpreter here (no GPU
+  target): `decode.kernels`."""
+  return gpu_target.current() is None
+
+
+def stored_rows(rows: int) -> int:
+  """Rows of a split's stored result: the packed rows in whole 8-row
+  tiles (at most `TILE_ROWS`)."""
+  return layout.round_up(rows, _ROW_TILE)
+
+
+def supports(query, key, value, block_table, static) -> str | None:
+  """Why the kernel cannot take a call (a sentence naming the argument),
+  or None when it can."""
+  _, t, n, h = query.shape
+  target = gpu_target.current()
+  if target is not None and target.major != 9:
+    return (f"the GPU is sm{target.major}{target.minor}; the kernel runs on "
+            "Hopper (sm90)")
+  if target is None:
+    if kernel.interpret_params() is None:
+      return f"this jax ({jax.__version__}) has no Mosaic GPU interpreter"
+    if kernel.cpu_client_threads() < 2:
+      return ("the Mosaic GPU interpreter needs 2 CPU client threads at "
+              "once (set NPROC=2 or more before jax starts)")
+  if query.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"the query is {query.dtype}; it reads bfloat16 or float16"
+  if key.dtype != query.dtype or value.dtype != query.dtype:
+    return (f"the cache is {key.dtype}/{value.dtype}; it reads a cache of "
+            f"the query's dtype ({query.dtype})")
+  if block_table is not None:
+    return "the cache is paged (block_table); it reads contiguous caches"
+  for name in ("score_mod", "mask_mod", "value_head_dim"):
+    if static.get(name) is not None:
+      return f"{name} is set"
+  hv = value.shape[3]
+  for name, dim in (("head dim", h), ("value head dim", hv)):
+    if dim not in (64, MAX_HEAD_DIM):
+      return f"the {name} is {dim}; it takes 64 or {MAX_HEAD_DIM}"
+  if n // key.shape[2] * t > TILE_ROWS:
+    return (f"G x T_new = {n // key.shape[2] * t} packed rows exceed "
+            f"{TILE_ROWS}")
+  if key.shape[1] < DEFAULT_BLOCK:
+    return (f"the cache holds {key.shape[1]} entries, fewer than one "
+            f"{DEFAULT_BLOCK}-key block")
+  return None
+
+
+def check_block(block: int, cache_len: int) -> int:
+  """A caller's `block_kv` (already clipped to the cache), checked."""
+  if block not in BLOCKS or block > cache_len:
+    raise ValueError(
+        f"block_kv={block} is not a block of implementation='mosaic_gpu', "
+        f"which reads {BLOCKS} keys a block (at most the cache's "
+        f"{cache_len} entries).")
+  return block
+
+
+def stages_for(head_dim: int, value_head_dim: int, block: int) -> int:
+  """The deepest ring (at most `DEFAULT_STAGES`, at least 2) whose launch
+  fits shared memory."""
+  for stages in range(DEFAULT_STAGES, 2, -1):
+    if smem_bytes(head_dim, value_head_dim, block, stages) <= _SMEM_BYTES:
+      return stages
+  return 2
+
+
+def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
+               itemsize: int = 2) -> int:
+  """Shared memory of a launch: the query tile, the result's staging,
+  the K/V ring (Mosaic GPU aligns each buffer to 1 KiB) and 1 KiB for the
+  barriers."""
+  def kib(x):
+    return layout.round_up(x, 1024)
+
+  return (1024 + kib(TILE_ROWS * head_dim * itemsize)
+          + kib(TILE_ROWS * value_head_dim * 4) + kib(TILE_ROWS * 4)
+          + stages * (kib(block * head_dim * itemsize)
+                      + kib(block * value_head_dim * itemsize)))
+
+
+class _SplitRuns:
+  """The schedule `kernel.produce` and `kernel.phases` read, indexed [b,
+  split, i], computed in the kernel from the sequence's raw length and its
+  new tokens' positions, as `triton.decode` does: nothing runs before the
+  kernel. Entries: the split's key blocks [first, end) (`masking.
+  decode_key_blocks`, `masking.split_run`) and the run of them that every
+  new token sees whole, [flo, fhi) within it (run unmasked)."""
+
+  def __init__(self, len_ref, qpos_ref, *, cache_len: int, block: int,
+               splits: int, new_tokens: int, is_causal: bool, window):
+    self.len_ref, self.qpos_ref = len_ref, qpos_ref
+    self.cache_len, self.block, self.splits = cache_len, block, splits
+    self.new_tokens, self.is_causal, self.window = (new_tokens, is_causal,
+                                                    window)
+
+  def length(self, b):
+    """The sequence's length, clamped into the cache."""
+    return jnp.clip(self.len_ref[b], 0, self.cache_len)
+
+  def positions(self, b, tokens=None):
+    """(each row's position (None without `tokens`), the smallest and
+    largest new-token position): the `qpos` input's, or by default the
+    last T_new positions below the raw length. `tokens`: int32 vector,
+    each row's new token."""
+    t = self.new_tokens
+    if self.qpos_ref is None:
+      first = self.len_ref[b] - t
+      pos = None if tokens is None else first + tokens
+      return pos, first, self.len_ref[b] - 1
+    i32 = jnp.iinfo(jnp.int32)
+    pos = None if tokens is None else jnp.zeros_like(tokens)
+    lo, hi = jnp.int32(i32.max), jnp.int32(i32.min)
+    for token in range(t):  # T_new <= 64: unrolled scalar reads.
+      p = self.qpos_ref[b, token]
+      lo, hi = jnp.minimum(lo, p), jnp.maximum(hi, p)
+      if tokens is not None:
+        pos = jnp.where(tokens == token, p, pos)
+    return pos, lo, hi
+
+  def __getitem__(self, index):
+    b, split, i = index
+    length = self.length(b)
+    _, q_first, q_last = self.positions(b)
+    window, causal, bk = self.window, self.is_causal, self.block
+    lo, hi = masking.decode_key_blocks(length, q_first, q_last, block=bk,
+                                       is_causal=causal, window=window)
+    first, end = masking.split_run(lo, hi, self.splits, split)
+    if i < 2:
+      return (first, end)[i]
+    # The keys every new token sees: the first and last tokens swapped.
+    start, stop = masking.decode_key_blocks(
+        length, q_last, q_first, block=1, is_causal=causal, window=window)
+    flo = jnp.clip((start + bk - 1) // bk, first, end)
+    return flo if i == 2 else jnp.clip(stop // bk, flo, end)
+
+
+def _packed_rows(query, num_kv: int):
+  """The queries [B, T_new, N, H] as the kernel reads them, [B * K * R, H]
+  with R = G * T_new: row r of K/V head k of sequence b (at (b * K + k) *
+  R + r) is new token r % T_new of query head k * G + r // T_new. T_new = 1
+  is a reshape; more new tokens take the packing's transpose."""
+  b, t, n, h = query.shape
+  g = n // num_kv
+  if t > 1:
+    query = query.reshape(b, t, num_kv, g, h).transpose(0, 2, 3, 1, 4)
+  return query.reshape(b * num_kv * g * t, h)
+
+
+def attention(query, key, value, lengths, block_table, query_positions,
+              sinks, *, block: int, splits: int, scale: float,
+              is_causal: bool, local_window_size, logits_soft_cap,
+              precision, stages=None, num_ctas=None, **unused):
+  """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
+  the merge (`triton.decode_merge`, which adds the sinks and writes the
+  query's dtype and layout), two kernels at T_new = 1.
+
+  Args:
+    query: [B, T_new, N, H], bf16/f16, G * T_new <= 64 (`supports`).
+    key, value: the contiguous cache [B, S_max, K, H] / [.., Hv], the
+      query's dtype.
+    lengths: int [B] (clamped into the cache in the kernel).
+    block_table: None (`supports`).
+    query_positions: None (the last T_new below each length) or int [B,
+      T_new].
+    sinks: None or float32 [N].
+    block: keys per block; splits: parts of each sequence's visible keys.
+    scale, is_causal, local_window_size, logits_soft_cap: the call's.
+    precision: ignored (the products are 16-bit wgmma, float32 sums).
+    stages: ring depth (None: `stages_for`); num_ctas: persistent CTAs
+      (None: one an SM, at most one a unit).
+
+  Returns:
+    (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new, N]).
+  """
+  del precision, block_table, unused
+  from pallas_fa.triton import decode_merge  # noqa: PLC0415 - Triton, lazily.
+  b, t, n, h = query.shape
+  s_max, num_kv, hv = key.shape[1], key.shape[2], value.shape[3]
+  g = n // num_kv
+  r = g * t
+  rows = stored_rows(r)
+  stages = stages or stages_for(h, hv, block)
+  interpret = interpreted()
+  q_rows = _packed_rows(query, num_kv)
+  if interpret and rows > r:
+    # The interpreter reads no rows past an array (the GPU's TMA reads
+    # them as zeros): the last head's rounding rows, padded.
+    q_rows = jnp.pad(q_rows, ((0, rows - r), (0, 0)))
+  if num_ctas is None:
+    target = gpu_target.current()
+    num_ctas = 1 if interpret or target is None else (
+        target.core_count or _DEFAULT_SMS)
+  units = b * num_kv * splits
+  spec = kernel.Spec(
+      batch=b, q_len=TILE_ROWS, kv_len=s_max, num_heads=num_kv,
+      num_kv_heads=num_kv, head_dim=h, value_head_dim=hv, dtype=query.dtype,
+      block_q=TILE_ROWS, block_kv=block, stages=stages, consumers=1,
+      num_ctas=max(1, min(num_ctas, units)), pingpong=False,
+      is_causal=is_causal, window=local_window_size, scale=scale,
+      soft_cap=logits_soft_cap, interpret=interpret,
+      # Lane semantics: the warpgroup lowering's layout inference finds no
+      # layouts for this kernel (jax 0.11.2).
+      lowering_semantics="lane")
+  if not interpret:
+    need = smem_bytes(h, hv, block, stages)
+    if need > _SMEM_BYTES:
+      raise ValueError(
+          f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
+          f"head dims {h}/{hv} need {need} B of shared memory, more than "
+          f"{_SMEM_BYTES}; pass a smaller block_kv.")
+  qpos = None if query_positions is None else query_positions.astype(
+      jnp.int32)
+  out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
+                     qpos, splits=splits, rows=r, new_tokens=t)
+  if sinks is not None:
+    # Packed row r of K/V head k belongs to query head k * G + r // T.
+    sinks = jnp.repeat(sinks.astype(_F32).reshape(num_kv, g), t, axis=1)
+  out, lse = decode_merge.merge_splits(
+      out, lse, sinks, dtype=query.dtype, value_head_dim=hv, real_rows=r)
+  if t == 1:
+    return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
+  out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
+  lse = lse.reshape(b, num_kv, g, t).transpose(0, 3, 1, 2)
+  return out.reshape(b, t, n, hv), lse.reshape(b, t, n)
+
+
+def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, *,
+            splits: int, rows: int, new_tokens: int):
+  """The split kernel: (out float32 [B, K, splits, stored_rows(rows), Hv],
+  lse float32 [B, K, splits, stored_rows(rows)]), each split's normalised
+  result and logsumexp (-inf: no visible key)."""
+  ops = kernel.ops_for(spec)
+  bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
+  s_max, num_kv = key.shape[1], spec.num_heads
+  stored = stored_rows(rows)
+  units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
+  operands = (q_rows, key, value, lengths) + (() if qpos is None else (qpos,))
+
+  def runs(r: kernel.Refs):
+    return _SplitRuns(
+        r.inputs[3], r.inputs[4] if qpos is not None else None,
+        cache_len=s_max, block=bk, splits=splits, new_tokens=new_tokens,
+        is_causal=spec.is_causal, window=spec.window)
+
+  def block_start(j):
+    # A block past the cache's end reads its last `bk` keys instead.
+    return jnp.minimum(j * bk, s_max - bk)
+
+  def producer_groups(r: kernel.Refs):
+    k_ref, v_ref = r.inputs[1:3]
+    k_smem, v_smem = r.smem[-2:]
+    k_bar, v_bar, k_free, v_free = r.barriers[1:5]
+
+    def k_copies(b, n, rep, j, slot):
+      del rep
+      return [(k_ref.at[b, pl.ds(block_start(j), bk), n], k_smem.at[slot])]
+
+    def v_copies(b, n, rep, j, slot):
+      del rep
+      return [(v_ref.at[b, pl.ds(block_start(j), bk), n], v_smem.at[slot])]
+
+    return [(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)]
+
+  scale = online_softmax.exponent_scale(spec.scale, cap=spec.soft_cap,
+                                        has_score_mod=False)
+
+  def unit(r: kernel.Refs, t, base):
+    q_ref = r.inputs[0]
+    o_ref, lse_ref = r.outputs
+    q_smem, o_smem, lse_smem, k_smem, v_smem = r.smem
+    q_bar, k_bar, v_bar, k_free, v_free = r.barriers
+    sched = runs(r)
+    b, n, split = r.units.decode(r.cta, t)
+    ulo = sched[b, split, 0]
+    length = sched.length(b)
+    # The unit's rows and the rounding rows after them (the next head's,
+    # or zeros past the array): every row's math is its own, and only the
+    # unit's rows are merged. The tile's other rows hold what they hold.
+    kernel.load_stationary(
+        [(q_ref.at[pl.ds((b * num_kv + n) * rows, stored)],
+          q_smem.at[0, pl.ds(0, stored)])], q_bar.at[0])
+    tokens = kernel.rem(ops.iota_vector(TILE_ROWS, 0), new_tokens)
+    q_pos, _, _ = sched.positions(b, tokens)
+
+    def step(j, carry, *, masked):
+      m_i, l_i, acc = carry
+      slot = kernel.rem(base + j - ulo, stages)
+      plgpu.barrier_wait(k_bar.at[slot])
+      qk = ops.mm(q_smem.at[kernel.stationary_in_step(spec, 0)],
+                  k_smem.at[slot], transpose_b=True)
+      plgpu.barrier_arrive(k_free.at[slot])
+      s = qk if scale is not None else kernel.logits(spec, qk)[0]
+      first = block_start(j)
+      if masked:
+        kv_pos = first + ops.iota_vector(bk, 1)
+        # Keys of this block (not the one before, in a block shifted back
+        # from the cache's end) below the length.
+        real = jnp.logical_and(kv_pos >= j * bk, kv_pos < length)
+        s = kernel.apply_mask(
+            spec, s, 0, q_pos, None, kv_pos, None,
+            lax.broadcast_in_dim(real, s.shape, (1,)))
+      m_i, l_i, p, alpha = online_softmax.update(
+          m_i, l_i, s, base2=True, per_query=_ROWS,
+          tile_exp=forward.tile_exp(spec), scale=scale)
+      acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      plgpu.barrier_wait(v_bar.at[slot])
+      if masked:
+        _zero_rows_past(ops, v_smem.at[slot], first, length)
+      acc = ops.mm(p.astype(spec.dtype), v_smem.at[slot], a_in_smem=False,
+                   acc=acc)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return m_i, l_i, acc
+
+    carry = (
+        ops.full_vector(TILE_ROWS, online_softmax.MASK_VALUE, 0),
+        ops.full_vector(TILE_ROWS, 0.0, 0),
+        ops.full((TILE_ROWS, hv), 0.0),
+    )
+    m_i, l_i, acc = kernel.phases(sched, b, split, 0, step, carry,
+                                  masked=True)
+    out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True,
+                                       per_query=_ROWS)
+    o_smem[...] = out
+    lse_smem[...] = lse
+    kernel.store([(o_smem.at[pl.ds(0, stored)], o_ref.at[b, n, split]),
+                  (lse_smem.at[pl.ds(0, stored)], lse_ref.at[b, n, split])])
+    return base + sched[b, split, 1] - ulo
+
+  smem = (
+      ops.smem((1, TILE_ROWS, h), spec.dtype, True),  # the packed rows
+      ops.smem((TILE_ROWS, hv), _F32, True),  # the result's staging
+      plgpu.SMEM((TILE_ROWS,), _F32),  # its logsumexp
+      ops.smem((stages, bk, h), spec.dtype, True),  # K ring
+      ops.smem((stages, bk, hv), spec.dtype, True),  # V ring
+  )
+  barriers = (
+      gpu_ops.barrier(1),  # the packed rows
+      gpu_ops.barrier(stages),  # K loaded
+      gpu_ops.barrier(stages),  # V loaded
+      gpu_ops.barrier(stages),  # K slot released
+      gpu_ops.barrier(stages),  # V slot released
+  )
+  out_types = (
+      jax.ShapeDtypeStruct((spec.batch, num_kv, splits, stored, hv), _F32),
+      jax.ShapeDtypeStruct((spec.batch, num_kv, splits, stored), _F32),
+  )
+  return kernel.launch(
+      spec, name="pfa_mgpu_decode", units=units, reps=1, operands=operands,
+      out_types=out_types, smem_types=smem, barrier_types=barriers,
+      unit=unit, producer_groups=producer_groups, schedule=runs,
+      # Every reduction is of a row of a [64, block] tile, within a warp.
+      cross_warp_reductions=False)
+
+
+def _zero_rows_past(ops, v_tile, first, length):
+  """Zeroes the rows of a V tile (keys from `first` on) at or past the
+  sequence's length, when the tile reaches past it."""
+  bk, hv = v_tile.shape
+
+  @pl.when(first + bk > length)
+  def _():
+    keep = first + ops.iota_vector(bk, 0) < length
+    tile = ops.load_tile(v_tile)
+    v_tile[...] = jnp.where(lax.broadcast_in_dim(keep, (bk, hv), (0,)),
+                            tile, jnp.zeros_like(tile))
+    # The generic-proxy stores, before wgmma reads the tile.
+    plgpu.commit_smem()
+

@@ -1,0 +1,148 @@
+"""`decode_attention(implementation="mosaic_gpu")`: the Mosaic GPU split
+kernel (interpreted on CPU, compiled on Hopper) against the chunked
+reference, and the calls it refuses by name."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_fa
+from pallas_fa import gpu_target
+from pallas_fa.mosaic_gpu import kernel
+from tests import attention_testing
+from tests.attention_testing import assert_close
+from tests.attention_testing import rng
+
+
+def _runs_here() -> bool:
+  target = gpu_target.current()
+  if target is not None:
+    return target.major == 9
+  return (kernel.interpret_params() is not None
+          and jax.default_backend() == "cpu")
+
+
+needs_kernel = pytest.mark.skipif(
+    not _runs_here(), reason="needs a Hopper GPU or the Mosaic GPU "
+    "interpreter (CPU)")
+
+
+def _cache(gen, b, s, k, h, hv, dtype, lengths):
+  """A [B, S, K, H] key and value cache whose entries past each length
+  are NaN (a cache may hold anything there)."""
+  key = np.asarray(gen.standard_normal((b, s, k, h)), np.float32)
+  value = np.asarray(gen.standard_normal((b, s, k, hv)), np.float32)
+  for i, length in enumerate(lengths):
+    key[i, length:] = np.nan
+    value[i, length:] = np.nan
+  return jnp.asarray(key, dtype), jnp.asarray(value, dtype)
+
+
+CASES = {
+    # GQA, one new token, a cache length no multiple of the block (its
+    # last block read shifted back), ragged lengths, one of them 0.
+    "gqa_causal_sinks": dict(b=3, t=1, n=8, k=2, h=64, hv=64, s=200,
+                             lengths=(130, 200, 0), is_causal=True,
+                             sinks=True),
+    # Four speculative tokens in a window, soft-capped, float16.
+    "window_softcap_f16": dict(b=2, t=4, n=4, k=2, h=128, hv=128, s=256,
+                               lengths=(256, 77), is_causal=True,
+                               local_window_size=(50, 0),
+                               logits_soft_cap=20.0, dtype=jnp.float16),
+    # 64 packed rows (G x T_new = 4 x 16) at explicit positions, values
+    # narrower than the keys, 128-key blocks, no causal mask.
+    "rows_64_positions": dict(b=1, t=16, n=4, k=1, h=128, hv=64, s=320,
+                              lengths=(300,), positions=True, block_kv=128),
+}
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mosaic_gpu_decode_matches_reference(name):
+  c = dict(CASES[name])
+  dtype = c.pop("dtype", jnp.bfloat16)
+  b, t, n, k, h, hv, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "hv",
+                                            "s"))
+  gen = rng("mosaic_gpu decode", name)
+  lengths = c.pop("lengths")
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), dtype)
+  key, value = _cache(gen, b, s, k, h, hv, dtype, lengths)
+  kw = dict(is_causal=c.pop("is_causal", False),
+            local_window_size=c.pop("local_window_size", None),
+            logits_soft_cap=c.pop("logits_soft_cap", None))
+  if c.pop("sinks", False):
+    kw["sinks"] = jnp.asarray(gen.standard_normal((n,)), jnp.float32)
+  if c.pop("positions", False):
+    # Positions below the length, not its last T_new.
+    kw["query_positions"] = jnp.asarray(
+        [[length - t - 9 + i for i in range(t)] for length in lengths],
+        jnp.int32)
+  block_kv = c.pop("block_kv", None)
+  assert not c, c
+  lengths = jnp.asarray(lengths, jnp.int32)
+  got = pallas_fa.decode_attention(
+      q, key, value, lengths, implementation="mosaic_gpu", num_splits=3,
+      block_kv=block_kv, return_residual=True, **kw)
+  want32 = pallas_fa.decode_attention(
+      q.astype(jnp.float32), key.astype(jnp.float32),
+      value.astype(jnp.float32), lengths, implementation="chunked",
+      return_residual=True, **kw)
+  same = pallas_fa.decode_attention(
+      q, key, value, lengths, implementation="chunked",
+      return_residual=True, **kw)
+  assert got[0].dtype == dtype and got[0].shape == (b, t, n, hv)
+  assert not bool(jnp.isnan(got[0].astype(jnp.float32)).any())
+  assert_close(f"{name} out", got[0], want32[0], same[0], dtype)
+  # The logsumexp (-inf where a row sees no key) to float32 accuracy of
+  # the kernel's products.
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want32[1]),
+                             rtol=2e-2, atol=2e-2)
+
+
+def _call(**changes):
+  shape = dict(b=1, t=1, n=4, k=2, h=64, s=128, dtype=jnp.bfloat16)
+  shape.update({x: changes.pop(x) for x in list(changes) if x in shape})
+  q = jnp.ones((shape["b"], shape["t"], shape["n"], shape["h"]),
+               shape["dtype"])
+  cache = jnp.ones((shape["b"], shape["s"], shape["k"], shape["h"]),
+                   changes.pop("cache_dtype", shape["dtype"]))
+  kw = dict(key=cache, value=cache,
+            lengths=jnp.full((shape["b"],), shape["s"], jnp.int32))
+  kw.update(changes)
+  return pallas_fa.decode_attention(q, implementation="mosaic_gpu", **kw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("changes, match", [
+    (dict(h=256), "head dim is 256"),
+    (dict(h=80), "head dim is 80"),
+    (dict(s=32), "fewer than one 64-key block"),
+    (dict(t=33), "packed rows exceed 64"),
+    (dict(dtype=jnp.float32), "reads bfloat16 or float16"),
+    (dict(mask_mod=lambda b, h, q, k: q >= k), "mask_mod"),
+])
+def test_mosaic_gpu_decode_refuses_by_name(changes, match):
+  with pytest.raises(NotImplementedError, match=match):
+    _call(**changes)
+
+
+@needs_kernel
+def test_mosaic_gpu_decode_refuses_quantized_and_paged():
+  int8 = jnp.ones((1, 128, 2, 64), jnp.int8)
+  with pytest.raises(NotImplementedError, match="quantized"):
+    _call(key=int8, value=int8, key_scale=jnp.ones((2,)),
+          value_scale=jnp.ones((2,)))
+  pages = jnp.ones((4, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="paged"):
+    _call(key=pages, value=pages,
+          block_table=jnp.asarray([[0, 1]], jnp.int32))
+
+
+@needs_kernel
+def test_mosaic_gpu_decode_block_choices():
+  with pytest.raises(ValueError, match="block_kv=32"):
+    _call(block_kv=32)
