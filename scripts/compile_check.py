@@ -184,8 +184,8 @@ LATENT_SHAPE = dict(head_dim=576, value_head_dim=512, heads=16, kv_heads=1)
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "decode": ("triton", "mosaic_gpu"),
-                    "decode_paged": ("triton",),
-                    "decode_paged16": ("triton",),
+                    "decode_paged": ("triton", "mosaic_gpu"),
+                    "decode_paged16": ("triton", "mosaic_gpu"),
                     **{name: ("triton",) for name in QUANTIZED_DECODE},
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
@@ -236,7 +236,8 @@ VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
 # The head dims a backend's variant takes where they are fewer than the
 # matrix's: mosaic_gpu's decode kernel reads H = 64 and 128
 # (`mosaic_gpu.decode.supports`).
-BACKEND_HEAD_DIMS = {("mosaic_gpu", "decode"): (64, 128)}
+BACKEND_HEAD_DIMS = {("mosaic_gpu", variant): (64, 128) for variant in (
+    "decode", "decode_paged", "decode_paged16")}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}

@@ -56,6 +56,14 @@ CASES = {
     # narrower than the keys, 128-key blocks, no causal mask.
     "rows_64_positions": dict(b=1, t=16, n=4, k=1, h=128, hv=64, s=320,
                               lengths=(300,), positions=True, block_kv=128),
+    # Shuffled pages of 16 keys (four a block, a TMA each; vLLM's CUDA
+    # default) and of 128 (two blocks a page), NaN past every length and
+    # in the pages no row names.
+    "paged_16": dict(b=2, t=1, n=8, k=2, h=64, hv=64, s=192,
+                     lengths=(150, 33), is_causal=True, page_size=16),
+    "paged_128": dict(b=2, t=2, n=4, k=2, h=128, hv=128, s=256,
+                      lengths=(256, 129), is_causal=True, page_size=128,
+                      sinks=True),
 }
 
 
@@ -82,11 +90,19 @@ def test_mosaic_gpu_decode_matches_reference(name):
         [[length - t - 9 + i for i in range(t)] for length in lengths],
         jnp.int32)
   block_kv = c.pop("block_kv", None)
+  page_size = c.pop("page_size", None)
   assert not c, c
+  cache = dict(key=key, value=value)
+  if page_size:
+    table = attention_testing.page_table(gen, b, s // page_size)
+    cache = {name: jnp.asarray(attention_testing.paged(
+        np.asarray(x, np.float32), table, page_size, np.nan), dtype)
+             for name, x in cache.items()}
+    cache["block_table"] = jnp.asarray(table)
   lengths = jnp.asarray(lengths, jnp.int32)
   got = pallas_fa.decode_attention(
-      q, key, value, lengths, implementation="mosaic_gpu", num_splits=3,
-      block_kv=block_kv, return_residual=True, **kw)
+      q, lengths=lengths, implementation="mosaic_gpu", num_splits=3,
+      block_kv=block_kv, return_residual=True, **cache, **kw)
   want32 = pallas_fa.decode_attention(
       q.astype(jnp.float32), key.astype(jnp.float32),
       value.astype(jnp.float32), lengths, implementation="chunked",
@@ -131,15 +147,15 @@ def test_mosaic_gpu_decode_refuses_by_name(changes, match):
 
 
 @needs_kernel
-def test_mosaic_gpu_decode_refuses_quantized_and_paged():
+def test_mosaic_gpu_decode_refuses_quantized_and_odd_pages():
   int8 = jnp.ones((1, 128, 2, 64), jnp.int8)
   with pytest.raises(NotImplementedError, match="quantized"):
     _call(key=int8, value=int8, key_scale=jnp.ones((2,)),
           value_scale=jnp.ones((2,)))
-  pages = jnp.ones((4, 64, 2, 64), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match="paged"):
-    _call(key=pages, value=pages,
-          block_table=jnp.asarray([[0, 1]], jnp.int32))
+  pages = jnp.ones((8, 24, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="page size is 24"):
+    _call(key=pages, value=pages, lengths=jnp.asarray([100], jnp.int32),
+          block_table=jnp.asarray([[0, 1, 2, 3, 4]], jnp.int32))
 
 
 @needs_kernel

@@ -73,7 +73,8 @@ Four implementations:
   (sequence, K/V head, split) units, a producer warpgroup streaming the
   split's key blocks by TMA while one consumer warpgroup runs both products
   on wgmma over the packed rows padded to 64; the triton merge kernel
-  follows. Contiguous caches of the query's 16-bit dtype, H = 64 or 128.
+  follows. Contiguous or paged caches (a TMA a page) of the query's
+  16-bit dtype, H = 64 or 128.
 """
 
 from pallas_fa.decode.front import check_cache_indices

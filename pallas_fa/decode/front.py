@@ -158,10 +158,11 @@ def decode_attention(
       Pallas TPU kernel; a TPU or its interpret mode elsewhere, page sizes
       multiples of 8, of 32 for a quantized cache; float, quantized and
       latent caches) or "mosaic_gpu" (the Pallas Mosaic GPU kernel; Hopper
-      or its interpreter on a CPU; a contiguous cache of the query's 16-bit
-      dtype at H = 64 or 128, G * T_new <= 64, no score_mod/mask_mod, a
-      block_kv of 64 or 128). Other backends have no decode kernel and
-      raise NotImplementedError.
+      or its interpreter on a CPU; a contiguous or paged cache of the
+      query's 16-bit dtype at H = 64 or 128, pages of a multiple of 8
+      keys dividing or a multiple of 64, G * T_new <= 64, no
+      score_mod/mask_mod, a block_kv of 64 or 128). Other backends have no
+      decode kernel and raise NotImplementedError.
     precision: as in `flash_attention`.
     return_residual: also return the logsumexp [B, T_new, N] (with
       `sinks`, the sink term included).

@@ -20,14 +20,18 @@ skeleton of `kernel`:
 * each split's normalised result (float32, the packed rows rounded up to
   whole 8-row tiles) and its logsumexp go out by TMA.
 
-A last block that would run past the cache reads the cache's last `block`
-keys instead (no padded copy of the cache), masking those of the block
-before; entries past a sequence's length may hold anything, NaN included,
-so a block that reaches past it has those V rows zeroed in shared memory
-before P V reads them (a masked P of 0 times NaN would be NaN).
+A paged cache's blocks are read page by page through the block table (a
+TMA a page where pages are narrower than a block, the block's rows of its
+page where they are wider). A last block that would run past a contiguous
+cache reads the cache's last `block` keys instead (no padded copy of the
+cache), masking those of the block before; entries past a sequence's
+length may hold anything, NaN included, so a block that reaches past it
+has those V rows zeroed in shared memory before P V reads them (a masked P
+of 0 times NaN would be NaN).
 
-Scope: a contiguous cache of the query's 16-bit dtype, head dims of 64 or
-128, and at least one block of keys;
+Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
+multiple of 8 keys that divides or is a multiple of the block), head dims
+of 64 or 128, and at least one block of keys;
 `decode.kernels` refuses the rest by name (`supports`).
 """
 
@@ -65,8 +69,8 @@ _SMEM_BYTES = 227 * 1024
 # An H100's SMs, where the target does not say.
 _DEFAULT_SMS = 132
 
-# A decode module's interface to `decode.kernels`: no quantized, latent or
-# paged cache (`supports`); a shared prefix's rows fold into one tile up to
+# A decode module's interface to `decode.kernels`: no quantized or latent
+# cache (`supports`); a shared prefix's rows fold into one tile up to
 # its 64 rows.
 QUANTIZED_CACHES = False
 MAX_FOLDED_ROWS = TILE_ROWS
@@ -111,7 +115,12 @@ def supports(query, key, value, block_table, static) -> str | None:
     return (f"the cache is {key.dtype}/{value.dtype}; it reads a cache of "
             f"the query's dtype ({query.dtype})")
   if block_table is not None:
-    return "the cache is paged (block_table); it reads contiguous caches"
+    page = key.shape[1]
+    if page % _ROW_TILE or not (page % DEFAULT_BLOCK == 0
+                                or DEFAULT_BLOCK % page == 0):
+      return (f"the page size is {page}; it reads pages of a multiple of "
+              f"{_ROW_TILE} keys that divides or is a multiple of "
+              f"{DEFAULT_BLOCK}")
   for name in ("score_mod", "mask_mod", "value_head_dim"):
     if static.get(name) is not None:
       return f"{name} is set"
@@ -122,14 +131,15 @@ def supports(query, key, value, block_table, static) -> str | None:
   if n // key.shape[2] * t > TILE_ROWS:
     return (f"G x T_new = {n // key.shape[2] * t} packed rows exceed "
             f"{TILE_ROWS}")
-  if key.shape[1] < DEFAULT_BLOCK:
+  if block_table is None and key.shape[1] < DEFAULT_BLOCK:
     return (f"the cache holds {key.shape[1]} entries, fewer than one "
             f"{DEFAULT_BLOCK}-key block")
   return None
 
 
 def check_block(block: int, cache_len: int) -> int:
-  """A caller's `block_kv` (already clipped to the cache), checked."""
+  """A caller's `block_kv` (already clipped to the contiguous cache; a
+  paged one takes none), checked."""
   if block not in BLOCKS or block > cache_len:
     raise ValueError(
         f"block_kv={block} is not a block of implementation='mosaic_gpu', "
@@ -239,10 +249,11 @@ def attention(query, key, value, lengths, block_table, query_positions,
 
   Args:
     query: [B, T_new, N, H], bf16/f16, G * T_new <= 64 (`supports`).
-    key, value: the contiguous cache [B, S_max, K, H] / [.., Hv], the
-      query's dtype.
+    key, value: the cache of the query's dtype, contiguous [B, S_max, K, H]
+      / [.., Hv] or pages [P, page_size, K, H] with `block_table`.
     lengths: int [B] (clamped into the cache in the kernel).
-    block_table: None (`supports`).
+    block_table: None or int [B, max_pages] (entries clamped into the
+      pool in the kernel).
     query_positions: None (the last T_new below each length) or int [B,
       T_new].
     sinks: None or float32 [N].
@@ -255,10 +266,12 @@ def attention(query, key, value, lengths, block_table, query_positions,
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new, N]).
   """
-  del precision, block_table, unused
+  del precision, unused
   from pallas_fa.triton import decode_merge  # noqa: PLC0415 - Triton, lazily.
   b, t, n, h = query.shape
-  s_max, num_kv, hv = key.shape[1], key.shape[2], value.shape[3]
+  num_kv, hv = key.shape[2], value.shape[3]
+  s_max = key.shape[1] if block_table is None else (
+      block_table.shape[1] * key.shape[1])
   g = n // num_kv
   r = g * t
   rows = stored_rows(r)
@@ -293,8 +306,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
           f"{_SMEM_BYTES}; pass a smaller block_kv.")
   qpos = None if query_positions is None else query_positions.astype(
       jnp.int32)
+  table = None if block_table is None else block_table.astype(jnp.int32)
   out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
-                     qpos, splits=splits, rows=r, new_tokens=t)
+                     qpos, table, splits=splits, rows=r, new_tokens=t)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = jnp.repeat(sinks.astype(_F32).reshape(num_kv, g), t, axis=1)
@@ -307,17 +321,18 @@ def attention(query, key, value, lengths, block_table, query_positions,
   return out.reshape(b, t, n, hv), lse.reshape(b, t, n)
 
 
-def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, *,
+def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
             splits: int, rows: int, new_tokens: int):
   """The split kernel: (out float32 [B, K, splits, stored_rows(rows), Hv],
   lse float32 [B, K, splits, stored_rows(rows)]), each split's normalised
   result and logsumexp (-inf: no visible key)."""
   ops = kernel.ops_for(spec)
   bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
-  s_max, num_kv = key.shape[1], spec.num_heads
+  s_max, num_kv = spec.kv_len, spec.num_heads
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
-  operands = (q_rows, key, value, lengths) + (() if qpos is None else (qpos,))
+  extra = tuple(x for x in (qpos, table) if x is not None)
+  operands = (q_rows, key, value, lengths) + extra
 
   def runs(r: kernel.Refs):
     return _SplitRuns(
@@ -326,21 +341,45 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, *,
         is_causal=spec.is_causal, window=spec.window)
 
   def block_start(j):
-    # A block past the cache's end reads its last `bk` keys instead.
-    return jnp.minimum(j * bk, s_max - bk)
+    # A block past a contiguous cache's end reads its last `bk` keys
+    # instead; a paged cache holds whole blocks (pages of a multiple or
+    # divisor of the block; a page past the table is clamped into it, its
+    # keys past every length).
+    return j * bk if table is not None else jnp.minimum(j * bk, s_max - bk)
+
+  def block_copies(ref, dst, b, n, j, table_ref):
+    """[(gmem view, smem view)] of block j's rows of a cache `ref`."""
+    if table_ref is None:
+      return [(ref.at[b, pl.ds(block_start(j), bk), n], dst)]
+    page_size, num_pages = ref.shape[1], ref.shape[0]
+    max_pages = table_ref.shape[1]
+
+    def page(i):  # The i-th table entry, both indices clamped.
+      entry = table_ref[b, jnp.minimum(i, max_pages - 1)]
+      return jnp.clip(entry, 0, num_pages - 1)
+
+    if page_size >= bk:
+      first = j * bk
+      return [(ref.at[page(first // page_size),
+                      pl.ds(kernel.rem(first, page_size), bk), n], dst)]
+    per_block = bk // page_size
+    return [(ref.at[page(j * per_block + i), :, n],
+             dst.at[pl.ds(i * page_size, page_size)])
+            for i in range(per_block)]
 
   def producer_groups(r: kernel.Refs):
     k_ref, v_ref = r.inputs[1:3]
+    table_ref = r.inputs[-1] if table is not None else None
     k_smem, v_smem = r.smem[-2:]
     k_bar, v_bar, k_free, v_free = r.barriers[1:5]
 
     def k_copies(b, n, rep, j, slot):
       del rep
-      return [(k_ref.at[b, pl.ds(block_start(j), bk), n], k_smem.at[slot])]
+      return block_copies(k_ref, k_smem.at[slot], b, n, j, table_ref)
 
     def v_copies(b, n, rep, j, slot):
       del rep
-      return [(v_ref.at[b, pl.ds(block_start(j), bk), n], v_smem.at[slot])]
+      return block_copies(v_ref, v_smem.at[slot], b, n, j, table_ref)
 
     return [(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)]
 
@@ -416,10 +455,12 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, *,
       ops.smem((stages, bk, h), spec.dtype, True),  # K ring
       ops.smem((stages, bk, hv), spec.dtype, True),  # V ring
   )
+  # A block's copies: one, or a page each where pages are narrower.
+  copies = 1 if table is None else max(1, bk // key.shape[1])
   barriers = (
       gpu_ops.barrier(1),  # the packed rows
-      gpu_ops.barrier(stages),  # K loaded
-      gpu_ops.barrier(stages),  # V loaded
+      gpu_ops.barrier(stages, copies),  # K loaded
+      gpu_ops.barrier(stages, copies),  # V loaded
       gpu_ops.barrier(stages),  # K slot released
       gpu_ops.barrier(stages),  # V slot released
   )

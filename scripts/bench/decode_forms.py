@@ -10,7 +10,8 @@ and not timed):
   T_new = 1) stored as bfloat16 (the baseline), int8 and float8_e4m3fn
   (with scales; at their default tiling and at the 64-key one that it
   replaced), and on triton the bfloat16 cache through `mosaic_gpu`'s
-  split kernel ("mosaic_gpu_bfloat16"). The float32-query cells of
+  split kernel ("mosaic_gpu_bfloat16"; "mosaic_gpu_paged_16" as shuffled
+  pages of 16 keys). The float32-query cells of
   earlier windows (a float32
   cache, and the int8 cache under float32 queries: the float32 path an
   int8 cache took with them) are no longer timed: the b85705a and
@@ -208,11 +209,23 @@ def dtype_rows(implementation: str, repeats: int, *,
                       dict(query_dtype="bfloat16", cache_dtype=form,
                            **tiling)))
   if implementation == "triton":
-    # The Mosaic GPU split kernel on the bfloat16 cache (Hopper).
-    cells.append(Cell("mosaic_gpu_bfloat16", _decode("mosaic_gpu"),
-                      (q, k, v, lengths), ref32, ref16, _BF16,
+    # The Mosaic GPU split kernel on the bfloat16 cache (Hopper), and on
+    # it as shuffled pages of 16 keys (a TMA a page).
+    mosaic = _decode("mosaic_gpu")
+    cells.append(Cell("mosaic_gpu_bfloat16", mosaic, (q, k, v, lengths),
+                      ref32, ref16, _BF16,
                       dict(query_dtype="bfloat16", cache_dtype="bfloat16",
                            kernel="mosaic_gpu")))
+    k_pages, v_pages, table = paged_cache(k, v, 16)
+
+    def paged(q, k, v, lengths, table):
+      return mosaic(q, k, v, lengths, block_table=table)
+
+    cells.append(Cell("mosaic_gpu_paged_16", paged,
+                      (q, k_pages, v_pages, lengths, table), ref32, ref16,
+                      _BF16, dict(query_dtype="bfloat16",
+                                  cache_dtype="bfloat16", page_size=16,
+                                  kernel="mosaic_gpu")))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -445,6 +458,8 @@ TARGETS = (
     # 64 rows real) and 16 (all 64).
     ("mosaic_gpu_vs_triton", "dtype", "mosaic_gpu_bfloat16", "bfloat16",
      0.9),
+    ("mosaic_gpu_paged_vs_contiguous", "dtype", "mosaic_gpu_paged_16",
+     "mosaic_gpu_bfloat16", 1.1),
     ("tnew16_mosaic_gpu_vs_triton", "tnew", "t_new_16_mosaic_gpu",
      "t_new_16", 0.9),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
