@@ -187,6 +187,8 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "decode_paged": ("triton", "mosaic_gpu"),
                     "decode_paged16": ("triton", "mosaic_gpu"),
                     **{name: ("triton",) for name in QUANTIZED_DECODE},
+                    **{name: ("triton", "mosaic_gpu") for name in (
+                        "decode_int8", "decode_fp8", "decode_int8_64_rows")},
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
@@ -237,7 +239,8 @@ VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
 # matrix's: mosaic_gpu's decode kernel reads H = 64 and 128
 # (`mosaic_gpu.decode.supports`).
 BACKEND_HEAD_DIMS = {("mosaic_gpu", variant): (64, 128) for variant in (
-    "decode", "decode_paged", "decode_paged16")}
+    "decode", "decode_paged", "decode_paged16", "decode_int8", "decode_fp8",
+    "decode_int8_64_rows")}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}

@@ -966,7 +966,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "prefix_pass_vs_8_warps", "prefix_pass_vs_32_keys_8_warps",
         "latent_vs_value_chunk_512", "latent_vs_value_chunk_256",
         "tnew16_int8_vs_8_warps", "mosaic_gpu_vs_triton",
-        "mosaic_gpu_paged_vs_contiguous", "tnew16_mosaic_gpu_vs_triton"}
+        "mosaic_gpu_paged_vs_contiguous", "tnew16_mosaic_gpu_vs_triton",
+        "mosaic_gpu_int8_vs_bf16", "mosaic_gpu_int8_vs_triton"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
@@ -1021,8 +1022,8 @@ def test_prefix_cells_on_triton_time_the_replaced_pass_tilings():
 @pytest.mark.slow  # the triton and Mosaic GPU kernels interpreted
 def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
   """On triton the dtype form adds the bfloat16 cache through mosaic_gpu's
-  split kernel, contiguous and paged, each checked before it is timed, and
-  their ratios to triton's and to each other."""
+  split kernel, contiguous and paged, and the int8 cache, each checked
+  before it is timed, and their ratios to triton's and to each other."""
   with script_module("decode_benchmark") as module:
     forms = module.decode_forms
     rows = forms.dtype_rows("triton", 1, b=1, s=256, n=4, num_kv=2, h=64)
@@ -1038,6 +1039,10 @@ def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
       cell["ms"] / by_name["bfloat16"]["ms"])
   assert ratios["mosaic_gpu_paged_vs_contiguous"]["ratio"] == (
       pytest.approx(paged["ms"] / cell["ms"]))
+  int8 = by_name["mosaic_gpu_int8"]
+  assert int8["status"] == "ok" and int8["cache_dtype"] == "int8", int8
+  assert ratios["mosaic_gpu_int8_vs_triton"]["ratio"] == pytest.approx(
+      int8["ms"] / by_name["int8"]["ms"])
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -11,6 +11,7 @@ import pytest
 
 import pallas_fa
 from pallas_fa import gpu_target
+from pallas_fa import kv_cache
 from pallas_fa.mosaic_gpu import kernel
 from tests import attention_testing
 from tests.attention_testing import assert_close
@@ -119,6 +120,57 @@ def test_mosaic_gpu_decode_matches_reference(name):
                              rtol=2e-2, atol=2e-2)
 
 
+QUANTIZED = {
+    # int8 with a scale per entry (`kv_cache.quantize`), K = 2 (the
+    # scales' head axis padded to 8), a length past the last full block.
+    "int8_per_entry": dict(dtype=jnp.int8, scales="entry", b=2, t=1, n=8,
+                           k=2, h=64, s=200, lengths=(130, 200)),
+    # float8 with per-head scales, 4 new tokens in a window, K = 8.
+    "float8_per_head": dict(dtype=jnp.float8_e4m3fn, scales="head", b=1,
+                            t=4, n=16, k=8, h=128, s=256, lengths=(250,),
+                            local_window_size=(100, 0)),
+    # float8 without scales (scale 1).
+    "float8_unscaled": dict(dtype=jnp.float8_e4m3fn, scales=None, b=2, t=2,
+                            n=4, k=2, h=64, s=128, lengths=(128, 70)),
+}
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_mosaic_gpu_decode_one_byte_caches(name):
+  """int8 / float8 caches, widened in the kernel to the query's dtype times
+  their per-key scales, against the chunked path on the same cache."""
+  c = dict(QUANTIZED[name])
+  dtype, granularity = c.pop("dtype"), c.pop("scales")
+  b, t, n, k, h, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "s"))
+  lengths = jnp.asarray(c.pop("lengths"), jnp.int32)
+  kw = dict(is_causal=True, **c)
+  gen = rng("mosaic_gpu decode 1-byte", name)
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
+  cache = {}
+  for part in ("key", "value"):
+    x = jnp.asarray(gen.standard_normal((b, s, k, h)) * 3.0, jnp.float32)
+    if granularity == "entry":
+      cache[part], cache[part + "_scale"] = kv_cache.quantize(x, dtype)
+    elif granularity == "head":
+      scale = jnp.max(jnp.abs(x), axis=(0, 1, 3)) / 448.0
+      cache[part] = (x / scale[None, None, :, None]).astype(dtype)
+      cache[part + "_scale"] = scale
+    else:
+      cache[part] = x.astype(dtype)
+  got = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation="mosaic_gpu", num_splits=2,
+      **cache, **kw)
+  want32 = pallas_fa.decode_attention(
+      q.astype(jnp.float32), lengths=lengths, implementation="chunked",
+      **cache, **kw)
+  same = pallas_fa.decode_attention(
+      q, lengths=lengths, implementation="chunked", **cache, **kw)
+  assert not bool(jnp.isnan(got.astype(jnp.float32)).any())
+  assert_close(f"{name} out", got, want32, same, jnp.bfloat16)
+
+
 def _call(**changes):
   shape = dict(b=1, t=1, n=4, k=2, h=64, s=128, dtype=jnp.bfloat16)
   shape.update({x: changes.pop(x) for x in list(changes) if x in shape})
@@ -147,11 +199,12 @@ def test_mosaic_gpu_decode_refuses_by_name(changes, match):
 
 
 @needs_kernel
-def test_mosaic_gpu_decode_refuses_quantized_and_odd_pages():
-  int8 = jnp.ones((1, 128, 2, 64), jnp.int8)
-  with pytest.raises(NotImplementedError, match="quantized"):
+def test_mosaic_gpu_decode_refuses_paged_one_byte_and_odd_pages():
+  int8 = jnp.ones((4, 64, 2, 64), jnp.int8)
+  with pytest.raises(NotImplementedError, match="paged and 1-byte"):
     _call(key=int8, value=int8, key_scale=jnp.ones((2,)),
-          value_scale=jnp.ones((2,)))
+          value_scale=jnp.ones((2,)),
+          block_table=jnp.asarray([[0, 1]], jnp.int32))
   pages = jnp.ones((8, 24, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="page size is 24"):
     _call(key=pages, value=pages, lengths=jnp.asarray([100], jnp.int32),

@@ -29,9 +29,17 @@ length may hold anything, NaN included, so a block that reaches past it
 has those V rows zeroed in shared memory before P V reads them (a masked P
 of 0 times NaN would be NaN).
 
+A 1-byte cache (int8, float8) streams as stored, with its scales' rows
+(every K/V head's, a [block, K'] tile); the consumer widens each K and V
+tile in shared memory to the query's dtype times its scales (`_widened`),
+which the products then read: int8 and float8 values are exact in
+bfloat16 and float16, so the only rounding is that of the dequantized
+value, as a 16-bit cache's.
+
 Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
-multiple of 8 keys that divides or is a multiple of the block), head dims
-of 64 or 128, and at least one block of keys;
+multiple of 8 keys that divides or is a multiple of the block) or a
+contiguous 1-byte one, head dims of 64 or 128, and at least one block of
+keys;
 `decode.kernels` refuses the rest by name (`supports`).
 """
 
@@ -69,10 +77,10 @@ _SMEM_BYTES = 227 * 1024
 # An H100's SMs, where the target does not say.
 _DEFAULT_SMS = 132
 
-# A decode module's interface to `decode.kernels`: no quantized or latent
-# cache (`supports`); a shared prefix's rows fold into one tile up to
-# its 64 rows.
-QUANTIZED_CACHES = False
+# A decode module's interface to `decode.kernels`: 1-byte caches (contiguous)
+# but no latent one (`supports`); a shared prefix's rows fold into one tile
+# up to its 64 rows.
+QUANTIZED_CACHES = True
 MAX_FOLDED_ROWS = TILE_ROWS
 # Keys per block a caller may pick: wgmma's N of Q K^T, and whole 64-row
 # tiles of V (the rows past a length are zeroed in the accumulator layout,
@@ -111,9 +119,13 @@ def supports(query, key, value, block_table, static) -> str | None:
               "once (set NPROC=2 or more before jax starts)")
   if query.dtype not in (jnp.bfloat16, jnp.float16):
     return f"the query is {query.dtype}; it reads bfloat16 or float16"
-  if key.dtype != query.dtype or value.dtype != query.dtype:
+  one_byte = key.dtype.itemsize == 1 and value.dtype.itemsize == 1
+  if not one_byte and (key.dtype != query.dtype
+                       or value.dtype != query.dtype):
     return (f"the cache is {key.dtype}/{value.dtype}; it reads a cache of "
-            f"the query's dtype ({query.dtype})")
+            f"the query's dtype ({query.dtype}) or a 1-byte one")
+  if one_byte and block_table is not None:
+    return "the cache is paged and 1-byte; it reads 1-byte caches contiguous"
   if block_table is not None:
     page = key.shape[1]
     if page % _ROW_TILE or not (page % DEFAULT_BLOCK == 0
@@ -148,27 +160,34 @@ def check_block(block: int, cache_len: int) -> int:
   return block
 
 
-def stages_for(head_dim: int, value_head_dim: int, block: int) -> int:
+def stages_for(head_dim: int, value_head_dim: int, block: int,
+               cache_itemsize: int = 2, num_kv: int = 8) -> int:
   """The deepest ring (at most `DEFAULT_STAGES`, at least 2) whose launch
   fits shared memory."""
   for stages in range(DEFAULT_STAGES, 2, -1):
-    if smem_bytes(head_dim, value_head_dim, block, stages) <= _SMEM_BYTES:
+    if smem_bytes(head_dim, value_head_dim, block, stages, cache_itemsize,
+                  num_kv) <= _SMEM_BYTES:
       return stages
   return 2
 
 
 def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
-               itemsize: int = 2) -> int:
+               cache_itemsize: int = 2, num_kv: int = 8) -> int:
   """Shared memory of a launch: the query tile, the result's staging,
-  the K/V ring (Mosaic GPU aligns each buffer to 1 KiB) and 1 KiB for the
-  barriers."""
+  the K/V ring, for a 1-byte cache the scales' rings (every K/V head's,
+  `num_kv` padded to 8) and the two widened tiles (Mosaic GPU aligns each
+  buffer to 1 KiB), and 1 KiB for the barriers."""
   def kib(x):
     return layout.round_up(x, 1024)
 
-  return (1024 + kib(TILE_ROWS * head_dim * itemsize)
-          + kib(TILE_ROWS * value_head_dim * 4) + kib(TILE_ROWS * 4)
-          + stages * (kib(block * head_dim * itemsize)
-                      + kib(block * value_head_dim * itemsize)))
+  ring = stages * (kib(block * head_dim * cache_itemsize)
+                   + kib(block * value_head_dim * cache_itemsize))
+  if cache_itemsize == 1:
+    heads = layout.round_up(num_kv, _ROW_TILE)
+    ring += 2 * kib(stages * block * heads * 4) + kib(
+        2 * block * max(head_dim, value_head_dim) * 2)
+  return (1024 + kib(TILE_ROWS * head_dim * 2)
+          + kib(TILE_ROWS * value_head_dim * 4) + kib(TILE_ROWS * 4) + ring)
 
 
 class _SplitRuns:
@@ -242,7 +261,8 @@ def _packed_rows(query, num_kv: int):
 def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
-              precision, stages=None, num_ctas=None, **unused):
+              precision, key_scale=None, value_scale=None, stages=None,
+              num_ctas=None, **unused):
   """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
   the merge (`triton.decode_merge`, which adds the sinks and writes the
   query's dtype and layout), two kernels at T_new = 1.
@@ -257,6 +277,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
     query_positions: None (the last T_new below each length) or int [B,
       T_new].
     sinks: None or float32 [N].
+    key_scale, value_scale: a 1-byte cache's float32 scales, rank 3 with
+      each dim 1 or the cache's [B, S_max, K] (None: 1; a float8 cache may
+      have none).
     block: keys per block; splits: parts of each sequence's visible keys.
     scale, is_causal, local_window_size, logits_soft_cap: the call's.
     precision: ignored (the products are 16-bit wgmma, float32 sums).
@@ -275,7 +298,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
   g = n // num_kv
   r = g * t
   rows = stored_rows(r)
-  stages = stages or stages_for(h, hv, block)
+  stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv)
   interpret = interpreted()
   q_rows = _packed_rows(query, num_kv)
   if interpret and rows > r:
@@ -298,7 +321,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
       # layouts for this kernel (jax 0.11.2).
       lowering_semantics="lane")
   if not interpret:
-    need = smem_bytes(h, hv, block, stages)
+    need = smem_bytes(h, hv, block, stages, key.dtype.itemsize, num_kv)
     if need > _SMEM_BYTES:
       raise ValueError(
           f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
@@ -307,8 +330,21 @@ def attention(query, key, value, lengths, block_table, query_positions,
   qpos = None if query_positions is None else query_positions.astype(
       jnp.int32)
   table = None if block_table is None else block_table.astype(jnp.int32)
+  scales = None
+  if key_scale is not None or value_scale is not None:
+    # The key's and the value's scales, [B, S, K'] each as the cache's
+    # entries are (per-head or per-tensor ones broadcast, K padded to K'
+    # = a multiple of 8, the accumulator layout's columns): a block's
+    # [block, K'] rows go by TMA, each K/V head reads its column.
+    heads = layout.round_up(num_kv, _ROW_TILE)
+    scales = tuple(
+        jnp.pad(jnp.broadcast_to(jnp.ones((), _F32) if x is None else x,
+                                 (b, s_max, num_kv)).astype(_F32),
+                ((0, 0), (0, 0), (0, heads - num_kv)))
+        for x in (key_scale, value_scale))
   out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
-                     qpos, table, splits=splits, rows=r, new_tokens=t)
+                     qpos, table, scales, splits=splits, rows=r,
+                     new_tokens=t)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = jnp.repeat(sinks.astype(_F32).reshape(num_kv, g), t, axis=1)
@@ -321,22 +357,33 @@ def attention(query, key, value, lengths, block_table, query_positions,
   return out.reshape(b, t, n, hv), lse.reshape(b, t, n)
 
 
-def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
-            splits: int, rows: int, new_tokens: int):
+def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
+            scales, *, splits: int, rows: int, new_tokens: int):
   """The split kernel: (out float32 [B, K, splits, stored_rows(rows), Hv],
   lse float32 [B, K, splits, stored_rows(rows)]), each split's normalised
-  result and logsumexp (-inf: no visible key)."""
+  result and logsumexp (-inf: no visible key).
+
+  A 1-byte cache (int8 or float8) streams as stored; the consumer widens
+  each K and V tile to the query's dtype (which holds every such value
+  exactly) times its per-key scales (`scales`: the key's and the value's
+  float32 [B, S, K] each, or None for a float8 cache without them) into a
+  tile of its own, which the products read."""
   ops = kernel.ops_for(spec)
   bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
   s_max, num_kv = spec.kv_len, spec.num_heads
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
-  extra = tuple(x for x in (qpos, table) if x is not None)
-  operands = (q_rows, key, value, lengths) + extra
+  one_byte = key.dtype.itemsize == 1
+  optional = [(name, x) for name, x in (
+      ("qpos", qpos), ("table", table),
+      *zip(("key_scale", "value_scale"), scales or ())) if x is not None]
+  operands = (q_rows, key, value, lengths) + tuple(x for _, x in optional)
+  # Where the optional operands sit.
+  at = {name: 4 + i for i, (name, _) in enumerate(optional)}
 
   def runs(r: kernel.Refs):
     return _SplitRuns(
-        r.inputs[3], r.inputs[4] if qpos is not None else None,
+        r.inputs[3], r.inputs[at["qpos"]] if "qpos" in at else None,
         cache_len=s_max, block=bk, splits=splits, new_tokens=new_tokens,
         is_causal=spec.is_causal, window=spec.window)
 
@@ -367,19 +414,31 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
              dst.at[pl.ds(i * page_size, page_size)])
             for i in range(per_block)]
 
+  def scale_copies(r, which, b, n, j, slot):
+    """The copy of block j's per-key scales, the key's (which = 0) or the
+    value's (1); none without scales."""
+    if scales is None:
+      return []
+    del n  # A block's scales of every K/V head: rows of K * 4 bytes.
+    ref = r.inputs[at[("key_scale", "value_scale")[which]]]
+    return [(ref.at[b, pl.ds(block_start(j), bk)],
+             r.smem[-3 + which].at[slot])]
+
   def producer_groups(r: kernel.Refs):
     k_ref, v_ref = r.inputs[1:3]
-    table_ref = r.inputs[-1] if table is not None else None
-    k_smem, v_smem = r.smem[-2:]
+    table_ref = r.inputs[at["table"]] if "table" in at else None
+    k_smem, v_smem = r.smem[-5:-3] if one_byte else r.smem[-2:]
     k_bar, v_bar, k_free, v_free = r.barriers[1:5]
 
     def k_copies(b, n, rep, j, slot):
       del rep
-      return block_copies(k_ref, k_smem.at[slot], b, n, j, table_ref)
+      return (block_copies(k_ref, k_smem.at[slot], b, n, j, table_ref)
+              + scale_copies(r, 0, b, n, j, slot))
 
     def v_copies(b, n, rep, j, slot):
       del rep
-      return block_copies(v_ref, v_smem.at[slot], b, n, j, table_ref)
+      return (block_copies(v_ref, v_smem.at[slot], b, n, j, table_ref)
+              + scale_copies(r, 1, b, n, j, slot))
 
     return [(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)]
 
@@ -389,7 +448,11 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
   def unit(r: kernel.Refs, t, base):
     q_ref = r.inputs[0]
     o_ref, lse_ref = r.outputs
-    q_smem, o_smem, lse_smem, k_smem, v_smem = r.smem
+    q_smem, o_smem, lse_smem = r.smem[:3]
+    if one_byte:
+      k_smem, v_smem, ks_smem, vs_smem, wide = r.smem[3:]
+    else:
+      k_smem, v_smem = r.smem[3:]
     q_bar, k_bar, v_bar, k_free, v_free = r.barriers
     sched = runs(r)
     b, n, split = r.units.decode(r.cta, t)
@@ -407,12 +470,19 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
     def step(j, carry, *, masked):
       m_i, l_i, acc = carry
       slot = kernel.rem(base + j - ulo, stages)
-      plgpu.barrier_wait(k_bar.at[slot])
-      qk = ops.mm(q_smem.at[kernel.stationary_in_step(spec, 0)],
-                  k_smem.at[slot], transpose_b=True)
-      plgpu.barrier_arrive(k_free.at[slot])
-      s = qk if scale is not None else kernel.logits(spec, qk)[0]
       first = block_start(j)
+      plgpu.barrier_wait(k_bar.at[slot])
+      k_tile = k_smem.at[slot]
+      if one_byte:
+        k_tile = _widened(ops, k_tile,
+                          None if scales is None else (ks_smem.at[slot], n),
+                          wide.at[0], spec.dtype)
+        plgpu.barrier_arrive(k_free.at[slot])
+      qk = ops.mm(q_smem.at[kernel.stationary_in_step(spec, 0)], k_tile,
+                  transpose_b=True)
+      if not one_byte:
+        plgpu.barrier_arrive(k_free.at[slot])
+      s = qk if scale is not None else kernel.logits(spec, qk)[0]
       if masked:
         kv_pos = first + ops.iota_vector(bk, 1)
         # Keys of this block (not the one before, in a block shifted back
@@ -426,11 +496,18 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
           tile_exp=forward.tile_exp(spec), scale=scale)
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       plgpu.barrier_wait(v_bar.at[slot])
-      if masked:
-        _zero_rows_past(ops, v_smem.at[slot], first, length)
-      acc = ops.mm(p.astype(spec.dtype), v_smem.at[slot], a_in_smem=False,
-                   acc=acc)
-      plgpu.barrier_arrive(v_free.at[slot])
+      v_tile = v_smem.at[slot]
+      if one_byte:
+        v_tile = _widened(ops, v_tile,
+                          None if scales is None else (vs_smem.at[slot], n),
+                          wide.at[1], spec.dtype,
+                          (first, length) if masked else None)
+        plgpu.barrier_arrive(v_free.at[slot])
+      elif masked:
+        _zero_rows_past(ops, v_tile, first, length)
+      acc = ops.mm(p.astype(spec.dtype), v_tile, a_in_smem=False, acc=acc)
+      if not one_byte:
+        plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 
     carry = (
@@ -452,11 +529,25 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
       ops.smem((1, TILE_ROWS, h), spec.dtype, True),  # the packed rows
       ops.smem((TILE_ROWS, hv), _F32, True),  # the result's staging
       plgpu.SMEM((TILE_ROWS,), _F32),  # its logsumexp
-      ops.smem((stages, bk, h), spec.dtype, True),  # K ring
-      ops.smem((stages, bk, hv), spec.dtype, True),  # V ring
+      # The K and V rings (a 1-byte tile's rows are H bytes: its swizzle
+      # no wider).
+      ops.smem((stages, bk, h), key.dtype, True,
+               swizzle=min(ops.swizzle, h * key.dtype.itemsize)),
+      ops.smem((stages, bk, hv), value.dtype, True,
+               swizzle=min(ops.swizzle, hv * value.dtype.itemsize)),
   )
-  # A block's copies: one, or a page each where pages are narrower.
-  copies = 1 if table is None else max(1, bk // key.shape[1])
+  if one_byte:
+    smem += (
+        # The keys' and the values' scales, rings.
+        *(plgpu.SMEM((stages, bk, layout.round_up(num_kv, _ROW_TILE)), _F32)
+          for _ in range(2)),
+        # The widened K and V tiles the products read.
+        ops.smem((2, bk, max(h, hv)), spec.dtype, True),
+    )
+  # A block's copies: one, or a page each where pages are narrower; with
+  # scales, theirs.
+  copies = (1 if table is None else max(1, bk // key.shape[1])) + (
+      scales is not None)
   barriers = (
       gpu_ops.barrier(1),  # the packed rows
       gpu_ops.barrier(stages, copies),  # K loaded
@@ -474,6 +565,35 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table, *,
       unit=unit, producer_groups=producer_groups, schedule=runs,
       # Every reduction is of a row of a [64, block] tile, within a warp.
       cross_warp_reductions=False)
+
+
+def _widened(ops, tile, scale_ref, dst, dtype, past=None):
+  """A 1-byte K or V tile [bk, H] widened into `dst` (the shared-memory
+  tile the products read) in `dtype`, each key's row times its scale
+  (`scale_ref`: float32 [bk], or None); `past`: (first key, length), the
+  rows at or past the length zeroed. Returns the view of `dst` it fills
+  (the first H columns)."""
+  bk, width = tile.shape
+  x = ops.load_tile(tile).astype(_F32)
+  if scale_ref is not None:
+    # The block's scales of every K/V head [bk, K], in the accumulator
+    # layout; this head's column, as a vector along the tile's rows.
+    ref, head = scale_ref
+    every = ops.load_tile(ref)
+    column = lax.broadcast_in_dim(ops.iota_vector(ref.shape[1], 1),
+                                  every.shape, (1,)) == head
+    own = jnp.sum(jnp.where(column, every, jnp.zeros_like(every)), axis=1)
+    x = x * lax.broadcast_in_dim(own, x.shape, (0,))
+  if past is not None:
+    first, length = past
+    keep = first + ops.iota_vector(bk, 0) < length
+    x = jnp.where(lax.broadcast_in_dim(keep, x.shape, (0,)), x,
+                  jnp.zeros_like(x))
+  out = dst if dst.shape[1] == width else dst.at[:, pl.ds(0, width)]
+  out[...] = x.astype(dtype)
+  # The generic-proxy stores, before wgmma reads the tile.
+  plgpu.commit_smem()
+  return out
 
 
 def _zero_rows_past(ops, v_tile, first, length):

@@ -11,11 +11,11 @@ and not timed):
   (with scales; at their default tiling and at the 64-key one that it
   replaced), and on triton the bfloat16 cache through `mosaic_gpu`'s
   split kernel ("mosaic_gpu_bfloat16"; "mosaic_gpu_paged_16" as shuffled
-  pages of 16 keys). The float32-query cells of
-  earlier windows (a float32
-  cache, and the int8 cache under float32 queries: the float32 path an
-  int8 cache took with them) are no longer timed: the b85705a and
-  07213ac windows measured them at 70.9 and 69.7 us, 43.7 and 43.3 us
+  pages of 16 keys; "mosaic_gpu_int8" the int8 cache). The float32-query
+  cells of earlier windows (a float32 cache, and the int8 cache under
+  float32 queries: the float32 path an int8 cache took with them) are no
+  longer timed: the b85705a and 07213ac windows measured them at 70.9 and
+  69.7 us, 43.7 and 43.3 us
   (the bfloat16 cells 0.53-0.54x, the int8 0.63x);
 * `prefix`: B rows sharing a prefix of S_p tokens with S_own tokens each,
   decoded with `prefix_key`/`prefix_value` ("prefix": on triton both
@@ -226,6 +226,16 @@ def dtype_rows(implementation: str, repeats: int, *,
                       _BF16, dict(query_dtype="bfloat16",
                                   cache_dtype="bfloat16", page_size=16,
                                   kernel="mosaic_gpu")))
+    # The int8 cache (per-entry scales), widened in the kernel.
+    name, _, int8_args, int8_refs = quantized[0]
+
+    def mosaic_int8(q, k, v, lengths, ks, vs):
+      return mosaic(q, k, v, lengths, key_scale=ks, value_scale=vs)
+
+    cells.append(Cell(f"mosaic_gpu_{name}", mosaic_int8, (q, *int8_args),
+                      *int8_refs, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype=name,
+                           kernel="mosaic_gpu")))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -460,6 +470,9 @@ TARGETS = (
      0.9),
     ("mosaic_gpu_paged_vs_contiguous", "dtype", "mosaic_gpu_paged_16",
      "mosaic_gpu_bfloat16", 1.1),
+    ("mosaic_gpu_int8_vs_bf16", "dtype", "mosaic_gpu_int8",
+     "mosaic_gpu_bfloat16", 0.6),
+    ("mosaic_gpu_int8_vs_triton", "dtype", "mosaic_gpu_int8", "int8", 0.9),
     ("tnew16_mosaic_gpu_vs_triton", "tnew", "t_new_16_mosaic_gpu",
      "t_new_16", 0.9),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
