@@ -967,7 +967,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "latent_vs_value_chunk_512", "latent_vs_value_chunk_256",
         "tnew16_int8_vs_8_warps", "mosaic_gpu_vs_triton",
         "mosaic_gpu_paged_vs_contiguous", "tnew16_mosaic_gpu_vs_triton",
-        "mosaic_gpu_int8_vs_bf16", "mosaic_gpu_int8_vs_triton"}
+        "mosaic_gpu_int8_vs_bf16", "mosaic_gpu_int8_vs_triton",
+        "mosaic_gpu_int8_two_consumers"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
@@ -1043,6 +1044,8 @@ def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
   assert int8["status"] == "ok" and int8["cache_dtype"] == "int8", int8
   assert ratios["mosaic_gpu_int8_vs_triton"]["ratio"] == pytest.approx(
       int8["ms"] / by_name["int8"]["ms"])
+  assert by_name["mosaic_gpu_int8_8_warps"]["status"] == "ok"
+  assert by_name["mosaic_gpu_int8_8_warps"]["num_warps"] == 8
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -468,21 +468,26 @@ def test_triton_decode_stages_fit_shared_memory(paged, tile, smem, stages):
 
 
 def test_num_warps_is_checked():
-  """num_warps is triton's (every other implementation, the default
-  included, rejects it by name) and one of Triton's warp counts."""
+  """num_warps is triton's and mosaic_gpu's (every other implementation,
+  the default included, rejects it by name), one of their warp counts."""
   gen = rng("decode num_warps checks")
   q = jnp.asarray(gen.standard_normal((1, 1, 4, 16)), jnp.float32)
   k = jnp.asarray(gen.standard_normal((1, 40, 2, 16)), jnp.float32)
   lengths = jnp.asarray([33])
   for implementation in (None, "chunked"):
     with pytest.raises(ValueError, match="num_warps applies to "
-                       "implementation='triton'"):
+                       "implementation='triton' or 'mosaic_gpu'"):
       pallas_fa.decode_attention(q, k, k, lengths, num_warps=2,
                                  implementation=implementation)
   for bad in (3, 0, True, 2.0, 32):
     with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or"):
       pallas_fa.decode_attention(q, k, k, lengths, num_warps=bad,
                                  implementation="triton")
+  for bad in (1, 2, 16, True):
+    with pytest.raises(ValueError, match="num_warps must be 4 or 8 on "
+                       "implementation='mosaic_gpu'"):
+      pallas_fa.decode_attention(q, k, k, lengths, num_warps=bad,
+                                 implementation="mosaic_gpu")
 
 
 @attention_testing.gpu_jax_only_on_cpu

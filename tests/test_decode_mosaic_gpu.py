@@ -171,6 +171,41 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   assert_close(f"{name} out", got, want32, same, jnp.bfloat16)
 
 
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.int8],
+                         ids=["bfloat16", "int8"])
+def test_mosaic_gpu_decode_two_consumers(cache_dtype):
+  """num_warps=8: two consumer warpgroups a CTA, each taking the ring
+  slots of its parity (so every other block of a unit, whatever the
+  parity a unit starts at: odd block counts shift it) and writing its own
+  partial result, merged with the rest."""
+  gen = rng("mosaic_gpu decode two consumers", jnp.dtype(cache_dtype).name)
+  b, t, n, k, h, s = 3, 2, 8, 2, 64, 330
+  lengths = jnp.asarray([300, 130, 65], jnp.int32)
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
+  cache = {}
+  for part in ("key", "value"):
+    x = jnp.asarray(gen.standard_normal((b, s, k, h)), jnp.float32)
+    if cache_dtype == jnp.int8:
+      cache[part], cache[part + "_scale"] = kv_cache.quantize(x)
+    else:
+      cache[part] = x.astype(cache_dtype)
+  kw = dict(lengths=lengths, is_causal=True, **cache)
+  got = pallas_fa.decode_attention(q, implementation="mosaic_gpu",
+                                   num_warps=8, num_splits=3, **kw)
+  one = pallas_fa.decode_attention(q, implementation="mosaic_gpu",
+                                   num_splits=3, **kw)
+  wide = {name: (x if name.endswith("scale") or x.dtype == jnp.int8
+                 else x.astype(jnp.float32)) for name, x in cache.items()}
+  want32 = pallas_fa.decode_attention(
+      q.astype(jnp.float32), lengths=lengths, is_causal=True,
+      implementation="chunked", **wide)
+  same = pallas_fa.decode_attention(q, implementation="chunked", **kw)
+  assert_close("two consumers", got, want32, same, jnp.bfloat16)
+  assert_close("one consumer", one, want32, same, jnp.bfloat16)
+
+
 def _call(**changes):
   shape = dict(b=1, t=1, n=4, k=2, h=64, s=128, dtype=jnp.bfloat16)
   shape.update({x: changes.pop(x) for x in list(changes) if x in shape})

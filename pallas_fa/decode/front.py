@@ -146,11 +146,13 @@ def decode_attention(
       of 8, or of 32 when quantized) or the contiguous default ("triton":
       a slice of a page, or pages smaller than it gathered several to a
       block).
-    num_warps: "triton" only: warps per program, 1, 2, 4, 8 or 16; default
+    num_warps: "triton": warps per program, 1, 2, 4, 8 or 16; default
       4 for a packed tile of up to 16 rows x 128 value columns, else 8.
       Fewer warps split a block's keys fewer ways (each warp's share of the
       softmax reductions is exchanged through shared memory) at more
-      registers a thread.
+      registers a thread. "mosaic_gpu": the consumer warps of a CTA, 4
+      (the default: one warpgroup) or 8 (two, taking every other block of
+      a unit, each with its own partial result).
     implementation: None or "chunked" (jax.numpy, any platform, any head
       dim), "triton" (the Pallas-Triton kernel; a GPU or CPU interpret
       mode, page sizes multiples of 16; float, quantized and latent caches, a
@@ -161,8 +163,8 @@ def decode_attention(
       or its interpreter on a CPU; a contiguous or paged cache of the
       query's 16-bit dtype or a contiguous int8/float8 one, at H = 64 or
       128, pages of a multiple of 8 keys dividing or a multiple of 64,
-      G * T_new <= 64, no score_mod/mask_mod, a block_kv of 64 or 128). Other backends have no
-      decode kernel and raise NotImplementedError.
+      G * T_new <= 64, no score_mod/mask_mod, a block_kv of 64 or 128).
+      Other backends have no decode kernel and raise NotImplementedError.
     precision: as in `flash_attention`.
     return_residual: also return the logsumexp [B, T_new, N] (with
       `sinks`, the sink term included).
@@ -574,22 +576,31 @@ def _check_prefix_tiling(block, warps, prefix_key, implementation) -> dict:
 
 def _check_num_warps(num_warps, implementation,
                      name: str = "num_warps") -> dict:
-  """{"num_warps": n} for the triton kernel's launch, or {} (the default).
+  """{"num_warps": n} for a kernel's launch, or {} (the default).
 
   Raises:
-    ValueError: num_warps is not 1, 2, 4, 8 or 16, or is given to an
-      implementation other than "triton" (which has no warps to set).
+    ValueError: num_warps is not 1, 2, 4, 8 or 16 on "triton", not 4 or
+      8 (one or two consumer warpgroups) on "mosaic_gpu" (not as
+      `_prefix_num_warps`), or is given to another implementation (which
+      has no warps to set).
   """
   if num_warps is None:
     return {}
-  if implementation != "triton":
+  allowed = {"triton": (1, 2, 4, 8, 16)}
+  if name == "num_warps":
+    allowed["mosaic_gpu"] = (4, 8)
+  if implementation not in allowed:
     raise ValueError(
-        f"{name} applies to implementation='triton', got "
-        f"implementation={implementation!r}.")
+        f"{name} applies to implementation={' or '.join(map(repr, allowed))}"
+        f", got implementation={implementation!r}.")
   if (not isinstance(num_warps, (int, np.integer))
-      or isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16)):
+      or isinstance(num_warps, bool)
+      or num_warps not in allowed[implementation]):
+    choices = allowed[implementation]
     raise ValueError(
-        f"{name} must be 1, 2, 4, 8 or 16, got {num_warps!r}.")
+        f"{name} must be {', '.join(map(str, choices[:-1]))} or "
+        f"{choices[-1]} on implementation={implementation!r}, got "
+        f"{num_warps!r}.")
   return {"num_warps": int(num_warps)}
 
 

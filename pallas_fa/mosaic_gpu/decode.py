@@ -161,22 +161,26 @@ def check_block(block: int, cache_len: int) -> int:
 
 
 def stages_for(head_dim: int, value_head_dim: int, block: int,
-               cache_itemsize: int = 2, num_kv: int = 8) -> int:
-  """The deepest ring (at most `DEFAULT_STAGES`, at least 2) whose launch
+               cache_itemsize: int = 2, num_kv: int = 8,
+               consumers: int = 1) -> int:
+  """The deepest ring (at most `DEFAULT_STAGES`, at least 2; even with two
+  consumers, which take the ring's slots of their parity) whose launch
   fits shared memory."""
-  for stages in range(DEFAULT_STAGES, 2, -1):
+  for stages in range(DEFAULT_STAGES, 2, -consumers):
     if smem_bytes(head_dim, value_head_dim, block, stages, cache_itemsize,
-                  num_kv) <= _SMEM_BYTES:
+                  num_kv, consumers) <= _SMEM_BYTES:
       return stages
   return 2
 
 
 def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
-               cache_itemsize: int = 2, num_kv: int = 8) -> int:
-  """Shared memory of a launch: the query tile, the result's staging,
-  the K/V ring, for a 1-byte cache the scales' rings (every K/V head's,
-  `num_kv` padded to 8) and the two widened tiles (Mosaic GPU aligns each
-  buffer to 1 KiB), and 1 KiB for the barriers."""
+               cache_itemsize: int = 2, num_kv: int = 8,
+               consumers: int = 1) -> int:
+  """Shared memory of a launch: each consumer's query tile and result
+  staging, the K/V ring, for a 1-byte cache the scales' rings (every K/V
+  head's, `num_kv` padded to 8) and each consumer's two widened tiles
+  (Mosaic GPU aligns each buffer to 1 KiB), and 1 KiB for the
+  barriers."""
   def kib(x):
     return layout.round_up(x, 1024)
 
@@ -185,9 +189,10 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
   if cache_itemsize == 1:
     heads = layout.round_up(num_kv, _ROW_TILE)
     ring += 2 * kib(stages * block * heads * 4) + kib(
-        2 * block * max(head_dim, value_head_dim) * 2)
-  return (1024 + kib(TILE_ROWS * head_dim * 2)
-          + kib(TILE_ROWS * value_head_dim * 4) + kib(TILE_ROWS * 4) + ring)
+        consumers * 2 * block * max(head_dim, value_head_dim) * 2)
+  return (1024 + kib(consumers * TILE_ROWS * head_dim * 2)
+          + kib(consumers * TILE_ROWS * value_head_dim * 4)
+          + kib(consumers * TILE_ROWS * 4) + ring)
 
 
 class _SplitRuns:
@@ -261,8 +266,8 @@ def _packed_rows(query, num_kv: int):
 def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
-              precision, key_scale=None, value_scale=None, stages=None,
-              num_ctas=None, **unused):
+              precision, key_scale=None, value_scale=None, num_warps=None,
+              stages=None, num_ctas=None, **unused):
   """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
   the merge (`triton.decode_merge`, which adds the sinks and writes the
   query's dtype and layout), two kernels at T_new = 1.
@@ -283,6 +288,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
     block: keys per block; splits: parts of each sequence's visible keys.
     scale, is_causal, local_window_size, logits_soft_cap: the call's.
     precision: ignored (the products are 16-bit wgmma, float32 sums).
+    num_warps: the consumer warps of a CTA, 4 (None: one warpgroup) or 8
+      (two, each taking the ring's slots of its parity, so every other
+      block of a unit, and writing a partial result of its own).
     stages: ring depth (None: `stages_for`); num_ctas: persistent CTAs
       (None: one an SM, at most one a unit).
 
@@ -298,7 +306,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
   g = n // num_kv
   r = g * t
   rows = stored_rows(r)
-  stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv)
+  consumers = 2 if num_warps == 8 else 1
+  stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv,
+                                consumers)
   interpret = interpreted()
   q_rows = _packed_rows(query, num_kv)
   if interpret and rows > r:
@@ -313,7 +323,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
   spec = kernel.Spec(
       batch=b, q_len=TILE_ROWS, kv_len=s_max, num_heads=num_kv,
       num_kv_heads=num_kv, head_dim=h, value_head_dim=hv, dtype=query.dtype,
-      block_q=TILE_ROWS, block_kv=block, stages=stages, consumers=1,
+      block_q=TILE_ROWS, block_kv=block, stages=stages, consumers=consumers,
       num_ctas=max(1, min(num_ctas, units)), pingpong=False,
       is_causal=is_causal, window=local_window_size, scale=scale,
       soft_cap=logits_soft_cap, interpret=interpret,
@@ -321,7 +331,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       # layouts for this kernel (jax 0.11.2).
       lowering_semantics="lane")
   if not interpret:
-    need = smem_bytes(h, hv, block, stages, key.dtype.itemsize, num_kv)
+    need = smem_bytes(h, hv, block, stages, key.dtype.itemsize, num_kv,
+                      consumers)
     if need > _SMEM_BYTES:
       raise ValueError(
           f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
@@ -359,9 +370,10 @@ def attention(query, key, value, lengths, block_table, query_positions,
 
 def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
             scales, *, splits: int, rows: int, new_tokens: int):
-  """The split kernel: (out float32 [B, K, splits, stored_rows(rows), Hv],
-  lse float32 [B, K, splits, stored_rows(rows)]), each split's normalised
-  result and logsumexp (-inf: no visible key).
+  """The split kernel: (out float32 [B, K, C * splits, stored_rows(rows),
+  Hv], lse float32 [B, K, C * splits, stored_rows(rows)]), each split's
+  normalised result and logsumexp (-inf: no visible key) from each of the
+  C = `spec.consumers` consumers (part c * splits + split).
 
   A 1-byte cache (int8 or float8) streams as stored; the consumer widens
   each K and V tile to the query's dtype (which holds every such value
@@ -370,7 +382,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   tile of its own, which the products read."""
   ops = kernel.ops_for(spec)
   bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
-  s_max, num_kv = spec.kv_len, spec.num_heads
+  s_max, num_kv, nc = spec.kv_len, spec.num_heads, spec.consumers
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
   one_byte = key.dtype.itemsize == 1
@@ -461,9 +473,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     # The unit's rows and the rounding rows after them (the next head's,
     # or zeros past the array): every row's math is its own, and only the
     # unit's rows are merged. The tile's other rows hold what they hold.
+    wg = r.wg
     kernel.load_stationary(
         [(q_ref.at[pl.ds((b * num_kv + n) * rows, stored)],
-          q_smem.at[0, pl.ds(0, stored)])], q_bar.at[0])
+          q_smem.at[wg, pl.ds(0, stored)])], q_bar.at[wg])
     tokens = kernel.rem(ops.iota_vector(TILE_ROWS, 0), new_tokens)
     q_pos, _, _ = sched.positions(b, tokens)
 
@@ -476,9 +489,9 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       if one_byte:
         k_tile = _widened(ops, k_tile,
                           None if scales is None else (ks_smem.at[slot], n),
-                          wide.at[0], spec.dtype)
+                          wide.at[wg, 0], spec.dtype)
         plgpu.barrier_arrive(k_free.at[slot])
-      qk = ops.mm(q_smem.at[kernel.stationary_in_step(spec, 0)], k_tile,
+      qk = ops.mm(q_smem.at[kernel.stationary_in_step(spec, wg)], k_tile,
                   transpose_b=True)
       if not one_byte:
         plgpu.barrier_arrive(k_free.at[slot])
@@ -500,7 +513,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       if one_byte:
         v_tile = _widened(ops, v_tile,
                           None if scales is None else (vs_smem.at[slot], n),
-                          wide.at[1], spec.dtype,
+                          wide.at[wg, 1], spec.dtype,
                           (first, length) if masked else None)
         plgpu.barrier_arrive(v_free.at[slot])
       elif masked:
@@ -515,20 +528,23 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         ops.full_vector(TILE_ROWS, 0.0, 0),
         ops.full((TILE_ROWS, hv), 0.0),
     )
-    m_i, l_i, acc = kernel.phases(sched, b, split, 0, step, carry,
-                                  masked=True)
+    m_i, l_i, acc = _walk(sched, b, split, step, carry, base=base,
+                          consumer=wg, consumers=spec.consumers)
     out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True,
                                        per_query=_ROWS)
-    o_smem[...] = out
-    lse_smem[...] = lse
-    kernel.store([(o_smem.at[pl.ds(0, stored)], o_ref.at[b, n, split]),
-                  (lse_smem.at[pl.ds(0, stored)], lse_ref.at[b, n, split])])
+    part = wg * splits + split
+    o_smem.at[wg][...] = out
+    lse_smem.at[wg][...] = lse
+    kernel.store([(o_smem.at[wg, pl.ds(0, stored)], o_ref.at[b, n, part]),
+                  (lse_smem.at[wg, pl.ds(0, stored)],
+                   lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
   smem = (
-      ops.smem((1, TILE_ROWS, h), spec.dtype, True),  # the packed rows
-      ops.smem((TILE_ROWS, hv), _F32, True),  # the result's staging
-      plgpu.SMEM((TILE_ROWS,), _F32),  # its logsumexp
+      # Each consumer's packed rows, its result's staging and logsumexp.
+      ops.smem((nc, TILE_ROWS, h), spec.dtype, True),
+      ops.smem((nc, TILE_ROWS, hv), _F32, True),
+      plgpu.SMEM((nc, TILE_ROWS), _F32),
       # The K and V rings (a 1-byte tile's rows are H bytes: its swizzle
       # no wider).
       ops.smem((stages, bk, h), key.dtype, True,
@@ -542,22 +558,23 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         *(plgpu.SMEM((stages, bk, layout.round_up(num_kv, _ROW_TILE)), _F32)
           for _ in range(2)),
         # The widened K and V tiles the products read.
-        ops.smem((2, bk, max(h, hv)), spec.dtype, True),
+        ops.smem((nc, 2, bk, max(h, hv)), spec.dtype, True),
     )
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs.
   copies = (1 if table is None else max(1, bk // key.shape[1])) + (
       scales is not None)
   barriers = (
-      gpu_ops.barrier(1),  # the packed rows
+      gpu_ops.barrier(nc),  # each consumer's packed rows
       gpu_ops.barrier(stages, copies),  # K loaded
       gpu_ops.barrier(stages, copies),  # V loaded
       gpu_ops.barrier(stages),  # K slot released
       gpu_ops.barrier(stages),  # V slot released
   )
   out_types = (
-      jax.ShapeDtypeStruct((spec.batch, num_kv, splits, stored, hv), _F32),
-      jax.ShapeDtypeStruct((spec.batch, num_kv, splits, stored), _F32),
+      jax.ShapeDtypeStruct((spec.batch, num_kv, nc * splits, stored, hv),
+                           _F32),
+      jax.ShapeDtypeStruct((spec.batch, num_kv, nc * splits, stored), _F32),
   )
   return kernel.launch(
       spec, name="pfa_mgpu_decode", units=units, reps=1, operands=operands,
@@ -565,6 +582,29 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       unit=unit, producer_groups=producer_groups, schedule=runs,
       # Every reduction is of a row of a [64, block] tile, within a warp.
       cross_warp_reductions=False)
+
+
+def _walk(sched, b, split, step, carry, *, base, consumer, consumers: int):
+  """A consumer's walk over a unit's key blocks: `kernel.phases`' masked /
+  unmasked / masked runs of [first, end), all of them with one consumer;
+  with two, the blocks whose ring step (base + j - first) has the
+  consumer's parity (an even ring: the slots of that parity, every fill of
+  which the consumer then awaits in order)."""
+  if consumers == 1:
+    return kernel.phases(sched, b, split, 0, step, carry, masked=True)
+  ulo, uhi = sched[b, split, 0], sched[b, split, 1]
+  flo, fhi = sched[b, split, 2], sched[b, split, 3]
+  for lo, hi, masked in ((ulo, flo, True), (flo, fhi, False),
+                         (fhi, uhi, True)):
+    # The run's first block of this consumer's parity, and their count.
+    first = lo + kernel.rem(consumer + 2 - kernel.rem(base + lo - ulo, 2), 2)
+    count = kernel.div(jnp.maximum(hi - first + 1, 0), 2)
+
+    def body(i, c, first=first, masked=masked):
+      return step(first + 2 * i, c, masked=masked)
+
+    carry = lax.fori_loop(0, count, body, carry)
+  return carry
 
 
 def _widened(ops, tile, scale_ref, dst, dtype, past=None):

@@ -11,7 +11,8 @@ and not timed):
   (with scales; at their default tiling and at the 64-key one that it
   replaced), and on triton the bfloat16 cache through `mosaic_gpu`'s
   split kernel ("mosaic_gpu_bfloat16"; "mosaic_gpu_paged_16" as shuffled
-  pages of 16 keys; "mosaic_gpu_int8" the int8 cache). The float32-query
+  pages of 16 keys; "mosaic_gpu_int8" the int8 cache, "_8_warps" with two
+  consumer warpgroups a CTA). The float32-query
   cells of earlier windows (a float32 cache, and the int8 cache under
   float32 queries: the float32 path an int8 cache took with them) are no
   longer timed: the b85705a and 07213ac windows measured them at 70.9 and
@@ -236,6 +237,16 @@ def dtype_rows(implementation: str, repeats: int, *,
                       *int8_refs, _BF16,
                       dict(query_dtype="bfloat16", cache_dtype=name,
                            kernel="mosaic_gpu")))
+
+    # Two consumer warpgroups a CTA (every other block each).
+    def mosaic_int8_8_warps(q, k, v, lengths, ks, vs):
+      return mosaic(q, k, v, lengths, key_scale=ks, value_scale=vs,
+                    num_warps=8)
+
+    cells.append(Cell(f"mosaic_gpu_{name}_8_warps", mosaic_int8_8_warps,
+                      (q, *int8_args), *int8_refs, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype=name,
+                           kernel="mosaic_gpu", num_warps=8)))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -473,6 +484,10 @@ TARGETS = (
     ("mosaic_gpu_int8_vs_bf16", "dtype", "mosaic_gpu_int8",
      "mosaic_gpu_bfloat16", 0.6),
     ("mosaic_gpu_int8_vs_triton", "dtype", "mosaic_gpu_int8", "int8", 0.9),
+    # Two consumer warpgroups against one over the int8 cache, whose
+    # widening binds one consumer.
+    ("mosaic_gpu_int8_two_consumers", "dtype", "mosaic_gpu_int8_8_warps",
+     "mosaic_gpu_int8", 0.85),
     ("tnew16_mosaic_gpu_vs_triton", "tnew", "t_new_16_mosaic_gpu",
      "t_new_16", 0.9),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
