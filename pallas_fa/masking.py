@@ -643,6 +643,21 @@ def decode_key_blocks(length, q_first, q_last, *, block: int,
   return lo.astype(i32), hi.astype(i32)
 
 
+def decode_whole_blocks(length, q_first, q_last, *, block: int,
+                        is_causal: bool, window) -> tuple[Array, Array]:
+  """[lo, hi): the key blocks that every new token sees whole, all their
+  keys below the length and inside the causal mask and window of the
+  tokens at positions [q_first, q_last]; empty (lo >= hi) when none (the
+  decode kernels run them unmasked). Scalar or array arithmetic, like
+  `decode_key_blocks`."""
+  # The keys every token sees are those the tokens would see if the window
+  # started at the last token's and ended at the first token's
+  # (`decode_key_blocks` in blocks of one key): whole blocks lie inside.
+  start, end = decode_key_blocks(length, q_last, q_first, block=1,
+                                 is_causal=is_causal, window=window)
+  return (start + block - 1) // block, end // block
+
+
 def split_run(lo, hi, splits: int, split) -> tuple[Array, Array]:
   """Blocks [first, end) of run `split` when [lo, hi) is cut into `splits`
   contiguous runs of ceil((hi - lo) / splits) blocks (split-KV); an empty

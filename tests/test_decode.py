@@ -368,11 +368,11 @@ def test_triton_interior_blocks_run_unmasked(page_size, window, t,
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("window", [None, (5, 0), (37, None), (None, 2)])
-def test_triton_whole_blocks_are_the_full_ones(is_causal, window):
-  """`_whole_blocks`, from scalars in the kernel, gives the FULL blocks of
+def test_whole_blocks_are_the_full_ones(is_causal, window):
+  """`masking.decode_whole_blocks`, from scalars in the triton and
+  mosaic_gpu kernels, gives the FULL blocks of
   `masking.decode_block_kinds` (and only those) for every sequence."""
   from pallas_fa import masking  # noqa: PLC0415
-  from pallas_fa.triton import decode as triton_decode  # noqa: PLC0415
   gen = rng("decode", "whole blocks", is_causal, window)
   b, t, block, num_blocks = 64, 3, 16, 10
   lengths = gen.integers(0, num_blocks * block + 1, b).astype(np.int32)
@@ -381,7 +381,7 @@ def test_triton_whole_blocks_are_the_full_ones(is_causal, window):
   kinds = np.asarray(masking.decode_block_kinds(
       jnp.asarray(lengths), jnp.asarray(q_pos), num_blocks=num_blocks,
       block=block, is_causal=is_causal, window=window))
-  lo, hi = triton_decode._whole_blocks(
+  lo, hi = masking.decode_whole_blocks(
       jnp.asarray(lengths), jnp.asarray(q_pos.min(1)),
       jnp.asarray(q_pos.max(1)), block=block, is_causal=is_causal,
       window=window)

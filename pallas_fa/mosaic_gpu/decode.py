@@ -244,11 +244,10 @@ class _SplitRuns:
     first, end = masking.split_run(lo, hi, self.splits, split)
     if i < 2:
       return (first, end)[i]
-    # The keys every new token sees: the first and last tokens swapped.
-    start, stop = masking.decode_key_blocks(
-        length, q_last, q_first, block=1, is_causal=causal, window=window)
-    flo = jnp.clip((start + bk - 1) // bk, first, end)
-    return flo if i == 2 else jnp.clip(stop // bk, flo, end)
+    whole_lo, whole_hi = masking.decode_whole_blocks(
+        length, q_first, q_last, block=bk, is_causal=causal, window=window)
+    flo = jnp.clip(whole_lo, first, end)
+    return flo if i == 2 else jnp.clip(whole_hi, flo, end)
 
 
 def _packed_rows(query, num_kv: int):

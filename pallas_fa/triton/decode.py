@@ -15,9 +15,9 @@ One Pallas program per (sequence, K/V head, split[, value-head-dim chunk]):
   (`masking.decode_key_blocks`, `masking.split_run`), so no span arrays
   are computed before the kernel; it runs the online softmax over its run
   and writes a normalised partial (out, lse). The blocks every row sees
-  whole (`_whole_blocks`: inside the length, the causal mask and the
-  window) run unmasked; in the others, at most a block or two at either
-  end of a run, every key is masked by `masking.visible` with `key <
+  whole (`masking.decode_whole_blocks`: inside the length, the causal mask
+  and the window) run unmasked; in the others, at most a block or two at
+  either end of a run, every key is masked by `masking.visible` with `key <
   length` as its dense term, and value rows past the length are zeroed
   (they may hold NaN). With a mask_mod the visible blocks need not be
   contiguous: each K/V head's non-empty blocks are listed
@@ -439,22 +439,6 @@ def _div_rem(x, d: int):
   return jax.lax.div(x, jnp.int32(d)), jax.lax.rem(x, jnp.int32(d))
 
 
-def _whole_blocks(length, q_first, q_last, *, block: int, is_causal: bool,
-                  window):
-  """[lo, hi): the key blocks that every new token sees whole, all their
-  keys below the length and inside the causal mask and window of the
-  tokens at positions [q_first, q_last]; empty (lo >= hi) when none. A
-  block past the cache's end (read shifted, `_kernel.key_rows`) lies past
-  the length and is never among them."""
-  # The keys every token sees are those the tokens would see if the
-  # window started at the last token's and ended at the first token's
-  # (`masking.decode_key_blocks` in blocks of one key): whole blocks lie
-  # inside them.
-  start, end = masking.decode_key_blocks(
-      length, q_last, q_first, block=1, is_causal=is_causal, window=window)
-  return (start + block - 1) // block, end // block
-
-
 def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
             value_chunk: int, value_chunks: int, page_size: int | None,
             max_pages: int | None, cache_len: int, capacity: int,
@@ -490,8 +474,9 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
         length, q_first, q_last, block=block, is_causal=is_causal,
         window=window)
     first, end = masking.split_run(lo, hi, splits, split)
-    whole_lo, whole_hi = _whole_blocks(length, q_first, q_last, block=block,
-                                       is_causal=is_causal, window=window)
+    whole_lo, whole_hi = masking.decode_whole_blocks(
+        length, q_first, q_last, block=block, is_causal=is_causal,
+        window=window)
   row_pos = row_pos[:, None]  # [R, 1]
   # The program's value columns start here.
   value_start = pl.multiple_of(column * value_chunk, value_chunk)
@@ -712,9 +697,10 @@ def _kernel(refs, *, block: int, head_chunk: int, head_chunks: int,
     carry = jax.lax.fori_loop(jnp.maximum(first, n_full), end, listed(True),
                               carry)
   else:
-    # The run's blocks that every row sees whole (`_whole_blocks`) skip the
-    # masking; the masked loop takes the rest, at most a block or two at
-    # either end of the run (the length's, a window's).
+    # The run's blocks that every row sees whole
+    # (`masking.decode_whole_blocks`) skip the masking; the masked loop
+    # takes the rest, at most a block or two at either end of the run (the
+    # length's, a window's).
     whole_first = jnp.clip(whole_lo, first, end)
     whole_end = jnp.clip(whole_hi, whole_first, end)
     carry = jax.lax.fori_loop(whole_first, whole_end,
