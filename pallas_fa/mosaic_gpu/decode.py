@@ -1,4 +1,4 @@
-"""The decode kernel of `mosaic_gpu` (Hopper): split-KV over a 16-bit cache.
+"""The decode kernel of `mosaic_gpu` (Hopper): split-KV over a KV cache.
 
 Two kernels a step, as `triton.decode`: this split kernel and the merge
 (`triton.decode_merge`). The split kernel runs on the producer/consumer
@@ -12,10 +12,12 @@ skeleton of `kernel`:
   through a `stages`-deep ring, running ahead across unit boundaries, so
   that an SM keeps `stages` x 2 x block x H x 2 bytes in flight (128 KiB at
   the defaults, H = 128) without waiting on the consumer;
-* one consumer warpgroup holds the K/V head's G x T_new packed query rows
-  (GQA packing, `decode.plan.packed`'s order) in a 64-row tile, wgmma's M,
-  and runs Q K^T and P V on wgmma with the online softmax in registers,
-  masking only the blocks at the split's edges (`kernel.phases`: the keys
+* one consumer warpgroup (two with `num_warps=8`, each taking the ring
+  slots of its parity and writing a partial of its own, `_walk`) holds
+  the K/V head's G x T_new packed query rows (GQA packing,
+  `decode.plan.packed`'s order) in a 64-row tile, wgmma's M, and runs
+  Q K^T and P V on wgmma with the online softmax in registers, masking
+  only the blocks at the split's edges (`kernel.phases`: the keys
   past the length, the causal bound and the window);
 * each split's normalised result (float32, the packed rows rounded up to
   whole 8-row tiles) and its logsumexp go out by TMA.
@@ -39,8 +41,7 @@ value, as a 16-bit cache's.
 Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
 multiple of 8 keys that divides or is a multiple of the block) or a
 contiguous 1-byte one, head dims of 64 or 128, and at least one block of
-keys;
-`decode.kernels` refuses the rest by name (`supports`).
+keys; `decode.kernels` refuses the rest by name (`supports`).
 """
 
 from __future__ import annotations
