@@ -75,6 +75,11 @@ DEFAULT_STAGES = 4
 # shared-memory tiling of a float32 tile).
 _ROW_TILE = 8
 _SMEM_BYTES = 227 * 1024
+# Where the split kernel's shared-memory refs sit (`_launch`): the packed
+# rows, the result staging, the logsumexps, the K and V rings, and a 1-byte
+# cache's scale rings.
+_RING = 3
+_KEY_SCALES = 5
 # An H100's SMs, where the target does not say.
 _DEFAULT_SMS = 132
 
@@ -187,13 +192,30 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
 
   ring = stages * (kib(block * head_dim * cache_itemsize)
                    + kib(block * value_head_dim * cache_itemsize))
+  staging = consumers * TILE_ROWS * value_head_dim * 4
   if cache_itemsize == 1:
     heads = layout.round_up(num_kv, _ROW_TILE)
-    ring += 2 * kib(stages * block * heads * 4) + kib(
-        consumers * 2 * block * max(head_dim, value_head_dim) * 2)
-  return (1024 + kib(consumers * TILE_ROWS * head_dim * 2)
-          + kib(consumers * TILE_ROWS * value_head_dim * 4)
+    ring += 2 * kib(stages * block * heads * 4)
+    wide = consumers * 2 * block * max(head_dim, value_head_dim) * 2
+    if shares_staging(cache_itemsize, head_dim, value_head_dim):
+      staging = max(staging, wide)
+    else:
+      ring += kib(wide)
+  return (1024 + kib(consumers * TILE_ROWS * head_dim * 2) + kib(staging)
           + kib(consumers * TILE_ROWS * 4) + ring)
+
+
+def shares_staging(cache_itemsize: int, head_dim: int,
+                   value_head_dim: int) -> bool:
+  """Whether a consumer's result staging and its widened K/V tiles share
+  shared memory (`plgpu.RefUnion`): a 1-byte cache's widened tiles are
+  dead once a unit's last P V has run, which is when the staging is
+  written, and the next unit widens only after the staging's TMA store
+  has read it (`kernel.load_stationary`). Each consumer's staging is then
+  `block` rows, the bytes of its two widened [block, H] 16-bit tiles when
+  H = Hv, so that the consumers' halves of the two views coincide and
+  neither consumer's writes reach the other's half."""
+  return cache_itemsize == 1 and head_dim == value_head_dim
 
 
 class _SplitRuns:
@@ -386,6 +408,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
   one_byte = key.dtype.itemsize == 1
+  shared = shares_staging(key.dtype.itemsize, h, hv)
   optional = [(name, x) for name, x in (
       ("qpos", qpos), ("table", table),
       *zip(("key_scale", "value_scale"), scales or ())) if x is not None]
@@ -434,12 +457,12 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     del n  # A block's scales of every K/V head: rows of K * 4 bytes.
     ref = r.inputs[at[("key_scale", "value_scale")[which]]]
     return [(ref.at[b, pl.ds(block_start(j), bk)],
-             r.smem[-3 + which].at[slot])]
+             r.smem[_KEY_SCALES + which].at[slot])]
 
   def producer_groups(r: kernel.Refs):
     k_ref, v_ref = r.inputs[1:3]
     table_ref = r.inputs[at["table"]] if "table" in at else None
-    k_smem, v_smem = r.smem[-5:-3] if one_byte else r.smem[-2:]
+    k_smem, v_smem = r.smem[_RING:_RING + 2]
     k_bar, v_bar, k_free, v_free = r.barriers[1:5]
 
     def k_copies(b, n, rep, j, slot):
@@ -461,10 +484,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     q_ref = r.inputs[0]
     o_ref, lse_ref = r.outputs
     q_smem, o_smem, lse_smem = r.smem[:3]
+    k_smem, v_smem = r.smem[_RING:_RING + 2]
     if one_byte:
-      k_smem, v_smem, ks_smem, vs_smem, wide = r.smem[3:]
-    else:
-      k_smem, v_smem = r.smem[3:]
+      ks_smem, vs_smem = r.smem[_KEY_SCALES:_KEY_SCALES + 2]
+      o_smem, wide = o_smem if shared else (o_smem, r.smem[-1])
     q_bar, k_bar, v_bar, k_free, v_free = r.barriers
     sched = runs(r)
     b, n, split = r.units.decode(r.cta, t)
@@ -533,17 +556,21 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True,
                                        per_query=_ROWS)
     part = wg * splits + split
-    o_smem.at[wg][...] = out
+    o_smem.at[wg, pl.ds(0, TILE_ROWS)][...] = out
     lse_smem.at[wg][...] = lse
     kernel.store([(o_smem.at[wg, pl.ds(0, stored)], o_ref.at[b, n, part]),
                   (lse_smem.at[wg, pl.ds(0, stored)],
                    lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
+  # The widened K and V tiles the products read (a 1-byte cache), in the
+  # result staging's memory where they fit it (`shares_staging`).
+  wide = ops.smem((nc, 2, bk, max(h, hv)), spec.dtype, True)
+  staging = ops.smem((nc, bk if shared else TILE_ROWS, hv), _F32, True)
   smem = (
       # Each consumer's packed rows, its result's staging and logsumexp.
       ops.smem((nc, TILE_ROWS, h), spec.dtype, True),
-      ops.smem((nc, TILE_ROWS, hv), _F32, True),
+      plgpu.RefUnion(staging, wide) if shared else staging,
       plgpu.SMEM((nc, TILE_ROWS), _F32),
       # The K and V rings (a 1-byte tile's rows are H bytes: its swizzle
       # no wider).
@@ -557,9 +584,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         # The keys' and the values' scales, rings.
         *(plgpu.SMEM((stages, bk, layout.round_up(num_kv, _ROW_TILE)), _F32)
           for _ in range(2)),
-        # The widened K and V tiles the products read.
-        ops.smem((nc, 2, bk, max(h, hv)), spec.dtype, True),
-    )
+    ) + (() if shared else (wide,))
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs.
   copies = (1 if table is None else max(1, bk // key.shape[1])) + (
