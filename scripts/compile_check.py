@@ -124,7 +124,7 @@ DTYPES = {"triton": ("bfloat16", "float16", "float32"),
 VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_paged16", "decode_int8", "decode_paged_int8", "decode_fp8",
             "decode_int8_64_rows", "decode_paged_fp8_64_rows",
-            "decode_int8_two_consumers",
+            "decode_int8_two_consumers", "decode_int8_128_keys",
             "decode_paged_fp8", "decode_latent", "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
@@ -170,10 +170,14 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                     "decode_int8_64_rows": ("decode", "int8"),
                     "decode_paged_fp8_64_rows": ("decode_paged",
                                                  "float8_e4m3fn"),
-                    "decode_int8_two_consumers": ("decode", "int8")}
+                    "decode_int8_two_consumers": ("decode", "int8"),
+                    "decode_int8_128_keys": ("decode", "int8")}
 # Decode variants with the kernel's `num_warps`: mosaic_gpu's two consumer
 # warpgroups a CTA.
 DECODE_NUM_WARPS = {"decode_int8_two_consumers": 8}
+# Decode variants with their own keys per block: mosaic_gpu's 128-key
+# blocks over a 1-byte cache (three stages).
+DECODE_BLOCK_KV = {"decode_int8_128_keys": 128}
 # Decode variants of 16 new tokens a row (speculative decoding), so that the
 # 4 query heads of a K/V head pack 64 rows: the tile that runs as one
 # warpgroup on Hopper (`triton.decode._launch`).
@@ -195,6 +199,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     **{name: ("triton", "mosaic_gpu") for name in (
                         "decode_int8", "decode_fp8", "decode_int8_64_rows")},
                     "decode_int8_two_consumers": ("mosaic_gpu",),
+                    "decode_int8_128_keys": ("mosaic_gpu",),
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
@@ -246,7 +251,8 @@ VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
 # (`mosaic_gpu.decode.supports`).
 BACKEND_HEAD_DIMS = {("mosaic_gpu", variant): (64, 128) for variant in (
     "decode", "decode_paged", "decode_paged16", "decode_int8", "decode_fp8",
-    "decode_int8_64_rows", "decode_int8_two_consumers")}
+    "decode_int8_64_rows", "decode_int8_two_consumers",
+    "decode_int8_128_keys")}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}
@@ -485,6 +491,8 @@ def _decode_call(case: Case, seq: int, spec):
       kw = dict(prefix_key=extra[0], prefix_value=extra[1])
     if case.variant in DECODE_NUM_WARPS:
       kw["num_warps"] = DECODE_NUM_WARPS[case.variant]
+    if case.variant in DECODE_BLOCK_KV:
+      kw["block_kv"] = DECODE_BLOCK_KV[case.variant]
     return pallas_fa.decode_attention(
         q, k, v, lengths, block_table=table, implementation=case.backend,
         **kw)
@@ -530,7 +538,7 @@ def _decode_tiles(case: Case, seq: int) -> str:
   if case.backend == "mosaic_gpu":
     from pallas_fa.mosaic_gpu import decode as mgpu_decode  # noqa: PLC0415
     rows = mgpu_decode.stored_rows(groups * _new_tokens(case))
-    block = mgpu_decode.DEFAULT_BLOCK
+    block = DECODE_BLOCK_KV.get(case.variant, mgpu_decode.DEFAULT_BLOCK)
     one_byte = case.variant in QUANTIZED_DECODE
     consumers = 2 if DECODE_NUM_WARPS.get(case.variant) == 8 else 1
     stages = mgpu_decode.stages_for(

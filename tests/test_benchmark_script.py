@@ -1046,6 +1046,10 @@ def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
       int8["ms"] / by_name["int8"]["ms"])
   assert by_name["mosaic_gpu_int8_8_warps"]["status"] == "ok"
   assert by_name["mosaic_gpu_int8_8_warps"]["num_warps"] == 8
+  wide = by_name["mosaic_gpu_int8_128_keys"]
+  assert wide["status"] == "ok" and wide["block_kv"] == 128, wide
+  assert ratios["mosaic_gpu_int8_128_keys"]["ratio"] == pytest.approx(
+      wide["ms"] / int8["ms"])
 
 
 @pytest.mark.parametrize("argv, match", [

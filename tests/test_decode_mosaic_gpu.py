@@ -129,6 +129,12 @@ QUANTIZED = {
     "float8_per_head": dict(dtype=jnp.float8_e4m3fn, scales="head", b=1,
                             t=4, n=16, k=8, h=128, s=256, lengths=(250,),
                             local_window_size=(100, 0)),
+    # int8 in 128-key blocks (widened in 64-row parts), a cache length no
+    # multiple of the block (the last block shifted back) and a length
+    # that ends in a block's second part.
+    "int8_128_keys": dict(dtype=jnp.int8, scales="entry", b=2, t=1, n=4,
+                          k=2, h=64, s=300, lengths=(300, 170),
+                          block_kv=128),
     # float8 without scales (scale 1).
     "float8_unscaled": dict(dtype=jnp.float8_e4m3fn, scales=None, b=2, t=2,
                             n=4, k=2, h=64, s=128, lengths=(128, 70)),
@@ -152,7 +158,11 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   for part in ("key", "value"):
     x = jnp.asarray(gen.standard_normal((b, s, k, h)) * 3.0, jnp.float32)
     if granularity == "entry":
-      cache[part], cache[part + "_scale"] = kv_cache.quantize(x, dtype)
+      cache[part], scale = kv_cache.quantize(x, dtype)
+      # Entries past a length may hold anything: NaN scales there, which
+      # the kernel must zero before P V (a masked P of 0 times NaN).
+      past = jnp.arange(s)[None, :, None] >= lengths[:, None, None]
+      cache[part + "_scale"] = jnp.where(past, jnp.nan, scale)
     elif granularity == "head":
       scale = jnp.max(jnp.abs(x), axis=(0, 1, 3)) / 448.0
       cache[part] = (x / scale[None, None, :, None]).astype(dtype)

@@ -531,6 +531,9 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
           m_i, l_i, s, base2=True, per_query=_ROWS,
           tile_exp=forward.tile_exp(spec), scale=scale)
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
+      # P in the products' dtype before the V tile widens: half the
+      # registers of the float32 P live across the widening.
+      p = p.astype(spec.dtype)
       plgpu.barrier_wait(v_bar.at[slot])
       v_tile = v_smem.at[slot]
       if one_byte:
@@ -541,7 +544,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         plgpu.barrier_arrive(v_free.at[slot])
       elif masked:
         _zero_rows_past(ops, v_tile, first, length)
-      acc = ops.mm(p.astype(spec.dtype), v_tile, a_in_smem=False, acc=acc)
+      acc = ops.mm(p, v_tile, a_in_smem=False, acc=acc)
       if not one_byte:
         plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
@@ -639,23 +642,28 @@ def _widened(ops, tile, scale_ref, dst, dtype, past=None):
   rows at or past the length zeroed. Returns the view of `dst` it fills
   (the first H columns)."""
   bk, width = tile.shape
-  x = ops.load_tile(tile).astype(_F32)
-  if scale_ref is not None:
-    # The block's scales of every K/V head [bk, K], in the accumulator
-    # layout; this head's column, as a vector along the tile's rows.
-    ref, head = scale_ref
-    every = ops.load_tile(ref)
-    column = lax.broadcast_in_dim(ops.iota_vector(ref.shape[1], 1),
-                                  every.shape, (1,)) == head
-    own = jnp.sum(jnp.where(column, every, jnp.zeros_like(every)), axis=1)
-    x = x * lax.broadcast_in_dim(own, x.shape, (0,))
-  if past is not None:
-    first, length = past
-    keep = first + ops.iota_vector(bk, 0) < length
-    x = jnp.where(lax.broadcast_in_dim(keep, x.shape, (0,)), x,
-                  jnp.zeros_like(x))
   out = dst if dst.shape[1] == width else dst.at[:, pl.ds(0, width)]
-  out[...] = x.astype(dtype)
+  # A 64-row part at a time: a 128-key tile's float32 values at once
+  # would be 128 registers a thread beside the accumulator.
+  for lo in range(0, bk, TILE_ROWS):
+    rows = pl.ds(lo, TILE_ROWS)
+    x = ops.load_tile(tile.at[rows]).astype(_F32)
+    if scale_ref is not None:
+      # The part's scales of every K/V head [64, K'], in the accumulator
+      # layout; this head's column, as a vector along the tile's rows.
+      ref, head = scale_ref
+      every = ops.load_tile(ref.at[rows])
+      column = lax.broadcast_in_dim(ops.iota_vector(ref.shape[1], 1),
+                                    every.shape, (1,)) == head
+      own = jnp.sum(jnp.where(column, every, jnp.zeros_like(every)),
+                    axis=1)
+      x = x * lax.broadcast_in_dim(own, x.shape, (0,))
+    if past is not None:
+      first, length = past
+      keep = first + lo + ops.iota_vector(TILE_ROWS, 0) < length
+      x = jnp.where(lax.broadcast_in_dim(keep, x.shape, (0,)), x,
+                    jnp.zeros_like(x))
+    out.at[rows][...] = x.astype(dtype)
   # The generic-proxy stores, before wgmma reads the tile.
   plgpu.commit_smem()
   return out

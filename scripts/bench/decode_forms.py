@@ -238,15 +238,19 @@ def dtype_rows(implementation: str, repeats: int, *,
                       dict(query_dtype="bfloat16", cache_dtype=name,
                            kernel="mosaic_gpu")))
 
-    # Two consumer warpgroups a CTA (every other block each).
-    def mosaic_int8_8_warps(q, k, v, lengths, ks, vs):
-      return mosaic(q, k, v, lengths, key_scale=ks, value_scale=vs,
-                    num_warps=8)
+    # Two consumer warpgroups a CTA (every other block each), and 128-key
+    # blocks (three stages: a step's fixed costs, the rescale, the barriers
+    # and the scale column, once per 128 keys).
+    for suffix, options in (("8_warps", dict(num_warps=8)),
+                            ("128_keys", dict(block_kv=128))):
+      def variant(q, k, v, lengths, ks, vs, options=options):
+        return mosaic(q, k, v, lengths, key_scale=ks, value_scale=vs,
+                      **options)
 
-    cells.append(Cell(f"mosaic_gpu_{name}_8_warps", mosaic_int8_8_warps,
-                      (q, *int8_args), *int8_refs, _BF16,
-                      dict(query_dtype="bfloat16", cache_dtype=name,
-                           kernel="mosaic_gpu", num_warps=8)))
+      cells.append(Cell(f"mosaic_gpu_{name}_{suffix}", variant,
+                        (q, *int8_args), *int8_refs, _BF16,
+                        dict(query_dtype="bfloat16", cache_dtype=name,
+                             kernel="mosaic_gpu", **options)))
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
@@ -488,6 +492,8 @@ TARGETS = (
     # widening binds one consumer.
     ("mosaic_gpu_int8_two_consumers", "dtype", "mosaic_gpu_int8_8_warps",
      "mosaic_gpu_int8", 0.85),
+    ("mosaic_gpu_int8_128_keys", "dtype", "mosaic_gpu_int8_128_keys",
+     "mosaic_gpu_int8", 0.95),
     ("tnew16_mosaic_gpu_vs_triton", "tnew", "t_new_16_mosaic_gpu",
      "t_new_16", 0.9),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),

@@ -923,14 +923,14 @@ DECODE_FLAGS = {
 # replaced, and the folded path before that), the latent cache, triton's
 # quantized caches (and the bfloat16 cache through mosaic_gpu's split
 # kernel, contiguous, as pages of 16 and int8 with one and two consumer
-# warpgroups), T_new = 16 (64 query rows a K/V
+# warpgroups and in 128-key blocks), T_new = 16 (64 query rows a K/V
 # head: one warpgroup a program over an int8 cache against 8 warps;
 # mosaic_gpu's), paged; the dry run's
 # chunked latent cell. At 07213ac the first three took 20, 29 and 48 s
 # (the quantized ones with cells since dropped: the merge in the split
 # kernel, two warps a program, float32 queries; about 4 s a cell) and the
 # forms' 95 s stopped paged and T_new (paged is settled: within 4-5 %
-# twice). The five mosaic_gpu cells add about 20 s: about 105 s of the
+# twice). The six mosaic_gpu cells add about 24 s: about 110 s of the
 # forms' 100, so paged (settled, last) may be cut.
 DECODE_FORMS = {
   False: ("prefix", "latent", "dtype", "tnew", "paged"),
