@@ -65,6 +65,9 @@ CASES = {
     "paged_128": dict(b=2, t=2, n=4, k=2, h=128, hv=128, s=256,
                       lengths=(256, 129), is_causal=True, page_size=128,
                       sinks=True),
+    # Head dim 256 (a two-stage ring), GQA, a ragged last block.
+    "head_dim_256": dict(b=2, t=1, n=4, k=2, h=256, hv=256, s=150,
+                         lengths=(150, 65), is_causal=True),
 }
 
 
@@ -231,7 +234,7 @@ def _call(**changes):
 
 @needs_kernel
 @pytest.mark.parametrize("changes, match", [
-    (dict(h=256), "head dim is 256"),
+    (dict(h=512), "head dim is 512"),
     (dict(h=80), "head dim is 80"),
     (dict(s=32), "fewer than one 64-key block"),
     (dict(t=33), "packed rows exceed 64"),
@@ -244,12 +247,16 @@ def test_mosaic_gpu_decode_refuses_by_name(changes, match):
 
 
 @needs_kernel
-def test_mosaic_gpu_decode_refuses_paged_one_byte_and_odd_pages():
+def test_mosaic_gpu_decode_refuses_paged_one_byte_wide_one_byte_and_odd_pages():
   int8 = jnp.ones((4, 64, 2, 64), jnp.int8)
   with pytest.raises(NotImplementedError, match="paged and 1-byte"):
     _call(key=int8, value=int8, key_scale=jnp.ones((2,)),
           value_scale=jnp.ones((2,)),
           block_table=jnp.asarray([[0, 1]], jnp.int32))
+  with pytest.raises(NotImplementedError,
+                     match="head dim is 256; over a 1-byte cache"):
+    _call(h=256, cache_dtype=jnp.int8, key_scale=jnp.ones((2,)),
+          value_scale=jnp.ones((2,)))
   pages = jnp.ones((8, 24, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="page size is 24"):
     _call(key=pages, value=pages, lengths=jnp.asarray([100], jnp.int32),

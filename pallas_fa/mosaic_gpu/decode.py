@@ -39,9 +39,9 @@ bfloat16 and float16, so the only rounding is that of the dequantized
 value, as a 16-bit cache's.
 
 Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
-multiple of 8 keys that divides or is a multiple of the block) or a
-contiguous 1-byte one, head dims of 64 or 128, and at least one block of
-keys; `decode.kernels` refuses the rest by name (`supports`).
+multiple of 8 keys that divides or is a multiple of the block) at head
+dims of 64, 128 or 256, or a contiguous 1-byte one at 64 or 128, and at
+least one block of keys; `decode.kernels` refuses the rest by name (`supports`).
 """
 
 from __future__ import annotations
@@ -92,9 +92,13 @@ MAX_FOLDED_ROWS = TILE_ROWS
 # tiles of V (the rows past a length are zeroed in the accumulator layout,
 # `_zero_rows_past`).
 BLOCKS = (64, 128)
-# The widest head dims: at H = 256 a [64, 64] logit tile beside the [64,
-# 256] float32 accumulator spilled (36 B, sm_90a, one consumer warpgroup).
-MAX_HEAD_DIM = 128
+# The head dims it reads: up to 256 over a 16-bit cache (P rounded to
+# the products' dtype before the V tile is awaited leaves a [64, 256]
+# float32 accumulator room without spilling: sm_90a, one consumer), up to
+# 128 over a 1-byte one (at 256 its widening spilled 8 B even in [64, 64]
+# parts).
+HEAD_DIMS = (64, 128, 256)
+MAX_ONE_BYTE_HEAD_DIM = 128
 
 
 def interpreted() -> bool:
@@ -144,8 +148,11 @@ def supports(query, key, value, block_table, static) -> str | None:
       return f"{name} is set"
   hv = value.shape[3]
   for name, dim in (("head dim", h), ("value head dim", hv)):
-    if dim not in (64, MAX_HEAD_DIM):
-      return f"the {name} is {dim}; it takes 64 or {MAX_HEAD_DIM}"
+    if dim not in HEAD_DIMS:
+      return f"the {name} is {dim}; it takes 64, 128 or 256"
+    if one_byte and dim > MAX_ONE_BYTE_HEAD_DIM:
+      return (f"the {name} is {dim}; over a 1-byte cache it takes 64 or "
+              f"{MAX_ONE_BYTE_HEAD_DIM}")
   if n // key.shape[2] * t > TILE_ROWS:
     return (f"G x T_new = {n // key.shape[2] * t} packed rows exceed "
             f"{TILE_ROWS}")
@@ -358,8 +365,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
     if need > _SMEM_BYTES:
       raise ValueError(
           f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
-          f"head dims {h}/{hv} need {need} B of shared memory, more than "
-          f"{_SMEM_BYTES}; pass a smaller block_kv.")
+          f"head dims {h}/{hv} with num_warps={4 * consumers} need {need} "
+          f"B of shared memory, more than {_SMEM_BYTES}; pass a smaller "
+          "block_kv" + (" or num_warps=4." if consumers > 1 else "."))
   qpos = None if query_positions is None else query_positions.astype(
       jnp.int32)
   table = None if block_table is None else block_table.astype(jnp.int32)
