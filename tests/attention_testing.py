@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import os
 
 import chex
@@ -325,3 +326,45 @@ def decode_reference(q, k, v, lengths, q_pos, group, *, scale=None,
   out = np.einsum("bnts,bsnh->btnh", p, v)
   return jnp.asarray(out, jnp.float32), jnp.asarray(
       lse.transpose(0, 2, 1), jnp.float32)
+
+
+def _race_detector():
+  """(get_races, reset) of the Mosaic GPU interpreter's happens-before race
+  detector, or a skip where this jax has none."""
+  try:
+    interpreter = importlib.import_module(
+        "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
+    get_races = interpreter.get_races
+    reset = interpreter.reset_gpu_interpret_mode_state
+  except (ImportError, AttributeError) as e:
+    pytest.skip(f"this jax has no Mosaic GPU race detector ({e})")
+  from pallas_fa.mosaic_gpu import kernel  # noqa: PLC0415 - Mosaic GPU.
+
+  if "detect_races" not in {
+      f.name for f in dataclasses.fields(kernel.interpret_params())}:
+    pytest.skip("this jax's Mosaic GPU interpreter cannot detect races")
+  return get_races, reset
+
+
+def race_verdicts(monkeypatch, describe):
+  """Makes every kernel launch run eagerly under the race detector (which
+  keeps one kernel's verdict) and returns the list that collects
+  `describe(spec, name, races_found)` of each launch, and the detector's
+  reset (for the test's end)."""
+  get_races, reset = _race_detector()
+  from pallas_fa.mosaic_gpu import kernel  # noqa: PLC0415 - Mosaic GPU.
+
+  real_params, real_launch = kernel.interpret_params, kernel.launch
+  monkeypatch.setattr(
+      kernel, "interpret_params",
+      lambda: dataclasses.replace(real_params(), detect_races=True))
+  verdicts = []
+
+  def launch(spec, *, name, **kwargs):
+    reset()
+    outputs = jax.block_until_ready(real_launch(spec, name=name, **kwargs))
+    verdicts.append(describe(spec, name, get_races().races_found))
+    return outputs
+
+  monkeypatch.setattr(kernel, "launch", launch)
+  return verdicts, reset

@@ -219,6 +219,63 @@ def test_mosaic_gpu_decode_two_consumers(cache_dtype):
   assert_close("one consumer", one, want32, same, jnp.bfloat16)
 
 
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype, options", [
+    # Two consumers over an int8 cache: each one's result staging shares
+    # its widened tiles' memory (`shares_staging`), every unit of the one
+    # interpreted CTA rewriting both after the last's store.
+    (jnp.int8, dict(num_warps=8)),
+    # 128-key blocks widened in two parts each.
+    (jnp.int8, dict(block_kv=128)),
+    # 16-key pages: four TMA copies a block and tensor on one barrier.
+    (jnp.bfloat16, dict(page_size=16)),
+], ids=["int8-two-consumers", "int8-128-keys", "paged-16"])
+def test_mosaic_gpu_decode_is_race_free(monkeypatch, cache_dtype, options):
+  """The split kernel under the interpreter's happens-before race detector,
+  over more units than its one CTA and more blocks than ring stages: a
+  ring refill not ordered after the consumer's reads of its slot, a read
+  not ordered after its TMA load, or a shared-memory view rewritten while
+  another view of the same memory may still be read is a race; the
+  results are checked against the reference too."""
+  verdicts, reset = attention_testing.race_verdicts(
+      monkeypatch, lambda spec, name, races: (name, races))
+  options = dict(options)
+  page_size = options.pop("page_size", None)
+  b, t, n, k, h, s = 2, 1, 8, 2, 64, 320
+  lengths = jnp.asarray([320, 150], jnp.int32)
+  gen = rng("mosaic_gpu decode races", str(cache_dtype.dtype), *options)
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
+  key, value = _cache(gen, b, s, k, h, h, jnp.float32, (320, 150))
+  cache = dict(key=key, value=value)
+  if cache_dtype == jnp.int8:
+    for part in ("key", "value"):
+      cache[part], cache[part + "_scale"] = kv_cache.quantize(
+          jnp.nan_to_num(cache[part]), jnp.int8)
+  else:
+    cache = {name: x.astype(cache_dtype) for name, x in cache.items()}
+  want = pallas_fa.decode_attention(q, lengths=lengths, is_causal=True,
+                                    implementation="chunked", **cache)
+  if page_size is not None:
+    table = np.arange(b * s // page_size, dtype=np.int32).reshape(b, -1)
+    cache = {name: x.reshape(b * s // page_size, page_size, k, h)
+             for name, x in cache.items()}
+    cache["block_table"] = jnp.asarray(table)
+  try:
+    with jax.disable_jit():
+      got = pallas_fa.decode_attention(
+          q, lengths=lengths, is_causal=True, implementation="mosaic_gpu",
+          num_splits=3, **cache, **options)
+  finally:
+    reset()
+  assert [name for name, _ in verdicts] == ["pfa_mgpu_decode"], verdicts
+  raced = [name for name, found in verdicts if found]
+  assert not raced, f"races reported (printed above) in {raced}"
+  np.testing.assert_allclose(np.asarray(got, np.float32),
+                             np.asarray(want, np.float32), atol=2e-2,
+                             rtol=2e-2)
+
+
 def _call(**changes):
   shape = dict(b=1, t=1, n=4, k=2, h=64, s=128, dtype=jnp.bfloat16)
   shape.update({x: changes.pop(x) for x in list(changes) if x in shape})

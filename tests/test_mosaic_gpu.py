@@ -12,7 +12,6 @@
 """
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from attention_testing import flash
 from attention_testing import gpu_jax_only
 from attention_testing import make_inputs
 from attention_testing import needs_hopper
+from attention_testing import race_verdicts
 from attention_testing import reference_fn
 from attention_testing import rng
 from attention_testing import run
@@ -832,44 +832,6 @@ def test_interpreted_fused_backward_flex(monkeypatch):
   assert names.count("pfa_mgpu_dk_dv_dq") == 1
 
 
-def _race_detector():
-  """(get_races, reset) of the Mosaic GPU interpreter's happens-before race
-  detector, or a skip where this jax has none."""
-  try:
-    interpreter = importlib.import_module(
-        "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-    get_races = interpreter.get_races
-    reset = interpreter.reset_gpu_interpret_mode_state
-  except (ImportError, AttributeError) as e:
-    pytest.skip(f"this jax has no Mosaic GPU race detector ({e})")
-  if "detect_races" not in {
-      f.name for f in dataclasses.fields(kernel.interpret_params())}:
-    pytest.skip("this jax's Mosaic GPU interpreter cannot detect races")
-  return get_races, reset
-
-
-def _race_verdicts(monkeypatch, describe):
-  """Makes every kernel launch run eagerly under the race detector (which
-  keeps one kernel's verdict) and returns the list that collects
-  `describe(spec, name, races_found)` of each launch, and the detector's
-  reset (for the test's end)."""
-  get_races, reset = _race_detector()
-  real_params, real_launch = kernel.interpret_params, kernel.launch
-  monkeypatch.setattr(
-      kernel, "interpret_params",
-      lambda: dataclasses.replace(real_params(), detect_races=True))
-  verdicts = []
-
-  def launch(spec, *, name, **kwargs):
-    reset()
-    outputs = jax.block_until_ready(real_launch(spec, name=name, **kwargs))
-    verdicts.append(describe(spec, name, get_races().races_found))
-    return outputs
-
-  monkeypatch.setattr(kernel, "launch", launch)
-  return verdicts, reset
-
-
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 @pytest.mark.parametrize("config, kernels", [
@@ -922,7 +884,7 @@ def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   dropout = config.pop("dropout", False)
   h = config.pop("h", 32)
   segments = config.pop("segments", True)
-  verdicts, reset = _race_verdicts(
+  verdicts, reset = race_verdicts(
       monkeypatch, lambda spec, name, races: (
           name, races, spec.dq_split, dkv.pipelines_dq(spec)))
   case = Case(b=1, t=160 if segments else 256, s=256, n=4, k=2, h=h,
@@ -1139,7 +1101,7 @@ def test_interpreted_intra_overlap_race_free(monkeypatch, stages):
   every step refills the slot just read; two: K and V of one step in
   different slots), 2 to 5 key tiles per unit, two consumers, two CTAs.
   The default loop runs beside it, under the detector too."""
-  verdicts, reset = _race_verdicts(
+  verdicts, reset = race_verdicts(
       monkeypatch,
       lambda spec, name, races: (name, spec.intra_overlap, races))
   case = Case(b=1, t=256, s=320, n=2, k=1, h=32, causal=True)

@@ -199,30 +199,16 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
 
   ring = stages * (kib(block * head_dim * cache_itemsize)
                    + kib(block * value_head_dim * cache_itemsize))
-  staging = consumers * TILE_ROWS * value_head_dim * 4
+  staging = kib(consumers * TILE_ROWS * value_head_dim * 4)
   if cache_itemsize == 1:
+    # Each consumer's union of its staging and its two widened tiles.
     heads = layout.round_up(num_kv, _ROW_TILE)
     ring += 2 * kib(stages * block * heads * 4)
-    wide = consumers * 2 * block * max(head_dim, value_head_dim) * 2
-    if shares_staging(cache_itemsize, head_dim, value_head_dim):
-      staging = max(staging, wide)
-    else:
-      ring += kib(wide)
-  return (1024 + kib(consumers * TILE_ROWS * head_dim * 2) + kib(staging)
+    staging = consumers * kib(max(
+        TILE_ROWS * value_head_dim * 4,
+        2 * block * max(head_dim, value_head_dim) * 2))
+  return (1024 + kib(consumers * TILE_ROWS * head_dim * 2) + staging
           + kib(consumers * TILE_ROWS * 4) + ring)
-
-
-def shares_staging(cache_itemsize: int, head_dim: int,
-                   value_head_dim: int) -> bool:
-  """Whether a consumer's result staging and its widened K/V tiles share
-  shared memory (`plgpu.RefUnion`): a 1-byte cache's widened tiles are
-  dead once a unit's last P V has run, which is when the staging is
-  written, and the next unit widens only after the staging's TMA store
-  has read it (`kernel.load_stationary`). Each consumer's staging is then
-  `block` rows, the bytes of its two widened [block, H] 16-bit tiles when
-  H = Hv, so that the consumers' halves of the two views coincide and
-  neither consumer's writes reach the other's half."""
-  return cache_itemsize == 1 and head_dim == value_head_dim
 
 
 class _SplitRuns:
@@ -416,7 +402,6 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
   one_byte = key.dtype.itemsize == 1
-  shared = shares_staging(key.dtype.itemsize, h, hv)
   optional = [(name, x) for name, x in (
       ("qpos", qpos), ("table", table),
       *zip(("key_scale", "value_scale"), scales or ())) if x is not None]
@@ -493,9 +478,13 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     o_ref, lse_ref = r.outputs
     q_smem, o_smem, lse_smem = r.smem[:3]
     k_smem, v_smem = r.smem[_RING:_RING + 2]
+    wg = r.wg
     if one_byte:
+      # This consumer's union (`wg` is its index, a Python int here).
       ks_smem, vs_smem = r.smem[_KEY_SCALES:_KEY_SCALES + 2]
-      o_smem, wide = o_smem if shared else (o_smem, r.smem[-1])
+      o_smem, wide = o_smem[wg]
+    else:
+      o_smem = o_smem.at[wg]
     q_bar, k_bar, v_bar, k_free, v_free = r.barriers
     sched = runs(r)
     b, n, split = r.units.decode(r.cta, t)
@@ -504,7 +493,6 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     # The unit's rows and the rounding rows after them (the next head's,
     # or zeros past the array): every row's math is its own, and only the
     # unit's rows are merged. The tile's other rows hold what they hold.
-    wg = r.wg
     kernel.load_stationary(
         [(q_ref.at[pl.ds((b * num_kv + n) * rows, stored)],
           q_smem.at[wg, pl.ds(0, stored)])], q_bar.at[wg])
@@ -520,7 +508,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       if one_byte:
         k_tile = _widened(ops, k_tile,
                           None if scales is None else (ks_smem.at[slot], n),
-                          wide.at[wg, 0], spec.dtype)
+                          wide.at[0], spec.dtype)
         plgpu.barrier_arrive(k_free.at[slot])
       qk = ops.mm(q_smem.at[kernel.stationary_in_step(spec, wg)], k_tile,
                   transpose_b=True)
@@ -547,7 +535,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       if one_byte:
         v_tile = _widened(ops, v_tile,
                           None if scales is None else (vs_smem.at[slot], n),
-                          wide.at[wg, 1], spec.dtype,
+                          wide.at[1], spec.dtype,
                           (first, length) if masked else None)
         plgpu.barrier_arrive(v_free.at[slot])
       elif masked:
@@ -567,21 +555,31 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True,
                                        per_query=_ROWS)
     part = wg * splits + split
-    o_smem.at[wg, pl.ds(0, TILE_ROWS)][...] = out
+    o_smem[...] = out
     lse_smem.at[wg][...] = lse
-    kernel.store([(o_smem.at[wg, pl.ds(0, stored)], o_ref.at[b, n, part]),
+    kernel.store([(o_smem.at[pl.ds(0, stored)], o_ref.at[b, n, part]),
                   (lse_smem.at[wg, pl.ds(0, stored)],
                    lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
-  # The widened K and V tiles the products read (a 1-byte cache), in the
-  # result staging's memory where they fit it (`shares_staging`).
-  wide = ops.smem((nc, 2, bk, max(h, hv)), spec.dtype, True)
-  staging = ops.smem((nc, bk if shared else TILE_ROWS, hv), _F32, True)
+  if one_byte:
+    # Each consumer's result staging and the widened K and V tiles its
+    # products read share memory, a `plgpu.RefUnion` a consumer: the tiles
+    # are dead once a unit's last P V has run, which is when the staging
+    # is written, and the next unit widens only after the staging's TMA
+    # store has read it (`kernel.load_stationary`). The consumers run
+    # copies of `unit` of their own (`static_consumers`), each naming its
+    # union.
+    staging = tuple(
+        plgpu.RefUnion(ops.smem((TILE_ROWS, hv), _F32, True),
+                       ops.smem((2, bk, max(h, hv)), spec.dtype, True))
+        for _ in range(nc))
+  else:
+    staging = ops.smem((nc, TILE_ROWS, hv), _F32, True)
   smem = (
       # Each consumer's packed rows, its result's staging and logsumexp.
       ops.smem((nc, TILE_ROWS, h), spec.dtype, True),
-      plgpu.RefUnion(staging, wide) if shared else staging,
+      staging,
       plgpu.SMEM((nc, TILE_ROWS), _F32),
       # The K and V rings (a 1-byte tile's rows are H bytes: its swizzle
       # no wider).
@@ -595,7 +593,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         # The keys' and the values' scales, rings.
         *(plgpu.SMEM((stages, bk, layout.round_up(num_kv, _ROW_TILE)), _F32)
           for _ in range(2)),
-    ) + (() if shared else (wide,))
+    )
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs.
   copies = (1 if table is None else max(1, bk // key.shape[1])) + (
@@ -617,7 +615,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       out_types=out_types, smem_types=smem, barrier_types=barriers,
       unit=unit, producer_groups=producer_groups, schedule=runs,
       # Every reduction is of a row of a [64, block] tile, within a warp.
-      cross_warp_reductions=False)
+      cross_warp_reductions=False, static_consumers=one_byte)
 
 
 def _walk(sched, b, split, step, carry, *, base, consumer, consumers: int):

@@ -947,7 +947,8 @@ def store(copies):
 
 def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
            barrier_types, unit, producer_groups, seed=None, residuals=(),
-           accumulators=(), cross_warp_reductions=True, schedule=None):
+           accumulators=(), cross_warp_reductions=True, schedule=None,
+           static_consumers=False):
   """Builds and runs a persistent warp-specialised kernel.
 
   Warpgroups 0 .. consumers - 1 each run `unit` over this CTA's units of
@@ -979,6 +980,10 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
     schedule: None (the last operand is the schedule), or schedule(refs)
       -> what the producer reads as one (`produce`'s sched_ref: indexed
       [b, row, i]), for a kernel that computes its tile ranges itself.
+    static_consumers: whether each consumer runs a copy of `unit` of its
+      own, with `Refs.wg` its index as a Python int (for shared memory a
+      consumer owns as separate refs, such as a `plgpu.RefUnion` each),
+      instead of one copy with the traced warpgroup index.
   """
   ops = ops_for(spec)
   nc, num_inputs = spec.consumers, len(operands)
@@ -997,12 +1002,18 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
         residuals=refs[num_inputs + len(seeds):first_table],
         units=units.bind(refs[first_table]) if tables else units)
 
-    @pl.when(r.wg < nc)
-    def _consumer():
+    def consume(r):
       ops.set_max_registers(_consumer_registers(nc), "increase")
       lax.fori_loop(
           0, r.units.count(r.cta), functools.partial(unit, r), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
+
+    if static_consumers:
+      for c in range(nc):
+        pl.when(r.wg == c)(functools.partial(
+            consume, dataclasses.replace(r, wg=c)))
+    else:
+      pl.when(r.wg < nc)(functools.partial(consume, r))
 
     @pl.when(r.wg == nc)
     def _producer():
