@@ -402,6 +402,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
   one_byte = key.dtype.itemsize == 1
+  # A 1-byte cache's staging and widened tiles in a union a consumer (see
+  # `smem` below), where the interpreter (if interpreting) takes unions.
+  unions = one_byte and (not spec.interpret
+                         or kernel.interpreter_takes_ref_unions())
   optional = [(name, x) for name, x in (
       ("qpos", qpos), ("table", table),
       *zip(("key_scale", "value_scale"), scales or ())) if x is not None]
@@ -480,11 +484,13 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     k_smem, v_smem = r.smem[_RING:_RING + 2]
     wg = r.wg
     if one_byte:
-      # This consumer's union (`wg` is its index, a Python int here).
       ks_smem, vs_smem = r.smem[_KEY_SCALES:_KEY_SCALES + 2]
+    if unions:
+      # This consumer's union (`wg` is its index, a Python int here).
       o_smem, wide = o_smem[wg]
     else:
       o_smem = o_smem.at[wg]
+      wide = r.smem[-1].at[wg] if one_byte else None
     q_bar, k_bar, v_bar, k_free, v_free = r.barriers
     sched = runs(r)
     b, n, split = r.units.decode(r.cta, t)
@@ -562,7 +568,8 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                    lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
-  if one_byte:
+  wide = ops.smem((nc, 2, bk, max(h, hv)), spec.dtype, True)
+  if unions:
     # Each consumer's result staging and the widened K and V tiles its
     # products read share memory, a `plgpu.RefUnion` a consumer: the tiles
     # are dead once a unit's last P V has run, which is when the staging
@@ -593,7 +600,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         # The keys' and the values' scales, rings.
         *(plgpu.SMEM((stages, bk, layout.round_up(num_kv, _ROW_TILE)), _F32)
           for _ in range(2)),
-    )
+    ) + (() if unions else (wide,))
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs.
   copies = (1 if table is None else max(1, bk // key.shape[1])) + (
@@ -615,7 +622,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       out_types=out_types, smem_types=smem, barrier_types=barriers,
       unit=unit, producer_groups=producer_groups, schedule=runs,
       # Every reduction is of a row of a [64, block] tile, within a warp.
-      cross_warp_reductions=False, static_consumers=one_byte)
+      cross_warp_reductions=False, static_consumers=unions)
 
 
 def _walk(sched, b, split, step, carry, *, base, consumer, consumers: int):

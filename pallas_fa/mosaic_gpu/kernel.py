@@ -93,6 +93,18 @@ def interpret_params():
   return None if cls is None else cls()
 
 
+def interpreter_takes_ref_unions() -> bool:
+  """Whether this jax's Mosaic GPU interpreter runs kernels with a
+  `plgpu.RefUnion` (jax 0.11; jax 0.10's fails on the union's views, in a
+  thread of its own, and the kernel then never ends)."""
+  try:
+    callbacks = importlib.import_module(
+        "jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
+  except ImportError:
+    return False
+  return hasattr(callbacks, "call_tag_ref_union")
+
+
 def rem(x, n: int):
   """lax.rem of an int32 index by a static n.
 
