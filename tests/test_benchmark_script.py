@@ -968,7 +968,7 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "tnew16_int8_vs_8_warps", "mosaic_gpu_vs_triton",
         "mosaic_gpu_paged_vs_contiguous", "tnew16_mosaic_gpu_vs_triton",
         "mosaic_gpu_int8_vs_bf16", "mosaic_gpu_int8_vs_triton",
-        "mosaic_gpu_int8_two_consumers"}
+        "mosaic_gpu_int8_two_consumers", "mosaic_gpu_int8_128_keys"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
