@@ -32,11 +32,10 @@ _TIMEOUT_S = 300
 
 
 def _env():
-  env = dict(os.environ)
-  # Unoptimised CPU code generation: these programs are tiny and compiling
-  # them dominates the run time. (The worker adds the device count.)
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-  return env
+  # The suite's XLA_FLAGS (`conftest._compile_cheaply`: these programs are
+  # tiny and compiling them dominates the run time); the worker adds the
+  # device count.
+  return dict(os.environ)
 
 
 def _run_worker(*args):

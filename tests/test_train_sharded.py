@@ -22,10 +22,9 @@ _TIMEOUT_S = 300
 # Slow (a fresh 8-device process): CI runs it in its slow-test leg.
 @pytest.mark.slow
 def test_sharded_training_matches_single_device_and_learns(tmp_path):
+  # The suite's XLA_FLAGS (`conftest._compile_cheaply`: compiling
+  # dominates these tiny steps); the worker adds the device count.
   env = dict(os.environ)
-  # Unoptimised CPU code generation: compiling dominates these tiny steps.
-  # (The worker adds the device count.)
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
   proc = subprocess.run(
       [sys.executable, _WORKER, str(tmp_path)], env=env, capture_output=True,
       text=True, timeout=_TIMEOUT_S, check=False,
