@@ -555,7 +555,11 @@ def test_hessian_vector_products_on_chunked():
 
 
 @pytest.mark.parametrize("case", [
-    "causal_bias", "segments_window", "dropout_sinks", "mask_mod"])
+    # The two of 13 s each are slow (the default run keeps a mask of each
+    # kind: dropout and sinks, a mask_mod).
+    pytest.param("causal_bias", marks=pytest.mark.slow),
+    pytest.param("segments_window", marks=pytest.mark.slow),
+    "dropout_sinks", "mask_mod"])
 def test_grad_of_grad_on_chunked(case):
   """Reverse over reverse (the gradient of a gradient's norm, as gradient
   penalties and meta-learning take it) through chunked's tile loops, whose

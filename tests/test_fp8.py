@@ -496,6 +496,7 @@ def test_quantize_ignores_padding(granularity):
     np.testing.assert_array_equal(g, want)
 
 
+@pytest.mark.slow_for("mosaic_tpu")  # its interpreter is the slowest
 @pytest.mark.parametrize("implementation", ["chunked", "mosaic_tpu"])
 def test_error_grows_with_length_no_faster_than_bfloat16(implementation):
   # The float8 call's error (default bfloat16 result) against the float64

@@ -416,6 +416,7 @@ def test_bench_runs_answer_the_window_first(gpu_check):
   assert steps.run_share(runs, len(essential), left) == needs[len(essential)]
 
 
+@pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_a_stopped_test_run_names_the_test_it_was_in(gpu_check, tmp_path):
   """At b85705a the checks step's alone_0 run had 11 s and was stopped
   while its one selected test compiled: pytest's summary of such a run
@@ -511,6 +512,7 @@ json.dump({"rows": [{"impl": "decode/triton", "batch": 1, "seq_len": 32768,
 """
 
 
+@pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_decode_runs_the_cache_forms_first_and_names_what_was_lost(
     gpu_check, monkeypatch, tmp_path):
   """At b85705a the grid ran first and the cache forms' process was stopped
@@ -716,6 +718,7 @@ def test_compile_step_exit_status(
     assert record["reason"]
 
 
+@pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_stopped_at_timeout_and_polled(gpu_check, tmp_path):
   log = tmp_path / "sleep.log"
   polls = []
@@ -794,6 +797,7 @@ def test_h_dropped():
 """
 
 
+@pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_pytest_plugin(gpu_check, tmp_path):
   """Order, selection, results as they finish, no shrinking, and a fresh
   worker after a sticky CUDA error (one worker, so that the tests after the

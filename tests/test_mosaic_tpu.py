@@ -570,6 +570,7 @@ def _table_run(implementation, fn, q, k, v, table, kw, dout, dlse):
   return out, lse, pullback((dout, dlse))
 
 
+@pytest.mark.slow  # 20 s: Mosaic TPU's interpreter over several tiles
 @pytest.mark.parametrize("name, fn, case, shape", TABLE_CASES,
                          ids=[c[0] for c in TABLE_CASES])
 def test_table_score_mod_multi_tile(name, fn, case, shape):

@@ -83,6 +83,7 @@ def test_forward_and_backward(implementation, case, x64):
     or mosaic_gpu_kernel.interpret_params() is None
     or api.platform() != "cpu",
     reason="the parametrized test runs mosaic_gpu here, or no interpreter")
+@attention_testing.gpu_jax_only
 def test_mosaic_gpu_interpreted(x64):
   """The Mosaic GPU interpreter on one small case: the conformance suite
   leaves it out on a CPU (too slow for all its cases)."""
@@ -162,6 +163,7 @@ def test_decode(implementation, paged, x64):
     mosaic_gpu_kernel.interpret_params() is None
     or api.platform() != "cpu",
     reason="the Mosaic GPU interpreter runs on CPU only")
+@attention_testing.gpu_jax_only
 def test_mosaic_gpu_decode(x64):
   """The Mosaic GPU decode kernel with x64 on: interpreted against the
   chunked path, and lowered for an H100 (its split kernel and the
