@@ -31,16 +31,11 @@ _WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 _TIMEOUT_S = 300
 
 
-def _env():
-  # The suite's XLA_FLAGS (`conftest._compile_cheaply`: these programs are
-  # tiny and compiling them dominates the run time); the worker adds the
-  # device count.
-  return dict(os.environ)
-
-
 def _run_worker(*args):
+  # The worker inherits the suite's XLA_FLAGS (`conftest._compile_cheaply`:
+  # compiling dominates these tiny programs) and adds the device count.
   proc = subprocess.run(
-      [sys.executable, _WORKER, *args], env=_env(), capture_output=True,
+      [sys.executable, _WORKER, *args], capture_output=True,
       text=True, timeout=_TIMEOUT_S, check=False,
   )
   assert proc.returncode == 0, (
@@ -164,7 +159,7 @@ def test_ring_attention_across_two_processes():
   port = str(_free_port())
   procs = [
       subprocess.Popen(
-          [sys.executable, _WORKER, "process", str(i), port], env=_env(),
+          [sys.executable, _WORKER, "process", str(i), port],
           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
       )
       for i in range(2)

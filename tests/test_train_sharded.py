@@ -22,11 +22,10 @@ _TIMEOUT_S = 300
 # Slow (a fresh 8-device process): CI runs it in its slow-test leg.
 @pytest.mark.slow
 def test_sharded_training_matches_single_device_and_learns(tmp_path):
-  # The suite's XLA_FLAGS (`conftest._compile_cheaply`: compiling
-  # dominates these tiny steps); the worker adds the device count.
-  env = dict(os.environ)
+  # The worker inherits the suite's XLA_FLAGS (`conftest._compile_cheaply`:
+  # compiling dominates these tiny steps) and adds the device count.
   proc = subprocess.run(
-      [sys.executable, _WORKER, str(tmp_path)], env=env, capture_output=True,
+      [sys.executable, _WORKER, str(tmp_path)], capture_output=True,
       text=True, timeout=_TIMEOUT_S, check=False,
   )
   assert proc.returncode == 0, (
