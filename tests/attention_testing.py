@@ -85,6 +85,12 @@ def gpu_jax_only_on_cpu(fn):
   return gpu_jax_only(fn) if jax.default_backend() == "cpu" else fn
 
 
+def gpu_jax_only_on_cpu_module() -> list:
+  """A module's `pytestmark` for a file of GPU-kernel tests alone: the
+  marks of `gpu_jax_only_on_cpu` on every test in it."""
+  return list(GPU_JAX_ONLY) if jax.default_backend() == "cpu" else []
+
+
 def grad_names(kw) -> list[str]:
   """Names of `run`'s gradients for keyword arguments `kw`."""
   return ["dq", "dk", "dv"] + [

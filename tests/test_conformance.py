@@ -141,6 +141,9 @@ def _require_float32(implementation):
     pytest.skip(f"{implementation} computes in 16-bit only")
 
 
+# Mosaic TPU's interpreted float32 in the slow leg: README's run checks it
+# in its feature files (sinks, flex, x64, its own).
+@pytest.mark.slow_for("mosaic_tpu")
 @pytest.mark.parametrize("case", SHAPE_CASES + FEATURE_CASES, ids=str)
 def test_float32(implementation, case):
   _skip_outside_interpreted_subset(implementation, case, "float32")

@@ -16,6 +16,10 @@ from tests import test_decode_prefix_latent as latent
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
 
+# Triton's interpreter on a CPU: CI runs these with the GPU machines' jax
+# (leg 2), as every test parametrized with implementation="triton".
+pytestmark = attention_testing.gpu_jax_only_on_cpu_module()
+
 
 def _against_chunked(args, **kw):
   """(out, lse) of triton and of chunked on the same arguments."""

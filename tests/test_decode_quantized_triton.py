@@ -14,10 +14,15 @@ import pytest
 import pallas_fa
 from pallas_fa import gpu_target
 from pallas_fa.triton import one_byte
+from tests import attention_testing
 from tests import test_decode_prefix_latent as latent
 from tests import test_decode_quantized as quantized
 from tests.attention_testing import assert_close
 from tests.attention_testing import rng
+
+# Triton's interpreter on a CPU: CI runs these with the GPU machines' jax
+# (leg 2), as every test parametrized with implementation="triton".
+pytestmark = attention_testing.gpu_jax_only_on_cpu_module()
 
 
 @pytest.mark.parametrize("dtype, page_size, scale_form, splits",
