@@ -102,21 +102,40 @@ def quantize(x: Array, dtype=jnp.int8,
   # `initial`: an empty slice (a call with no tokens) has absmax 0.
   absmax = jnp.max(jnp.abs(wide), axis=None if axes is None else tuple(axes),
                    keepdims=True, initial=0.0)
-  largest = QUANTIZED_DTYPES[dtype]
+  scale = absmax_scale(absmax, dtype)
+  values = scaled_values(wide, scale, dtype)
+  scale = scale.reshape(()) if axes is None else scale[..., 0]
+  return values, scale.astype(jnp.float32)
+
+
+def absmax_scale(absmax: Array, dtype) -> Array:
+  """The float32 scale of a slice whose largest magnitude is `absmax`
+  (`quantize`'s; also computed inside the Mosaic GPU decode kernel, for
+  its e4m3 query rows)."""
+  largest = QUANTIZED_DTYPES[jnp.dtype(dtype)]
   # A NaN or inf in a slice makes its scale NaN or inf, so it dequantizes
   # to NaN (int8 would otherwise cast a NaN to some integer silently). A
   # scale below float32's smallest normal would be flushed to 0 (XLA:CPU
   # does), and the values divided by it inf or NaN: such a slice (absmax
   # under about 5e-36) takes the smallest normal.
   tiny = float(jnp.finfo(jnp.float32).tiny)
-  scale = jnp.where(absmax == 0, 1.0, jnp.maximum(absmax / largest, tiny))
-  # The clip only guards the last ulp of absmax / scale: a float8 value
+  return jnp.where(absmax == 0, jnp.ones_like(absmax),
+                   jnp.maximum(absmax / largest,
+                               jnp.full_like(absmax, tiny)))
+
+
+def scaled_values(wide: Array, scale: Array, dtype) -> Array:
+  """float32 `wide` over its `scale` (broadcast against it) as `dtype`'s
+  values: `quantize`'s rounding."""
+  largest = QUANTIZED_DTYPES[jnp.dtype(dtype)]
+  # The clamp only guards the last ulp of absmax / scale: a float8 value
   # above the format's largest would become NaN (e4m3fn has no inf).
-  scaled = jnp.clip(wide / scale, -largest, largest)
-  if dtype == jnp.int8:
+  scaled = jnp.minimum(jnp.maximum(wide / scale,
+                                   jnp.full_like(wide, -largest)),
+                       jnp.full_like(wide, largest))
+  if jnp.dtype(dtype) == jnp.int8:
     scaled = jnp.round(scaled)
-  scale = scale.reshape(()) if axes is None else scale[..., 0]
-  return scaled.astype(dtype), scale.astype(jnp.float32)
+  return scaled.astype(dtype)
 
 
 def quantize_fp8(x: Array, granularity: str = "head",

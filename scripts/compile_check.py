@@ -125,7 +125,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_paged16", "decode_int8", "decode_paged_int8", "decode_fp8",
             "decode_int8_64_rows", "decode_paged_fp8_64_rows",
             "decode_int8_two_consumers", "decode_int8_128_keys",
-            "decode_paged_fp8", "decode_latent", "decode_latent_int8",
+            "decode_fp8_query", "decode_paged_fp8", "decode_latent",
+            "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
@@ -171,7 +172,13 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                     "decode_paged_fp8_64_rows": ("decode_paged",
                                                  "float8_e4m3fn"),
                     "decode_int8_two_consumers": ("decode", "int8"),
-                    "decode_int8_128_keys": ("decode", "int8")}
+                    "decode_int8_128_keys": ("decode", "int8"),
+                    "decode_fp8_query": ("decode", "float8_e4m3fn")}
+# Decode variants with private options of their own: mosaic_gpu's e4m3
+# query over a float8 cache (Q K^T on 8-bit wgmma), whose scales are one
+# per K/V head (per-entry ones it refuses).
+DECODE_OPTIONS = {"decode_fp8_query": dict(_fp8_query=True)}
+PER_HEAD_SCALES = ("decode_fp8_query",)
 # Decode variants with the kernel's `num_warps`: mosaic_gpu's two consumer
 # warpgroups a CTA.
 DECODE_NUM_WARPS = {"decode_int8_two_consumers": 8}
@@ -200,6 +207,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                         "decode_int8", "decode_fp8", "decode_int8_64_rows")},
                     "decode_int8_two_consumers": ("mosaic_gpu",),
                     "decode_int8_128_keys": ("mosaic_gpu",),
+                    "decode_fp8_query": ("mosaic_gpu",),
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
@@ -254,7 +262,8 @@ BACKEND_HEAD_DIMS = {
         "decode", "decode_paged", "decode_paged16")},
     **{("mosaic_gpu", variant): (64, 128) for variant in (
         "decode_int8", "decode_fp8", "decode_int8_64_rows",
-        "decode_int8_two_consumers", "decode_int8_128_keys")}}
+        "decode_int8_two_consumers", "decode_int8_128_keys",
+        "decode_fp8_query")}}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}
@@ -478,8 +487,9 @@ def _decode_call(case: Case, seq: int, spec):
   if shared:  # The prefix's keys and values.
     args += [spec((seq, kv, h)), spec((seq, kv, h))]
   quantized = case.variant in QUANTIZED_DECODE
-  if quantized:  # The key and value scales, one per cache entry.
-    args += [spec(cache, jnp.float32), spec(cache, jnp.float32)]
+  if quantized:  # The key and value scales, one per cache entry or head.
+    scales = (kv,) if case.variant in PER_HEAD_SCALES else cache
+    args += [spec(scales, jnp.float32), spec(scales, jnp.float32)]
 
   def call(q, k, v, lengths, table, *extra):
     kw = {}
@@ -495,6 +505,7 @@ def _decode_call(case: Case, seq: int, spec):
       kw["num_warps"] = DECODE_NUM_WARPS[case.variant]
     if case.variant in DECODE_BLOCK_KV:
       kw["block_kv"] = DECODE_BLOCK_KV[case.variant]
+    kw.update(DECODE_OPTIONS.get(case.variant, {}))
     return pallas_fa.decode_attention(
         q, k, v, lengths, block_table=table, implementation=case.backend,
         **kw)
@@ -545,7 +556,7 @@ def _decode_tiles(case: Case, seq: int) -> str:
     consumers = 2 if DECODE_NUM_WARPS.get(case.variant) == 8 else 1
     stages = mgpu_decode.stages_for(
         h, hv, block, 1 if one_byte else 2, DECODE_SHAPE["kv_heads"],
-        consumers)
+        consumers, "_fp8_query" in DECODE_OPTIONS.get(case.variant, {}))
     return (f"rows={mgpu_decode.TILE_ROWS} (stored {rows}) block_kv={block} "
             f"stages={stages} consumers={consumers}")
   rows = triton_decode.packed_rows(groups * _new_tokens(case))

@@ -12,6 +12,7 @@ import pytest
 import pallas_fa
 from pallas_fa import gpu_target
 from pallas_fa import kv_cache
+from pallas_fa import quantize
 from pallas_fa.mosaic_gpu import kernel
 from tests import attention_testing
 from tests.attention_testing import assert_close
@@ -184,6 +185,73 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   assert_close(f"{name} out", got, want32, same, jnp.bfloat16)
 
 
+def _e4m3_rounded(q):
+  """The query as `_fp8_query` reads it: each head vector rounded to e4m3
+  at its own absmax scale (`mosaic_gpu.decode.fp8_rows`), dequantized."""
+  values, scale = quantize.quantize(q, jnp.float8_e4m3fn)
+  return (values.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
+
+
+FP8_QUERY = {
+    # GQA, per-head scales (each K/V head's factor its own), ragged
+    # lengths (a last block shifted back, NaN past each length).
+    "per_head": dict(scales="head", b=2, t=1, n=8, k=2, h=64, s=200,
+                     lengths=(130, 200)),
+    # No scales, 2 new tokens in a window, two consumer warpgroups.
+    "unscaled_two_consumers": dict(scales=None, b=2, t=2, n=4, k=2, h=128,
+                                   s=256, lengths=(256, 70),
+                                   local_window_size=(100, 0), num_warps=8),
+    # One scale for the cache, a soft cap (the factor before the cap),
+    # sinks, 4 tokens of 4 query heads a K/V head.
+    "per_tensor_softcap_sinks": dict(scales="tensor", b=1, t=4, n=16, k=4,
+                                     h=128, s=192, lengths=(190,),
+                                     logits_soft_cap=20.0, sinks=True),
+}
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(FP8_QUERY))
+def test_mosaic_gpu_decode_fp8_query(name):
+  """`_fp8_query`: Q K^T on 8-bit wgmma over a float8_e4m3fn cache, the
+  query rounded to e4m3 a head vector at a time, against the chunked path
+  on that rounded query and the same cache (the factors a row, the value
+  scale on the result, the masks and cap after the factor)."""
+  c = dict(FP8_QUERY[name])
+  granularity = c.pop("scales")
+  b, t, n, k, h, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "s"))
+  lengths = c.pop("lengths")
+  gen = rng("mosaic_gpu decode fp8 query", name)
+  if c.pop("sinks", False):
+    c["sinks"] = jnp.asarray(gen.standard_normal((n,)), jnp.float32)
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
+  key, value = _cache(gen, b, s, k, h, h, jnp.float32, lengths)
+  cache = {}
+  for part, x in (("key", key), ("value", value)):
+    x = x * 3.0
+    if granularity is None:
+      cache[part] = x.astype(jnp.float8_e4m3fn)
+      continue
+    axes = (0, 1, 3) if granularity == "head" else None
+    scale = jnp.nanmax(jnp.abs(x), axis=axes) / 448.0
+    cache[part] = (x / (scale if axes is None else
+                        scale[None, None, :, None])).astype(
+                            jnp.float8_e4m3fn)
+    cache[part + "_scale"] = scale
+  kw = dict(lengths=jnp.asarray(lengths, jnp.int32), is_causal=True, **cache)
+  num_warps = c.pop("num_warps", None)
+  got = pallas_fa.decode_attention(
+      q, implementation="mosaic_gpu", num_splits=2, num_warps=num_warps,
+      _fp8_query=True, **kw, **c)
+  rounded = _e4m3_rounded(q)
+  want32 = pallas_fa.decode_attention(rounded.astype(jnp.float32),
+                                      implementation="chunked", **kw, **c)
+  same = pallas_fa.decode_attention(rounded, implementation="chunked",
+                                    **kw, **c)
+  assert not bool(jnp.isnan(got.astype(jnp.float32)).any())
+  assert_close(f"{name} out", got, want32, same, jnp.bfloat16)
+
+
 @attention_testing.gpu_jax_only_on_cpu
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.int8],
@@ -230,7 +298,11 @@ def test_mosaic_gpu_decode_two_consumers(cache_dtype):
     (jnp.int8, dict(block_kv=128)),
     # 16-key pages: four TMA copies a block and tensor on one barrier.
     (jnp.bfloat16, dict(page_size=16)),
-], ids=["int8-two-consumers", "int8-128-keys", "paged-16"])
+    # An e4m3 query over a float8 cache: the row factors on the query's
+    # barrier, two consumers.
+    (jnp.float8_e4m3fn, dict(_fp8_query=True, num_warps=8)),
+], ids=["int8-two-consumers", "int8-128-keys", "paged-16",
+        "fp8-query-two-consumers"])
 def test_mosaic_gpu_decode_is_race_free(monkeypatch, cache_dtype, options):
   """The split kernel under the interpreter's happens-before race detector,
   over more units than its one CTA and more blocks than ring stages: a
@@ -254,8 +326,9 @@ def test_mosaic_gpu_decode_is_race_free(monkeypatch, cache_dtype, options):
           jnp.nan_to_num(cache[part]), jnp.int8)
   else:
     cache = {name: x.astype(cache_dtype) for name, x in cache.items()}
-  want = pallas_fa.decode_attention(q, lengths=lengths, is_causal=True,
-                                    implementation="chunked", **cache)
+  want = pallas_fa.decode_attention(
+      _e4m3_rounded(q) if options.get("_fp8_query") else q, lengths=lengths,
+      is_causal=True, implementation="chunked", **cache)
   if page_size is not None:
     table = np.arange(b * s // page_size, dtype=np.int32).reshape(b, -1)
     cache = {name: x.reshape(b * s // page_size, page_size, k, h)
@@ -318,6 +391,26 @@ def test_mosaic_gpu_decode_refuses_paged_one_byte_wide_one_byte_and_odd_pages():
   with pytest.raises(NotImplementedError, match="page size is 24"):
     _call(key=pages, value=pages, lengths=jnp.asarray([100], jnp.int32),
           block_table=jnp.asarray([[0, 1, 2, 3, 4]], jnp.int32))
+
+
+@needs_kernel
+def test_mosaic_gpu_decode_fp8_query_refusals():
+  """`_fp8_query` reads a float8_e4m3fn cache with scales constant along
+  it, on mosaic_gpu: anything else is refused by name."""
+  ones = jnp.ones((2,), jnp.float32)
+  with pytest.raises(NotImplementedError, match="key cache is int8"):
+    _call(cache_dtype=jnp.int8, key_scale=ones, value_scale=ones,
+          _fp8_query=True)
+  with pytest.raises(NotImplementedError, match="key_scale is per entry"):
+    _call(cache_dtype=jnp.float8_e4m3fn, _fp8_query=True,
+          key_scale=jnp.ones((1, 128, 2), jnp.float32))
+  with pytest.raises(TypeError, match="_fp8_query must be a bool"):
+    _call(cache_dtype=jnp.float8_e4m3fn, _fp8_query=1)
+  q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
+  cache = jnp.ones((1, 128, 2, 64), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="_fp8_query applies to"):
+    pallas_fa.decode_attention(q, cache, cache, jnp.asarray([128]),
+                               implementation="chunked", _fp8_query=True)
 
 
 @needs_kernel

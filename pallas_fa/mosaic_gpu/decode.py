@@ -38,6 +38,20 @@ which the products then read: int8 and float8 values are exact in
 bfloat16 and float16, so the only rounding is that of the dequantized
 value, as a 16-bit cache's.
 
+With `fp8_query` (`decode_attention(_fp8_query=True)`, an A/B option while
+no GPU run has timed it) a float8_e4m3fn cache skips the key widening: the
+consumer quantizes its packed query rows to e4m3 once a unit, one scale a
+row (`_e4m3_rows`: `quantize`'s rounding, in the kernel, so that a call is
+still two kernels), and Q K^T runs on 8-bit wgmma over the K tile as
+stored (8-bit wgmma wants
+both operands K-major, which Q and K both are). The logits are the
+products times one factor a row, the query row's scale times its K/V
+head's key scale; the values are widened unscaled and the split's result
+is multiplied by the head's value scale. So the scales must be constant
+along the cache (per tensor or per head, as serving's float8 caches are);
+per-entry ones are refused by name (`supports`). The query's rounding to
+e4m3 (3 mantissa bits) is the accuracy this trades, as in FP8 attention.
+
 Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
 multiple of 8 keys that divides or is a multiple of the block) at head
 dims of 64, 128 or 256, or a contiguous 1-byte one at 64 or 128, and at
@@ -56,6 +70,7 @@ from pallas_fa import gpu_target
 from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 from pallas_fa.mosaic_gpu import forward
 from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import ops as gpu_ops
@@ -77,7 +92,8 @@ _ROW_TILE = 8
 _SMEM_BYTES = 227 * 1024
 # Where the split kernel's shared-memory refs sit (`_launch`): the packed
 # rows, the result staging, the logsumexps, the K and V rings, and a 1-byte
-# cache's scale rings.
+# cache's scale rings (with `fp8_query`, the e4m3 query rows in their
+# place).
 _RING = 3
 _KEY_SCALES = 5
 # An H100's SMs, where the target does not say.
@@ -136,6 +152,10 @@ def supports(query, key, value, block_table, static) -> str | None:
             f"the query's dtype ({query.dtype}) or a 1-byte one")
   if one_byte and block_table is not None:
     return "the cache is paged and 1-byte; it reads 1-byte caches contiguous"
+  if static.get("fp8_query"):
+    why = _fp8_query_refusal(key, value, static)
+    if why:
+      return why
   if block_table is not None:
     page = key.shape[1]
     if page % _ROW_TILE or not (page % DEFAULT_BLOCK == 0
@@ -162,6 +182,20 @@ def supports(query, key, value, block_table, static) -> str | None:
   return None
 
 
+def _fp8_query_refusal(key, value, static) -> str | None:
+  """Why `fp8_query` cannot take a call's cache, or None."""
+  for name, x in (("key", key), ("value", value)):
+    if x.dtype != jnp.float8_e4m3fn:
+      return (f"_fp8_query is set and the {name} cache is {x.dtype}; it "
+              "reads a float8_e4m3fn cache")
+  for name in ("key_scale", "value_scale"):
+    scale = static.get(name)
+    if scale is not None and scale.shape[1] != 1:
+      return (f"_fp8_query is set and {name} is per entry; it reads scales "
+              "constant along the cache (per tensor or per K/V head)")
+  return None
+
+
 def check_block(block: int, cache_len: int) -> int:
   """A caller's `block_kv` (already clipped to the contiguous cache; a
   paged one takes none), checked."""
@@ -175,40 +209,41 @@ def check_block(block: int, cache_len: int) -> int:
 
 def stages_for(head_dim: int, value_head_dim: int, block: int,
                cache_itemsize: int = 2, num_kv: int = 8,
-               consumers: int = 1) -> int:
+               consumers: int = 1, fp8_query: bool = False) -> int:
   """The deepest ring (at most `DEFAULT_STAGES`, at least 2; even with two
   consumers, which take the ring's slots of their parity) whose launch
   fits shared memory."""
   for stages in range(DEFAULT_STAGES, 2, -consumers):
     if smem_bytes(head_dim, value_head_dim, block, stages, cache_itemsize,
-                  num_kv, consumers) <= _SMEM_BYTES:
+                  num_kv, consumers, fp8_query) <= _SMEM_BYTES:
       return stages
   return 2
 
 
 def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
                cache_itemsize: int = 2, num_kv: int = 8,
-               consumers: int = 1) -> int:
+               consumers: int = 1, fp8_query: bool = False) -> int:
   """Shared memory of a launch: each consumer's query tile and result
   staging, the K/V ring, for a 1-byte cache the scales' rings (every K/V
-  head's, `num_kv` padded to 8) and each consumer's two widened tiles
-  (Mosaic GPU aligns each buffer to 1 KiB), and 1 KiB for the
-  barriers."""
+  head's, `num_kv` padded to 8; with `fp8_query` none, but each
+  consumer's e4m3 copy of its query tile) and each consumer's two
+  widened tiles (Mosaic GPU aligns each buffer to 1 KiB), and 1 KiB for
+  the barriers."""
   def kib(x):
     return layout.round_up(x, 1024)
 
   ring = stages * (kib(block * head_dim * cache_itemsize)
                    + kib(block * value_head_dim * cache_itemsize))
   staging = kib(consumers * TILE_ROWS * value_head_dim * 4)
+  query = kib(consumers * TILE_ROWS * head_dim * (3 if fp8_query else 2))
   if cache_itemsize == 1:
     # Each consumer's union of its staging and its two widened tiles.
     heads = layout.round_up(num_kv, _ROW_TILE)
-    ring += 2 * kib(stages * block * heads * 4)
+    ring += 0 if fp8_query else 2 * kib(stages * block * heads * 4)
     staging = consumers * kib(max(
         TILE_ROWS * value_head_dim * 4,
         2 * block * max(head_dim, value_head_dim) * 2))
-  return (1024 + kib(consumers * TILE_ROWS * head_dim * 2) + staging
-          + kib(consumers * TILE_ROWS * 4) + ring)
+  return (1024 + query + staging + kib(consumers * TILE_ROWS * 4) + ring)
 
 
 class _SplitRuns:
@@ -282,7 +317,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, key_scale=None, value_scale=None, num_warps=None,
-              stages=None, num_ctas=None, **unused):
+              stages=None, num_ctas=None, fp8_query=False, **unused):
   """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
   the merge (`triton.decode_merge`, which adds the sinks and writes the
   query's dtype and layout), two kernels at T_new = 1.
@@ -308,6 +343,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       block of a unit, and writing a partial result of its own).
     stages: ring depth (None: `stages_for`); num_ctas: persistent CTAs
       (None: one an SM, at most one a unit).
+    fp8_query: Q K^T on 8-bit wgmma over a float8_e4m3fn cache (scales
+      constant along it), the query rows quantized to e4m3 (module doc).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new, N]).
@@ -323,13 +360,20 @@ def attention(query, key, value, lengths, block_table, query_positions,
   rows = stored_rows(r)
   consumers = 2 if num_warps == 8 else 1
   stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv,
-                                consumers)
+                                consumers, fp8_query)
   interpret = interpreted()
   q_rows = _packed_rows(query, num_kv)
   if interpret and rows > r:
     # The interpreter reads no rows past an array (the GPU's TMA reads
     # them as zeros): the last head's rounding rows, padded.
     q_rows = jnp.pad(q_rows, ((0, rows - r), (0, 0)))
+  fp8 = None
+  if fp8_query:
+    # The scales, per tensor or per K/V head (rank 3, [1 or B, 1, 1 or
+    # K]; 1 where absent), read in the kernel as they are.
+    fp8 = tuple(jnp.ones((1, 1, 1), _F32) if x is None else x.astype(_F32)
+                for x in (key_scale, value_scale))
+    key_scale = value_scale = None
   if num_ctas is None:
     target = gpu_target.current()
     num_ctas = 1 if interpret or target is None else (
@@ -347,7 +391,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
       lowering_semantics="lane")
   if not interpret:
     need = smem_bytes(h, hv, block, stages, key.dtype.itemsize, num_kv,
-                      consumers)
+                      consumers, fp8_query)
     if need > _SMEM_BYTES:
       raise ValueError(
           f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
@@ -370,7 +414,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
                 ((0, 0), (0, 0), (0, heads - num_kv)))
         for x in (key_scale, value_scale))
   out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
-                     qpos, table, scales, splits=splits, rows=r,
+                     qpos, table, scales, fp8, splits=splits, rows=r,
                      new_tokens=t)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
@@ -385,7 +429,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
 
 
 def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
-            scales, *, splits: int, rows: int, new_tokens: int):
+            scales, fp8, *, splits: int, rows: int, new_tokens: int):
   """The split kernel: (out float32 [B, K, C * splits, stored_rows(rows),
   Hv], lse float32 [B, K, C * splits, stored_rows(rows)]), each split's
   normalised result and logsumexp (-inf: no visible key) from each of the
@@ -395,7 +439,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   each K and V tile to the query's dtype (which holds every such value
   exactly) times its per-key scales (`scales`: the key's and the value's
   float32 [B, S, K] each, or None for a float8 cache without them) into a
-  tile of its own, which the products read."""
+  tile of its own, which the products read. `fp8`: None, or the
+  `fp8_query` scales (float32 key and value scales, [1 or B, 1, 1 or K]
+  each): the consumer rounds its query rows to e4m3 and K tiles go to the
+  products as stored."""
   ops = kernel.ops_for(spec)
   bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
   s_max, num_kv, nc = spec.kv_len, spec.num_heads, spec.consumers
@@ -408,7 +455,9 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                          or kernel.interpreter_takes_ref_unions())
   optional = [(name, x) for name, x in (
       ("qpos", qpos), ("table", table),
-      *zip(("key_scale", "value_scale"), scales or ())) if x is not None]
+      *zip(("key_scale", "value_scale"), scales or ()),
+      *zip(("head_key_scale", "head_value_scale"), fp8 or ()))
+      if x is not None]
   operands = (q_rows, key, value, lengths) + tuple(x for _, x in optional)
   # Where the optional operands sit.
   at = {name: 4 + i for i, (name, _) in enumerate(optional)}
@@ -483,7 +532,9 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     q_smem, o_smem, lse_smem = r.smem[:3]
     k_smem, v_smem = r.smem[_RING:_RING + 2]
     wg = r.wg
-    if one_byte:
+    if fp8 is not None:
+      q8_smem = r.smem[_KEY_SCALES]
+    elif one_byte:
       ks_smem, vs_smem = r.smem[_KEY_SCALES:_KEY_SCALES + 2]
     if unions:
       # This consumer's union (`wg` is its index, a Python int here).
@@ -502,6 +553,12 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     kernel.load_stationary(
         [(q_ref.at[pl.ds((b * num_kv + n) * rows, stored)],
           q_smem.at[wg, pl.ds(0, stored)])], q_bar.at[wg])
+    q_tile = q_smem.at[kernel.stationary_in_step(spec, wg)]
+    if fp8 is not None:
+      # Each row's factor: its e4m3 scale times the head's key scale.
+      row_factors = _e4m3_rows(ops, q_tile, q8_smem.at[wg]) * _per_head(
+          r.inputs[at["head_key_scale"]], b, n)
+      q_tile = q8_smem.at[wg]
     tokens = kernel.rem(ops.iota_vector(TILE_ROWS, 0), new_tokens)
     q_pos, _, _ = sched.positions(b, tokens)
 
@@ -511,15 +568,17 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       first = block_start(j)
       plgpu.barrier_wait(k_bar.at[slot])
       k_tile = k_smem.at[slot]
-      if one_byte:
+      if one_byte and fp8 is None:
         k_tile = _widened(ops, k_tile,
                           None if scales is None else (ks_smem.at[slot], n),
                           wide.at[0], spec.dtype)
         plgpu.barrier_arrive(k_free.at[slot])
-      qk = ops.mm(q_smem.at[kernel.stationary_in_step(spec, wg)], k_tile,
-                  transpose_b=True)
-      if not one_byte:
+      qk = ops.mm(q_tile, k_tile, transpose_b=True)
+      if not one_byte or fp8 is not None:
         plgpu.barrier_arrive(k_free.at[slot])
+      if fp8 is not None:
+        # The e4m3 products dequantized: a factor a row.
+        qk = qk * lax.broadcast_in_dim(row_factors, qk.shape, (0,))
       s = qk if scale is not None else kernel.logits(spec, qk)[0]
       if masked:
         kv_pos = first + ops.iota_vector(bk, 1)
@@ -535,13 +594,13 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       # P in the products' dtype before the V tile widens: half the
       # registers of the float32 P live across the widening.
-      p = p.astype(spec.dtype)
+      p = p.astype(pv_dtype)
       plgpu.barrier_wait(v_bar.at[slot])
       v_tile = v_smem.at[slot]
       if one_byte:
         v_tile = _widened(ops, v_tile,
                           None if scales is None else (vs_smem.at[slot], n),
-                          wide.at[1], spec.dtype,
+                          wide.at[1], pv_dtype,
                           (first, length) if masked else None)
         plgpu.barrier_arrive(v_free.at[slot])
       elif masked:
@@ -560,6 +619,9 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                           consumer=wg, consumers=spec.consumers)
     out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True,
                                        per_query=_ROWS)
+    if fp8 is not None:
+      # The values were widened unscaled: their head's scale.
+      out = out * _per_head(r.inputs[at["head_value_scale"]], b, n)
     part = wg * splits + split
     o_smem[...] = out
     lse_smem.at[wg][...] = lse
@@ -568,7 +630,11 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                    lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
-  wide = ops.smem((nc, 2, bk, max(h, hv)), spec.dtype, True)
+  # P V's operands: the query's dtype, but float16 with `fp8` (e4m3 values
+  # are exact in it, each V tile widens with one conversion per two values
+  # and no float32 step, and P gets 3 more mantissa bits than bfloat16's).
+  pv_dtype = jnp.float16 if fp8 is not None else spec.dtype
+  wide = ops.smem((nc, 2, bk, max(h, hv)), pv_dtype, True)
   if unions:
     # Each consumer's result staging and the widened K and V tiles its
     # products read share memory, a `plgpu.RefUnion` a consumer: the tiles
@@ -579,7 +645,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     # union.
     staging = tuple(
         plgpu.RefUnion(ops.smem((TILE_ROWS, hv), _F32, True),
-                       ops.smem((2, bk, max(h, hv)), spec.dtype, True))
+                       ops.smem((2, bk, max(h, hv)), pv_dtype, True))
         for _ in range(nc))
   else:
     staging = ops.smem((nc, TILE_ROWS, hv), _F32, True)
@@ -595,7 +661,12 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       ops.smem((stages, bk, hv), value.dtype, True,
                swizzle=min(ops.swizzle, hv * value.dtype.itemsize)),
   )
-  if one_byte:
+  if fp8 is not None:
+    # Each consumer's query rows in e4m3.
+    smem += (ops.smem((nc, TILE_ROWS, h), jnp.float8_e4m3fn, True,
+                      swizzle=min(ops.swizzle, h)),) + (
+                          () if unions else (wide,))
+  elif one_byte:
     smem += (
         # The keys' and the values' scales, rings.
         *(plgpu.SMEM((stages, bk, layout.round_up(num_kv, _ROW_TILE)), _F32)
@@ -656,11 +727,14 @@ def _widened(ops, tile, scale_ref, dst, dtype, past=None):
   (the first H columns)."""
   bk, width = tile.shape
   out = dst if dst.shape[1] == width else dst.at[:, pl.ds(0, width)]
+  # e4m3 to float16 unscaled: one conversion, no float32 step.
+  direct = (scale_ref is None and tile.dtype == jnp.float8_e4m3fn
+            and dtype == jnp.float16)
   # A 64-row part at a time: a 128-key tile's float32 values at once
   # would be 128 registers a thread beside the accumulator.
   for lo in range(0, bk, TILE_ROWS):
     rows = pl.ds(lo, TILE_ROWS)
-    x = ops.load_tile(tile.at[rows]).astype(_F32)
+    x = ops.load_tile(tile.at[rows]).astype(dtype if direct else _F32)
     if scale_ref is not None:
       # The part's scales of every K/V head [64, K'], in the accumulator
       # layout; this head's column, as a vector along the tile's rows.
@@ -680,6 +754,28 @@ def _widened(ops, tile, scale_ref, dst, dtype, past=None):
   # The generic-proxy stores, before wgmma reads the tile.
   plgpu.commit_smem()
   return out
+
+
+def _e4m3_rows(ops, q_tile, q8_tile):
+  """Rounds a consumer's query rows (`q_tile`, [64, H] in the products'
+  16-bit dtype) to e4m3 into `q8_tile`, each row at its own absmax scale
+  (`quantize.quantize`'s rounding); returns the scales, a float32 vector
+  along the rows."""
+  x = ops.load_tile(q_tile).astype(_F32)
+  scale = quantize.absmax_scale(jnp.max(jnp.abs(x), axis=1),
+                                jnp.float8_e4m3fn)
+  q8_tile[...] = quantize.scaled_values(
+      x, lax.broadcast_in_dim(scale, x.shape, (0,)), jnp.float8_e4m3fn)
+  # The generic-proxy stores, before wgmma reads the tile.
+  plgpu.commit_smem()
+  return scale
+
+
+def _per_head(scales, b, n):
+  """The scale of K/V head n of sequence b from float32 scales [1 or B, 1,
+  1 or K] (a scalar read)."""
+  return scales[b if scales.shape[0] > 1 else 0, 0,
+                n if scales.shape[2] > 1 else 0]
 
 
 def _zero_rows_past(ops, v_tile, first, length):
