@@ -125,7 +125,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_paged16", "decode_int8", "decode_paged_int8", "decode_fp8",
             "decode_int8_64_rows", "decode_paged_fp8_64_rows",
             "decode_int8_two_consumers", "decode_int8_128_keys",
-            "decode_fp8_query", "decode_paged_fp8", "decode_latent",
+            "decode_fp8_quantized_query", "decode_int8_quantized_query",
+            "decode_paged_fp8", "decode_latent",
             "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
@@ -173,12 +174,17 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                                                  "float8_e4m3fn"),
                     "decode_int8_two_consumers": ("decode", "int8"),
                     "decode_int8_128_keys": ("decode", "int8"),
-                    "decode_fp8_query": ("decode", "float8_e4m3fn")}
-# Decode variants with private options of their own: mosaic_gpu's e4m3
-# query over a float8 cache (Q K^T on 8-bit wgmma), whose scales are one
-# per K/V head (per-entry ones it refuses).
-DECODE_OPTIONS = {"decode_fp8_query": dict(_fp8_query=True)}
-PER_HEAD_SCALES = ("decode_fp8_query",)
+                    "decode_fp8_quantized_query": ("decode",
+                                                   "float8_e4m3fn"),
+                    "decode_int8_quantized_query": ("decode", "int8")}
+# Decode variants with private options of their own: mosaic_gpu's query
+# quantized to the cache's dtype (Q K^T on 8-bit wgmma), over a float8
+# cache with one scale a K/V head (no scale rings) and an int8 one with a
+# scale an entry (the key column through shared memory).
+DECODE_OPTIONS = {
+    name: dict(_quantized_query=True)
+    for name in ("decode_fp8_quantized_query", "decode_int8_quantized_query")}
+PER_HEAD_SCALES = ("decode_fp8_quantized_query",)
 # Decode variants with the kernel's `num_warps`: mosaic_gpu's two consumer
 # warpgroups a CTA.
 DECODE_NUM_WARPS = {"decode_int8_two_consumers": 8}
@@ -207,7 +213,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                         "decode_int8", "decode_fp8", "decode_int8_64_rows")},
                     "decode_int8_two_consumers": ("mosaic_gpu",),
                     "decode_int8_128_keys": ("mosaic_gpu",),
-                    "decode_fp8_query": ("mosaic_gpu",),
+                    **{name: ("mosaic_gpu",) for name in DECODE_OPTIONS},
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
@@ -263,7 +269,7 @@ BACKEND_HEAD_DIMS = {
     **{("mosaic_gpu", variant): (64, 128) for variant in (
         "decode_int8", "decode_fp8", "decode_int8_64_rows",
         "decode_int8_two_consumers", "decode_int8_128_keys",
-        "decode_fp8_query")}}
+        *DECODE_OPTIONS)}}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}
@@ -556,7 +562,8 @@ def _decode_tiles(case: Case, seq: int) -> str:
     consumers = 2 if DECODE_NUM_WARPS.get(case.variant) == 8 else 1
     stages = mgpu_decode.stages_for(
         h, hv, block, 1 if one_byte else 2, DECODE_SHAPE["kv_heads"],
-        consumers, "_fp8_query" in DECODE_OPTIONS.get(case.variant, {}))
+        consumers, "_quantized_query" in DECODE_OPTIONS.get(case.variant, {}),
+        case.variant not in PER_HEAD_SCALES)
     return (f"rows={mgpu_decode.TILE_ROWS} (stored {rows}) block_kv={block} "
             f"stages={stages} consumers={consumers}")
   rows = triton_decode.packed_rows(groups * _new_tokens(case))

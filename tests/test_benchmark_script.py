@@ -969,7 +969,10 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "mosaic_gpu_paged_vs_contiguous", "tnew16_mosaic_gpu_vs_triton",
         "mosaic_gpu_int8_vs_bf16", "mosaic_gpu_int8_vs_triton",
         "mosaic_gpu_int8_two_consumers", "mosaic_gpu_int8_128_keys",
-        "mosaic_gpu_fp8_query_vs_widened", "mosaic_gpu_fp8_query_vs_bf16"}
+        "mosaic_gpu_float8_quantized_query_vs_widened",
+        "mosaic_gpu_float8_quantized_query_vs_bf16",
+        "mosaic_gpu_int8_quantized_query_vs_widened",
+        "mosaic_gpu_int8_quantized_query_vs_bf16"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
@@ -1052,12 +1055,17 @@ def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
   assert ratios["mosaic_gpu_int8_128_keys"]["ratio"] == pytest.approx(
       wide["ms"] / int8["ms"])
   fp8, widened = (by_name[f"mosaic_gpu_float8_{x}"]
-                  for x in ("fp8_query", "per_tensor"))
+                  for x in ("quantized_query", "per_tensor"))
   for row in (fp8, widened):
     assert row["status"] == "ok" and row["scales"] == "tensor", row
-  assert fp8["_fp8_query"] is True and "_fp8_query" not in widened
-  assert ratios["mosaic_gpu_fp8_query_vs_widened"]["ratio"] == (
+  assert fp8["_quantized_query"] is True
+  assert "_quantized_query" not in widened
+  assert ratios["mosaic_gpu_float8_quantized_query_vs_widened"]["ratio"] == (
       pytest.approx(fp8["ms"] / widened["ms"]))
+  int8_query = by_name["mosaic_gpu_int8_quantized_query"]
+  assert int8_query["status"] == "ok", int8_query
+  assert ratios["mosaic_gpu_int8_quantized_query_vs_widened"]["ratio"] == (
+      pytest.approx(int8_query["ms"] / int8["ms"]))
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -185,69 +185,100 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   assert_close(f"{name} out", got, want32, same, jnp.bfloat16)
 
 
-def _e4m3_rounded(q):
-  """The query as `_fp8_query` reads it: each head vector rounded to e4m3
-  at its own absmax scale (`mosaic_gpu.decode.fp8_rows`), dequantized."""
-  values, scale = quantize.quantize(q, jnp.float8_e4m3fn)
+def _rounded(q, dtype):
+  """The query as `_quantized_query` reads it: each head vector rounded
+  to the cache's 1-byte `dtype` at its own absmax scale
+  (`mosaic_gpu.decode._quantized_rows`), dequantized."""
+  values, scale = quantize.quantize(q, dtype)
   return (values.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
 
 
-FP8_QUERY = {
-    # GQA, per-head scales (each K/V head's factor its own), ragged
-    # lengths (a last block shifted back, NaN past each length).
-    "per_head": dict(scales="head", b=2, t=1, n=8, k=2, h=64, s=200,
-                     lengths=(130, 200)),
-    # No scales, 2 new tokens in a window, two consumer warpgroups.
-    "unscaled_two_consumers": dict(scales=None, b=2, t=2, n=4, k=2, h=128,
-                                   s=256, lengths=(256, 70),
-                                   local_window_size=(100, 0), num_warps=8),
-    # One scale for the cache, a soft cap (the factor before the cap),
-    # sinks, 4 tokens of 4 query heads a K/V head.
-    "per_tensor_softcap_sinks": dict(scales="tensor", b=1, t=4, n=16, k=4,
-                                     h=128, s=192, lengths=(190,),
-                                     logits_soft_cap=20.0, sinks=True),
+QUANTIZED_QUERY = {
+    # float8, GQA, per-head scales (the key's in the row factors, each
+    # K/V head its own), ragged lengths (a last block shifted back, NaN
+    # past each length).
+    "float8_per_head": dict(dtype=jnp.float8_e4m3fn, scales="head", b=2,
+                            t=1, n=8, k=2, h=64, s=200, lengths=(130, 200)),
+    # float8 without scales, 2 new tokens in a window, two consumers.
+    "float8_unscaled_two_consumers": dict(
+        dtype=jnp.float8_e4m3fn, scales=None, b=2, t=2, n=4, k=2, h=128,
+        s=256, lengths=(256, 70), local_window_size=(100, 0), num_warps=8),
+    # float8 with one scale for the cache, a soft cap (the factors before
+    # the cap), sinks, 4 tokens of 4 query heads a K/V head.
+    "float8_per_tensor_softcap_sinks": dict(
+        dtype=jnp.float8_e4m3fn, scales="tensor", b=1, t=4, n=16, k=4,
+        h=128, s=192, lengths=(190,), logits_soft_cap=20.0, sinks=True),
+    # int8 with a scale per entry (`kv_cache.quantize`, NaN past each
+    # length): int32 products, the key column through shared memory, the
+    # values widened with theirs; K = 2 (the scales' head axis padded).
+    "int8_per_entry": dict(dtype=jnp.int8, scales="entry", b=2, t=1, n=8,
+                           k=2, h=64, s=200, lengths=(130, 200)),
+    # int8 per entry in 128-key blocks, two consumers.
+    "int8_per_entry_128_keys_two_consumers": dict(
+        dtype=jnp.int8, scales="entry", b=2, t=2, n=4, k=2, h=128, s=300,
+        lengths=(300, 170), block_kv=128, num_warps=8),
+    # int8 with per-head scales (no scale rings).
+    "int8_per_head": dict(dtype=jnp.int8, scales="head", b=1, t=1, n=16,
+                          k=8, h=128, s=160, lengths=(150,)),
+    # float8 with a scale per entry.
+    "float8_per_entry": dict(dtype=jnp.float8_e4m3fn, scales="entry", b=1,
+                             t=1, n=4, k=1, h=64, s=128, lengths=(100,)),
 }
 
 
-@attention_testing.gpu_jax_only_on_cpu
-@needs_kernel
-@pytest.mark.parametrize("name", sorted(FP8_QUERY))
-def test_mosaic_gpu_decode_fp8_query(name):
-  """`_fp8_query`: Q K^T on 8-bit wgmma over a float8_e4m3fn cache, the
-  query rounded to e4m3 a head vector at a time, against the chunked path
-  on that rounded query and the same cache (the factors a row, the value
-  scale on the result, the masks and cap after the factor)."""
-  c = dict(FP8_QUERY[name])
-  granularity = c.pop("scales")
-  b, t, n, k, h, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "s"))
-  lengths = c.pop("lengths")
-  gen = rng("mosaic_gpu decode fp8 query", name)
-  if c.pop("sinks", False):
-    c["sinks"] = jnp.asarray(gen.standard_normal((n,)), jnp.float32)
-  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
-  key, value = _cache(gen, b, s, k, h, h, jnp.float32, lengths)
+def _quantized_cache(key, value, dtype, granularity, lengths):
+  """{key, value[, key_scale, value_scale]} of `dtype` from float ones
+  (NaN past each length): scales per entry (NaN there too), per K/V head,
+  one for the cache, or none."""
   cache = {}
   for part, x in (("key", key), ("value", value)):
     x = x * 3.0
     if granularity is None:
-      cache[part] = x.astype(jnp.float8_e4m3fn)
-      continue
-    axes = (0, 1, 3) if granularity == "head" else None
-    scale = jnp.nanmax(jnp.abs(x), axis=axes) / 448.0
-    cache[part] = (x / (scale if axes is None else
-                        scale[None, None, :, None])).astype(
-                            jnp.float8_e4m3fn)
-    cache[part + "_scale"] = scale
-  kw = dict(lengths=jnp.asarray(lengths, jnp.int32), is_causal=True, **cache)
-  num_warps = c.pop("num_warps", None)
-  got = pallas_fa.decode_attention(
-      q, implementation="mosaic_gpu", num_splits=2, num_warps=num_warps,
-      _fp8_query=True, **kw, **c)
-  rounded = _e4m3_rounded(q)
+      cache[part] = x.astype(dtype)
+    elif granularity == "entry":
+      cache[part], scale = kv_cache.quantize(jnp.nan_to_num(x), dtype)
+      past = jnp.arange(x.shape[1])[None, :, None] >= jnp.asarray(
+          lengths)[:, None, None]
+      cache[part + "_scale"] = jnp.where(past, jnp.nan, scale)
+    else:
+      axes = (0, 1, 3) if granularity == "head" else None
+      largest = 127.0 if dtype == jnp.int8 else 448.0
+      scale = jnp.nanmax(jnp.abs(x), axis=axes) / largest
+      q = x / (scale if axes is None else scale[None, None, :, None])
+      cache[part] = (jnp.round(q) if dtype == jnp.int8 else q).astype(dtype)
+      cache[part + "_scale"] = scale
+  return cache
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(QUANTIZED_QUERY))
+def test_mosaic_gpu_decode_quantized_query(name):
+  """`_quantized_query`: Q K^T on 8-bit wgmma over an int8 or float8
+  cache, the query rounded to the cache's dtype a head vector at a time,
+  against the chunked path on that rounded query and the same cache (the
+  factors a row and a key, the value scales, the masks and cap after the
+  factors)."""
+  c = dict(QUANTIZED_QUERY[name])
+  dtype, granularity = c.pop("dtype"), c.pop("scales")
+  b, t, n, k, h, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "s"))
+  lengths = c.pop("lengths")
+  gen = rng("mosaic_gpu decode quantized query", name)
+  if c.pop("sinks", False):
+    c["sinks"] = jnp.asarray(gen.standard_normal((n,)), jnp.float32)
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
+  key, value = _cache(gen, b, s, k, h, h, jnp.float32, lengths)
+  cache = _quantized_cache(key, value, dtype, granularity, lengths)
+  kw = dict(lengths=jnp.asarray(lengths, jnp.int32), is_causal=True,
+            **cache, **c)
+  got = pallas_fa.decode_attention(q, implementation="mosaic_gpu",
+                                   num_splits=2, _quantized_query=True, **kw)
+  rounded = _rounded(q, dtype)
+  kw.pop("num_warps", None)
+  kw.pop("block_kv", None)
   want32 = pallas_fa.decode_attention(rounded.astype(jnp.float32),
-                                      implementation="chunked", **kw, **c)
-  same = pallas_fa.decode_attention(rounded, implementation="chunked",
-                                    **kw, **c)
+                                      implementation="chunked", **kw)
+  same = pallas_fa.decode_attention(rounded, implementation="chunked", **kw)
   assert not bool(jnp.isnan(got.astype(jnp.float32)).any())
   assert_close(f"{name} out", got, want32, same, jnp.bfloat16)
 
@@ -298,11 +329,11 @@ def test_mosaic_gpu_decode_two_consumers(cache_dtype):
     (jnp.int8, dict(block_kv=128)),
     # 16-key pages: four TMA copies a block and tensor on one barrier.
     (jnp.bfloat16, dict(page_size=16)),
-    # An e4m3 query over a float8 cache: the row factors on the query's
-    # barrier, two consumers.
-    (jnp.float8_e4m3fn, dict(_fp8_query=True, num_warps=8)),
+    # An int8 query over an int8 cache with per-entry scales: the key
+    # column's staging rewritten every block, two consumers.
+    (jnp.int8, dict(_quantized_query=True, num_warps=8)),
 ], ids=["int8-two-consumers", "int8-128-keys", "paged-16",
-        "fp8-query-two-consumers"])
+        "int8-quantized-query-two-consumers"])
 def test_mosaic_gpu_decode_is_race_free(monkeypatch, cache_dtype, options):
   """The split kernel under the interpreter's happens-before race detector,
   over more units than its one CTA and more blocks than ring stages: a
@@ -327,8 +358,8 @@ def test_mosaic_gpu_decode_is_race_free(monkeypatch, cache_dtype, options):
   else:
     cache = {name: x.astype(cache_dtype) for name, x in cache.items()}
   want = pallas_fa.decode_attention(
-      _e4m3_rounded(q) if options.get("_fp8_query") else q, lengths=lengths,
-      is_causal=True, implementation="chunked", **cache)
+      _rounded(q, cache_dtype) if options.get("_quantized_query") else q,
+      lengths=lengths, is_causal=True, implementation="chunked", **cache)
   if page_size is not None:
     table = np.arange(b * s // page_size, dtype=np.int32).reshape(b, -1)
     cache = {name: x.reshape(b * s // page_size, page_size, k, h)
@@ -394,23 +425,21 @@ def test_mosaic_gpu_decode_refuses_paged_one_byte_wide_one_byte_and_odd_pages():
 
 
 @needs_kernel
-def test_mosaic_gpu_decode_fp8_query_refusals():
-  """`_fp8_query` reads a float8_e4m3fn cache with scales constant along
-  it, on mosaic_gpu: anything else is refused by name."""
-  ones = jnp.ones((2,), jnp.float32)
-  with pytest.raises(NotImplementedError, match="key cache is int8"):
-    _call(cache_dtype=jnp.int8, key_scale=ones, value_scale=ones,
-          _fp8_query=True)
-  with pytest.raises(NotImplementedError, match="key_scale is per entry"):
-    _call(cache_dtype=jnp.float8_e4m3fn, _fp8_query=True,
-          key_scale=jnp.ones((1, 128, 2), jnp.float32))
-  with pytest.raises(TypeError, match="_fp8_query must be a bool"):
-    _call(cache_dtype=jnp.float8_e4m3fn, _fp8_query=1)
+def test_mosaic_gpu_decode_quantized_query_refusals():
+  """`_quantized_query` reads an int8 or float8_e4m3fn cache on
+  mosaic_gpu: anything else is refused by name."""
+  with pytest.raises(NotImplementedError, match="cache is bfloat16"):
+    _call(_quantized_query=True)
+  with pytest.raises(NotImplementedError, match="cache is float8_e5m2"):
+    _call(cache_dtype=jnp.float8_e5m2, _quantized_query=True)
+  with pytest.raises(TypeError, match="_quantized_query must be a bool"):
+    _call(cache_dtype=jnp.float8_e4m3fn, _quantized_query=1)
   q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
   cache = jnp.ones((1, 128, 2, 64), jnp.float8_e4m3fn)
-  with pytest.raises(ValueError, match="_fp8_query applies to"):
+  with pytest.raises(ValueError, match="_quantized_query applies to"):
     pallas_fa.decode_attention(q, cache, cache, jnp.asarray([128]),
-                               implementation="chunked", _fp8_query=True)
+                               implementation="chunked",
+                               _quantized_query=True)
 
 
 @needs_kernel

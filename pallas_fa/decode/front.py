@@ -94,7 +94,7 @@ def decode_attention(
     _value_chunk: int | None = None,
     _prefix_block_kv: int | None = None,
     _prefix_num_warps: int | None = None,
-    _fp8_query: bool = False,
+    _quantized_query: bool = False,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -224,12 +224,11 @@ def decode_attention(
       16) and its warps a program (triton: as `num_warps`, which sets both
       kernels'); None: the kernel's default for the folded tile; with a
       prefix only.
-    _fp8_query: private, for A/B benchmarks: on "mosaic_gpu" over a
-      float8_e4m3fn cache whose scales are constant along it (per tensor
-      or per K/V head), the query rows quantized to e4m3 (one scale a row)
-      and Q K^T on 8-bit wgmma over the K tiles as stored, instead of
-      widening them (`mosaic_gpu.decode`); the query's e4m3 rounding is
-      the accuracy it costs.
+    _quantized_query: private, for A/B benchmarks: on "mosaic_gpu" over an
+      int8 or float8_e4m3fn cache, the query rows quantized to the cache's
+      dtype (one scale a row) and Q K^T on 8-bit wgmma over the K tiles as
+      stored, instead of widening them (`mosaic_gpu.decode`); the query's
+      rounding is the accuracy it costs.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -307,7 +306,8 @@ def decode_attention(
                                        prefix_key, implementation)
   launch = dict(warps, **_check_value_chunk(_value_chunk, implementation,
                                             mask_mod, prefix_key),
-                **_check_fp8_query(_fp8_query, implementation, prefix_key))
+                **_check_quantized_query(_quantized_query, implementation,
+                                         prefix_key))
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
   prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv,
@@ -558,8 +558,9 @@ def _check_value_chunk(value_chunk, implementation, mask_mod,
   return {"max_value_chunk": int(value_chunk)}
 
 
-def _check_fp8_query(fp8_query, implementation, prefix_key) -> dict:
-  """{"fp8_query": True} for the Mosaic GPU kernel's `attention`, or {}
+def _check_quantized_query(quantized_query, implementation,
+                           prefix_key) -> dict:
+  """{"quantized_query": True} for the Mosaic GPU kernel's `attention`, or {}
   (the default). The cache it reads is the kernel's to check
   (`mosaic_gpu.decode.supports`).
 
@@ -568,14 +569,14 @@ def _check_fp8_query(fp8_query, implementation, prefix_key) -> dict:
     ValueError: set where the call does not take the Mosaic GPU decode
       kernel (another implementation, or a shared prefix).
   """
-  if not api.check_flag("_fp8_query", fp8_query):
+  if not api.check_flag("_quantized_query", quantized_query):
     return {}
   if implementation != "mosaic_gpu" or prefix_key is not None:
     raise ValueError(
-        "_fp8_query applies to implementation='mosaic_gpu' without a "
+        "_quantized_query applies to implementation='mosaic_gpu' without a "
         f"prefix, got {implementation=}, prefix_key given: "
         f"{prefix_key is not None}.")
-  return {"fp8_query": True}
+  return {"quantized_query": True}
 
 
 def _check_power_of_two(name: str, x) -> None:

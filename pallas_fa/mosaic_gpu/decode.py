@@ -38,19 +38,23 @@ which the products then read: int8 and float8 values are exact in
 bfloat16 and float16, so the only rounding is that of the dequantized
 value, as a 16-bit cache's.
 
-With `fp8_query` (`decode_attention(_fp8_query=True)`, an A/B option while
-no GPU run has timed it) a float8_e4m3fn cache skips the key widening: the
-consumer quantizes its packed query rows to e4m3 once a unit, one scale a
-row (`_e4m3_rows`: `quantize`'s rounding, in the kernel, so that a call is
-still two kernels), and Q K^T runs on 8-bit wgmma over the K tile as
-stored (8-bit wgmma wants
-both operands K-major, which Q and K both are). The logits are the
-products times one factor a row, the query row's scale times its K/V
-head's key scale; the values are widened unscaled and the split's result
-is multiplied by the head's value scale. So the scales must be constant
-along the cache (per tensor or per head, as serving's float8 caches are);
-per-entry ones are refused by name (`supports`). The query's rounding to
-e4m3 (3 mantissa bits) is the accuracy this trades, as in FP8 attention.
+With `quantized_query` (`decode_attention(_quantized_query=True)`, an A/B
+option while no GPU run has timed it) an int8 or float8_e4m3fn cache skips
+the key widening: the consumer quantizes its packed query rows to the
+cache's dtype once a unit, one scale a row (`_quantized_rows`:
+`quantize`'s rounding, in the kernel, so that a call is still two
+kernels), and Q K^T runs on 8-bit wgmma (int8 into int32, e4m3 into
+float32) over the K tile as stored (8-bit wgmma wants both operands
+K-major, which Q and K both are). The logits are the products times one
+factor a row (the row's scale) and one a key (its key scale, a vector
+along the tile's keys: the per-entry scales' column of the unit's head
+goes through shared memory once a block, `_key_column`, from the rows the
+widening reads). Scales constant along the cache (per tensor or per head)
+skip the scale rings instead: the key's joins the row factors, the V
+tiles widen unscaled (e4m3 to float16, one conversion per two values)
+and the value's multiplies the split's result. The query's rounding (to 8
+bits for int8, 4 for e4m3) is the accuracy this trades, as in 8-bit
+attention.
 
 Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
 multiple of 8 keys that divides or is a multiple of the block) at head
@@ -92,10 +96,11 @@ _ROW_TILE = 8
 _SMEM_BYTES = 227 * 1024
 # Where the split kernel's shared-memory refs sit (`_launch`): the packed
 # rows, the result staging, the logsumexps, the K and V rings, and a 1-byte
-# cache's scale rings (with `fp8_query`, the e4m3 query rows in their
-# place).
+# cache's scale rings (placeholders where it has none) and with
+# `quantized_query` the 1-byte query rows and key column.
 _RING = 3
 _KEY_SCALES = 5
+_QUANTIZED_ROWS = 7
 # An H100's SMs, where the target does not say.
 _DEFAULT_SMS = 132
 
@@ -152,10 +157,11 @@ def supports(query, key, value, block_table, static) -> str | None:
             f"the query's dtype ({query.dtype}) or a 1-byte one")
   if one_byte and block_table is not None:
     return "the cache is paged and 1-byte; it reads 1-byte caches contiguous"
-  if static.get("fp8_query"):
-    why = _fp8_query_refusal(key, value, static)
-    if why:
-      return why
+  if static.get("quantized_query") and not (
+      key.dtype == value.dtype
+      and key.dtype in (jnp.int8, jnp.float8_e4m3fn)):
+    return (f"_quantized_query is set and the cache is {key.dtype}/"
+            f"{value.dtype}; it reads an int8 or float8_e4m3fn one")
   if block_table is not None:
     page = key.shape[1]
     if page % _ROW_TILE or not (page % DEFAULT_BLOCK == 0
@@ -182,20 +188,6 @@ def supports(query, key, value, block_table, static) -> str | None:
   return None
 
 
-def _fp8_query_refusal(key, value, static) -> str | None:
-  """Why `fp8_query` cannot take a call's cache, or None."""
-  for name, x in (("key", key), ("value", value)):
-    if x.dtype != jnp.float8_e4m3fn:
-      return (f"_fp8_query is set and the {name} cache is {x.dtype}; it "
-              "reads a float8_e4m3fn cache")
-  for name in ("key_scale", "value_scale"):
-    scale = static.get(name)
-    if scale is not None and scale.shape[1] != 1:
-      return (f"_fp8_query is set and {name} is per entry; it reads scales "
-              "constant along the cache (per tensor or per K/V head)")
-  return None
-
-
 def check_block(block: int, cache_len: int) -> int:
   """A caller's `block_kv` (already clipped to the contiguous cache; a
   paged one takes none), checked."""
@@ -209,24 +201,28 @@ def check_block(block: int, cache_len: int) -> int:
 
 def stages_for(head_dim: int, value_head_dim: int, block: int,
                cache_itemsize: int = 2, num_kv: int = 8,
-               consumers: int = 1, fp8_query: bool = False) -> int:
+               consumers: int = 1, quantized_query: bool = False,
+               scale_rings: bool = True) -> int:
   """The deepest ring (at most `DEFAULT_STAGES`, at least 2; even with two
   consumers, which take the ring's slots of their parity) whose launch
   fits shared memory."""
   for stages in range(DEFAULT_STAGES, 2, -consumers):
     if smem_bytes(head_dim, value_head_dim, block, stages, cache_itemsize,
-                  num_kv, consumers, fp8_query) <= _SMEM_BYTES:
+                  num_kv, consumers, quantized_query,
+                  scale_rings) <= _SMEM_BYTES:
       return stages
   return 2
 
 
 def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
                cache_itemsize: int = 2, num_kv: int = 8,
-               consumers: int = 1, fp8_query: bool = False) -> int:
+               consumers: int = 1, quantized_query: bool = False,
+               scale_rings: bool = True) -> int:
   """Shared memory of a launch: each consumer's query tile and result
   staging, the K/V ring, for a 1-byte cache the scales' rings (every K/V
-  head's, `num_kv` padded to 8; with `fp8_query` none, but each
-  consumer's e4m3 copy of its query tile) and each consumer's two
+  head's, `num_kv` padded to 8, unless `scale_rings` is off), with
+  `quantized_query` each consumer's 1-byte copy of its query tile (and
+  with the rings its key column) and each consumer's two
   widened tiles (Mosaic GPU aligns each buffer to 1 KiB), and 1 KiB for
   the barriers."""
   def kib(x):
@@ -235,11 +231,14 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
   ring = stages * (kib(block * head_dim * cache_itemsize)
                    + kib(block * value_head_dim * cache_itemsize))
   staging = kib(consumers * TILE_ROWS * value_head_dim * 4)
-  query = kib(consumers * TILE_ROWS * head_dim * (3 if fp8_query else 2))
+  query = kib(consumers * TILE_ROWS * head_dim
+              * (3 if quantized_query else 2))
   if cache_itemsize == 1:
     # Each consumer's union of its staging and its two widened tiles.
     heads = layout.round_up(num_kv, _ROW_TILE)
-    ring += 0 if fp8_query else 2 * kib(stages * block * heads * 4)
+    if scale_rings:
+      ring += 2 * kib(stages * block * heads * 4) + (
+          kib(consumers * block * 4) if quantized_query else 0)
     staging = consumers * kib(max(
         TILE_ROWS * value_head_dim * 4,
         2 * block * max(head_dim, value_head_dim) * 2))
@@ -317,7 +316,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, key_scale=None, value_scale=None, num_warps=None,
-              stages=None, num_ctas=None, fp8_query=False, **unused):
+              stages=None, num_ctas=None, quantized_query=False, **unused):
   """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
   the merge (`triton.decode_merge`, which adds the sinks and writes the
   query's dtype and layout), two kernels at T_new = 1.
@@ -343,8 +342,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       block of a unit, and writing a partial result of its own).
     stages: ring depth (None: `stages_for`); num_ctas: persistent CTAs
       (None: one an SM, at most one a unit).
-    fp8_query: Q K^T on 8-bit wgmma over a float8_e4m3fn cache (scales
-      constant along it), the query rows quantized to e4m3 (module doc).
+    quantized_query: Q K^T on 8-bit wgmma over an int8 or float8_e4m3fn
+      cache, the query rows quantized to its dtype (module doc).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new, N]).
@@ -359,21 +358,25 @@ def attention(query, key, value, lengths, block_table, query_positions,
   r = g * t
   rows = stored_rows(r)
   consumers = 2 if num_warps == 8 else 1
+  # Scales constant along the cache (None, per tensor or per K/V head) go
+  # to the kernel as they are with `quantized_query` (`_launch`'s
+  # `head_scales`), in place of the per-entry rings.
+  head_scales = None
+  if quantized_query and all(x is None or x.shape[1] == 1
+                             for x in (key_scale, value_scale)):
+    head_scales = tuple(
+        jnp.ones((1, 1, 1), _F32) if x is None else x.astype(_F32)
+        for x in (key_scale, value_scale))
+    key_scale = value_scale = None
+  scale_rings = key_scale is not None or value_scale is not None
   stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv,
-                                consumers, fp8_query)
+                                consumers, quantized_query, scale_rings)
   interpret = interpreted()
   q_rows = _packed_rows(query, num_kv)
   if interpret and rows > r:
     # The interpreter reads no rows past an array (the GPU's TMA reads
     # them as zeros): the last head's rounding rows, padded.
     q_rows = jnp.pad(q_rows, ((0, rows - r), (0, 0)))
-  fp8 = None
-  if fp8_query:
-    # The scales, per tensor or per K/V head (rank 3, [1 or B, 1, 1 or
-    # K]; 1 where absent), read in the kernel as they are.
-    fp8 = tuple(jnp.ones((1, 1, 1), _F32) if x is None else x.astype(_F32)
-                for x in (key_scale, value_scale))
-    key_scale = value_scale = None
   if num_ctas is None:
     target = gpu_target.current()
     num_ctas = 1 if interpret or target is None else (
@@ -391,7 +394,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
       lowering_semantics="lane")
   if not interpret:
     need = smem_bytes(h, hv, block, stages, key.dtype.itemsize, num_kv,
-                      consumers, fp8_query)
+                      consumers, quantized_query, scale_rings)
     if need > _SMEM_BYTES:
       raise ValueError(
           f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
@@ -402,7 +405,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
       jnp.int32)
   table = None if block_table is None else block_table.astype(jnp.int32)
   scales = None
-  if key_scale is not None or value_scale is not None:
+  if scale_rings:
     # The key's and the value's scales, [B, S, K'] each as the cache's
     # entries are (per-head or per-tensor ones broadcast, K padded to K'
     # = a multiple of 8, the accumulator layout's columns): a block's
@@ -414,7 +417,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
                 ((0, 0), (0, 0), (0, heads - num_kv)))
         for x in (key_scale, value_scale))
   out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
-                     qpos, table, scales, fp8, splits=splits, rows=r,
+                     qpos, table, scales, head_scales,
+                     quantized_query=quantized_query, splits=splits, rows=r,
                      new_tokens=t)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
@@ -429,7 +433,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
 
 
 def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
-            scales, fp8, *, splits: int, rows: int, new_tokens: int):
+            scales, head_scales, *, quantized_query: bool, splits: int,
+            rows: int, new_tokens: int):
   """The split kernel: (out float32 [B, K, C * splits, stored_rows(rows),
   Hv], lse float32 [B, K, C * splits, stored_rows(rows)]), each split's
   normalised result and logsumexp (-inf: no visible key) from each of the
@@ -439,10 +444,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   each K and V tile to the query's dtype (which holds every such value
   exactly) times its per-key scales (`scales`: the key's and the value's
   float32 [B, S, K] each, or None for a float8 cache without them) into a
-  tile of its own, which the products read. `fp8`: None, or the
-  `fp8_query` scales (float32 key and value scales, [1 or B, 1, 1 or K]
-  each): the consumer rounds its query rows to e4m3 and K tiles go to the
-  products as stored."""
+  tile of its own, which the products read. With `quantized_query` the
+  consumer rounds its query rows to the cache's dtype and K tiles go to
+  the products as stored; `head_scales`: None, or (with it) the key's and
+  the value's float32 scales [1 or B, 1, 1 or K] in place of `scales`."""
   ops = kernel.ops_for(spec)
   bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
   s_max, num_kv, nc = spec.kv_len, spec.num_heads, spec.consumers
@@ -456,7 +461,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   optional = [(name, x) for name, x in (
       ("qpos", qpos), ("table", table),
       *zip(("key_scale", "value_scale"), scales or ()),
-      *zip(("head_key_scale", "head_value_scale"), fp8 or ()))
+      *zip(("head_key_scale", "head_value_scale"), head_scales or ()))
       if x is not None]
   operands = (q_rows, key, value, lengths) + tuple(x for _, x in optional)
   # Where the optional operands sit.
@@ -532,10 +537,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     q_smem, o_smem, lse_smem = r.smem[:3]
     k_smem, v_smem = r.smem[_RING:_RING + 2]
     wg = r.wg
-    if fp8 is not None:
-      q8_smem = r.smem[_KEY_SCALES]
-    elif one_byte:
+    if scales is not None:
       ks_smem, vs_smem = r.smem[_KEY_SCALES:_KEY_SCALES + 2]
+    if quantized_query:
+      q8_smem, column_smem = r.smem[_QUANTIZED_ROWS:_QUANTIZED_ROWS + 2]
     if unions:
       # This consumer's union (`wg` is its index, a Python int here).
       o_smem, wide = o_smem[wg]
@@ -553,12 +558,15 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     kernel.load_stationary(
         [(q_ref.at[pl.ds((b * num_kv + n) * rows, stored)],
           q_smem.at[wg, pl.ds(0, stored)])], q_bar.at[wg])
-    q_tile = q_smem.at[kernel.stationary_in_step(spec, wg)]
-    if fp8 is not None:
-      # Each row's factor: its e4m3 scale times the head's key scale.
-      row_factors = _e4m3_rows(ops, q_tile, q8_smem.at[wg]) * _per_head(
-          r.inputs[at["head_key_scale"]], b, n)
-      q_tile = q8_smem.at[wg]
+    # The rows Q K^T reads: as loaded, or quantized to the cache's dtype.
+    q_rows_smem = q_smem
+    if quantized_query:
+      # Each row's factor: its scale (times the head's key scale).
+      row_factors = _quantized_rows(ops, q_smem.at[wg], q8_smem.at[wg])
+      if head_scales is not None:
+        row_factors = row_factors * _per_head(
+            r.inputs[at["head_key_scale"]], b, n)
+      q_rows_smem = q8_smem
     tokens = kernel.rem(ops.iota_vector(TILE_ROWS, 0), new_tokens)
     q_pos, _, _ = sched.positions(b, tokens)
 
@@ -568,17 +576,26 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       first = block_start(j)
       plgpu.barrier_wait(k_bar.at[slot])
       k_tile = k_smem.at[slot]
-      if one_byte and fp8 is None:
+      key_factors = None
+      if quantized_query and scales is not None:
+        # Read before the slot (and its scales) is released.
+        key_factors = _key_column(ops, ks_smem.at[slot], n,
+                                  column_smem.at[wg])
+      elif one_byte and not quantized_query:
         k_tile = _widened(ops, k_tile,
                           None if scales is None else (ks_smem.at[slot], n),
                           wide.at[0], spec.dtype)
         plgpu.barrier_arrive(k_free.at[slot])
-      qk = ops.mm(q_tile, k_tile, transpose_b=True)
-      if not one_byte or fp8 is not None:
+      qk = ops.mm(q_rows_smem.at[kernel.stationary_in_step(spec, wg)],
+                  k_tile, transpose_b=True,
+                  exact_ints=quantized_query and key.dtype == jnp.int8)
+      if not one_byte or quantized_query:
         plgpu.barrier_arrive(k_free.at[slot])
-      if fp8 is not None:
-        # The e4m3 products dequantized: a factor a row.
+      if quantized_query:
+        # The 1-byte products dequantized: a factor a row and one a key.
         qk = qk * lax.broadcast_in_dim(row_factors, qk.shape, (0,))
+        if key_factors is not None:
+          qk = qk * lax.broadcast_in_dim(key_factors, qk.shape, (1,))
       s = qk if scale is not None else kernel.logits(spec, qk)[0]
       if masked:
         kv_pos = first + ops.iota_vector(bk, 1)
@@ -619,7 +636,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                           consumer=wg, consumers=spec.consumers)
     out, lse = online_softmax.finalize(m_i, l_i, acc, base2=True,
                                        per_query=_ROWS)
-    if fp8 is not None:
+    if head_scales is not None:
       # The values were widened unscaled: their head's scale.
       out = out * _per_head(r.inputs[at["head_value_scale"]], b, n)
     part = wg * splits + split
@@ -630,10 +647,12 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                    lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
-  # P V's operands: the query's dtype, but float16 with `fp8` (e4m3 values
-  # are exact in it, each V tile widens with one conversion per two values
-  # and no float32 step, and P gets 3 more mantissa bits than bfloat16's).
-  pv_dtype = jnp.float16 if fp8 is not None else spec.dtype
+  # P V's operands: the query's dtype, but float16 for unscaled e4m3 V
+  # tiles (`head_scales`: exact in it, each tile widens with one
+  # conversion per two values and no float32 step, and P gets 3 more
+  # mantissa bits than bfloat16's).
+  pv_dtype = (jnp.float16 if head_scales is not None
+              and value.dtype == jnp.float8_e4m3fn else spec.dtype)
   wide = ops.smem((nc, 2, bk, max(h, hv)), pv_dtype, True)
   if unions:
     # Each consumer's result staging and the widened K and V tiles its
@@ -661,17 +680,22 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       ops.smem((stages, bk, hv), value.dtype, True,
                swizzle=min(ops.swizzle, hv * value.dtype.itemsize)),
   )
-  if fp8 is not None:
-    # Each consumer's query rows in e4m3.
-    smem += (ops.smem((nc, TILE_ROWS, h), jnp.float8_e4m3fn, True,
-                      swizzle=min(ops.swizzle, h)),) + (
-                          () if unions else (wide,))
-  elif one_byte:
+  heads = layout.round_up(num_kv, _ROW_TILE)
+  smem += (
+      # The keys' and the values' scales, rings (placeholders without).
+      *(plgpu.SMEM((stages, bk, heads) if scales is not None else (8,),
+                   _F32) for _ in range(2)),
+  ) if one_byte else ()
+  if quantized_query:
     smem += (
-        # The keys' and the values' scales, rings.
-        *(plgpu.SMEM((stages, bk, layout.round_up(num_kv, _ROW_TILE)), _F32)
-          for _ in range(2)),
-    ) + (() if unions else (wide,))
+        # Each consumer's query rows in the cache's dtype, and its key
+        # column (`_key_column`; a placeholder without scale rings).
+        ops.smem((nc, TILE_ROWS, h), key.dtype, True,
+                 swizzle=min(ops.swizzle, h)),
+        plgpu.SMEM((nc, bk if scales is not None else 8), _F32),
+    )
+  if one_byte and not unions:
+    smem += (wide,)
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs.
   copies = (1 if table is None else max(1, bk // key.shape[1])) + (
@@ -736,14 +760,9 @@ def _widened(ops, tile, scale_ref, dst, dtype, past=None):
     rows = pl.ds(lo, TILE_ROWS)
     x = ops.load_tile(tile.at[rows]).astype(dtype if direct else _F32)
     if scale_ref is not None:
-      # The part's scales of every K/V head [64, K'], in the accumulator
-      # layout; this head's column, as a vector along the tile's rows.
+      # This head's scales for the part, a vector along the tile's rows.
       ref, head = scale_ref
-      every = ops.load_tile(ref.at[rows])
-      column = lax.broadcast_in_dim(ops.iota_vector(ref.shape[1], 1),
-                                    every.shape, (1,)) == head
-      own = jnp.sum(jnp.where(column, every, jnp.zeros_like(every)),
-                    axis=1)
+      own = _head_column(ops, ref, head, lo, TILE_ROWS)
       x = x * lax.broadcast_in_dim(own, x.shape, (0,))
     if past is not None:
       first, length = past
@@ -756,19 +775,43 @@ def _widened(ops, tile, scale_ref, dst, dtype, past=None):
   return out
 
 
-def _e4m3_rows(ops, q_tile, q8_tile):
+def _quantized_rows(ops, q_tile, q8_tile):
   """Rounds a consumer's query rows (`q_tile`, [64, H] in the products'
-  16-bit dtype) to e4m3 into `q8_tile`, each row at its own absmax scale
-  (`quantize.quantize`'s rounding); returns the scales, a float32 vector
-  along the rows."""
+  16-bit dtype) to `q8_tile`'s 1-byte dtype, each row at its own absmax
+  scale (`quantize.quantize`'s rounding); returns the scales, a float32
+  vector along the rows."""
   x = ops.load_tile(q_tile).astype(_F32)
-  scale = quantize.absmax_scale(jnp.max(jnp.abs(x), axis=1),
-                                jnp.float8_e4m3fn)
+  scale = quantize.absmax_scale(jnp.max(jnp.abs(x), axis=1), q8_tile.dtype)
   q8_tile[...] = quantize.scaled_values(
-      x, lax.broadcast_in_dim(scale, x.shape, (0,)), jnp.float8_e4m3fn)
+      x, lax.broadcast_in_dim(scale, x.shape, (0,)), q8_tile.dtype)
   # The generic-proxy stores, before wgmma reads the tile.
   plgpu.commit_smem()
   return scale
+
+
+def _head_column(ops, ref, head, lo, size):
+  """Rows [lo, lo + size) of K/V head `head`'s column of a block's
+  per-entry scales (`ref`: float32 [bk, K'], every head's), a vector
+  along the rows of a tile in the accumulator layout."""
+  every = ops.load_tile(ref.at[pl.ds(lo, size)])
+  column = lax.broadcast_in_dim(ops.iota_vector(ref.shape[1], 1),
+                                every.shape, (1,)) == head
+  return jnp.sum(jnp.where(column, every, jnp.zeros_like(every)), axis=1)
+
+
+def _key_column(ops, ref, head, staging):
+  """The key scales of K/V head `head` for a block (`ref`: float32 [bk,
+  K'], every head's), as a vector along the keys of a [64, bk] logit
+  tile: the column read along the rows (`_head_column`), then through
+  the consumer's `staging` [bk] (a warpgroup barrier between), since the
+  two vectors' layouts differ. The consumer's next store there follows
+  the V tile's widening (another warpgroup barrier)."""
+  bk = ref.shape[0]
+  for lo in range(0, bk, TILE_ROWS):
+    staging.at[pl.ds(lo, TILE_ROWS)][...] = _head_column(ops, ref, head, lo,
+                                                        TILE_ROWS)
+  plgpu.commit_smem()
+  return ops.load_vector(staging, 1)
 
 
 def _per_head(scales, b, n):

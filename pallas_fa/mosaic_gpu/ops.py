@@ -100,7 +100,8 @@ class Ops:
     return plgpu.SMEM(shape, dtype)
 
   def mm(self, a, b, *, a_in_smem=True, transpose_a=False, transpose_b=False,
-         acc=None, between: Callable[[], None] | None = None):
+         acc=None, between: Callable[[], None] | None = None,
+         exact_ints=False):
     """acc + a @ b (or with a^T, b^T) in float32.
 
     Args:
@@ -114,6 +115,8 @@ class Ops:
       acc: float32 [M, N] accumulator to add to, or None.
       between: called after the wgmma is issued and before its result is
         awaited (the ping-pong schedule barrier).
+      exact_ints: int8 operands, summed exactly in int32 (wgmma's integer
+        accumulator; with acc None only), the sum then made float32.
 
     Returns:
       float32 [M, N].
@@ -125,7 +128,8 @@ class Ops:
         a_val = a_val.T
       if transpose_b:
         b_val = b_val.T
-      out = jnp.dot(a_val, b_val, preferred_element_type=_F32)
+      out = jnp.dot(a_val, b_val, preferred_element_type=(
+          jnp.int32 if exact_ints else _F32)).astype(_F32)
       if between is not None:
         between()
       return out if acc is None else acc + out
@@ -137,6 +141,8 @@ class Ops:
     if transpose_a:
       a = a.transpose((1, 0))
 
+    if exact_ints and acc is not None:
+      raise ValueError("exact_ints sums a fresh product only (acc=None)")
     if acc is None:
       def fresh(acc_ref):
         plgpu.wgmma(acc_ref, a, b_op)
@@ -144,7 +150,9 @@ class Ops:
           between()
         return acc_ref[...]
 
-      return pl.run_scoped(fresh, plgpu.ACC(shape, _F32))
+      sums = pl.run_scoped(
+          fresh, plgpu.ACC(shape, jnp.int32 if exact_ints else _F32))
+      return sums.astype(_F32) if exact_ints else sums
 
     def accumulate(acc_ref):
       plgpu.wgmma(acc_ref, a, b_op)

@@ -12,9 +12,10 @@ and not timed):
   replaced), and on triton the bfloat16 cache through `mosaic_gpu`'s
   split kernel ("mosaic_gpu_bfloat16"; "mosaic_gpu_paged_16" as shuffled
   pages of 16 keys; "mosaic_gpu_int8" the int8 cache, "_8_warps" with two
-  consumer warpgroups a CTA; "mosaic_gpu_float8_per_tensor" a float8
-  cache with one scale each for K and V, and "..._fp8_query" the same with
-  Q K^T on 8-bit wgmma). The float32-query
+  consumer warpgroups a CTA, "..._quantized_query" with its query
+  quantized to int8 for Q K^T on 8-bit wgmma; "mosaic_gpu_float8_per_tensor"
+  a float8 cache with one scale each for K and V, and "..._quantized_query"
+  the same with the query in e4m3). The float32-query
   cells of earlier windows (a float32 cache, and the int8 cache under
   float32 queries: the float32 path an int8 cache took with them) are no
   longer timed: the b85705a and 07213ac windows measured them at 70.9 and
@@ -254,26 +255,46 @@ def dtype_rows(implementation: str, repeats: int, *,
                         (q, *int8_args), *int8_refs, _BF16,
                         dict(query_dtype="bfloat16", cache_dtype=name,
                              kernel="mosaic_gpu", **options)))
-    cells += _fp8_query_cells(mosaic, q, k, v, lengths)
+    # The int8 cache with its query quantized to int8 (Q K^T on 8-bit
+    # wgmma, the key scales a vector along the keys).
+    def int8_query(q, k, v, lengths, ks, vs):
+      return mosaic(q, k, v, lengths, key_scale=ks, value_scale=vs,
+                    _quantized_query=True)
+
+    k8, v8, _, ks, vs = int8_args
+    deq = [x.astype(_F32) * c[..., None] for x, c in ((k8, ks), (v8, vs))]
+    cells.append(Cell(f"mosaic_gpu_{name}_quantized_query", int8_query,
+                      (q, *int8_args),
+                      *_refs(_rounded(q, jnp.int8), *deq, lengths), _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype=name,
+                           kernel="mosaic_gpu", _quantized_query=True)))
+    cells += _float8_per_tensor_cells(mosaic, q, k, v, lengths)
   return _rows("dtype", cells, repeats, calls,
                **_row_shape(b, s, n, num_kv, h, 1))
 
 
-def _fp8_query_cells(mosaic, q, k, v, lengths) -> list[Cell]:
+def _rounded(q, dtype):
+  """The query as `_quantized_query` reads it: each head vector rounded to
+  the cache's 1-byte `dtype` at its absmax scale, dequantized."""
+  values, scale = quantize.quantize(q, dtype)
+  return (values.astype(_F32) * scale[..., None]).astype(q.dtype)
+
+
+def _float8_per_tensor_cells(mosaic, q, k, v, lengths) -> list[Cell]:
   """The float8_e4m3fn cache with one scale for each of K and V (serving's
   float8 caches), through mosaic_gpu's split kernel widened as int8's
   ("mosaic_gpu_float8_per_tensor") and with the query rounded to e4m3 for
-  Q K^T on 8-bit wgmma ("..._fp8_query", `_fp8_query`), checked against
-  the reference on the query as it rounds."""
+  Q K^T on 8-bit wgmma ("..._quantized_query", `_quantized_query`),
+  checked against the reference on the query as it rounds."""
   (k8, ks), (v8, vs) = (quantize.quantize(x, jnp.float8_e4m3fn, axes=None)
                         for x in (k, v))
   deq = [x.astype(_F32) * c for x, c in ((k8, ks), (v8, vs))]
-  q8, qs = quantize.quantize(q, jnp.float8_e4m3fn)
-  rounded = (q8.astype(_F32) * qs[..., None]).astype(_BF16)
+  rounded = _rounded(q, jnp.float8_e4m3fn)
   out = []
   for suffix, options, refs in (
       ("per_tensor", {}, _refs(q, *deq, lengths)),
-      ("fp8_query", dict(_fp8_query=True), _refs(rounded, *deq, lengths))):
+      ("quantized_query", dict(_quantized_query=True),
+       _refs(rounded, *deq, lengths))):
     def call(q, k, v, lengths, ks, vs, options=options):
       return mosaic(q, k, v, lengths, key_scale=ks, value_scale=vs,
                     **options)
@@ -525,13 +546,18 @@ TARGETS = (
      "mosaic_gpu_int8", 0.85),
     ("mosaic_gpu_int8_128_keys", "dtype", "mosaic_gpu_int8_128_keys",
      "mosaic_gpu_int8", 0.95),
-    # Q K^T on 8-bit wgmma over the float8 cache (the query rounded to
-    # e4m3) against its widening, and against the bfloat16 cache (issue
-    # goal: at most 0.55x bfloat16's time).
-    ("mosaic_gpu_fp8_query_vs_widened", "dtype",
-     "mosaic_gpu_float8_fp8_query", "mosaic_gpu_float8_per_tensor", 0.8),
-    ("mosaic_gpu_fp8_query_vs_bf16", "dtype", "mosaic_gpu_float8_fp8_query",
-     "mosaic_gpu_bfloat16", 0.55),
+    # Q K^T on 8-bit wgmma over the 1-byte caches (the query rounded to
+    # the cache's dtype) against their widening, and against the bfloat16
+    # cache (issue goal: at most 0.55x bfloat16's time).
+    ("mosaic_gpu_float8_quantized_query_vs_widened", "dtype",
+     "mosaic_gpu_float8_quantized_query", "mosaic_gpu_float8_per_tensor",
+     0.8),
+    ("mosaic_gpu_float8_quantized_query_vs_bf16", "dtype",
+     "mosaic_gpu_float8_quantized_query", "mosaic_gpu_bfloat16", 0.55),
+    ("mosaic_gpu_int8_quantized_query_vs_widened", "dtype",
+     "mosaic_gpu_int8_quantized_query", "mosaic_gpu_int8", 0.9),
+    ("mosaic_gpu_int8_quantized_query_vs_bf16", "dtype",
+     "mosaic_gpu_int8_quantized_query", "mosaic_gpu_bfloat16", 0.55),
     ("tnew16_mosaic_gpu_vs_triton", "tnew", "t_new_16_mosaic_gpu",
      "t_new_16", 0.9),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
