@@ -126,6 +126,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_int8_64_rows", "decode_paged_fp8_64_rows",
             "decode_int8_two_consumers", "decode_int8_128_keys",
             "decode_fp8_quantized_query", "decode_int8_quantized_query",
+            "decode_int8_quantized_query_two_consumers",
             "decode_paged_fp8", "decode_latent",
             "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
@@ -176,18 +177,22 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                     "decode_int8_128_keys": ("decode", "int8"),
                     "decode_fp8_quantized_query": ("decode",
                                                    "float8_e4m3fn"),
-                    "decode_int8_quantized_query": ("decode", "int8")}
+                    "decode_int8_quantized_query": ("decode", "int8"),
+                    "decode_int8_quantized_query_two_consumers": ("decode",
+                                                                  "int8")}
 # Decode variants with private options of their own: mosaic_gpu's query
 # quantized to the cache's dtype (Q K^T on 8-bit wgmma), over a float8
 # cache with one scale a K/V head (no scale rings) and an int8 one with a
 # scale an entry (the key column through shared memory).
 DECODE_OPTIONS = {
     name: dict(_quantized_query=True)
-    for name in ("decode_fp8_quantized_query", "decode_int8_quantized_query")}
+    for name in ("decode_fp8_quantized_query", "decode_int8_quantized_query",
+                 "decode_int8_quantized_query_two_consumers")}
 PER_HEAD_SCALES = ("decode_fp8_quantized_query",)
 # Decode variants with the kernel's `num_warps`: mosaic_gpu's two consumer
 # warpgroups a CTA.
-DECODE_NUM_WARPS = {"decode_int8_two_consumers": 8}
+DECODE_NUM_WARPS = {"decode_int8_two_consumers": 8,
+                    "decode_int8_quantized_query_two_consumers": 8}
 # Decode variants with their own keys per block: mosaic_gpu's 128-key
 # blocks over a 1-byte cache (three stages).
 DECODE_BLOCK_KV = {"decode_int8_128_keys": 128}
