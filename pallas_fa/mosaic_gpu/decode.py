@@ -238,7 +238,7 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
     heads = layout.round_up(num_kv, _ROW_TILE)
     if scale_rings:
       ring += 2 * kib(stages * block * heads * 4) + (
-          kib(consumers * block * 4) if quantized_query else 0)
+          kib(consumers * 2 * block * 4) if quantized_query else 0)
     staging = consumers * kib(max(
         TILE_ROWS * value_head_dim * 4,
         2 * block * max(head_dim, value_head_dim) * 2))
@@ -580,7 +580,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       if quantized_query and scales is not None:
         # Read before the slot (and its scales) is released.
         key_factors = _key_column(ops, ks_smem.at[slot], n,
-                                  column_smem.at[wg])
+                                  column_smem.at[wg, 0])
       elif one_byte and not quantized_query:
         k_tile = _widened(ops, k_tile,
                           None if scales is None else (ks_smem.at[slot], n),
@@ -611,13 +611,27 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       # P in the products' dtype before the V tile widens: half the
       # registers of the float32 P live across the widening.
-      p = p.astype(pv_dtype)
-      plgpu.barrier_wait(v_bar.at[slot])
+      value_scales = None if scales is None else (vs_smem.at[slot], n)
+      if quantized_query and scales is not None:
+        # The value scales onto P, a vector along its keys (those past the
+        # length, which may be NaN, zeroed), so that the V tile widens
+        # unscaled (a byte permute and a subtraction a value pair).
+        plgpu.barrier_wait(v_bar.at[slot])
+        value_factors = _key_column(ops, vs_smem.at[slot], n,
+                                    column_smem.at[wg, 1])
+        if masked:
+          value_factors = jnp.where(
+              first + ops.iota_vector(bk, 1) < length, value_factors,
+              jnp.zeros_like(value_factors))
+        p = (p * lax.broadcast_in_dim(value_factors, p.shape, (1,))).astype(
+            pv_dtype)
+        value_scales = None
+      else:
+        p = p.astype(pv_dtype)
+        plgpu.barrier_wait(v_bar.at[slot])
       v_tile = v_smem.at[slot]
       if one_byte:
-        v_tile = _widened(ops, v_tile,
-                          None if scales is None else (vs_smem.at[slot], n),
-                          wide.at[1], pv_dtype,
+        v_tile = _widened(ops, v_tile, value_scales, wide.at[1], pv_dtype,
                           (first, length) if masked else None)
         plgpu.barrier_arrive(v_free.at[slot])
       elif masked:
@@ -692,7 +706,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         # column (`_key_column`; a placeholder without scale rings).
         ops.smem((nc, TILE_ROWS, h), key.dtype, True,
                  swizzle=min(ops.swizzle, h)),
-        plgpu.SMEM((nc, bk if scales is not None else 8), _F32),
+        plgpu.SMEM((nc, 2, bk if scales is not None else 8), _F32),
     )
   if one_byte and not unions:
     smem += (wide,)
@@ -751,9 +765,9 @@ def _widened(ops, tile, scale_ref, dst, dtype, past=None):
   (the first H columns)."""
   bk, width = tile.shape
   out = dst if dst.shape[1] == width else dst.at[:, pl.ds(0, width)]
-  # e4m3 to float16 unscaled: one conversion, no float32 step.
-  direct = (scale_ref is None and tile.dtype == jnp.float8_e4m3fn
-            and dtype == jnp.float16)
+  # Unscaled: one conversion to `dtype` (e4m3 to float16 a `cvt` a pair,
+  # int8 a byte permute and a subtraction a pair), no float32 step.
+  direct = scale_ref is None
   # A 64-row part at a time: a 128-key tile's float32 values at once
   # would be 128 registers a thread beside the accumulator.
   for lo in range(0, bk, TILE_ROWS):
