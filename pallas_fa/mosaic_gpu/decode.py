@@ -500,6 +500,11 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
              dst.at[pl.ds(i * page_size, page_size)])
             for i in range(per_block)]
 
+  # With `quantized_query` both scale columns are read at a block's key
+  # step (`_scale_columns`: one pass through shared memory), so the value
+  # scales land with the keys.
+  both_scales_with_keys = quantized_query and scales is not None
+
   def scale_copies(r, which, b, n, j, slot):
     """The copy of block j's per-key scales, the key's (which = 0) or the
     value's (1); none without scales."""
@@ -519,12 +524,15 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     def k_copies(b, n, rep, j, slot):
       del rep
       return (block_copies(k_ref, k_smem.at[slot], b, n, j, table_ref)
-              + scale_copies(r, 0, b, n, j, slot))
+              + scale_copies(r, 0, b, n, j, slot)
+              + (scale_copies(r, 1, b, n, j, slot) if both_scales_with_keys
+                 else []))
 
     def v_copies(b, n, rep, j, slot):
       del rep
       return (block_copies(v_ref, v_smem.at[slot], b, n, j, table_ref)
-              + scale_copies(r, 1, b, n, j, slot))
+              + ([] if both_scales_with_keys
+                 else scale_copies(r, 1, b, n, j, slot)))
 
     return [(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)]
 
@@ -576,11 +584,11 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       first = block_start(j)
       plgpu.barrier_wait(k_bar.at[slot])
       k_tile = k_smem.at[slot]
-      key_factors = None
-      if quantized_query and scales is not None:
+      key_factors = value_factors = None
+      if both_scales_with_keys:
         # Read before the slot (and its scales) is released.
-        key_factors = _key_column(ops, ks_smem.at[slot], n,
-                                  column_smem.at[wg, 0])
+        key_factors, value_factors = _scale_columns(
+            ops, (ks_smem.at[slot], vs_smem.at[slot]), n, column_smem.at[wg])
       elif one_byte and not quantized_query:
         k_tile = _widened(ops, k_tile,
                           None if scales is None else (ks_smem.at[slot], n),
@@ -612,23 +620,18 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       # P in the products' dtype before the V tile widens: half the
       # registers of the float32 P live across the widening.
       value_scales = None if scales is None else (vs_smem.at[slot], n)
-      if quantized_query and scales is not None:
+      if value_factors is not None:
         # The value scales onto P, a vector along its keys (those past the
         # length, which may be NaN, zeroed), so that the V tile widens
         # unscaled (a byte permute and a subtraction a value pair).
-        plgpu.barrier_wait(v_bar.at[slot])
-        value_factors = _key_column(ops, vs_smem.at[slot], n,
-                                    column_smem.at[wg, 1])
         if masked:
           value_factors = jnp.where(
               first + ops.iota_vector(bk, 1) < length, value_factors,
               jnp.zeros_like(value_factors))
-        p = (p * lax.broadcast_in_dim(value_factors, p.shape, (1,))).astype(
-            pv_dtype)
+        p = p * lax.broadcast_in_dim(value_factors, p.shape, (1,))
         value_scales = None
-      else:
-        p = p.astype(pv_dtype)
-        plgpu.barrier_wait(v_bar.at[slot])
+      p = p.astype(pv_dtype)
+      plgpu.barrier_wait(v_bar.at[slot])
       v_tile = v_smem.at[slot]
       if one_byte:
         v_tile = _widened(ops, v_tile, value_scales, wide.at[1], pv_dtype,
@@ -711,13 +714,15 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   if one_byte and not unions:
     smem += (wide,)
   # A block's copies: one, or a page each where pages are narrower; with
-  # scales, theirs.
-  copies = (1 if table is None else max(1, bk // key.shape[1])) + (
-      scales is not None)
+  # scales, theirs (both with the keys', `both_scales_with_keys`).
+  copies = 1 if table is None else max(1, bk // key.shape[1])
+  k_arrivals, v_arrivals = (
+      (copies + 2, copies) if both_scales_with_keys
+      else (copies + (scales is not None),) * 2)
   barriers = (
       gpu_ops.barrier(nc),  # each consumer's packed rows
-      gpu_ops.barrier(stages, copies),  # K loaded
-      gpu_ops.barrier(stages, copies),  # V loaded
+      gpu_ops.barrier(stages, k_arrivals),  # K loaded
+      gpu_ops.barrier(stages, v_arrivals),  # V loaded
       gpu_ops.barrier(stages),  # K slot released
       gpu_ops.barrier(stages),  # V slot released
   )
@@ -813,19 +818,21 @@ def _head_column(ops, ref, head, lo, size):
   return jnp.sum(jnp.where(column, every, jnp.zeros_like(every)), axis=1)
 
 
-def _key_column(ops, ref, head, staging):
-  """The key scales of K/V head `head` for a block (`ref`: float32 [bk,
-  K'], every head's), as a vector along the keys of a [64, bk] logit
-  tile: the column read along the rows (`_head_column`), then through
-  the consumer's `staging` [bk] (a warpgroup barrier between), since the
-  two vectors' layouts differ. The consumer's next store there follows
-  the V tile's widening (another warpgroup barrier)."""
-  bk = ref.shape[0]
-  for lo in range(0, bk, TILE_ROWS):
-    staging.at[pl.ds(lo, TILE_ROWS)][...] = _head_column(ops, ref, head, lo,
-                                                        TILE_ROWS)
+def _scale_columns(ops, refs, head, staging):
+  """The key and value scales of K/V head `head` for a block (`refs`: two
+  float32 [bk, K'], every head's), each as a vector along the keys of a
+  [64, bk] logit tile: the column read along the rows (`_head_column`),
+  then through the consumer's `staging` [2, bk] (a warpgroup barrier
+  between), since the two vectors' layouts differ. The consumer's next
+  stores there follow the V tile's widening (another warpgroup
+  barrier)."""
+  bk = refs[0].shape[0]
+  for i, ref in enumerate(refs):
+    for lo in range(0, bk, TILE_ROWS):
+      staging.at[i, pl.ds(lo, TILE_ROWS)][...] = _head_column(
+          ops, ref, head, lo, TILE_ROWS)
   plgpu.commit_smem()
-  return ops.load_vector(staging, 1)
+  return tuple(ops.load_vector(staging.at[i], 1) for i in range(2))
 
 
 def _per_head(scales, b, n):
