@@ -126,7 +126,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_int8_64_rows", "decode_paged_fp8_64_rows",
             "decode_int8_two_consumers", "decode_int8_128_keys",
             "decode_fp8_quantized_query", "decode_int8_quantized_query",
-            "decode_int8_quantized_query_two_consumers",
+            "decode_int8_quantized_query_two_consumers", "decode_fp8_unscaled",
             "decode_paged_fp8", "decode_latent",
             "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
@@ -179,7 +179,8 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                                                    "float8_e4m3fn"),
                     "decode_int8_quantized_query": ("decode", "int8"),
                     "decode_int8_quantized_query_two_consumers": ("decode",
-                                                                  "int8")}
+                                                                  "int8"),
+                    "decode_fp8_unscaled": ("decode", "float8_e4m3fn")}
 # Decode variants with private options of their own: mosaic_gpu's query
 # quantized to the cache's dtype (Q K^T on 8-bit wgmma), over a float8
 # cache with one scale a K/V head (no scale rings) and an int8 one with a
@@ -189,6 +190,9 @@ DECODE_OPTIONS = {
     for name in ("decode_fp8_quantized_query", "decode_int8_quantized_query",
                  "decode_int8_quantized_query_two_consumers")}
 PER_HEAD_SCALES = ("decode_fp8_quantized_query",)
+# Decode variants over a 1-byte cache without scales (a float8 cache's
+# default scale 1): mosaic_gpu widens its tiles unscaled.
+UNSCALED = ("decode_fp8_unscaled",)
 # Decode variants with the kernel's `num_warps`: mosaic_gpu's two consumer
 # warpgroups a CTA.
 DECODE_NUM_WARPS = {"decode_int8_two_consumers": 8,
@@ -219,6 +223,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "decode_int8_two_consumers": ("mosaic_gpu",),
                     "decode_int8_128_keys": ("mosaic_gpu",),
                     **{name: ("mosaic_gpu",) for name in DECODE_OPTIONS},
+                    "decode_fp8_unscaled": ("mosaic_gpu",),
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
@@ -274,7 +279,7 @@ BACKEND_HEAD_DIMS = {
     **{("mosaic_gpu", variant): (64, 128) for variant in (
         "decode_int8", "decode_fp8", "decode_int8_64_rows",
         "decode_int8_two_consumers", "decode_int8_128_keys",
-        *DECODE_OPTIONS)}}
+        *DECODE_OPTIONS, *UNSCALED)}}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}
@@ -497,7 +502,8 @@ def _decode_call(case: Case, seq: int, spec):
   shared = case.variant == "decode_prefix"
   if shared:  # The prefix's keys and values.
     args += [spec((seq, kv, h)), spec((seq, kv, h))]
-  quantized = case.variant in QUANTIZED_DECODE
+  quantized = (case.variant in QUANTIZED_DECODE
+               and case.variant not in UNSCALED)
   if quantized:  # The key and value scales, one per cache entry or head.
     scales = (kv,) if case.variant in PER_HEAD_SCALES else cache
     args += [spec(scales, jnp.float32), spec(scales, jnp.float32)]
@@ -568,7 +574,7 @@ def _decode_tiles(case: Case, seq: int) -> str:
     stages = mgpu_decode.stages_for(
         h, hv, block, 1 if one_byte else 2, DECODE_SHAPE["kv_heads"],
         consumers, "_quantized_query" in DECODE_OPTIONS.get(case.variant, {}),
-        case.variant not in PER_HEAD_SCALES)
+        case.variant not in PER_HEAD_SCALES + UNSCALED)
     return (f"rows={mgpu_decode.TILE_ROWS} (stored {rows}) block_kv={block} "
             f"stages={stages} consumers={consumers}")
   rows = triton_decode.packed_rows(groups * _new_tokens(case))

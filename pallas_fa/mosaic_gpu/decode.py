@@ -771,8 +771,11 @@ def _widened(ops, tile, scale_ref, dst, dtype, past=None):
   bk, width = tile.shape
   out = dst if dst.shape[1] == width else dst.at[:, pl.ds(0, width)]
   # Unscaled: one conversion to `dtype` (e4m3 to float16 a `cvt` a pair,
-  # int8 a byte permute and a subtraction a pair), no float32 step.
-  direct = scale_ref is None
+  # int8 a byte permute and a subtraction a pair), no float32 step; e4m3
+  # to bfloat16 has no such conversion (ptxas 12.9), so it goes through
+  # float32.
+  direct = scale_ref is None and (tile.dtype == jnp.int8
+                                  or dtype == jnp.float16)
   # A 64-row part at a time: a 128-key tile's float32 values at once
   # would be 128 registers a thread beside the accumulator.
   for lo in range(0, bk, TILE_ROWS):
