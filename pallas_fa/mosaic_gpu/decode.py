@@ -31,12 +31,17 @@ length may hold anything, NaN included, so a block that reaches past it
 has those V rows zeroed in shared memory before P V reads them (a masked P
 of 0 times NaN would be NaN).
 
-A 1-byte cache (int8, float8) streams as stored, with its scales' rows
-(every K/V head's, a [block, K'] tile); the consumer widens each K and V
-tile in shared memory to the query's dtype times its scales (`_widened`),
-which the products then read: int8 and float8 values are exact in
-bfloat16 and float16, so the only rounding is that of the dequantized
-value, as a 16-bit cache's.
+A 1-byte cache (int8, float8) streams as stored; the consumer widens
+each K and V tile unscaled in shared memory to the query's dtype
+(`_widened`; int8 by a byte permute and a subtraction a value pair, e4m3
+through float32 where the query is bfloat16), which the products then
+read: int8 and float8 values are exact in bfloat16 and float16. The
+scales multiply the logits and P instead of the tiles: per-entry ones
+stream with the keys as a ring of their rows (every K/V head's, a [block,
+K'] tile), and the unit's head's column of each goes through shared
+memory once a block to lie along the tile's keys (`_scale_columns`);
+scales constant along the cache (per tensor or per K/V head) are one
+factor a unit, on the logits and on the result, with no ring.
 
 With `quantized_query` (`decode_attention(_quantized_query=True)`, an A/B
 option while no GPU run has timed it) an int8 or float8_e4m3fn cache skips
@@ -45,14 +50,9 @@ cache's dtype once a unit, one scale a row (`_quantized_rows`:
 `quantize`'s rounding, in the kernel, so that a call is still two
 kernels), and Q K^T runs on 8-bit wgmma (int8 into int32, e4m3 into
 float32) over the K tile as stored (8-bit wgmma wants both operands
-K-major, which Q and K both are). The logits are the products times one
-factor a row (the row's scale) and one a key (its key scale, a vector
-along the tile's keys: the per-entry scales' column of the unit's head
-goes through shared memory once a block, `_key_column`, from the rows the
-widening reads). Scales constant along the cache (per tensor or per head)
-skip the scale rings instead: the key's joins the row factors, the V
-tiles widen unscaled (e4m3 to float16, one conversion per two values)
-and the value's multiplies the split's result. The query's rounding (to 8
+K-major, which Q and K both are); the row scales join the logits'
+factors, and without per-entry scales e4m3 V tiles widen to float16 (one
+conversion a value pair) for a float16 P V. The query's rounding (to 8
 bits for int8, 4 for e4m3) is the accuracy this trades, as in 8-bit
 attention.
 
@@ -96,11 +96,10 @@ _ROW_TILE = 8
 _SMEM_BYTES = 227 * 1024
 # Where the split kernel's shared-memory refs sit (`_launch`): the packed
 # rows, the result staging, the logsumexps, the K and V rings, and a 1-byte
-# cache's scale rings (placeholders where it has none) and with
-# `quantized_query` the 1-byte query rows and key column.
+# cache's scale rings, the consumers' scale columns and 1-byte query rows
+# (placeholders where a call has no use for them).
 _RING = 3
 _KEY_SCALES = 5
-_QUANTIZED_ROWS = 7
 # An H100's SMs, where the target does not say.
 _DEFAULT_SMS = 132
 
@@ -218,27 +217,27 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
                cache_itemsize: int = 2, num_kv: int = 8,
                consumers: int = 1, quantized_query: bool = False,
                scale_rings: bool = True) -> int:
-  """Shared memory of a launch: each consumer's query tile and result
-  staging, the K/V ring, for a 1-byte cache the scales' rings (every K/V
-  head's, `num_kv` padded to 8, unless `scale_rings` is off), with
-  `quantized_query` each consumer's 1-byte copy of its query tile (and
-  with the rings its key column) and each consumer's two
-  widened tiles (Mosaic GPU aligns each buffer to 1 KiB), and 1 KiB for
-  the barriers."""
+  """Shared memory of a launch (`_launch`'s buffers, each aligned to 1 KiB
+  by Mosaic GPU): each consumer's query tile, result staging and
+  logsumexps, the K/V ring, and for a 1-byte cache the scales' rings
+  (every K/V head's, `num_kv` padded to 8) and each consumer's scale
+  columns where `scale_rings`, each consumer's 1-byte copy of its query
+  tile with `quantized_query` (1 KiB placeholders otherwise), and each
+  consumer's two widened tiles; and 1 KiB for the barriers."""
   def kib(x):
     return layout.round_up(x, 1024)
 
   ring = stages * (kib(block * head_dim * cache_itemsize)
                    + kib(block * value_head_dim * cache_itemsize))
   staging = kib(consumers * TILE_ROWS * value_head_dim * 4)
-  query = kib(consumers * TILE_ROWS * head_dim
-              * (3 if quantized_query else 2))
+  query = kib(consumers * TILE_ROWS * head_dim * 2)
   if cache_itemsize == 1:
-    # Each consumer's union of its staging and its two widened tiles.
     heads = layout.round_up(num_kv, _ROW_TILE)
-    if scale_rings:
-      ring += 2 * kib(stages * block * heads * 4) + (
-          kib(consumers * 2 * block * 4) if quantized_query else 0)
+    ring += (2 * kib(stages * block * heads * 4)
+             + kib(consumers * 2 * block * 4)) if scale_rings else 3 * 1024
+    query += (kib(consumers * TILE_ROWS * head_dim) if quantized_query
+              else 1024)
+    # Each consumer's union of its staging and its two widened tiles.
     staging = consumers * kib(max(
         TILE_ROWS * value_head_dim * 4,
         2 * block * max(head_dim, value_head_dim) * 2))
@@ -358,12 +357,12 @@ def attention(query, key, value, lengths, block_table, query_positions,
   r = g * t
   rows = stored_rows(r)
   consumers = 2 if num_warps == 8 else 1
-  # Scales constant along the cache (None, per tensor or per K/V head) go
-  # to the kernel as they are with `quantized_query` (`_launch`'s
-  # `head_scales`), in place of the per-entry rings.
+  # Scales constant along the cache (per tensor or per K/V head) go to the
+  # kernel as they are (`_launch`'s `head_scales`), in place of the
+  # per-entry rings.
   head_scales = None
-  if quantized_query and all(x is None or x.shape[1] == 1
-                             for x in (key_scale, value_scale)):
+  if (key_scale is not None or value_scale is not None) and all(
+      x is None or x.shape[1] == 1 for x in (key_scale, value_scale)):
     head_scales = tuple(
         jnp.ones((1, 1, 1), _F32) if x is None else x.astype(_F32)
         for x in (key_scale, value_scale))
@@ -407,9 +406,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
   scales = None
   if scale_rings:
     # The key's and the value's scales, [B, S, K'] each as the cache's
-    # entries are (per-head or per-tensor ones broadcast, K padded to K'
-    # = a multiple of 8, the accumulator layout's columns): a block's
-    # [block, K'] rows go by TMA, each K/V head reads its column.
+    # entries are (the other's broadcast where only one is per entry, K
+    # padded to K' = a multiple of 8, the accumulator layout's columns): a
+    # block's [block, K'] rows go by TMA, each K/V head reads its column.
     heads = layout.round_up(num_kv, _ROW_TILE)
     scales = tuple(
         jnp.pad(jnp.broadcast_to(jnp.ones((), _F32) if x is None else x,
@@ -441,13 +440,15 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   C = `spec.consumers` consumers (part c * splits + split).
 
   A 1-byte cache (int8 or float8) streams as stored; the consumer widens
-  each K and V tile to the query's dtype (which holds every such value
-  exactly) times its per-key scales (`scales`: the key's and the value's
-  float32 [B, S, K] each, or None for a float8 cache without them) into a
-  tile of its own, which the products read. With `quantized_query` the
-  consumer rounds its query rows to the cache's dtype and K tiles go to
-  the products as stored; `head_scales`: None, or (with it) the key's and
-  the value's float32 scales [1 or B, 1, 1 or K] in place of `scales`."""
+  each K and V tile unscaled to the query's dtype (which holds every such
+  value exactly) in a tile of its own, which the products read, and the
+  scales multiply the logits and P: per-entry ones (`scales`: the key's
+  and the value's float32 [B', S, K'] rings, K' = K padded to 8) as
+  vectors along the keys (`_scale_columns`), those constant along the
+  cache (`head_scales`: float32 [1 or B, 1, 1 or K] each) as one factor a
+  unit on the logits and on the result; a float8 cache may have neither.
+  With `quantized_query` the consumer rounds its query rows to the
+  cache's dtype and K tiles go to the products as stored."""
   ops = kernel.ops_for(spec)
   bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
   s_max, num_kv, nc = spec.kv_len, spec.num_heads, spec.consumers
@@ -500,10 +501,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
              dst.at[pl.ds(i * page_size, page_size)])
             for i in range(per_block)]
 
-  # With `quantized_query` both scale columns are read at a block's key
-  # step (`_scale_columns`: one pass through shared memory), so the value
-  # scales land with the keys.
-  both_scales_with_keys = quantized_query and scales is not None
+  # Both scale columns are read at a block's key step (`_scale_columns`:
+  # one pass through shared memory), so the value scales land with the
+  # keys.
+  both_scales_with_keys = scales is not None
 
   def scale_copies(r, which, b, n, j, slot):
     """The copy of block j's per-key scales, the key's (which = 0) or the
@@ -545,10 +546,9 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     q_smem, o_smem, lse_smem = r.smem[:3]
     k_smem, v_smem = r.smem[_RING:_RING + 2]
     wg = r.wg
-    if scales is not None:
-      ks_smem, vs_smem = r.smem[_KEY_SCALES:_KEY_SCALES + 2]
-    if quantized_query:
-      q8_smem, column_smem = r.smem[_QUANTIZED_ROWS:_QUANTIZED_ROWS + 2]
+    if one_byte:
+      ks_smem, vs_smem, column_smem, q8_smem = r.smem[
+          _KEY_SCALES:_KEY_SCALES + 4]
     if unions:
       # This consumer's union (`wg` is its index, a Python int here).
       o_smem, wide = o_smem[wg]
@@ -566,14 +566,16 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     kernel.load_stationary(
         [(q_ref.at[pl.ds((b * num_kv + n) * rows, stored)],
           q_smem.at[wg, pl.ds(0, stored)])], q_bar.at[wg])
-    # The rows Q K^T reads: as loaded, or quantized to the cache's dtype.
-    q_rows_smem = q_smem
+    # The rows Q K^T reads: as loaded, or quantized to the cache's dtype;
+    # the logits' factor a row (its scale) and a unit (the head's key
+    # scale).
+    q_rows_smem, row_factors, head_factor = q_smem, None, None
+    if head_scales is not None:
+      head_factor = _per_head(r.inputs[at["head_key_scale"]], b, n)
     if quantized_query:
-      # Each row's factor: its scale (times the head's key scale).
       row_factors = _quantized_rows(ops, q_smem.at[wg], q8_smem.at[wg])
-      if head_scales is not None:
-        row_factors = row_factors * _per_head(
-            r.inputs[at["head_key_scale"]], b, n)
+      if head_factor is not None:
+        row_factors, head_factor = row_factors * head_factor, None
       q_rows_smem = q8_smem
     tokens = kernel.rem(ops.iota_vector(TILE_ROWS, 0), new_tokens)
     q_pos, _, _ = sched.positions(b, tokens)
@@ -589,21 +591,21 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         # Read before the slot (and its scales) is released.
         key_factors, value_factors = _scale_columns(
             ops, (ks_smem.at[slot], vs_smem.at[slot]), n, column_smem.at[wg])
-      elif one_byte and not quantized_query:
-        k_tile = _widened(ops, k_tile,
-                          None if scales is None else (ks_smem.at[slot], n),
-                          wide.at[0], spec.dtype)
+      if one_byte and not quantized_query:
+        k_tile = _widened(ops, k_tile, wide.at[0], spec.dtype)
         plgpu.barrier_arrive(k_free.at[slot])
       qk = ops.mm(q_rows_smem.at[kernel.stationary_in_step(spec, wg)],
                   k_tile, transpose_b=True,
                   exact_ints=quantized_query and key.dtype == jnp.int8)
       if not one_byte or quantized_query:
         plgpu.barrier_arrive(k_free.at[slot])
-      if quantized_query:
-        # The 1-byte products dequantized: a factor a row and one a key.
+      # The 1-byte products dequantized: a factor a row, a unit or a key.
+      if row_factors is not None:
         qk = qk * lax.broadcast_in_dim(row_factors, qk.shape, (0,))
-        if key_factors is not None:
-          qk = qk * lax.broadcast_in_dim(key_factors, qk.shape, (1,))
+      if head_factor is not None:
+        qk = qk * head_factor
+      if key_factors is not None:
+        qk = qk * lax.broadcast_in_dim(key_factors, qk.shape, (1,))
       s = qk if scale is not None else kernel.logits(spec, qk)[0]
       if masked:
         kv_pos = first + ops.iota_vector(bk, 1)
@@ -619,7 +621,6 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       acc = online_softmax.rescale(acc, alpha, per_query=_ROWS)
       # P in the products' dtype before the V tile widens: half the
       # registers of the float32 P live across the widening.
-      value_scales = None if scales is None else (vs_smem.at[slot], n)
       if value_factors is not None:
         # The value scales onto P, a vector along its keys (those past the
         # length, which may be NaN, zeroed), so that the V tile widens
@@ -629,12 +630,11 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
               first + ops.iota_vector(bk, 1) < length, value_factors,
               jnp.zeros_like(value_factors))
         p = p * lax.broadcast_in_dim(value_factors, p.shape, (1,))
-        value_scales = None
       p = p.astype(pv_dtype)
       plgpu.barrier_wait(v_bar.at[slot])
       v_tile = v_smem.at[slot]
       if one_byte:
-        v_tile = _widened(ops, v_tile, value_scales, wide.at[1], pv_dtype,
+        v_tile = _widened(ops, v_tile, wide.at[1], pv_dtype,
                           (first, length) if masked else None)
         plgpu.barrier_arrive(v_free.at[slot])
       elif masked:
@@ -664,11 +664,12 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                    lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
-  # P V's operands: the query's dtype, but float16 for unscaled e4m3 V
-  # tiles (`head_scales`: exact in it, each tile widens with one
-  # conversion per two values and no float32 step, and P gets 3 more
-  # mantissa bits than bfloat16's).
-  pv_dtype = (jnp.float16 if head_scales is not None
+  # P V's operands: the query's dtype, but float16 for e4m3 V tiles with
+  # `quantized_query` and no per-entry scales (exact in it, each tile
+  # widens with one conversion per two values and no float32 step, and P
+  # gets 3 more mantissa bits than bfloat16's; P times per-entry value
+  # scales could fall below float16's range).
+  pv_dtype = (jnp.float16 if quantized_query and scales is None
               and value.dtype == jnp.float8_e4m3fn else spec.dtype)
   wide = ops.smem((nc, 2, bk, max(h, hv)), pv_dtype, True)
   if unions:
@@ -697,22 +698,21 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       ops.smem((stages, bk, hv), value.dtype, True,
                swizzle=min(ops.swizzle, hv * value.dtype.itemsize)),
   )
-  heads = layout.round_up(num_kv, _ROW_TILE)
-  smem += (
-      # The keys' and the values' scales, rings (placeholders without).
-      *(plgpu.SMEM((stages, bk, heads) if scales is not None else (8,),
-                   _F32) for _ in range(2)),
-  ) if one_byte else ()
-  if quantized_query:
+  if one_byte:
+    # 1 KiB placeholders where a call has no use for a buffer.
+    heads = layout.round_up(num_kv, _ROW_TILE)
+    placeholder = plgpu.SMEM((8,), _F32)
     smem += (
-        # Each consumer's query rows in the cache's dtype, and its key
-        # column (`_key_column`; a placeholder without scale rings).
+        # The keys' and the values' scales, rings, and each consumer's
+        # scale columns (`_scale_columns`).
+        *((plgpu.SMEM((stages, bk, heads), _F32),) * 2
+          if scales is not None else (placeholder,) * 2),
+        plgpu.SMEM((nc, 2, bk), _F32) if scales is not None else placeholder,
+        # Each consumer's query rows in the cache's dtype.
         ops.smem((nc, TILE_ROWS, h), key.dtype, True,
-                 swizzle=min(ops.swizzle, h)),
-        plgpu.SMEM((nc, 2, bk if scales is not None else 8), _F32),
-    )
-  if one_byte and not unions:
-    smem += (wide,)
+                 swizzle=min(ops.swizzle, h))
+        if quantized_query else placeholder,
+    ) + (() if unions else (wide,))
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs (both with the keys', `both_scales_with_keys`).
   copies = 1 if table is None else max(1, bk // key.shape[1])
@@ -762,30 +762,24 @@ def _walk(sched, b, split, step, carry, *, base, consumer, consumers: int):
   return carry
 
 
-def _widened(ops, tile, scale_ref, dst, dtype, past=None):
+def _widened(ops, tile, dst, dtype, past=None):
   """A 1-byte K or V tile [bk, H] widened into `dst` (the shared-memory
-  tile the products read) in `dtype`, each key's row times its scale
-  (`scale_ref`: float32 [bk], or None); `past`: (first key, length), the
-  rows at or past the length zeroed. Returns the view of `dst` it fills
-  (the first H columns)."""
+  tile the products read) in `dtype`, as stored (the scales multiply the
+  logits and P); `past`: (first key, length), the rows at or past the
+  length zeroed. Returns the view of `dst` it fills (the first H
+  columns)."""
   bk, width = tile.shape
   out = dst if dst.shape[1] == width else dst.at[:, pl.ds(0, width)]
-  # Unscaled: one conversion to `dtype` (e4m3 to float16 a `cvt` a pair,
-  # int8 a byte permute and a subtraction a pair), no float32 step; e4m3
-  # to bfloat16 has no such conversion (ptxas 12.9), so it goes through
+  # One conversion to `dtype` (e4m3 to float16 a `cvt` a pair, int8 a
+  # byte permute and a subtraction a pair), no float32 step; e4m3 to
+  # bfloat16 has no such conversion (ptxas 12.9), so it goes through
   # float32.
-  direct = scale_ref is None and (tile.dtype == jnp.int8
-                                  or dtype == jnp.float16)
+  direct = tile.dtype == jnp.int8 or dtype == jnp.float16
   # A 64-row part at a time: a 128-key tile's float32 values at once
   # would be 128 registers a thread beside the accumulator.
   for lo in range(0, bk, TILE_ROWS):
     rows = pl.ds(lo, TILE_ROWS)
     x = ops.load_tile(tile.at[rows]).astype(dtype if direct else _F32)
-    if scale_ref is not None:
-      # This head's scales for the part, a vector along the tile's rows.
-      ref, head = scale_ref
-      own = _head_column(ops, ref, head, lo, TILE_ROWS)
-      x = x * lax.broadcast_in_dim(own, x.shape, (0,))
     if past is not None:
       first, length = past
       keep = first + lo + ops.iota_vector(TILE_ROWS, 0) < length
