@@ -74,13 +74,25 @@ class Ops:
       return ref[...]
     return _load_whole(ref, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
 
-  def load_tile(self, ref):
+  def load_tile(self, ref, *, eight_bit=False):
     """Loads a 2-D SMEM tile into registers in the wgmma accumulator
     layout (rows of 64 a warpgroup), so that per-row vectors broadcast
-    against it."""
+    against it; with `eight_bit` (a 1-byte tile) in the 8-bit A-operand
+    layout, four consecutive bytes a thread (`iota` gives its
+    indices)."""
     if self.interpret:
       return ref[...]
-    return _load_whole(ref, layout=plgpu.Layout.WGMMA)
+    return _load_whole(ref, layout=plgpu.Layout.WGMMA_8BIT if eight_bit
+                       else plgpu.Layout.WGMMA)
+
+  def iota(self, shape, axis, *, eight_bit=False):
+    """Indices along `axis` (int32) of a 2-D tile in `load_tile`'s
+    layout."""
+    if self.interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, axis)
+    return plgpu.broadcasted_iota(
+        jnp.int32, shape, axis,
+        layout=plgpu.Layout.WGMMA_8BIT if eight_bit else plgpu.Layout.WGMMA)
 
   def set_max_registers(self, n, action):
     if not self.interpret:
