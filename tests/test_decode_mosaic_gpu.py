@@ -223,6 +223,10 @@ QUANTIZED_QUERY = {
     # float8 with a scale per entry.
     "float8_per_entry": dict(dtype=jnp.float8_e4m3fn, scales="entry", b=1,
                              t=1, n=4, k=1, h=64, s=128, lengths=(100,)),
+    # int8 per entry at head dim 256 (only V widens: three stages fit).
+    "int8_per_entry_head_dim_256": dict(dtype=jnp.int8, scales="entry", b=1,
+                                        t=1, n=4, k=2, h=256, s=130,
+                                        lengths=(120,)),
 }
 
 

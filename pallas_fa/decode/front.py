@@ -227,8 +227,9 @@ def decode_attention(
     _quantized_query: private, for A/B benchmarks: on "mosaic_gpu" over an
       int8 or float8_e4m3fn cache, the query rows quantized to the cache's
       dtype (one scale a row) and Q K^T on 8-bit wgmma over the K tiles as
-      stored, instead of widening them (`mosaic_gpu.decode`); the query's
-      rounding is the accuracy it costs.
+      stored, instead of widening them (`mosaic_gpu.decode`; head dims
+      up to 256 over a 1-byte cache, not 128); the query's rounding is the
+      accuracy it costs.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are

@@ -115,8 +115,9 @@ BLOCKS = (64, 128)
 # The head dims it reads: up to 256 over a 16-bit cache (P rounded to
 # the products' dtype before the V tile is awaited leaves a [64, 256]
 # float32 accumulator room without spilling: sm_90a, one consumer), up to
-# 128 over a 1-byte one (at 256 its widening spilled 8 B even in [64, 64]
-# parts).
+# 128 over a 1-byte one (at 256 its K and V widening spilled 72-112 B),
+# or 256 with `quantized_query`, which widens V only (0 spills, three
+# stages).
 HEAD_DIMS = (64, 128, 256)
 MAX_ONE_BYTE_HEAD_DIM = 128
 
@@ -175,9 +176,10 @@ def supports(query, key, value, block_table, static) -> str | None:
   for name, dim in (("head dim", h), ("value head dim", hv)):
     if dim not in HEAD_DIMS:
       return f"the {name} is {dim}; it takes 64, 128 or 256"
-    if one_byte and dim > MAX_ONE_BYTE_HEAD_DIM:
+    if (one_byte and dim > MAX_ONE_BYTE_HEAD_DIM
+        and not static.get("quantized_query")):
       return (f"the {name} is {dim}; over a 1-byte cache it takes 64 or "
-              f"{MAX_ONE_BYTE_HEAD_DIM}")
+              f"{MAX_ONE_BYTE_HEAD_DIM} (or 256 with _quantized_query)")
   if n // key.shape[2] * t > TILE_ROWS:
     return (f"G x T_new = {n // key.shape[2] * t} packed rows exceed "
             f"{TILE_ROWS}")
