@@ -189,8 +189,7 @@ def _rounded(q, dtype):
   """The query as `_quantized_query` reads it: each head vector rounded
   to the cache's 1-byte `dtype` at its own absmax scale
   (`mosaic_gpu.decode._quantized_rows`), dequantized."""
-  values, scale = quantize.quantize(q, dtype)
-  return (values.astype(jnp.float32) * scale[..., None]).astype(q.dtype)
+  return quantize.dequantize(*quantize.quantize(q, dtype)).astype(q.dtype)
 
 
 QUANTIZED_QUERY = {

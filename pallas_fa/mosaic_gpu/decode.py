@@ -597,8 +597,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         k_tile = _widened(ops, k_tile, wide.at[0], spec.dtype)
         plgpu.barrier_arrive(k_free.at[slot])
       qk = ops.mm(q_rows_smem.at[kernel.stationary_in_step(spec, wg)],
-                  k_tile, transpose_b=True,
-                  exact_ints=quantized_query and key.dtype == jnp.int8)
+                  k_tile, transpose_b=True)
       if not one_byte or quantized_query:
         plgpu.barrier_arrive(k_free.at[slot])
       # The 1-byte products dequantized: a factor a row, a unit or a key.
@@ -628,9 +627,8 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         # length, which may be NaN, zeroed), so that the V tile widens
         # unscaled (a byte permute and a subtraction a value pair).
         if masked:
-          value_factors = jnp.where(
-              first + ops.iota_vector(bk, 1) < length, value_factors,
-              jnp.zeros_like(value_factors))
+          value_factors = jnp.where(kv_pos < length, value_factors,
+                                    jnp.zeros_like(value_factors))
         p = p * lax.broadcast_in_dim(value_factors, p.shape, (1,))
       p = p.astype(pv_dtype)
       plgpu.barrier_wait(v_bar.at[slot])

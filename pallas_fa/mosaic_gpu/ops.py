@@ -112,8 +112,7 @@ class Ops:
     return plgpu.SMEM(shape, dtype)
 
   def mm(self, a, b, *, a_in_smem=True, transpose_a=False, transpose_b=False,
-         acc=None, between: Callable[[], None] | None = None,
-         exact_ints=False):
+         acc=None, between: Callable[[], None] | None = None):
     """acc + a @ b (or with a^T, b^T) in float32.
 
     Args:
@@ -127,12 +126,12 @@ class Ops:
       acc: float32 [M, N] accumulator to add to, or None.
       between: called after the wgmma is issued and before its result is
         awaited (the ping-pong schedule barrier).
-      exact_ints: int8 operands, summed exactly in int32 (wgmma's integer
-        accumulator; with acc None only), the sum then made float32.
 
     Returns:
-      float32 [M, N].
+      float32 [M, N]; int8 operands (acc None only) are summed exactly in
+      int32, wgmma's integer accumulator, and the sum made float32.
     """
+    exact_ints = jnp.issubdtype(a.dtype, jnp.integer)
     if self.interpret:
       a_val = a[...] if a_in_smem else a
       b_val = b[...]
@@ -154,7 +153,7 @@ class Ops:
       a = a.transpose((1, 0))
 
     if exact_ints and acc is not None:
-      raise ValueError("exact_ints sums a fresh product only (acc=None)")
+      raise ValueError("int8 operands sum a fresh product only (acc=None)")
     if acc is None:
       def fresh(acc_ref):
         plgpu.wgmma(acc_ref, a, b_op)

@@ -262,7 +262,7 @@ def dtype_rows(implementation: str, repeats: int, *,
                     _quantized_query=True)
 
     k8, v8, _, ks, vs = int8_args
-    deq = [x.astype(_F32) * c[..., None] for x, c in ((k8, ks), (v8, vs))]
+    deq = [quantize.dequantize(x, c) for x, c in ((k8, ks), (v8, vs))]
     cells.append(Cell(f"mosaic_gpu_{name}_quantized_query", int8_query,
                       (q, *int8_args),
                       *_refs(_rounded(q, jnp.int8), *deq, lengths), _BF16,
@@ -276,8 +276,7 @@ def dtype_rows(implementation: str, repeats: int, *,
 def _rounded(q, dtype):
   """The query as `_quantized_query` reads it: each head vector rounded to
   the cache's 1-byte `dtype` at its absmax scale, dequantized."""
-  values, scale = quantize.quantize(q, dtype)
-  return (values.astype(_F32) * scale[..., None]).astype(q.dtype)
+  return quantize.dequantize(*quantize.quantize(q, dtype)).astype(q.dtype)
 
 
 def _float8_per_tensor_cells(mosaic, q, k, v, lengths) -> list[Cell]:
@@ -288,7 +287,7 @@ def _float8_per_tensor_cells(mosaic, q, k, v, lengths) -> list[Cell]:
   checked against the reference on the query as it rounds."""
   (k8, ks), (v8, vs) = (quantize.quantize(x, jnp.float8_e4m3fn, axes=None)
                         for x in (k, v))
-  deq = [x.astype(_F32) * c for x, c in ((k8, ks), (v8, vs))]
+  deq = [quantize.dequantize(x, c) for x, c in ((k8, ks), (v8, vs))]
   rounded = _rounded(q, jnp.float8_e4m3fn)
   out = []
   for suffix, options, refs in (
