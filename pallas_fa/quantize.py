@@ -20,6 +20,7 @@ from typing import Any
 from typing import Sequence
 
 import jax.numpy as jnp
+from jax import lax
 
 Array = Any
 
@@ -182,6 +183,26 @@ def _dtype_name(dtype) -> str:
   """A dtype argument for a message: its dtype's name, else as passed."""
   parsed = None if dtype is None else as_dtype(dtype)
   return repr(dtype) if parsed is None else str(parsed)
+
+
+def float16_unit(largest: Array) -> tuple[Array, Array]:
+  """(2^e, 2^-e) in float32 for a slice whose largest magnitude is
+  `largest` (float32, any shape): 2^e takes it into [2^14, 2^15), so that
+  the slice times 2^e fits float16 with every bit a bfloat16 value has
+  but for entries 2^28 below the largest (float16's subnormals). Both are
+  clipped to float32's normal range where `largest` is 0 or not finite.
+  The decode kernels read 1-byte caches through it: bfloat16 queries (or P
+  times per-key scales) scaled into float16, so that the products run on
+  float16 tiles, which every int8 and float8 value converts to in one or
+  two instructions."""
+  bits = lax.bitcast_convert_type(largest, jnp.int32)
+  exponent = lax.shift_right_logical(bits, jnp.int32(23)) & 0xFF
+  # e = 14 - the exponent: 2^e's biased exponent is 127 + e.
+  biased = jnp.clip(268 - exponent, 1, 253)
+  return (lax.bitcast_convert_type(lax.shift_left(biased, jnp.int32(23)),
+                                   jnp.float32),
+          lax.bitcast_convert_type(
+              lax.shift_left(254 - biased, jnp.int32(23)), jnp.float32))
 
 
 def dequantize(x: Array, scale: Array | None, dtype=jnp.float32) -> Array:

@@ -127,7 +127,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_int8_two_consumers", "decode_int8_128_keys",
             "decode_fp8_quantized_query", "decode_int8_quantized_query",
             "decode_int8_quantized_query_two_consumers", "decode_fp8_unscaled",
-            "decode_paged_fp8", "decode_latent",
+            "decode_fp8_per_head", "decode_paged_fp8", "decode_latent",
             "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
@@ -180,7 +180,8 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                     "decode_int8_quantized_query": ("decode", "int8"),
                     "decode_int8_quantized_query_two_consumers": ("decode",
                                                                   "int8"),
-                    "decode_fp8_unscaled": ("decode", "float8_e4m3fn")}
+                    "decode_fp8_unscaled": ("decode", "float8_e4m3fn"),
+                    "decode_fp8_per_head": ("decode", "float8_e4m3fn")}
 # Decode variants with private options of their own: mosaic_gpu's query
 # quantized to the cache's dtype (Q K^T on 8-bit wgmma), over a float8
 # cache with one scale a K/V head (no scale rings) and an int8 one with a
@@ -189,9 +190,11 @@ DECODE_OPTIONS = {
     name: dict(_quantized_query=True)
     for name in ("decode_fp8_quantized_query", "decode_int8_quantized_query",
                  "decode_int8_quantized_query_two_consumers")}
-PER_HEAD_SCALES = ("decode_fp8_quantized_query",)
+PER_HEAD_SCALES = ("decode_fp8_quantized_query", "decode_fp8_per_head")
 # Decode variants over a 1-byte cache without scales (a float8 cache's
-# default scale 1): mosaic_gpu widens its tiles unscaled.
+# default scale 1), or with one scale a K/V head: mosaic_gpu runs both
+# products in float16 over a float8 one under bfloat16 queries
+# (`mosaic_gpu.decode.product_dtypes`).
 UNSCALED = ("decode_fp8_unscaled",)
 # Decode variants with the kernel's `num_warps`: mosaic_gpu's two consumer
 # warpgroups a CTA.
@@ -224,6 +227,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "decode_int8_128_keys": ("mosaic_gpu",),
                     **{name: ("mosaic_gpu",) for name in DECODE_OPTIONS},
                     "decode_fp8_unscaled": ("mosaic_gpu",),
+                    "decode_fp8_per_head": ("mosaic_gpu",),
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
@@ -279,7 +283,8 @@ BACKEND_HEAD_DIMS = {
         "decode", "decode_paged", "decode_paged16")},
     **{("mosaic_gpu", variant): (64, 128) for variant in (
         "decode_int8", "decode_fp8", "decode_int8_64_rows",
-        "decode_int8_two_consumers", "decode_int8_128_keys", *UNSCALED)},
+        "decode_int8_two_consumers", "decode_int8_128_keys", *UNSCALED,
+        "decode_fp8_per_head")},
     # With the query quantized only V widens: 256 fits too.
     **{("mosaic_gpu", variant): (64, 128, 256) for variant in (
         "decode_fp8_quantized_query", "decode_int8_quantized_query")},
@@ -574,12 +579,18 @@ def _decode_tiles(case: Case, seq: int) -> str:
     from pallas_fa.mosaic_gpu import decode as mgpu_decode  # noqa: PLC0415
     rows = mgpu_decode.stored_rows(groups * _new_tokens(case))
     block = DECODE_BLOCK_KV.get(case.variant, mgpu_decode.DEFAULT_BLOCK)
-    one_byte = case.variant in QUANTIZED_DECODE
+    cache = QUANTIZED_DECODE.get(case.variant, (None, case.dtype))[1]
     consumers = 2 if DECODE_NUM_WARPS.get(case.variant) == 8 else 1
+    scale_rings = (case.variant in QUANTIZED_DECODE
+                   and case.variant not in PER_HEAD_SCALES + UNSCALED)
+    qk_dtype, _ = mgpu_decode.product_dtypes(
+        case.dtype, cache, cache, quantized_query="_quantized_query" in
+        DECODE_OPTIONS.get(case.variant, {}), scale_rings=scale_rings)
+    query_copy = (0 if qk_dtype == jnp.dtype(case.dtype)
+                  else qk_dtype.itemsize)
     stages = mgpu_decode.stages_for(
-        h, hv, block, 1 if one_byte else 2, DECODE_SHAPE["kv_heads"],
-        consumers, "_quantized_query" in DECODE_OPTIONS.get(case.variant, {}),
-        case.variant not in PER_HEAD_SCALES + UNSCALED)
+        h, hv, block, jnp.dtype(cache).itemsize, DECODE_SHAPE["kv_heads"],
+        consumers, query_copy, scale_rings)
     return (f"rows={mgpu_decode.TILE_ROWS} (stored {rows}) block_kv={block} "
             f"stages={stages} consumers={consumers}")
   rows = triton_decode.packed_rows(groups * _new_tokens(case))

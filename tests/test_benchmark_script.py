@@ -969,6 +969,7 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "mosaic_gpu_paged_vs_contiguous", "tnew16_mosaic_gpu_vs_triton",
         "mosaic_gpu_int8_vs_bf16", "mosaic_gpu_int8_vs_triton",
         "mosaic_gpu_int8_two_consumers", "mosaic_gpu_int8_128_keys",
+        "mosaic_gpu_float8_float16_products", "mosaic_gpu_float8_vs_bf16",
         "mosaic_gpu_float8_quantized_query_vs_widened",
         "mosaic_gpu_float8_quantized_query_vs_bf16",
         "mosaic_gpu_int8_quantized_query_vs_widened",
@@ -1054,12 +1055,17 @@ def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
   assert wide["status"] == "ok" and wide["block_kv"] == 128, wide
   assert ratios["mosaic_gpu_int8_128_keys"]["ratio"] == pytest.approx(
       wide["ms"] / int8["ms"])
-  fp8, widened = (by_name[f"mosaic_gpu_float8_{x}"]
-                  for x in ("quantized_query", "per_tensor"))
-  for row in (fp8, widened):
+  fp8, widened, bf16_products = (
+      by_name[f"mosaic_gpu_float8_{x}"]
+      for x in ("quantized_query", "per_tensor",
+                "per_tensor_bfloat16_products"))
+  for row in (fp8, widened, bf16_products):
     assert row["status"] == "ok" and row["scales"] == "tensor", row
   assert fp8["_quantized_query"] is True
   assert "_quantized_query" not in widened
+  assert bf16_products["_float16_products"] is False
+  assert ratios["mosaic_gpu_float8_float16_products"]["ratio"] == (
+      pytest.approx(widened["ms"] / bf16_products["ms"]))
   assert ratios["mosaic_gpu_float8_quantized_query_vs_widened"]["ratio"] == (
       pytest.approx(fp8["ms"] / widened["ms"]))
   int8_query = by_name["mosaic_gpu_int8_quantized_query"]

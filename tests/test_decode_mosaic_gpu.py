@@ -142,6 +142,19 @@ QUANTIZED = {
     # float8 without scales (scale 1).
     "float8_unscaled": dict(dtype=jnp.float8_e4m3fn, scales=None, b=2, t=2,
                             n=4, k=2, h=64, s=128, lengths=(128, 70)),
+    # float8 with per-head scales under query heads of magnitudes 2^-24 to
+    # 2^24: the float16 products' query rows, each scaled by its own power
+    # of two (exact), where float16 itself would flush the small rows and
+    # overflow the large ones.
+    "float8_per_head_wide_queries": dict(
+        dtype=jnp.float8_e4m3fn, scales="head", b=2, t=1, n=8, k=2, h=128,
+        s=192, lengths=(192, 100), query_spread=24),
+    # The same cache and queries through the path float16 products
+    # replaced: the products in bfloat16, float8 widened through float32.
+    "float8_per_head_wide_queries_bfloat16_products": dict(
+        dtype=jnp.float8_e4m3fn, scales="head", b=2, t=1, n=8, k=2, h=128,
+        s=192, lengths=(192, 100), query_spread=24,
+        _float16_products=False),
 }
 
 
@@ -155,9 +168,16 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   dtype, granularity = c.pop("dtype"), c.pop("scales")
   b, t, n, k, h, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "s"))
   lengths = jnp.asarray(c.pop("lengths"), jnp.int32)
+  spread = c.pop("query_spread", 0)
+  kernel_only = {x: c.pop(x) for x in ("_float16_products",) if x in c}
   kw = dict(is_causal=True, **c)
   gen = rng("mosaic_gpu decode 1-byte", name)
-  q = jnp.asarray(gen.standard_normal((b, t, n, h)), jnp.bfloat16)
+  # Each head vector times 2^e, the exponents spread evenly over
+  # [-spread, spread] in a random order.
+  exponents = gen.permutation(np.linspace(-spread, spread, b * t * n))
+  q = gen.standard_normal((b, t, n, h)) * np.exp2(
+      exponents.reshape(b, t, n, 1))
+  q = jnp.asarray(q, jnp.bfloat16)
   cache = {}
   for part in ("key", "value"):
     x = jnp.asarray(gen.standard_normal((b, s, k, h)) * 3.0, jnp.float32)
@@ -175,7 +195,7 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
       cache[part] = x.astype(dtype)
   got = pallas_fa.decode_attention(
       q, lengths=lengths, implementation="mosaic_gpu", num_splits=2,
-      **cache, **kw)
+      **cache, **kw, **kernel_only)
   want32 = pallas_fa.decode_attention(
       q.astype(jnp.float32), lengths=lengths, implementation="chunked",
       **cache, **kw)
@@ -439,10 +459,17 @@ def test_mosaic_gpu_decode_quantized_query_refusals():
     _call(cache_dtype=jnp.float8_e4m3fn, _quantized_query=1)
   q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
   cache = jnp.ones((1, 128, 2, 64), jnp.float8_e4m3fn)
-  with pytest.raises(ValueError, match="_quantized_query applies to"):
+  with pytest.raises(ValueError, match="_quantized_query=True applies to"):
     pallas_fa.decode_attention(q, cache, cache, jnp.asarray([128]),
                                implementation="chunked",
                                _quantized_query=True)
+  # `_float16_products` likewise: a bool, on mosaic_gpu only.
+  with pytest.raises(TypeError, match="_float16_products must be a bool"):
+    _call(cache_dtype=jnp.float8_e4m3fn, _float16_products=0)
+  with pytest.raises(ValueError, match="_float16_products=False applies to"):
+    pallas_fa.decode_attention(q, cache, cache, jnp.asarray([128]),
+                               implementation="chunked",
+                               _float16_products=False)
 
 
 @needs_kernel

@@ -14,6 +14,7 @@ import pytest
 import pallas_fa
 from pallas_fa import flex
 from pallas_fa import kv_cache
+from pallas_fa import quantize
 from pallas_fa import testing
 from tests import attention_testing
 from tests.attention_testing import assert_close
@@ -95,6 +96,34 @@ def test_quantize_keeps_tiny_slices_finite(dtype):
   want = pallas_fa.decode_attention(q, dequantized, dequantized, lengths)
   assert np.all(np.isfinite(np.asarray(got)))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_float16_unit_takes_a_slice_into_float16_exactly():
+  """`quantize.float16_unit`: 2^e takes the largest magnitude into [2^14,
+  2^15), 2^-e is its exact inverse, and a bfloat16 slice times 2^e is
+  exact in float16 but for entries 2^28 below its largest; a zero or
+  non-finite largest gives finite powers of two."""
+  gen = rng("float16 unit")
+  # (Below 2^-112 the power would pass float32's largest: it is clipped.)
+  exponents = gen.integers(-112, 120, 64)
+  largest = np.ldexp(gen.uniform(1.0, 2.0, 64), exponents).astype(np.float32)
+  up, down = quantize.float16_unit(jnp.asarray(largest))
+  up, down = np.asarray(up, np.float64), np.asarray(down, np.float64)
+  scaled = largest * up
+  assert np.all((scaled >= 2.0 ** 14) & (scaled < 2.0 ** 15))
+  np.testing.assert_array_equal(up * down, np.ones(64))
+  for x in (0.0, np.inf, np.nan):
+    u, d = quantize.float16_unit(jnp.float32(x))
+    assert np.isfinite(float(u)) and np.isfinite(float(d))
+    assert float(u) > 0 and float(u) * float(d) == 1.0
+  # A bfloat16 row, entries from its largest down to 2^-27 of it: exact.
+  row = (gen.standard_normal(64) * np.exp2(-gen.uniform(0, 27, 64))
+         * 2.0 ** 40)
+  row = np.asarray(jnp.asarray(row, jnp.bfloat16).astype(jnp.float32))
+  u, d = quantize.float16_unit(jnp.float32(np.abs(row).max()))
+  half = jnp.asarray(row * float(u), jnp.float32).astype(jnp.float16)
+  np.testing.assert_array_equal(
+      np.asarray(half, np.float64) * float(d), row.astype(np.float64))
 
 
 def test_quantize_rejects_bad_input():

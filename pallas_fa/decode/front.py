@@ -95,6 +95,7 @@ def decode_attention(
     _prefix_block_kv: int | None = None,
     _prefix_num_warps: int | None = None,
     _quantized_query: bool = False,
+    _float16_products: bool = True,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -230,6 +231,11 @@ def decode_attention(
       stored, instead of widening them (`mosaic_gpu.decode`; head dims
       up to 256 over a 1-byte cache, not 128); the query's rounding is the
       accuracy it costs.
+    _float16_products: private, for A/B benchmarks: False keeps the
+      bfloat16 query's dtype for the products of "mosaic_gpu" over a
+      float8 cache whose scales are constant along it (its tiles then
+      widen through float32), where the default runs them in float16
+      (`mosaic_gpu.decode.product_dtypes`).
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -307,8 +313,11 @@ def decode_attention(
                                        prefix_key, implementation)
   launch = dict(warps, **_check_value_chunk(_value_chunk, implementation,
                                             mask_mod, prefix_key),
-                **_check_quantized_query(_quantized_query, implementation,
-                                         prefix_key))
+                **_check_mosaic_gpu_flag("_quantized_query", _quantized_query,
+                                         False, implementation, prefix_key),
+                **_check_mosaic_gpu_flag("_float16_products",
+                                         _float16_products, True,
+                                         implementation, prefix_key))
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
   prefix_key, prefix_value = prefix.check(prefix_key, prefix_value, query, hv,
@@ -559,25 +568,26 @@ def _check_value_chunk(value_chunk, implementation, mask_mod,
   return {"max_value_chunk": int(value_chunk)}
 
 
-def _check_quantized_query(quantized_query, implementation,
+def _check_mosaic_gpu_flag(name: str, flag, default: bool, implementation,
                            prefix_key) -> dict:
-  """{"quantized_query": True} for the Mosaic GPU kernel's `attention`, or {}
-  (the default). The cache it reads is the kernel's to check
-  (`mosaic_gpu.decode.supports`).
+  """{name without its underscore: flag} for the Mosaic GPU kernel's
+  `attention` where a private flag (`_quantized_query`,
+  `_float16_products`) is set to other than its default, or {}. The cache
+  it reads is the kernel's to check (`mosaic_gpu.decode.supports`).
 
   Raises:
     TypeError: not a bool.
     ValueError: set where the call does not take the Mosaic GPU decode
       kernel (another implementation, or a shared prefix).
   """
-  if not api.check_flag("_quantized_query", quantized_query):
+  if api.check_flag(name, flag) == default:
     return {}
   if implementation != "mosaic_gpu" or prefix_key is not None:
     raise ValueError(
-        "_quantized_query applies to implementation='mosaic_gpu' without a "
+        f"{name}={flag} applies to implementation='mosaic_gpu' without a "
         f"prefix, got {implementation=}, prefix_key given: "
         f"{prefix_key is not None}.")
-  return {"quantized_query": True}
+  return {name[1:]: bool(flag)}
 
 
 def _check_power_of_two(name: str, x) -> None:

@@ -32,16 +32,22 @@ has those V rows zeroed in shared memory before P V reads them (a masked P
 of 0 times NaN would be NaN).
 
 A 1-byte cache (int8, float8) streams as stored; the consumer widens
-each K and V tile unscaled in shared memory to the query's dtype
-(`_widened`; int8 by a byte permute and a subtraction a value pair, e4m3
-through float32 where the query is bfloat16), which the products then
-read: int8 and float8 values are exact in bfloat16 and float16. The
-scales multiply the logits and P instead of the tiles: per-entry ones
-stream with the keys as a ring of their rows (every K/V head's, a [block,
-K'] tile), and the unit's head's column of each goes through shared
-memory once a block to lie along the tile's keys (`_scale_columns`);
-scales constant along the cache (per tensor or per K/V head) are one
-factor a unit, on the logits and on the result, with no ring.
+each K and V tile unscaled in shared memory to the products' 16-bit dtype
+(`_widened`), which the products then read: int8 and float8 values are
+exact in bfloat16 and float16. That dtype is the query's (int8 by a byte
+permute and a subtraction a value pair), but float16 for a float8 cache
+under bfloat16 queries whose scales are constant along it
+(`product_dtypes`): float8 widens to float16 with one conversion a value
+pair where bfloat16 needs three through float32, and the consumer copies
+its query rows once a unit into float16, each row scaled by a power of
+two into float16's range (`_float16_rows`, exact), whose inverse joins
+the logits' factors. The scales multiply the logits and P instead of the
+tiles: per-entry ones stream with the keys as a ring of their rows (every
+K/V head's, a [block, K'] tile), and the unit's head's column of each
+goes through shared memory once a block to lie along the tile's keys
+(`_scale_columns`); scales constant along the cache (per tensor or per
+K/V head) are one factor a unit, on the logits and on the result, with no
+ring.
 
 With `quantized_query` (`decode_attention(_quantized_query=True)`, an A/B
 option while no GPU run has timed it) an int8 or float8_e4m3fn cache skips
@@ -200,16 +206,47 @@ def check_block(block: int, cache_len: int) -> int:
   return block
 
 
+def product_dtypes(query_dtype, key_dtype, value_dtype, *,
+                   quantized_query: bool = False,
+                   scale_rings: bool = False, float16: bool = True):
+  """(Q K^T's operand dtype, P V's) of a call: the query's, but
+
+  * Q K^T on the 1-byte cache as stored with `quantized_query`;
+  * float16 for both under bfloat16 queries over a float8 cache whose
+    scales are constant along it (no `scale_rings`): its tiles widen to
+    float16 with one conversion a value pair (to bfloat16 they go through
+    float32, three), the query rows scaled into float16's range by a
+    power of two a row (`_float16_rows`: exact but for entries 2^28 below
+    the row's largest), P (at most 1) unscaled with 3 more mantissa bits
+    than bfloat16's. P times per-entry value scales (`scale_rings`) could
+    fall below float16's range, so those caches keep the query's dtype;
+  * with `quantized_query`, float16 P V over an e4m3 value cache with no
+    scale rings, as above.
+
+  `float16=False` keeps the query's dtype where float16 would replace it
+  (`decode_attention(_float16_products=False)`, the path it replaced).
+  """
+  query_dtype = jnp.dtype(query_dtype)
+  float16_values = (float16 and query_dtype == jnp.bfloat16
+                    and not scale_rings and quantize.is_fp8(value_dtype))
+  if quantized_query:
+    return (jnp.dtype(key_dtype),
+            jnp.dtype(jnp.float16) if float16_values else query_dtype)
+  if float16_values and quantize.is_fp8(key_dtype):
+    return (jnp.dtype(jnp.float16),) * 2
+  return query_dtype, query_dtype
+
+
 def stages_for(head_dim: int, value_head_dim: int, block: int,
                cache_itemsize: int = 2, num_kv: int = 8,
-               consumers: int = 1, quantized_query: bool = False,
+               consumers: int = 1, query_copy_itemsize: int = 0,
                scale_rings: bool = True) -> int:
   """The deepest ring (at most `DEFAULT_STAGES`, at least 2; even with two
   consumers, which take the ring's slots of their parity) whose launch
   fits shared memory."""
   for stages in range(DEFAULT_STAGES, 2, -consumers):
     if smem_bytes(head_dim, value_head_dim, block, stages, cache_itemsize,
-                  num_kv, consumers, quantized_query,
+                  num_kv, consumers, query_copy_itemsize,
                   scale_rings) <= _SMEM_BYTES:
       return stages
   return 2
@@ -217,15 +254,16 @@ def stages_for(head_dim: int, value_head_dim: int, block: int,
 
 def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
                cache_itemsize: int = 2, num_kv: int = 8,
-               consumers: int = 1, quantized_query: bool = False,
+               consumers: int = 1, query_copy_itemsize: int = 0,
                scale_rings: bool = True) -> int:
   """Shared memory of a launch (`_launch`'s buffers, each aligned to 1 KiB
   by Mosaic GPU): each consumer's query tile, result staging and
   logsumexps, the K/V ring, and for a 1-byte cache the scales' rings
   (every K/V head's, `num_kv` padded to 8) and each consumer's scale
-  columns where `scale_rings`, each consumer's 1-byte copy of its query
-  tile with `quantized_query` (1 KiB placeholders otherwise), and each
-  consumer's two widened tiles; and 1 KiB for the barriers."""
+  columns where `scale_rings`, each consumer's copy of its query tile
+  that Q K^T reads (`query_copy_itemsize` bytes an element,
+  `product_dtypes`; a 1 KiB placeholder at 0), and each consumer's two
+  widened tiles; and 1 KiB for the barriers."""
   def kib(x):
     return layout.round_up(x, 1024)
 
@@ -237,8 +275,8 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
     heads = layout.round_up(num_kv, _ROW_TILE)
     ring += (2 * kib(stages * block * heads * 4)
              + kib(consumers * 2 * block * 4)) if scale_rings else 3 * 1024
-    query += (kib(consumers * TILE_ROWS * head_dim) if quantized_query
-              else 1024)
+    query += (kib(consumers * TILE_ROWS * head_dim * query_copy_itemsize)
+              if query_copy_itemsize else 1024)
     # Each consumer's union of its staging and its two widened tiles.
     staging = consumers * kib(max(
         TILE_ROWS * value_head_dim * 4,
@@ -317,7 +355,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
               sinks, *, block: int, splits: int, scale: float,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, key_scale=None, value_scale=None, num_warps=None,
-              stages=None, num_ctas=None, quantized_query=False, **unused):
+              stages=None, num_ctas=None, quantized_query=False,
+              float16_products=True, **unused):
   """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
   the merge (`triton.decode_merge`, which adds the sinks and writes the
   query's dtype and layout), two kernels at T_new = 1.
@@ -345,6 +384,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       (None: one an SM, at most one a unit).
     quantized_query: Q K^T on 8-bit wgmma over an int8 or float8_e4m3fn
       cache, the query rows quantized to its dtype (module doc).
+    float16_products: False keeps the query's dtype for the products
+      (`product_dtypes`' `float16`).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new, N]).
@@ -370,8 +411,15 @@ def attention(query, key, value, lengths, block_table, query_positions,
         for x in (key_scale, value_scale))
     key_scale = value_scale = None
   scale_rings = key_scale is not None or value_scale is not None
+  qk_dtype, _ = product_dtypes(query.dtype, key.dtype, value.dtype,
+                               quantized_query=quantized_query,
+                               scale_rings=scale_rings,
+                               float16=float16_products)
+  # The consumer's copy of its query rows that Q K^T reads (none where it
+  # reads them as loaded).
+  query_copy = 0 if qk_dtype == query.dtype else qk_dtype.itemsize
   stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv,
-                                consumers, quantized_query, scale_rings)
+                                consumers, query_copy, scale_rings)
   interpret = interpreted()
   q_rows = _packed_rows(query, num_kv)
   if interpret and rows > r:
@@ -395,7 +443,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
       lowering_semantics="lane")
   if not interpret:
     need = smem_bytes(h, hv, block, stages, key.dtype.itemsize, num_kv,
-                      consumers, quantized_query, scale_rings)
+                      consumers, query_copy, scale_rings)
     if need > _SMEM_BYTES:
       raise ValueError(
           f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
@@ -419,8 +467,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
         for x in (key_scale, value_scale))
   out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
                      qpos, table, scales, head_scales,
-                     quantized_query=quantized_query, splits=splits, rows=r,
-                     new_tokens=t)
+                     quantized_query=quantized_query,
+                     float16_products=float16_products, splits=splits,
+                     rows=r, new_tokens=t)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = jnp.repeat(sinks.astype(_F32).reshape(num_kv, g), t, axis=1)
@@ -434,8 +483,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
 
 
 def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
-            scales, head_scales, *, quantized_query: bool, splits: int,
-            rows: int, new_tokens: int):
+            scales, head_scales, *, quantized_query: bool,
+            float16_products: bool, splits: int, rows: int,
+            new_tokens: int):
   """The split kernel: (out float32 [B, K, C * splits, stored_rows(rows),
   Hv], lse float32 [B, K, C * splits, stored_rows(rows)]), each split's
   normalised result and logsumexp (-inf: no visible key) from each of the
@@ -457,6 +507,12 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
   one_byte = key.dtype.itemsize == 1
+  qk_dtype, pv_dtype = product_dtypes(
+      spec.dtype, key.dtype, value.dtype, quantized_query=quantized_query,
+      scale_rings=scales is not None, float16=float16_products)
+  # Q K^T reads a copy of the query rows in its operands' dtype, made once
+  # a unit (`_quantized_rows`, `_float16_rows`), or the rows as loaded.
+  query_copy = qk_dtype != spec.dtype
   # A 1-byte cache's staging and widened tiles in a union a consumer (see
   # `smem` below), where the interpreter (if interpreting) takes unions.
   unions = one_byte and (not spec.interpret
@@ -549,7 +605,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     k_smem, v_smem = r.smem[_RING:_RING + 2]
     wg = r.wg
     if one_byte:
-      ks_smem, vs_smem, column_smem, q8_smem = r.smem[
+      ks_smem, vs_smem, column_smem, q_copy_smem = r.smem[
           _KEY_SCALES:_KEY_SCALES + 4]
     if unions:
       # This consumer's union (`wg` is its index, a Python int here).
@@ -568,17 +624,19 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     kernel.load_stationary(
         [(q_ref.at[pl.ds((b * num_kv + n) * rows, stored)],
           q_smem.at[wg, pl.ds(0, stored)])], q_bar.at[wg])
-    # The rows Q K^T reads: as loaded, or quantized to the cache's dtype;
-    # the logits' factor a row (its scale) and a unit (the head's key
+    # The rows Q K^T reads: as loaded, or a copy in its operands' dtype
+    # (quantized to the cache's, or scaled into float16's range); the
+    # logits' factor a row (the copy's scale) and a unit (the head's key
     # scale).
     q_rows_smem, row_factors, head_factor = q_smem, None, None
     if head_scales is not None:
       head_factor = _per_head(r.inputs[at["head_key_scale"]], b, n)
-    if quantized_query:
-      row_factors = _quantized_rows(ops, q_smem.at[wg], q8_smem.at[wg])
+    if query_copy:
+      copy = _quantized_rows if quantized_query else _float16_rows
+      row_factors = copy(ops, q_smem.at[wg], q_copy_smem.at[wg])
       if head_factor is not None:
         row_factors, head_factor = row_factors * head_factor, None
-      q_rows_smem = q8_smem
+      q_rows_smem = q_copy_smem
     tokens = kernel.rem(ops.iota_vector(TILE_ROWS, 0), new_tokens)
     q_pos, _, _ = sched.positions(b, tokens)
 
@@ -594,7 +652,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         key_factors, value_factors = _scale_columns(
             ops, (ks_smem.at[slot], vs_smem.at[slot]), n, column_smem.at[wg])
       if one_byte and not quantized_query:
-        k_tile = _widened(ops, k_tile, wide.at[0], spec.dtype)
+        k_tile = _widened(ops, k_tile, wide.at[0], qk_dtype)
         plgpu.barrier_arrive(k_free.at[slot])
       qk = ops.mm(q_rows_smem.at[kernel.stationary_in_step(spec, wg)],
                   k_tile, transpose_b=True)
@@ -664,13 +722,8 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                    lse_ref.at[b, n, part])])
     return base + sched[b, split, 1] - ulo
 
-  # P V's operands: the query's dtype, but float16 for e4m3 V tiles with
-  # `quantized_query` and no per-entry scales (exact in it, each tile
-  # widens with one conversion per two values and no float32 step, and P
-  # gets 3 more mantissa bits than bfloat16's; P times per-entry value
-  # scales could fall below float16's range).
-  pv_dtype = (jnp.float16 if quantized_query and scales is None
-              and value.dtype == jnp.float8_e4m3fn else spec.dtype)
+  # The widened tiles, in P V's operand dtype (Q K^T's too where K widens:
+  # `product_dtypes` makes them one).
   wide = ops.smem((nc, 2, bk, max(h, hv)), pv_dtype, True)
   if unions:
     # Each consumer's result staging and the widened K and V tiles its
@@ -708,10 +761,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         *((plgpu.SMEM((stages, bk, heads), _F32),) * 2
           if scales is not None else (placeholder,) * 2),
         plgpu.SMEM((nc, 2, bk), _F32) if scales is not None else placeholder,
-        # Each consumer's query rows in the cache's dtype.
-        ops.smem((nc, TILE_ROWS, h), key.dtype, True,
-                 swizzle=min(ops.swizzle, h))
-        if quantized_query else placeholder,
+        # Each consumer's copy of its query rows in Q K^T's operand dtype.
+        ops.smem((nc, TILE_ROWS, h), qk_dtype, True,
+                 swizzle=min(ops.swizzle, h * qk_dtype.itemsize))
+        if query_copy else placeholder,
     ) + (() if unions else (wide,))
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs (both with the keys', `both_scales_with_keys`).
@@ -809,6 +862,22 @@ def _quantized_rows(ops, q_tile, q8_tile):
   # The generic-proxy stores, before wgmma reads the tile.
   plgpu.commit_smem()
   return scale
+
+
+def _float16_rows(ops, q_tile, f16_tile):
+  """Copies a consumer's bfloat16 query rows (`q_tile`, [64, H]) to
+  `f16_tile` in float16, each row times the power of two that takes its
+  largest magnitude into [2^14, 2^15) (`quantize.float16_unit`: every bit
+  kept but those of entries 2^28 below the row's largest); returns the
+  powers' inverses, a float32 vector along the rows, which multiply the
+  logits back."""
+  x = ops.load_tile(q_tile).astype(_F32)
+  up, down = quantize.float16_unit(jnp.max(jnp.abs(x), axis=1))
+  f16_tile[...] = (x * lax.broadcast_in_dim(up, x.shape, (0,))).astype(
+      jnp.float16)
+  # The generic-proxy stores, before wgmma reads the tile.
+  plgpu.commit_smem()
+  return down
 
 
 def _head_column(ops, ref, head, lo, size):

@@ -392,18 +392,13 @@ def _positions(refs, raw_length, rows: int, new_tokens: int,
 
 def _power_of_two(x):
   """(2^e, 2^-e) in float32 that take x's largest magnitude into [2^14,
-  2^15); clipped to float32's normal range when it is zero (or not
-  finite)."""
+  2^15) (`quantize.float16_unit`)."""
   largest = jnp.abs(x.astype(_F32))
   while largest.ndim:
     # One axis at a time: Pallas-Triton lowers a reduction over several
     # through avals that jax 0.11's explicit meshes reject.
     largest = jnp.max(largest, axis=-1)
-  bits = jax.lax.bitcast_convert_type(largest, jnp.int32)
-  # e = 14 - x's exponent: 2^e's biased exponent 127 + e.
-  biased = jnp.clip(268 - ((bits >> 23) & 0xFF), 1, 253)
-  return (jax.lax.bitcast_convert_type(biased << 23, _F32),
-          jax.lax.bitcast_convert_type((254 - biased) << 23, _F32))
+  return quantize.float16_unit(largest)
 
 
 def _float16_queries(q):

@@ -14,8 +14,10 @@ and not timed):
   pages of 16 keys; "mosaic_gpu_int8" the int8 cache, "_8_warps" with two
   consumer warpgroups a CTA, "..._quantized_query" with its query
   quantized to int8 for Q K^T on 8-bit wgmma; "mosaic_gpu_float8_per_tensor"
-  a float8 cache with one scale each for K and V, and "..._quantized_query"
-  the same with the query in e4m3). The float32-query
+  a float8 cache with one scale each for K and V (both products in
+  float16), "..._bfloat16_products" the same through the bfloat16
+  products that replaced, and "..._quantized_query" the same with the
+  query in e4m3). The float32-query
   cells of earlier windows (a float32 cache, and the int8 cache under
   float32 queries: the float32 path an int8 cache took with them) are no
   longer timed: the b85705a and 07213ac windows measured them at 70.9 and
@@ -281,10 +283,13 @@ def _rounded(q, dtype):
 
 def _float8_per_tensor_cells(mosaic, q, k, v, lengths) -> list[Cell]:
   """The float8_e4m3fn cache with one scale for each of K and V (serving's
-  float8 caches), through mosaic_gpu's split kernel widened as int8's
-  ("mosaic_gpu_float8_per_tensor") and with the query rounded to e4m3 for
-  Q K^T on 8-bit wgmma ("..._quantized_query", `_quantized_query`),
-  checked against the reference on the query as it rounds."""
+  float8 caches), through mosaic_gpu's split kernel: widened to float16
+  for float16 products ("mosaic_gpu_float8_per_tensor"), widened to
+  bfloat16 through float32 for bfloat16 ones, the path that replaced
+  ("..._bfloat16_products", `_float16_products=False`), and with the
+  query rounded to e4m3 for Q K^T on 8-bit wgmma ("..._quantized_query",
+  `_quantized_query`), checked against the reference on the query as it
+  rounds."""
   (k8, ks), (v8, vs) = (quantize.quantize(x, jnp.float8_e4m3fn, axes=None)
                         for x in (k, v))
   deq = [quantize.dequantize(x, c) for x, c in ((k8, ks), (v8, vs))]
@@ -292,6 +297,8 @@ def _float8_per_tensor_cells(mosaic, q, k, v, lengths) -> list[Cell]:
   out = []
   for suffix, options, refs in (
       ("per_tensor", {}, _refs(q, *deq, lengths)),
+      ("per_tensor_bfloat16_products", dict(_float16_products=False),
+       _refs(q, *deq, lengths)),
       ("quantized_query", dict(_quantized_query=True),
        _refs(rounded, *deq, lengths))):
     def call(q, k, v, lengths, ks, vs, options=options):
@@ -548,6 +555,14 @@ TARGETS = (
     # Q K^T on 8-bit wgmma over the 1-byte caches (the query rounded to
     # the cache's dtype) against their widening, and against the bfloat16
     # cache (issue goal: at most 0.55x bfloat16's time).
+    # float16 products over the float8 cache (one conversion a value pair
+    # where bfloat16 takes three through float32) against the bfloat16
+    # ones they replaced, and against the bfloat16 cache.
+    ("mosaic_gpu_float8_float16_products", "dtype",
+     "mosaic_gpu_float8_per_tensor",
+     "mosaic_gpu_float8_per_tensor_bfloat16_products", 0.85),
+    ("mosaic_gpu_float8_vs_bf16", "dtype", "mosaic_gpu_float8_per_tensor",
+     "mosaic_gpu_bfloat16", 0.6),
     ("mosaic_gpu_float8_quantized_query_vs_widened", "dtype",
      "mosaic_gpu_float8_quantized_query", "mosaic_gpu_float8_per_tensor",
      0.8),
