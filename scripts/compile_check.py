@@ -275,21 +275,18 @@ VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "keys256_fp8": 128, "keys256_fp8_causal": 128,
                         "split_dropout": 64}
 # The head dims a backend's variant takes where they are fewer than the
-# matrix's: mosaic_gpu's decode kernel reads H = 64, 128 and 256 over a
-# 16-bit cache, 64 and 128 over a 1-byte one, 256 too with its query
-# quantized (`mosaic_gpu.decode.supports`).
+# matrix's: mosaic_gpu's decode kernel reads H = 64, 128 and 256, but at
+# 256 its 128-key blocks and two consumers do not fit shared memory over a
+# 1-byte cache (`mosaic_gpu.decode.smem_bytes`: a clear ValueError).
 BACKEND_HEAD_DIMS = {
     **{("mosaic_gpu", variant): (64, 128, 256) for variant in (
-        "decode", "decode_paged", "decode_paged16")},
+        "decode", "decode_paged", "decode_paged16", "decode_int8",
+        "decode_fp8", "decode_int8_64_rows", *UNSCALED,
+        "decode_fp8_per_head", "decode_fp8_quantized_query",
+        "decode_int8_quantized_query")},
     **{("mosaic_gpu", variant): (64, 128) for variant in (
-        "decode_int8", "decode_fp8", "decode_int8_64_rows",
-        "decode_int8_two_consumers", "decode_int8_128_keys", *UNSCALED,
-        "decode_fp8_per_head")},
-    # With the query quantized only V widens: 256 fits too.
-    **{("mosaic_gpu", variant): (64, 128, 256) for variant in (
-        "decode_fp8_quantized_query", "decode_int8_quantized_query")},
-    **{("mosaic_gpu", variant): (64, 128) for variant in (
-        "decode_int8_quantized_query_two_consumers",)}}
+        "decode_int8_two_consumers", "decode_int8_128_keys",
+        "decode_int8_quantized_query_two_consumers")}}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}

@@ -155,6 +155,13 @@ QUANTIZED = {
         dtype=jnp.float8_e4m3fn, scales="head", b=2, t=1, n=8, k=2, h=128,
         s=192, lengths=(192, 100), query_spread=24,
         _float16_products=False),
+    # Head dim 256 (the tiles widened in [64, 128] parts): int8 under
+    # float16 queries (through bfloat16), and float8 on float16 products.
+    "int8_float16_queries_256": dict(
+        dtype=jnp.int8, scales="entry", b=1, t=1, n=4, k=2, h=256, s=160,
+        lengths=(150,), query_dtype=jnp.float16),
+    "float8_per_head_256": dict(dtype=jnp.float8_e4m3fn, scales="head", b=1,
+                                t=2, n=4, k=2, h=256, s=128, lengths=(100,)),
 }
 
 
@@ -170,6 +177,7 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   lengths = jnp.asarray(c.pop("lengths"), jnp.int32)
   spread = c.pop("query_spread", 0)
   kernel_only = {x: c.pop(x) for x in ("_float16_products",) if x in c}
+  query_dtype = c.pop("query_dtype", jnp.bfloat16)
   kw = dict(is_causal=True, **c)
   gen = rng("mosaic_gpu decode 1-byte", name)
   # Each head vector times 2^e, the exponents spread evenly over
@@ -177,7 +185,7 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   exponents = gen.permutation(np.linspace(-spread, spread, b * t * n))
   q = gen.standard_normal((b, t, n, h)) * np.exp2(
       exponents.reshape(b, t, n, 1))
-  q = jnp.asarray(q, jnp.bfloat16)
+  q = jnp.asarray(q, query_dtype)
   cache = {}
   for part in ("key", "value"):
     x = jnp.asarray(gen.standard_normal((b, s, k, h)) * 3.0, jnp.float32)
@@ -201,8 +209,9 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
       **cache, **kw)
   same = pallas_fa.decode_attention(
       q, lengths=lengths, implementation="chunked", **cache, **kw)
+  assert got.dtype == query_dtype
   assert not bool(jnp.isnan(got.astype(jnp.float32)).any())
-  assert_close(f"{name} out", got, want32, same, jnp.bfloat16)
+  assert_close(f"{name} out", got, want32, same, query_dtype)
 
 
 def _rounded(q, dtype):
@@ -431,16 +440,12 @@ def test_mosaic_gpu_decode_refuses_by_name(changes, match):
 
 
 @needs_kernel
-def test_mosaic_gpu_decode_refuses_paged_one_byte_wide_one_byte_and_odd_pages():
+def test_mosaic_gpu_decode_refuses_paged_one_byte_and_odd_pages():
   int8 = jnp.ones((4, 64, 2, 64), jnp.int8)
   with pytest.raises(NotImplementedError, match="paged and 1-byte"):
     _call(key=int8, value=int8, key_scale=jnp.ones((2,)),
           value_scale=jnp.ones((2,)),
           block_table=jnp.asarray([[0, 1]], jnp.int32))
-  with pytest.raises(NotImplementedError,
-                     match="head dim is 256; over a 1-byte cache"):
-    _call(h=256, cache_dtype=jnp.int8, key_scale=jnp.ones((2,)),
-          value_scale=jnp.ones((2,)))
   pages = jnp.ones((8, 24, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="page size is 24"):
     _call(key=pages, value=pages, lengths=jnp.asarray([100], jnp.int32),

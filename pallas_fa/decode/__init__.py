@@ -74,9 +74,9 @@ Four implementations:
   split's key blocks by TMA while one consumer warpgroup runs both products
   on wgmma over the packed rows padded to 64; the triton merge kernel
   follows. Contiguous or paged caches (a TMA a page) of the query's
-  16-bit dtype and contiguous int8/float8 ones (each tile widened to the
-  query's dtype times its scales in shared memory), H = 64, 128 or 256
-  (64 or 128 over a 1-byte cache).
+  16-bit dtype and contiguous int8/float8 ones (each tile widened in
+  shared memory to the products' 16-bit dtype, the scales on the logits
+  and P), H = 64, 128 or 256.
 """
 
 from pallas_fa.decode.front import check_cache_indices

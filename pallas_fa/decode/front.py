@@ -163,8 +163,8 @@ def decode_attention(
       multiples of 8, of 32 for a quantized cache; float, quantized and
       latent caches) or "mosaic_gpu" (the Pallas Mosaic GPU kernel; Hopper
       or its interpreter on a CPU; a contiguous or paged cache of the
-      query's 16-bit dtype at H = 64, 128 or 256 or a contiguous
-      int8/float8 one at H = 64 or 128, pages of a multiple of 8 keys
+      query's 16-bit dtype or a contiguous int8/float8 one, at H = 64,
+      128 or 256, pages of a multiple of 8 keys
       dividing or a multiple of 64, G * T_new <= 64, no
       score_mod/mask_mod, a block_kv of 64 or 128).
       Other backends have no decode kernel and raise NotImplementedError.
@@ -228,9 +228,8 @@ def decode_attention(
     _quantized_query: private, for A/B benchmarks: on "mosaic_gpu" over an
       int8 or float8_e4m3fn cache, the query rows quantized to the cache's
       dtype (one scale a row) and Q K^T on 8-bit wgmma over the K tiles as
-      stored, instead of widening them (`mosaic_gpu.decode`; head dims
-      up to 256 over a 1-byte cache, not 128); the query's rounding is the
-      accuracy it costs.
+      stored, instead of widening them (`mosaic_gpu.decode`); the query's
+      rounding is the accuracy it costs.
     _float16_products: private, for A/B benchmarks: False keeps the
       bfloat16 query's dtype for the products of "mosaic_gpu" over a
       float8 cache whose scales are constant along it (its tiles then

@@ -64,8 +64,9 @@ attention.
 
 Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
 multiple of 8 keys that divides or is a multiple of the block) at head
-dims of 64, 128 or 256, or a contiguous 1-byte one at 64 or 128, and at
-least one block of keys; `decode.kernels` refuses the rest by name (`supports`).
+dims of 64, 128 or 256, or a contiguous 1-byte one at the same head dims,
+and at least one block of keys; `decode.kernels` refuses the rest by name
+(`supports`).
 """
 
 from __future__ import annotations
@@ -118,14 +119,11 @@ MAX_FOLDED_ROWS = TILE_ROWS
 # tiles of V (the rows past a length are zeroed in the accumulator layout,
 # `_zero_rows_past`).
 BLOCKS = (64, 128)
-# The head dims it reads: up to 256 over a 16-bit cache (P rounded to
-# the products' dtype before the V tile is awaited leaves a [64, 256]
-# float32 accumulator room without spilling: sm_90a, one consumer), up to
-# 128 over a 1-byte one (at 256 its K and V widening spilled 72-112 B),
-# or 256 with `quantized_query`, which widens V only (0 spills, three
-# stages).
+# The head dims it reads, over any cache: P rounded to the products' dtype
+# before the V tile is awaited leaves a [64, 256] float32 accumulator room
+# without spilling (sm_90a, one consumer), and a 1-byte tile widens in
+# [64, 128] parts (`_widened`; whole 256-column rows spilled 40-112 B).
 HEAD_DIMS = (64, 128, 256)
-MAX_ONE_BYTE_HEAD_DIM = 128
 
 
 def interpreted() -> bool:
@@ -182,10 +180,6 @@ def supports(query, key, value, block_table, static) -> str | None:
   for name, dim in (("head dim", h), ("value head dim", hv)):
     if dim not in HEAD_DIMS:
       return f"the {name} is {dim}; it takes 64, 128 or 256"
-    if (one_byte and dim > MAX_ONE_BYTE_HEAD_DIM
-        and not static.get("quantized_query")):
-      return (f"the {name} is {dim}; over a 1-byte cache it takes 64 or "
-              f"{MAX_ONE_BYTE_HEAD_DIM} (or 256 with _quantized_query)")
   if n // key.shape[2] * t > TILE_ROWS:
     return (f"G x T_new = {n // key.shape[2] * t} packed rows exceed "
             f"{TILE_ROWS}")
@@ -815,6 +809,9 @@ def _walk(sched, b, split, step, carry, *, base, consumer, consumers: int):
   return carry
 
 
+_WIDEN_COLUMNS = 128
+
+
 def _widened(ops, tile, dst, dtype, past=None):
   """A 1-byte K or V tile [bk, H] widened into `dst` (the shared-memory
   tile the products read) in `dtype`, as stored (the scales multiply the
@@ -833,18 +830,25 @@ def _widened(ops, tile, dst, dtype, past=None):
   # in the accumulator layout's 2); e4m3 ones, which convert through
   # float16 pairs, did better in the accumulator layout (975 against
   # 1003).
-  eight_bit = tile.dtype == jnp.int8
-  # A 64-row part at a time: a 128-key tile's float32 values at once
-  # would be 128 registers a thread beside the accumulator.
+  eight_bit = tile.dtype == jnp.int8 and width <= 128
+  # A [64, 128] part at a time: a 128-key tile's float32 values (or a
+  # [64, 256] part's) at once would be 128 registers a thread beside the
+  # accumulator.
+  cols = min(width, _WIDEN_COLUMNS)
   for lo in range(0, bk, TILE_ROWS):
-    rows = pl.ds(lo, TILE_ROWS)
-    x = ops.load_tile(tile.at[rows], eight_bit=eight_bit)
-    x = x.astype(dtype if direct else _F32)
-    if past is not None:
-      first, length = past
-      row = ops.iota(x.shape, 0, eight_bit=eight_bit)
-      x = jnp.where(first + lo + row < length, x, jnp.zeros_like(x))
-    out.at[rows][...] = x.astype(dtype)
+    for c0 in range(0, width, cols):
+      part = (pl.ds(lo, TILE_ROWS), pl.ds(c0, cols))
+      x = ops.load_tile(tile.at[part], eight_bit=eight_bit)
+      if tile.dtype == jnp.int8 and dtype == jnp.float16:
+        # Mosaic's int8 to bfloat16 cast is a byte permute and two masks a
+        # pair; to float16 it would convert value by value.
+        x = x.astype(jnp.bfloat16).astype(_F32)
+      x = x.astype(dtype if direct else _F32)
+      if past is not None:
+        first, length = past
+        row = ops.iota(x.shape, 0, eight_bit=eight_bit)
+        x = jnp.where(first + lo + row < length, x, jnp.zeros_like(x))
+      out.at[part][...] = x.astype(dtype)
   # The generic-proxy stores, before wgmma reads the tile.
   plgpu.commit_smem()
   return out
