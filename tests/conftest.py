@@ -154,6 +154,14 @@ def strict_promotion():
     yield
 
 
+# Every script module loaded, kept alive for the process: absl lets a
+# module of the same name define its flags again only when it is another
+# module object than the first, which it tells by id(); a collected
+# module's id can be reused by the next one (a DuplicateFlagError that
+# depended on garbage collection).
+_SCRIPT_MODULES = []
+
+
 @contextlib.contextmanager
 def script_module(name):
   """scripts/<name>.py imported as a module, registered in sys.modules while
@@ -166,6 +174,7 @@ def script_module(name):
   spec = importlib.util.spec_from_file_location(
       name + "_script", scripts / (name + ".py"))
   module = importlib.util.module_from_spec(spec)
+  _SCRIPT_MODULES.append(module)
   sys.modules[spec.name] = module
   sys.path.insert(0, str(scripts))
   try:
