@@ -127,8 +127,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_int8_two_consumers", "decode_int8_128_keys",
             "decode_fp8_quantized_query", "decode_int8_quantized_query",
             "decode_int8_quantized_query_two_consumers", "decode_fp8_unscaled",
-            "decode_fp8_per_head", "decode_paged_fp8", "decode_latent",
-            "decode_latent_int8",
+            "decode_fp8_per_head", "decode_paged_fp8", "decode_paged16_int8",
+            "decode_latent", "decode_latent_int8",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
@@ -170,6 +170,7 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
                     "decode_paged_int8": ("decode_paged", "int8"),
                     "decode_fp8": ("decode", "float8_e4m3fn"),
                     "decode_paged_fp8": ("decode_paged", "float8_e4m3fn"),
+                    "decode_paged16_int8": ("decode_paged16", "int8"),
                     "decode_int8_64_rows": ("decode", "int8"),
                     "decode_paged_fp8_64_rows": ("decode_paged",
                                                  "float8_e4m3fn"),
@@ -222,12 +223,16 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "decode_paged16": ("triton", "mosaic_gpu"),
                     **{name: ("triton",) for name in QUANTIZED_DECODE},
                     **{name: ("triton", "mosaic_gpu") for name in (
-                        "decode_int8", "decode_fp8", "decode_int8_64_rows")},
+                        "decode_int8", "decode_fp8", "decode_int8_64_rows",
+                        "decode_paged_int8", "decode_paged_fp8")},
                     "decode_int8_two_consumers": ("mosaic_gpu",),
                     "decode_int8_128_keys": ("mosaic_gpu",),
                     **{name: ("mosaic_gpu",) for name in DECODE_OPTIONS},
                     "decode_fp8_unscaled": ("mosaic_gpu",),
                     "decode_fp8_per_head": ("mosaic_gpu",),
+                    # 16-key pages of a 1-byte cache: four TMA copies a
+                    # block for each tile and scale ring.
+                    "decode_paged16_int8": ("mosaic_gpu",),
                     **{name: ("triton",) for name in LATENT_DECODE},
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
@@ -281,12 +286,15 @@ VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
 BACKEND_HEAD_DIMS = {
     **{("mosaic_gpu", variant): (64, 128, 256) for variant in (
         "decode", "decode_paged", "decode_paged16", "decode_int8",
-        "decode_fp8", "decode_int8_64_rows", *UNSCALED,
+        "decode_fp8", "decode_int8_64_rows", "decode_paged_int8",
+        "decode_paged_fp8", *UNSCALED,
         "decode_fp8_per_head", "decode_fp8_quantized_query",
         "decode_int8_quantized_query")},
     **{("mosaic_gpu", variant): (64, 128) for variant in (
         "decode_int8_two_consumers", "decode_int8_128_keys",
-        "decode_int8_quantized_query_two_consumers")}}
+        "decode_int8_quantized_query_two_consumers",
+        # (1-byte pages narrower than a block are refused past 128.)
+        "decode_paged16_int8")}}
 # The head dims of a variant that has its own (in place of the matrix's).
 VARIANT_HEAD_DIMS = {name: (LATENT_SHAPE["head_dim"],)
                      for name in LATENT_DECODE}

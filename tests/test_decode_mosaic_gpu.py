@@ -162,6 +162,19 @@ QUANTIZED = {
         lengths=(150,), query_dtype=jnp.float16),
     "float8_per_head_256": dict(dtype=jnp.float8_e4m3fn, scales="head", b=1,
                                 t=2, n=4, k=2, h=256, s=128, lengths=(100,)),
+    # Paged 1-byte caches (shuffled pages, garbage past every length and
+    # in the pages no row names): 16-key pages (four TMA copies a block
+    # for each tensor and each scale ring), 128-key pages (two blocks a
+    # page) with per-head scales, 64-key pages with float8 per entry.
+    "int8_per_entry_pages_16": dict(dtype=jnp.int8, scales="entry", b=2,
+                                    t=1, n=4, k=2, h=64, s=192,
+                                    lengths=(150, 33), page_size=16),
+    "float8_per_head_pages_128": dict(
+        dtype=jnp.float8_e4m3fn, scales="head", b=2, t=2, n=4, k=2, h=128,
+        s=256, lengths=(256, 129), page_size=128),
+    "float8_per_entry_pages_64": dict(
+        dtype=jnp.float8_e4m3fn, scales="entry", b=1, t=1, n=8, k=2, h=64,
+        s=128, lengths=(100,), page_size=64),
 }
 
 
@@ -178,6 +191,7 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
   spread = c.pop("query_spread", 0)
   kernel_only = {x: c.pop(x) for x in ("_float16_products",) if x in c}
   query_dtype = c.pop("query_dtype", jnp.bfloat16)
+  page_size = c.pop("page_size", None)
   kw = dict(is_causal=True, **c)
   gen = rng("mosaic_gpu decode 1-byte", name)
   # Each head vector times 2^e, the exponents spread evenly over
@@ -201,6 +215,14 @@ def test_mosaic_gpu_decode_one_byte_caches(name):
       cache[part + "_scale"] = scale
     else:
       cache[part] = x.astype(dtype)
+  if page_size:
+    table = attention_testing.page_table(gen, b, s // page_size)
+    garbage = {jnp.dtype(jnp.int8): 127, jnp.dtype(jnp.float32): np.nan}
+    cache = {name: x if x.ndim < 3 else jnp.asarray(attention_testing.paged(
+        np.asarray(x), table, page_size,
+        garbage.get(x.dtype, np.nan)), x.dtype)
+             for name, x in cache.items()}
+    cache["block_table"] = jnp.asarray(table)
   got = pallas_fa.decode_attention(
       q, lengths=lengths, implementation="mosaic_gpu", num_splits=2,
       **cache, **kw, **kernel_only)
@@ -364,8 +386,11 @@ def test_mosaic_gpu_decode_two_consumers(cache_dtype):
     # An int8 query over an int8 cache with per-entry scales: the key
     # column's staging rewritten every block, two consumers.
     (jnp.int8, dict(_quantized_query=True, num_warps=8)),
+    # A paged int8 cache of 16-key pages: twelve TMA copies a block on the
+    # K barrier (the tiles' and both scale rings', four each).
+    (jnp.int8, dict(page_size=16)),
 ], ids=["int8-two-consumers", "int8-128-keys", "paged-16",
-        "int8-quantized-query-two-consumers"])
+        "int8-quantized-query-two-consumers", "int8-paged-16"])
 def test_mosaic_gpu_decode_is_race_free(monkeypatch, cache_dtype, options):
   """The split kernel under the interpreter's happens-before race detector,
   over more units than its one CTA and more blocks than ring stages: a
@@ -394,7 +419,7 @@ def test_mosaic_gpu_decode_is_race_free(monkeypatch, cache_dtype, options):
       lengths=lengths, is_causal=True, implementation="chunked", **cache)
   if page_size is not None:
     table = np.arange(b * s // page_size, dtype=np.int32).reshape(b, -1)
-    cache = {name: x.reshape(b * s // page_size, page_size, k, h)
+    cache = {name: x.reshape((b * s // page_size, page_size) + x.shape[2:])
              for name, x in cache.items()}
     cache["block_table"] = jnp.asarray(table)
   try:
@@ -440,12 +465,13 @@ def test_mosaic_gpu_decode_refuses_by_name(changes, match):
 
 
 @needs_kernel
-def test_mosaic_gpu_decode_refuses_paged_one_byte_and_odd_pages():
-  int8 = jnp.ones((4, 64, 2, 64), jnp.int8)
-  with pytest.raises(NotImplementedError, match="paged and 1-byte"):
-    _call(key=int8, value=int8, key_scale=jnp.ones((2,)),
-          value_scale=jnp.ones((2,)),
-          block_table=jnp.asarray([[0, 1]], jnp.int32))
+def test_mosaic_gpu_decode_refuses_narrow_one_byte_pages_at_256_and_odd_pages():
+  int8 = jnp.ones((8, 16, 2, 256), jnp.int8)
+  with pytest.raises(NotImplementedError,
+                     match="1-byte in 16-key pages at head dim 256"):
+    _call(h=256, key=int8, value=int8, key_scale=jnp.ones((2,)),
+          value_scale=jnp.ones((2,)), lengths=jnp.asarray([100], jnp.int32),
+          block_table=jnp.asarray([[0, 1, 2, 3, 4, 5, 6]], jnp.int32))
   pages = jnp.ones((8, 24, 2, 64), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="page size is 24"):
     _call(key=pages, value=pages, lengths=jnp.asarray([100], jnp.int32),

@@ -74,7 +74,7 @@ Four implementations:
   split's key blocks by TMA while one consumer warpgroup runs both products
   on wgmma over the packed rows padded to 64; the triton merge kernel
   follows. Contiguous or paged caches (a TMA a page) of the query's
-  16-bit dtype and contiguous int8/float8 ones (each tile widened in
+  16-bit dtype and int8/float8 ones (each tile widened in
   shared memory to the products' 16-bit dtype, the scales on the logits
   and P), H = 64, 128 or 256.
 """

@@ -163,9 +163,9 @@ def decode_attention(
       multiples of 8, of 32 for a quantized cache; float, quantized and
       latent caches) or "mosaic_gpu" (the Pallas Mosaic GPU kernel; Hopper
       or its interpreter on a CPU; a contiguous or paged cache of the
-      query's 16-bit dtype or a contiguous int8/float8 one, at H = 64,
-      128 or 256, pages of a multiple of 8 keys
-      dividing or a multiple of 64, G * T_new <= 64, no
+      query's 16-bit dtype or an int8/float8 one, at H = 64, 128 or 256,
+      pages of a multiple of 8 keys dividing or a multiple of 64 (1-byte
+      ones of at least 64 past H = 128), G * T_new <= 64, no
       score_mod/mask_mod, a block_kv of 64 or 128).
       Other backends have no decode kernel and raise NotImplementedError.
     precision: as in `flash_attention`.

@@ -24,12 +24,13 @@ skeleton of `kernel`:
 
 A paged cache's blocks are read page by page through the block table (a
 TMA a page where pages are narrower than a block, the block's rows of its
-page where they are wider). A last block that would run past a contiguous
-cache reads the cache's last `block` keys instead (no padded copy of the
-cache), masking those of the block before; entries past a sequence's
-length may hold anything, NaN included, so a block that reaches past it
-has those V rows zeroed in shared memory before P V reads them (a masked P
-of 0 times NaN would be NaN).
+page where they are wider), a 1-byte cache's per-entry scales likewise.
+A last block that would run past a contiguous cache reads the cache's
+last `block` keys instead (no padded copy of the cache), masking those of
+the block before; entries past a sequence's length may hold anything, NaN
+included, so a block that reaches past it has those V rows zeroed in
+shared memory before P V reads them (a masked P of 0 times NaN would be
+NaN).
 
 A 1-byte cache (int8, float8) streams as stored; the consumer widens
 each K and V tile unscaled in shared memory to the products' 16-bit dtype
@@ -62,11 +63,11 @@ conversion a value pair) for a float16 P V. The query's rounding (to 8
 bits for int8, 4 for e4m3) is the accuracy this trades, as in 8-bit
 attention.
 
-Scope: a contiguous or paged cache of the query's 16-bit dtype (pages of a
-multiple of 8 keys that divides or is a multiple of the block) at head
-dims of 64, 128 or 256, or a contiguous 1-byte one at the same head dims,
-and at least one block of keys; `decode.kernels` refuses the rest by name
-(`supports`).
+Scope: a contiguous or paged cache of the query's 16-bit dtype or of 1
+byte (pages of a multiple of 8 keys that divides or is a multiple of the
+block; 1-byte pages of at least 64 keys past head dim 128) at head dims of
+64, 128 or 256, and at least one block of keys; `decode.kernels` refuses
+the rest by name (`supports`).
 """
 
 from __future__ import annotations
@@ -159,8 +160,6 @@ def supports(query, key, value, block_table, static) -> str | None:
                        or value.dtype != query.dtype):
     return (f"the cache is {key.dtype}/{value.dtype}; it reads a cache of "
             f"the query's dtype ({query.dtype}) or a 1-byte one")
-  if one_byte and block_table is not None:
-    return "the cache is paged and 1-byte; it reads 1-byte caches contiguous"
   if static.get("quantized_query") and not (
       key.dtype == value.dtype
       and key.dtype in (jnp.int8, jnp.float8_e4m3fn)):
@@ -173,6 +172,11 @@ def supports(query, key, value, block_table, static) -> str | None:
       return (f"the page size is {page}; it reads pages of a multiple of "
               f"{_ROW_TILE} keys that divides or is a multiple of "
               f"{DEFAULT_BLOCK}")
+    if one_byte and page < DEFAULT_BLOCK and max(h, value.shape[3]) > 128:
+      # (16-key pages at 256 spilled 4-32 B: sm_90a, both jax versions.)
+      return (f"the cache is 1-byte in {page}-key pages at head dim "
+              f"{max(h, value.shape[3])}; past head dim 128 it reads "
+              f"1-byte pages of at least {DEFAULT_BLOCK} keys")
   for name in ("score_mod", "mask_mod", "value_head_dim"):
     if static.get(name) is not None:
       return f"{name} is set"
@@ -397,9 +401,13 @@ def attention(query, key, value, lengths, block_table, query_positions,
   # Scales constant along the cache (per tensor or per K/V head) go to the
   # kernel as they are (`_launch`'s `head_scales`), in place of the
   # per-entry rings.
+  # (A paged cache's scales are [P, page_size, K]: constant along it only
+  # where both of its leading dims are 1.)
+  along = (1,) if block_table is None else (0, 1)
   head_scales = None
   if (key_scale is not None or value_scale is not None) and all(
-      x is None or x.shape[1] == 1 for x in (key_scale, value_scale)):
+      x is None or all(x.shape[i] == 1 for i in along)
+      for x in (key_scale, value_scale)):
     head_scales = tuple(
         jnp.ones((1, 1, 1), _F32) if x is None else x.astype(_F32)
         for x in (key_scale, value_scale))
@@ -450,13 +458,15 @@ def attention(query, key, value, lengths, block_table, query_positions,
   scales = None
   if scale_rings:
     # The key's and the value's scales, [B, S, K'] each as the cache's
-    # entries are (the other's broadcast where only one is per entry, K
-    # padded to K' = a multiple of 8, the accumulator layout's columns): a
-    # block's [block, K'] rows go by TMA, each K/V head reads its column.
+    # entries are ([P, page_size, K'] for pages; the other's broadcast
+    # where only one is per entry, K padded to K' = a multiple of 8, the
+    # accumulator layout's columns): a block's [block, K'] rows go by TMA
+    # (page by page as the cache's), each K/V head reads its column.
     heads = layout.round_up(num_kv, _ROW_TILE)
+    entries = key.shape[:3]
     scales = tuple(
         jnp.pad(jnp.broadcast_to(jnp.ones((), _F32) if x is None else x,
-                                 (b, s_max, num_kv)).astype(_F32),
+                                 entries).astype(_F32),
                 ((0, 0), (0, 0), (0, heads - num_kv)))
         for x in (key_scale, value_scale))
   out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
@@ -534,9 +544,13 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     return j * bk if table is not None else jnp.minimum(j * bk, s_max - bk)
 
   def block_copies(ref, dst, b, n, j, table_ref):
-    """[(gmem view, smem view)] of block j's rows of a cache `ref`."""
+    """[(gmem view, smem view)] of block j's rows of a cache `ref` (K/V
+    head n's; every head's where n is None, the scales' rows)."""
+    def rows(lead, keys):
+      return ref.at[lead, keys] if n is None else ref.at[lead, keys, n]
+
     if table_ref is None:
-      return [(ref.at[b, pl.ds(block_start(j), bk), n], dst)]
+      return [(rows(b, pl.ds(block_start(j), bk)), dst)]
     page_size, num_pages = ref.shape[1], ref.shape[0]
     max_pages = table_ref.shape[1]
 
@@ -546,10 +560,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
 
     if page_size >= bk:
       first = j * bk
-      return [(ref.at[page(first // page_size),
-                      pl.ds(kernel.rem(first, page_size), bk), n], dst)]
+      return [(rows(page(first // page_size),
+                    pl.ds(kernel.rem(first, page_size), bk)), dst)]
     per_block = bk // page_size
-    return [(ref.at[page(j * per_block + i), :, n],
+    return [(rows(page(j * per_block + i), slice(None)),
              dst.at[pl.ds(i * page_size, page_size)])
             for i in range(per_block)]
 
@@ -559,14 +573,16 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   both_scales_with_keys = scales is not None
 
   def scale_copies(r, which, b, n, j, slot):
-    """The copy of block j's per-key scales, the key's (which = 0) or the
-    value's (1); none without scales."""
+    """The copies of block j's per-key scales, the key's (which = 0) or the
+    value's (1), as the cache's (a page's rows at a time where pages are
+    narrower than the block); none without scales."""
     if scales is None:
       return []
-    del n  # A block's scales of every K/V head: rows of K * 4 bytes.
+    del n  # A block's scales of every K/V head: rows of K' * 4 bytes.
     ref = r.inputs[at[("key_scale", "value_scale")[which]]]
-    return [(ref.at[b, pl.ds(block_start(j), bk)],
-             r.smem[_KEY_SCALES + which].at[slot])]
+    table_ref = r.inputs[at["table"]] if "table" in at else None
+    return block_copies(ref, r.smem[_KEY_SCALES + which].at[slot], b, None,
+                        j, table_ref)
 
   def producer_groups(r: kernel.Refs):
     k_ref, v_ref = r.inputs[1:3]
@@ -763,9 +779,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   # A block's copies: one, or a page each where pages are narrower; with
   # scales, theirs (both with the keys', `both_scales_with_keys`).
   copies = 1 if table is None else max(1, bk // key.shape[1])
+  # (Each tensor of a block, the scales' included, in `copies` copies.)
   k_arrivals, v_arrivals = (
-      (copies + 2, copies) if both_scales_with_keys
-      else (copies + (scales is not None),) * 2)
+      (3 * copies, copies) if both_scales_with_keys
+      else (copies * (1 + (scales is not None)),) * 2)
   barriers = (
       gpu_ops.barrier(nc),  # each consumer's packed rows
       gpu_ops.barrier(stages, k_arrivals),  # K loaded
