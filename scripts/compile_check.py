@@ -588,11 +588,9 @@ def _decode_tiles(case: Case, seq: int) -> str:
     consumers = 2 if DECODE_NUM_WARPS.get(case.variant) == 8 else 1
     scale_rings = (case.variant in QUANTIZED_DECODE
                    and case.variant not in PER_HEAD_SCALES + UNSCALED)
-    qk_dtype, _ = mgpu_decode.product_dtypes(
+    query_copy = mgpu_decode.query_copy_itemsize(
         case.dtype, cache, cache, quantized_query="_quantized_query" in
         DECODE_OPTIONS.get(case.variant, {}), scale_rings=scale_rings)
-    query_copy = (0 if qk_dtype == jnp.dtype(case.dtype)
-                  else qk_dtype.itemsize)
     stages = mgpu_decode.stages_for(
         h, hv, block, jnp.dtype(cache).itemsize, DECODE_SHAPE["kv_heads"],
         consumers, query_copy, scale_rings)

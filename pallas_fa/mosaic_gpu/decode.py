@@ -235,6 +235,17 @@ def product_dtypes(query_dtype, key_dtype, value_dtype, *,
   return query_dtype, query_dtype
 
 
+def query_copy_itemsize(query_dtype, key_dtype, value_dtype,
+                        **options) -> int:
+  """Bytes an element of each consumer's copy of its query rows, the one
+  Q K^T reads where its operands' dtype is not the query's
+  (`product_dtypes`, `options` its keywords); 0 where it reads the rows
+  as loaded (`smem_bytes`)."""
+  qk_dtype, _ = product_dtypes(query_dtype, key_dtype, value_dtype,
+                               **options)
+  return 0 if qk_dtype == jnp.dtype(query_dtype) else qk_dtype.itemsize
+
+
 def stages_for(head_dim: int, value_head_dim: int, block: int,
                cache_itemsize: int = 2, num_kv: int = 8,
                consumers: int = 1, query_copy_itemsize: int = 0,
@@ -413,13 +424,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
         for x in (key_scale, value_scale))
     key_scale = value_scale = None
   scale_rings = key_scale is not None or value_scale is not None
-  qk_dtype, _ = product_dtypes(query.dtype, key.dtype, value.dtype,
-                               quantized_query=quantized_query,
-                               scale_rings=scale_rings,
-                               float16=float16_products)
-  # The consumer's copy of its query rows that Q K^T reads (none where it
-  # reads them as loaded).
-  query_copy = 0 if qk_dtype == query.dtype else qk_dtype.itemsize
+  query_copy = query_copy_itemsize(
+      query.dtype, key.dtype, value.dtype, quantized_query=quantized_query,
+      scale_rings=scale_rings, float16=float16_products)
   stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv,
                                 consumers, query_copy, scale_rings)
   interpret = interpreted()
@@ -780,9 +787,8 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   # scales, theirs (both with the keys', `both_scales_with_keys`).
   copies = 1 if table is None else max(1, bk // key.shape[1])
   # (Each tensor of a block, the scales' included, in `copies` copies.)
-  k_arrivals, v_arrivals = (
-      (3 * copies, copies) if both_scales_with_keys
-      else (copies * (1 + (scales is not None)),) * 2)
+  k_arrivals, v_arrivals = ((3 * copies, copies) if both_scales_with_keys
+                            else (copies, copies))
   barriers = (
       gpu_ops.barrier(nc),  # each consumer's packed rows
       gpu_ops.barrier(stages, k_arrivals),  # K loaded
@@ -844,9 +850,9 @@ def _widened(ops, tile, dst, dtype, past=None):
   direct = tile.dtype == jnp.int8 or dtype == jnp.float16
   # int8 tiles load in the 8-bit operand layout (4 bytes a thread a load,
   # stored as 8: 843 PTX instructions a 64-key step at H = 128 against 911
-  # in the accumulator layout's 2); e4m3 ones, which convert through
-  # float16 pairs, did better in the accumulator layout (975 against
-  # 1003).
+  # in the accumulator layout's 2); e4m3 ones did better in the
+  # accumulator layout (to float16: 505 SASS instructions a step against
+  # 514; through float32: 975 PTX against 1003).
   eight_bit = tile.dtype == jnp.int8 and width <= 128
   # A [64, 128] part at a time: a 128-key tile's float32 values (or a
   # [64, 256] part's) at once would be 128 registers a thread beside the
