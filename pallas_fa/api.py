@@ -298,11 +298,7 @@ def canonicalize(
 
   q_seg = kv_seg = None
   if segment_ids is not None:
-    if not isinstance(segment_ids, masking.SegmentIds):
-      raise TypeError(
-          "segment_ids must be pallas_fa.SegmentIds(q=..., kv=...), got "
-          f"{type(segment_ids).__name__}."
-      )
+    _check_segment_ids_type(segment_ids)
     q_seg = check_per_token("segment_ids.q", segment_ids.q, batch_shape, t)
     kv_seg = check_per_token(
         "segment_ids.kv", segment_ids.kv, batch_shape, s)
@@ -520,6 +516,10 @@ def check_flex(score_mod, score_mod_args, mask_mod, mask_mod_args,
     mask_mod = block_mask.mask_mod
     mask_mod_args = mask_mod_args or block_mask.mask_mod_args
   mods.check_functions(score_mod, score_mod_args, mask_mod, mask_mod_args)
+  for name, fn, args in ((mods.SCORE_MOD, score_mod, score_mod_args),
+                         (mods.MASK_MOD, mask_mod, mask_mod_args)):
+    mods.check_shapes(name, fn, args, batch=batch, heads=heads,
+                      q_len=q_len, kv_len=kv_len)
   return dict(
       score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
       # The mask is not differentiated (its arrays may be floats).
@@ -710,7 +710,9 @@ def flash_attention(
       scalar (a learned temperature, say) as jax.nn takes, which multiplies
       the query before the kernels (float8: its query_scale) and is
       differentiated; with a 16-bit query that product is rounded to the
-      query's dtype once.
+      query's dtype once, and must fit it (float16: magnitudes up to
+      65504; past that it is inf and the result NaN, where a Python float
+      scale, applied to the float32 logits, is not).
     is_causal: keep keys with key position <= query position (top-left
       aligned; see `pallas_fa.masking` for a picture).
     query_seq_lengths: int [*B]; queries at index >= length are padding.
@@ -873,6 +875,10 @@ def flash_attention(
   mask_mod_args = mods.as_args("mask_mod_args", mask_mod_args)
   mods.check_callable(mods.SCORE_MOD, score_mod, len(score_mod_args))
   mods.check_callable(mods.MASK_MOD, mask_mod, len(mask_mod_args))
+  # Before the jit, whose tracers would stand for them in the messages.
+  if segment_ids is not None:
+    _check_segment_ids_type(segment_ids)
+  block_mask_lib.check_made_from(block_mask, mask_mod, mask_mod_args)
   static.update(
       dropout_rate=rate, implementation=implementation,
       block_sizes=block_sizes, score_mod=score_mod, mask_mod=mask_mod,
@@ -894,6 +900,13 @@ def flash_attention(
       rng, sinks, score_mod_args, mask_mod_args, block_mask, query_scale,
       key_scale, value_scale)
   return (out, lse) if return_residual else out
+
+
+def _check_segment_ids_type(segment_ids) -> None:
+  if not isinstance(segment_ids, masking.SegmentIds):
+    raise TypeError(
+        "segment_ids must be pallas_fa.SegmentIds(q=..., kv=...), got "
+        f"{type(segment_ids).__name__}.")
 
 
 def _check_index_values(query_seq_lengths, key_value_seq_lengths,

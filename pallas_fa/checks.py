@@ -67,13 +67,11 @@ def check_lengths(name, x, batch_shape):
   """int [*B] (a scalar when there is one batch row) -> int32 [prod(B)]."""
   if x is None:
     return None
-  x = as_array(name, x)
+  # A traced 64-bit or unsigned length past int32 means "every position":
+  # it must not wrap into a short one when cast.
+  x = as_index_array(name, x)
   if x.ndim == 0 and math.prod(batch_shape) == 1:
     x = x.reshape(batch_shape)
-  if jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits > 32:
-    # A traced 64-bit length (x64) past int32 means "every position": it
-    # must not wrap into a short one when cast.
-    x = jnp.clip(x, int(_INT32.min), int(_INT32.max))
   return _check_int_array(name, x, batch_shape).reshape(-1)
 
 
@@ -152,6 +150,22 @@ def check_int32_values(name, x, low=int(_INT32.min), high=int(_INT32.max),
     raise ValueError(
         f"{name} must lie in [{low}, {high}] ({why}), got values in "
         f"[{values.min()}, {values.max()}].")
+
+
+def as_index_array(name, x):
+  """An integer index argument (lengths, positions, pages) as an array whose
+  values survive the kernels' int32: known values outside it are an error
+  (`check_int32_values`, before jnp.asarray wraps a 64-bit one without x64),
+  traced ones of a wider or unsigned dtype are clamped into it instead of
+  wrapping (a uint32 length of 2^32 - 1 is "every entry", not -1). Other
+  dtypes pass through, for the caller's dtype check to name."""
+  check_int32_values(name, x)
+  x = as_array(name, x)
+  if jnp.issubdtype(x.dtype, jnp.integer) and (
+      jnp.iinfo(x.dtype).max > _INT32.max):
+    x = jnp.clip(x, max(int(_INT32.min), int(jnp.iinfo(x.dtype).min)),
+                 int(_INT32.max))
+  return x
 
 
 # Window sides from this on are unbounded, and positions given with a
@@ -243,6 +257,10 @@ def check_dropout(rate, rng):
         "seed).")
   if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
     rng = np.uint32(int(rng) & 0xFFFFFFFF)
+  elif not hasattr(rng, "dtype"):  # A string would fail inside the jit.
+    raise TypeError(
+        "dropout_rng must be a JAX PRNG key or an integer seed, got "
+        f"{type(rng).__name__}.")
   return rate, rng
 
 
@@ -339,11 +357,15 @@ def check_scale(name, scale, x, x_name, *, forms,
     or x's (leading 1s added).
 
   Raises:
-    ValueError: x's dtype takes no scale, or the shape does not broadcast.
+    ValueError: x's dtype takes no scale, the shape does not broadcast, or
+      a Python or numpy float scale is not finite.
     TypeError: scale is not floating.
   """
   if scale is None:
     return None
+  if isinstance(scale, (float, np.floating)) and not np.isfinite(scale):
+    # A number (read without a device round trip) scaling every entry.
+    raise ValueError(f"{name} must be finite, got {name}={scale!r}.")
   dtypes = tuple(jnp.dtype(d) for d in dtypes)
   if x.dtype not in dtypes:
     kind = ("an int8 or float8" if jnp.dtype(jnp.int8) in dtypes

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_fa import dropout
 from pallas_fa import layout
@@ -76,11 +77,13 @@ class ChunkedBlockSizes:
   def __post_init__(self):
     for f in dataclasses.fields(self):
       value = getattr(self, f.name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      if (not isinstance(value, (int, np.integer))
+          or isinstance(value, (bool, np.bool_)) or value < 1):
         raise ValueError(
             f"ChunkedBlockSizes.{f.name} must be a positive int, got "
             f"{value!r}."
         )
+      object.__setattr__(self, f.name, int(value))  # Hashable as an int.
 
 
 def default_block_sizes(

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_fa import checks
 from pallas_fa import quantize as quantize_lib
 from pallas_fa.checks import check_int
 from pallas_fa.checks import check_positive_int
@@ -83,11 +84,18 @@ def check_page_indices(block_table: Array, num_pages: int) -> None:
   concrete (a traced one cannot be read at trace time).
 
   Raises:
+    TypeError: block_table is not an integer array, or num_pages not an
+      int.
     ValueError: an entry out of range (the message names block_table and
       num_pages).
   """
+  num_pages = check_int("num_pages", num_pages, 0)
   if isinstance(block_table, jax.core.Tracer):
     return
+  block_table = checks.as_array("block_table", block_table)
+  if not jnp.issubdtype(block_table.dtype, jnp.integer):
+    raise TypeError(f"block_table must be an integer array, got "
+                    f"{block_table.dtype=}.")
   pages = np.asarray(block_table)
   bad = np.argwhere((pages < 0) | (pages >= num_pages))
   if len(bad):
@@ -214,9 +222,10 @@ def write(
       one would be cast, losing its values), or a `scale` that is not
       float.
   """
-  cache, new, index = (jnp.asarray(x) for x in (cache, new, index))
+  cache, new = (jnp.asarray(x) for x in (cache, new))
+  index = checks.as_index_array("index", index)
   if block_table is not None:
-    block_table = jnp.asarray(block_table)
+    block_table = checks.as_index_array("block_table", block_table)
   _check_write(cache, new, index, block_table, scale)
   quantizing = is_quantized(cache.dtype) and new.dtype != cache.dtype
   if quantizing != (scale is not None):
@@ -299,11 +308,13 @@ def _check_write(cache, new, index, block_table, scale) -> None:
     raise ValueError(
         f"scale must be the cache's [..., K] scales, shaped "
         f"{cache.shape[:-1]}, got {jnp.shape(scale)}.")
-  if scale is not None and not jnp.issubdtype(jnp.result_type(scale),
-                                              jnp.floating):
+  scale_dtype = None if scale is None else jnp.result_type(scale)
+  if scale is not None and not (jnp.issubdtype(scale_dtype, jnp.floating)
+                                and jnp.finfo(scale_dtype).bits >= 32):
+    # A 16-bit one would round every new scale (bfloat16: by up to 0.4 %).
     raise TypeError(
-        f"scale must be a float array (the cache's float32 scales), got "
-        f"scale.dtype={jnp.result_type(scale)}.")
+        f"scale must be a float32 array (the cache's scales), got "
+        f"scale.dtype={scale_dtype}.")
   # The store casts `new` to the cache's dtype: only between float dtypes
   # (or into a quantized cache, through `quantize`) does that keep the
   # values; a complex, integer or bool `new` would lose them silently.

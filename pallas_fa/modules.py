@@ -260,8 +260,10 @@ class MultiHeadAttention(nnx.Module):
         in_kv_features, out_features) that is not an int, a dropout_rate
         that is not a float, a use_bias, is_causal, deterministic or
         use_sinks that is not a bool, a score_mod or mask_mod that is not a
-        function of the right arity, score_mod_args that are not arrays, or
-        a deterministic_backward that is not None or a bool.
+        function of the right arity, score_mod_args that are not arrays, a
+        rope or attention_fn that is not callable, a dtype or param_dtype
+        that is not a floating-point dtype, or a deterministic_backward
+        that is not None or a bool.
     """
     # Sizes become parameter shapes: a float or a string would fail deep
     # in Flax's initialisers, and 0 divide by zero there.
@@ -298,6 +300,13 @@ class MultiHeadAttention(nnx.Module):
     self.out_features = (self.in_features if out_features is None
                          else int(out_features))
     self.is_causal = is_causal
+    _check_attention_config(implementation, block_sizes, local_window_size,
+                            logits_soft_cap, scale)
+    for name, fn in (("rope", rope), ("attention_fn", attention_fn)):
+      if fn is not None and not callable(fn):
+        raise TypeError(f"{name} must be callable or None, got {name}={fn!r}.")
+    _check_float_dtype("dtype", dtype)
+    _check_float_dtype("param_dtype", param_dtype)
     self.rope = rope
     self.local_window_size = local_window_size
     self.logits_soft_cap = logits_soft_cap
@@ -324,7 +333,8 @@ class MultiHeadAttention(nnx.Module):
     if fp8_attention is not None:
       quantize.check_granularity("fp8_attention", fp8_attention)
     self.fp8_attention = fp8_attention
-    self.attention_fn = attention_fn or api.flash_attention
+    self.attention_fn = (api.flash_attention if attention_fn is None
+                         else attention_fn)
     self.dtype = dtype
     kernel_init = kernel_init or nnx.initializers.lecun_normal()
     linear = lambda i, o, **kw: nnx.LinearGeneral(
@@ -767,11 +777,36 @@ def _dropout_stream(rngs: Any):
     return None
 
 
+def _check_attention_config(implementation, block_sizes, local_window_size,
+                            logits_soft_cap, scale=None) -> None:
+  """What a layer passes to every call, checked when it is built (as each
+  call would, naming the argument) rather than at its first call."""
+  api.check_implementation(implementation, block_sizes)
+  api.check_window(local_window_size)
+  api.check_static_float("logits_soft_cap", logits_soft_cap, True)
+  api.check_static_float("scale", scale)
+
+
+def _check_float_dtype(name: str, dtype) -> None:
+  """dtype is None or a floating-point dtype (Flax's own errors come from
+  its initialisers or at the first call, naming neither argument)."""
+  if dtype is None:
+    return
+  try:
+    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise TypeError(
+        f"{name} must be None or a floating-point dtype, got {name}={dtype!r}.")
+
+
 def _check_features(name: str, x: Array, features: int) -> None:
-  """x's last dim is the `features` its projection takes (Flax's own error
-  is a dot_general's, naming neither)."""
+  """x is [B, length, `features`], the features its projection takes (Flax's
+  own error is a dot_general's, naming neither; the positions, segment ids
+  and RoPE read B and the length)."""
   shape = jnp.shape(x)
-  if not shape or shape[-1] != features:
+  if len(shape) != 3 or shape[-1] != features:
     length, size = (("T", "in_features") if name == "inputs_q"
                     else ("S", "in_kv_features"))
     raise ValueError(
@@ -877,6 +912,8 @@ def make_attention_fn(
               mask_mod_args=mods.as_args("mask_mod_args", mask_mod_args))
   mods.check_functions(**flex)
   deterministic_backward = _deterministic_backward(deterministic_backward)
+  _check_attention_config(implementation, block_sizes, local_window_size,
+                          logits_soft_cap)
 
   def attention_fn(
       query: Array,
@@ -942,7 +979,7 @@ def make_attention_fn(
     # flash_attention takes Flax's [batch..., length, heads, head_dim] layout
     # and [batch..., heads, q, kv] masks as they are.
     return api.flash_attention(
-        query, key, value, bias, mask, is_causal=bool(is_causal),
+        query, key, value, bias, mask, is_causal=is_causal,
         logits_soft_cap=logits_soft_cap, local_window_size=local_window_size,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         implementation=implementation, block_sizes=block_sizes,

@@ -89,16 +89,26 @@ def quantize(x: Array, dtype=jnp.int8,
     1 and values 0, which round-trip to zeros.
 
   Raises:
-    TypeError: `dtype` is not one of the three, or x is not floating.
+    TypeError: `dtype` is not one of the three, or x is not a floating
+      array.
+    ValueError: x is a scalar.
   """
   if as_dtype(dtype) not in QUANTIZED_DTYPES:
     raise TypeError(
         f"quantize's dtype must be int8, float8_e4m3fn or float8_e5m2, got "
         f"dtype={_dtype_name(dtype)}.")
   dtype = jnp.dtype(dtype)
-  x = jnp.asarray(x)
+  try:
+    x = jnp.asarray(x)
+  except (TypeError, ValueError):
+    # None or an object: jnp's own message names neither x nor the call.
+    raise TypeError(
+        f"quantize takes an array x, got {type(x).__name__}.") from None
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"quantize takes float values, got x.dtype={x.dtype}.")
+  if not x.ndim:
+    raise ValueError("quantize takes x of rank >= 1 ([..., H]: a scale "
+                     "spans the last axis at least), got a scalar.")
   wide = x.astype(jnp.float32)
   # `initial`: an empty slice (a call with no tokens) has absmax 0.
   absmax = jnp.max(jnp.abs(wide), axis=None if axes is None else tuple(axes),

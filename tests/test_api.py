@@ -286,6 +286,11 @@ def test_bad_block_sizes():
     chunked.ChunkedBlockSizes(block_q=0)
   with pytest.raises(ValueError, match="block_kv_bwd"):
     chunked.ChunkedBlockSizes(block_kv_bwd=True)
+  # numpy ints are ints, as every other size check takes them, stored as
+  # Python ints (the config keys a jit cache).
+  tiles = chunked.ChunkedBlockSizes(block_q=np.int32(16))
+  assert tiles == chunked.ChunkedBlockSizes(block_q=16)
+  assert type(tiles.block_q) is int
 
 
 def _declining_backend(name):

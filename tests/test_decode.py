@@ -264,13 +264,16 @@ def test_triton_a_64_row_tile_is_one_warpgroup_on_hopper(monkeypatch):
         builds_ptx=gpu_target.builds_ptx))
     launched.clear()
     jax.clear_caches()  # The jitted kernels' cache knows no target.
+    # Traced only: the launch is chosen at trace time (running the
+    # interpreted kernels would take seconds each).
     if cache is None:
-      pallas_fa.decode_attention(*(x.astype(dtype) for x in (q, k, v)),
-                                 lengths, implementation="triton")
+      jax.eval_shape(functools.partial(
+          pallas_fa.decode_attention, implementation="triton"),
+          *(x.astype(dtype) for x in (q, k, v)), lengths)
     else:
-      pallas_fa.decode_attention(q.astype(dtype), k8, v8, lengths,
-                                 key_scale=ks, value_scale=vs,
-                                 implementation="triton")
+      jax.eval_shape(functools.partial(
+          pallas_fa.decode_attention, implementation="triton"),
+          q.astype(dtype), k8, v8, lengths, key_scale=ks, value_scale=vs)
     assert launched == want, (target.device_kind, dtype, cache, launched)
 
 
@@ -764,6 +767,11 @@ def test_check_cache_indices_under_checkify():
   assert "lengths must be in [0, S_max=32]" in err.get()
   err, _ = step(jnp.array([5, 32]), jnp.array([[0, 1], [2, 4]]))
   assert "block_table entries must be pages in [0, num_pages=4)" in err.get()
+  # Its own arguments are named before any check is staged.
+  with pytest.raises(ValueError, match=r"key must be the cache.*\(4, 16, 1\)"):
+    decode.check_cache_indices(pages[..., 0], jnp.array([5, 32]))
+  with pytest.raises(TypeError, match="lengths must be an array, got None"):
+    decode.check_cache_indices(pages, None)
 
 
 def test_merge_parts_equals_one_softmax():
@@ -867,6 +875,24 @@ class ComposesWithTransformsTest(chex.TestCase):
     (dict(sinks=jnp.zeros((3,))), ValueError, "sinks"),
     (dict(return_residual="no"), TypeError, "return_residual must be a bool"),
     (dict(is_causal="no"), TypeError, "is_causal must be a bool"),
+    # 64-bit values that jnp.asarray would wrap into int32 silently.
+    (dict(lengths=np.array([2**32 + 3, 4], np.int64)), ValueError,
+     r"lengths must lie in \[-2147483648, 2147483647\]"),
+    (dict(query_positions=np.array([[2**32 + 3], [5]], np.int64)),
+     ValueError, "query_positions must lie in"),
+    (dict(key=jnp.ones((4, 16, 1, 16)), value=jnp.ones((4, 16, 1, 16)),
+          block_table=np.array([[0, 1], [2, 2**32 + 3]], np.int64)),
+     ValueError, "block_table must lie in"),
+    (dict(lengths=None), TypeError, "lengths must be an array, got None"),
+    (dict(query=None), TypeError, "query must be an array, got None"),
+    (dict(key="abc"), TypeError, "key must be an array, got str"),
+    (dict(query=jnp.ones((2, 1, 4, 0)), key=jnp.ones((2, 30, 1, 0)),
+          value=jnp.ones((2, 30, 1, 0))), ValueError, "heads and a head dim"),
+    (dict(key=jnp.ones((2, 30, 0, 16)), value=jnp.ones((2, 30, 0, 16))),
+     ValueError, "heads and a head dim"),
+    (dict(prefix_key=jnp.ones((5, 1, 16)), prefix_value=jnp.ones((5, 1, 16)),
+          _fold_prefix="two_merge"), ValueError,
+     "_fold_prefix must be a bool or 'two_merges'"),
 ])
 def test_bad_arguments_are_named(change, error, match):
   args = dict(query=jnp.ones((2, 1, 4, 16)), key=jnp.ones((2, 30, 1, 16)),
@@ -874,6 +900,19 @@ def test_bad_arguments_are_named(change, error, match):
   args.update(change)
   with pytest.raises(error, match=match):
     pallas_fa.decode_attention(**args)
+
+
+def test_traced_unsigned_lengths_past_int32_are_the_whole_cache():
+  """A traced uint32 length of 2^32 - 1 clamps to the cache (as documented
+  for traced lengths past it), where a cast would wrap it to -1: no keys."""
+  gen = rng("decode", "uint32")
+  q = jnp.asarray(gen.standard_normal((2, 1, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(gen.standard_normal((2, 30, 2, 16)), jnp.float32)
+          for _ in range(2))
+  got = jax.jit(pallas_fa.decode_attention)(
+      q, k, v, jnp.array([2**32 - 1, 4], jnp.uint32))
+  want = pallas_fa.decode_attention(q, k, v, jnp.array([30, 4]))
+  np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("implementation", [["chunked"], ("chunked",), 3])

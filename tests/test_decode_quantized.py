@@ -131,6 +131,10 @@ def test_quantize_rejects_bad_input():
     kv_cache.quantize(jnp.ones((2, 4)), jnp.int16)
   with pytest.raises(TypeError, match="float"):
     kv_cache.quantize(jnp.ones((2, 4), jnp.int32))
+  with pytest.raises(TypeError, match="quantize takes an array x"):
+    kv_cache.quantize(None)
+  with pytest.raises(ValueError, match="rank >= 1"):
+    kv_cache.quantize(3.0)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -358,6 +362,19 @@ def test_float8_cache_scale_defaults_to_one():
   ref = _oracle(q, _dequantized(k, 1.0), _dequantized(v, 1.0), lengths,
                 q_pos)[0]
   assert_close("out", out, jnp.asarray(ref, jnp.float32))
+
+
+@pytest.mark.parametrize("name", ["key_scale", "value_scale"])
+@pytest.mark.parametrize("number", [float("nan"), np.float32(np.inf)])
+def test_a_scale_that_is_a_non_finite_number_is_named(name, number):
+  """A number scales every entry: NaN or inf would make every output NaN."""
+  gen = rng("float8 non-finite scale")
+  q, args, lengths, _, _, _ = _case(gen, dtype=jnp.float8_e4m3fn,
+                                    scale_form="scalar")
+  with pytest.raises(ValueError, match=f"{name} must be finite"):
+    pallas_fa.decode_attention(
+        jnp.asarray(q), jnp.asarray(args["key"]), jnp.asarray(args["value"]),
+        jnp.asarray(lengths), **{name: number})
 
 
 @pytest.mark.parametrize("change, error, match", [

@@ -1327,6 +1327,89 @@ def test_argument_errors():
   with pytest.raises(ValueError, match="block_q must be a positive int"):
     pallas_fa.create_block_mask(flex.document, (ids,), batch=1, heads=1,
                                 q_len=16, kv_len=16, block_q=0)
+  with pytest.raises(TypeError, match="score_mod_args\\[0\\] must be an array"):
+    fa(score_mod=flex.alibi, score_mod_args=(None,))
+
+
+def test_results_shaped_by_neither_index_are_refused():
+  """A result that broadcasts against the (2, 3) probe tile by accident (a
+  (3,) array) fails on a (5, 7) one: a ValueError naming the function,
+  not jnp's broadcasting error on the call's own tiles."""
+  q, k, v, _ = _document_problem(rng("flex-probe"), t=8)
+  for implementation in ("xla", "chunked"):
+    fa = functools.partial(pallas_fa.flash_attention, q, k, v,
+                           implementation=implementation)
+    with pytest.raises(ValueError, match=r"score_mod .*\(5, 7\) tile"):
+      fa(score_mod=lambda s, b, h, q_idx, kv_idx: jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"mask_mod .*\(5, 7\) tile"):
+      fa(mask_mod=lambda b, h, q_idx, kv_idx: jnp.ones((2, 1), bool))
+
+
+def test_examples_check_the_shapes_of_the_arrays_they_index():
+  """An index past an array's end would read its last entry (the gather
+  clamps): the examples' arrays are checked against the call's sizes."""
+  q, k, v, ids = _document_problem(rng("flex-reads"), t=16)
+  fa = functools.partial(pallas_fa.flash_attention, q, k, v)
+  n = q.shape[2]
+  with pytest.raises(ValueError, match=rf"score_mod_args\[0\] of alibi must "
+                     rf"be shaped \[N={n}\].*\(1,\)"):
+    fa(score_mod=flex.alibi, score_mod_args=(jnp.ones(1),))
+  with pytest.raises(ValueError, match=r"document must be shaped \[B=1, "
+                     r"T=S=16\].*\(1, 8\)"):
+    fa(mask_mod=flex.document, mask_mod_args=(ids[:, :8],))
+  with pytest.raises(ValueError, match=r"prefix_lm must be shaped \[B=1\]"):
+    fa(mask_mod=flex.prefix_lm, mask_mod_args=(jnp.array([3, 4]),))
+  with pytest.raises(ValueError, match=r"document must be shaped \[B=3,"):
+    pallas_fa.create_block_mask(flex.document, (ids,), batch=3, heads=None,
+                                q_len=16, kv_len=16)
+  # A user's function declares its own; undeclared ones are not checked.
+  @flex.reads(("N", None))
+  def table_bias(score, batch, head, q_idx, kv_idx, table):
+    return score + table[head, 0]
+  with pytest.raises(ValueError, match=rf"table_bias must be shaped \[N={n}, "
+                     r"any\]"):
+    fa(score_mod=table_bias, score_mod_args=(jnp.ones((n + 1, 2)),))
+  want = fa(score_mod=lambda s, b, h, qi, ki, t: s + t[h, 0],
+            score_mod_args=(jnp.arange(2.0 * n).reshape(n, 2),))
+  np.testing.assert_array_equal(
+      fa(score_mod=table_bias,
+         score_mod_args=(jnp.arange(2.0 * n).reshape(n, 2),)), want)
+
+
+def test_a_block_mask_of_other_arrays_is_refused_where_they_are_known():
+  """The kernels skip a block mask's empty tiles: one made from other
+  document ids would drop keys the call's mask keeps. Concrete arrays are
+  compared before the jit; the same objects, or none given, pass."""
+  q, k, v, ids = _document_problem(rng("flex-made-from"), t=16)
+  other = jnp.zeros_like(ids)
+  bm = pallas_fa.create_block_mask(flex.document, (ids,), batch=1,
+                                   heads=None, q_len=16, kv_len=16)
+  fa = functools.partial(pallas_fa.flash_attention, q, k, v, block_mask=bm,
+                         implementation="chunked")
+  with pytest.raises(ValueError, match="block_mask was made from other "
+                     "mask_mod_args"):
+    fa(mask_mod=flex.document, mask_mod_args=(other,))
+  want = fa()
+  np.testing.assert_array_equal(
+      fa(mask_mod=flex.document, mask_mod_args=(ids,)), want)
+  np.testing.assert_array_equal(
+      fa(mask_mod=flex.document, mask_mod_args=(jnp.array(ids),)), want)
+
+
+def test_structured_arguments_are_named_before_the_jit():
+  """Types that the jit would report as its own argument errors (or as a
+  tracer's type) are named as the caller passed them."""
+  q, k, v, ids = _document_problem(rng("flex-types"), t=8)
+  fa = functools.partial(pallas_fa.flash_attention, q, k, v)
+  with pytest.raises(TypeError, match="dropout_rng must be a JAX PRNG key "
+                     "or an integer seed, got str"):
+    fa(dropout_rate=0.1, dropout_rng="abc")
+  with pytest.raises(TypeError, match="block_mask must be a pallas_fa."
+                     "BlockMask.*got str"):
+    fa(block_mask="x")
+  with pytest.raises(TypeError, match=r"segment_ids must be pallas_fa\."
+                     r"SegmentIds.*got ArrayImpl"):
+    fa(segment_ids=ids)
 
 
 def test_alibi_slopes():

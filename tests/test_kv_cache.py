@@ -88,6 +88,11 @@ def test_write_names_bad_arguments():
       (dict(cache=jnp.zeros((2, 8, 1, 4), jnp.int8),
             scale=jnp.ones((2, 8, 3))), "scale must be"),
       (dict(cache=jnp.zeros((2, 8, 1, 4), jnp.int8)), "scale="),
+      # jnp.asarray would wrap 2^32 to 0 and overwrite entry 0.
+      (dict(index=np.array([2**32, 1], np.int64)), "index must lie in"),
+      (dict(cache=pages, block_table=np.array([[0, 1], [2, 2**32 + 3]],
+                                              np.int64)),
+       "block_table must lie in"),
   ]
   for change, match in bad:
     args = {"cache": cache, "new": new, "index": index, **change}
@@ -111,6 +116,12 @@ def test_write_names_bad_arguments():
      "page_size"),
     (lambda: kv_cache.check_paged_config(2, 10, page_size=4, num_pages=6.0),
      TypeError, "num_pages"),
+    (lambda: kv_cache.check_page_indices(jnp.zeros((2, 2), int), "4"),
+     TypeError, "num_pages must be an int"),
+    (lambda: kv_cache.check_page_indices(None, 4), TypeError,
+     "block_table must be an array, got None"),
+    (lambda: kv_cache.check_page_indices(jnp.array([[0.5, 1.7]]), 3),
+     TypeError, "block_table must be an integer array"),
 ])
 def test_sizes_are_checked(call, error, match):
   with pytest.raises(error, match=match):
@@ -185,7 +196,11 @@ def test_gather_names_bad_arguments(pages, table, error, match):
      "cache must be a float array.*int32"),
     (dict(cache=np.zeros((8, 2, 1, 4), np.int8),
           scale=np.ones((8, 2, 1), np.int32)), TypeError,
-     "scale must be a float array"),
+     "scale must be a float32 array"),
+    # bfloat16 scales would round every new one (by up to 0.4 %).
+    (dict(cache=np.zeros((8, 2, 1, 4), np.int8),
+          scale=np.ones((8, 2, 1), jnp.bfloat16)), TypeError,
+     "scale must be a float32 array.*bfloat16"),
 ])
 def test_write_refuses_what_it_would_store_wrongly(change, error, match):
   gen = rng("write refuses", str(change))

@@ -599,10 +599,39 @@ def test_flax_decode_mode_declines_positional_attention(flex_args):
     (dict(deterministic="no"), TypeError, "deterministic must be a bool"),
     (dict(use_sinks=1), TypeError, "use_sinks must be a bool"),
     (dict(use_bias="yes"), TypeError, "use_bias must be a bool"),
+    (dict(rope=3), TypeError, "rope must be callable or None"),
+    (dict(attention_fn=False), TypeError,
+     "attention_fn must be callable or None"),
+    (dict(dtype=jnp.int32), TypeError,
+     "dtype must be None or a floating-point dtype"),
+    (dict(dtype="bogus"), TypeError, "dtype must be None or a floating"),
+    (dict(param_dtype=jnp.int32), TypeError,
+     "param_dtype must be None or a floating"),
 ])
 def test_mha_constructor_arguments_are_checked(change, error, match):
   with pytest.raises(error, match=match):
     _mha(**change)
+
+
+@pytest.mark.parametrize("rope", [None, modules.Rope()])
+@pytest.mark.parametrize("shape", [(5, 32), (1, 2, 5, 32)])
+def test_mha_inputs_are_batch_length_features(rope, shape):
+  """Positions, segment ids and RoPE read [B, T]: another rank is named,
+  with or without RoPE (which would fail unpacking the shape)."""
+  layer = _mha(rope=rope)
+  with pytest.raises(ValueError, match=r"inputs_q must be \[B, T, in_features"):
+    layer(_normal(shape))
+
+
+def test_attention_fn_checks_is_causal():
+  """Flax passes is_causal through; a truthy string is not causal."""
+  q = _normal((2, 6, 4, 8))
+  fn = modules.make_attention_fn(implementation="xla")
+  with pytest.raises(TypeError, match="is_causal must be a bool"):
+    fn(q, q, q, is_causal="no")
+  np.testing.assert_array_equal(
+      fn(q, q, q, is_causal=np.bool_(True)),
+      flash_attention(q, q, q, is_causal=True, implementation="xla"))
 
 
 def test_mha_sizes_may_be_numpy_ints():

@@ -33,7 +33,7 @@ KERNELS = IMPLEMENTATIONS[1:]
 
 
 def _check_cache(name, x, query):
-  x = jnp.asarray(x)
+  x = checks.as_array(name, x)
   if x.ndim != 4:
     raise ValueError(
         f"{name} must be [B, S_max, K, H] or pages [P, page_size, K, H], "
@@ -165,7 +165,8 @@ def decode_attention(
       or its interpreter on a CPU; a contiguous or paged cache of the
       query's 16-bit dtype or an int8/float8 one, at H = 64, 128 or 256,
       pages of a multiple of 8 keys dividing or a multiple of 64 (1-byte
-      ones of at least 64 past H = 128), G * T_new <= 64, no
+      ones of at least 64 past H = 128), a contiguous cache or shared
+      prefix of at least 64 entries, G * T_new <= 64, no latent cache, no
       score_mod/mask_mod, a block_kv of 64 or 128).
       Other backends have no decode kernel and raise NotImplementedError.
     precision: as in `flash_attention`.
@@ -198,7 +199,8 @@ def decode_attention(
     value_scale: the same for `value`.
     value_head_dim: with value=None, a latent (MLA) cache: the values are
       key's first `value_head_dim` columns, read with the keys (one read
-      of the cache; every implementation), a quantized key's scales
+      of the cache; every implementation but "mosaic_gpu"), a quantized
+      key's scales
       dequantizing both.
     prefix_key: [S_p, K, H], the query's dtype: a prefix shared by every
       row (a common prompt), before each row's own cache: the result is
@@ -207,7 +209,8 @@ def decode_attention(
       `S_p + lengths - T_new + arange(T_new)` (or `query_positions`, in
       the concatenation), score_mod/mask_mod seeing those positions. The
       prefix is read once per call for all rows and merged exactly with
-      each row's own part (`decode.prefix`); every implementation.
+      each row's own part (`decode.prefix`); every implementation
+      ("mosaic_gpu": a prefix of at least 64 entries).
     prefix_value: [S_p, K, Hv], with prefix_key (defaults to prefix_key's
       first Hv columns with a latent cache).
     _fold_prefix: private, for A/B benchmarks: False sends the prefix part
@@ -262,7 +265,7 @@ def decode_attention(
     raise ValueError(
         f"Unknown implementation={implementation!r}; decode runs on "
         f"{IMPLEMENTATIONS} or None.")
-  query = jnp.asarray(query)
+  query = checks.as_array("query", query)
   if query.ndim != 4:
     raise ValueError(f"query must be [B, T_new, N, H], got {query.shape=}.")
   if not any(query.dtype == d for d in (jnp.float32, jnp.bfloat16,
@@ -281,12 +284,16 @@ def decode_attention(
   value_scale = (None if value is None else
                  _check_scale("value_scale", value_scale, value, "value"))
   num_kv = key.shape[2]
+  if not (h and n and num_kv):
+    raise ValueError(
+        f"query and key need heads and a head dim, got {query.shape=} "
+        f"[B, T_new, N, H], key.shape={key.shape} [..., K, H].")
   if n % num_kv:
     raise ValueError(
         f"query heads N must be a multiple of key/value heads K, got N={n}, "
         f"K={num_kv}.")
   block_table = _check_block_table(block_table, key, b, block_kv)
-  lengths = jnp.asarray(lengths)
+  lengths = checks.as_index_array("lengths", lengths)
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(
         f"lengths must be an int [B={b}] array, got {lengths.shape=}, "
@@ -297,7 +304,8 @@ def decode_attention(
   if block_table is not None:
     kv_cache.check_page_indices(block_table, key.shape[0])
   if query_positions is not None:
-    query_positions = jnp.asarray(query_positions)
+    query_positions = checks.as_index_array("query_positions",
+                                            query_positions)
     if (query_positions.shape != (b, t)
         or not jnp.issubdtype(query_positions.dtype, jnp.integer)):
       raise ValueError(
@@ -307,6 +315,9 @@ def decode_attention(
     if x is not None and (not isinstance(x, (int, np.integer))
                           or isinstance(x, bool) or x < 1):
       raise ValueError(f"{name} must be a positive int or None, got {x!r}.")
+  if not (isinstance(_fold_prefix, bool) or _fold_prefix == "two_merges"):
+    raise ValueError(f"_fold_prefix must be a bool or 'two_merges', got "
+                     f"{_fold_prefix!r}.")
   warps = _check_num_warps(num_warps, implementation)
   prefix_launch = _check_prefix_tiling(_prefix_block_kv, _prefix_num_warps,
                                        prefix_key, implementation)
@@ -678,7 +689,7 @@ def _check_block_table(block_table, key, batch: int, block_kv):
           f"B={batch}, got key.shape={key.shape} (pass block_table= for "
           f"pages).")
     return None
-  block_table = jnp.asarray(block_table)
+  block_table = checks.as_index_array("block_table", block_table)
   if (not jnp.issubdtype(block_table.dtype, jnp.integer)
       or block_table.ndim != 2 or block_table.shape[0] != batch):
     raise ValueError(
@@ -725,7 +736,20 @@ def check_cache_indices(key: Array, lengths: Array,
       S_max, or the page count P).
     lengths: int [B].
     block_table: int [B, max_pages] for a paged cache, else None.
+
+  Raises:
+    TypeError / ValueError: key is not a rank-4 array, lengths or
+      block_table not an integer array (named).
   """
+  if jnp.ndim(key) != 4:
+    raise ValueError(
+        f"key must be the cache [B, S_max, K, H] or pages [P, page_size, "
+        f"K, H], got key.shape={jnp.shape(key)}.")
+  for name, x in (("lengths", lengths), ("block_table", block_table)):
+    if (name == "lengths" or x is not None) and not jnp.issubdtype(
+        checks.as_array(name, x).dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array, got "
+                      f"{name}.dtype={jnp.result_type(x)}.")
   s_max = plan.capacity(key, block_table)
   checkify.check(
       jnp.all((lengths >= 0) & (lengths <= s_max)),

@@ -12,6 +12,8 @@ one element of the logit matrix. Where each piece lives:
                    and what the kernel computes on its tile (forward and
                    gradient)
 
+`reads` declares the shapes of the arrays a function reads from its extra
+arguments, which each call then checks (the examples declare theirs).
 `BlockMask` and `create_block_mask` are also `pallas_fa.BlockMask` and
 `pallas_fa.create_block_mask`.
 """
@@ -28,6 +30,7 @@ from pallas_fa.flex.examples import sliding_window_with_sinks
 from pallas_fa.flex.examples import t5_bucket
 from pallas_fa.flex.examples import t5_relative_bias
 from pallas_fa.flex.examples import tanh_soft_cap
+from pallas_fa.flex.mods import reads
 
 __all__ = [
     "alibi",
@@ -36,6 +39,7 @@ __all__ = [
     "chunked_causal",
     "document",
     "prefix_lm",
+    "reads",
     "sliding_window_with_sinks",
     "t5_bucket",
     "t5_relative_bias",

@@ -38,6 +38,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_fa import masking
 from pallas_fa import vjp
@@ -373,6 +374,8 @@ def create_block_mask(
   block_q = _check_size("block_q", block_q, optional=True)
   block_kv = _check_size("block_kv", block_kv, optional=True)
   mods.check(mods.MASK_MOD, mask_mod, args)
+  mods.check_shapes(mods.MASK_MOD, mask_mod, args, batch=batch,
+                    heads=heads, q_len=q_len, kv_len=kv_len)
   default_q, default_kv = default_tiles(implementation, q_len, kv_len)
   block_q = block_q or default_q
   block_kv = block_kv or default_kv
@@ -381,6 +384,52 @@ def create_block_mask(
                    block_kv=block_kv)
   return from_kinds(kinds, block_q=block_q, block_kv=block_kv, q_len=q_len,
                     kv_len=kv_len, mask_mod=mask_mod, mask_mod_args=args)
+
+
+def _check_type(block_mask) -> None:
+  if not isinstance(block_mask, BlockMask):
+    raise TypeError(
+        "block_mask must be a pallas_fa.BlockMask (create_block_mask), got "
+        f"{type(block_mask).__name__}.")
+
+
+def check_made_from(block_mask, mask_mod, mask_mod_args) -> None:
+  """Before the call's jit: block_mask's type, and the arrays it was made
+  from against the call's mask_mod_args where both are concrete.
+
+  A block mask made from other arrays than the call's mask_mod reads marks
+  tiles empty that the call's mask keeps, and the kernels that skip empty
+  tiles would drop them: a wrong answer. Traced arrays cannot be compared
+  (README: flex attention); the same array objects need no comparison.
+
+  Raises:
+    TypeError: not a BlockMask.
+    ValueError: made from other mask_mod_args.
+  """
+  if block_mask is None:
+    return
+  _check_type(block_mask)
+  made_from, given = block_mask.mask_mod_args, tuple(mask_mod_args)
+  if not given or made_from is given:
+    return  # The call runs on the block mask's own arrays.
+  if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+    return  # Another function: `check_block_mask` names it.
+  if len(made_from) != len(given):
+    same = False
+  else:
+    pairs = [(a, b) for a, b in zip(made_from, given) if a is not b]
+    if any(isinstance(x, jax.core.Tracer) for pair in pairs for x in pair):
+      return
+    same = all(np.shape(a) == np.shape(b)
+               and np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in pairs)
+  if not same:
+    raise ValueError(
+        "block_mask was made from other mask_mod_args than the call's: its "
+        "empty tiles are those of other arrays, and the kernels that skip "
+        "them would drop keys the call's mask keeps; create the block mask "
+        "from the call's mask_mod_args (or pass none, to use the block "
+        "mask's).")
 
 
 def check_block_mask(block_mask, mask_mod, *, batch: int, heads: int,
@@ -394,10 +443,7 @@ def check_block_mask(block_mask, mask_mod, *, batch: int, heads: int,
   """
   if block_mask is None:
     return None
-  if not isinstance(block_mask, BlockMask):
-    raise TypeError(
-        "block_mask must be a pallas_fa.BlockMask (create_block_mask), got "
-        f"{type(block_mask).__name__}.")
+  _check_type(block_mask)
   if (block_mask.q_len, block_mask.kv_len) != (q_len, kv_len):
     raise ValueError(
         f"block_mask was made for q_len={block_mask.q_len}, "

@@ -12,6 +12,8 @@ reads its arrays from its trailing arguments, which the call passes through
 
 `batch` is the flattened batch index, `head` the query head; `q_idx` and
 `kv_idx` are token indices from 0 (the same for self-attention when T == S).
+Those that index an array declare its shape (`mods.reads`), so that a call
+whose array is too short raises instead of reading its last entry again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+
+from pallas_fa.flex.mods import reads
 
 Array = Any
 
@@ -43,6 +47,7 @@ def alibi_slopes(num_heads: int) -> Array:
   return jnp.asarray(slopes, jnp.float32)
 
 
+@reads(("N",))
 def alibi(score, batch, head, q_idx, kv_idx, slopes):
   """ALiBi: `score - slopes[head] * |q_idx - kv_idx|` (a per-head linear
   distance penalty; with causal masking, `slopes[head] * (kv_idx - q_idx)`).
@@ -74,6 +79,7 @@ def t5_bucket(relative: Array, num_buckets: int, max_distance: int = 128,
   return bucket + jnp.where(distance < exact, distance, far)
 
 
+@reads(("N", None))
 def t5_relative_bias(score, batch, head, q_idx, kv_idx, table):
   """T5-style relative position bias: `score + table[head, bucket]`, the
   bucket of `kv_idx - q_idx` (`t5_bucket`, bidirectional, max distance
@@ -103,6 +109,7 @@ def tanh_soft_cap(score, batch, head, q_idx, kv_idx, cap):
 # --------------------------------------------------------------------------
 
 
+@reads(("B",))
 def prefix_lm(batch, head, q_idx, kv_idx, prefix_lengths):
   """Prefix LM: bidirectional over each sequence's prefix, causal after.
 
@@ -112,6 +119,7 @@ def prefix_lm(batch, head, q_idx, kv_idx, prefix_lengths):
   return (kv_idx <= q_idx) | (kv_idx < prefix_lengths[batch])
 
 
+@reads(("B", "T=S"))
 def document(batch, head, q_idx, kv_idx, document_ids):
   """Document masking of packed sequences: attend within equal ids (add
   is_causal=True for causal documents). Self-attention (T == S).
@@ -144,6 +152,7 @@ def sliding_window_with_sinks(batch, head, q_idx, kv_idx, window, sinks):
   return causal & ((q_idx - kv_idx < window) | (kv_idx < sinks))
 
 
+@reads(("B",))
 def causal_with_offset(batch, head, q_idx, kv_idx, offsets):
   """Causal masking with the queries shifted by a per-sequence offset:
   `kv_idx <= q_idx + offsets[batch]` (queries continuing a cache of

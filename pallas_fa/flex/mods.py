@@ -58,7 +58,7 @@ def as_args(name: str, args) -> tuple[Array, ...]:
   for i, x in enumerate(args):
     try:
       out.append(jnp.asarray(x))
-    except TypeError:
+    except (TypeError, ValueError):  # jnp.asarray(None) is a ValueError.
       raise TypeError(
           f"{name}[{i}] must be an array, got {type(x).__name__}.") from None
   return tuple(out)
@@ -160,22 +160,87 @@ def check(name: str, fn, args) -> None:
     raise TypeError(f"{name} must return one array, got "
                     f"{len(jaxpr.out_avals)} outputs.")
   out = jaxpr.out_avals[0]
-  tile = (2, 3)
-  try:
-    shape = jnp.broadcast_shapes(out.shape, tile)
-  except ValueError:
-    shape = None
-  if shape != tile:
-    raise ValueError(
-        f"{name} must return an array that broadcasts against the tile of "
-        f"q_idx [rows, 1] and kv_idx [1, cols]; on a {tile} tile it returned "
-        f"shape {out.shape}.")
+  # A second tile of other, coprime sizes: a result shaped by something
+  # other than q_idx and kv_idx (a (3,) array added to the scores) would
+  # broadcast against the first and fail on the call's own tiles.
+  for tile in ((2, 3), (5, 7)):
+    try:
+      shape = out.shape if tile == (2, 3) else jax.eval_shape(
+          fn, *_abstract(name, args, *tile)).shape
+      fits = jnp.broadcast_shapes(shape, tile) == tile
+      what = f"returned shape {shape}"
+    except (ValueError, TypeError) as e:  # Its own ops' broadcasting.
+      fits, what = False, f"failed: {e}"
+    if not fits:
+      raise ValueError(
+          f"{name} must return an array that broadcasts against the tile "
+          f"of q_idx [rows, 1] and kv_idx [1, cols]; on a {tile} tile it "
+          f"{what}.")
   if name == SCORE_MOD and not jnp.issubdtype(out.dtype, jnp.floating):
     raise TypeError(f"score_mod must return floating-point scores, got "
                     f"dtype {out.dtype}.")
   if name == MASK_MOD and out.dtype != jnp.bool_:
     raise TypeError(f"mask_mod must return bool (True = may attend), got "
                     f"dtype {out.dtype}.")
+
+
+# What a declared dimension of a mod's argument (`reads`) must equal.
+_CALL_SIZES = {"B": "batch", "N": "heads", "T": "q_len", "S": "kv_len"}
+
+
+def reads(*shapes):
+  """Declares the shapes of the arrays a score_mod/mask_mod reads from its
+  extra arguments, one tuple per argument: "B" (the flattened batch), "N"
+  (query heads), "T" (queries), "S" (keys), "T=S" (both, which must then
+  be equal) or None (any size). An index past an array's end would be
+  clamped by the gather, a wrong answer; `check_shapes` checks them
+  against the call's sizes instead:
+
+    @flex.reads(("B", "T=S"))
+    def document(batch, head, q_idx, kv_idx, document_ids): ...
+  """
+  def declare(fn):
+    fn.arg_shapes = shapes
+    return fn
+  return declare
+
+
+def check_shapes(name: str, fn, args, **sizes) -> None:
+  """The arrays `fn` reads against its `reads` declaration, if any, and the
+  call's sizes (batch, heads, q_len, kv_len; None where unknown).
+
+  Raises:
+    ValueError: an argument of another rank or size (the message names
+      `{name}_args[i]`).
+  """
+  declared = getattr(fn, "arg_shapes", None)
+  if fn is None or declared is None or len(declared) != len(args):
+    return  # The arity check names a count mismatch.
+  for i, (want, x) in enumerate(zip(declared, args)):
+    shape = tuple(jnp.shape(x))
+    ok = len(shape) == len(want)
+    for dim, symbol in zip(shape, want) if ok else ():
+      for letter in (symbol or "").split("="):
+        size = sizes.get(_CALL_SIZES[letter]) if letter else None
+        ok &= size is None or dim == size
+    if not ok:
+      names = ", ".join(_described(symbol, sizes) for symbol in want)
+      raise ValueError(
+          f"{name}_args[{i}] of {getattr(fn, '__name__', name)} must be "
+          f"shaped [{names}] for this call, got shape {shape}.")
+
+
+def _described(symbol, sizes) -> str:
+  """A declared dimension with the call's sizes: "N=4", "T=S=8", "any"."""
+  if symbol is None:
+    return "any"
+  letters = symbol.split("=")
+  known = {letter: sizes.get(_CALL_SIZES[letter]) for letter in letters}
+  values = {v for v in known.values() if v is not None}
+  if len(values) > 1:
+    return f"{symbol} (but " + ", ".join(
+        f"{k}={v}" for k, v in known.items()) + ")"
+  return f"{symbol}={values.pop()}" if values else symbol
 
 
 def check_functions(score_mod, score_mod_args, mask_mod,

@@ -188,8 +188,9 @@ def supports(query, key, value, block_table, static) -> str | None:
     return (f"G x T_new = {n // key.shape[2] * t} packed rows exceed "
             f"{TILE_ROWS}")
   if block_table is None and key.shape[1] < DEFAULT_BLOCK:
-    return (f"the cache holds {key.shape[1]} entries, fewer than one "
-            f"{DEFAULT_BLOCK}-key block")
+    return (f"the contiguous cache (or the shared prefix) holds "
+            f"{key.shape[1]} entries, fewer than one {DEFAULT_BLOCK}-key "
+            f"block")
   return None
 
 
