@@ -745,11 +745,14 @@ def check_cache_indices(key: Array, lengths: Array,
     raise ValueError(
         f"key must be the cache [B, S_max, K, H] or pages [P, page_size, "
         f"K, H], got key.shape={jnp.shape(key)}.")
-  for name, x in (("lengths", lengths), ("block_table", block_table)):
-    if (name == "lengths" or x is not None) and not jnp.issubdtype(
-        checks.as_array(name, x).dtype, jnp.integer):
-      raise TypeError(f"{name} must be an integer array, got "
-                      f"{name}.dtype={jnp.result_type(x)}.")
+  given = {"lengths": lengths}
+  if block_table is not None:
+    given["block_table"] = block_table
+  for name, x in given.items():
+    dtype = checks.as_array(name, x).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+      raise TypeError(
+          f"{name} must be an integer array, got {name}.dtype={dtype}.")
   s_max = plan.capacity(key, block_table)
   checkify.check(
       jnp.all((lengths >= 0) & (lengths <= s_max)),

@@ -410,7 +410,7 @@ def check_made_from(block_mask, mask_mod, mask_mod_args) -> None:
     return
   _check_type(block_mask)
   made_from, given = block_mask.mask_mod_args, tuple(mask_mod_args)
-  if not given or made_from is given:
+  if not given:
     return  # The call runs on the block mask's own arrays.
   if mask_mod is not None and mask_mod is not block_mask.mask_mod:
     return  # Another function: `check_block_mask` names it.
