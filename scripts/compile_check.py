@@ -134,6 +134,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "split_causal", "split_masked", "split_dropout", "fp8",
             "fp8_causal", "decode_prefix", "fused_step",
             "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
+            "fused_softmax", "fused_softmax_causal",
             "wide_keys", "wide_keys_causal", "wide_keys_fp8",
             "wide_keys_fp8_causal", "keys256_fp8", "keys256_fp8_causal",
             "in_kernel_fp8", "bias")
@@ -150,6 +151,9 @@ TILE_VARIANTS = {
                         fused_pipeline=False, dq_swizzle=32), 4),
     "fused_pipeline": (dict(backward="fused", fused_pipeline=True,
                             dq_swizzle=32), 8),
+    # The softmax under dP^T's and dV's products (dQ in the step).
+    "fused_softmax": (dict(backward="fused", fused_softmax_overlap=True,
+                           fused_pipeline=False), 32),
     # 192-key forward tiles, the last one part padding (masked by index).
     "wide_keys": (dict(block_kv=192, num_stages=2), 16),
     # 256-key float8 forward tiles in two stages (1-byte K and V^T tiles
@@ -250,6 +254,8 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "fused_step_causal": ("mosaic_gpu",),
                     "fused_pipeline": ("mosaic_gpu",),
                     "fused_pipeline_causal": ("mosaic_gpu",),
+                    "fused_softmax": ("mosaic_gpu",),
+                    "fused_softmax_causal": ("mosaic_gpu",),
                     "wide_keys": ("mosaic_gpu",),
                     "wide_keys_causal": ("mosaic_gpu",),
                     "wide_keys_fp8": ("mosaic_gpu",),
@@ -275,6 +281,7 @@ VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
 VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "fused_step": 128, "fused_step_causal": 128,
                         "fused_pipeline": 128, "fused_pipeline_causal": 128,
+                        "fused_softmax": 128, "fused_softmax_causal": 128,
                         "wide_keys": 128, "wide_keys_causal": 128,
                         "wide_keys_fp8": 128, "wide_keys_fp8_causal": 128,
                         "keys256_fp8": 128, "keys256_fp8_causal": 128,
@@ -374,6 +381,8 @@ class Case:
       fused backward's step options (`fused_overlap`, `dq_swizzle=32`:
       `TILE_VARIANTS`), at head dims <= 128; "fused_pipeline" /
       "fused_pipeline_causal" likewise with `fused_pipeline`;
+      "fused_softmax" / "fused_softmax_causal" likewise with
+      `fused_softmax_overlap`;
       "wide_keys" / "wide_keys_causal" = "plain" / "causal" with 192-key
       forward tiles in two stages, at head dims <= 128 (the causal one
       fits because default positions are made from indices, not stored),

@@ -40,6 +40,7 @@ from pallas_fa import vjp
 from pallas_fa.mosaic_gpu import dkv
 from pallas_fa.mosaic_gpu import exp2
 from pallas_fa.mosaic_gpu import kernel
+from pallas_fa.mosaic_gpu import ops as gpu_ops
 from pallas_fa.mosaic_gpu import tiles
 
 _SMALL = dict(
@@ -67,6 +68,7 @@ needs_interpreter = pytest.mark.skipif(
     ("head_section", 0), ("head_section", 2.0), ("dq_split", "rows"),
     ("poly_exp2", 17), ("poly_exp2", -1), ("dq_swizzle", 16),
     ("dq_swizzle", 128.0), ("fused_overlap", 1), ("fused_pipeline", 1),
+    ("fused_softmax_overlap", 1),
 ])
 def test_block_sizes_rejects_bad_fields(field, value):
   with pytest.raises(ValueError, match=field):
@@ -96,6 +98,12 @@ def test_block_sizes_float8_two_level_is_a_bool_without_intra_overlap():
 def test_block_sizes_fused_step_orders_are_alternatives():
   with pytest.raises(ValueError, match="fused_overlap.*fused_pipeline"):
     mosaic_gpu.MosaicGpuBlockSizes(fused_overlap=True, fused_pipeline=True)
+  with pytest.raises(ValueError,
+                     match="fused_softmax_overlap.*fused_pipeline"):
+    mosaic_gpu.MosaicGpuBlockSizes(fused_softmax_overlap=True,
+                                   fused_pipeline=True)
+  assert mosaic_gpu.MosaicGpuBlockSizes(
+      fused_softmax_overlap=True, fused_overlap=True).fused_softmax_overlap
   assert not mosaic_gpu.MosaicGpuBlockSizes().fused_pipeline
 
 
@@ -819,6 +827,53 @@ def test_interpreted_fused_backward_pipeline(monkeypatch, case):
 
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
+@pytest.mark.parametrize("case, fields", [
+    # dQ by columns, in the step; causal with GQA, ragged lengths and
+    # segments: masked, unmasked and skipped tiles.
+    (Case(b=1, t=100, s=150, n=4, k=2, h=128, causal=True, lengths=True,
+          segments=True), {}),
+    # A window, no masks beyond it.
+    (Case(b=1, t=128, s=256, n=4, k=2, h=128, window=(40, 8)), {}),
+    # Each consumer its own keys' dQ (H = 32, padded to 64), dropout.
+    (Case(b=2, t=70, s=90, n=2, k=1, h=32, causal=True), {}),
+], ids=["columns-causal", "columns-window", "own-keys-dropout"])
+def test_interpreted_fused_backward_softmax_overlap(monkeypatch, case,
+                                                    fields):
+  """`fused_softmax_overlap`: P^T computed while dP^T's product runs and
+  dS^T while dV's does, dS^T stored for dQ there (after P^T, as scratch,
+  in the same slot); interpreted, the products run in turn, so this
+  checks the step's data flow, the race test its ordering."""
+  names = _fused_launches(monkeypatch)
+  specs, real = [], dkv.softmax_overlaps
+  monkeypatch.setattr(dkv, "softmax_overlaps",
+                      lambda spec: specs.append(real(spec)) or specs[-1])
+  gen = rng("mosaic_gpu", "fused-softmax-overlap", str(case))
+  extra = {}
+  if case.h == 32:
+    extra = dict(dropout_rate=0.25, dropout_rng=int(gen.integers(1 << 30)))
+  _fused_against_split(case, gen, fields={"fused_softmax_overlap": True,
+                                          **fields}, **extra)
+  assert names.count("pfa_mgpu_dk_dv_dq") == 1 and specs == [True], specs
+
+
+def test_softmax_overlap_keeps_the_default_order_where_it_does_not_apply():
+  """A soft cap or a score_mod keeps the default order (their capped
+  logits and pullback would stay live across dP^T's product), and so
+  does a kernel compiled by jax 0.10 (no stores under a wgmma)."""
+  spec = kernel.Spec(batch=1, q_len=128, kv_len=128, num_heads=2,
+                     num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16,
+                     block_q=64, block_kv=64, stages=2, interpret=True,
+                     fused_softmax_overlap=True)
+  assert dkv.softmax_overlaps(spec)
+  assert not dkv.softmax_overlaps(dataclasses.replace(spec, soft_cap=3.0))
+  assert not dkv.softmax_overlaps(
+      dataclasses.replace(spec, fused_softmax_overlap=False))
+  compiled = dataclasses.replace(spec, interpret=False)
+  assert dkv.softmax_overlaps(compiled) == gpu_ops.STORES_UNDER_WGMMA
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
 def test_interpreted_fused_backward_flex(monkeypatch):
   """A mask_mod (document ids, in the segment-id slots) and a score_mod
   without differentiated values run in the fused kernel."""
@@ -866,9 +921,17 @@ def test_interpreted_fused_backward_flex(monkeypatch):
     (dict(num_ctas=2, backward="fused", h=128, dq_split="keys",
           fused_pipeline=True, segments=False),
      {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+    # `fused_softmax_overlap`: P^T, then dS^T stored to the step's dS^T
+    # slot, which the other consumer read two steps back (by columns);
+    # by keys, each consumer's own slot.
+    (dict(num_ctas=2, backward="fused", h=128, fused_softmax_overlap=True),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+    (dict(num_ctas=2, backward="fused", h=128, dq_split="keys",
+          fused_softmax_overlap=True),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
 ], ids=["two-consumers", "one-consumer-split-dropout", "fused",
         "fused-dq-by-keys", "fused-overlap", "fused-pipeline",
-        "fused-pipeline-by-keys"])
+        "fused-pipeline-by-keys", "fused-softmax", "fused-softmax-by-keys"])
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
   producer refills ring slots (more steps than stages, several units and
@@ -1180,7 +1243,8 @@ def test_compiled_matches_reference(case, dtype, tiles):
 
 @needs_hopper
 @pytest.mark.parametrize("dq_swizzle, step_order", [
-    (32, None), (64, None), (128, "fused_overlap"), (32, "fused_overlap")])
+    (32, None), (64, None), (128, "fused_overlap"), (32, "fused_overlap"),
+    (128, "fused_softmax_overlap")])
 @pytest.mark.parametrize("case", [
     # The two consumers split dQ by columns: one 64-column chunk each.
     Case(b=2, t=512, s=640, n=4, k=2, h=128, causal=True, segments=True),

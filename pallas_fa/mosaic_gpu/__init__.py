@@ -387,6 +387,7 @@ def _spec(x: layout.Padded, params, bs, interpret, *, block_q, block_kv, stages,
       dq_swizzle=bs.dq_swizzle,
       fused_overlap=bs.fused_overlap,
       fused_pipeline=bs.fused_pipeline,
+      fused_softmax_overlap=bs.fused_softmax_overlap,
       is_causal=x.info.is_causal,
       window=x.info.window,
       # The forwards' (the backward kernels spill 8-32 B at H = 128 with

@@ -54,6 +54,16 @@ def pipelines_dq(spec: kernel.Spec) -> bool:
           and (spec.interpret or gpu_ops.STORES_UNDER_WGMMA))
 
 
+def softmax_overlaps(spec: kernel.Spec) -> bool:
+  """Whether the fused kernel of `spec` runs `Spec.fused_softmax_overlap`'s
+  order: not with a soft cap or a score_mod (their capped logits and
+  pullback would stay live across dP^T's product), and not compiled by
+  jax 0.10, which cannot store to shared memory under a wgmma."""
+  return (spec.fused_softmax_overlap and spec.soft_cap is None
+          and spec.score_mod is None
+          and (spec.interpret or gpu_ops.STORES_UNDER_WGMMA))
+
+
 def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
                  kv_pos, kv_seg, sched, seed=None, residuals=(), *,
                  outputs=("dk", "dv")):
@@ -96,6 +106,7 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
   # share dQ (`tiles.dq_columns`).
   dq_cols = tiles.dq_columns(h, nc, spec.dq_split)
   shared_dq = want_dq and dq_cols < h
+  overlap = want_dq and softmax_overlaps(spec)
   ds_slots = tiles.ds_slots(h, nc, spec.dq_split)
   chunks = dq_cols // _DQ_CHUNK
   # Interpreted: dQ partials, one per unit (shared dQ) or consumer tile.
@@ -143,12 +154,14 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       return kernel.rem(step, 2) if ds_slots == 2 else 0
 
     def stage_ds(ds_t, ds_slot):
-      """Stores the step's dS^T [bk, bq] (kernel dtype) for dQ's products;
-      with shared dQ, until both consumers' are in. A slot is rewritten
-      two steps later, after both passed the next step's barrier, so after
-      both read it (each awaits its dQ products before it stages its next
+      """Stores the step's dS^T [bk, bq] (kernel dtype) for dQ's products
+      (None: `softmax_overlaps` stored it under dV's product); with shared
+      dQ, until both consumers' are in. A slot is rewritten two steps
+      later, after both passed the next step's barrier, so after both
+      read it (each awaits its dQ products before it stages its next
       dS^T)."""
-      ds_smem.at[ds_slot, wg][...] = ds_t
+      if ds_t is not None:
+        ds_smem.at[ds_slot, wg][...] = ds_t
       plgpu.commit_smem()  # Visible to the wgmmas (the async proxy).
       if shared_dq:
         plgpu.barrier_arrive(ds_ready.at[ds_slot])
@@ -192,15 +205,16 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
     def add_dq(ds_t, dk_product, head, i, step, release):
       """Adds this step's dS K (its columns of it) to the query tile's dQ;
       returns dK + dS^T Q, the product `dk_product` (`mm` keywords),
-      issued first (with `Spec.fused_overlap` dS^T is staged and
-      exchanged while it runs, and the first dQ chunk's chain is awaited
-      with it: `ops.mm_around`), then `release()` (dK's operands are
-      read).
+      issued first (with `Spec.fused_overlap`, or `softmax_overlaps`, dS^T
+      is staged and exchanged while it runs, and the first dQ chunk's
+      chain is awaited with it: `ops.mm_around`), then `release()` (dK's
+      operands are read).
 
-      ds_t: the step's dS^T [bk, bq] in the kernel's dtype.
+      ds_t: the step's dS^T [bk, bq] in the kernel's dtype, or None
+      where it is in its slot already (`stage_ds`).
       """
       ds_slot = ds_slot_of(step)
-      if spec.fused_overlap:
+      if spec.fused_overlap or overlap:
         dk, dq = ops.mm_around(dk_product, lambda: stage_ds(ds_t, ds_slot),
                                lambda: dq_pairs(ds_slot, 0),
                                (bq, _DQ_CHUNK), transpose_a=True)
@@ -258,19 +272,24 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
       else:
         q_ready()
         qk_t = ops.mm(**qk_t_fresh)  # [bk, bq]
-      s_t, capped_t, score_mod_pullback = kernel.flex_logits(
-          spec, ops, qk_t, r, batch=b, head=head, q0=i * bq,
-          kv0=key0, q_axis=1, grad=want_dk, args=False)
-      lse2 = ops.load_vector(lse_smem.at[slot], 1)
-      if masked:
-        q_p, q_s = kernel.load_meta(
-            spec, ops, *kernel.meta_at(spec, qmeta_smem, slot), 1,
-            first=i * bq, size=bq)
-        mod = kernel.index_mask_tile(
-            spec, ops, r, s_t.shape, (q_p, q_s), (k_p, k_s), batch=b,
-            head=head, q0=i * bq, kv0=key0, q_axis=1)
-        s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s, mod)
-      p_t = online_softmax.probs(s_t, lse2, base2=True, per_query=_COLUMNS)
+      def probs_t(qk_t):
+        """(P^T, the capped logits or None, the score_mod's pullback or
+        None) of the step's S^T."""
+        s_t, capped_t, pullback = kernel.flex_logits(
+            spec, ops, qk_t, r, batch=b, head=head, q0=i * bq,
+            kv0=key0, q_axis=1, grad=want_dk, args=False)
+        lse2 = ops.load_vector(lse_smem.at[slot], 1)
+        if masked:
+          q_p, q_s = kernel.load_meta(
+              spec, ops, *kernel.meta_at(spec, qmeta_smem, slot), 1,
+              first=i * bq, size=bq)
+          mod = kernel.index_mask_tile(
+              spec, ops, r, s_t.shape, (q_p, q_s), (k_p, k_s), batch=b,
+              head=head, q0=i * bq, kv0=key0, q_axis=1)
+          s_t = kernel.apply_mask(spec, s_t, 1, q_p, q_s, k_p, k_s, mod)
+        p_t = online_softmax.probs(s_t, lse2, base2=True,
+                                   per_query=_COLUMNS)
+        return p_t, capped_t, pullback
 
       def dropped(x):
         # The mask is hashed afresh at each use: cheaper than keeping it
@@ -281,26 +300,56 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
             spec, ops, x, r.seed, batch=b, head=head,
             q_start=i * bq, kv_start=key0, q_axis=1)
 
-      plgpu.barrier_wait(do_bar.at[slot])
-      dp_t_fresh = dict(a=v_tile, b=do_smem.at[slot], transpose_b=True)
-      if want_dv:  # Built only when used: dead code can stall Mosaic.
-        dv_update = dict(a=dropped(p_t).astype(spec.dtype),
-                         b=do_smem.at[slot], a_in_smem=False, acc=dv)
-      if want_dv and want_dk:
-        dv, dp_t = ops.mm_pair(dv_update, dp_t_fresh)
-      elif want_dv:
-        dv = ops.mm(**dv_update)
-      else:
-        dp_t = ops.mm(**dp_t_fresh)
-      if want_dk:
-        delta = ops.load_vector(delta_smem.at[slot], 1)
-      plgpu.barrier_arrive(do_free.at[slot])
-      if want_dk:
-        ds_t = online_softmax.softmax_grad(  # dP^T of the dropped P^T.
+      def ds_of(p_t, dp_t, delta, capped_t=None, score_mod_pullback=None):
+        """dS^T in the kernel's dtype, from the dP^T of the dropped P^T."""
+        ds_t = online_softmax.softmax_grad(
             p_t, dropped(dp_t), delta, per_query=_COLUMNS)
         if score_mod_pullback is not None:  # Its values': in dQ.
           ds_t, _ = score_mod_pullback(ds_t)
-        ds_t = kernel.logits_grad(spec, ds_t, capped_t).astype(spec.dtype)
+        return kernel.logits_grad(spec, ds_t, capped_t).astype(spec.dtype)
+
+      dp_t_fresh = dict(a=v_tile, b=do_smem.at[slot], transpose_b=True)
+      if overlap:
+        # `softmax_overlaps`: P^T while dP^T's product runs, then dS^T
+        # while dV's does, each pinned (`Ops.mm_while`) by a store to the
+        # step's dS^T slot: P^T's is scratch, overwritten by dS^T's,
+        # which is dQ's operand (`stage_ds` then only commits it).
+        def pin(new):
+          # (The slot's view is built here, inside the product's state:
+          # built outside, a constant slot index fails to lower.)
+          ds_smem.at[ds_slot_of(n), wg][...] = new[0].astype(spec.dtype)
+
+        plgpu.barrier_wait(do_bar.at[slot])
+        dp_t, (p_t,) = ops.mm_while(
+            dp_t_fresh, lambda qk_t: probs_t(qk_t)[:1], (qk_t,), pin=pin)
+        p_op = dropped(p_t).astype(spec.dtype)
+        delta = ops.load_vector(delta_smem.at[slot], 1)
+        # P^T's operand is the placeholder of dS^T (the same shape, dtype
+        # and layout): its value is overwritten.
+        dv, (ds_t,) = ops.mm_while(
+            dict(a=p_op, b=do_smem.at[slot], a_in_smem=False, acc=dv),
+            lambda _: (ds_of(p_t, dp_t, delta),), (p_op,), pin=pin)
+        plgpu.barrier_arrive(do_free.at[slot])
+        ds_store = None
+      else:
+        p_t, capped_t, score_mod_pullback = probs_t(qk_t)
+        plgpu.barrier_wait(do_bar.at[slot])
+        if want_dv:  # Built only when used: dead code can stall Mosaic.
+          dv_update = dict(a=dropped(p_t).astype(spec.dtype),
+                           b=do_smem.at[slot], a_in_smem=False, acc=dv)
+        if want_dv and want_dk:
+          dv, dp_t = ops.mm_pair(dv_update, dp_t_fresh)
+        elif want_dv:
+          dv = ops.mm(**dv_update)
+        else:
+          dp_t = ops.mm(**dp_t_fresh)
+        if want_dk:
+          delta = ops.load_vector(delta_smem.at[slot], 1)
+        plgpu.barrier_arrive(do_free.at[slot])
+        if want_dk:
+          ds_t = ds_of(p_t, dp_t, delta, capped_t, score_mod_pullback)
+        ds_store = ds_t if want_dk else None
+      if want_dk:
         dk_product = dict(a=ds_t, b=q_smem.at[slot], a_in_smem=False,
                           acc=dk)
 
@@ -309,11 +358,11 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
 
       if pending:
         dk = ops.mm_beside(
-            dk_product, lambda: stage_ds(ds_t, ds_slot_of(n)))
+            dk_product, lambda: stage_ds(ds_store, ds_slot_of(n)))
         release_q()
         pending = [tuple(jnp.asarray(x).astype(_I32) for x in (rep, i))]
       elif want_dq:
-        dk = add_dq(ds_t, dk_product, head, i, n, release_q)
+        dk = add_dq(ds_store, dk_product, head, i, n, release_q)
       else:
         if want_dk:
           dk = ops.mm(**dk_product)

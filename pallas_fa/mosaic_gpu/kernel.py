@@ -208,6 +208,8 @@ class Spec:
       runs (`MosaicGpuBlockSizes.fused_overlap`).
     fused_pipeline: fused backward only: each step's dQ product issued
       with the next step's S^T (`MosaicGpuBlockSizes.fused_pipeline`).
+    fused_softmax_overlap: fused backward only: P^T computed under dP^T's
+      product, dS^T under dV's (`MosaicGpuBlockSizes.fused_softmax_overlap`).
     is_causal: causal masking on positions.
     window: (left, right) or None; a None side is unbounded.
     positions_by_index: the positions causal or window masking compares
@@ -256,6 +258,7 @@ class Spec:
   dq_swizzle: int = 128
   fused_overlap: bool = False
   fused_pipeline: bool = False
+  fused_softmax_overlap: bool = False
   is_causal: bool = False
   window: tuple[int | None, int | None] | None = None
   positions_by_index: bool = False

@@ -304,6 +304,57 @@ class Ops:
 
     return pl.run_scoped(issue, plgpu.ACC(sum_shape, _F32))
 
+  def mm_while(self, product: dict[str, Any], then: Callable[..., tuple],
+               state: tuple, *, pin: Callable[[tuple], None]):
+    """`mm(**product)` issued, `then(*state)` run while it is in flight,
+    and the product awaited after that: register work that does not feed
+    the product hides under its tensor-core time (the fused backward's
+    P^T under dP^T's product, dS^T under dV's, FlashAttention-3's order).
+
+    Args:
+      product: `mm` keywords (no `transpose_a`); its `a` may be a register
+        array (`a_in_smem=False`), kept unchanged until the product lands.
+      then: then(*state) -> new state: arrays of the shapes, dtypes and
+        layouts of `state` (an initial value may be a placeholder that
+        `then` overwrites).
+      state: `then`'s arrays.
+      pin: pin(new state) stores a value `then` computes last to shared
+        memory. ptxas moves a wgmma wait ahead of register-only work up
+        to the previous memory operation, which would drain the product
+        before `then` runs; the store keeps the wait after `then`'s work.
+
+    Returns:
+      (the product, float32; `then`'s new state, a tuple).
+    """
+    if self.interpret or not STORES_UNDER_WGMMA:
+      out = self.mm(**product)
+      new_state = tuple(then(*state))
+      pin(new_state)
+      return out, new_state
+    a, b = product["a"], product["b"]
+    transpose_b = product.get("transpose_b", False)
+    shape = (a.shape[0], b.shape[0] if transpose_b else b.shape[1])
+    b_op = b.transpose((1, 0)) if transpose_b else b
+    acc = product.get("acc")
+
+    def body(refs):
+      acc_ref, state_refs = refs
+      plgpu.wgmma(acc_ref, a, b_op)
+      new = tuple(then(*(r[...] for r in state_refs)))
+      for r, x in zip(state_refs, new, strict=True):
+        r[...] = x
+      pin(new)
+
+    out, new_state = pl.run_state(body)((
+        plgpu.ACC.init(self.full(shape, 0.0) if acc is None else acc),
+        tuple(state)))
+    if product.get("a_in_smem", True):
+      return out, tuple(new_state)
+    # As in `mm_overlapped`: the register operand stays live until the
+    # product has landed.
+    _, *new_state = lax.optimization_barrier((a, *new_state))
+    return out, tuple(new_state)
+
   def mm_pair(self, first: dict[str, Any], second: dict[str, Any]):
     """Two independent `mm`s (keyword dicts) issued back to back before
     either is awaited, so that their wgmma latencies overlap."""

@@ -148,6 +148,17 @@ class MosaicGpuBlockSizes:
       the default of a full call's heuristic tiles (1.057x the in-step
       order fwd+bwd on an H200, H = 128, T = 16384), not yet a causal
       one's.
+    fused_softmax_overlap: the fused backward issues dP^T = V dO^T as
+      soon as S^T has landed and computes P^T while it runs, then issues
+      dV += P^T dO and computes dS^T while that runs (stored for dQ
+      there), FlashAttention-3's order (`ops.mm_while`), and stages dS^T
+      under dK's product as `fused_overlap` does. In the default order
+      the exponentials precede dP^T's and dV's products (issued as a
+      pair) and dS^T follows them, with no product in flight in either.
+      Calls with a soft cap or a score_mod, and kernels compiled by jax
+      0.10, keep the default order (`dkv.softmax_overlaps`). An
+      alternative to `fused_pipeline` (together they spilled 32 B at H =
+      128). Not a default until a GPU run times it.
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
@@ -184,6 +195,7 @@ class MosaicGpuBlockSizes:
   dq_swizzle: int = 128
   fused_overlap: bool = False
   fused_pipeline: bool = False
+  fused_softmax_overlap: bool = False
   head_section: int | None = None
   num_ctas: int | None = None
   interpret: bool | None = None
@@ -220,7 +232,8 @@ class MosaicGpuBlockSizes:
       if value not in (1, 2) or not is_int(value):
         raise ValueError(f"{cls}.{name} must be 1 or 2, got {value!r}.")
     for name in ("pingpong", "intra_overlap", "float8_two_level",
-                 "split_dkv", "fused_overlap", "fused_pipeline"):
+                 "split_dkv", "fused_overlap", "fused_pipeline",
+                 "fused_softmax_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(
             f"{cls}.{name} must be a bool, got {getattr(self, name)!r}.")
@@ -232,6 +245,11 @@ class MosaicGpuBlockSizes:
       raise ValueError(
           f"{cls}.fused_overlap and {cls}.fused_pipeline are alternatives "
           "(the pipeline stages dS^T under dK's product too); set one.")
+    if self.fused_softmax_overlap and self.fused_pipeline:
+      raise ValueError(
+          f"{cls}.fused_softmax_overlap and {cls}.fused_pipeline are "
+          "alternatives (together their registers spill); set "
+          "fused_pipeline=False with it.")
     if self.float8_two_level and self.intra_overlap:
       raise ValueError(
           f"{cls}.float8_two_level is not implemented with intra_overlap "

@@ -660,10 +660,14 @@ FUSED_VARIANTS = (
 # The fused backward's step orders (predictions.md sections 8 and 9): each
 # step's dQ issued ahead of the next step's S^T (`fused_pipeline`), the
 # default of full calls since 07213ac measured it 1.057x the in-step order,
-# against that order, full and causal (whose default it is not yet).
+# against that order, full and causal (whose default it is not yet); and
+# the softmax under dP^T's and dV's products (`fused_softmax_overlap`,
+# FlashAttention-3's order, dQ in the step).
 FUSED_STEP_VARIANTS = (
   "mosaic_gpu:backward=fused:fused_pipeline=false",
   "mosaic_gpu:backward=fused:fused_pipeline=true",
+  "mosaic_gpu:backward=fused:fused_softmax_overlap=true:"
+  "fused_pipeline=false",
 )
 # The forward: the software-pipelined key loop (`intra_overlap`: P V of a
 # tile in flight under the next tile's softmax) without ping-pong, 600
@@ -704,7 +708,7 @@ BENCH_RUNS = {
     # The fused backward's step orders beside the default (T = 16384,
     # full and causal): the backward is the headline furthest behind
     # cuDNN.
-    BenchRun(label="mosaic_gpu_fused_step", need_s=40, essential=False,
+    BenchRun(label="mosaic_gpu_fused_step", need_s=52, essential=False,
              impls=("mosaic_gpu:backward=fused", *FUSED_STEP_VARIANTS),
              head_dims=(128,), seq_lens=(16384,), modes=("fwd_bwd",)),
     # The float8 forward's 256-key tiles against the 128-key ring they
