@@ -539,18 +539,36 @@ def merge_part_groups(groups: Sequence[tuple[Array, Array]], axis: int
   their concatenation, computed without concatenating (a kernel that reads
   two arrays of partials merges them in registers). Forward only."""
   top = functools.reduce(jnp.maximum, [
-      jnp.max(lse, axis=axis, keepdims=True) for _, lse in groups])
+      jnp.max(lse, axis=axis) for _, lse in groups])
   top_safe = jnp.where(top == MASK_VALUE, 0.0, top)
-  weights = [jnp.exp(lse - top_safe) for _, lse in groups]
+  weights = [jnp.exp(lse - _spread(top_safe, lse.shape, axis))
+             for _, lse in groups]
   total = functools.reduce(jnp.add, [jnp.sum(w, axis=axis) for w in weights])
   seen = total > 0
   total_safe = jnp.where(seen, total, 1.0)
   merged = functools.reduce(jnp.add, [
-      jnp.sum(w[..., None] * out, axis=axis)
-      for w, (out, _) in zip(weights, groups)]) / total_safe[..., None]
-  lse = jnp.where(seen, jnp.squeeze(top_safe, axis) + jnp.log(total_safe),
-                  MASK_VALUE)
+      jnp.sum(_per_row(w, out) * out, axis=axis)
+      for w, (out, _) in zip(weights, groups)])
+  merged = merged / _per_row(total_safe, merged)
+  lse = jnp.where(seen, top_safe + jnp.log(total_safe), MASK_VALUE)
   return merged, lse
+
+
+def _spread(x: Array, shape: tuple[int, ...], axis: int) -> Array:
+  """x (`shape` without `axis`) broadcast along `axis`; a scalar as it is.
+  Explicit dims, not keepdims: a Mosaic GPU kernel broadcasts a vector
+  along a tile's axis, never through a [.., 1] intermediate
+  (`mosaic_gpu.decode_merge`)."""
+  if not jnp.ndim(x):
+    return x
+  axis %= len(shape)
+  return lax.broadcast_in_dim(
+      x, shape, tuple(d for d in range(len(shape)) if d != axis))
+
+
+def _per_row(x: Array, like: Array) -> Array:
+  """A per-row array ([..., rows]) against a [..., rows, H] one."""
+  return _spread(x, like.shape, -1)
 
 
 def merge_grad(
@@ -607,7 +625,16 @@ def _sink_weights(lse: Array, sinks: Array) -> tuple[Array, Array]:
   it is -inf (a row that sees no key gets no sink either)."""
   sinks = jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)
   seen = lse != MASK_VALUE
-  with_sink = jnp.where(seen, jnp.logaddexp(lse, sinks), MASK_VALUE)
+  # logaddexp's stable form, spelled out: jnp.logaddexp is a custom_jvp
+  # and log1p has no Mosaic GPU lowering, which a Mosaic GPU kernel needs
+  # (`mosaic_gpu.decode_merge`); add_sink has a rule of its own. Where a
+  # row is seen (lse finite) a sink of -inf leaves lse and one of +inf
+  # gives +inf; log(1 + e) drops an e under half the dtype's epsilon that
+  # log1p would keep, an error under the dtype's rounding in the weight
+  # exp(lse - with_sink).
+  top = jnp.maximum(lse, sinks)
+  with_sink = jnp.where(
+      seen, top + jnp.log(1.0 + jnp.exp(-jnp.abs(lse - sinks))), MASK_VALUE)
   # exp(-inf - -inf) would be NaN: an unseen row keeps weight 0 (its out
   # is 0 already).
   w = jnp.where(seen, jnp.exp(lse - jnp.where(seen, with_sink, 0.0)), 0.0)
@@ -652,7 +679,7 @@ def add_sink(out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
     itself has them).
   """
   lse, w = _sink_weights(lse, sinks)
-  rescaled = out.astype(stats_dtype(out.dtype)) * w[..., None]
+  rescaled = out.astype(stats_dtype(out.dtype)) * _per_row(w, out)
   return rescaled.astype(out.dtype), lse
 
 

@@ -128,7 +128,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_fp8_quantized_query", "decode_int8_quantized_query",
             "decode_int8_quantized_query_two_consumers", "decode_fp8_unscaled",
             "decode_fp8_per_head", "decode_paged_fp8", "decode_paged16_int8",
-            "decode_latent", "decode_latent_int8",
+            "decode_latent", "decode_latent_int8", "decode_pdl_merge",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
@@ -192,9 +192,13 @@ QUANTIZED_DECODE = {"decode_int8": ("decode", "int8"),
 # cache with one scale a K/V head (no scale rings) and an int8 one with a
 # scale an entry (the key column through shared memory).
 DECODE_OPTIONS = {
-    name: dict(_quantized_query=True)
-    for name in ("decode_fp8_quantized_query", "decode_int8_quantized_query",
-                 "decode_int8_quantized_query_two_consumers")}
+    **{name: dict(_quantized_query=True)
+       for name in ("decode_fp8_quantized_query",
+                    "decode_int8_quantized_query",
+                    "decode_int8_quantized_query_two_consumers")},
+    # The splits' merge as a Mosaic GPU kernel with programmatic dependent
+    # launch (`mosaic_gpu.decode_merge`), over the contiguous bf16 cache.
+    "decode_pdl_merge": dict(_pdl_merge=True)}
 PER_HEAD_SCALES = ("decode_fp8_quantized_query", "decode_fp8_per_head")
 # Decode variants over a 1-byte cache without scales (a float8 cache's
 # default scale 1), or with one scale a K/V head: mosaic_gpu runs both
@@ -230,6 +234,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                         "decode_int8", "decode_fp8", "decode_int8_64_rows",
                         "decode_paged_int8", "decode_paged_fp8")},
                     "decode_int8_two_consumers": ("mosaic_gpu",),
+                    "decode_pdl_merge": ("mosaic_gpu",),
                     "decode_int8_128_keys": ("mosaic_gpu",),
                     **{name: ("mosaic_gpu",) for name in DECODE_OPTIONS},
                     "decode_fp8_unscaled": ("mosaic_gpu",),
@@ -296,7 +301,7 @@ BACKEND_HEAD_DIMS = {
         "decode_fp8", "decode_int8_64_rows", "decode_paged_int8",
         "decode_paged_fp8", *UNSCALED,
         "decode_fp8_per_head", "decode_fp8_quantized_query",
-        "decode_int8_quantized_query")},
+        "decode_int8_quantized_query", "decode_pdl_merge")},
     **{("mosaic_gpu", variant): (64, 128) for variant in (
         "decode_int8_two_consumers", "decode_int8_128_keys",
         "decode_int8_quantized_query_two_consumers",
@@ -318,6 +323,7 @@ PAGED_DECODE = {"decode_paged": DECODE_SHAPE["page_size"],
 # does a head dim the kernel pads (H = 72: the padded copy of the cache,
 # `pallas_fa.triton.decode`), which is reported, not checked.
 DECODE_KERNELS = {"decode": 2, "decode_paged": 2, "decode_paged16": 2,
+                  "decode_pdl_merge": 2,
                   # Both parts' split kernels, their one merge and the
                   # fold's transpose of the queries.
                   "decode_prefix": 4,
@@ -354,7 +360,9 @@ class Case:
       cache (value=None, value_head_dim: DeepSeek's H = 576, Hv = 512,
       one K/V head, 16 query heads, `LATENT_SHAPE`, whatever the
       matrix's head dims), of the query's dtype or int8 with float32 key
-      scales per entry;
+      scales per entry; "decode_pdl_merge" = "decode" with the splits'
+      merge as a Mosaic GPU kernel launched under the split kernel
+      (`_pdl_merge`, mosaic_gpu);
       "value_dim" = causal with a value head dim Hv = H // 2 (MLA-style
       values narrower than queries/keys), or 2 H at H <= 64: there H // 2
       pads to H's width on mosaic_gpu, the kernels of the causal case,

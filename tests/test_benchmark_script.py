@@ -973,7 +973,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "mosaic_gpu_float8_quantized_query_vs_widened",
         "mosaic_gpu_float8_quantized_query_vs_bf16",
         "mosaic_gpu_int8_quantized_query_vs_widened",
-        "mosaic_gpu_int8_quantized_query_vs_bf16"}
+        "mosaic_gpu_int8_quantized_query_vs_bf16", "mosaic_gpu_pdl_merge",
+        "mosaic_gpu_float8_pdl_merge"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
@@ -1072,6 +1073,14 @@ def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
   assert int8_query["status"] == "ok", int8_query
   assert ratios["mosaic_gpu_int8_quantized_query_vs_widened"]["ratio"] == (
       pytest.approx(int8_query["ms"] / int8["ms"]))
+  # The merge launched under the split kernel, bfloat16 and float8.
+  for name, base, ratio in (
+      ("mosaic_gpu_bfloat16_pdl_merge", cell, "mosaic_gpu_pdl_merge"),
+      ("mosaic_gpu_float8_per_tensor_pdl_merge", widened,
+       "mosaic_gpu_float8_pdl_merge")):
+    row = by_name[name]
+    assert row["status"] == "ok" and row["_pdl_merge"] is True, row
+    assert ratios[ratio]["ratio"] == pytest.approx(row["ms"] / base["ms"])
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -374,6 +374,82 @@ def test_mosaic_gpu_decode_two_consumers(cache_dtype):
 
 @attention_testing.gpu_jax_only_on_cpu
 @needs_kernel
+@pytest.mark.parametrize("case", [
+    # GQA with sinks, one new token, a row that sees no key (length 0:
+    # lse -inf, out 0) and ragged lengths: eight parts a row.
+    # (Eight splits need eight 64-key blocks.)
+    dict(b=3, t=1, n=8, k=2, h=64, s=520, lengths=(450, 520, 0), splits=8,
+         sinks=True),
+    # Four new tokens of four query heads (16 packed rows, stored as
+    # 16), two consumers (two parts a split: 16), float16.
+    dict(b=2, t=4, n=8, k=2, h=128, s=520, lengths=(520, 77), splits=8,
+         num_warps=8, dtype=jnp.float16),
+    # Head dim 256.
+    dict(b=1, t=1, n=4, k=2, h=256, s=520, lengths=(500,), splits=8),
+    # Three parts a row, written into a tile of eight.
+    dict(b=2, t=1, n=4, k=2, h=64, s=200, lengths=(200, 90), splits=3),
+    # More parts than the kernel's tile (made 2 here): the Triton merge.
+    dict(b=2, t=1, n=4, k=2, h=64, s=200, lengths=(200, 90), splits=3,
+         max_parts=2),
+], ids=["gqa-sinks-empty-row", "rows-16-two-consumers-f16", "head-dim-256",
+        "three-parts", "past-the-tile"])
+def test_mosaic_gpu_decode_pdl_merge(monkeypatch, case):
+  """`_pdl_merge`: the splits' merge as a Mosaic GPU kernel (interpreted
+  here, where PDL's waits are no-ops), against the float64-backed
+  reference and against the Triton merge of the same split kernel (the
+  two differ only in their sums' order)."""
+  from pallas_fa.mosaic_gpu import decode_merge  # noqa: PLC0415
+  c = dict(case)
+  dtype = c.pop("dtype", jnp.bfloat16)
+  b, t, n, k, h, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "s"))
+  gen = rng("mosaic_gpu decode pdl merge", str(case))
+  lengths = c.pop("lengths")
+  q = jnp.asarray(gen.standard_normal((b, t, n, h)), dtype)
+  key, value = _cache(gen, b, s, k, h, h, dtype, lengths)
+  kw = dict(is_causal=True, num_splits=c.pop("splits"),
+            num_warps=c.pop("num_warps", None))
+  if c.pop("sinks", False):
+    kw["sinks"] = jnp.asarray(gen.standard_normal((n,)), jnp.float32)
+  triton = "max_parts" in c
+  if triton:
+    monkeypatch.setattr(decode_merge, "MAX_PARTS", c.pop("max_parts"))
+  assert not c, c
+  merges, real = [], decode_merge.merge_splits
+  monkeypatch.setattr(decode_merge, "merge_splits",
+                      lambda *a, **kw: merges.append(1) or real(*a, **kw))
+  lengths = jnp.asarray(lengths, jnp.int32)
+  got = pallas_fa.decode_attention(
+      q, key, value, lengths, implementation="mosaic_gpu",
+      return_residual=True, _pdl_merge=True, **kw)
+  assert merges == ([] if triton else [1]), merges
+  default = pallas_fa.decode_attention(
+      q, key, value, lengths, implementation="mosaic_gpu",
+      return_residual=True, **kw)
+  ref_kw = dict(is_causal=True, return_residual=True, sinks=kw.get("sinks"),
+                implementation="chunked")
+  want32 = pallas_fa.decode_attention(
+      q.astype(jnp.float32), key.astype(jnp.float32),
+      value.astype(jnp.float32), lengths, **ref_kw)
+  same = pallas_fa.decode_attention(q, key, value, lengths, **ref_kw)
+  assert got[0].dtype == dtype and got[0].shape == (b, t, n, h)
+  assert not bool(jnp.isnan(got[0].astype(jnp.float32)).any())
+  assert_close("pdl merge out", got[0], want32[0], same[0], dtype)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want32[1]),
+                             rtol=2e-2, atol=2e-2)
+  # Against the Triton merge: one rounding of the output apart at most.
+  np.testing.assert_allclose(np.asarray(got[0], np.float32),
+                             np.asarray(default[0], np.float32),
+                             rtol=1e-2, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(default[1]),
+                             rtol=1e-5, atol=1e-5)
+  # A row that sees no key: lse -inf, out 0 (and no sink).
+  empty = np.asarray(lengths) == 0
+  assert np.all(np.isneginf(np.asarray(got[1])[empty]))
+  assert not np.any(np.asarray(got[0], np.float32)[empty])
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
 @pytest.mark.parametrize("cache_dtype, options", [
     # Two consumers over an int8 cache: each one's result staging shares
     # its widened tiles' memory (`shares_staging`), every unit of the one
@@ -494,6 +570,12 @@ def test_mosaic_gpu_decode_quantized_query_refusals():
     pallas_fa.decode_attention(q, cache, cache, jnp.asarray([128]),
                                implementation="chunked",
                                _quantized_query=True)
+  # `_pdl_merge` likewise.
+  with pytest.raises(TypeError, match="_pdl_merge must be a bool"):
+    _call(_pdl_merge="yes")
+  with pytest.raises(ValueError, match="_pdl_merge=True applies to"):
+    pallas_fa.decode_attention(q, cache, cache, jnp.asarray([128]),
+                               implementation="triton", _pdl_merge=True)
   # `_float16_products` likewise: a bool, on mosaic_gpu only.
   with pytest.raises(TypeError, match="_float16_products must be a bool"):
     _call(cache_dtype=jnp.float8_e4m3fn, _float16_products=0)

@@ -164,10 +164,12 @@ def test_decode(implementation, paged, x64):
     or api.platform() != "cpu",
     reason="the Mosaic GPU interpreter runs on CPU only")
 @attention_testing.gpu_jax_only
-def test_mosaic_gpu_decode(x64):
+@pytest.mark.parametrize("pdl_merge", [False, True],
+                         ids=["triton-merge", "pdl-merge"])
+def test_mosaic_gpu_decode(x64, pdl_merge):
   """The Mosaic GPU decode kernel with x64 on: interpreted against the
-  chunked path, and lowered for an H100 (its split kernel and the
-  merge)."""
+  chunked path, and lowered for an H100 (its split kernel and the merge,
+  the Triton one or `_pdl_merge`'s Mosaic GPU one)."""
   del x64  # Active for the whole test.
   b, t, n, num_kv, h, s_max = 2, 2, 4, 2, 64, 128
   gen = rng("x64-decode", "mosaic_gpu")
@@ -178,9 +180,11 @@ def test_mosaic_gpu_decode(x64):
   kw = dict(is_causal=True, local_window_size=(24, 0), logits_soft_cap=10.0)
 
   def decode(implementation, q, k, v):
+    extra = {"_pdl_merge": True} if (
+        pdl_merge and implementation == "mosaic_gpu") else {}
     return pallas_fa.decode_attention(
         q, k, v, lengths, num_splits=2, implementation=implementation,
-        **kw)
+        **kw, **extra)
 
   got = decode("mosaic_gpu", q, k, v)
   want32 = decode("chunked", *(x.astype(jnp.float32) for x in (q, k, v)))

@@ -96,6 +96,7 @@ def decode_attention(
     _prefix_num_warps: int | None = None,
     _quantized_query: bool = False,
     _float16_products: bool = True,
+    _pdl_merge: bool = False,
 ):
   """Attention of T_new new tokens over a KV cache (generation).
 
@@ -238,6 +239,11 @@ def decode_attention(
       float8 cache whose scales are constant along it (its tiles then
       widen through float32), where the default runs them in float16
       (`mosaic_gpu.decode.product_dtypes`).
+    _pdl_merge: private, for A/B benchmarks: on "mosaic_gpu", the splits'
+      merge as a Mosaic GPU kernel launched while the split kernel runs
+      (programmatic dependent launch, jax >= 0.11;
+      `mosaic_gpu.decode_merge`), where the call's parts fit it; else the
+      Triton merge.
 
   Returns:
     out [B, T_new, N, Hv] typed like query, or (out, lse). Empty calls are
@@ -327,6 +333,8 @@ def decode_attention(
                                          False, implementation, prefix_key),
                 **_check_mosaic_gpu_flag("_float16_products",
                                          _float16_products, True,
+                                         implementation, prefix_key),
+                **_check_mosaic_gpu_flag("_pdl_merge", _pdl_merge, False,
                                          implementation, prefix_key))
   if prefix_value is None and value is None and prefix_key is not None:
     prefix_value = jnp.asarray(prefix_key)[..., :hv]  # A latent prefix.
@@ -582,7 +590,8 @@ def _check_mosaic_gpu_flag(name: str, flag, default: bool, implementation,
                            prefix_key) -> dict:
   """{name without its underscore: flag} for the Mosaic GPU kernel's
   `attention` where a private flag (`_quantized_query`,
-  `_float16_products`) is set to other than its default, or {}. The cache
+  `_float16_products`, `_pdl_merge`) is set to other than its default, or
+  {}. The cache
   it reads is the kernel's to check (`mosaic_gpu.decode.supports`).
 
   Raises:

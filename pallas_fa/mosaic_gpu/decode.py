@@ -1,7 +1,8 @@
 """The decode kernel of `mosaic_gpu` (Hopper): split-KV over a KV cache.
 
 Two kernels a step, as `triton.decode`: this split kernel and the merge
-(`triton.decode_merge`). The split kernel runs on the producer/consumer
+(`triton.decode_merge`, or with `pdl_merge` `mosaic_gpu.decode_merge`,
+launched while this kernel runs). The split kernel runs on the producer/consumer
 skeleton of `kernel`:
 
 * units of work are (sequence, K/V head, split), dealt round-robin to at
@@ -83,6 +84,7 @@ from pallas_fa import layout
 from pallas_fa import masking
 from pallas_fa import online_softmax
 from pallas_fa import quantize
+from pallas_fa.mosaic_gpu import decode_merge as mosaic_merge
 from pallas_fa.mosaic_gpu import forward
 from pallas_fa.mosaic_gpu import kernel
 from pallas_fa.mosaic_gpu import ops as gpu_ops
@@ -366,7 +368,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, key_scale=None, value_scale=None, num_warps=None,
               stages=None, num_ctas=None, quantized_query=False,
-              float16_products=True, **unused):
+              float16_products=True, pdl_merge=False, **unused):
   """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
   the merge (`triton.decode_merge`, which adds the sinks and writes the
   query's dtype and layout), two kernels at T_new = 1.
@@ -396,12 +398,16 @@ def attention(query, key, value, lengths, block_table, query_positions,
       cache, the query rows quantized to its dtype (module doc).
     float16_products: False keeps the query's dtype for the products
       (`product_dtypes`' `float16`).
+    pdl_merge: the merge as a Mosaic GPU kernel that the split kernel
+      launches while it runs (`mosaic_gpu.decode_merge`, where it
+      `applies` to the call's part count; else the Triton merge).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new, N]).
   """
   del precision, unused
-  from pallas_fa.triton import decode_merge  # noqa: PLC0415 - Triton, lazily.
+  # Triton, lazily.
+  from pallas_fa.triton import decode_merge as triton_merge  # noqa: PLC0415
   b, t, n, h = query.shape
   num_kv, hv = key.shape[2], value.shape[3]
   s_max = key.shape[1] if block_table is None else (
@@ -477,16 +483,22 @@ def attention(query, key, value, lengths, block_table, query_positions,
                                  entries).astype(_F32),
                 ((0, 0), (0, 0), (0, heads - num_kv)))
         for x in (key_scale, value_scale))
+  pdl_merge = pdl_merge and mosaic_merge.applies(consumers * splits)
   out, lse = _launch(spec, q_rows, key, value, lengths.astype(jnp.int32),
                      qpos, table, scales, head_scales,
                      quantized_query=quantized_query,
                      float16_products=float16_products, splits=splits,
-                     rows=r, new_tokens=t)
+                     rows=r, new_tokens=t, pdl=pdl_merge)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = jnp.repeat(sinks.astype(_F32).reshape(num_kv, g), t, axis=1)
-  out, lse = decode_merge.merge_splits(
-      out, lse, sinks, dtype=query.dtype, value_head_dim=hv, real_rows=r)
+  if pdl_merge:
+    out, lse = mosaic_merge.merge_splits(
+        out, lse, sinks, parts=consumers * splits, dtype=query.dtype,
+        value_head_dim=hv, real_rows=r, interpret=interpret)
+  else:
+    out, lse = triton_merge.merge_splits(
+        out, lse, sinks, dtype=query.dtype, value_head_dim=hv, real_rows=r)
   if t == 1:
     return out.reshape(b, 1, n, hv), lse.reshape(b, 1, n)
   out = out.reshape(b, num_kv, g, t, hv).transpose(0, 3, 1, 2, 4)
@@ -497,11 +509,14 @@ def attention(query, key, value, lengths, block_table, query_positions,
 def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
             scales, head_scales, *, quantized_query: bool,
             float16_products: bool, splits: int, rows: int,
-            new_tokens: int):
+            new_tokens: int, pdl: bool = False):
   """The split kernel: (out float32 [B, K, C * splits, stored_rows(rows),
   Hv], lse float32 [B, K, C * splits, stored_rows(rows)]), each split's
   normalised result and logsumexp (-inf: no visible key) from each of the
-  C = `spec.consumers` consumers (part c * splits + split).
+  C = `spec.consumers` consumers (part c * splits + split). `pdl`: the
+  kernel lets its dependent (the PDL merge) launch while it runs
+  (`kernel.depend_on_grid`), and the parts' axis is padded to that
+  merge's whole tiles (`decode_merge.padded_parts`).
 
   A 1-byte cache (int8 or float8) streams as stored; the consumer widens
   each K and V tile unscaled to the query's dtype (which holds every such
@@ -518,6 +533,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   s_max, num_kv, nc = spec.kv_len, spec.num_heads, spec.consumers
   stored = stored_rows(rows)
   units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
+  # The PDL merge reads whole 8-part tiles: the parts past the kernel's
+  # are never written (and never used).
+  parts = (mosaic_merge.padded_parts(nc * splits) if pdl
+           else nc * splits)
   one_byte = key.dtype.itemsize == 1
   qk_dtype, pv_dtype = product_dtypes(
       spec.dtype, key.dtype, value.dtype, quantized_query=quantized_query,
@@ -798,16 +817,16 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       gpu_ops.barrier(stages),  # V slot released
   )
   out_types = (
-      jax.ShapeDtypeStruct((spec.batch, num_kv, nc * splits, stored, hv),
+      jax.ShapeDtypeStruct((spec.batch, num_kv, parts, stored, hv),
                            _F32),
-      jax.ShapeDtypeStruct((spec.batch, num_kv, nc * splits, stored), _F32),
+      jax.ShapeDtypeStruct((spec.batch, num_kv, parts, stored), _F32),
   )
   return kernel.launch(
       spec, name="pfa_mgpu_decode", units=units, reps=1, operands=operands,
       out_types=out_types, smem_types=smem, barrier_types=barriers,
       unit=unit, producer_groups=producer_groups, schedule=runs,
       # Every reduction is of a row of a [64, block] tile, within a warp.
-      cross_warp_reductions=False, static_consumers=unions)
+      cross_warp_reductions=False, static_consumers=unions, pdl=pdl)
 
 
 def _walk(sched, b, split, step, carry, *, base, consumer, consumers: int):

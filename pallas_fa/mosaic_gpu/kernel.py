@@ -142,7 +142,7 @@ def cpu_client_threads() -> int:
   return os.cpu_count() or 1
 
 
-def _kernel_kwargs(*, out_types, scratch, interpret, lowering_semantics,
+def kernel_kwargs(*, out_types, scratch, interpret, lowering_semantics,
                    cross_warp_reductions=True):
   """`plgpu.kernel` keywords under whichever names this jax version takes.
 
@@ -960,10 +960,31 @@ def store(copies):
   plgpu.commit_smem_to_gmem_group()
 
 
+def waits_on_grid() -> bool:
+  """Whether this jax launches a Mosaic GPU kernel that waits on its grid
+  dependency with programmatic dependent launch (PDL): jax >= 0.11 marks
+  such a kernel `mosaic_gpu.uses_pdl`, which XLA launches with the
+  attribute that lets it start before the previous kernel in the stream
+  has completed."""
+  return (jax.__version_info__ >= (0, 11)
+          and hasattr(plgpu, "griddepcontrol_wait"))
+
+
+def depend_on_grid(ops) -> None:
+  """A PDL kernel's first act, in every thread: wait until the previous
+  kernel in the stream has completed and its writes are visible, then let
+  the next one launch (whose CTAs wait in turn, on the SMs this grid
+  leaves free). No-ops interpreted, and where `waits_on_grid` is False."""
+  if ops.interpret or not waits_on_grid():
+    return
+  plgpu.griddepcontrol_wait()
+  plgpu.griddepcontrol_launch_dependents()
+
+
 def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
            barrier_types, unit, producer_groups, seed=None, residuals=(),
            accumulators=(), cross_warp_reductions=True, schedule=None,
-           static_consumers=False):
+           static_consumers=False, pdl=False):
   """Builds and runs a persistent warp-specialised kernel.
 
   Warpgroups 0 .. consumers - 1 each run `unit` over this CTA's units of
@@ -991,7 +1012,7 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
       `can_accumulate`); the body writes through the output ref.
     cross_warp_reductions: False where every reduction of the kernel runs
       within a warp (the per-row ones of a [64 k, N] wgmma tile, whose warps
-      own 16 rows each): `_kernel_kwargs`.
+      own 16 rows each): `kernel_kwargs`.
     schedule: None (the last operand is the schedule), or schedule(refs)
       -> what the producer reads as one (`produce`'s sched_ref: indexed
       [b, row, i]), for a kernel that computes its tile ranges itself.
@@ -999,6 +1020,8 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
       own, with `Refs.wg` its index as a Python int (for shared memory a
       consumer owns as separate refs, such as a `plgpu.RefUnion` each),
       instead of one copy with the traced warpgroup index.
+    pdl: the kernel starts with `depend_on_grid`, so that its dependent
+      (a PDL kernel) launches while it runs.
   """
   ops = ops_for(spec)
   nc, num_inputs = spec.consumers, len(operands)
@@ -1009,6 +1032,8 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
   first_accumulator = len(operands) - len(accumulators)
 
   def body(*refs):
+    if pdl:
+      depend_on_grid(ops)
     r = Refs(
         inputs=refs[:num_inputs], outputs=refs[len(operands):-2],
         smem=refs[-2], barriers=refs[-1],
@@ -1039,7 +1064,7 @@ def launch(spec: Spec, *, name, units, reps, operands, out_types, smem_types,
 
   mesh = dict(grid=(spec.num_ctas,), grid_names=("cta",),
               num_threads=nc + 1, thread_name="wg")
-  kwargs = _kernel_kwargs(
+  kwargs = kernel_kwargs(
       out_types=out_types, scratch=[smem_types, barrier_types],
       interpret=interpret_params() if spec.interpret else None,
       lowering_semantics=spec.lowering_semantics,

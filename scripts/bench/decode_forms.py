@@ -11,13 +11,15 @@ and not timed):
   (with scales; at their default tiling and at the 64-key one that it
   replaced), and on triton the bfloat16 cache through `mosaic_gpu`'s
   split kernel ("mosaic_gpu_bfloat16"; "mosaic_gpu_paged_16" as shuffled
-  pages of 16 keys; "mosaic_gpu_int8" the int8 cache, "_8_warps" with two
+  pages of 16 keys; "mosaic_gpu_bfloat16_pdl_merge" with the splits'
+  merge launched while the split kernel runs, `_pdl_merge`;
+  "mosaic_gpu_int8" the int8 cache, "_8_warps" with two
   consumer warpgroups a CTA, "..._quantized_query" with its query
   quantized to int8 for Q K^T on 8-bit wgmma; "mosaic_gpu_float8_per_tensor"
   a float8 cache with one scale each for K and V (both products in
   float16), "..._bfloat16_products" the same through the bfloat16
-  products that replaced, and "..._quantized_query" the same with the
-  query in e4m3). The float32-query
+  products that replaced, "..._pdl_merge" with `_pdl_merge`, and
+  "..._quantized_query" the same with the query in e4m3). The float32-query
   cells of earlier windows (a float32 cache, and the int8 cache under
   float32 queries: the float32 path an int8 cache took with them) are no
   longer timed: the b85705a and 07213ac windows measured them at 70.9 and
@@ -223,6 +225,16 @@ def dtype_rows(implementation: str, repeats: int, *,
                       ref32, ref16, _BF16,
                       dict(query_dtype="bfloat16", cache_dtype="bfloat16",
                            kernel="mosaic_gpu")))
+
+    # The splits' merge as a Mosaic GPU kernel launched while the split
+    # kernel runs (programmatic dependent launch), on the same cache.
+    def pdl_merge(q, k, v, lengths):
+      return mosaic(q, k, v, lengths, _pdl_merge=True)
+
+    cells.append(Cell("mosaic_gpu_bfloat16_pdl_merge", pdl_merge,
+                      (q, k, v, lengths), ref32, ref16, _BF16,
+                      dict(query_dtype="bfloat16", cache_dtype="bfloat16",
+                           kernel="mosaic_gpu", _pdl_merge=True)))
     k_pages, v_pages, table = paged_cache(k, v, 16)
 
     def paged(q, k, v, lengths, table):
@@ -286,10 +298,11 @@ def _float8_per_tensor_cells(mosaic, q, k, v, lengths) -> list[Cell]:
   float8 caches), through mosaic_gpu's split kernel: widened to float16
   for float16 products ("mosaic_gpu_float8_per_tensor"), widened to
   bfloat16 through float32 for bfloat16 ones, the path that replaced
-  ("..._bfloat16_products", `_float16_products=False`), and with the
-  query rounded to e4m3 for Q K^T on 8-bit wgmma ("..._quantized_query",
-  `_quantized_query`), checked against the reference on the query as it
-  rounds."""
+  ("..._bfloat16_products", `_float16_products=False`), with the
+  splits' merge launched under the split kernel ("..._pdl_merge",
+  `_pdl_merge`), and with the query rounded to e4m3 for Q K^T on 8-bit
+  wgmma ("..._quantized_query", `_quantized_query`), checked against the
+  reference on the query as it rounds."""
   (k8, ks), (v8, vs) = (quantize.quantize(x, jnp.float8_e4m3fn, axes=None)
                         for x in (k, v))
   deq = [quantize.dequantize(x, c) for x, c in ((k8, ks), (v8, vs))]
@@ -297,6 +310,8 @@ def _float8_per_tensor_cells(mosaic, q, k, v, lengths) -> list[Cell]:
   out = []
   for suffix, options, refs in (
       ("per_tensor", {}, _refs(q, *deq, lengths)),
+      ("per_tensor_pdl_merge", dict(_pdl_merge=True),
+       _refs(q, *deq, lengths)),
       ("per_tensor_bfloat16_products", dict(_float16_products=False),
        _refs(q, *deq, lengths)),
       ("quantized_query", dict(_quantized_query=True),
@@ -563,6 +578,13 @@ TARGETS = (
      "mosaic_gpu_float8_per_tensor_bfloat16_products", 0.85),
     ("mosaic_gpu_float8_vs_bf16", "dtype", "mosaic_gpu_float8_per_tensor",
      "mosaic_gpu_bfloat16", 0.6),
+    # The merge launched while the split kernel runs (PDL) against the
+    # Triton merge launched after it, on the bfloat16 and float8 caches.
+    ("mosaic_gpu_pdl_merge", "dtype", "mosaic_gpu_bfloat16_pdl_merge",
+     "mosaic_gpu_bfloat16", 0.97),
+    ("mosaic_gpu_float8_pdl_merge", "dtype",
+     "mosaic_gpu_float8_per_tensor_pdl_merge",
+     "mosaic_gpu_float8_per_tensor", 0.96),
     ("mosaic_gpu_float8_quantized_query_vs_widened", "dtype",
      "mosaic_gpu_float8_quantized_query", "mosaic_gpu_float8_per_tensor",
      0.8),
