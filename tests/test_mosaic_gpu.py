@@ -769,6 +769,28 @@ def _fused_launches(monkeypatch):
   return names
 
 
+def _spy(monkeypatch, module, name):
+  """Records what `module.name` returns from now on."""
+  seen, real = [], getattr(module, name)
+  monkeypatch.setattr(module, name,
+                      lambda *a: seen.append(real(*a)) or seen[-1])
+  return seen
+
+
+def _fused_order_against_split(monkeypatch, case, field, applies, tag):
+  """`_fused_against_split` with the step order `field` set, checking
+  that the one fused kernel took it (`dkv.<applies>`); dropout at H =
+  32."""
+  names = _fused_launches(monkeypatch)
+  specs = _spy(monkeypatch, dkv, applies)
+  gen = rng("mosaic_gpu", tag, str(case))
+  extra = {}
+  if case.h == 32:
+    extra = dict(dropout_rate=0.25, dropout_rng=int(gen.integers(1 << 30)))
+  _fused_against_split(case, gen, fields={field: True}, **extra)
+  assert names.count("pfa_mgpu_dk_dv_dq") == 1 and specs == [True], specs
+
+
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
 def test_interpreted_fused_backward_shared_columns(monkeypatch):
@@ -813,47 +835,29 @@ def test_interpreted_fused_backward_pipeline(monkeypatch, case):
   last after its last step, on calls it applies to (no segment ids, no
   mask_mod: `dkv.pipelines_dq`; lengths whole units, 128 rows, since
   padding takes segment ids)."""
-  names = _fused_launches(monkeypatch)
-  specs, real = [], dkv.pipelines_dq
-  monkeypatch.setattr(dkv, "pipelines_dq",
-                      lambda spec: specs.append(real(spec)) or specs[-1])
-  gen = rng("mosaic_gpu", "fused-pipeline", str(case))
-  extra = {}
-  if case.h == 32:
-    extra = dict(dropout_rate=0.25, dropout_rng=int(gen.integers(1 << 30)))
-  _fused_against_split(case, gen, fields={"fused_pipeline": True}, **extra)
-  assert names.count("pfa_mgpu_dk_dv_dq") == 1 and specs == [True], specs
+  _fused_order_against_split(monkeypatch, case, "fused_pipeline",
+                             "pipelines_dq", "fused-pipeline")
 
 
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
-@pytest.mark.parametrize("case, fields", [
+@pytest.mark.parametrize("case", [
     # dQ by columns, in the step; causal with GQA, ragged lengths and
     # segments: masked, unmasked and skipped tiles.
-    (Case(b=1, t=100, s=150, n=4, k=2, h=128, causal=True, lengths=True,
-          segments=True), {}),
+    Case(b=1, t=100, s=150, n=4, k=2, h=128, causal=True, lengths=True,
+         segments=True),
     # A window, no masks beyond it.
-    (Case(b=1, t=128, s=256, n=4, k=2, h=128, window=(40, 8)), {}),
+    Case(b=1, t=128, s=256, n=4, k=2, h=128, window=(40, 8)),
     # Each consumer its own keys' dQ (H = 32, padded to 64), dropout.
-    (Case(b=2, t=70, s=90, n=2, k=1, h=32, causal=True), {}),
+    Case(b=2, t=70, s=90, n=2, k=1, h=32, causal=True),
 ], ids=["columns-causal", "columns-window", "own-keys-dropout"])
-def test_interpreted_fused_backward_softmax_overlap(monkeypatch, case,
-                                                    fields):
+def test_interpreted_fused_backward_softmax_overlap(monkeypatch, case):
   """`fused_softmax_overlap`: P^T computed while dP^T's product runs and
   dS^T while dV's does, dS^T stored for dQ there (after P^T, as scratch,
   in the same slot); interpreted, the products run in turn, so this
   checks the step's data flow, the race test its ordering."""
-  names = _fused_launches(monkeypatch)
-  specs, real = [], dkv.softmax_overlaps
-  monkeypatch.setattr(dkv, "softmax_overlaps",
-                      lambda spec: specs.append(real(spec)) or specs[-1])
-  gen = rng("mosaic_gpu", "fused-softmax-overlap", str(case))
-  extra = {}
-  if case.h == 32:
-    extra = dict(dropout_rate=0.25, dropout_rng=int(gen.integers(1 << 30)))
-  _fused_against_split(case, gen, fields={"fused_softmax_overlap": True,
-                                          **fields}, **extra)
-  assert names.count("pfa_mgpu_dk_dv_dq") == 1 and specs == [True], specs
+  _fused_order_against_split(monkeypatch, case, "fused_softmax_overlap",
+                             "softmax_overlaps", "fused-softmax-overlap")
 
 
 def test_softmax_overlap_keeps_the_default_order_where_it_does_not_apply():
@@ -1283,9 +1287,7 @@ def test_compiled_fused_backward_pipeline(monkeypatch, case, dq_swizzle):
   """`fused_pipeline`: each step's dQ chain issued ahead of the next
   step's S^T and staged and reduce-added while S^T runs, which the
   interpreter (products in order) cannot check."""
-  specs, real = [], dkv.pipelines_dq
-  monkeypatch.setattr(dkv, "pipelines_dq",
-                      lambda spec: specs.append(real(spec)) or specs[-1])
+  specs = _spy(monkeypatch, dkv, "pipelines_dq")
   bs = dataclasses.replace(
       mosaic_gpu.default_block_sizes(
           q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=jnp.bfloat16,

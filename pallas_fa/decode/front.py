@@ -591,8 +591,8 @@ def _check_mosaic_gpu_flag(name: str, flag, default: bool, implementation,
   """{name without its underscore: flag} for the Mosaic GPU kernel's
   `attention` where a private flag (`_quantized_query`,
   `_float16_products`, `_pdl_merge`) is set to other than its default, or
-  {}. The cache
-  it reads is the kernel's to check (`mosaic_gpu.decode.supports`).
+  {}. The cache it reads is the kernel's to check
+  (`mosaic_gpu.decode.supports`).
 
   Raises:
     TypeError: not a bool.

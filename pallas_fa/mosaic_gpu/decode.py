@@ -2,8 +2,8 @@
 
 Two kernels a step, as `triton.decode`: this split kernel and the merge
 (`triton.decode_merge`, or with `pdl_merge` `mosaic_gpu.decode_merge`,
-launched while this kernel runs). The split kernel runs on the producer/consumer
-skeleton of `kernel`:
+launched while this kernel runs). The split kernel runs on the
+producer/consumer skeleton of `kernel`:
 
 * units of work are (sequence, K/V head, split), dealt round-robin to at
   most one persistent CTA an SM; each unit finds its key blocks from the

@@ -143,7 +143,7 @@ def cpu_client_threads() -> int:
 
 
 def kernel_kwargs(*, out_types, scratch, interpret, lowering_semantics,
-                   cross_warp_reductions=True):
+                  cross_warp_reductions=True):
   """`plgpu.kernel` keywords under whichever names this jax version takes.
 
   `lowering_semantics` ("lane", "warpgroup" or None for jax's default)
