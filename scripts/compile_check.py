@@ -134,7 +134,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "split_causal", "split_masked", "split_dropout", "fp8",
             "fp8_causal", "decode_prefix", "fused_step",
             "fused_step_causal", "fused_pipeline", "fused_pipeline_causal",
-            "fused_softmax", "fused_softmax_causal",
+            "fused_softmax", "fused_softmax_causal", "fused_softmax_pipeline",
             "wide_keys", "wide_keys_causal", "wide_keys_fp8",
             "wide_keys_fp8_causal", "keys256_fp8", "keys256_fp8_causal",
             "in_kernel_fp8", "bias")
@@ -154,6 +154,11 @@ TILE_VARIANTS = {
     # The softmax under dP^T's and dV's products (dQ in the step).
     "fused_softmax": (dict(backward="fused", fused_softmax_overlap=True,
                            fused_pipeline=False), 32),
+    # Both: the step before's dQ ahead of S^T, then the softmax under dP^T
+    # and dV (a full call's default with `fused_softmax_overlap` set).
+    "fused_softmax_pipeline": (dict(backward="fused",
+                                    fused_softmax_overlap=True,
+                                    fused_pipeline=True), 64),
     # 192-key forward tiles, the last one part padding (masked by index).
     "wide_keys": (dict(block_kv=192, num_stages=2), 16),
     # 256-key float8 forward tiles in two stages (1-byte K and V^T tiles
@@ -259,6 +264,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "fused_pipeline": ("mosaic_gpu",),
                     "fused_pipeline_causal": ("mosaic_gpu",),
                     "fused_softmax": ("mosaic_gpu",),
+                    "fused_softmax_pipeline": ("mosaic_gpu",),
                     "fused_softmax_causal": ("mosaic_gpu",),
                     "wide_keys": ("mosaic_gpu",),
                     "wide_keys_causal": ("mosaic_gpu",),
@@ -286,6 +292,7 @@ VARIANT_MAX_HEAD_DIM = {"split": 128, "split_causal": 128, "split_masked": 128,
                         "fused_step": 128, "fused_step_causal": 128,
                         "fused_pipeline": 128, "fused_pipeline_causal": 128,
                         "fused_softmax": 128, "fused_softmax_causal": 128,
+                        "fused_softmax_pipeline": 128,
                         "wide_keys": 128, "wide_keys_causal": 128,
                         "wide_keys_fp8": 128, "wide_keys_fp8_causal": 128,
                         "keys256_fp8": 128, "keys256_fp8_causal": 128,
@@ -389,7 +396,8 @@ class Case:
       `TILE_VARIANTS`), at head dims <= 128; "fused_pipeline" /
       "fused_pipeline_causal" likewise with `fused_pipeline`;
       "fused_softmax" / "fused_softmax_causal" likewise with
-      `fused_softmax_overlap`;
+      `fused_softmax_overlap`; "fused_softmax_pipeline" = "plain" with
+      both it and `fused_pipeline`;
       "wide_keys" / "wide_keys_causal" = "plain" / "causal" with 192-key
       forward tiles in two stages, at head dims <= 128 (the causal one
       fits because default positions are made from indices, not stored),

@@ -215,6 +215,11 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
                               *steps.FUSED_STEP_VARIANTS)
   assert {"fused_pipeline=true", "fused_pipeline=false"} <= {
     part for spec in fused_step.impls for part in spec.split(":")}
+  # FlashAttention-3's order on top of each call's default order (with
+  # the pipeline in a full call), not in place of it.
+  softmax = [spec for spec in fused_step.impls
+             if "fused_softmax_overlap=true" in spec.split(":")]
+  assert len(softmax) == 1 and "fused_pipeline" not in softmax[0], softmax
   assert (fused_step.seq_lens, fused_step.causal, fused_step.modes) == (
     (16384,), "both", ("fwd_bwd",))
   # The float8 forward: the default beside the 128-key ring full calls

@@ -95,15 +95,16 @@ def test_block_sizes_float8_two_level_is_a_bool_without_intra_overlap():
   assert not mosaic_gpu.MosaicGpuBlockSizes().float8_two_level
 
 
-def test_block_sizes_fused_step_orders_are_alternatives():
+def test_block_sizes_fused_step_orders_that_combine():
+  """`fused_overlap` and `fused_pipeline` are alternatives (both stage
+  dS^T under dK's product); `fused_softmax_overlap` combines with
+  either."""
   with pytest.raises(ValueError, match="fused_overlap.*fused_pipeline"):
     mosaic_gpu.MosaicGpuBlockSizes(fused_overlap=True, fused_pipeline=True)
-  with pytest.raises(ValueError,
-                     match="fused_softmax_overlap.*fused_pipeline"):
-    mosaic_gpu.MosaicGpuBlockSizes(fused_softmax_overlap=True,
-                                   fused_pipeline=True)
-  assert mosaic_gpu.MosaicGpuBlockSizes(
-      fused_softmax_overlap=True, fused_overlap=True).fused_softmax_overlap
+  for other in ("fused_overlap", "fused_pipeline"):
+    bs = mosaic_gpu.MosaicGpuBlockSizes(fused_softmax_overlap=True,
+                                        **{other: True})
+    assert bs.fused_softmax_overlap and getattr(bs, other)
   assert not mosaic_gpu.MosaicGpuBlockSizes().fused_pipeline
 
 
@@ -777,18 +778,22 @@ def _spy(monkeypatch, module, name):
   return seen
 
 
-def _fused_order_against_split(monkeypatch, case, field, applies, tag):
-  """`_fused_against_split` with the step order `field` set, checking
-  that the one fused kernel took it (`dkv.<applies>`); dropout at H =
-  32."""
+def _fused_order_against_split(monkeypatch, case, fields, applies, tag):
+  """`_fused_against_split` with the step order fields `fields` set (a
+  name or a tuple of them), checking that the one fused kernel took each
+  (`dkv.<applies>`, likewise); dropout at H = 32."""
+  fields = (fields,) if isinstance(fields, str) else fields
+  applies = (applies,) if isinstance(applies, str) else applies
   names = _fused_launches(monkeypatch)
-  specs = _spy(monkeypatch, dkv, applies)
+  seen = {name: _spy(monkeypatch, dkv, name) for name in applies}
   gen = rng("mosaic_gpu", tag, str(case))
   extra = {}
   if case.h == 32:
     extra = dict(dropout_rate=0.25, dropout_rng=int(gen.integers(1 << 30)))
-  _fused_against_split(case, gen, fields={field: True}, **extra)
-  assert names.count("pfa_mgpu_dk_dv_dq") == 1 and specs == [True], specs
+  _fused_against_split(case, gen, fields=dict.fromkeys(fields, True),
+                       **extra)
+  assert names.count("pfa_mgpu_dk_dv_dq") == 1, names
+  assert all(specs == [True] for specs in seen.values()), seen
 
 
 @gpu_jax_only  # the Mosaic GPU interpreter
@@ -858,6 +863,28 @@ def test_interpreted_fused_backward_softmax_overlap(monkeypatch, case):
   checks the step's data flow, the race test its ordering."""
   _fused_order_against_split(monkeypatch, case, "fused_softmax_overlap",
                              "softmax_overlaps", "fused-softmax-overlap")
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
+@pytest.mark.parametrize("case", [
+    # dQ by columns from both consumers' dS^T; GQA, masked and unmasked
+    # steps, units of different lengths (lengths whole units: padding
+    # takes segment ids, which keep dQ in the step).
+    Case(b=1, t=128, s=256, n=4, k=2, h=128, causal=True),
+    # Each consumer its own keys' dQ in one dS^T slot (H = 32, padded to
+    # 64), dropout.
+    Case(b=2, t=128, s=128, n=2, k=1, h=32, window=(40, 8)),
+], ids=["shared-columns", "own-keys"])
+def test_interpreted_fused_backward_softmax_overlap_pipelined(monkeypatch,
+                                                              case):
+  """`fused_softmax_overlap` with `fused_pipeline` (a full call's default):
+  the step before's dQ issued ahead of S^T, then P^T under dP^T's product
+  and dS^T under dV's, stored to the step's slot; the unit's last dQ
+  after its last step."""
+  _fused_order_against_split(
+      monkeypatch, case, ("fused_softmax_overlap", "fused_pipeline"),
+      ("softmax_overlaps", "pipelines_dq"), "fused-softmax-pipelined")
 
 
 def test_softmax_overlap_keeps_the_default_order_where_it_does_not_apply():
@@ -933,9 +960,15 @@ def test_interpreted_fused_backward_flex(monkeypatch):
     (dict(num_ctas=2, backward="fused", h=128, dq_split="keys",
           fused_softmax_overlap=True),
      {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
+    # Both: P^T stored to the step's slot while the other consumer's
+    # deferred dQ of the step before reads the other slot.
+    (dict(num_ctas=2, backward="fused", h=128, fused_softmax_overlap=True,
+          fused_pipeline=True, segments=False),
+     {"pfa_mgpu_forward", "pfa_mgpu_dk_dv_dq"}),
 ], ids=["two-consumers", "one-consumer-split-dropout", "fused",
         "fused-dq-by-keys", "fused-overlap", "fused-pipeline",
-        "fused-pipeline-by-keys", "fused-softmax", "fused-softmax-by-keys"])
+        "fused-pipeline-by-keys", "fused-softmax", "fused-softmax-by-keys",
+        "fused-softmax-pipeline"])
 def test_interpreted_kernels_are_race_free(monkeypatch, config, kernels):
   """Every kernel under the interpreter's happens-before race detector: the
   producer refills ring slots (more steps than stages, several units and
@@ -1272,6 +1305,24 @@ def test_compiled_fused_backward_variants(case, dq_swizzle, step_order):
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
       rng("mosaic_gpu", "fused-variants", str(case), str(dq_swizzle),
           str(step_order)))
+
+
+@needs_hopper
+def test_compiled_fused_backward_softmax_order_with_the_pipeline():
+  """A full call at H = 128 with `fused_softmax_overlap` on its default,
+  pipelined tiles: both consumers' dS^T exchanged by columns, the step
+  before's dQ issued ahead of S^T, P^T and dS^T stored to the step's slot
+  under dP^T's and dV's products (the would-be default)."""
+  case = Case(b=1, t=512, s=768, n=4, k=2, h=128)
+  bs = dataclasses.replace(
+      mosaic_gpu.default_block_sizes(
+          q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=jnp.bfloat16,
+          is_causal=False),
+      fused_softmax_overlap=True)
+  assert bs.backward == "fused" and bs.fused_pipeline
+  check_against_reference(
+      flash("mosaic_gpu", bs), case, jnp.bfloat16,
+      rng("mosaic_gpu", "fused-softmax-pipeline"))
 
 
 @needs_hopper

@@ -313,7 +313,9 @@ def backward_dkv(spec: kernel.Spec, q, k, v, do, lse2, delta, q_pos, q_seg,
         # `softmax_overlaps`: P^T while dP^T's product runs, then dS^T
         # while dV's does, each pinned (`Ops.mm_while`) by a store to the
         # step's dS^T slot: P^T's is scratch, overwritten by dS^T's,
-        # which is dQ's operand (`stage_ds` then only commits it).
+        # which is dQ's operand (`stage_ds` then only commits it). Under
+        # `pipelines_dq` the step before's dQ, issued ahead of S^T, read
+        # the other slot, or (one slot) was awaited before S^T's product.
         def pin(new):
           # (The slot's view is built here, inside the product's state:
           # built outside, a constant slot index fails to lower.)
