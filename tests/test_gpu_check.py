@@ -133,6 +133,36 @@ def test_kernels_run_what_the_last_window_left_first(gpu_check):
   assert "float32 and not mosaic_gpu and not triton" in select
 
 
+def test_every_window_variant_builds_its_tiling_for_each_cell(gpu_check):
+  """Each --impls variant of the window's bench runs replaces fields of
+  the default tiling of every cell it runs (full and causal, each T and
+  head dim, its dtype): a pair its config refuses (`fused_overlap` on a
+  full call's default `fused_pipeline`) would lose the cell in the
+  window, so it fails here."""
+  steps = gpu_check.steps
+  sides = {"both": (False, True), "true": (True,), "false": (False,)}
+  built = 0
+  with script_module("benchmark") as benchmark:
+    options, cells = benchmark.options, benchmark.cells
+    for run in steps.BENCH_RUNS[False]:
+      for spec in run.impls:
+        name, fields = options.parse_impl(
+            spec.removesuffix(options.NEGATED_QUERY))
+        if not fields:
+          continue
+        candidate = options.Candidate(kind="impl", name=name,
+                                      block_sizes=fields)
+        for h, t, causal in itertools.product(
+            run.head_dims, run.seq_lens, sides[run.causal]):
+          shape = options.Shape(batch=1, seq_len=t, heads=16, head_dim=h,
+                                causal=causal,
+                                dtype=run.dtype or "bfloat16")
+          bs = cells.block_sizes_for(candidate, shape)
+          assert all(getattr(bs, k) == v for k, v in fields), (spec, bs)
+          built += 1
+  assert built > 20, built
+
+
 def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   """The bench step's processes: one implementation each (its variants
   beside it), the ones that answer the window's questions first with their

@@ -1294,13 +1294,19 @@ def test_compiled_fused_backward_variants(case, dq_swizzle, step_order):
   TMA reduce-add's read must agree on it), its dS^T staged while dK's
   product runs (`fused_overlap`: the product's register operand and the
   stores share registers), which the interpreter (no swizzles, products
-  in order) cannot check."""
+  in order) cannot check. `fused_overlap` replaces a full call's
+  default `fused_pipeline` (they are alternatives); the softmax order
+  runs on top of it."""
+  order = {}
+  if step_order == "fused_overlap":
+    order = dict(fused_overlap=True, fused_pipeline=False)
+  elif step_order is not None:
+    order = {step_order: True}
   bs = dataclasses.replace(
       mosaic_gpu.default_block_sizes(
           q_len=case.t, kv_len=case.s, head_dim=case.h, dtype=jnp.bfloat16,
           is_causal=case.causal),
-      backward="fused", dq_swizzle=dq_swizzle,
-      **({step_order: True} if step_order else {}))
+      backward="fused", dq_swizzle=dq_swizzle, **order)
   check_against_reference(
       flash("mosaic_gpu", bs), case, jnp.bfloat16,
       rng("mosaic_gpu", "fused-variants", str(case), str(dq_swizzle),
