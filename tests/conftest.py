@@ -131,7 +131,9 @@ _GPU_JAX_ONLY_ON_CPU = ("triton",)
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the slow marker
 def pytest_collection_modifyitems(items):
   """`slow_for(*names)`: the test is slow where it runs one of `names`;
-  and the rule above."""
+  and the rule above. Tests marked `long` go first (in their order):
+  pytest-xdist hands tests out in collection order, and a worker given
+  a minute-long test last keeps the run going while the other idles."""
   on_cpu = api.platform() == "cpu"
   for item in items:
     implementation = _implementation_of(item)
@@ -141,6 +143,7 @@ def pytest_collection_modifyitems(items):
     if on_cpu and implementation in _GPU_JAX_ONLY_ON_CPU:
       for mark in GPU_JAX_ONLY:
         item.add_marker(mark)
+  items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 @pytest.fixture

@@ -445,6 +445,7 @@ def test_decode_benchmark_checks_every_candidate_against_the_plain_call(
       row["roofline_ms"] / row["ms"]), row
 
 
+@pytest.mark.long
 @pytest.mark.slow  # A child process per cell: CI runs it in the slow leg.
 def test_decode_benchmark_times_calls_per_program_in_turn(tmp_path):
   """--calls_per_program=3: every candidate, the peers too, is timed three
@@ -912,6 +913,7 @@ def test_readme_performance_names_the_file_that_lacks_a_field(
   assert m.render(tmp_path) == m.render(results)
 
 
+@pytest.mark.long
 @pytest.mark.slow  # 40 s: every cache form's cells on chunked
 def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
   """`decode_benchmark.py --cache_forms`' cells on tiny shapes: every
@@ -1026,6 +1028,7 @@ def test_prefix_cells_on_triton_time_the_replaced_pass_tilings():
           "prefix_pass_vs_32_keys_8_warps"} <= ratios
 
 
+@pytest.mark.long
 @pytest.mark.slow  # the triton and Mosaic GPU kernels interpreted
 def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():
   """On triton the dtype form adds the bfloat16 cache through mosaic_gpu's

@@ -493,6 +493,7 @@ def test_num_warps_is_checked():
                                  implementation="mosaic_gpu")
 
 
+@pytest.mark.long
 @attention_testing.gpu_jax_only_on_cpu
 def test_triton_num_warps_reaches_every_split_kernel(monkeypatch):
   """decode_attention(num_warps=2) launches the split kernels (the rows'

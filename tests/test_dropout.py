@@ -53,6 +53,7 @@ def _run(name, q, k, v, kw, dout):
   return (out, lse, *grads)
 
 
+@pytest.mark.long
 @gpu_jax_only  # Every interpreter at once: CI runs it in leg 2.
 def test_every_backend_and_tiling_draws_the_same_mask():
   """Outputs and gradients agree across backends and tile sizes (the xla

@@ -451,6 +451,7 @@ def test_bench_runs_answer_the_window_first(gpu_check):
   assert steps.run_share(runs, len(essential), left) == needs[len(essential)]
 
 
+@pytest.mark.long
 @pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_a_stopped_test_run_names_the_test_it_was_in(gpu_check, tmp_path):
   """At b85705a the checks step's alone_0 run had 11 s and was stopped
@@ -547,6 +548,7 @@ json.dump({"rows": [{"impl": "decode/triton", "batch": 1, "seq_len": 32768,
 """
 
 
+@pytest.mark.long
 @pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_decode_runs_the_cache_forms_first_and_names_what_was_lost(
     gpu_check, monkeypatch, tmp_path):
@@ -753,6 +755,7 @@ def test_compile_step_exit_status(
     assert record["reason"]
 
 
+@pytest.mark.long
 @pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_stopped_at_timeout_and_polled(gpu_check, tmp_path):
   log = tmp_path / "sleep.log"
@@ -832,6 +835,7 @@ def test_h_dropped():
 """
 
 
+@pytest.mark.long
 @pytest.mark.slow  # 8-12 s of processes and XLA compiles
 def test_pytest_plugin(gpu_check, tmp_path):
   """Order, selection, results as they finish, no shrinking, and a fresh
@@ -939,6 +943,7 @@ def _files(out):
   return sorted(p.name for p in out.iterdir())
 
 
+@pytest.mark.long
 @pytest.mark.slow  # About a minute on 2 cores; the test below runs most of it.
 def test_dry_run(gpu_check, tmp_path):
   out, work = tmp_path / "out", tmp_path / "work"
@@ -1088,6 +1093,7 @@ def test_dry_run(gpu_check, tmp_path):
   assert "kernels" in output and "4 passed" in output
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dry_run_stopped_mid_bench_leaves_its_files(tmp_path):
   """The CPU rehearsal, stopped by SIGTERM (the command's time limit) while

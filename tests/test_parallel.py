@@ -55,16 +55,19 @@ _MULTI_DEVICE_IMPLEMENTATIONS = (
     pytest.param("xla", marks=pytest.mark.slow))
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("implementation", _MULTI_DEVICE_IMPLEMENTATIONS)
 def test_batch_and_head_sharding_matches_single_device(implementation):
   _run_worker("sharded", implementation)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("implementation", _MULTI_DEVICE_IMPLEMENTATIONS)
 def test_ring_attention_matches_single_device(implementation):
   _run_worker("ring", implementation)
 
 
+@pytest.mark.long
 def test_calls_inside_a_user_shard_map_that_checks_varying_axes():
   """flash_attention (chunked, xla; float8 too), ring_attention and
   decode_attention inside the user's own `jax.shard_map(check_vma=True)`
@@ -76,6 +79,7 @@ def test_calls_inside_a_user_shard_map_that_checks_varying_axes():
   assert out.count("ok ") == 9, out
 
 
+@pytest.mark.long
 def test_calls_on_explicit_mesh_axes():
   """Arrays typed with Explicit mesh axes (`jax.make_mesh`'s default, under
   `jax.set_mesh`): flash_attention on chunked, xla and the automatic choice
@@ -86,6 +90,7 @@ def test_calls_on_explicit_mesh_axes():
   assert out.count("ok ") == 5, out
 
 
+@pytest.mark.long
 def test_parallel_entry_points_take_what_flash_attention_takes():
   """A traced scale through sharded_flash_attention and ring_attention
   (refused before), ring_attention(quantize=...) called eagerly in a
@@ -129,6 +134,7 @@ def test_mosaic_gpu_kernels_decline_inside_a_user_shard_map():
 # orders of A and B (A -> B, B -> A as their prefixes) run with the GPU
 # machines' jax (CI leg 2), those of all three with the slow tests (the
 # oldest jax). "xla" compiles fastest, and what is checked is plumbing.
+@pytest.mark.long
 @pytest.mark.parametrize("orders", [
     pytest.param(("ABA", "BAB"), marks=GPU_JAX_ONLY),
     pytest.param(("ABC", "ACB", "BAC", "BCA", "CAB", "CBA"),
@@ -141,6 +147,7 @@ def test_calls_over_meshes_of_other_shapes_in_every_order(orders):
   assert out.count("ok xla meshes") == 2 * sum(map(len, orders)), out
 
 
+@pytest.mark.long
 @gpu_jax_only  # as chunked above
 def test_ring_program_has_no_all_gather_and_errors_name_arguments():
   out = _run_worker("hlo", "chunked")
@@ -154,6 +161,7 @@ def _free_port():
 
 
 # Slow (two processes with gloo): CI runs it in its slow-test leg.
+@pytest.mark.long
 @pytest.mark.slow
 def test_ring_attention_across_two_processes():
   port = str(_free_port())

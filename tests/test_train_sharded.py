@@ -20,6 +20,7 @@ _TIMEOUT_S = 300
 
 
 # Slow (a fresh 8-device process): CI runs it in its slow-test leg.
+@pytest.mark.long
 @pytest.mark.slow
 def test_sharded_training_matches_single_device_and_learns(tmp_path):
   # The worker inherits the suite's XLA_FLAGS (`conftest._compile_cheaply`:
