@@ -779,11 +779,9 @@ def _spy(monkeypatch, module, name):
 
 
 def _fused_order_against_split(monkeypatch, case, fields, applies, tag):
-  """`_fused_against_split` with the step order fields `fields` set (a
-  name or a tuple of them), checking that the one fused kernel took each
-  (`dkv.<applies>`, likewise); dropout at H = 32."""
-  fields = (fields,) if isinstance(fields, str) else fields
-  applies = (applies,) if isinstance(applies, str) else applies
+  """`_fused_against_split` with the step-order fields `fields` (names)
+  set, checking that the one fused kernel took each (the predicates
+  `dkv.<applies>`); dropout at H = 32."""
   names = _fused_launches(monkeypatch)
   seen = {name: _spy(monkeypatch, dkv, name) for name in applies}
   gen = rng("mosaic_gpu", tag, str(case))
@@ -840,8 +838,8 @@ def test_interpreted_fused_backward_pipeline(monkeypatch, case):
   last after its last step, on calls it applies to (no segment ids, no
   mask_mod: `dkv.pipelines_dq`; lengths whole units, 128 rows, since
   padding takes segment ids)."""
-  _fused_order_against_split(monkeypatch, case, "fused_pipeline",
-                             "pipelines_dq", "fused-pipeline")
+  _fused_order_against_split(monkeypatch, case, ("fused_pipeline",),
+                             ("pipelines_dq",), "fused-pipeline")
 
 
 @gpu_jax_only  # the Mosaic GPU interpreter
@@ -861,8 +859,8 @@ def test_interpreted_fused_backward_softmax_overlap(monkeypatch, case):
   dS^T while dV's does, dS^T stored for dQ there (after P^T, as scratch,
   in the same slot); interpreted, the products run in turn, so this
   checks the step's data flow, the race test its ordering."""
-  _fused_order_against_split(monkeypatch, case, "fused_softmax_overlap",
-                             "softmax_overlaps", "fused-softmax-overlap")
+  _fused_order_against_split(monkeypatch, case, ("fused_softmax_overlap",),
+                             ("softmax_overlaps",), "fused-softmax-overlap")
 
 
 @gpu_jax_only  # the Mosaic GPU interpreter

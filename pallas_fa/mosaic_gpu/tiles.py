@@ -160,9 +160,9 @@ class MosaicGpuBlockSizes:
       `fused_pipeline` (a full call's default) each step runs both: dQ
       of the step before issued ahead of S^T, then this order (sm_90a, H
       = 128, full: 505 instructions a consumer step against 489 with the
-      pipeline alone and 498 with this order alone, 0 spills; causal
-      kernels spill 48 B, as the pipeline alone spills 8). Not a default
-      until a GPU run times it.
+      pipeline alone and 498 with this order alone, 0 spills; a causal
+      kernel with both spills 48 B, with the pipeline alone 8). Not a
+      default until a GPU run times it.
     head_section: causal schedules only: the (batch, head) pairs dealt
       together (`kernel.Units`), longest first across a section before the
       next one starts, so that the K/V (Q, dO) of one section stay in L2;
