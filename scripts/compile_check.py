@@ -137,7 +137,7 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "fused_softmax", "fused_softmax_causal", "fused_softmax_pipeline",
             "wide_keys", "wide_keys_causal", "wide_keys_fp8",
             "wide_keys_fp8_causal", "keys256_fp8", "keys256_fp8_causal",
-            "in_kernel_fp8", "bias")
+            "free_fp8", "free_fp8_causal", "in_kernel_fp8", "bias")
 # The tile variants: their prefix (the variant after it, "plain"
 # without one, gives the inputs and masking), the block-size fields they
 # set, and the divisor of the sequence length they compile at: another
@@ -164,6 +164,11 @@ TILE_VARIANTS = {
     # 256-key float8 forward tiles in two stages (1-byte K and V^T tiles
     # fit twice the keys of bfloat16's in the same shared memory).
     "keys256": (dict(block_kv=256, num_stages=2), 3),
+    # The two consumers without ping-pong (free-running: each one's
+    # softmax, longer than the other's float8 products, no longer waits
+    # for a turn), at a length of whole 256-key tiles (the full float8
+    # default's).
+    "free": (dict(pingpong=False), 2),
     # triton's float8 forward converting its 1-byte tiles in registers,
     # where a long call on Hopper widens them in XLA.
     "in_kernel": (dict(widen_float8=False), 1),
@@ -272,6 +277,8 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "wide_keys_fp8_causal": ("mosaic_gpu",),
                     "keys256_fp8": ("mosaic_gpu",),
                     "keys256_fp8_causal": ("mosaic_gpu",),
+                    "free_fp8": ("mosaic_gpu",),
+                    "free_fp8_causal": ("mosaic_gpu",),
                     "in_kernel_fp8": ("triton",),
                     "bias": ("triton",)}
 # The least compute capability of a variant: Triton converts float8_e4m3fn
@@ -283,6 +290,7 @@ VARIANT_MIN_CAPABILITY = {"decode_fp8": (8, 9), "decode_paged_fp8": (8, 9),
                           "wide_keys_fp8_causal": (8, 9),
                           "keys256_fp8": (8, 9),
                           "keys256_fp8_causal": (8, 9),
+                          "free_fp8": (8, 9), "free_fp8_causal": (8, 9),
                           "in_kernel_fp8": (8, 9)}
 # The widest head dim of a variant (past it, its calls run another variant's
 # kernels): past 128, or 64 with dropout, a default call's backward is the
@@ -404,6 +412,8 @@ class Case:
       "wide_keys_fp8" / "wide_keys_fp8_causal" the same of "fp8" /
       "fp8_causal"; "keys256_fp8" / "keys256_fp8_causal" those with
       256-key float8 tiles in two stages, at head dims <= 128;
+      "free_fp8" / "free_fp8_causal" those with the two consumers
+      free-running (`pingpong=False`), at a length of whole 256-key tiles;
       "fp8" / "fp8_causal" = the forward of "plain" / "causal" on
       float8_e4m3fn query, key and value with per-head float32 scales
       (`FP8_VARIANTS`; compute capability 8.9 and up), the

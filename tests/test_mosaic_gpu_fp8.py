@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from attention_testing import gpu_jax_only
 from attention_testing import needs_hopper
+from attention_testing import race_verdicts
 
 import pallas_fa
 from pallas_fa import api
@@ -209,6 +210,40 @@ def test_interpreted_float8_forward_256_key_tiles(granularity, causal):
 
 @gpu_jax_only  # the Mosaic GPU interpreter
 @needs_interpreter
+def test_interpreted_float8_forward_without_pingpong_is_race_free(
+    monkeypatch):
+  """The two consumers free-running (`pingpong=False`: no turns on the
+  tensor cores, each consumer as far ahead as the ring lets it), in the
+  default key loop and the software-pipelined one, under the race
+  detector: a two-slot ring refilled as soon as both consumers release a
+  slot, two CTAs, several units, token scales streamed with K and V. The
+  ping-pong schedule only adds orderings, so a race-free run without it
+  covers the default's rings too."""
+  verdicts, reset = race_verdicts(
+      monkeypatch,
+      lambda spec, name, races: (name, spec.pingpong, spec.intra_overlap,
+                                 races))
+  gen = testing.rng("mosaic_gpu fp8 free-running consumers")
+  values, scales = _quantized(gen, 1, 200, 300, 2, 1, 32, "token")
+  results = []
+  try:
+    with jax.disable_jit():
+      for overlap in (False, True):
+        results.append(_interpreted(
+            values, scales, True, pingpong=False, intra_overlap=overlap,
+            num_stages=2, num_ctas=2))
+  finally:
+    reset()
+  assert [v[:3] for v in verdicts] == [
+      ("pfa_mgpu_forward_fp8", False, False),
+      ("pfa_mgpu_forward_fp8", False, True)], verdicts
+  assert not any(v[3] for v in verdicts), verdicts
+  for out, lse in results:
+    _assert_near_oracle(out, lse, values, scales, True)
+
+
+@gpu_jax_only  # the Mosaic GPU interpreter
+@needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_interpreted_float8_forward_signed_query_scales(causal):
   """Zero and negative query scales are legal and exact. The kernel folds
@@ -250,22 +285,25 @@ def test_interpreted_float8_forward_soft_cap(granularity):
 
 
 @needs_hopper
-@pytest.mark.parametrize("granularity, causal, h, overlap", [
-    ("head", True, 128, False), ("token", False, 128, False),
-    ("tensor", True, 64, False), ("head", False, 256, False),
-    ("head", False, 128, True), ("token", True, 128, True),
-    ("token", False, 256, True)])
-def test_compiled_float8_forward(granularity, causal, h, overlap):
+@pytest.mark.parametrize("granularity, causal, h, loop", [
+    ("head", True, 128, None), ("token", False, 128, None),
+    ("tensor", True, 64, None), ("head", False, 256, None),
+    ("head", False, 128, "overlap"), ("token", True, 128, "overlap"),
+    ("token", False, 256, "overlap"), ("head", False, 128, "free"),
+    ("token", True, 128, "free"), ("token", False, 128, "free_overlap")])
+def test_compiled_float8_forward(granularity, causal, h, loop):
   """The compiled kernel (8-bit wgmma, P packed in registers against the
   reordered V^T, `p_operand`) against the float64 attention of the
-  dequantized inputs: ragged lengths, GQA, several key tiles; with
-  `overlap`, the software-pipelined key loop (`intra_overlap`)."""
+  dequantized inputs: ragged lengths, GQA, several key tiles. `loop`:
+  None, the default; "overlap", the software-pipelined key loop
+  (`intra_overlap`); "free", the consumers without ping-pong;
+  "free_overlap", both."""
   gen = testing.rng("mosaic_gpu fp8 compiled", granularity, causal, h)
   values, scales = _quantized(gen, 2, 333, 517, 4, 2, h, granularity)
-  # With `overlap`, the default forward tiles of the head dim.
-  bs = mosaic_gpu.MosaicGpuBlockSizes(
+  # Otherwise the default forward tiles of the head dim.
+  bs = None if loop is None else mosaic_gpu.MosaicGpuBlockSizes(
       block_kv=64 if h > 128 else 128, num_stages=3 if h > 128 else 4,
-      intra_overlap=True) if overlap else None
+      intra_overlap="overlap" in loop, pingpong="free" not in loop)
   out, lse = pallas_fa.flash_attention(
       *values, **_scales(scales), is_causal=causal,
       implementation="mosaic_gpu", return_residual=True, block_sizes=bs)

@@ -65,7 +65,13 @@ class MosaicGpuBlockSizes:
     num_stages: forward: depth of the K/V shared-memory ring.
     num_consumers: forward: consumer warpgroups per CTA (1 or 2).
     pingpong: forward: alternate the two consumers on the tensor cores
-      (FlashAttention-3 §3.2); needs num_consumers == 2.
+      (FlashAttention-3 §3.2); needs num_consumers == 2. Off, the two run
+      free, each as far ahead as the ring lets it: their softmaxes may
+      then overlap, which the turns forbid (one consumer's softmax runs
+      under the other's products). That matters where a softmax outlasts
+      the other consumer's products, as in the float8 forward, whose
+      products take half bf16's time; timed against ping-pong in the next
+      GPU run.
     intra_overlap: forward: software-pipeline each consumer's key loop
       (FlashAttention-3 §3.2, Algorithm 2): Q K_j^T and P_{j-1} V_{j-1}
       are issued together and the softmax of tile j runs while the

@@ -619,7 +619,7 @@ def run_share(runs: Sequence[BenchRun], i: int, left: float) -> float:
 # two lost causal fwd+bwd cells at T = 4096 compiled in 8.3 and 6.4 s in a
 # later process; cuDNN's 8 cells 20 s; the float8 forwards' first cells
 # 8-15 s. The essential runs need 215 s of the bench step's 270 (the
-# float8 one times the default and the multiply-first loop it replaced;
+# float8 one times the default and its consumers without ping-pong;
 # the split backward, measured in two windows, is no longer one of them);
 # those after them, in what is left: the float8 forward's variants
 # (T = 16384), the fused backward's variants on the cells
@@ -684,11 +684,18 @@ WIDE_KEYS = "mosaic_gpu:block_kv=192:num_stages=2"
 # 128 keys).
 FP8_WIDE_KEYS = "mosaic_gpu:block_kv=256:num_stages=2"
 FP8_NARROW_KEYS = "mosaic_gpu:block_kv=128:num_stages=4"
-# The float8 forward's key loop that multiplies the row factor into every
-# logit before the max: the path the exponent fold replaced as the
-# default, which a negative query scale still takes (its A/B, in the
-# essential float8 run).
-FP8_MULTIPLY_FIRST = "mosaic_gpu+negated_query"
+# The float8 forward's two consumers without ping-pong: each one's softmax
+# (about 2,200 clocks a 256-key tile) is twice the other's float8
+# products (1,024), so taking turns on the tensor cores serialises the
+# two softmaxes (predictions.md section 10); in the essential float8 run,
+# in place of the multiply-first loop that b85705a and 07213ac timed
+# against the exponent fold (1.05x and 1.04x).
+FP8_FREE = "mosaic_gpu:pingpong=false"
+# Free-running consumers with the software-pipelined loop (each one's P V
+# under its own next softmax), at the 128-key tiles where that loop fits
+# its registers (at 256 keys it spills).
+FP8_FREE_OVERLAP = ("mosaic_gpu:block_kv=128:num_stages=4:"
+                    "intra_overlap=true:pingpong=false")
 # triton's forward at the 64-key tiles it had on Hopper before b85705a's
 # run measured 128 (its default since).
 TRITON_VARIANTS = ("triton:block_kv=64",)
@@ -700,7 +707,7 @@ BENCH_RUNS = {
     BenchRun(label="cudnn", need_s=34, peers=("cudnn",),
              head_dims=(128,), seq_lens=_T, matmul_size=8192),
     BenchRun(label="mosaic_gpu_fp8", need_s=44,
-             impls=("mosaic_gpu", FP8_MULTIPLY_FIRST),
+             impls=("mosaic_gpu", FP8_FREE),
              dtype=FP8, head_dims=(128,), seq_lens=_T, modes=("fwd",)),
     # cuDNN's FP8 forward (per-tensor scales): the float8 rows' FP8 peer.
     BenchRun(label="cudnn_fp8", need_s=44, peers=("cudnn_fp8",),
@@ -712,9 +719,11 @@ BENCH_RUNS = {
              impls=("mosaic_gpu:backward=fused", *FUSED_STEP_VARIANTS),
              head_dims=(128,), seq_lens=(16384,), modes=("fwd_bwd",)),
     # The float8 forward's 256-key tiles against the 128-key ring they
-    # replaced (T = 16384, full and causal), in their own process.
+    # replaced (T = 16384, full and causal), and the free-running
+    # pipelined loop at 128 keys, in their own process.
     BenchRun(label="mosaic_gpu_fp8_tiles", need_s=32, essential=False,
-             impls=("mosaic_gpu", FP8_NARROW_KEYS, FP8_WIDE_KEYS),
+             impls=("mosaic_gpu", FP8_NARROW_KEYS, FP8_WIDE_KEYS,
+                    FP8_FREE_OVERLAP),
              dtype=FP8, head_dims=(128,), seq_lens=(16384,), modes=("fwd",)),
     # The causal forward: the pipelined loop without ping-pong, and
     # 192-key tiles (which fit since default positions are made from
