@@ -618,7 +618,7 @@ def run_share(runs: Sequence[BenchRun], i: int, left: float) -> float:
 # mosaic_gpu's 14 of 16 cells took 79 s (7 of them the matmul probe), its
 # two lost causal fwd+bwd cells at T = 4096 compiled in 8.3 and 6.4 s in a
 # later process; cuDNN's 8 cells 20 s; the float8 forwards' first cells
-# 8-15 s. The essential runs need 215 s of the bench step's 270 (the
+# 8-15 s. The essential runs need 182 s of the bench step's 265 (the
 # float8 one times the default and its consumers without ping-pong;
 # the split backward, measured in two windows, is no longer one of them);
 # those after them, in what is left: the float8 forward's variants
@@ -685,9 +685,10 @@ WIDE_KEYS = "mosaic_gpu:block_kv=192:num_stages=2"
 FP8_WIDE_KEYS = "mosaic_gpu:block_kv=256:num_stages=2"
 FP8_NARROW_KEYS = "mosaic_gpu:block_kv=128:num_stages=4"
 # The float8 forward's two consumers without ping-pong: each one's softmax
-# (about 2,200 clocks a 256-key tile) is twice the other's float8
-# products (1,024), so taking turns on the tensor cores serialises the
-# two softmaxes (predictions.md section 10); in the essential float8 run,
+# (about 1,500-1,600 clocks a 256-key tile, fitted to 07213ac) outlasts
+# the other's two float8 products (about 1,430), so taking turns on the
+# tensor cores serialises the two softmaxes (predictions.md section 9,
+# its last block); in the essential float8 run,
 # in place of the multiply-first loop that b85705a and 07213ac timed
 # against the exponent fold (1.05x and 1.04x).
 FP8_FREE = "mosaic_gpu:pingpong=false"
