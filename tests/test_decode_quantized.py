@@ -68,6 +68,32 @@ def test_quantize_keeps_nan_and_inf_visible(dtype):
   np.testing.assert_allclose(back[2], [0.5, -0.25], rtol=2 ** -3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_float8_widens_exactly_through_its_bits(dtype):
+  """`quantize.widened` (on a CPU, float8 to float32 through the bits:
+  XLA:CPU's own conversion runs an element at a time) gives every one of
+  the 256 bit patterns the value ml_dtypes gives it, sign of zero and NaN
+  included, eagerly, jitted, and under `dequantize`'s scales."""
+  pattern = np.arange(256, dtype=np.uint8)
+  x = jnp.asarray(pattern.view(jnp.dtype(dtype)))
+  want = pattern.view(jnp.dtype(dtype)).astype(np.float32)
+
+  def check(got):
+    got = np.asarray(got, np.float32)
+    np.testing.assert_array_equal(got, want)  # NaN where NaN
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+  check(quantize.widened(x))
+  check(jax.jit(quantize.widened)(x))
+  shaped = x.reshape(4, 8, 8)[:, 1:]  # rows of a head dim, a strided view
+  scale = jnp.asarray(rng("widen", str(dtype)).uniform(0.5, 2, (4, 7)),
+                      jnp.float32)
+  with np.errstate(invalid="ignore", over="ignore"):
+    np.testing.assert_array_equal(
+        jax.jit(quantize.dequantize)(shaped, scale),
+        want.reshape(4, 8, 8)[:, 1:] * np.asarray(scale)[..., None])
+
+
 @pytest.mark.parametrize("dtype", QUANTIZED)
 def test_quantize_keeps_tiny_slices_finite(dtype):
   """A slice whose largest magnitude is normal but under about 5e-36 has a
@@ -402,20 +428,27 @@ def test_bad_quantized_arguments_are_named(change, error, match):
                                **kw)
 
 
-def _largest_float32_array(text: str) -> int:
+def _largest_wider_float_array(text: str, dtype) -> int:
+  """Elements of the largest array of a compiled program's text in a float
+  dtype wider than `dtype`."""
+  wider = [name for name, size in (("f32", 4), ("f16", 2), ("bf16", 2))
+           if size > jnp.dtype(dtype).itemsize]
   sizes = [int(np.prod([int(d) for d in dims.split(",") if d]))
-           for dims in re.findall(r"f32\[([\d,]*)\]", text)]
+           for dims in re.findall(rf"\b(?:{'|'.join(wider)})\[([\d,]*)\]",
+                                  text)]
   return max(sizes, default=0)
 
 
 @pytest.mark.parametrize("dtype, paged", [
     (jnp.bfloat16, False), (jnp.bfloat16, True), (jnp.int8, False),
-    (jnp.float8_e5m2, True)])
+    (jnp.float8_e5m2, True), (jnp.float8_e4m3fn, False)])
 def test_a_narrow_cache_is_never_widened_whole(dtype, paged):
   """jaxlib 0.10's XLA:CPU has no 16-bit float slices: a bf16 cache sliced
   as floats was converted to float32 whole before the loop, every call
-  (4.8x slower than a float32 cache at S = 32k). The compiled program
-  holds no float32 array as large as the cache."""
+  (4.8x slower than a float32 cache at S = 32k); a float8 one, sliced as
+  floats, is converted to float16 whole on every jaxlib, each tile back to
+  float8 in the loop (5.7x a bf16 cache's time). The compiled program
+  holds no wider float array as large as the cache."""
   b, s_max, num_kv, h, page_size = 1, 4096, 2, 64, 256
   q = jnp.ones((b, 1, 4, h), jnp.bfloat16)
   if paged:
@@ -432,6 +465,6 @@ def test_a_narrow_cache_is_never_widened_whole(dtype, paged):
       q, k, v, lengths, block_table=table, implementation="chunked",
       block_kv=None if paged else page_size, **scales))
   text = step.lower(q, cache, cache).compile().as_text()
-  assert _largest_float32_array(text) < cache.size // 4, (
-      _largest_float32_array(text), cache.size)
+  largest = _largest_wider_float_array(text, dtype)
+  assert largest < cache.size // 4, (largest, cache.size)
 

@@ -6,6 +6,7 @@ of every sequence, all splits as one vectorised axis.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from pallas_fa import api
 from pallas_fa import manual_axes
 from pallas_fa import masking
 from pallas_fa import online_softmax
+from pallas_fa import quantize
 from pallas_fa.decode import plan
 from pallas_fa.flex import mods
 
@@ -247,31 +249,37 @@ def _tile_dtype(query_dtype):
 
 
 def _stored(cache):
-  """The cache as the unsigned integers of its bits when it is a 16-bit
-  float that this XLA:CPU cannot slice in a loop (`_slices_widen`), else
-  itself.
+  """The cache as the unsigned integers of its bits when it is a 16-bit or
+  float8 float that this XLA:CPU cannot slice in a loop (`_slices_widen`),
+  else itself.
 
   Integer slices stay in the loop, each tile widened on its own
-  (`_widened`); but XLA:CPU materialises the bit view as one 16-bit copy
-  of the cache per call, which keeps a bfloat16 cache slower than a
-  float32 one there (2x at S = 32k, against 4.8x sliced as floats). Where
-  16-bit slices are native (jax >= 0.11, and every accelerator) the cache
-  is sliced as stored: 0.6x the float32 time. float8 slices are native.
+  (`_widened`). A 16-bit cache's bit view XLA:CPU materialises as one
+  16-bit copy of the cache per call, which keeps a bfloat16 cache slower
+  than a float32 one there (2x at S = 32k, against 4.8x sliced as floats);
+  where 16-bit slices are native (jax >= 0.11, and every accelerator) the
+  cache is sliced as stored: 0.6x the float32 time. A float8 cache sliced
+  as stored was widened to float16 whole before the loop and each tile
+  converted back (XLA:CPU's float8 conversions run an element at a time:
+  5.7x a bfloat16 cache's time at S = 32k, jax 0.11.2); its bits are
+  sliced and widened by `quantize.widened`.
   """
-  if (jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize == 2
+  if (jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
       and api.platform() == "cpu" and _slices_widen(cache.dtype)):
-    return jax.lax.bitcast_convert_type(cache, jnp.uint16)
+    return jax.lax.bitcast_convert_type(
+        cache, jnp.uint16 if cache.dtype.itemsize == 2 else jnp.uint8)
   return cache
 
 
 @functools.cache
 def _slices_widen(dtype) -> bool:
   """Whether XLA:CPU widens a loop's slices of a `dtype` array into a
-  float32 copy of the whole array, made before the loop on every call.
+  wider float copy of the whole array, made before the loop on every call.
 
-  Its float normalization in jaxlib 0.10 had no 16-bit float dynamic
-  slices: it converted the array, and loop-invariant code motion hoisted
-  the conversion out of the loop. Probed by compiling one small loop (a
+  Its float normalization had no 16-bit float dynamic slices in jaxlib
+  0.10 (a float32 copy) and has no float8 ones (a float16 copy, 0.10 and
+  0.11): it converts the array, and loop-invariant code motion hoists the
+  conversion out of the loop. Probed by compiling one small loop (a
   dynamic trip count, so that it is not unrolled).
   """
   def loop(x, trips):
@@ -283,7 +291,10 @@ def _slices_widen(dtype) -> bool:
   compiled = jax.jit(loop).lower(
       jax.ShapeDtypeStruct((64, 8), dtype),
       jax.ShapeDtypeStruct((), jnp.int32)).compile()
-  return "f32[64,8]" in compiled.as_text()
+  wider = ("f32",) + (("f16", "bf16") if jnp.dtype(dtype).itemsize == 1
+                      else ())
+  return re.search(rf"\b({'|'.join(wider)})\[64,8\]",
+                   compiled.as_text()) is not None
 
 
 def _widened(tile, dtype, tile_dtype):
@@ -291,7 +302,7 @@ def _widened(tile, dtype, tile_dtype):
   float8 values exactly (every one is a bfloat16 or wider)."""
   if tile.dtype != dtype:
     tile = jax.lax.bitcast_convert_type(tile, dtype)
-  return tile.astype(tile_dtype)
+  return quantize.widened(tile, tile_dtype)
 
 
 def _logit_layout(scale):
