@@ -251,7 +251,8 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     # 16-key pages of a 1-byte cache: four TMA copies a
                     # block for each tile and scale ring.
                     "decode_paged16_int8": ("mosaic_gpu",),
-                    **{name: ("triton",) for name in LATENT_DECODE},
+                    "decode_latent": ("triton", "mosaic_gpu"),
+                    "decode_latent_int8": ("triton",),
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
                     "flex_softcap": ("triton", "mosaic_gpu"),

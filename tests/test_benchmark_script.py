@@ -1028,6 +1028,28 @@ def test_prefix_cells_on_triton_time_the_replaced_pass_tilings():
           "prefix_pass_vs_32_keys_8_warps"} <= ratios
 
 
+@pytest.mark.slow  # the triton and Mosaic GPU kernels interpreted
+def test_latent_cells_on_triton_time_the_mosaic_gpu_kernel():
+  """On triton the latent form adds the latent cache through mosaic_gpu's
+  split kernel (a unit per 256 value columns: one here), checked before
+  it is timed, and its ratios to triton's latent and separate-value
+  cells."""
+  with script_module("decode_benchmark") as module:
+    forms = module.decode_forms
+    rows = forms.latent_rows("triton", 1, s=128, n=4, h=320, hv=256)
+  by_name = {r["impl"]: r for r in rows}
+  cell = by_name["latent_mosaic_gpu"]
+  assert cell["status"] == "ok" and 0 <= cell["max_error"] <= (
+      cell["tolerance"]), cell
+  assert cell["kernel"] == "mosaic_gpu" and cell["ms"] > 0
+  ratios = {r["name"]: r for r in forms.ratios(rows)}
+  for name, baseline in (("latent_mosaic_gpu_vs_triton", "latent"),
+                         ("latent_mosaic_gpu_vs_separate",
+                          "separate_values")):
+    assert ratios[name]["ratio"] == pytest.approx(
+        cell["ms"] / by_name[baseline]["ms"])
+
+
 @pytest.mark.long
 @pytest.mark.slow  # the triton and Mosaic GPU kernels interpreted
 def test_dtype_cells_on_triton_time_the_mosaic_gpu_kernel():

@@ -43,6 +43,15 @@ def _cache(gen, b, s, k, h, hv, dtype, lengths):
   return jnp.asarray(key, dtype), jnp.asarray(value, dtype)
 
 
+def _unpacked(case):
+  """(a case's other keywords, its dtype (bfloat16 by default), its shape
+  (b, t, n, k, h, hv, s))."""
+  c = dict(case)
+  dtype = c.pop("dtype", jnp.bfloat16)
+  return c, dtype, tuple(c.pop(x) for x in ("b", "t", "n", "k", "h", "hv",
+                                             "s"))
+
+
 CASES = {
     # GQA, one new token, a cache length no multiple of the block (its
     # last block read shifted back), ragged lengths, one of them 0.
@@ -76,10 +85,7 @@ CASES = {
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_mosaic_gpu_decode_matches_reference(name):
-  c = dict(CASES[name])
-  dtype = c.pop("dtype", jnp.bfloat16)
-  b, t, n, k, h, hv, s = (c.pop(x) for x in ("b", "t", "n", "k", "h", "hv",
-                                            "s"))
+  c, dtype, (b, t, n, k, h, hv, s) = _unpacked(CASES[name])
   gen = rng("mosaic_gpu decode", name)
   lengths = c.pop("lengths")
   q = jnp.asarray(gen.standard_normal((b, t, n, h)), dtype)
@@ -448,6 +454,87 @@ def test_mosaic_gpu_decode_pdl_merge(monkeypatch, case):
   assert not np.any(np.asarray(got[0], np.float32)[empty])
 
 
+LATENT = {
+    # An absorbed-MLA shape (Hv = 512: two value chunks, units of their
+    # own): 16 query heads on one latent head, ragged lengths (no multiple
+    # of the block, one of them 0) with NaN past each, causal, sinks.
+    "mla_576_512": dict(b=3, t=1, n=16, k=1, h=576, hv=512, s=200,
+                        lengths=(200, 70, 0), is_causal=True, sinks=True),
+    # GQA over two latent heads, two speculative tokens in a window,
+    # float16, one value chunk, keys wider than the values.
+    "gqa_320_256_f16": dict(b=2, t=2, n=8, k=2, h=320, hv=256, s=192,
+                            lengths=(192, 130), is_causal=True,
+                            local_window_size=(100, 0), dtype=jnp.float16),
+}
+
+
+def _latent_call(name, **options):
+  """(call(implementation, wide=False): decode_attention over the latent
+  case `name` in the case's dtype (float32 if `wide`), with `options`
+  but on chunked; the result's shape; the case's dtype)."""
+  c, dtype, (b, t, n, k, h, hv, s) = _unpacked(LATENT[name])
+  gen = rng("mosaic_gpu latent decode", name)
+  lengths = c.pop("lengths")
+  q = np.asarray(gen.standard_normal((b, t, n, h)), np.float32)
+  cache, _ = _cache(gen, b, s, k, h, 1, jnp.float32, lengths)
+  kw = dict(c, value_head_dim=hv,
+            lengths=jnp.asarray(lengths, jnp.int32))
+  if kw.pop("sinks", False):
+    kw["sinks"] = jnp.asarray(gen.standard_normal((n,)), jnp.float32)
+
+  def call(implementation, wide=False):
+    x = jnp.float32 if wide else dtype
+    return pallas_fa.decode_attention(
+        jnp.asarray(q, x), jnp.asarray(cache, x), None,
+        implementation=implementation, return_residual=True, **kw,
+        **({} if implementation == "chunked" else options))
+
+  return call, (b, t, n, hv), dtype
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(LATENT))
+def test_mosaic_gpu_decode_latent_cache(name):
+  """A latent (MLA) cache, its values the keys' first Hv columns of the
+  same ring slot, each value chunk a unit: against the chunked reference
+  in float32 and in the call's dtype, NaN past every length kept out."""
+  call, shape, dtype = _latent_call(name, num_splits=3)
+  got = call("mosaic_gpu")
+  want32, same = call("chunked", wide=True), call("chunked")
+  assert got[0].dtype == dtype and got[0].shape == shape
+  assert not bool(jnp.isnan(got[0].astype(jnp.float32)).any())
+  assert_close(f"{name} out", got[0], want32[0], same[0], dtype)
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want32[1]),
+                             rtol=2e-2, atol=2e-2)
+
+
+@attention_testing.gpu_jax_only_on_cpu
+@needs_kernel
+def test_mosaic_gpu_latent_decode_is_race_free(monkeypatch):
+  """The latent split kernel under the race detector, over more units
+  (two value chunks of three splits, two sequences) than its one CTA and
+  more blocks than its two ring stages: V read from the K slot after
+  Q K^T and zeroed past the length in place before the slot's release,
+  and the result staging written in the packed rows' memory, which the
+  next unit reloads."""
+  verdicts, reset = attention_testing.race_verdicts(
+      monkeypatch, lambda spec, name, races: (name, races))
+  call, _, _ = _latent_call("mla_576_512", num_splits=3)
+  want = call("chunked")
+  try:
+    with jax.disable_jit():
+      got = call("mosaic_gpu")
+  finally:
+    reset()
+  assert [name for name, _ in verdicts] == ["pfa_mgpu_decode"], verdicts
+  raced = [name for name, found in verdicts if found]
+  assert not raced, f"races reported (printed above) in {raced}"
+  np.testing.assert_allclose(np.asarray(got[0], np.float32),
+                             np.asarray(want[0], np.float32), atol=2e-2,
+                             rtol=2e-2)
+
+
 @attention_testing.gpu_jax_only_on_cpu
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype, options", [
@@ -538,6 +625,28 @@ def _call(**changes):
 def test_mosaic_gpu_decode_refuses_by_name(changes, match):
   with pytest.raises(NotImplementedError, match=match):
     _call(**changes)
+
+
+@needs_kernel
+@pytest.mark.parametrize("changes, match", [
+    (dict(h=640), "latent cache's head dim is 640"),
+    (dict(value_head_dim=128), "value_head_dim is 128"),
+    (dict(num_warps=8), "num_warps=8 with a latent cache"),
+    (dict(cache_dtype=jnp.int8, key_scale=jnp.ones(())),
+     "latent cache is int8"),
+    (dict(paged=True), "latent cache is paged"),
+])
+def test_mosaic_gpu_decode_refuses_latent_caches_by_name(changes, match):
+  h = changes.pop("h", 576)
+  dtype = changes.pop("cache_dtype", jnp.bfloat16)
+  cache = jnp.ones((1, 128, 1, h), dtype)
+  if changes.pop("paged", False):
+    changes["block_table"] = jnp.asarray([[0]], jnp.int32)
+  kw = dict(value_head_dim=512, lengths=jnp.asarray([100], jnp.int32))
+  kw.update(changes)
+  with pytest.raises(NotImplementedError, match=match):
+    pallas_fa.decode_attention(jnp.ones((1, 1, 16, h), jnp.bfloat16), cache,
+                               None, implementation="mosaic_gpu", **kw)
 
 
 @needs_kernel

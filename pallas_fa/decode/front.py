@@ -167,7 +167,8 @@ def decode_attention(
       query's 16-bit dtype or an int8/float8 one, at H = 64, 128 or 256,
       pages of a multiple of 8 keys dividing or a multiple of 64 (1-byte
       ones of at least 64 past H = 128), a contiguous cache or shared
-      prefix of at least 64 entries, G * T_new <= 64, no latent cache, no
+      prefix of at least 64 entries, G * T_new <= 64, a contiguous 16-bit
+      latent cache (H a multiple of 64 up to 576, Hv of 256), no
       score_mod/mask_mod, a block_kv of 64 or 128).
       Other backends have no decode kernel and raise NotImplementedError.
     precision: as in `flash_attention`.

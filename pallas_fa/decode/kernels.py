@@ -122,7 +122,8 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
   elif implementation == "mosaic_gpu":
     platform = None
     block = block_kv or kernel.DEFAULT_BLOCK
-    programs = num_kv
+    # A latent cache's value chunks are units too.
+    programs = num_kv * kernel.latent_chunks(static)
     per_core = 1  # One persistent CTA an SM (`mosaic_gpu.decode`).
   else:
     platform = "tpu"

@@ -64,11 +64,27 @@ conversion a value pair) for a float16 P V. The query's rounding (to 8
 bits for int8, 4 for e4m3) is the accuracy this trades, as in 8-bit
 attention.
 
+A latent (MLA) cache (`value_head_dim`: the values are the keys' first
+Hv columns) streams its key tiles only, [64, H] a block (H = 576: 72 KiB),
+two stages deep; the values P V reads are a column slice of the same ring
+slot, released after P V. A [64, Hv] float32 accumulator would be 256
+registers a thread, so each unit sums `LATENT_VALUE_CHUNK` value columns
+(a [64, 256] accumulator): the units are (sequence, K/V head, value chunk,
+split), the chunks of a split run on CTAs at once and read its key blocks
+from HBM once between them (the second read from L2), each computing Q K^T
+and the softmax (the tensor work of a 16-row call is padded to wgmma's 64
+rows anyway). The result staging shares the query tile's shared memory
+(a `plgpu.RefUnion`: the unit's last Q K^T has run when the staging is
+written, and the next unit loads its rows once the staging's store has
+read it).
+
 Scope: a contiguous or paged cache of the query's 16-bit dtype or of 1
 byte (pages of a multiple of 8 keys that divides or is a multiple of the
 block; 1-byte pages of at least 64 keys past head dim 128) at head dims of
-64, 128 or 256, and at least one block of keys; `decode.kernels` refuses
-the rest by name (`supports`).
+64, 128 or 256, a contiguous latent cache of the query's dtype (key head
+dim a multiple of 64 up to 576, Hv a multiple of 256 up to it), and at
+least one block of keys; `decode.kernels` refuses the rest by name
+(`supports`).
 """
 
 from __future__ import annotations
@@ -113,11 +129,20 @@ _KEY_SCALES = 5
 # An H100's SMs, where the target does not say.
 _DEFAULT_SMS = 132
 
-# A decode module's interface to `decode.kernels`: 1-byte caches (contiguous)
-# but no latent one (`supports`); a shared prefix's rows fold into one tile
-# up to its 64 rows.
+# A decode module's interface to `decode.kernels`: 1-byte and latent caches
+# (`supports` says which); a shared prefix's rows fold into one tile up to
+# its 64 rows.
 QUANTIZED_CACHES = True
+LATENT_CACHES = True
 MAX_FOLDED_ROWS = TILE_ROWS
+# A latent unit's value columns (`decode.kernels.run` passes them as
+# `max_value_chunk`): a [64, 256] float32 accumulator, 128 registers a
+# thread.
+LATENT_VALUE_CHUNK = 256
+# A latent cache's widest key head dim: a 64-key block of it is 72 KiB, a
+# ring of two beside the query tile (which the staging shares) fits shared
+# memory.
+LATENT_MAX_HEAD_DIM = 576
 # Keys per block a caller may pick: wgmma's N of Q K^T, and whole 64-row
 # tiles of V (the rows past a length are zeroed in the accumulator layout,
 # `_zero_rows_past`).
@@ -179,13 +204,18 @@ def supports(query, key, value, block_table, static) -> str | None:
       return (f"the cache is 1-byte in {page}-key pages at head dim "
               f"{max(h, value.shape[3])}; past head dim 128 it reads "
               f"1-byte pages of at least {DEFAULT_BLOCK} keys")
-  for name in ("score_mod", "mask_mod", "value_head_dim"):
+  for name in ("score_mod", "mask_mod"):
     if static.get(name) is not None:
       return f"{name} is set"
-  hv = value.shape[3]
-  for name, dim in (("head dim", h), ("value head dim", hv)):
-    if dim not in HEAD_DIMS:
-      return f"the {name} is {dim}; it takes 64, 128 or 256"
+  if static.get("value_head_dim") is not None:
+    why = _latent_refusal(key, block_table, static)
+    if why:
+      return why
+  else:
+    hv = value.shape[3]
+    for name, dim in (("head dim", h), ("value head dim", hv)):
+      if dim not in HEAD_DIMS:
+        return f"the {name} is {dim}; it takes 64, 128 or 256"
   if n // key.shape[2] * t > TILE_ROWS:
     return (f"G x T_new = {n // key.shape[2] * t} packed rows exceed "
             f"{TILE_ROWS}")
@@ -194,6 +224,33 @@ def supports(query, key, value, block_table, static) -> str | None:
             f"{key.shape[1]} entries, fewer than one {DEFAULT_BLOCK}-key "
             f"block")
   return None
+
+
+def _latent_refusal(key, block_table, static) -> str | None:
+  """Why the kernel cannot take a latent cache (`supports`), or None."""
+  h, hv = key.shape[3], static["value_head_dim"]
+  if key.dtype.itemsize == 1:
+    return f"the latent cache is {key.dtype}; it reads 16-bit latent caches"
+  if block_table is not None:
+    return "the latent cache is paged; it reads contiguous latent caches"
+  if static.get("num_warps") == 8:
+    return "num_warps=8 with a latent cache; it reads one with 4"
+  if h % 64 or h > LATENT_MAX_HEAD_DIM:
+    return (f"the latent cache's head dim is {h}; it takes a multiple of 64 "
+            f"up to {LATENT_MAX_HEAD_DIM}")
+  if hv % LATENT_VALUE_CHUNK:
+    return (f"value_head_dim is {hv}; it takes a multiple of "
+            f"{LATENT_VALUE_CHUNK}")
+  return None
+
+
+def latent_chunks(static) -> int:
+  """Value chunks a split of a call (units of their own): 1 but for a
+  latent cache."""
+  hv = static.get("value_head_dim")
+  if hv is None:
+    return 1
+  return hv // (static.get("max_value_chunk") or LATENT_VALUE_CHUNK)
 
 
 def check_block(block: int, cache_len: int) -> int:
@@ -252,14 +309,14 @@ def query_copy_itemsize(query_dtype, key_dtype, value_dtype,
 def stages_for(head_dim: int, value_head_dim: int, block: int,
                cache_itemsize: int = 2, num_kv: int = 8,
                consumers: int = 1, query_copy_itemsize: int = 0,
-               scale_rings: bool = True) -> int:
+               scale_rings: bool = True, latent: bool = False) -> int:
   """The deepest ring (at most `DEFAULT_STAGES`, at least 2; even with two
   consumers, which take the ring's slots of their parity) whose launch
   fits shared memory."""
   for stages in range(DEFAULT_STAGES, 2, -consumers):
     if smem_bytes(head_dim, value_head_dim, block, stages, cache_itemsize,
                   num_kv, consumers, query_copy_itemsize,
-                  scale_rings) <= _SMEM_BYTES:
+                  scale_rings, latent) <= _SMEM_BYTES:
       return stages
   return 2
 
@@ -267,7 +324,7 @@ def stages_for(head_dim: int, value_head_dim: int, block: int,
 def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
                cache_itemsize: int = 2, num_kv: int = 8,
                consumers: int = 1, query_copy_itemsize: int = 0,
-               scale_rings: bool = True) -> int:
+               scale_rings: bool = True, latent: bool = False) -> int:
   """Shared memory of a launch (`_launch`'s buffers, each aligned to 1 KiB
   by Mosaic GPU): each consumer's query tile, result staging and
   logsumexps, the K/V ring, and for a 1-byte cache the scales' rings
@@ -275,14 +332,20 @@ def smem_bytes(head_dim: int, value_head_dim: int, block: int, stages: int,
   columns where `scale_rings`, each consumer's copy of its query tile
   that Q K^T reads (`query_copy_itemsize` bytes an element,
   `product_dtypes`; a 1 KiB placeholder at 0), and each consumer's two
-  widened tiles; and 1 KiB for the barriers."""
+  widened tiles; and 1 KiB for the barriers. A `latent` cache
+  (`value_head_dim` the unit's value chunk) has a K ring only (a 1 KiB
+  placeholder for V's) and the staging in the query tile's memory."""
   def kib(x):
     return layout.round_up(x, 1024)
 
-  ring = stages * (kib(block * head_dim * cache_itemsize)
-                   + kib(block * value_head_dim * cache_itemsize))
   staging = kib(consumers * TILE_ROWS * value_head_dim * 4)
   query = kib(consumers * TILE_ROWS * head_dim * 2)
+  if latent:
+    ring = stages * kib(block * head_dim * cache_itemsize) + 1024
+    return (1024 + max(query, staging) + 1024
+            + kib(consumers * TILE_ROWS * 4) + ring)
+  ring = stages * (kib(block * head_dim * cache_itemsize)
+                   + kib(block * value_head_dim * cache_itemsize))
   if cache_itemsize == 1:
     heads = layout.round_up(num_kv, _ROW_TILE)
     ring += (2 * kib(stages * block * heads * 4)
@@ -368,7 +431,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
               is_causal: bool, local_window_size, logits_soft_cap,
               precision, key_scale=None, value_scale=None, num_warps=None,
               stages=None, num_ctas=None, quantized_query=False,
-              float16_products=True, pdl_merge=False, **unused):
+              float16_products=True, pdl_merge=False, value_head_dim=None,
+              max_value_chunk=None, **unused):
   """`decode_attention(implementation="mosaic_gpu")`: the split kernel and
   the merge (`triton.decode_merge`, which adds the sinks and writes the
   query's dtype and layout), two kernels at T_new = 1.
@@ -401,6 +465,9 @@ def attention(query, key, value, lengths, block_table, query_positions,
     pdl_merge: the merge as a Mosaic GPU kernel that the split kernel
       launches while it runs (`mosaic_gpu.decode_merge`, where it
       `applies` to the call's part count; else the Triton merge).
+    value_head_dim: a latent cache's Hv (value is key; module doc), or
+      None; max_value_chunk: its value columns a unit (None:
+      `LATENT_VALUE_CHUNK`).
 
   Returns:
     (out [B, T_new, N, Hv] in the query's dtype, lse float32 [B, T_new, N]).
@@ -410,6 +477,11 @@ def attention(query, key, value, lengths, block_table, query_positions,
   from pallas_fa.triton import decode_merge as triton_merge  # noqa: PLC0415
   b, t, n, h = query.shape
   num_kv, hv = key.shape[2], value.shape[3]
+  latent = value_head_dim is not None
+  chunks = latent_chunks(dict(value_head_dim=value_head_dim,
+                              max_value_chunk=max_value_chunk))
+  if latent:
+    hv = value_head_dim
   s_max = key.shape[1] if block_table is None else (
       block_table.shape[1] * key.shape[1])
   g = n // num_kv
@@ -434,8 +506,11 @@ def attention(query, key, value, lengths, block_table, query_positions,
   query_copy = query_copy_itemsize(
       query.dtype, key.dtype, value.dtype, quantized_query=quantized_query,
       scale_rings=scale_rings, float16=float16_products)
-  stages = stages or stages_for(h, hv, block, key.dtype.itemsize, num_kv,
-                                consumers, query_copy, scale_rings)
+  # The V tile's columns: a latent unit's value chunk.
+  hv_tile = hv // chunks
+  stages = stages or stages_for(h, hv_tile, block, key.dtype.itemsize,
+                                num_kv, consumers, query_copy, scale_rings,
+                                latent)
   interpret = interpreted()
   q_rows = _packed_rows(query, num_kv)
   if interpret and rows > r:
@@ -446,10 +521,11 @@ def attention(query, key, value, lengths, block_table, query_positions,
     target = gpu_target.current()
     num_ctas = 1 if interpret or target is None else (
         target.core_count or _DEFAULT_SMS)
-  units = b * num_kv * splits
+  units = b * num_kv * chunks * splits
   spec = kernel.Spec(
       batch=b, q_len=TILE_ROWS, kv_len=s_max, num_heads=num_kv,
-      num_kv_heads=num_kv, head_dim=h, value_head_dim=hv, dtype=query.dtype,
+      num_kv_heads=num_kv, head_dim=h, value_head_dim=hv_tile,
+      dtype=query.dtype,
       block_q=TILE_ROWS, block_kv=block, stages=stages, consumers=consumers,
       num_ctas=max(1, min(num_ctas, units)), pingpong=False,
       is_causal=is_causal, window=local_window_size, scale=scale,
@@ -458,8 +534,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
       # layouts for this kernel (jax 0.11.2).
       lowering_semantics="lane")
   if not interpret:
-    need = smem_bytes(h, hv, block, stages, key.dtype.itemsize, num_kv,
-                      consumers, query_copy, scale_rings)
+    need = smem_bytes(h, hv_tile, block, stages, key.dtype.itemsize,
+                      num_kv, consumers, query_copy, scale_rings, latent)
     if need > _SMEM_BYTES:
       raise ValueError(
           f"mosaic_gpu decode: block_kv={block} keys x {stages} stages at "
@@ -488,7 +564,8 @@ def attention(query, key, value, lengths, block_table, query_positions,
                      qpos, table, scales, head_scales,
                      quantized_query=quantized_query,
                      float16_products=float16_products, splits=splits,
-                     rows=r, new_tokens=t, pdl=pdl_merge)
+                     rows=r, new_tokens=t, pdl=pdl_merge,
+                     latent_chunks=chunks if latent else 0)
   if sinks is not None:
     # Packed row r of K/V head k belongs to query head k * G + r // T.
     sinks = jnp.repeat(sinks.astype(_F32).reshape(num_kv, g), t, axis=1)
@@ -509,7 +586,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
 def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
             scales, head_scales, *, quantized_query: bool,
             float16_products: bool, splits: int, rows: int,
-            new_tokens: int, pdl: bool = False):
+            new_tokens: int, pdl: bool = False, latent_chunks: int = 0):
   """The split kernel: (out float32 [B, K, C * splits, stored_rows(rows),
   Hv], lse float32 [B, K, C * splits, stored_rows(rows)]), each split's
   normalised result and logsumexp (-inf: no visible key) from each of the
@@ -527,12 +604,17 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   cache (`head_scales`: float32 [1 or B, 1, 1 or K] each) as one factor a
   unit on the logits and on the result; a float8 cache may have neither.
   With `quantized_query` the consumer rounds its query rows to the
-  cache's dtype and K tiles go to the products as stored."""
+  cache's dtype and K tiles go to the products as stored. With
+  `latent_chunks` (a latent cache, `value` the key) the units are (b, K/V
+  head x chunk, split), V is the unit's chunk of the K slot's columns
+  (`spec.hv` wide), and its results fill those columns of the output."""
   ops = kernel.ops_for(spec)
   bk, h, hv, stages = spec.block_kv, spec.head_dim, spec.hv, spec.stages
   s_max, num_kv, nc = spec.kv_len, spec.num_heads, spec.consumers
   stored = stored_rows(rows)
-  units = kernel.Units(spec.batch, num_kv, splits, spec.num_ctas)
+  latent = latent_chunks > 0
+  chunks = max(1, latent_chunks)
+  units = kernel.Units(spec.batch, num_kv * chunks, splits, spec.num_ctas)
   # The PDL merge reads whole 8-part tiles: the parts past the kernel's
   # are never written (and never used).
   parts = (mosaic_merge.padded_parts(nc * splits) if pdl
@@ -548,6 +630,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
   # `smem` below), where the interpreter (if interpreting) takes unions.
   unions = one_byte and (not spec.interpret
                          or kernel.interpreter_takes_ref_unions())
+  # A latent call's query rows and staging in a union (module doc), where
+  # the interpreter (if interpreting) takes unions.
+  latent_unions = latent and (not spec.interpret
+                              or kernel.interpreter_takes_ref_unions())
   optional = [(name, x) for name, x in (
       ("qpos", qpos), ("table", table),
       *zip(("key_scale", "value_scale"), scales or ()),
@@ -619,6 +705,8 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
 
     def k_copies(b, n, rep, j, slot):
       del rep
+      if latent:  # The unit's K/V head.
+        n = kernel.div(n, chunks)
       return (block_copies(k_ref, k_smem.at[slot], b, n, j, table_ref)
               + scale_copies(r, 0, b, n, j, slot)
               + (scale_copies(r, 1, b, n, j, slot) if both_scales_with_keys
@@ -630,6 +718,8 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
               + ([] if both_scales_with_keys
                  else scale_copies(r, 1, b, n, j, slot)))
 
+    if latent:  # The values are the K slot's columns.
+      return [(k_bar, k_free, k_copies)]
     return [(k_bar, k_free, k_copies), (v_bar, v_free, v_copies)]
 
   scale = online_softmax.exponent_scale(spec.scale, cap=spec.soft_cap,
@@ -639,6 +729,8 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     q_ref = r.inputs[0]
     o_ref, lse_ref = r.outputs
     q_smem, o_smem, lse_smem = r.smem[:3]
+    if latent and latent_unions:
+      q_smem, o_smem = r.smem[0]
     k_smem, v_smem = r.smem[_RING:_RING + 2]
     wg = r.wg
     if one_byte:
@@ -653,6 +745,10 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     q_bar, k_bar, v_bar, k_free, v_free = r.barriers
     sched = runs(r)
     b, n, split = r.units.decode(r.cta, t)
+    if latent:
+      # The unit's value chunk: its V tile's columns, and the output's.
+      chunk, n = kernel.rem(n, chunks), kernel.div(n, chunks)
+      columns = pl.ds(pl.multiple_of(chunk * hv, hv), hv)
     ulo = sched[b, split, 0]
     length = sched.length(b)
     # The unit's rows and the rounding rows after them (the next head's,
@@ -693,7 +789,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         plgpu.barrier_arrive(k_free.at[slot])
       qk = ops.mm(q_rows_smem.at[kernel.stationary_in_step(spec, wg)],
                   k_tile, transpose_b=True)
-      if not one_byte or quantized_query:
+      if (not one_byte or quantized_query) and not latent:
         plgpu.barrier_arrive(k_free.at[slot])
       # The 1-byte products dequantized: a factor a row, a unit or a key.
       if row_factors is not None:
@@ -726,8 +822,11 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
                                     jnp.zeros_like(value_factors))
         p = p * lax.broadcast_in_dim(value_factors, p.shape, (1,))
       p = p.astype(pv_dtype)
-      plgpu.barrier_wait(v_bar.at[slot])
-      v_tile = v_smem.at[slot]
+      if latent:
+        v_tile = k_smem.at[slot, :, columns]
+      else:
+        plgpu.barrier_wait(v_bar.at[slot])
+        v_tile = v_smem.at[slot]
       if one_byte:
         v_tile = _widened(ops, v_tile, wide.at[1], pv_dtype,
                           (first, length) if masked else None)
@@ -735,7 +834,9 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       elif masked:
         _zero_rows_past(ops, v_tile, first, length)
       acc = ops.mm(p, v_tile, a_in_smem=False, acc=acc)
-      if not one_byte:
+      if latent:
+        plgpu.barrier_arrive(k_free.at[slot])
+      elif not one_byte:
         plgpu.barrier_arrive(v_free.at[slot])
       return m_i, l_i, acc
 
@@ -754,9 +855,19 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
     part = wg * splits + split
     o_smem[...] = out
     lse_smem.at[wg][...] = lse
-    kernel.store([(o_smem.at[pl.ds(0, stored)], o_ref.at[b, n, part]),
-                  (lse_smem.at[wg, pl.ds(0, stored)],
-                   lse_ref.at[b, n, part])])
+    result = (o_smem.at[pl.ds(0, stored)],
+              o_ref.at[b, n, part, pl.ds(0, stored)])
+    lse_result = (lse_smem.at[wg, pl.ds(0, stored)], lse_ref.at[b, n, part])
+    if not latent:
+      kernel.store([result, lse_result])
+    else:
+      kernel.store([(result[0], result[1].at[:, columns])])
+
+      # (Every chunk of a split has the same logsumexp: one writes it.)
+      @pl.when(chunk == 0)
+      def _():
+        kernel.store([lse_result])
+
     return base + sched[b, split, 1] - ulo
 
   # The widened tiles, in P V's operand dtype (Q K^T's too where K widens:
@@ -776,17 +887,25 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
         for _ in range(nc))
   else:
     staging = ops.smem((nc, TILE_ROWS, hv), _F32, True)
+  rows_smem = ops.smem((nc, TILE_ROWS, h), spec.dtype, True)
+  v_ring = ops.smem((stages, bk, hv), value.dtype, True,
+                    swizzle=min(ops.swizzle, hv * value.dtype.itemsize))
+  if latent:
+    # No V ring (the K slot's columns); the staging in the packed rows'
+    # memory where the launch takes unions (module doc).
+    v_ring = plgpu.SMEM((8,), _F32)
+    if latent_unions:
+      rows_smem, staging = plgpu.RefUnion(rows_smem, staging), v_ring
   smem = (
       # Each consumer's packed rows, its result's staging and logsumexp.
-      ops.smem((nc, TILE_ROWS, h), spec.dtype, True),
+      rows_smem,
       staging,
       plgpu.SMEM((nc, TILE_ROWS), _F32),
       # The K and V rings (a 1-byte tile's rows are H bytes: its swizzle
       # no wider).
       ops.smem((stages, bk, h), key.dtype, True,
                swizzle=min(ops.swizzle, h * key.dtype.itemsize)),
-      ops.smem((stages, bk, hv), value.dtype, True,
-               swizzle=min(ops.swizzle, hv * value.dtype.itemsize)),
+      v_ring,
   )
   if one_byte:
     # 1 KiB placeholders where a call has no use for a buffer.
@@ -817,7 +936,7 @@ def _launch(spec: kernel.Spec, q_rows, key, value, lengths, qpos, table,
       gpu_ops.barrier(stages),  # V slot released
   )
   out_types = (
-      jax.ShapeDtypeStruct((spec.batch, num_kv, parts, stored, hv),
+      jax.ShapeDtypeStruct((spec.batch, num_kv, parts, stored, hv * chunks),
                            _F32),
       jax.ShapeDtypeStruct((spec.batch, num_kv, parts, stored), _F32),
   )

@@ -48,7 +48,8 @@ and not timed):
   whose wgmma tile the 64 rows fill;
 * `latent`: an MLA cache (H = 576, Hv = 512, K = 1) read once for K and V
   (`value=None`) against a separate 512-wide value cache (two reads) and
-  against the floor of one 576-wide read (a one-column value cache).
+  against the floor of one 576-wide read (a one-column value cache); on
+  triton also through `mosaic_gpu`'s split kernel ("latent_mosaic_gpu").
 
 The references are `implementation="chunked"` in float32 and in
 bfloat16 (the project's low-precision rule, `testing.compare`), jitted
@@ -514,6 +515,14 @@ def latent_rows(implementation: str, repeats: int, *,
              (q, latent, None, lengths), *refs, _BF16,
              dict(value_chunk=chunk))
         for chunk in ((512, 256) if implementation == "triton" else ())),
+      # The Mosaic GPU split kernel (Hopper) on the same cache: 64-key
+      # blocks of the whole key width by TMA, two stages, the values a
+      # column slice of the same slot, a unit per 256 value columns.
+      *([Cell("latent_mosaic_gpu", lambda q, k, v, lengths: _decode(
+          "mosaic_gpu")(q, k, v, lengths, value_head_dim=hv),
+              (q, latent, None, lengths), *refs, _BF16,
+              dict(kernel="mosaic_gpu"))]
+        if implementation == "triton" else []),
   ], repeats, calls, **shape)
 
 
@@ -597,6 +606,12 @@ TARGETS = (
     ("tnew16_mosaic_gpu_vs_triton", "tnew", "t_new_16_mosaic_gpu",
      "t_new_16", 0.9),
     ("latent_vs_separate", "latent", "latent", "separate_values", 0.75),
+    # The Mosaic GPU kernel over the latent cache against triton's, and
+    # against separate K and V caches (issue goal: at most 0.6x).
+    ("latent_mosaic_gpu_vs_triton", "latent", "latent_mosaic_gpu", "latent",
+     0.7),
+    ("latent_mosaic_gpu_vs_separate", "latent", "latent_mosaic_gpu",
+     "separate_values", 0.6),
     ("latent_vs_floor", "latent", "latent", "one_read_floor", 1.15),
     # The split count against the programs an SM holds.
     ("latent_vs_132_splits", "latent", "latent", "latent_132_splits", 1.0),
