@@ -37,6 +37,17 @@ _BLOCK_BYTES = 1 << 22
 _SYMBOLIC_BATCH = 8
 
 
+def paged_block(page_size: int, num_pages: int, batch: int, num_kv: int,
+                h: int, query_dtype) -> int:
+  """Keys per block of a paged cache: the whole pages that come nearest to
+  a contiguous cache's block (`default_block`), at least one. A page a
+  step (16 keys for vLLM's pages) made a step's fixed cost the call's:
+  4.2x a contiguous cache's time at S = 32k on a 2-core CPU (jax
+  0.11.2)."""
+  block = default_block(page_size * num_pages, batch, num_kv, h, query_dtype)
+  return page_size * max(1, block // page_size)
+
+
 def default_block(s_max: int, batch: int, num_kv: int, h: int,
                   query_dtype) -> int:
   """Keys per block of a contiguous cache: a power of two in [16, 2048]
@@ -110,19 +121,26 @@ def attention(query, key, value, lengths, block_table, query_positions, sinks,
       return (start, rows(key, False), rows(value, False),
               rows(key_scale, True), rows(value_scale, True))
   else:
-    num_blocks = block_table.shape[1]
-    steps = -(-num_blocks // splits)
+    # A split's block is `per_block` whole pages (`paged_block`), gathered
+    # at once: step j reads table entries [j * splits * per_block, (j + 1)
+    # * splits * per_block), split p the p-th run of `per_block` of them.
+    page_size = key.shape[1]
+    per_block = block // page_size
+    num_pages = block_table.shape[1]
+    steps = -(-num_pages // (splits * per_block))
     table = jnp.pad(block_table.astype(jnp.int32),
-                    ((0, 0), (0, steps * splits - num_blocks)))
-    table = table.reshape(b, steps, splits)
+                    ((0, 0), (0, steps * splits * per_block - num_pages)))
+    table = table.reshape(b, steps, splits * per_block)
 
     def read(step):
       pages = jax.lax.dynamic_index_in_dim(table, step, 1, keepdims=False)
 
       def rows(x, broadcasts):  # [B, P, C, ...]; a scale's 1s stay 1.
         if x is None or (broadcasts and x.shape[0] == 1):
+          if x is not None and x.shape[1] > 1:  # One page's scales, each.
+            x = jnp.tile(x, (1, per_block, 1))
           return None if x is None else x[None]
-        return x[pages]
+        return x[pages].reshape(b, splits, block, *x.shape[2:])
 
       return (step * span, rows(key, False), rows(value, False),
               rows(key_scale, True), rows(value_scale, True))

@@ -144,8 +144,9 @@ def decode_attention(
       and platform (`default_num_splits`).
     block_kv: keys per block of a contiguous cache (a power of two >= 16
       for "triton", a multiple of 8 for "mosaic_tpu", of 32 for its
-      quantized caches); default from the head dim. A paged cache reads one
-      page per block ("chunked"), a divisor of it ("mosaic_tpu": a multiple
+      quantized caches); default from the head dim. A paged cache reads
+      whole pages a block ("chunked": as many as come nearest to its
+      contiguous block), a divisor of it ("mosaic_tpu": a multiple
       of 8, or of 32 when quantized) or the contiguous default ("triton":
       a slice of a page, or pages smaller than it gathered several to a
       block).
@@ -552,7 +553,10 @@ def _own_cache(implementation, query, query_positions, sinks, cache, tiling,
                  key.shape[1], b, num_kv, h, query.dtype))
     num_blocks = -(-key.shape[1] // block)
   else:
-    block, num_blocks = key.shape[1], cache["block_table"].shape[1]
+    num_pages = cache["block_table"].shape[1]
+    block = chunked.paged_block(key.shape[1], num_pages, b, num_kv, h,
+                                query.dtype)
+    num_blocks = -(-num_pages // (block // key.shape[1]))
   splits = tiling["num_splits"] or plan.default_num_splits(
       b, num_kv, num_blocks)
   flex = {**dict(score_mod=None, score_mod_args=(), mask_mod=None,
