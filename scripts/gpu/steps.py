@@ -944,8 +944,9 @@ DECODE_FLAGS = {
 # (the quantized ones with cells since dropped: the merge in the split
 # kernel, two warps a program, float32 queries; about 4 s a cell) and the
 # forms' 95 s stopped paged and T_new (paged is settled: within 4-5 %
-# twice). The six mosaic_gpu cells add about 24 s: about 110 s of the
-# forms' 100, so paged (settled, last) may be cut.
+# twice). The seven mosaic_gpu cells (the latent cache's among them) add
+# about 28 s: about 115 s of the forms' 100, so paged (settled, last) may
+# be cut.
 DECODE_FORMS = {
   False: ("prefix", "latent", "dtype", "tnew", "paged"),
   True: ("latent",),
