@@ -79,9 +79,13 @@ def implementations() -> tuple[str, ...]:
   return tuple(names)
 
 
-# The platform kernels are built for ("gpu" for CUDA/ROCm and inside
-# `gpu_target.compile_for`).
-platform = gpu_target.platform
+def platform() -> str:
+  """The platform kernels are built for, with CUDA/ROCm reported as "gpu"
+  (an ahead-of-time `gpu_target.compile_for` target counts as a GPU)."""
+  if gpu_target.ahead_of_time() is not None:
+    return "gpu"
+  p = jax.default_backend()
+  return "gpu" if p in ("cuda", "rocm", "gpu") else p
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -66,15 +66,6 @@ def ahead_of_time() -> GpuTarget | None:
   return _AHEAD_OF_TIME.get()
 
 
-def platform() -> str:
-  """The platform kernels are built for, with CUDA/ROCm reported as "gpu"
-  (an ahead-of-time `compile_for` target counts as a GPU)."""
-  if ahead_of_time() is not None:
-    return "gpu"
-  p = jax.default_backend()
-  return "gpu" if p in ("cuda", "rocm", "gpu") else p
-
-
 def current() -> GpuTarget | None:
   """The GPU kernels are built for: the ahead-of-time target, else the
   default device when it is a GPU, else None (interpret on CPU)."""

@@ -22,8 +22,6 @@ from typing import Sequence
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fa import gpu_target
-
 Array = Any
 
 # The narrow dtypes, each with the largest magnitude it holds.
@@ -224,34 +222,23 @@ _FP8_SPECIAL = {jnp.dtype(jnp.float8_e4m3fn): 0x7F,
                 jnp.dtype(jnp.float8_e5m2): 0x7C}
 
 
-def widened(x: Array, dtype=jnp.float32) -> Array:
-  """`x.astype(dtype)`, for a float8 `x` on a CPU through its bits.
+def float8_bits_as_float32(bits: Array, dtype) -> Array:
+  """The values of float8 `dtype` (e4m3fn or e5m2) whose bits are the
+  uint8 `bits`, as float32, exactly: the magnitude's exponent re-biased
+  into float32's; a subnormal, which that reads with an implicit leading 1
+  (the smallest normal value added), as twice that less the smallest
+  normal; inf and NaN (payload kept) from the magnitudes past
+  `_FP8_SPECIAL`; then the sign bit.
 
   XLA:CPU converts float8 one element at a time (about 1.5-2 ns an
-  element on a 2-core x86-64, 15x its int8 conversion). The same exact
-  values come from integer and float32 operations that vectorise
-  (`_fp8_as_float32`), kept out of the consumer's fusion (fused into a
-  transposing one they ran 1.5x slower). With `decode.chunked._stored`
-  this took a float8 cache's decode at S = 32k from 113 to 54 ms (jax
-  0.11.2) and from 125 to 42 ms (0.10.2). Elsewhere (GPU, TPU) the
-  conversion is native and stays.
+  element on a 2-core x86-64, 15x its int8 conversion) and has no float8
+  dynamic slices; these integer and float32 operations vectorise
+  (`decode.chunked` slices a float8 cache as its bits and widens each
+  tile so).
   """
-  dtype = jnp.dtype(dtype)
-  if (is_fp8(x.dtype) and dtype in (jnp.float32, jnp.float64)
-      and gpu_target.platform() == "cpu"):
-    return lax.optimization_barrier(_fp8_as_float32(x)).astype(dtype)
-  return x.astype(dtype)
-
-
-def _fp8_as_float32(x: Array) -> Array:
-  """A float8 (e4m3fn or e5m2) array's values as float32, exactly, from its
-  bits: the magnitude's exponent re-biased into float32's; a subnormal,
-  which that reads with an implicit leading 1 (the smallest normal value
-  added), as twice that less the smallest normal; inf and NaN (payload
-  kept) from the magnitudes past `_FP8_SPECIAL`; then the sign bit."""
-  info = jnp.finfo(x.dtype)
+  info = jnp.finfo(dtype)
   mantissa_bits, bias = info.nmant, 1 - info.minexp
-  bits = lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.int32)
+  bits = bits.astype(jnp.int32)
   magnitude = bits & 0x7F
   aligned = lax.shift_left(magnitude, jnp.int32(23 - mantissa_bits))
   value = lax.bitcast_convert_type(aligned + ((127 - bias) << 23),
@@ -259,7 +246,7 @@ def _fp8_as_float32(x: Array) -> Array:
   smallest_normal = 2.0 ** (1 - bias)
   value = jnp.where(magnitude < (1 << mantissa_bits),
                     2 * value - smallest_normal, value)
-  value_bits = jnp.where(magnitude >= _FP8_SPECIAL[jnp.dtype(x.dtype)],
+  value_bits = jnp.where(magnitude >= _FP8_SPECIAL[jnp.dtype(dtype)],
                          aligned | 0x7F800000,
                          lax.bitcast_convert_type(value, jnp.int32))
   return lax.bitcast_convert_type(
@@ -269,7 +256,7 @@ def _fp8_as_float32(x: Array) -> Array:
 def dequantize(x: Array, scale: Array | None, dtype=jnp.float32) -> Array:
   """The array a quantized pair means: `x.astype(dtype) * scale[..., None]`
   (a missing scale is 1; `scale` broadcastable to `x.shape[:-1]`)."""
-  x = widened(x, dtype)
+  x = x.astype(dtype)
   if scale is None:
     return x
   scale = jnp.asarray(scale, dtype)

@@ -70,29 +70,25 @@ def test_quantize_keeps_nan_and_inf_visible(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
-def test_float8_widens_exactly_through_its_bits(dtype):
-  """`quantize.widened` (on a CPU, float8 to float32 through the bits:
-  XLA:CPU's own conversion runs an element at a time) gives every one of
-  the 256 bit patterns the value ml_dtypes gives it, sign of zero and NaN
-  included, eagerly, jitted, and under `dequantize`'s scales."""
+def test_float8_widens_exactly_from_its_bits(dtype):
+  """`quantize.float8_bits_as_float32` (a CPU's float8 cache, sliced as its
+  bits: XLA:CPU's own conversion runs an element at a time) gives every
+  one of the 256 bit patterns the value ml_dtypes gives it, sign of zero
+  and NaN included, eagerly, jitted, and on a strided view."""
   pattern = np.arange(256, dtype=np.uint8)
-  x = jnp.asarray(pattern.view(jnp.dtype(dtype)))
   want = pattern.view(jnp.dtype(dtype)).astype(np.float32)
 
-  def check(got):
+  def check(got, want=want):
     got = np.asarray(got, np.float32)
     np.testing.assert_array_equal(got, want)  # NaN where NaN
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
 
-  check(quantize.widened(x))
-  check(jax.jit(quantize.widened)(x))
-  shaped = x.reshape(4, 8, 8)[:, 1:]  # rows of a head dim, a strided view
-  scale = jnp.asarray(rng("widen", str(dtype)).uniform(0.5, 2, (4, 7)),
-                      jnp.float32)
-  with np.errstate(invalid="ignore", over="ignore"):
-    np.testing.assert_array_equal(
-        jax.jit(quantize.dequantize)(shaped, scale),
-        want.reshape(4, 8, 8)[:, 1:] * np.asarray(scale)[..., None])
+  bits = jnp.asarray(pattern)
+  check(quantize.float8_bits_as_float32(bits, dtype))
+  check(jax.jit(quantize.float8_bits_as_float32, static_argnums=1)(
+      bits, dtype))
+  check(quantize.float8_bits_as_float32(bits.reshape(4, 8, 8)[:, 1:], dtype),
+        want.reshape(4, 8, 8)[:, 1:])
 
 
 @pytest.mark.parametrize("dtype", QUANTIZED)

@@ -140,7 +140,9 @@ def attention(query, key, value, lengths, block_table, query_positions, sinks,
           if x is not None and x.shape[1] > 1:  # One page's scales, each.
             x = jnp.tile(x, (1, per_block, 1))
           return None if x is None else x[None]
-        return x[pages].reshape(b, splits, block, *x.shape[2:])
+        x = x[pages]  # [B, P * per_block, page_size (a scale's: or 1), ...]
+        x = jnp.broadcast_to(x, x.shape[:2] + (page_size,) + x.shape[3:])
+        return x.reshape(b, splits, block, *x.shape[3:])
 
       return (step * span, rows(key, False), rows(value, False),
               rows(key_scale, True), rows(value_scale, True))
@@ -280,7 +282,7 @@ def _stored(cache):
   as stored was widened to float16 whole before the loop and each tile
   converted back (XLA:CPU's float8 conversions run an element at a time:
   5.7x a bfloat16 cache's time at S = 32k, jax 0.11.2); its bits are
-  sliced and widened by `quantize.widened`.
+  sliced and widened by `quantize.float8_bits_as_float32`.
   """
   if (jnp.issubdtype(cache.dtype, jnp.floating) and cache.dtype.itemsize < 4
       and api.platform() == "cpu" and _slices_widen(cache.dtype)):
@@ -317,10 +319,17 @@ def _slices_widen(dtype) -> bool:
 
 def _widened(tile, dtype, tile_dtype):
   """A tile of a `_stored` cache of `dtype`, in `tile_dtype`: int8 and
-  float8 values exactly (every one is a bfloat16 or wider)."""
+  float8 values exactly (every one is a bfloat16 or wider). A float8
+  cache's bits (a CPU's) become float32 by integer operations
+  (`quantize.float8_bits_as_float32`), with no float8 value in the loop,
+  kept out of the consumer's fusion (fused into a transposing one they ran
+  1.5x slower)."""
+  if tile.dtype == jnp.uint8 and quantize.is_fp8(dtype):
+    wide = quantize.float8_bits_as_float32(tile, dtype)
+    return jax.lax.optimization_barrier(wide).astype(tile_dtype)
   if tile.dtype != dtype:
     tile = jax.lax.bitcast_convert_type(tile, dtype)
-  return quantize.widened(tile, tile_dtype)
+  return tile.astype(tile_dtype)
 
 
 def _logit_layout(scale):
