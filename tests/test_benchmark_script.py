@@ -976,7 +976,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "mosaic_gpu_float8_quantized_query_vs_bf16",
         "mosaic_gpu_int8_quantized_query_vs_widened",
         "mosaic_gpu_int8_quantized_query_vs_bf16", "mosaic_gpu_pdl_merge",
-        "mosaic_gpu_float8_pdl_merge"}
+        "mosaic_gpu_float8_pdl_merge", "latent_mosaic_gpu_vs_triton",
+        "latent_mosaic_gpu_vs_separate"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
