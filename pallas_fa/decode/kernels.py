@@ -123,7 +123,8 @@ def _tiling(kernel, implementation, query, key, value, block_table, static,
     platform = None
     block = block_kv or kernel.DEFAULT_BLOCK
     # A latent cache's value chunks are units too.
-    programs = num_kv * kernel.latent_chunks(static)
+    programs = num_kv * kernel.latent_chunks(
+        static.get("value_head_dim"), static.get("max_value_chunk"))
     per_core = 1  # One persistent CTA an SM (`mosaic_gpu.decode`).
   else:
     platform = "tpu"

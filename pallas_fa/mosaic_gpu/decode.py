@@ -244,13 +244,14 @@ def _latent_refusal(key, block_table, static) -> str | None:
   return None
 
 
-def latent_chunks(static) -> int:
+def latent_chunks(value_head_dim: int | None,
+                  max_value_chunk: int | None = None) -> int:
   """Value chunks a split of a call (units of their own): 1 but for a
-  latent cache."""
-  hv = static.get("value_head_dim")
-  if hv is None:
+  latent cache (`value_head_dim`), `LATENT_VALUE_CHUNK` columns each
+  unless `max_value_chunk` says."""
+  if value_head_dim is None:
     return 1
-  return hv // (static.get("max_value_chunk") or LATENT_VALUE_CHUNK)
+  return value_head_dim // (max_value_chunk or LATENT_VALUE_CHUNK)
 
 
 def check_block(block: int, cache_len: int) -> int:
@@ -478,8 +479,7 @@ def attention(query, key, value, lengths, block_table, query_positions,
   b, t, n, h = query.shape
   num_kv, hv = key.shape[2], value.shape[3]
   latent = value_head_dim is not None
-  chunks = latent_chunks(dict(value_head_dim=value_head_dim,
-                              max_value_chunk=max_value_chunk))
+  chunks = latent_chunks(value_head_dim, max_value_chunk)
   if latent:
     hv = value_head_dim
   s_max = key.shape[1] if block_table is None else (

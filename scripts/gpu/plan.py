@@ -146,7 +146,7 @@ _DECODE = Step(
   "alone, and the call and its prefix pass with 8 warps and the pass in "
   "32-key blocks of 8 against the default one warpgroup), "
   "the latent cache against separate K and V (and with more splits or "
-  "wider value chunks), int8 "
+  "wider value chunks, and through mosaic_gpu's split kernel), int8 "
   "and float8 caches against bf16, "
   "each at its 128-key default against the 64-key tiling it replaced, "
   "T_new = 16 against 1 (also over the int8 cache, with one warpgroup a "
