@@ -256,6 +256,11 @@ def float8_bits_as_float32(bits: Array, dtype) -> Array:
 def dequantize(x: Array, scale: Array | None, dtype=jnp.float32) -> Array:
   """The array a quantized pair means: `x.astype(dtype) * scale[..., None]`
   (a missing scale is 1; `scale` broadcastable to `x.shape[:-1]`)."""
+  # Converted as is, never through the bits (`float8_bits_as_float32`):
+  # `chunked`'s forward transposes float8 inputs into tiles, and where they
+  # were constants of a jitted call XLA:CPU's constant folding read the
+  # transposed literal's bits in their stored order (jaxlib 0.10.2 and
+  # 0.11.2: a bitcast-convert folded on a literal with a permuted layout).
   x = x.astype(dtype)
   if scale is None:
     return x

@@ -508,3 +508,38 @@ def test_a_narrow_cache_is_never_widened_whole(dtype, paged):
   largest = _largest_wider_float_array(text, dtype)
   assert largest < cache.size, (largest, cache.size)
 
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn,
+                                   jnp.float8_e5m2])
+def test_a_cache_folded_at_compile_time_decodes_as_passed(dtype):
+  """A cache closed over by a jitted step is a constant that XLA folds
+  through the decode's layout changes; XLA:CPU's constant folding of a
+  bitcast-convert has read a transposed float8 literal in its stored order
+  (a jitted float8 forward with its inputs closed over, jaxlib 0.10.2 and
+  0.11.2), and `chunked` slices 16-bit and float8 caches as their bits.
+  Here a head-major cache, transposed inside the step, with a traced
+  query scale, decodes as the float64 oracle says."""
+  gen = rng("folded cache", str(dtype))
+  b, s, num_kv, n, h = 2, 96, 2, 4, 16
+  q = gen.standard_normal((b, 1, n, h)).astype(np.float32)
+  q_dtype = dtype if dtype == jnp.bfloat16 else jnp.float32
+  head_major = [jnp.asarray(gen.standard_normal((b, num_kv, s, h)) * 4,
+                            jnp.float32).astype(dtype) for _ in range(2)]
+  lengths = np.array([s, s - 37], np.int32)
+
+  def decode(factor, key, value):
+    return pallas_fa.decode_attention(
+        jnp.asarray(q, q_dtype) * factor.astype(q_dtype),
+        *(jnp.transpose(x, (0, 2, 1, 3)) for x in (key, value)),
+        jnp.asarray(lengths), implementation="chunked")
+
+  factor = jnp.float32(0.5)
+  out = jax.jit(lambda f: decode(f, *head_major))(factor)
+  passed = jax.jit(decode)(factor, *head_major)
+  k, v = (np.transpose(np.asarray(x.astype(jnp.float32)), (0, 2, 1, 3))
+          for x in head_major)
+  q_read = np.asarray(jnp.asarray(q, q_dtype).astype(jnp.float32))
+  want = _oracle(q_read * 0.5, k, v, lengths, lengths[:, None] - 1)[0]
+  assert_close("out", out, want, passed, dtype=q_dtype)
+  assert_close("out passed", passed, want, out, dtype=q_dtype)
