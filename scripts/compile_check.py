@@ -128,7 +128,8 @@ VARIANTS = ("plain", "causal", "masked", "dropout", "decode", "decode_paged",
             "decode_fp8_quantized_query", "decode_int8_quantized_query",
             "decode_int8_quantized_query_two_consumers", "decode_fp8_unscaled",
             "decode_fp8_per_head", "decode_paged_fp8", "decode_paged16_int8",
-            "decode_latent", "decode_latent_int8", "decode_pdl_merge",
+            "decode_latent", "decode_latent_int8", "decode_latent_paged",
+            "decode_pdl_merge",
             "value_dim", "flex_alibi", "flex_softcap",
             "flex_document", "flex_t5", "decode_flex", "split",
             "split_causal", "split_masked", "split_dropout", "fp8",
@@ -232,7 +233,11 @@ WIDE_DECODE_NEW_TOKENS = {"decode_int8_64_rows": 16,
 # the query's; int8 with float32 key scales per entry). Their shape is
 # `LATENT_SHAPE`, whatever the matrix's head dims: such a variant compiles
 # once per target, backend and dtype, as h=576 (`VARIANT_HEAD_DIMS`).
-LATENT_DECODE = {"decode_latent": None, "decode_latent_int8": "int8"}
+LATENT_DECODE = {"decode_latent": None, "decode_latent_int8": "int8",
+                 "decode_latent_paged": None}
+# The latent variants over pages, and their page size: FlashMLA's 64-key
+# blocks, one a kernel block.
+LATENT_PAGE_SIZE = {"decode_latent_paged": 64}
 LATENT_SHAPE = dict(head_dim=576, value_head_dim=512, heads=16, kv_heads=1)
 # Variants only some backends implement (the others decline them).
 VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
@@ -253,6 +258,7 @@ VARIANT_BACKENDS = {"dropout": ("triton", "mosaic_gpu"),
                     "decode_paged16_int8": ("mosaic_gpu",),
                     "decode_latent": ("triton", "mosaic_gpu"),
                     "decode_latent_int8": ("triton",),
+                    "decode_latent_paged": ("triton", "mosaic_gpu"),
                     "value_dim": ("triton", "mosaic_gpu"),
                     "flex_alibi": ("triton", "mosaic_gpu"),
                     "flex_softcap": ("triton", "mosaic_gpu"),
@@ -375,9 +381,10 @@ class Case:
       cache (value=None, value_head_dim: DeepSeek's H = 576, Hv = 512,
       one K/V head, 16 query heads, `LATENT_SHAPE`, whatever the
       matrix's head dims), of the query's dtype or int8 with float32 key
-      scales per entry; "decode_pdl_merge" = "decode" with the splits'
-      merge as a Mosaic GPU kernel launched under the split kernel
-      (`_pdl_merge`, mosaic_gpu);
+      scales per entry; "decode_latent_paged" = "decode_latent" in pages
+      of 64 keys (`LATENT_PAGE_SIZE`); "decode_pdl_merge" = "decode" with
+      the splits' merge as a Mosaic GPU kernel launched under the split
+      kernel (`_pdl_merge`, mosaic_gpu);
       "value_dim" = causal with a value head dim Hv = H // 2 (MLA-style
       values narrower than queries/keys), or 2 H at H <= 64: there H // 2
       pads to H's width on mosaic_gpu, the kernels of the causal case,
@@ -582,22 +589,27 @@ def _decode_call(case: Case, seq: int, spec):
 
 def _latent_decode_call(case: Case, seq: int, spec):
   """(argument specs, forward function) of a latent decode case: the
-  query, the one [B, S, 1, H] cache (the values its first Hv columns),
-  the lengths and, int8, the key scales [B, S, 1]."""
+  query, the one [B, S, 1, H] cache (the values its first Hv columns; as
+  pages [P, page_size, 1, H] with a block table where the variant has
+  them), the lengths and, int8, the key scales [B, S, 1]."""
   b, latent = 2, LATENT_SHAPE
-  cache = (b, seq, latent["kv_heads"])
+  page = LATENT_PAGE_SIZE.get(case.variant)
+  cache = ((b * seq // page, page) if page else (b, seq)) + (
+      latent["kv_heads"],)
   cache_dtype = LATENT_DECODE[case.variant] or case.dtype
   args = [spec((b, DECODE_SHAPE["new_tokens"], latent["heads"],
                 latent["head_dim"])),
           spec((*cache, latent["head_dim"]), cache_dtype),
-          spec((b,), jnp.int32)]
+          spec((b,), jnp.int32),
+          spec((b, seq // page), jnp.int32) if page else None]
   if LATENT_DECODE[case.variant]:
     args.append(spec(cache, jnp.float32))
 
-  def call(q, k, lengths, *scales):
+  def call(q, k, lengths, table, *scales):
     return pallas_fa.decode_attention(
         q, k, None, lengths, value_head_dim=latent["value_head_dim"],
-        key_scale=scales[0] if scales else None, implementation=case.backend)
+        block_table=table, key_scale=scales[0] if scales else None,
+        implementation=case.backend)
 
   return args, call
 

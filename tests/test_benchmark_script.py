@@ -977,7 +977,8 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "mosaic_gpu_int8_quantized_query_vs_widened",
         "mosaic_gpu_int8_quantized_query_vs_bf16", "mosaic_gpu_pdl_merge",
         "mosaic_gpu_float8_pdl_merge", "latent_mosaic_gpu_vs_triton",
-        "latent_mosaic_gpu_vs_separate"}
+        "latent_mosaic_gpu_vs_separate",
+        "latent_mosaic_gpu_paged_vs_contiguous"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
@@ -1032,23 +1033,26 @@ def test_prefix_cells_on_triton_time_the_replaced_pass_tilings():
 @pytest.mark.slow  # the triton and Mosaic GPU kernels interpreted
 def test_latent_cells_on_triton_time_the_mosaic_gpu_kernel():
   """On triton the latent form adds the latent cache through mosaic_gpu's
-  split kernel (a unit per 256 value columns: one here), checked before
-  it is timed, and its ratios to triton's latent and separate-value
-  cells."""
+  split kernel (a unit per 256 value columns: one here), contiguous and
+  as shuffled 64-key pages, each checked before it is timed, and their
+  ratios to triton's latent and separate-value cells and to each other."""
   with script_module("decode_benchmark") as module:
     forms = module.decode_forms
     rows = forms.latent_rows("triton", 1, s=128, n=4, h=320, hv=256)
   by_name = {r["impl"]: r for r in rows}
-  cell = by_name["latent_mosaic_gpu"]
-  assert cell["status"] == "ok" and 0 <= cell["max_error"] <= (
-      cell["tolerance"]), cell
-  assert cell["kernel"] == "mosaic_gpu" and cell["ms"] > 0
+  cell, paged = by_name["latent_mosaic_gpu"], by_name[
+      "latent_mosaic_gpu_paged_64"]
+  for c in (cell, paged):
+    assert c["status"] == "ok" and 0 <= c["max_error"] <= c["tolerance"], c
+    assert c["kernel"] == "mosaic_gpu" and c["ms"] > 0
+  assert paged["page_size"] == 64
   ratios = {r["name"]: r for r in forms.ratios(rows)}
-  for name, baseline in (("latent_mosaic_gpu_vs_triton", "latent"),
-                         ("latent_mosaic_gpu_vs_separate",
-                          "separate_values")):
+  for name, got, baseline in (
+      ("latent_mosaic_gpu_vs_triton", cell, "latent"),
+      ("latent_mosaic_gpu_vs_separate", cell, "separate_values"),
+      ("latent_mosaic_gpu_paged_vs_contiguous", paged, "latent_mosaic_gpu")):
     assert ratios[name]["ratio"] == pytest.approx(
-        cell["ms"] / by_name[baseline]["ms"])
+        got["ms"] / by_name[baseline]["ms"])
 
 
 @pytest.mark.long

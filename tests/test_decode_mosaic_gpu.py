@@ -465,6 +465,13 @@ LATENT = {
     "gqa_320_256_f16": dict(b=2, t=2, n=8, k=2, h=320, hv=256, s=192,
                             lengths=(192, 130), is_causal=True,
                             local_window_size=(100, 0), dtype=jnp.float16),
+    # Shuffled pages of 16 keys (four TMAs a 64-key block) and of 128 (two
+    # blocks a page), NaN past every length and in the pages no row names.
+    "mla_paged_16": dict(b=2, t=1, n=16, k=1, h=576, hv=512, s=192,
+                         lengths=(150, 33), is_causal=True, page_size=16),
+    "mla_paged_128": dict(b=2, t=2, n=8, k=1, h=320, hv=256, s=256,
+                          lengths=(256, 129), is_causal=True,
+                          page_size=128),
 }
 
 
@@ -475,19 +482,30 @@ def _latent_call(name, **options):
   c, dtype, (b, t, n, k, h, hv, s) = _unpacked(LATENT[name])
   gen = rng("mosaic_gpu latent decode", name)
   lengths = c.pop("lengths")
+  page_size = c.pop("page_size", None)
   q = np.asarray(gen.standard_normal((b, t, n, h)), np.float32)
   cache, _ = _cache(gen, b, s, k, h, 1, jnp.float32, lengths)
   kw = dict(c, value_head_dim=hv,
             lengths=jnp.asarray(lengths, jnp.int32))
   if kw.pop("sinks", False):
     kw["sinks"] = jnp.asarray(gen.standard_normal((n,)), jnp.float32)
+  # The kernel reads the pages; chunked, the reference, the contiguous
+  # cache.
+  kernel_cache = dict(key=cache)
+  if page_size:
+    table = attention_testing.page_table(gen, b, s // page_size)
+    kernel_cache = dict(
+        key=attention_testing.paged(cache, table, page_size, np.nan),
+        block_table=jnp.asarray(table))
 
   def call(implementation, wide=False):
     x = jnp.float32 if wide else dtype
+    kernel = implementation != "chunked"
+    given = dict(kernel_cache) if kernel else dict(key=cache)
+    given["key"] = jnp.asarray(given["key"], x)
     return pallas_fa.decode_attention(
-        jnp.asarray(q, x), jnp.asarray(cache, x), None,
-        implementation=implementation, return_residual=True, **kw,
-        **({} if implementation == "chunked" else options))
+        jnp.asarray(q, x), value=None, implementation=implementation,
+        return_residual=True, **given, **kw, **(options if kernel else {}))
 
   return call, (b, t, n, hv), dtype
 
@@ -634,14 +652,11 @@ def test_mosaic_gpu_decode_refuses_by_name(changes, match):
     (dict(num_warps=8), "num_warps=8 with a latent cache"),
     (dict(cache_dtype=jnp.int8, key_scale=jnp.ones(())),
      "latent cache is int8"),
-    (dict(paged=True), "latent cache is paged"),
 ])
 def test_mosaic_gpu_decode_refuses_latent_caches_by_name(changes, match):
   h = changes.pop("h", 576)
   dtype = changes.pop("cache_dtype", jnp.bfloat16)
   cache = jnp.ones((1, 128, 1, h), dtype)
-  if changes.pop("paged", False):
-    changes["block_table"] = jnp.asarray([[0]], jnp.int32)
   kw = dict(value_head_dim=512, lengths=jnp.asarray([100], jnp.int32))
   kw.update(changes)
   with pytest.raises(NotImplementedError, match=match):

@@ -81,8 +81,9 @@ read it).
 Scope: a contiguous or paged cache of the query's 16-bit dtype or of 1
 byte (pages of a multiple of 8 keys that divides or is a multiple of the
 block; 1-byte pages of at least 64 keys past head dim 128) at head dims of
-64, 128 or 256, a contiguous latent cache of the query's dtype (key head
-dim a multiple of 64 up to 576, Hv a multiple of 256 up to it), and at
+64, 128 or 256, a contiguous or paged latent cache of the query's dtype
+(key head dim a multiple of 64 up to 576, Hv a multiple of 256 up to it;
+its pages as any 16-bit cache's: a TMA a page), and at
 least one block of keys; `decode.kernels` refuses the rest by name
 (`supports`).
 """
@@ -208,7 +209,7 @@ def supports(query, key, value, block_table, static) -> str | None:
     if static.get(name) is not None:
       return f"{name} is set"
   if static.get("value_head_dim") is not None:
-    why = _latent_refusal(key, block_table, static)
+    why = _latent_refusal(key, static)
     if why:
       return why
   else:
@@ -226,13 +227,11 @@ def supports(query, key, value, block_table, static) -> str | None:
   return None
 
 
-def _latent_refusal(key, block_table, static) -> str | None:
+def _latent_refusal(key, static) -> str | None:
   """Why the kernel cannot take a latent cache (`supports`), or None."""
   h, hv = key.shape[3], static["value_head_dim"]
   if key.dtype.itemsize == 1:
     return f"the latent cache is {key.dtype}; it reads 16-bit latent caches"
-  if block_table is not None:
-    return "the latent cache is paged; it reads contiguous latent caches"
   if static.get("num_warps") == 8:
     return "num_warps=8 with a latent cache; it reads one with 4"
   if h % 64 or h > LATENT_MAX_HEAD_DIM:

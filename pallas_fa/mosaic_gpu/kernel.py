@@ -694,6 +694,11 @@ def produce(*, units, cta, reps, sched_ref, groups, stages):
         step = base + j - ulo
         slot = rem(step, stages)
         for loaded, consumed, copies in groups:
+          # The step's views first: a paged cache's come from its block
+          # table, a load from global memory that then runs while the
+          # producer waits for the slot, not after it.
+          views = copies(b, head, r, j, slot)
+
           # A slot is refilled only once every consumer released it. The
           # consumers read some of it with plain shared-memory loads (the
           # generic proxy: positions, segment ids, lse, delta) and the refill
@@ -705,7 +710,7 @@ def produce(*, units, cta, reps, sched_ref, groups, stages):
             plgpu.barrier_wait(consumed.at[slot])
             plgpu.commit_smem()
 
-          for src, dst in copies(b, head, r, j, slot):
+          for src, dst in views:
             plgpu.copy_gmem_to_smem(src, dst, loaded.at[slot])
 
       lax.fori_loop(ulo, uhi, load, None)

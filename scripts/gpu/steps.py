@@ -944,9 +944,9 @@ DECODE_FLAGS = {
 # (the quantized ones with cells since dropped: the merge in the split
 # kernel, two warps a program, float32 queries; about 4 s a cell) and the
 # forms' 95 s stopped paged and T_new (paged is settled: within 4-5 %
-# twice). The seven mosaic_gpu cells (the latent cache's among them) add
-# about 28 s: about 115 s of the forms' 100, so paged (settled, last) may
-# be cut.
+# twice). The eight mosaic_gpu cells (the latent cache's two, contiguous
+# and paged, among them) add about 32 s: about 120 s of the forms' 100, so
+# paged (settled, last) may be cut.
 DECODE_FORMS = {
   False: ("prefix", "latent", "dtype", "tnew", "paged"),
   True: ("latent",),
