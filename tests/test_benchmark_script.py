@@ -933,17 +933,14 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     rows += forms.latent_rows("chunked", 1, s=64, n=4, h=24, hv=16)
     assert [(r["form"], r["impl"]) for r in rows] == [
         ("dtype", "bfloat16"), ("dtype", "int8"),
-        ("dtype", "float8_e4m3fn"), ("dtype", "int8_64_keys_66_splits"),
-        ("dtype", "float8_e4m3fn_64_keys_66_splits"),
-        ("prefix", "materialised"),
+        ("dtype", "float8_e4m3fn"), ("prefix", "materialised"),
         ("prefix", "prefix"), ("prefix", "prefix_two_merges"),
         ("prefix", "prefix_pass_alone"),
         ("prefix", "own_parts_alone"),
         ("paged", "contiguous"), ("paged", "paged_16"), ("paged", "paged_64"),
         ("tnew", "t_new_1"), ("tnew", "t_new_16"),
         ("tnew", "t_new_16_int8"), ("latent", "latent"),
-        ("latent", "separate_values"), ("latent", "one_read_floor"),
-        ("latent", "latent_132_splits")]
+        ("latent", "separate_values"), ("latent", "one_read_floor")]
     for r in rows:
       assert r["status"] == "ok", r
       assert 0 <= r["max_error"] <= r["tolerance"], r
@@ -951,10 +948,7 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     by_name = {r["impl"]: r for r in rows}
     # bfloat16 queries unless the cell says otherwise.
     assert by_name["int8"]["query_dtype"] == "bfloat16"
-    assert by_name["int8_64_keys_66_splits"]["block_kv"] == 64
-    assert by_name["float8_e4m3fn_64_keys_66_splits"]["cache_dtype"] == (
-        "float8_e4m3fn")
-    assert by_name["int8_64_keys_66_splits"]["num_splits"] == 66
+    assert by_name["float8_e4m3fn"]["cache_dtype"] == "float8_e4m3fn"
     assert by_name["t_new_16"]["new_tokens"] == 16
     assert by_name["t_new_16_int8"]["cache_dtype"] == "int8"
     assert by_name["t_new_16"]["calls_per_program"] == 2
@@ -966,7 +960,6 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
     assert set(ratios) == {name for name, *_ in forms.TARGETS} - {
         "prefix_vs_8_warps",
         "prefix_pass_vs_8_warps", "prefix_pass_vs_32_keys_8_warps",
-        "latent_vs_value_chunk_512", "latent_vs_value_chunk_256",
         "tnew16_int8_vs_8_warps", "mosaic_gpu_vs_triton",
         "mosaic_gpu_paged_vs_contiguous", "tnew16_mosaic_gpu_vs_triton",
         "mosaic_gpu_int8_vs_bf16", "mosaic_gpu_int8_vs_triton",
@@ -978,7 +971,9 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
         "mosaic_gpu_int8_quantized_query_vs_bf16", "mosaic_gpu_pdl_merge",
         "mosaic_gpu_float8_pdl_merge", "latent_mosaic_gpu_vs_triton",
         "latent_mosaic_gpu_vs_separate",
-        "latent_mosaic_gpu_paged_vs_contiguous"}
+        "latent_mosaic_gpu_paged_vs_contiguous",
+        "prefix_mosaic_gpu_vs_materialised",
+        "prefix_pass_mosaic_gpu_vs_triton"}
     ms = {(r["form"], r["impl"]): r["ms"] for r in rows}
     assert ratios["prefix_vs_materialised"]["ratio"] == pytest.approx(
         ms["prefix", "prefix"] / ms["prefix", "materialised"])
@@ -1010,24 +1005,30 @@ def test_decode_cache_forms_check_then_time_each_form(monkeypatch):
 @pytest.mark.slow  # the triton kernels interpreted
 def test_prefix_cells_on_triton_time_the_replaced_pass_tilings():
   """On triton the prefix form adds the call and its pass alone with the
-  folded tile's former 8 warps, and the pass in 32-key blocks, each
-  checked before it is timed, with its tiling in the row."""
+  folded tile's former 8 warps, the pass in 32-key blocks, and the call
+  and its pass through mosaic_gpu's split kernel, each checked before it
+  is timed, with its tiling or kernel in the row."""
   with script_module("decode_benchmark") as module:
     forms = module.decode_forms
-    rows = forms.prefix_rows("triton", 1, b=3, s_p=64, s_own=32, n=4,
-                             num_kv=2, h=16)
+    rows = forms.prefix_rows("triton", 1, b=3, s_p=64, s_own=64, n=4,
+                             num_kv=2, h=64)
   by_name = {r["impl"]: r for r in rows}
   assert list(by_name) == [
       "materialised", "prefix", "prefix_two_merges", "prefix_pass_alone",
+      "prefix_mosaic_gpu", "prefix_pass_alone_mosaic_gpu",
       "prefix_8_warps", "prefix_pass_alone_8_warps",
       "prefix_pass_alone_32_keys_8_warps", "own_parts_alone"]
   for r in rows:
     assert r["status"] == "ok" and 0 <= r["max_error"] <= r["tolerance"], r
   assert by_name["prefix_8_warps"]["prefix_num_warps"] == 8
   assert by_name["prefix_pass_alone_32_keys_8_warps"]["prefix_block_kv"] == 32
-  ratios = {r["name"] for r in forms.ratios(rows)}
+  assert by_name["prefix_mosaic_gpu"]["kernel"] == "mosaic_gpu"
+  ratios = {r["name"]: r for r in forms.ratios(rows)}
   assert {"prefix_vs_8_warps", "prefix_pass_vs_8_warps",
-          "prefix_pass_vs_32_keys_8_warps"} <= ratios
+          "prefix_pass_vs_32_keys_8_warps"} <= set(ratios)
+  assert ratios["prefix_mosaic_gpu_vs_materialised"]["ratio"] == (
+      pytest.approx(by_name["prefix_mosaic_gpu"]["ms"]
+                    / by_name["materialised"]["ms"]))
 
 
 @pytest.mark.slow  # the triton and Mosaic GPU kernels interpreted

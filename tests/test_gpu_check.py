@@ -309,11 +309,12 @@ def test_the_gpu_benchmarks_measure_what_the_window_must_answer(gpu_check):
   # In-loop times: one call a program is the host's dispatch at B = 1.
   assert "--calls_per_program=20" in decode
   assert "--calls_per_program=2" in steps.DECODE_FLAGS[True]
-  # Every cache form: the shared prefix (its new pass tiling) first, the
-  # latent one (lost at b85705a) second.
+  # Every cache form, in the order of what they answer (a form cut short
+  # is lost whole): the 1-byte caches and the Mosaic GPU kernel's cells
+  # first, the latent one (lost at b85705a) second.
   with script_module("decode_benchmark") as decode_benchmark:
     forms = decode_benchmark.decode_forms.FORMS
-  assert steps.DECODE_FORMS[False][:2] == ("prefix", "latent")
+  assert steps.DECODE_FORMS[False][:3] == ("dtype", "latent", "prefix")
   assert sorted(steps.DECODE_FORMS[False]) == sorted(forms)
 
 
@@ -540,7 +541,7 @@ args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
 with open(args["--json"] + ".calls", "a") as f:
   f.write(("forms" if "--cache_forms" in args else "grid") + "\\n")
 if "--cache_forms" in args:
-  json.dump({"rows": [{"form": "prefix", "impl": "prefix", "status": "ok",
+  json.dump({"rows": [{"form": "dtype", "impl": "int8", "status": "ok",
                        "ms": 0.045}]}, open(args["--json"], "w"))
   time.sleep(60)
 json.dump({"rows": [{"impl": "decode/triton", "batch": 1, "seq_len": 32768,
@@ -576,10 +577,10 @@ def test_decode_runs_the_cache_forms_first_and_names_what_was_lost(
   assert calls == ["forms", "grid"]
   forms = record["forms"]
   assert forms["timed_out"] and forms["status"] == "failed", forms
-  assert forms["rows"][0]["form"] == "prefix"
-  assert "--cache_forms=prefix,latent,dtype,tnew,paged" in forms["command"]
+  assert forms["rows"][0]["form"] == "dtype"
+  assert "--cache_forms=dtype,latent,prefix,tnew,paged" in forms["command"]
   assert record["reason"] == ("cache forms: timed out after 6 s; not "
-                              "measured: latent, dtype, tnew, paged")
+                              "measured: latent, prefix, tnew, paged")
   assert record["decode"]["rows"][0]["ms"] == 0.05
   assert record["status"] == "failed"
 
@@ -1072,8 +1073,7 @@ def test_dry_run(gpu_check, tmp_path):
   assert forms["status"] == "ok", forms
   assert [(r["form"], r["impl"], r["status"]) for r in forms["rows"]] == [
     ("latent", name, "ok")
-    for name in ("latent", "separate_values", "one_read_floor",
-                 "latent_132_splits")]
+    for name in ("latent", "separate_values", "one_read_floor")]
   assert json.loads((out / "decode_forms.json").read_text())["ratios"]
 
   parts = steps["extra"]["parts"]

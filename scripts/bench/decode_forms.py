@@ -8,8 +8,7 @@ and not timed):
 
 * `dtype`: one row of S keys (B = 1, S = 32k, K = 8, N = 32, H = 128,
   T_new = 1) stored as bfloat16 (the baseline), int8 and float8_e4m3fn
-  (with scales; at their default tiling and at the 64-key one that it
-  replaced), and on triton the bfloat16 cache through `mosaic_gpu`'s
+  (with scales), and on triton the bfloat16 cache through `mosaic_gpu`'s
   split kernel ("mosaic_gpu_bfloat16"; "mosaic_gpu_paged_16" as shuffled
   pages of 16 keys; "mosaic_gpu_bfloat16_pdl_merge" with the splits'
   merge launched while the split kernel runs, `_pdl_merge`;
@@ -34,8 +33,10 @@ and not timed):
   empty; "own_parts_alone": no prefix), which says whose kernels hold the
   call's time; on triton, the call and the prefix pass alone with the
   prefix's 64-row tile in 8 warps ("prefix_8_warps", `_prefix_num_warps=
-  8`, the default the one-warpgroup tile replaced on Hopper), and the
-  pass alone in 32-key blocks of 8 warps;
+  8`, the default the one-warpgroup tile replaced on Hopper), the pass
+  alone in 32-key blocks of 8 warps, and the call and its pass alone
+  through `mosaic_gpu`'s split kernel ("prefix_mosaic_gpu",
+  "prefix_pass_alone_mosaic_gpu");
 * `paged`: the `dtype` shape's bfloat16 cache as shuffled pages of 16
   keys (vLLM's default block size on CUDA) and of 64 against the
   contiguous cache;
@@ -51,6 +52,10 @@ and not timed):
   against the floor of one 576-wide read (a one-column value cache); on
   triton also through `mosaic_gpu`'s split kernel ("latent_mosaic_gpu"),
   contiguous and as 64-key pages ("latent_mosaic_gpu_paged_64").
+
+Cells a window has settled leave the forms: the 1-byte caches' 64-key
+tiling, the latent cache's 132 splits and 256- and 512-column value
+chunks (`benchmarks/results/h200_07213ac/decode_forms.json`).
 
 The references are `implementation="chunked"` in float32 and in
 bfloat16 (the project's low-precision rule, `testing.compare`), jitted
@@ -208,17 +213,6 @@ def dtype_rows(implementation: str, repeats: int, *,
     cells.append(Cell(name, scaled, (q, k8, v8, lengths, ks, vs), *refs,
                       _BF16, dict(query_dtype="bfloat16", cache_dtype=name)))
     quantized.append((name, scaled, (k8, v8, lengths, ks, vs), refs))
-  # Both 1-byte caches at the tiling their 128-key default replaced:
-  # 64-key blocks, four programs an SM (66 splits here).
-  tilings = tuple((f"{form[0]}_64_keys_66_splits", form,
-                   dict(num_splits=66, block_kv=64)) for form in quantized)
-  for label, (form, _, form_args, form_refs), tiling in tilings:
-    def tiled(q, k, v, lengths, ks, vs, tiling=tiling):
-      return decode(q, k, v, lengths, key_scale=ks, value_scale=vs, **tiling)
-
-    cells.append(Cell(label, tiled, (q, *form_args), *form_refs, _BF16,
-                      dict(query_dtype="bfloat16", cache_dtype=form,
-                           **tiling)))
   if implementation == "triton":
     # The Mosaic GPU split kernel on the bfloat16 cache (Hopper), and on
     # it as shuffled pages of 16 keys (a TMA a page).
@@ -420,7 +414,7 @@ def prefix_rows(implementation: str, repeats: int, *,
                kv_heads=num_kv, head_dim=h, new_tokens=1)
   decode = _decode(implementation)
 
-  def shared(q, k, v, lengths, pk, pv):
+  def shared(q, k, v, lengths, pk, pv, decode=decode):
     return decode(q, k, v, lengths, prefix_key=pk, prefix_value=pv)
 
   def shared_two_merges(q, k, v, lengths, pk, pv):
@@ -452,6 +446,16 @@ def prefix_rows(implementation: str, repeats: int, *,
              "32_keys_8_warps": dict(block_kv=32, num_warps=8)}
   tiled_cells = []
   if implementation == "triton":
+    # The Mosaic GPU split kernel (Hopper) for both parts: the folded
+    # pass as one row of 64 packed queries a K/V head, the own parts as
+    # rows, merged in XLA after their two merges.
+    on_mosaic_gpu = functools.partial(shared, decode=_decode("mosaic_gpu"))
+    tiled_cells += [
+        Cell("prefix_mosaic_gpu", on_mosaic_gpu, (q, k, v, lengths, pk, pv),
+             *refs, _BF16, dict(kernel="mosaic_gpu")),
+        Cell("prefix_pass_alone_mosaic_gpu", on_mosaic_gpu,
+             (q, k, v, empty, pk, pv), *prefix_refs, _BF16,
+             dict(kernel="mosaic_gpu"))]
     for label, tiling in tilings.items():
       fn = functools.partial(shared_tiled, tiling=tiling)
       fields = {f"prefix_{name}": x for name, x in tiling.items()}
@@ -501,24 +505,6 @@ def latent_rows(implementation: str, repeats: int, *,
            _BF16, {}),
       Cell("one_read_floor", decode, (q, latent, one_column, lengths),
            *_refs(q, latent, one_column, lengths), _BF16, {}),
-      # More splits: the default's 66 splits of four 128-column value
-      # chunks are 264 programs, two an SM, where four fit (128
-      # registers, 28,672 B of shared memory); 132 fill four, each with
-      # half the keys and a float32 [N, 128] partial more to merge.
-      Cell("latent_132_splits", lambda q, k, v, lengths: decode(
-          q, k, v, lengths, value_head_dim=hv, num_splits=132),
-           (q, latent, None, lengths), *refs, _BF16, dict(num_splits=132)),
-      # Wider value chunks (triton) than the default 128 columns
-      # (`LATENT_VALUE_CHUNK`): one program a split over all 512 (the
-      # default it replaced, 23.5 against 20.5 us at 07213ac) or two,
-      # with wider [rows, chunk] partials and fewer reads of each key
-      # block.
-      *(Cell(f"latent_value_chunk_{chunk}",
-             lambda q, k, v, lengths, chunk=chunk: decode(
-                 q, k, v, lengths, value_head_dim=hv, _value_chunk=chunk),
-             (q, latent, None, lengths), *refs, _BF16,
-             dict(value_chunk=chunk))
-        for chunk in ((512, 256) if implementation == "triton" else ())),
       # The Mosaic GPU split kernel (Hopper) on the same cache: 64-key
       # blocks of the whole key width by TMA, two stages, the values a
       # column slice of the same slot, a unit per 256 value columns.
@@ -545,10 +531,6 @@ TARGETS = (
     # anchors' fp8 slope: vLLM's FA3 54 %), with launch costs.
     ("int8_vs_bf16", "dtype", "int8", "bfloat16", 0.6),
     ("fp8_vs_bf16", "dtype", "float8_e4m3fn", "bfloat16", 0.6),
-    # The 128-key 1-byte default against the 64-key tiling it replaced.
-    ("int8_vs_64_keys", "dtype", "int8", "int8_64_keys_66_splits", 1.0),
-    ("fp8_vs_64_keys", "dtype", "float8_e4m3fn",
-     "float8_e4m3fn_64_keys_66_splits", 1.0),
     ("prefix_vs_materialised", "prefix", "prefix", "materialised", 1 / 5),
     # Both parts' splits in one merge kernel: four launches instead of eight.
     ("prefix_vs_two_merges", "prefix", "prefix", "prefix_two_merges", 0.85),
@@ -563,6 +545,13 @@ TARGETS = (
      "prefix_pass_alone_8_warps", 0.8),
     ("prefix_pass_vs_32_keys_8_warps", "prefix", "prefix_pass_alone",
      "prefix_pass_alone_32_keys_8_warps", 1.0),
+    # Both parts through the Mosaic GPU split kernel: the call against the
+    # materialised one (issue goal: at most 0.2), its pass against
+    # triton's.
+    ("prefix_mosaic_gpu_vs_materialised", "prefix", "prefix_mosaic_gpu",
+     "materialised", 1 / 5),
+    ("prefix_pass_mosaic_gpu_vs_triton", "prefix",
+     "prefix_pass_alone_mosaic_gpu", "prefix_pass_alone", 0.8),
     ("paged_vs_contiguous", "paged", "paged_16", "contiguous", 1.1),
     ("paged64_vs_contiguous", "paged", "paged_64", "contiguous", 1.05),
     # 64 query rows a K/V head (G = 4, T_new = 16): the one-warpgroup tile.
@@ -625,13 +614,6 @@ TARGETS = (
     ("latent_mosaic_gpu_paged_vs_contiguous", "latent",
      "latent_mosaic_gpu_paged_64", "latent_mosaic_gpu", 1.1),
     ("latent_vs_floor", "latent", "latent", "one_read_floor", 1.15),
-    # The split count against the programs an SM holds.
-    ("latent_vs_132_splits", "latent", "latent", "latent_132_splits", 1.0),
-    # Wider value chunks (triton): more partial traffic, fewer L2 reads.
-    ("latent_vs_value_chunk_512", "latent", "latent",
-     "latent_value_chunk_512", 1.0),
-    ("latent_vs_value_chunk_256", "latent", "latent",
-     "latent_value_chunk_256", 1.0),
 )
 
 

@@ -932,23 +932,25 @@ DECODE_FLAGS = {
 
 
 # By --dry-run: the cache forms (`bench.decode_forms`), each checked
-# against its plain equivalent, with bf16 queries, in this order: the
-# shared prefix (its one-warpgroup prefix pass against the 8 warps it
-# replaced, and the folded path before that), the latent cache, triton's
+# against its plain equivalent, with bf16 queries, in this order: triton's
 # quantized caches (and the bfloat16 cache through mosaic_gpu's split
 # kernel, contiguous, as pages of 16 and int8 with one and two consumer
-# warpgroups and in 128-key blocks), T_new = 16 (64 query rows a K/V
-# head: one warpgroup a program over an int8 cache against 8 warps;
-# mosaic_gpu's), paged; the dry run's
-# chunked latent cell. At 07213ac the first three took 20, 29 and 48 s
-# (the quantized ones with cells since dropped: the merge in the split
-# kernel, two warps a program, float32 queries; about 4 s a cell) and the
-# forms' 95 s stopped paged and T_new (paged is settled: within 4-5 %
-# twice). The eight mosaic_gpu cells (the latent cache's two, contiguous
-# and paged, among them) add about 32 s: about 120 s of the forms' 100, so
-# paged (settled, last) may be cut.
+# warpgroups and in 128-key blocks, and the float8 cache's four), the
+# latent cache (and through mosaic_gpu's kernel, contiguous and paged),
+# the shared prefix (its one-warpgroup prefix pass against the 8 warps it
+# replaced, the folded path before that, and both parts through
+# mosaic_gpu), T_new = 16 (64 query rows a K/V head: one warpgroup a
+# program over an int8 cache against 8 warps; mosaic_gpu's), paged; the
+# dry run's chunked latent cell. A form's rows are written when the form
+# ends (its cells are timed in turns), so one cut short is lost whole: the
+# forms go in the order of what they answer, the 1-byte caches and the
+# Mosaic GPU decode kernel first. At 07213ac a cell took 3.3-4.2 s (dtype
+# 12 cells in 48 s, latent 7 in 29 s, prefix 6 in 20 s); the forms now
+# hold 14, 5, 10, 5 and 3 cells, about 140 s, of which the first three
+# (about 115 s) fit the forms' share; the settled cells have left
+# (`bench.decode_forms`'s doc).
 DECODE_FORMS = {
-  False: ("prefix", "latent", "dtype", "tnew", "paged"),
+  False: ("dtype", "latent", "prefix", "tnew", "paged"),
   True: ("latent",),
 }
 DECODE_FORMS_FLAGS = {
@@ -957,8 +959,10 @@ DECODE_FORMS_FLAGS = {
 }  # fmt: skip
 # The seconds the cache forms (with the process's start) and the grid need
 # (b85705a: 87 s and 31 s): the forms run first, with their need and what
-# the grid's leaves; the grid gets the rest.
-DECODE_NEED_S = {False: {"forms": 100, "grid": 35},
+# the grid's least leaves; the grid gets the rest. The grid writes its
+# JSON after every cell (bf16, B = 1 with the default splits first), so
+# its least is one cell's time, where a form cut short is lost whole.
+DECODE_NEED_S = {False: {"forms": 115, "grid": 20},
                  True: {"forms": 15, "grid": 15}}
 
 
